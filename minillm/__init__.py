@@ -1,0 +1,1 @@
+"""minillm: an educational LLM inference engine in pure PyTorch."""
