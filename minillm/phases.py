@@ -1,0 +1,85 @@
+"""The two phases of LLM inference, as plain functions.
+
+**prefill**: the whole prompt in one parallel forward pass. Every prompt token's K/V
+goes into the cache at once; only the last position's logits are needed, they give
+the first output token. Many tokens per weight read: limited by arithmetic (TTFT).
+
+**decode**: one token per forward pass. The new token attends over the whole cache
+and appends one K/V entry per layer. Every step re-reads all weights and the cache
+for a single token: limited by memory bandwidth (TPOT).
+
+    prompt  [t0 t1 t2 t3]   --prefill-->  cache length 4, logits for position 4
+    token   [t4]            --decode--->  cache length 5, logits for position 5
+    token   [t5]            --decode--->  cache length 6, ...
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import KVCache
+from .model import Hook, Transformer
+
+
+def prefill(model: Transformer, token_ids, cache: KVCache, hook: Hook | None = None) -> torch.Tensor:
+    """Process a prompt in one forward pass, filling the KV cache.
+
+    Args:
+        model: the transformer.
+        token_ids: [T] or [B, T] int64 (a list of ints is accepted). Positions start at
+            ``cache.length``, so a suffix can be prefilled onto an already filled cache
+            (this is how the prefix cache skips a cached prefix).
+        cache: the KV cache; its length grows by T.
+        hook: optional ``hook(name, tensor)`` observer of per-layer activations.
+
+    Returns float32 logits of the last position, [B, vocab].
+
+    Raises ValueError (empty prompt, wrong rank or batch, ids out of vocab range),
+    CacheFullError (the prompt does not fit in the cache).
+    """
+    token_ids = _as_batch(model, token_ids, cache, what="token_ids")
+    cache.check_room(token_ids.shape[1])
+    with torch.inference_mode():
+        logits = model(token_ids, cache=cache, hook=hook, last_only=True)
+    return logits[:, -1].float()
+
+
+def decode_step(model: Transformer, token_id, cache: KVCache, hook: Hook | None = None) -> torch.Tensor:
+    """Generate the next logits from one new token per sequence.
+
+    Args:
+        token_id: the token just produced, a scalar / int (batch 1) or [B] int64.
+        cache: the KV cache holding everything before it; this token's K/V is
+            appended at position ``cache.length`` (length grows by 1).
+
+    Returns float32 logits for the following position, [B, vocab].
+
+    Raises ValueError (bad shape or id), CacheFullError (no room for one more token).
+    """
+    token_ids = _as_batch(model, token_id, cache, what="token_id").reshape(-1, 1)
+    cache.check_room(1)
+    with torch.inference_mode():
+        logits = model(token_ids, cache=cache, hook=hook)
+    return logits[:, -1].float()
+
+
+def _as_batch(model: Transformer, ids, cache: KVCache, what: str) -> torch.Tensor:
+    """ids as a [B, T] int64 tensor on the model's device; T may be absent for decode."""
+    device = cache.k.device
+    ids = ids.to(device) if isinstance(ids, torch.Tensor) else torch.tensor(ids, device=device)
+    if ids.numel() == 0:
+        raise ValueError(f"{what} is empty; give at least one token")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{what} must hold integer token ids, got dtype {ids.dtype}")
+    max_rank = 2 if what == "token_ids" else 1
+    if ids.dim() > max_rank:
+        raise ValueError(f"{what} must have at most {max_rank} dimensions, got shape {tuple(ids.shape)}")
+    if what == "token_ids" and ids.dim() < 2:
+        ids = ids.reshape(1, -1)
+    batch = ids.shape[0] if ids.dim() else 1
+    if batch != cache.batch_size:
+        raise ValueError(f"{what} has batch {batch} but the KV cache was built for batch {cache.batch_size}")
+    vocab = model.config.vocab_size
+    if ids.numel() and (ids.min() < 0 or ids.max() >= vocab):
+        raise ValueError(f"{what} must be in [0, {vocab}) (the vocabulary), got {ids.min().item()}..{ids.max().item()}")
+    return ids.long()
