@@ -35,7 +35,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 IGNORED = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
 
 
-def load_model(name_or_path, device=None, dtype=None, attn_impl: str = "sdpa") -> Transformer:
+def load_model(name_or_path, device=None, dtype=None, attn_impl: str = "sdpa", weights_dir=None) -> Transformer:
     """Load a GPT-2 or Llama-family checkpoint.
 
     Args:
@@ -46,6 +46,7 @@ def load_model(name_or_path, device=None, dtype=None, attn_impl: str = "sdpa") -
         dtype: "float32", "bfloat16", "float16" or a torch.dtype; default float32
             (bfloat16 on cuda).
         attn_impl: "sdpa" (fused) or "eager" (the math written out).
+        weights_dir: where named models are stored (default: see :func:`minillm.weights.weights_dir`).
 
     Returns the model in eval mode, with ``model.config`` (:class:`ModelConfig`) and
     ``model.source`` (the folder it came from).
@@ -55,7 +56,7 @@ def load_model(name_or_path, device=None, dtype=None, attn_impl: str = "sdpa") -
     """
     from .weights import resolve_model
 
-    folder = resolve_model(name_or_path, download=True)
+    folder = resolve_model(name_or_path, weights_dir, download=True)
     config = ModelConfig.from_json(folder)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)

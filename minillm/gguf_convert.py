@@ -1,0 +1,392 @@
+"""Unpack a llama.cpp GGUF file into a Hugging Face-style model folder.
+
+A GGUF file keeps everything in one place: the config as metadata keys
+(``llama.block_count``, ``llama.rope.freq_base``...), the tokenizer as arrays
+(``tokenizer.ggml.tokens``, ``tokenizer.ggml.merges``) and the weights, mostly
+quantized (Q4_1, Q8_0, ...). minillm reads plain folders, so we unpack once:
+
+    model.gguf ──► out_dir/
+                    ├── model.safetensors       float32, HF Llama tensor names
+                    ├── tokenizer.json          byte-level BPE for the `tokenizers` library
+                    ├── tokenizer_config.json   chat template, special tokens
+                    └── config.json             written last: it marks a complete folder
+
+Sources: llama.cpp ``convert_hf_to_gguf.py`` (the forward direction); transformers
+``modeling_gguf_pytorch_utils.py`` and ``integrations/gguf`` (the same inverse,
+used as the oracle in tests/test_gguf_convert.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from rich.progress import track
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from .errors import ConfigError, ModelNotFoundError, WeightsError
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# GGUF tensor names -> HF Llama names. Per-layer names sit under blk.{i} / model.layers.{i}.
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+# GGUF token types (llama.cpp llama_token_type): which vocabulary entries are added tokens.
+_CONTROL, _USER_DEFINED = 3, 4
+
+# How each `tokenizer.ggml.pre` value splits text before BPE, as llama.cpp's
+# llama-vocab.cpp does it. The GPT-2 regex is the one built into ByteLevel(use_regex=True):
+#   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _gpt2_pre() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _digits_then_gpt2_pre() -> pre_tokenizers.PreTokenizer:
+    # llama.cpp runs "\p{N}" first, so every digit is its own word ("2024" -> 2|0|2|4).
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_pre()])
+
+
+def _llama3_pre() -> pre_tokenizers.PreTokenizer:
+    split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
+    return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+_PRE_TOKENIZERS = {
+    "gpt2": _gpt2_pre,
+    "default": _gpt2_pre,
+    "smollm": _digits_then_gpt2_pre,
+    "starcoder": _digits_then_gpt2_pre,
+    "llama-bpe": _llama3_pre,
+    "llama3": _llama3_pre,
+    "llama-v3": _llama3_pre,
+}
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
+    """Dequantize a Llama GGUF file to float32 and write an HF-style folder.
+
+    Args:
+        gguf_path: the ``.gguf`` file (any type ``gguf.quants.dequantize`` reads:
+            F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ*).
+        out_dir: folder to write (created if missing; files in it are replaced).
+        progress: show a rich progress bar over the tensors.
+
+    Returns:
+        ``out_dir`` as a Path. It holds config.json only once every other file is written.
+
+    Raises:
+        ModelNotFoundError: the file is missing or is not a readable GGUF.
+        ConfigError: an architecture other than llama, or a tokenizer / RoPE variant
+            that is not supported.
+        WeightsError: a tensor is unknown, missing, of the wrong shape or of a type
+            gguf cannot dequantize.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    reader = _open_reader(gguf_path)
+    _check_supported(reader)
+    config = _hf_config(reader)
+    tensors = _hf_tensors(reader, config, progress)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").unlink(missing_ok=True)  # folder reads as incomplete until the end
+    _write_atomic(out_dir / "model.safetensors", lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    _write_atomic(out_dir / "tokenizer.json", lambda p: _build_tokenizer(reader).save(str(p)))
+    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(reader))
+    _write_json(out_dir / "config.json", config)
+    return out_dir
+
+
+def _open_reader(path: Path) -> gguf.GGUFReader:
+    if not path.is_file():
+        raise ModelNotFoundError(f"no GGUF file at {path}")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as error:  # gguf raises ValueError, struct.error, ... on bad bytes
+        raise ModelNotFoundError(f"cannot read {path} as GGUF: {error}") from error
+
+
+_REQUIRED = object()
+
+
+def _meta(reader: gguf.GGUFReader, key: str, default=_REQUIRED):
+    """One metadata value as a Python object (str, int, float, bool or list)."""
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"GGUF metadata key {key!r} is missing")
+        return default
+    return field.contents()
+
+
+def _check_supported(reader: gguf.GGUFReader) -> None:
+    """Fail before writing anything when the file needs a feature minillm lacks."""
+    arch = _meta(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ConfigError(f"GGUF architecture {arch!r} is not supported; supported: {supported}")
+    tokenizer_model = _meta(reader, "tokenizer.ggml.model")
+    if tokenizer_model != "gpt2":
+        raise ConfigError(f"GGUF tokenizer {tokenizer_model!r} is not supported; supported: 'gpt2' (byte-level BPE)")
+    pre = _meta(reader, "tokenizer.ggml.pre", "default")
+    if pre not in _PRE_TOKENIZERS:
+        raise ConfigError(f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(_PRE_TOKENIZERS)}")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ConfigError("GGUF has rope_freqs.weight (Llama-3.1-style RoPE scaling), which is not supported")
+
+
+# ---------------------------------------------------------------- config.json
+
+
+def _hf_config(reader: gguf.GGUFReader) -> dict:
+    """config.json for transformers' LlamaConfig, from the ``llama.*`` metadata keys."""
+    key = lambda name, default=_REQUIRED: _meta(reader, f"llama.{name}", default)  # noqa: E731
+    d_model, n_heads = key("embedding_length"), key("attention.head_count")
+    head_dim = key("attention.key_length", d_model // n_heads)
+    if key("rope.dimension_count", head_dim) != head_dim:
+        raise ConfigError("GGUF rotates only part of each head (rope.dimension_count < head_dim); not supported")
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": d_model,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": key("attention.head_count_kv", n_heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": key("context_length"),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "rope_theta": key("rope.freq_base", 10000.0),
+        "vocab_size": key("vocab_size", len(_meta(reader, "tokenizer.ggml.tokens"))),
+        # llama.cpp writes output.weight only when it differs from the embedding
+        "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
+        "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id", None),
+        "eos_token_id": _meta(reader, "tokenizer.ggml.eos_token_id", None),
+        "pad_token_id": _meta(reader, "tokenizer.ggml.padding_token_id", None),
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    rope_scaling = _rope_scaling(reader)
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    return config
+
+
+def _rope_scaling(reader: gguf.GGUFReader) -> dict | None:
+    """HF ``rope_scaling`` from ``llama.rope.scaling.*`` (linear or YaRN), None when absent."""
+    kind = _meta(reader, "llama.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    factor = _meta(reader, "llama.rope.scaling.factor")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        original = _meta(reader, "llama.rope.scaling.original_context_length")
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+    raise ConfigError(f"GGUF RoPE scaling {kind!r} is not supported; supported: linear, yarn")
+
+
+# ---------------------------------------------------------------- model.safetensors
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``.
+
+    Raises WeightsError for a name with no HF Llama counterpart.
+    """
+    parts = gguf_name.split(".")
+    if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise WeightsError(f"GGUF tensor {gguf_name!r} has no Llama counterpart")
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's row permutation of a Q or K projection.
+
+    HF rotates pairs (x[i], x[i + head_dim/2]) ("rotate_half"); llama.cpp rotates
+    adjacent pairs (x[2i], x[2i+1]). So llama.cpp's converter reorders each head's
+    output rows, which we invert (rows of one head, head_dim = 8):
+
+        GGUF: 0 4 1 5 2 6 3 7   --view [n_heads, head_dim/2, 2]--> swap the last two axes
+        HF:   0 1 2 3 4 5 6 7
+
+    Args:
+        w: [n_heads * head_dim, d_model], as stored in the GGUF.
+        n_heads: query heads for Q, key/value heads for K (GQA).
+
+    Returns:
+        [n_heads * head_dim, d_model], the HF layout.
+
+    Source: ``permute`` in llama.cpp convert_hf_to_gguf.py (LlamaModel).
+    """
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
+    """A GGUF tensor as float32 in row-major HF order ([out, in] for matrices)."""
+    try:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as error:
+        raise WeightsError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {error}") from error
+    return torch.from_numpy(np.array(values, dtype=np.float32, order="C"))  # copy: F32 data is a read-only mmap
+
+
+def _hf_tensors(reader: gguf.GGUFReader, config: dict, progress: bool) -> dict[str, torch.Tensor]:
+    """Every tensor, dequantized, renamed, Q/K un-permuted, checked against the config's shapes."""
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    tensors = {}
+    for tensor in track(reader.tensors, description="Dequantizing GGUF", disable=not progress):
+        w = _dequantize(tensor)
+        kind = tensor.name.split(".")[-2]  # blk.3.attn_q.weight -> attn_q
+        if kind in heads and tensor.name.endswith(".weight"):
+            w = unpermute_qk(w, heads[kind])
+        tensors[hf_tensor_name(tensor.name)] = w
+    _check_shapes(tensors, _expected_shapes(config))
+    return tensors
+
+
+def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """HF Llama tensor name -> shape, for the whole model."""
+    d, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    layer = {
+        "input_layernorm.weight": (d,),
+        "self_attn.q_proj.weight": (q, d),
+        "self_attn.k_proj.weight": (kv, d),
+        "self_attn.v_proj.weight": (kv, d),
+        "self_attn.o_proj.weight": (d, q),
+        "post_attention_layernorm.weight": (d,),
+        "mlp.gate_proj.weight": (f, d),
+        "mlp.up_proj.weight": (f, d),
+        "mlp.down_proj.weight": (d, f),
+    }
+    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (v, d)
+    for i in range(config["num_hidden_layers"]):
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
+    return shapes
+
+
+def _check_shapes(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
+    missing = sorted(expected.keys() - tensors.keys())
+    extra = sorted(tensors.keys() - expected.keys())
+    if missing or extra:
+        raise WeightsError(f"GGUF tensors do not match the config: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise WeightsError(f"{name} has shape {list(tensors[name].shape)}, config expects {list(shape)}")
+
+
+# ---------------------------------------------------------------- tokenizer.json
+
+
+def _build_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
+    """Byte-level BPE from ``tokenizer.ggml.tokens`` / ``merges``, for the `tokenizers` library.
+
+    Pipeline: added tokens matched whole -> pre-tokenizer per ``tokenizer.ggml.pre``
+    -> BPE merges -> BOS/EOS per ``add_bos_token`` / ``add_eos_token``. Decoding maps
+    the byte alphabet (Ġ = space, Ċ = newline, ...) back to UTF-8 bytes.
+    """
+    tokens = _meta(reader, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in _meta(reader, "tokenizer.ggml.merges")]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tok.pre_tokenizer = _PRE_TOKENIZERS[_meta(reader, "tokenizer.ggml.pre", "default")]()
+    tok.decoder = decoders.ByteLevel()
+    types = _meta(reader, "tokenizer.ggml.token_type", [])
+    # Both kinds are matched whole in the raw text (as llama.cpp does); only CONTROL
+    # ones are special, i.e. dropped by decode(skip_special_tokens=True).
+    tok.add_special_tokens([_added(t, True) for t, kind in zip(tokens, types) if kind == _CONTROL])
+    tok.add_tokens([_added(t, False) for t, kind in zip(tokens, types) if kind == _USER_DEFINED])
+    post = _post_processor(reader, tokens)
+    if post is not None:
+        tok.post_processor = post
+    return tok
+
+
+def _added(content: str, special: bool) -> AddedToken:
+    return AddedToken(content, special=special, normalized=False)
+
+
+def _flagged_token(reader: gguf.GGUFReader, tokens: list[str], which: str) -> tuple[str, int] | None:
+    """(token, id) of "bos" or "eos" when ``tokenizer.ggml.add_{which}_token`` is set (absent: not set)."""
+    token_id = _meta(reader, f"tokenizer.ggml.{which}_token_id", None)
+    if token_id is None or not _meta(reader, f"tokenizer.ggml.add_{which}_token", False):
+        return None
+    return tokens[token_id], token_id
+
+
+def _post_processor(reader: gguf.GGUFReader, tokens: list[str]) -> processors.TemplateProcessing | None:
+    """Template that wraps each sequence in BOS and/or EOS, or None when neither is added."""
+    bos, eos = _flagged_token(reader, tokens, "bos"), _flagged_token(reader, tokens, "eos")
+    specials = [t for t in (bos, eos) if t is not None]
+    if not specials:
+        return None
+
+    def template(seq: str, type_id: int) -> list[str]:
+        around = lambda special: [f"{special[0]}:{type_id}"] if special else []  # noqa: E731
+        return around(bos) + [f"${seq}:{type_id}"] + around(eos)
+
+    return processors.TemplateProcessing(
+        single=template("A", 0), pair=template("A", 0) + template("B", 1), special_tokens=specials
+    )
+
+
+def _tokenizer_config(reader: gguf.GGUFReader) -> dict:
+    """tokenizer_config.json: special token strings, BOS/EOS flags and the chat template."""
+    tokens = _meta(reader, "tokenizer.ggml.tokens")
+
+    def token(key: str) -> str | None:
+        token_id = _meta(reader, f"tokenizer.ggml.{key}", None)
+        return None if token_id is None else tokens[token_id]
+
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token("bos_token_id"),
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "add_bos_token": bool(_meta(reader, "tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(_meta(reader, "tokenizer.ggml.add_eos_token", False)),
+        "model_max_length": _meta(reader, "llama.context_length"),
+        "chat_template": _meta(reader, "tokenizer.chat_template", None),
+    }
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _write_atomic(path: Path, write) -> None:
+    """Call ``write(tmp_path)`` then rename, so ``path`` is never half-written."""
+    partial = path.with_name(path.name + ".partial")
+    write(partial)
+    os.replace(partial, path)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    _write_atomic(path, lambda p: p.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n"))

@@ -1,0 +1,247 @@
+"""Text <-> token ids: the model folder's tokenizer, its chat template, and streaming decode.
+
+A thin layer over the `tokenizers` library (the Rust engine behind transformers'
+fast tokenizers), reading the files an HF-style folder ships:
+
+    tokenizer.json          vocabulary, merges, pre-tokenizer, decoder, added tokens
+    tokenizer_config.json   bos/eos token strings, chat_template   (optional)
+    config.json             eos_token_id, possibly a list          (optional)
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import Sequence
+
+import jinja2
+import jinja2.ext
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .errors import ModelNotFoundError
+
+_REPLACEMENT = "\ufffd"  # what a UTF-8 decoder emits for an incomplete or invalid byte sequence
+
+
+def load_tokenizer(name_or_path: str | Path, weights_dir: str | Path | None = None) -> Tokenizer:
+    """The tokenizer of a model: a folder holding tokenizer.json (+ tokenizer_config.json,
+    config.json), a .gguf file, or a model name known to :mod:`minillm.weights`
+    (downloaded if absent, like :func:`minillm.load_model`).
+
+    Raises ModelNotFoundError when the model or its tokenizer.json is missing.
+    """
+    from .weights import resolve_model
+
+    model_dir = resolve_model(name_or_path, weights_dir, download=True)
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise ModelNotFoundError(f"{model_dir} has no tokenizer.json; add the model's tokenizer.json to that folder")
+    backend = tokenizers.Tokenizer.from_file(str(path))
+    return Tokenizer(backend, _read_json(model_dir / "tokenizer_config.json"), _read_json(model_dir / "config.json"))
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_content(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class Tokenizer:
+    """Encode/decode text, render chat prompts; wraps a ``tokenizers.Tokenizer``.
+
+    Attributes:
+        backend: the wrapped ``tokenizers.Tokenizer``.
+        bos_token_id, eos_token_id: ids of the BOS / EOS tokens, or None.
+        eos_token_ids: every id that ends generation (tokenizer_config's eos_token
+            plus config.json's eos_token_id, an int or a list).
+        chat_template: the Jinja chat template, or None.
+    """
+
+    def __init__(
+        self, backend: tokenizers.Tokenizer, tokenizer_config: dict | None = None, model_config: dict | None = None
+    ):
+        self.backend = backend
+        self.special_tokens = {
+            name: _token_content((tokenizer_config or {}).get(name))
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+        }
+        model_config = model_config or {}
+        self.bos_token_id = self._special_id("bos_token", model_config.get("bos_token_id"))
+        self.eos_token_id = self._special_id("eos_token", model_config.get("eos_token_id"))
+        config_eos = model_config.get("eos_token_id")
+        config_eos = config_eos if isinstance(config_eos, list) else [config_eos]
+        self.eos_token_ids = {i for i in [self.eos_token_id, *config_eos] if i is not None}
+        self.chat_template = (tokenizer_config or {}).get("chat_template")
+        self._added_ids = set(backend.get_added_tokens_decoder())
+
+    def _special_id(self, name: str, fallback: int | list[int] | None) -> int | None:
+        token = self.special_tokens[name]
+        if token is not None:
+            return self.backend.token_to_id(token)
+        return fallback[0] if isinstance(fallback, list) else fallback
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, bos={self.special_tokens['bos_token']!r} ({self.bos_token_id}), "
+            f"eos_ids={sorted(self.eos_token_ids)}, chat_template={self.has_chat_template})"
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included (may be less than the model's embedding rows)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.chat_template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. Special tokens written in the text (``<|im_start|>``) become
+        their single ids; ``add_special_tokens`` adds the BOS/EOS the tokenizer is set up for."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (an incomplete UTF-8 character at the end shows as U+FFFD)."""
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry, as stored (byte-level: 'Ġhello' for ' hello'); None if out of range."""
+        return self.backend.id_to_token(int(token_id))
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """One readable piece per id, for display: ``[' hello', ' \\xf0\\x9f', '\\x98\\x80']``.
+
+        Byte-level pieces are shown as the text they encode; bytes of a character
+        split across tokens are shown as ``\\xNN`` escapes instead of U+FFFD.
+        """
+        return [self._token_string(int(i)) for i in ids]
+
+    def _token_string(self, token_id: int) -> str:
+        token = self.backend.id_to_token(token_id)
+        byte_level = isinstance(self.backend.decoder, tokenizers.decoders.ByteLevel)
+        if not byte_level or token_id in self._added_ids or token is None or not set(token) <= _BYTE_OF_CHAR.keys():
+            return self.backend.decode([token_id], skip_special_tokens=False)
+        raw = bytes(_BYTE_OF_CHAR[c] for c in token)
+        return raw.decode("utf-8", errors="backslashreplace")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render ``[{"role": ..., "content": ...}, ...]`` into the prompt text the model was tuned on.
+
+        Rendered like transformers' ``apply_chat_template(tokenize=False)``. The text
+        already holds its special tokens, so encode it with ``add_special_tokens=False``.
+
+        Raises ValueError when the model has no chat template, a message is not a
+        dict with string "role" and "content", or the template rejects the chat.
+        """
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template; pass a plain prompt instead")
+        _check_messages(messages)
+        try:
+            return self._compiled_template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+            )
+        except jinja2.TemplateError as error:
+            raise ValueError(f"chat template error: {str(error).splitlines()[0]}") from error
+
+    @cached_property
+    def _compiled_template(self) -> jinja2.Template:
+        return _jinja_env().from_string(self.chat_template)
+
+
+def _check_messages(messages) -> None:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    for i, message in enumerate(messages):
+        if not (isinstance(message, dict) and all(isinstance(message.get(k), str) for k in ("role", "content"))):
+            raise ValueError(f"message {i} needs string 'role' and 'content', got {message!r:.80}")
+
+
+def _jinja_env() -> ImmutableSandboxedEnvironment:
+    """The Jinja setup transformers renders chat templates with (utils/chat_template_utils.py).
+
+    Sandboxed because templates come with downloaded models; trim/lstrip_blocks
+    because templates are written expecting them (no stray newlines around tags).
+    """
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+    env.globals["raise_exception"] = _raise_exception
+    return env
+
+
+def _raise_exception(message: str):
+    raise jinja2.TemplateError(message)
+
+
+def _gpt2_byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: char -> byte.
+
+    The 188 printable bytes stand for themselves; the other 68 (space, newline,
+    control bytes...) get chars from U+0100 on, in byte order: space -> 'Ġ', '\\n' -> 'Ċ'.
+    Source: ``bytes_to_unicode`` in openai/gpt-2 encoder.py.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + n): b for n, b in enumerate(others)})
+    return table
+
+
+_BYTE_OF_CHAR = _gpt2_byte_of_char()
+
+
+class StreamDecoder:
+    """Turns token ids into text one token at a time, never splitting a character.
+
+    One character can span several tokens (an emoji is 4 UTF-8 bytes, often 2-4
+    byte-level tokens), so text is held back while it ends in U+FFFD. Each push
+    decodes only a short window (the vLLM / TGI "prefix offset, read offset" scheme),
+    so a token costs O(1) amortised instead of re-decoding the whole sequence:
+
+        ids:  t0 t1 t2 t3 | t4 t5 | t6 t7
+                          ^prefix  ^read
+        prefix text = decode(t4 t5)          already emitted; context for the next piece
+        new text    = decode(t4 t5 t6 t7)    emit new_text[len(prefix_text):] if complete
+
+    The context token(s) matter for decoders (SentencePiece) that drop a leading
+    space at the start of a decode. Concatenating every push() and flush() equals
+    ``tokenizer.decode(all_ids, skip_special_tokens)``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def __repr__(self) -> str:
+        offsets = f"prefix_offset={self.prefix_offset}, read_offset={self.read_offset}"
+        return f"StreamDecoder(tokens={len(self.ids)}, {offsets})"
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the text it completes ("" while a character is still partial)."""
+        self.ids.append(int(token_id))
+        prefix_text, new_text = self._window_texts()
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return new_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """Return whatever is held back (U+FFFD if the ids really end mid-character)."""
+        prefix_text, new_text = self._window_texts()
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return new_text[len(prefix_text) :]
+
+    def _window_texts(self) -> tuple[str, str]:
+        window = self.ids[self.prefix_offset :]
+        emitted = self.read_offset - self.prefix_offset
+        decode = lambda ids: self.tokenizer.decode(ids, self.skip_special_tokens)  # noqa: E731
+        return decode(window[:emitted]), decode(window)

@@ -1,0 +1,67 @@
+"""The minillm command line, run as a user runs it: in a subprocess."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def minillm(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True,
+                          input=stdin, timeout=600)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def default_model(smollm2_dir):
+    """Make sure the default model is in the weights dir before the CLI looks for it."""
+    return smollm2_dir
+
+
+def test_generate_answers_paris():
+    r = minillm("generate", "What is the capital of France?", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    summary = r.stderr.strip().splitlines()[-1]
+    assert "TTFT" in summary and "TPOT" in summary and "stop: eos" in summary
+
+
+def test_prompt_from_stdin_without_chat():
+    r = minillm("generate", "-", "--no-chat", "--max-new-tokens", "3", stdin="The capital of France is")
+    assert r.returncode == 0, r.stderr
+    assert "generated 3 tok" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "hi", "--bogus"], "unrecognized arguments: --bogus"),
+        (["generate", "hi", "--top-p", "2"], "top-p must be in (0, 1]"),
+        (["generate", "hi", "--max-new-tokens", "0"], "max-new-tokens must be an integer >= 1"),
+        (["generate", "hi", "--temperature", "abc"], "invalid float value"),
+        (["generate", "   "], "the prompt is empty"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(args, message):
+    r = minillm(*args)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_model_path_exits_1_with_one_line(tmp_path):
+    r = minillm("generate", "hi", "--model", str(tmp_path / "nope"))
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1 and "no model at" in r.stderr
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    r = minillm("--debug", "generate", "hi", "--model", str(tmp_path / "nope"))
+    assert r.returncode == 1 and "Traceback" in r.stderr
+
+
+def test_info_reports_parameters_and_kv_bytes():
+    r = minillm("info")
+    assert r.returncode == 0, r.stderr
+    assert "134,515,008" in r.stdout  # SmolLM2-135M's parameter count (embeddings tied)
+    assert "46,080" in r.stdout  # KV bytes per token: 2 * 30 layers * 3 KV heads * 64 * 4 bytes

@@ -1,0 +1,198 @@
+"""GGUF -> HF folder conversion, checked against transformers loading the same GGUF file."""
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+from minillm.errors import ConfigError, ModelNotFoundError
+from minillm.gguf_convert import convert_gguf, unpermute_qk
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def converted_dir(smollm2_gguf, tmp_path_factory):
+    """A fresh conversion (the shared smollm2_dir may have been converted by an older version)."""
+    return convert_gguf(smollm2_gguf, tmp_path_factory.mktemp("smollm2"), progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2_gguf):
+    """transformers' own dequantization of the same GGUF: the oracle."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
+    ).eval()
+
+
+def test_every_tensor_equals_transformers(converted_dir, hf_model):
+    ours = load_file(converted_dir / "model.safetensors")
+    theirs = hf_model.state_dict()
+    assert set(ours) == set(theirs) - {"lm_head.weight"}  # tied: lm_head is embed_tokens
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32, name
+        assert torch.equal(tensor, theirs[name]), f"{name} first differs from transformers"
+
+
+def test_config_matches_transformers(converted_dir, hf_model):
+    ours = transformers.AutoConfig.from_pretrained(converted_dir)
+    theirs = hf_model.config
+    fields = [
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+        "bos_token_id", "eos_token_id", "hidden_act",
+    ]  # fmt: skip
+    assert {f: getattr(ours, f) for f in fields} == {f: getattr(theirs, f) for f in fields}
+    assert ours.rope_parameters == theirs.rope_parameters == {"rope_theta": 100000.0, "rope_type": "default"}
+    assert (ours.num_hidden_layers, ours.num_key_value_heads, ours.tie_word_embeddings) == (30, 3, True)
+
+
+def test_folder_loads_in_transformers_with_same_logits(converted_dir, hf_model):
+    """End to end: config.json + model.safetensors are a complete HF Llama checkpoint."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(converted_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 4093, 198, 6004, 2, 198, 1, 520, 9531, 198]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, hf_model(ids).logits)
+
+
+def test_folder_is_complete(converted_dir):
+    names = sorted(p.name for p in converted_dir.iterdir())
+    assert names == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+
+
+def _llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute, verbatim (numpy -> torch)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_unpermute_qk_hand_case():
+    stored = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]).reshape(16, 1)
+    assert unpermute_qk(stored, n_heads=2).flatten().tolist() == list(range(16))
+
+
+@pytest.mark.parametrize("n_heads", [1, 3, 9])
+def test_unpermute_qk_inverts_llama_cpp(n_heads):
+    w = torch.randn(n_heads * 64, 576)
+    assert torch.equal(unpermute_qk(_llama_cpp_permute(w, n_heads), n_heads), w)
+
+
+def _tiny_llama_gguf(path, hf: dict[str, torch.Tensor]):
+    """A 1-layer Llama GGUF written the way llama.cpp's converter writes ``hf``:
+    Q/K rows permuted, F16 matrices, F32 norms, an untied output.weight, BOS added."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(32)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(2.0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(["<s>", "</s>", "a", "b", "ab"])
+    writer.add_token_types([3, 3, 1, 1, 1])
+    writer.add_token_merges(["a b"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_add_bos_token(True)
+    for name, tensor in _gguf_tensors(hf).items():
+        writer.add_tensor(name, tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _gguf_tensors(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    prefix = "model.layers.0."
+    names = {
+        "token_embd": "model.embed_tokens", "output": "lm_head", "output_norm": "model.norm",
+        "blk.0.attn_norm": prefix + "input_layernorm", "blk.0.ffn_norm": prefix + "post_attention_layernorm",
+        "blk.0.attn_q": prefix + "self_attn.q_proj", "blk.0.attn_k": prefix + "self_attn.k_proj",
+        "blk.0.attn_v": prefix + "self_attn.v_proj", "blk.0.attn_output": prefix + "self_attn.o_proj",
+        "blk.0.ffn_gate": prefix + "mlp.gate_proj", "blk.0.ffn_up": prefix + "mlp.up_proj",
+        "blk.0.ffn_down": prefix + "mlp.down_proj",
+    }  # fmt: skip
+    out = {}
+    for gguf_name, hf_name in names.items():
+        w = hf[hf_name + ".weight"]
+        if gguf_name.endswith(("attn_q", "attn_k")):
+            w = _llama_cpp_permute(w, 2 if gguf_name.endswith("q") else 1)
+        out[gguf_name + ".weight"] = w.half() if w.ndim == 2 else w
+    return out
+
+
+def _tiny_hf_weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shapes = {
+        "model.embed_tokens": (5, 8), "lm_head": (5, 8), "model.norm": (8,),
+        "model.layers.0.input_layernorm": (8,), "model.layers.0.post_attention_layernorm": (8,),
+        "model.layers.0.self_attn.q_proj": (8, 8), "model.layers.0.self_attn.k_proj": (4, 8),
+        "model.layers.0.self_attn.v_proj": (4, 8), "model.layers.0.self_attn.o_proj": (8, 8),
+        "model.layers.0.mlp.gate_proj": (16, 8), "model.layers.0.mlp.up_proj": (16, 8),
+        "model.layers.0.mlp.down_proj": (8, 16),
+    }  # fmt: skip
+    # rounded through float16 so the F16 copies in the GGUF are exact
+    return {f"{name}.weight": torch.randn(shape, generator=g).half().float() for name, shape in shapes.items()}
+
+
+def test_tiny_llama_round_trips(tmp_path):
+    """Hand-made oracle: F16 + F32 tensors, untied lm_head, GQA un-permutation, BOS, linear RoPE scaling."""
+    hf = _tiny_hf_weights()
+    out = convert_gguf(_tiny_llama_gguf(tmp_path / "tiny.gguf", hf), tmp_path / "out", progress=False)
+    ours = load_file(out / "model.safetensors")
+    assert ours.keys() == hf.keys()
+    for name, tensor in hf.items():
+        assert torch.equal(ours[name], tensor), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (2, 1, 4)
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert tok.encode("abb<s>").ids == [0, 4, 3, 0]  # BOS added, "a b" merged, <s> matched whole
+
+
+def _tiny_gguf(path, arch: str, pre: str = "smollm"):
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("arch", "pre", "named"), [("bert", "smollm", "'bert'"), ("llama", "mystery-pre", "'mystery-pre'")]
+)
+def test_unsupported_gguf_raises_config_error(tmp_path, arch, pre, named):
+    path = _tiny_gguf(tmp_path / "tiny.gguf", arch, pre)
+    with pytest.raises(ConfigError) as info:
+        convert_gguf(path, tmp_path / "out", progress=False)
+    message = str(info.value)
+    assert named in message and "supported" in message and "\n" not in message
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_missing_file_raises_model_not_found(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="no GGUF file"):
+        convert_gguf(tmp_path / "absent.gguf", tmp_path / "out", progress=False)
+
+
+def test_unreadable_file_raises_model_not_found(tmp_path):
+    path = tmp_path / "garbage.gguf"
+    path.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelNotFoundError, match="cannot read") as info:
+        convert_gguf(path, tmp_path / "out", progress=False)
+    assert "\n" not in str(info.value)
