@@ -10,6 +10,9 @@ The package layout is the course outline:
     phases.py     prefill and decode_step, the two phases of inference
     sampling.py   SamplingParams: greedy, temperature, top-k, top-p
     generate.py   generate: prefill, then decode in a loop
+    tokenizer.py  load_tokenizer: text <-> ids, chat template, streaming detokenizer
+    weights.py    model names, the weights directory, downloads
+    gguf_convert.py  GGUF file -> Hugging Face folder (dequantised)
 """
 
 from .config import ModelConfig
@@ -20,6 +23,7 @@ from .loading import load_model
 from .model import Transformer
 from .phases import decode_step, prefill
 from .sampling import SamplingParams, sample
+from .tokenizer import StreamDecoder, Tokenizer, load_tokenizer
 
 __all__ = [
     "CacheFullError",
@@ -30,11 +34,14 @@ __all__ = [
     "ModelConfig",
     "ModelNotFoundError",
     "SamplingParams",
+    "StreamDecoder",
+    "Tokenizer",
     "Transformer",
     "WeightsError",
     "decode_step",
     "generate",
     "load_model",
+    "load_tokenizer",
     "prefill",
     "sample",
 ]
