@@ -1,0 +1,222 @@
+"""The cost model: FLOPs and bytes of prefill and decode, from the config alone.
+
+Pure arithmetic on a :class:`ModelConfig`; no model, no tensors. Two numbers per phase:
+
+- **FLOPs**: matrix multiplies only, 2 FLOPs per multiply-add (Kaplan et al. 2020,
+  "Scaling Laws", Table 1: forward ≈ 2·N + 2·n_layers·n_ctx·d_attn per token).
+  Norms, RoPE, softmax, GELU/SiLU, residual adds and biases are O(d_model) per token
+  and left out, as ``torch.utils.flop_counter.FlopCounterMode`` leaves them out.
+- **bytes**: traffic to main memory (HBM / DRAM), the convention of the LLM
+  inference literature (Pope et al. 2022, "Efficiently Scaling Transformer
+  Inference"; Databricks 2023, "LLM Inference Performance Engineering", MBU):
+
+      bytes = weights bytes          every distinct parameter read once per forward pass
+            + KV read                every cache position after this pass's write, once
+            + KV written             the new tokens' K and V
+
+  Not counted: activations (a few · d_model values per token per layer, kB for
+  decode; prefill is compute-bound anyway), the logits, the token ids.
+
+Two conventions to know:
+
+- **The whole embedding table counts as read.** Matches ``model.weights_bytes()``
+  and the MBU convention. It is exact for a tied model (the LM head *is* the
+  embedding and reads all of it); an untied model's embedding lookup really reads
+  only its rows, so its bytes are overstated by up to vocab·d_model·dtype_bytes
+  (about 6% for Llama-3-8B; GPT-2's learned positions add max_seq_len·d_model).
+- **Attention FLOPs are the causal ones**: token i of a prefill attends to
+  cached_tokens + i + 1 keys (what a causal kernel such as FlashAttention computes).
+  The ``eager`` attention of ``model.py`` multiplies the whole masked rectangle
+  and throws half away; ``attention_flops(..., causal=False)`` counts that.
+  (FlopCounterMode sees eager attention's matmuls; in torch 2.13 it counts nothing
+  for ``scaled_dot_product_attention`` on CPU, so compare against eager.)
+
+The prefill pass runs the LM head on the last position only (``last_only=True``
+in :func:`minillm.phases.prefill`), so its FLOPs do too, unless ``last_only=False``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class PhaseCost:
+    """FLOPs and bytes of memory traffic of one forward pass (a prefill or a decode step).
+
+    Attributes:
+        flops: floating-point operations (FLOP), matmuls only.
+        bytes: bytes moved to/from main memory: weights + kv_read + kv_written.
+        weights_bytes, kv_read_bytes, kv_written_bytes: the parts of ``bytes``
+            (0 when the cost was built by hand from two numbers).
+    """
+
+    flops: float
+    bytes: float
+    weights_bytes: float = 0.0
+    kv_read_bytes: float = 0.0
+    kv_written_bytes: float = 0.0
+
+    @property
+    def arithmetic_intensity(self) -> float:
+        """FLOP per byte moved: the x-axis of the roofline (Williams et al. 2009)."""
+        return self.flops / self.bytes if self.bytes else float("inf")
+
+
+# -- parameters ----------------------------------------------------------------------
+
+
+def attention_params(config: ModelConfig) -> int:
+    """Weights of q, k, v, o projections in one layer (no biases).
+
+    q, o: d_model × n_heads·head_dim each; k, v: d_model × n_kv_heads·head_dim each (GQA).
+    """
+    c = config
+    return 2 * c.d_model * c.n_heads * c.head_dim + 2 * c.d_model * c.n_kv_heads * c.head_dim
+
+
+def mlp_params(config: ModelConfig) -> int:
+    """Weights of one MLP (no biases): 3·d_model·d_mlp for SwiGLU (gate, up, down), 2· for GELU."""
+    n_mats = 3 if config.activation == "silu" else 2
+    return n_mats * config.d_model * config.d_mlp
+
+
+def lm_head_params(config: ModelConfig) -> int:
+    """d_model · vocab_size: the LM head's matrix (the embedding itself when tied)."""
+    return config.d_model * config.vocab_size
+
+
+def matmul_params(config: ModelConfig) -> int:
+    """Parameters a token multiplies through: all linear layers and the LM head.
+
+    n_layers · (attention + MLP) + LM head. Not the embedding lookup (a gather,
+    no arithmetic), norms or biases. A tied LM head counts here: it is a matmul.
+    """
+    return config.n_layers * (attention_params(config) + mlp_params(config)) + lm_head_params(config)
+
+
+def weights_bytes(config: ModelConfig, dtype_bytes: int) -> int:
+    """Bytes of every distinct parameter, from the config; equals ``model.weights_bytes()``.
+
+    Counts the token embedding (vocab·d_model), GPT-2's learned positions
+    (max_seq_len·d_model), per layer the projections, their biases and two norms
+    (RMSNorm: weight; LayerNorm: weight and bias), the final norm, and the LM head
+    only when it is not tied to the embedding.
+    """
+    return _n_params(config) * dtype_bytes
+
+
+def _n_params(config: ModelConfig) -> int:
+    c = config
+    norm = c.d_model if c.uses_rope else 2 * c.d_model  # RMSNorm weight | LayerNorm weight + bias
+    attn_bias = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.d_model if c.attention_bias else 0
+    mlp_bias = ((2 if c.activation == "silu" else 1) * c.d_mlp + c.d_model) if c.mlp_bias else 0
+    layer = attention_params(c) + mlp_params(c) + attn_bias + mlp_bias + 2 * norm
+    embed = c.vocab_size * c.d_model + (0 if c.uses_rope else c.max_seq_len * c.d_model)
+    head = 0 if c.tie_word_embeddings else lm_head_params(c)
+    return embed + c.n_layers * layer + norm + head
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
+    """KV cache bytes per token: 2 (K, V) · n_layers · n_kv_heads · head_dim · dtype_bytes."""
+    return config.kv_bytes_per_token(dtype_bytes)
+
+
+# -- FLOPs ---------------------------------------------------------------------------
+
+
+def flops_per_token(config: ModelConfig, context_len: int) -> float:
+    """FLOPs of one token's forward pass when it attends to ``context_len`` keys.
+
+        2 · matmul_params                                  every weight: one multiply-add
+      + 4 · n_layers · n_heads · head_dim · context_len    q·kᵀ and pattern·v (2 each)
+
+    (Kaplan et al. 2020, Table 1, with the attention term per query head.)
+    """
+    c = config
+    return 2.0 * matmul_params(c) + 4.0 * c.n_layers * c.n_heads * c.head_dim * context_len
+
+
+def attention_flops(config: ModelConfig, n_tokens: int, cached_tokens: int = 0, causal: bool = True) -> float:
+    """FLOPs of q·kᵀ and pattern·v for n_tokens new queries after cached_tokens.
+
+    causal: query i sees cached_tokens + i + 1 keys; summed over i:
+        n_tokens·cached_tokens + n_tokens·(n_tokens + 1)/2 query-key pairs.
+    causal=False: the whole rectangle, n_tokens · (cached_tokens + n_tokens) pairs,
+    what eager attention multiplies before masking.
+    Each pair costs 4 · n_layers · n_heads · head_dim FLOPs.
+    """
+    c = config
+    if causal:
+        pairs = n_tokens * cached_tokens + n_tokens * (n_tokens + 1) / 2
+    else:
+        pairs = n_tokens * (cached_tokens + n_tokens)
+    return 4.0 * c.n_layers * c.n_heads * c.head_dim * pairs
+
+
+def _linear_flops(config: ModelConfig, n_tokens: int, lm_head_tokens: int) -> float:
+    """2 FLOPs per weight per token through the layers, and the LM head on lm_head_tokens."""
+    layer_params = config.n_layers * (attention_params(config) + mlp_params(config))
+    return 2.0 * (n_tokens * layer_params + lm_head_tokens * lm_head_params(config))
+
+
+# -- the two phases -------------------------------------------------------------------
+
+
+def prefill_cost(
+    config: ModelConfig,
+    n_tokens: int,
+    dtype_bytes: int,
+    cached_tokens: int = 0,
+    batch_size: int = 1,
+    last_only: bool = True,
+) -> PhaseCost:
+    """Cost of prefilling n_tokens per sequence onto a cache holding cached_tokens.
+
+    FLOPs (per sequence, times batch_size):
+        2 · layer params · n_tokens  +  2 · lm_head params · (1 if last_only else n_tokens)
+      + causal attention_flops(n_tokens, cached_tokens)
+    bytes:
+        weights once (shared by the batch)
+      + KV read:    (cached_tokens + n_tokens) positions · kv_bytes_per_token · batch_size
+                    (attention reads the whole filled cache, the new entries included)
+      + KV written: n_tokens · kv_bytes_per_token · batch_size
+
+    Raises ValueError for n_tokens < 1, cached_tokens < 0 or batch_size < 1.
+    """
+    _check(n_tokens >= 1, f"n_tokens must be >= 1, got {n_tokens}")
+    _check(cached_tokens >= 0, f"cached_tokens must be >= 0, got {cached_tokens}")
+    _check(batch_size >= 1, f"batch_size must be >= 1, got {batch_size}")
+    head_tokens = 1 if last_only else n_tokens
+    flops = _linear_flops(config, n_tokens, head_tokens) + attention_flops(config, n_tokens, cached_tokens)
+    kv = kv_bytes_per_token(config, dtype_bytes) * batch_size
+    return _cost(batch_size * flops, weights_bytes(config, dtype_bytes),
+                 kv * (cached_tokens + n_tokens), kv * n_tokens)
+
+
+def decode_cost(config: ModelConfig, context_len: int, dtype_bytes: int, batch_size: int = 1) -> PhaseCost:
+    """Cost of one decode step: one new token per sequence, attending to context_len keys.
+
+    ``context_len`` is the cache length *after* the step's write (the new token included),
+    so the first decode step after a prompt of P tokens has context_len = P + 1.
+
+    FLOPs: flops_per_token(context_len) · batch_size.
+    bytes: weights once + KV read of all context_len positions + KV written for 1 position,
+    both · batch_size. The same as ``prefill_cost(config, 1, dtype_bytes, context_len - 1)``.
+
+    Raises ValueError for context_len < 1 or batch_size < 1.
+    """
+    _check(context_len >= 1, f"context_len must be >= 1, got {context_len}")
+    return prefill_cost(config, 1, dtype_bytes, cached_tokens=context_len - 1, batch_size=batch_size)
+
+
+def _cost(flops: float, w_bytes: float, kv_read: float, kv_written: float) -> PhaseCost:
+    return PhaseCost(float(flops), float(w_bytes + kv_read + kv_written),
+                     float(w_bytes), float(kv_read), float(kv_written))
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

@@ -1,0 +1,165 @@
+"""What-if: the best TTFT and TPOT a model could reach on some hardware, from the roofline.
+
+No model is run. For a request of P prompt tokens and N output tokens:
+
+    TTFT  = floor(prefill of P tokens)                          (the 1st token comes from prefill)
+    TPOT  = mean over k = 1..N-1 of floor(decode at context P + k)
+    e2e   = TTFT + TPOT · (N - 1)
+
+where floor(cost) = max(FLOPs / peak_flops, bytes / mem_bandwidth) (Williams et al. 2009;
+costs from :mod:`minillm.costs`). These are lower bounds: real systems reach perhaps
+50-80% of them (datasheet peaks are optimistic; kernels, launches and scheduling add time).
+
+Example configs ship in ``minillm/configs/`` (the models' Hugging Face config.json):
+``llama-2-7b``, ``llama-3-8b``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from .config import ModelConfig
+from .costs import PhaseCost, decode_cost, kv_bytes_per_token, prefill_cost, weights_bytes
+from .errors import ConfigError
+from .hardware import HardwareProfile
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """Predicted (roofline-floor) latencies of one request shape on one device.
+
+    Attributes:
+        hardware: the profile used.
+        prompt_tokens, output_tokens, dtype_bytes, batch_size: the request shape.
+        ttft_ms: prefill floor (ms).
+        tpot_ms: mean decode-step floor (ms); None when output_tokens == 1.
+        e2e_ms: ttft_ms + tpot_ms · (output_tokens - 1) (ms).
+        output_throughput_tok_s: batch_size / TPOT, tokens per second across the batch
+            during decode (None without decode steps).
+        prefill: the prefill PhaseCost (whole batch).
+        decode_first, decode_last: the first and last decode steps' PhaseCost (whole batch).
+        prefill_bound, decode_bound: "compute-bound" or "memory-bound" (decode: summed
+            over all steps, compute floors against memory floors).
+        weights_bytes: bytes of all parameters.
+        kv_bytes_per_token: KV cache bytes per token of one sequence.
+        kv_bytes_per_request: (prompt + output tokens) · kv_bytes_per_token, one sequence.
+        memory_bytes_needed: weights + KV of the whole batch at the end of generation.
+        fits_in_memory: memory_bytes_needed <= hardware.memory_bytes (None if unknown).
+    """
+
+    hardware: HardwareProfile
+    prompt_tokens: int
+    output_tokens: int
+    dtype_bytes: int
+    batch_size: int
+    ttft_ms: float
+    tpot_ms: float | None
+    e2e_ms: float
+    output_throughput_tok_s: float | None
+    prefill: PhaseCost
+    decode_first: PhaseCost | None
+    decode_last: PhaseCost | None
+    prefill_bound: str
+    decode_bound: str | None
+    weights_bytes: int
+    kv_bytes_per_token: int
+    kv_bytes_per_request: int
+    memory_bytes_needed: int
+    fits_in_memory: bool | None
+
+
+def predict(
+    config: ModelConfig,
+    hw: HardwareProfile,
+    prompt_tokens: int,
+    output_tokens: int,
+    dtype_bytes: int = 2,
+    batch_size: int = 1,
+) -> WhatIf:
+    """Roofline-floor TTFT, TPOT and e2e of batch_size requests of the same shape.
+
+    The batch is prefilled in one pass (every request's TTFT is that pass) and decoded
+    in lockstep, one token per request per step (static batching: weights are read once
+    per step for the whole batch, KV per request). Each decode step k (k = 1..output_tokens-1)
+    feeds the k-th output token, so its context after the write is prompt_tokens + k.
+    Raises ValueError for prompt_tokens < 1, output_tokens < 1 or batch_size < 1.
+    """
+    if prompt_tokens < 1 or output_tokens < 1:
+        raise ValueError(f"prompt and output tokens must be >= 1, got {prompt_tokens} and {output_tokens}")
+    prefill = prefill_cost(config, prompt_tokens, dtype_bytes, batch_size=batch_size)
+    prefill_compute, prefill_memory = _floors(prefill, hw)
+    steps = [decode_cost(config, prompt_tokens + k, dtype_bytes, batch_size) for k in range(1, output_tokens)]
+    floors = [_floors(step, hw) for step in steps]
+    decode_s = sum(max(f) for f in floors)
+    tpot_s = decode_s / len(steps) if steps else None
+    ttft_s = max(prefill_compute, prefill_memory)
+
+    kv_token = kv_bytes_per_token(config, dtype_bytes)
+    kv_request = (prompt_tokens + output_tokens) * kv_token
+    w_bytes = weights_bytes(config, dtype_bytes)
+    needed = w_bytes + batch_size * kv_request
+    return WhatIf(
+        hardware=hw,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        dtype_bytes=dtype_bytes,
+        batch_size=batch_size,
+        ttft_ms=ttft_s * 1e3,
+        tpot_ms=tpot_s * 1e3 if tpot_s is not None else None,
+        e2e_ms=(ttft_s + decode_s) * 1e3,
+        output_throughput_tok_s=batch_size / tpot_s if tpot_s else None,
+        prefill=prefill,
+        decode_first=steps[0] if steps else None,
+        decode_last=steps[-1] if steps else None,
+        prefill_bound=_bound(prefill_compute, prefill_memory),
+        decode_bound=_bound(sum(f[0] for f in floors), sum(f[1] for f in floors)) if steps else None,
+        weights_bytes=w_bytes,
+        kv_bytes_per_token=kv_token,
+        kv_bytes_per_request=kv_request,
+        memory_bytes_needed=needed,
+        fits_in_memory=needed <= hw.memory_bytes if hw.memory_bytes else None,
+    )
+
+
+def _floors(cost: PhaseCost, hw: HardwareProfile) -> tuple[float, float]:
+    """(compute floor, memory floor) in seconds."""
+    return cost.flops / hw.peak_flops, cost.bytes / hw.mem_bandwidth
+
+
+def _bound(compute_s: float, memory_s: float) -> str:
+    return "compute-bound" if compute_s >= memory_s else "memory-bound"
+
+
+# -- configs by name ------------------------------------------------------------------
+
+
+def example_configs() -> list[str]:
+    """Names of the configs shipped in ``minillm/configs/`` (without .json)."""
+    folder = resources.files("minillm") / "configs"
+    return sorted(p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def load_config(name_or_path: str) -> ModelConfig:
+    """A ModelConfig from a path (a config.json or a folder holding one), a shipped
+    example name (``llama-3-8b``), or a model already in the weights directory.
+
+    Raises ConfigError when it is none of these.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return ModelConfig.from_json(path)
+    shipped = resources.files("minillm") / "configs" / f"{name_or_path}.json"
+    if shipped.is_file():
+        return ModelConfig.from_hf(json.loads(shipped.read_text()))
+    from . import weights
+
+    if weights.is_model_name(name_or_path) and weights.is_downloaded(name_or_path):
+        return ModelConfig.from_json(weights.model_dir(name_or_path))
+    raise ConfigError(
+        f"no config {name_or_path!r}: give a path to a config.json or model folder, "
+        f"a downloaded model, or one of: {', '.join(example_configs())}"
+    )
+
