@@ -21,7 +21,7 @@ from .kv_cache import KVCache
 from .model import Hook, Transformer
 
 
-def prefill(model: Transformer, token_ids, cache: KVCache, hook: Hook | None = None) -> torch.Tensor:
+def prefill(model: Transformer, token_ids, cache: KVCache, hook: Hook | None = None, trace=None) -> torch.Tensor:
     """Process a prompt in one forward pass, filling the KV cache.
 
     Args:
@@ -31,6 +31,8 @@ def prefill(model: Transformer, token_ids, cache: KVCache, hook: Hook | None = N
             (this is how the prefix cache skips a cached prefix).
         cache: the KV cache; its length grows by T.
         hook: optional ``hook(name, tensor)`` observer of per-layer activations.
+        trace: optional :class:`~minillm.trace.Trace`; records a "prefill" event (time,
+            FLOPs, bytes, K/V written). None: nothing is timed.
 
     Returns float32 logits of the last position, [B, vocab].
 
@@ -40,17 +42,22 @@ def prefill(model: Transformer, token_ids, cache: KVCache, hook: Hook | None = N
     token_ids = _as_batch(model, token_ids, cache, what="token_ids")
     cache.check_room(token_ids.shape[1])
     with torch.inference_mode():
-        logits = model(token_ids, cache=cache, hook=hook, last_only=True)
+        if trace is None:
+            logits = model(token_ids, cache=cache, hook=hook, last_only=True)
+        else:
+            logits = trace.forward("prefill", model, token_ids, cache, hook, last_only=True)
     return logits[:, -1].float()
 
 
-def decode_step(model: Transformer, token_id, cache: KVCache, hook: Hook | None = None) -> torch.Tensor:
+def decode_step(model: Transformer, token_id, cache: KVCache, hook: Hook | None = None, trace=None) -> torch.Tensor:
     """Generate the next logits from one new token per sequence.
 
     Args:
         token_id: the token just produced, a scalar / int (batch 1) or [B] int64.
         cache: the KV cache holding everything before it; this token's K/V is
             appended at position ``cache.length`` (length grows by 1).
+        hook: optional ``hook(name, tensor)`` observer of per-layer activations.
+        trace: optional :class:`~minillm.trace.Trace`; records a "decode" event.
 
     Returns float32 logits for the following position, [B, vocab].
 
@@ -59,7 +66,10 @@ def decode_step(model: Transformer, token_id, cache: KVCache, hook: Hook | None 
     token_ids = _as_batch(model, token_id, cache, what="token_id").reshape(-1, 1)
     cache.check_room(1)
     with torch.inference_mode():
-        logits = model(token_ids, cache=cache, hook=hook)
+        if trace is None:
+            logits = model(token_ids, cache=cache, hook=hook)
+        else:
+            logits = trace.forward("decode", model, token_ids, cache, hook)
     return logits[:, -1].float()
 
 

@@ -122,7 +122,7 @@ def test_template_raise_exception_becomes_value_error(tok):
 
 
 def test_load_tokenizer_missing_raises(tmp_path):
-    with pytest.raises(ModelNotFoundError, match="no model directory"):
+    with pytest.raises(ModelNotFoundError, match="no model at"):
         load_tokenizer(tmp_path / "absent")
     with pytest.raises(ModelNotFoundError, match="no tokenizer.json"):
         load_tokenizer(tmp_path)
