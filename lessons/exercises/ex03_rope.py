@@ -1,0 +1,42 @@
+"""Exercise 3: rotary position embedding (RoPE) at given positions.
+
+Write two pieces:
+
+- ``RotaryEmbedding.forward(positions, dtype)``: the cos and sin tables for the given
+  positions. The class inherits minillm's, whose ``__init__`` already holds
+  ``self.inv_freq`` ([head_dim/2] float32, the rotation speed of each channel pair).
+- ``apply_rope(x, cos, sin)``: rotate queries or keys by those tables, pairing channel i
+  with channel i + head_dim/2 (the "rotate half" layout of Hugging Face Llama checkpoints).
+
+Check:      minillm check ex03   (or: pytest tests/exercises -m ex03 --impl student)
+Lesson:     lessons/01-what-is-inference.md#positions-rope
+Reference:  minillm.rope.RotaryEmbedding.forward, minillm.rope.apply_rope
+            (peek once your checks pass, or when stuck)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minillm import rope
+
+
+class RotaryEmbedding(rope.RotaryEmbedding):
+    """minillm's RotaryEmbedding (``__init__`` sets ``self.inv_freq``); forward is yours."""
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for the given positions ([T] int64): two [T, head_dim] tensors of ``dtype``."""
+        raise NotImplementedError(
+            "Exercise 3 (RoPE) is not written yet: see lessons/01-what-is-inference.md#positions-rope"
+        )
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate queries or keys x [B, heads, T, head_dim] by the angles in cos/sin [T, head_dim].
+
+    For each pair (x1, x2) = (x[..., i], x[..., i + head_dim/2]):
+    (x1, x2) -> (x1·cos - x2·sin, x2·cos + x1·sin), a 2-D rotation.
+    """
+    raise NotImplementedError(
+        "Exercise 3 (RoPE) is not written yet: see lessons/01-what-is-inference.md#positions-rope"
+    )

@@ -1,0 +1,48 @@
+"""Exercise 5: the KV cache, writing new entries and reading the filled part.
+
+The class inherits minillm's KVCache: ``__init__`` preallocates ``self.k`` and ``self.v``,
+[n_layers, batch, n_kv_heads, max_seq_len, head_dim], and sets ``self.length = 0``;
+``advance(n)`` adds n to ``length`` once every layer has written. Write ``write``,
+``keys`` and ``values``::
+
+    self.k[layer]: [batch, n_kv_heads, max_seq_len, head_dim]
+                                      |<- length ->|<- T new ->|<-- free -->|
+
+Check:      minillm check ex05   (or: pytest tests/exercises -m ex05 --impl student)
+Lesson:     lessons/03-kv-cache.md#writing-and-reading
+Reference:  minillm.kv_cache.KVCache
+            (peek once your checks pass, or when stuck)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minillm import kv_cache
+
+
+class KVCache(kv_cache.KVCache):
+    """minillm's KVCache (allocation, ``length``, ``advance``); write, keys and values are yours."""
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new keys/values k, v [B, n_kv_heads, T, head_dim] at positions length..length+T-1.
+
+        Returns the filled views of this layer including the new entries,
+        [B, n_kv_heads, length+T, head_dim]. ``length`` itself moves on only in
+        :meth:`advance`, once every layer has written.
+        """
+        raise NotImplementedError(
+            "Exercise 5 (KV cache) is not written yet: see lessons/03-kv-cache.md#writing-and-reading"
+        )
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """Filled keys of one layer, [B, n_kv_heads, length, head_dim] (a view, no copy)."""
+        raise NotImplementedError(
+            "Exercise 5 (KV cache) is not written yet: see lessons/03-kv-cache.md#writing-and-reading"
+        )
+
+    def values(self, layer: int) -> torch.Tensor:
+        """Filled values of one layer, [B, n_kv_heads, length, head_dim] (a view, no copy)."""
+        raise NotImplementedError(
+            "Exercise 5 (KV cache) is not written yet: see lessons/03-kv-cache.md#writing-and-reading"
+        )

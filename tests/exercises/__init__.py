@@ -1,0 +1,1 @@
+"""Checks of the classroom exercises in lessons/exercises/ (see lessons/exercises/README.md)."""

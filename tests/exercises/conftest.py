@@ -1,0 +1,145 @@
+"""How the exercise checks get their implementation, and what counts as "not attempted".
+
+    pytest tests/exercises                         checks vs minillm (must pass), mistakes, drift
+    pytest tests/exercises --impl student          checks vs lessons/exercises/ (the student's files)
+    pytest tests/exercises --impl student --student-dir PATH     ... vs another copy of them
+    pytest tests/exercises --impl mistakes         only test_mistakes_are_caught.py
+
+The options themselves are declared in tests/conftest.py (pytest reads options only from
+conftests it loads before collection). A check calling a stub that still raises the
+stub's NotImplementedError is reported as skipped, reason "not attempted".
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = str(Path(__file__).resolve().parents[1])
+if TESTS not in sys.path:  # tests/ holds tiny_models and the exercises package (pytest adds it in prepend mode)
+    sys.path.insert(0, TESTS)
+
+from exercises.registry import EXERCISES, STUBS_DIR, reference, student  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+RESULTS = pytest.StashKey[dict]()
+
+
+def student_dir(config) -> Path:
+    return Path(config.getoption("student_dir") or STUBS_DIR).resolve()
+
+
+def exercise_of(item):
+    return next((EXERCISES[m.name] for m in item.iter_markers() if m.name in EXERCISES), None)
+
+
+def is_check(item) -> bool:
+    """A check of an exercise (tests/exercises/test_exNN_*.py), not a test of the exercise kit itself."""
+    return item.path.resolve().parent == HERE and item.path.name.startswith("test_ex")
+
+
+@pytest.fixture
+def impl(request):
+    """The implementation under test for this check's exercise (its exNN marker)."""
+    ex = exercise_of(request.node)
+    if ex is None:
+        pytest.fail(f"{request.node.nodeid} has no exNN marker, so no exercise to check", pytrace=False)
+    if request.config.getoption("impl") != "student":
+        return reference(ex)
+    folder = student_dir(request.config)
+    try:
+        return student(ex, folder)
+    except FileNotFoundError as e:
+        pytest.skip(f"not attempted: {e}")
+    except Exception as e:  # noqa: BLE001 - a syntax error in the student's file is a failed check
+        pytest.fail(f"could not load {folder / ex.file}: {type(e).__name__}: {e}", pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    try:
+        return (yield)
+    except NotImplementedError as e:
+        if item.config.getoption("impl") == "student" and _raised_in(e, student_dir(item.config)):
+            pytest.skip(f"not attempted: {e}")
+        raise
+
+
+def _raised_in(error: BaseException, folder: Path) -> bool:
+    """Whether the innermost frame of the traceback is a file of ``folder`` (the stub's raise)."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().parent == folder
+
+
+def pytest_collection_modifyitems(config, items):
+    """--impl student keeps only the checks; --impl mistakes keeps only the mistakes meta-test."""
+    mode = config.getoption("impl")
+    if mode == "reference":
+        return
+    wanted = is_check if mode == "student" else (lambda item: item.path.name == "test_mistakes_are_caught.py")
+    keep = [item for item in items if item.path.resolve().parent != HERE or wanted(item)]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
+
+
+# -- the per-exercise report that `minillm check` reads ------------------------------------------
+
+
+def pytest_configure(config):
+    config.stash[RESULTS] = {}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    outcome = _outcome(report)
+    ex = exercise_of(item)
+    if is_check(item) and ex is not None and outcome is not None:
+        checks = item.config.stash[RESULTS].setdefault(ex.id, {})
+        previous = checks.get(item.name)
+        if previous is None or previous["outcome"] == "passed":  # a teardown error overrides a pass
+            checks[item.name] = {"name": item.name, "outcome": outcome,
+                                 "message": "" if outcome == "passed" else _message(report)}
+    return report
+
+
+def _outcome(report) -> str | None:
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        if report.passed:
+            return "passed"
+        if report.skipped:
+            return "not attempted" if "not attempted" in _message(report) else "skipped"
+        return "failed"
+    if report.when == "teardown" and report.failed:
+        return "failed"
+    return None
+
+
+def _message(report) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple):  # a skip: (path, line, "Skipped: reason")
+        return longrepr[2].removeprefix("Skipped: ")
+    crash = getattr(longrepr, "reprcrash", None)
+    text = crash.message if crash is not None else str(longrepr)
+    return text.removeprefix("AssertionError: ").removeprefix("Failed: ")
+
+
+def pytest_sessionfinish(session):
+    path = session.config.getoption("exercise_report")
+    if not path:
+        return
+    results = session.config.stash[RESULTS]
+    exercises = []
+    for ex_id in sorted(results):
+        ex = EXERCISES[ex_id]
+        exercises.append({"id": ex.id, "title": ex.title, "file": ex.file, "lesson": ex.lesson,
+                          "checks": list(results[ex_id].values())})
+    report = {"impl": session.config.getoption("impl"), "student_dir": str(student_dir(session.config)),
+              "exercises": exercises}
+    Path(path).write_text(json.dumps(report, indent=2))

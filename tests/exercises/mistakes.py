@@ -1,0 +1,490 @@
+"""Deliberately wrong implementations: the classic mistakes, one each, named after the mistake.
+
+``test_mistakes_are_caught.py`` runs every check of an exercise against each of its
+mistakes and requires at least one check to fail with a teaching message: a check
+that passes a wrong implementation is not honest.
+
+A mistake replaces one name of its exercise (see ``registry.py``): a function, or one
+method of a class (``"KVCache.write"``: the wrong ``write`` goes into a subclass of
+minillm's KVCache). The line that is wrong is marked ``# MISTAKE``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+
+from minillm.block_hash import hash_block
+from minillm.costs import PhaseCost, decode_cost, flops_per_token, weights_bytes
+from minillm.kv_cache import KVCache
+from minillm.metrics import RequestMetrics
+from minillm.model import causal_mask
+from minillm.rope import RotaryEmbedding
+from minillm.sampling import filter_logits
+
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Mistake:
+    """A wrong ``fn`` standing in for ``replaces`` of ``exercise``; its docstring says what is wrong."""
+
+    exercise: str
+    replaces: str
+    fn: Callable
+
+    @property
+    def name(self) -> str:
+        return self.fn.__name__
+
+    @property
+    def what(self) -> str:
+        return inspect.getdoc(self.fn).splitlines()[0]
+
+
+MISTAKES: list[Mistake] = []
+
+
+def mistake(exercise: str, replaces: str):
+    def register(fn):
+        MISTAKES.append(Mistake(exercise, replaces, fn))
+        return fn
+
+    return register
+
+
+def swap_in(m: Mistake, impl: SimpleNamespace) -> SimpleNamespace:
+    """A copy of ``impl`` with the mistake in place of the name it replaces."""
+    ns = SimpleNamespace(**vars(impl))
+    if "." not in m.replaces:
+        setattr(ns, m.replaces, m.fn)
+        return ns
+    cls_name, method = m.replaces.split(".")
+    base = getattr(impl, cls_name)
+    wrong = classmethod(m.fn) if isinstance(inspect.getattr_static(base, method), classmethod) else m.fn
+    setattr(ns, cls_name, type(m.name, (base,), {method: wrong}))
+    return ns
+
+
+# -- ex01 causal mask ------------------------------------------------------------------------------
+
+
+@mistake("ex01", "causal_mask")
+def mask_off_by_one(n_queries, n_keys, device=None):
+    """Each token also sees the next one: the diagonal is one too far."""
+    ones = torch.ones(n_queries, n_keys, dtype=torch.bool, device=device)
+    return ones.tril(diagonal=n_keys - n_queries + 1)  # MISTAKE: + 1
+
+
+@mistake("ex01", "causal_mask")
+def mask_assumes_square(n_queries, n_keys, device=None):
+    """Queries after a non-empty cache masked as if square: tril() hides the cached keys."""
+    return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril()  # MISTAKE: diagonal 0
+
+
+@mistake("ex01", "causal_mask")
+def mask_inverted(n_queries, n_keys, device=None):
+    """True where attention is forbidden (masked_fill's convention) instead of where it is allowed."""
+    ones = torch.ones(n_queries, n_keys, dtype=torch.bool, device=device)
+    return ~ones.tril(diagonal=n_keys - n_queries)  # MISTAKE: ~
+
+
+# -- ex02 attention, ex04 grouped-query attention -----------------------------------------------------
+
+
+def _attention(q, k, v, scale=None, mask=causal_mask, softmax_dim=-1):
+    """minillm's eager attention with its parts exchangeable (the mistakes below pass wrong ones)."""
+    B, n_heads, T, head_dim = q.shape
+    n_kv_heads, S = k.shape[1], k.shape[2]
+    q = q.reshape(B, n_kv_heads, n_heads // n_kv_heads, T, head_dim)
+    scale = 1 / math.sqrt(head_dim) if scale is None else scale
+    scores = q @ k.unsqueeze(2).transpose(-1, -2) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask(T, S, q.device), -INF)
+    pattern = torch.softmax(scores, dim=softmax_dim)
+    return (pattern @ v.unsqueeze(2)).reshape(B, n_heads, T, head_dim)
+
+
+@mistake("ex02", "eager_attention")
+def attention_without_scale(q, k, v, hook=None, name=""):
+    """No 1/√head_dim: the scores grow with head_dim and the softmax saturates."""
+    return _attention(q, k, v, scale=1.0)  # MISTAKE
+
+
+@mistake("ex02", "eager_attention")
+def attention_scaled_by_head_dim(q, k, v, hook=None, name=""):
+    """Divides by head_dim instead of √head_dim."""
+    return _attention(q, k, v, scale=1 / q.shape[-1])  # MISTAKE
+
+
+@mistake("ex02", "eager_attention")
+def attention_softmax_over_queries(q, k, v, hook=None, name=""):
+    """Softmax over the queries (dim -2) instead of the keys."""
+    return _attention(q, k, v, softmax_dim=-2)  # MISTAKE
+
+
+@mistake("ex02", "eager_attention")
+def attention_without_mask(q, k, v, hook=None, name=""):
+    """No causal mask: every token sees the future."""
+    return _attention(q, k, v, mask=None)  # MISTAKE
+
+
+@mistake("ex02", "eager_attention")
+def attention_mask_off_by_one(q, k, v, hook=None, name=""):
+    """The mask lets each token see the next one."""
+    return _attention(q, k, v, mask=mask_off_by_one)  # MISTAKE
+
+
+@mistake("ex02", "eager_attention")
+def attention_mask_assumes_square(q, k, v, hook=None, name=""):
+    """A multi-token query against a non-empty cache masked as if square (T×T tril on T×S scores)."""
+    return _attention(q, k, v, mask=mask_assumes_square)  # MISTAKE
+
+
+@mistake("ex04", "eager_attention")
+def gqa_heads_tiled_not_grouped(q, k, v, hook=None, name=""):
+    """K/V heads repeated as a tile (query head h reads K/V head h % n_kv_heads), not in groups."""
+    n_rep = q.shape[1] // k.shape[1]
+    return _attention(q, k.repeat(1, n_rep, 1, 1), v.repeat(1, n_rep, 1, 1))  # MISTAKE: repeat, not repeat_interleave
+
+
+@mistake("ex04", "eager_attention")
+def gqa_every_query_head_reads_kv_head_0(q, k, v, hook=None, name=""):
+    """Only the first K/V head is used, broadcast to every query head."""
+    n_heads = q.shape[1]
+    return _attention(q, k[:, :1].expand(-1, n_heads, -1, -1), v[:, :1].expand(-1, n_heads, -1, -1))  # MISTAKE
+
+
+# -- ex03 RoPE -----------------------------------------------------------------------------------------
+
+
+@mistake("ex03", "RotaryEmbedding.forward")
+def rope_positions_restart_at_zero(self, positions, dtype):
+    """Ignores the given positions and counts from 0: every decode token rotated as position 0."""
+    positions = torch.arange(len(positions))  # MISTAKE
+    return RotaryEmbedding.forward(self, positions, dtype)
+
+
+@mistake("ex03", "RotaryEmbedding.forward")
+def rope_tables_repeat_interleaved(self, positions, dtype):
+    """cos/sin laid out (θ0, θ0, θ1, θ1, ...) for adjacent pairs, while apply_rope pairs the halves."""
+    angles = positions.float()[:, None] * self.inv_freq[None, :]
+    angles = angles.repeat_interleave(2, dim=-1)  # MISTAKE: torch.cat((angles, angles), -1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@mistake("ex03", "apply_rope")
+def rope_rotates_the_wrong_way(x, cos, sin):
+    """Rotates by -angle: (x1·cos + x2·sin, x2·cos - x1·sin)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos - torch.cat((-x2, x1), dim=-1) * sin  # MISTAKE: - instead of +
+
+
+@mistake("ex03", "apply_rope")
+def rope_pairs_adjacent_channels(x, cos, sin):
+    """Rotates the pairs (2i, 2i+1) (GPT-J layout) instead of (i, i + head_dim/2) (HF Llama's)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., 0::2], x[..., 1::2]  # MISTAKE
+    c, s = cos[..., :half], sin[..., :half]
+    return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+
+
+# -- ex05 KV cache -------------------------------------------------------------------------------------
+
+
+@mistake("ex05", "KVCache.write")
+def cache_not_appended(self, layer, k, v):
+    """Writes the new K/V at position 0 every time, overwriting the cache instead of appending."""
+    T = k.shape[2]
+    self.k[layer, :, :, :T] = k  # MISTAKE: at 0, not at self.length
+    self.v[layer, :, :, :T] = v
+    return self.k[layer, :, :, :T], self.v[layer, :, :, :T]
+
+
+@mistake("ex05", "KVCache.write")
+def cache_appended_twice(self, layer, k, v):
+    """Writes the new K/V, then appends them again to the returned view."""
+    k_all, v_all = KVCache.write(self, layer, k, v)
+    return torch.cat([k_all, k], dim=2), torch.cat([v_all, v], dim=2)  # MISTAKE
+
+
+@mistake("ex05", "KVCache.write")
+def cache_view_misses_new_tokens(self, layer, k, v):
+    """Returns the positions filled before this write, without the new ones."""
+    KVCache.write(self, layer, k, v)
+    return self.k[layer, :, :, : self.length], self.v[layer, :, :, : self.length]  # MISTAKE: not length + T
+
+
+@mistake("ex05", "KVCache.write")
+def cache_length_advanced_in_write(self, layer, k, v):
+    """Moves length in write(): with several layers the length is counted once per layer."""
+    out = KVCache.write(self, layer, k, v)
+    self.length += k.shape[2]  # MISTAKE: advance() does this once, after every layer
+    return out
+
+
+@mistake("ex05", "KVCache.keys")
+def cache_keys_ignore_length(self, layer):
+    """Returns the whole preallocated buffer, zeros after length included."""
+    return self.k[layer]  # MISTAKE: [:, :, :self.length]
+
+
+# -- ex06 prefill, ex07 decode_step ----------------------------------------------------------------
+
+
+def _forward(model, ids, cache, positions, advance=True, last=-1):
+    """The forward pass from the model's parts (the mistakes below pass wrong positions or flags)."""
+    x = model.embed(ids)
+    if model.pos_embed is not None:
+        x = x + model.pos_embed(positions)
+    cos_sin = model.rope(positions, x.dtype) if model.rope is not None else None
+    for block in model.blocks:
+        x = block(x, cos_sin, cache, model.attn_impl, None)
+    if advance:
+        cache.advance(ids.shape[1])
+    return model.lm_head(model.ln_final(x[:, last])).float()
+
+
+@mistake("ex06", "prefill")
+def prefill_positions_start_at_zero(model, token_ids, cache, hook=None, trace=None):
+    """Positions from 0 even when the cache already holds a prefix."""
+    T = token_ids.shape[1]
+    return _forward(model, token_ids, cache, torch.arange(T))  # MISTAKE: arange(cache.length, cache.length + T)
+
+
+@mistake("ex06", "prefill")
+def prefill_forgets_to_advance_cache(model, token_ids, cache, hook=None, trace=None):
+    """Writes K/V but leaves cache.length at its old value."""
+    T = token_ids.shape[1]
+    return _forward(model, token_ids, cache, torch.arange(cache.length, cache.length + T), advance=False)  # MISTAKE
+
+
+@mistake("ex06", "prefill")
+def prefill_returns_first_position_logits(model, token_ids, cache, hook=None, trace=None):
+    """Returns the logits of the first prompt token instead of the last one."""
+    T = token_ids.shape[1]
+    return _forward(model, token_ids, cache, torch.arange(cache.length, cache.length + T), last=0)  # MISTAKE
+
+
+@mistake("ex07", "decode_step")
+def decode_position_off_by_one(model, token_id, cache, hook=None, trace=None):
+    """The new token is placed at cache.length + 1 instead of cache.length."""
+    return _forward(model, token_id.reshape(-1, 1), cache, torch.tensor([cache.length + 1]))  # MISTAKE
+
+
+@mistake("ex07", "decode_step")
+def decode_rope_positions_restart_at_zero(model, token_id, cache, hook=None, trace=None):
+    """Every decode token gets position 0, as if it started a new prompt."""
+    return _forward(model, token_id.reshape(-1, 1), cache, torch.tensor([0]))  # MISTAKE
+
+
+@mistake("ex07", "decode_step")
+def decode_forgets_to_advance_cache(model, token_id, cache, hook=None, trace=None):
+    """cache.length stays put: the next step overwrites this token's K/V."""
+    return _forward(model, token_id.reshape(-1, 1), cache, torch.tensor([cache.length]), advance=False)  # MISTAKE
+
+
+# -- ex08 sampling ---------------------------------------------------------------------------------
+
+
+def _top_k(logits, params):
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -INF)
+    return logits
+
+
+def _top_p(logits, params):
+    if params.top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop_sorted = probs.cumsum(dim=-1) - probs >= params.top_p
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -INF)
+    return logits
+
+
+@mistake("ex08", "filter_logits")
+def temperature_multiplies_logits(logits, params):
+    """Multiplies by the temperature instead of dividing."""
+    logits = logits * params.temperature  # MISTAKE: / params.temperature
+    return _top_p(_top_k(logits, params), params)
+
+
+@mistake("ex08", "filter_logits")
+def top_p_on_logits(logits, params):
+    """Accumulates raw logits instead of probabilities against top_p."""
+    logits = _top_k(logits / params.temperature, params)
+    if params.top_p == 1:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    mass_before = sorted_logits.cumsum(dim=-1) - sorted_logits  # MISTAKE: no softmax
+    drop_sorted = mass_before >= params.top_p
+    return logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -INF)
+
+
+@mistake("ex08", "filter_logits")
+def top_p_drops_crossing_token(logits, params):
+    """Keeps only tokens whose cumulative probability is <= top_p: the token that crosses it is dropped."""
+    logits = _top_k(logits / params.temperature, params)
+    if params.top_p == 1:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    drop_sorted = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1) > params.top_p  # MISTAKE: cumsum, not mass before
+    drop_sorted[:, 0] = False  # the top token is kept
+    return logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -INF)
+
+
+@mistake("ex08", "filter_logits")
+def top_p_masks_everything_when_top_prob_exceeds_p(logits, params):
+    """cumsum > top_p without keeping the top token: if it alone exceeds top_p, every logit is -inf."""
+    logits = _top_k(logits / params.temperature, params)
+    if params.top_p == 1:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    drop_sorted = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1) > params.top_p  # MISTAKE
+    return logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -INF)
+
+
+@mistake("ex08", "filter_logits")
+def top_p_mask_left_in_sorted_order(logits, params):
+    """Computes the top-p mask on sorted tokens and applies it to the unsorted logits."""
+    logits = _top_k(logits / params.temperature, params)
+    if params.top_p == 1:
+        return logits
+    probs = torch.softmax(torch.sort(logits, dim=-1, descending=True).values, dim=-1)
+    drop_sorted = probs.cumsum(dim=-1) - probs >= params.top_p
+    return logits.masked_fill(drop_sorted, -INF)  # MISTAKE: no scatter back through the sort order
+
+
+@mistake("ex08", "sample")
+def temperature_zero_divides_by_zero(logits, params, generator=None):
+    """Temperature 0 goes through logits / 0 (inf, nan) instead of taking the argmax."""
+    probs = torch.softmax(filter_logits(logits, params), dim=-1)  # MISTAKE: no greedy branch
+    token_ids = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    return token_ids, torch.log_softmax(logits, dim=-1).gather(-1, token_ids[:, None]).squeeze(-1)
+
+
+@mistake("ex08", "sample")
+def logprob_after_filtering(logits, params, generator=None):
+    """Reports the logprob under the filtered distribution instead of the model's own."""
+    filtered = logits if params.greedy else filter_logits(logits, params)
+    if params.greedy:
+        token_ids = logits.argmax(dim=-1)
+    else:
+        token_ids = torch.multinomial(torch.softmax(filtered, -1), num_samples=1, generator=generator).squeeze(-1)
+    return token_ids, torch.log_softmax(filtered, dim=-1).gather(-1, token_ids[:, None]).squeeze(-1)  # MISTAKE
+
+
+# -- ex09 metrics ----------------------------------------------------------------------------------
+
+
+@mistake("ex09", "RequestMetrics.from_timestamps")
+def tpot_includes_first_token(cls, start_s, token_times_s, n_prompt_tokens, bytes_per_decode_step=None,
+                              peak_bandwidth=None):
+    """TPOT = e2e / n: the first token, which waited for the prefill, is averaged in."""
+    m = RequestMetrics.from_timestamps(start_s, token_times_s, n_prompt_tokens)
+    return replace(m, tpot_ms=m.e2e_ms / m.n_output_tokens)  # MISTAKE: (e2e - ttft) / (n - 1)
+
+
+@mistake("ex09", "RequestMetrics.from_timestamps")
+def latency_in_seconds_not_ms(cls, start_s, token_times_s, n_prompt_tokens, bytes_per_decode_step=None,
+                              peak_bandwidth=None):
+    """Latencies left in seconds in the *_ms fields."""
+    m = RequestMetrics.from_timestamps(start_s, token_times_s, n_prompt_tokens)
+    tpot = None if m.tpot_ms is None else m.tpot_ms / 1e3
+    return replace(m, ttft_ms=m.ttft_ms / 1e3, e2e_ms=m.e2e_ms / 1e3, tpot_ms=tpot,  # MISTAKE: no · 1000
+                   itl_ms=tuple(t / 1e3 for t in m.itl_ms))
+
+
+@mistake("ex09", "RequestMetrics.from_timestamps")
+def output_throughput_over_decode_time(cls, start_s, token_times_s, n_prompt_tokens, bytes_per_decode_step=None,
+                                       peak_bandwidth=None):
+    """Output throughput divides by the decode time (e2e - TTFT) instead of the whole request."""
+    m = RequestMetrics.from_timestamps(start_s, token_times_s, n_prompt_tokens)
+    decode_s = (m.e2e_ms - m.ttft_ms) / 1e3
+    return replace(m, output_throughput_tok_s=m.n_output_tokens / decode_s if decode_s else INF)  # MISTAKE
+
+
+# -- ex10 costs ------------------------------------------------------------------------------------
+
+
+@mistake("ex10", "kv_bytes_per_token")
+def kv_bytes_forgets_k_and_v(config, dtype_bytes):
+    """Counts K or V, not both: the factor 2 is missing."""
+    return config.n_layers * config.n_kv_heads * config.head_dim * dtype_bytes  # MISTAKE: no 2 ·
+
+
+@mistake("ex10", "kv_bytes_per_token")
+def kv_bytes_uses_query_heads(config, dtype_bytes):
+    """Uses n_heads instead of n_kv_heads: wrong by n_rep for GQA and MQA models."""
+    return 2 * config.n_layers * config.n_heads * config.head_dim * dtype_bytes  # MISTAKE
+
+
+@mistake("ex10", "decode_cost")
+def decode_reads_weights_per_sequence(config, context_len, dtype_bytes, batch_size=1):
+    """Counts the weights once per sequence: batching would not raise the arithmetic intensity."""
+    c = decode_cost(config, context_len, dtype_bytes, batch_size)
+    w = weights_bytes(config, dtype_bytes) * batch_size  # MISTAKE: read once for the whole batch
+    return PhaseCost(c.flops, w + c.kv_read_bytes + c.kv_written_bytes, w, c.kv_read_bytes, c.kv_written_bytes)
+
+
+@mistake("ex10", "decode_cost")
+def decode_forgets_the_kv_cache(config, context_len, dtype_bytes, batch_size=1):
+    """Counts only the weights as bytes: the KV cache reads (and the new entry's write) are left out."""
+    w = weights_bytes(config, dtype_bytes)
+    return PhaseCost(batch_size * flops_per_token(config, context_len), w, w)  # MISTAKE
+
+
+# -- ex11 prefix cache -----------------------------------------------------------------------------
+
+
+@mistake("ex11", "block_hashes")
+def block_hashes_include_partial_block(token_ids, block_size, seed, extra_keys=(), hash_fn=hash_block):
+    """Also hashes the last, partial block (its K/V would change as the block fills)."""
+    hashes, parent = [], seed
+    for start in range(0, len(token_ids), block_size):  # MISTAKE: len - block_size + 1
+        parent = hash_fn(parent, token_ids[start : start + block_size], extra_keys)
+        hashes.append(parent)
+    return hashes
+
+
+@mistake("ex11", "block_hashes")
+def block_hashes_not_chained(token_ids, block_size, seed, extra_keys=(), hash_fn=hash_block):
+    """Hashes each block on its own tokens: equal blocks after different prefixes collide."""
+    starts = range(0, len(token_ids) - block_size + 1, block_size)
+    return [hash_fn(seed, token_ids[s : s + block_size], extra_keys) for s in starts]  # MISTAKE
+
+
+@mistake("ex11", "longest_cached_prefix")
+def prefix_hit_counts_partial_block(block_hashes, cached, n_tokens, block_size):
+    """After the full blocks, also counts the leftover tokens of the partial block as cached."""
+    n_hit = 0
+    for h in block_hashes:
+        if h not in cached:
+            break
+        n_hit += 1
+    leftover = n_tokens - len(block_hashes) * block_size if n_hit == len(block_hashes) else 0  # MISTAKE
+    return min(n_hit * block_size + leftover, n_tokens - 1)
+
+
+@mistake("ex11", "longest_cached_prefix")
+def prefix_hit_leaves_no_token_to_prefill(block_hashes, cached, n_tokens, block_size):
+    """Serves every cached full block, even the one holding the last prompt token."""
+    n_hit = 0
+    for h in block_hashes:  # MISTAKE: at most (n_tokens - 1) // block_size blocks
+        if h not in cached:
+            break
+        n_hit += 1
+    return n_hit * block_size
+
+
+@mistake("ex11", "longest_cached_prefix")
+def prefix_hit_continues_after_a_miss(block_hashes, cached, n_tokens, block_size):
+    """Counts every cached block, also those after a missing one."""
+    max_blocks = max(n_tokens - 1, 0) // block_size
+    return sum(h in cached for h in block_hashes[:max_blocks]) * block_size  # MISTAKE: stop at the first miss

@@ -1,0 +1,26 @@
+"""Independent oracles: the textbook formula, written the slow and obvious way."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention one query at a time: softmax(q·kᵀ / √head_dim) · v over the keys it may see.
+
+    q: [B, n_heads, T, head_dim]; k, v: [B, n_kv_heads, S, head_dim]. Query i sits at
+    position S - T + i and sees keys 0..S - T + i. Query head h reads K/V head h // n_rep.
+    """
+    B, H, T, D = q.shape
+    n_rep = H // k.shape[1]
+    S = k.shape[2]
+    out = torch.zeros_like(q)
+    for h in range(H):
+        kv = h // n_rep
+        for i in range(T):
+            seen = S - T + i + 1
+            scores = q[:, h, i : i + 1] @ k[:, kv, :seen].transpose(-1, -2) / math.sqrt(D)  # [B, 1, seen]
+            out[:, h, i : i + 1] = torch.softmax(scores, dim=-1) @ v[:, kv, :seen]
+    return out

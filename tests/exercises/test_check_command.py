@@ -1,0 +1,78 @@
+"""`minillm check`, run as a student runs it: on a fresh checkout, and on a folder of answers."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from minillm import classroom
+from minillm.classroom import CheckResult, ExerciseResult
+from minillm.cli import _class_table
+from minillm.errors import MiniLLMError
+
+
+def minillm(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=600)
+
+
+def test_fresh_checkout_is_not_attempted(tmp_path):
+    r = minillm("check", "ex01", "5", cwd=tmp_path)  # from anywhere: the checkout is found from the package
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("not attempted") >= 2 and "ex01" in r.stdout and "ex05" in r.stdout
+    assert "0 passed, 0 failed, 2 not attempted" in r.stdout
+
+
+def test_a_students_folder_passed_failed_not_attempted(tmp_path):
+    (tmp_path / "ex01_causal_mask.py").write_text("from minillm.model import causal_mask  # noqa: F401\n")
+    (tmp_path / "ex02_attention.py").write_text(textwrap.dedent("""\
+        from exercises.mistakes import attention_without_scale as eager_attention  # noqa: F401
+    """))
+    r = minillm("check", "ex01", "ex02", "ex05", "--student-dir", str(tmp_path))
+    assert r.returncode == 1, r.stdout + r.stderr
+    rows = {line.split()[1]: line for line in r.stdout.splitlines() if line.startswith("│ ex")}
+    assert "passed" in rows["ex01"] and "failed" in rows["ex02"] and "not attempted" in rows["ex05"]
+    assert "FAILED ex02 ex02_attention.py: test_scores_are_scaled_by_sqrt_head_dim" in r.stdout
+    assert "hint:" in r.stdout and "lesson:   lessons/01-what-is-inference.md#attention" in r.stdout
+
+
+def test_unknown_exercise_is_a_usage_error():
+    r = minillm("check", "ex99")
+    assert r.returncode == 2 and "unknown exercise 'ex99'; known: ex01" in r.stderr
+
+
+def test_outside_a_checkout_says_so_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(classroom, "__file__", str(tmp_path / "site-packages" / "minillm" / "classroom.py"))
+    with pytest.raises(MiniLLMError, match="run 'minillm check' from a clone of the minillm repository"):
+        classroom.find_checkout(tmp_path)
+
+
+def test_exercise_names_are_normalized():
+    known = ["ex01", "ex03", "ex11"]
+    assert [classroom.normalize_exercise(n, known) for n in ("3", "ex3", "EX03", "11")] == ["ex03"] * 3 + ["ex11"]
+
+
+def test_status_of_an_exercise():
+    def ex(*outcomes):
+        return ExerciseResult("ex01", "t", "f.py", "l", tuple(CheckResult(f"c{i}", o) for i, o in enumerate(outcomes)))
+
+    assert ex("passed", "passed").status == "passed"
+    assert ex("not attempted", "not attempted").status == "not attempted"
+    assert ex("passed", "not attempted").status == "failed"
+    assert ex("passed", "failed").status == "failed"
+
+
+def test_class_table_has_a_row_per_student(tmp_path):
+    from rich.console import Console
+
+    def results(*statuses):
+        outcome = {"+": "passed", "x": "failed", ".": "not attempted"}
+        return [ExerciseResult(f"ex0{i + 1}", "t", "f.py", "l", (CheckResult("c", outcome[s]),))
+                for i, s in enumerate(statuses)]
+
+    table = _class_table({tmp_path / "alice": results("+", "x"), tmp_path / "bob": results(".", "+")})
+    console = Console(width=80, record=True)
+    console.print(table)
+    text = console.export_text()
+    assert "alice" in text and "bob" in text and "1/2" in text and "ex02" in text

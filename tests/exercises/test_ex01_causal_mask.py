@@ -1,0 +1,41 @@
+"""Exercise 1: the causal mask, square for a prompt, rectangular after a KV cache."""
+
+import pytest
+import torch
+
+from exercises.checking import Case
+
+pytestmark = pytest.mark.ex01
+LESSON = "lessons/02-prefill-and-decode.md#the-causal-mask"
+
+
+def mask(rows: list[str]) -> torch.Tensor:
+    return torch.tensor([[c == "1" for c in row.split()] for row in rows])
+
+
+def test_prompt_mask_is_lower_triangular(impl):
+    c = Case("causal_mask(4, 4)", "a prompt of 4 tokens, empty cache", shapes="[n_queries, n_keys] = [4, 4], bool",
+             hint="query i sees keys 0..i: itself and the tokens before it, never a later one", lesson=LESSON)
+    c.equal(c.call(impl.causal_mask, 4, 4), mask(["1 0 0 0", "1 1 0 0", "1 1 1 0", "1 1 1 1"]))
+
+
+def test_queries_after_a_cache_see_every_cached_key(impl):
+    c = Case("causal_mask(2, 5)", "2 new tokens prefilled after 3 cached ones (keys 0..4, queries at positions 3, 4)",
+             shapes="[n_queries, n_keys] = [2, 5], bool",
+             hint="the queries are the LAST n_queries positions: query i sits at position n_keys - n_queries + i "
+                  "and sees keys 0..that position (a square tril() hides cached keys)", lesson=LESSON)
+    c.equal(c.call(impl.causal_mask, 2, 5), mask(["1 1 1 1 0", "1 1 1 1 1"]))
+
+
+def test_one_decode_query_sees_every_key(impl):
+    c = Case("causal_mask(1, 6)", "a decode step: 1 new token after 5 cached ones", shapes="[1, 6], bool",
+             hint="the newest token is the last position: it sees all keys, itself included", lesson=LESSON)
+    c.equal(c.call(impl.causal_mask, 1, 6), torch.ones(1, 6, dtype=torch.bool))
+
+
+def test_mask_is_made_on_the_given_device(impl):
+    c = Case("causal_mask(3, 3, device=torch.device('cpu'))", "the mask is built where the scores are (a GPU "
+             "in real use)", shapes="[3, 3], bool", lesson=LESSON,
+             hint="pass device= to the tensor you create: torch.ones(..., dtype=torch.bool, device=device)")
+    got = c.call(impl.causal_mask, 3, 3, device=torch.device("cpu"))
+    c.equal(got, mask(["1 0 0", "1 1 0", "1 1 1"]))

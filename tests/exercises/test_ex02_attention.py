@@ -1,0 +1,77 @@
+"""Exercise 2: scaled dot-product attention, written out (one K/V head per query head)."""
+
+import pytest
+import torch
+
+from exercises import oracles
+from exercises.checking import Case
+from exercises.models import randn
+
+pytestmark = pytest.mark.ex02
+LESSON = "lessons/01-what-is-inference.md#attention"
+SHAPES = "q [{B}, {H}, {T}, {D}], k and v [{B}, {H}, {S}, {D}]  ([B, n_heads, T or S, head_dim])"
+
+
+def qkv(B=1, H=2, T=3, S=3, D=4, seed=0):
+    q, k, v = randn(3, B, H, S, D, seed=seed).unbind(0)
+    return q[:, :, S - T :].contiguous(), k, v
+
+
+def shapes(q, k):
+    B, H, T, D = q.shape
+    return SHAPES.format(B=B, H=H, T=T, S=k.shape[2], D=D)
+
+
+def test_one_key_gives_its_value(impl):
+    q, k, v = qkv(T=1, S=1)
+    c = Case("eager_attention(q, k, v)", "the first token of a prompt: 1 query, 1 key", shapes=shapes(q, k),
+             hint="with a single key the softmax weight is 1, so the output is v itself", lesson=LESSON)
+    c.close(c.call(impl.eager_attention, q, k, v), v)
+
+
+def test_scores_are_scaled_by_sqrt_head_dim(impl):
+    q, k, v = qkv(T=3, S=3, D=4, seed=1)
+    q = 3 * q  # large scores: a missing or wrong scale changes the softmax a lot
+    c = Case("eager_attention(q, k, v)[:, :, -1]", "a 3-token prompt, head_dim 4: the last token, which sees "
+             "all 3 keys", shapes=shapes(q, k),
+             hint="scores = q·kᵀ / √head_dim (here / 2), then the softmax over the keys, then · v", lesson=LESSON)
+    c.close(c.call(impl.eager_attention, q, k, v)[:, :, -1], oracles.attention(q, k, v)[:, :, -1])
+
+
+def test_weights_sum_to_one_over_the_keys(impl):
+    q, k, _ = qkv(T=3, S=3, seed=2)
+    ones = torch.ones_like(k)
+    c = Case("eager_attention(q, k, v=1)", "a 3-token prompt with every value = 1", shapes=shapes(q, k),
+             hint="the softmax runs over the keys (the last dim of the scores [.., T, S]), so each query's "
+                  "weights sum to 1 and averaging ones gives ones", lesson=LESSON)
+    c.close(c.call(impl.eager_attention, q, k, ones), torch.ones_like(q))
+
+
+def test_no_query_sees_a_later_token(impl):
+    q, k, v = qkv(T=4, S=4, seed=3)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, -1] += 5.0
+    v2[:, :, -1] -= 5.0  # change only the last token's key and value
+    c = Case("eager_attention(q, k, v)", "a 4-token prompt; the last token's K/V changed",
+             shapes=shapes(q, k), lesson=LESSON,
+             hint="apply the causal mask (scores of later keys = -inf before the softmax): tokens 0..2 "
+                  "must not see token 3, so their outputs cannot change")
+    before = c.call(impl.eager_attention, q, k, v)
+    after = c.call(impl.eager_attention, q, k2, v2)
+    c.close(after[:, :, :3], before[:, :, :3])
+
+
+def test_prompt_matches_the_formula(impl):
+    q, k, v = qkv(B=2, H=2, T=5, S=5, D=8, seed=4)
+    c = Case("eager_attention(q, k, v)", "a batch of two 5-token prompts", shapes=shapes(q, k),
+             hint="softmax(q·kᵀ / √head_dim + causal mask) · v, per batch and head", lesson=LESSON)
+    c.close(c.call(impl.eager_attention, q, k, v), oracles.attention(q, k, v))
+
+
+def test_queries_after_a_cache_see_the_cached_keys(impl):
+    q, k, v = qkv(T=2, S=5, seed=5)
+    c = Case("eager_attention(q, k, v)", "2 new queries (positions 3, 4) after 3 cached keys: T=2 < S=5",
+             shapes=shapes(q, k), lesson=LESSON,
+             hint="with a cache the queries are the last T of S positions: the mask is causal_mask(T, S), "
+                  "a rectangle where query i sees keys 0..S-T+i (not a square T×T tril)")
+    c.close(c.call(impl.eager_attention, q, k, v), oracles.attention(q, k, v))

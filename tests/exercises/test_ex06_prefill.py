@@ -1,0 +1,81 @@
+"""Exercise 6: prefill, the whole prompt in one forward pass that fills the KV cache."""
+
+import pytest
+import torch
+
+from exercises.checking import Case
+from exercises.models import prompt, tiny_model
+from minillm import KVCache
+from minillm.phases import prefill
+
+pytestmark = pytest.mark.ex06
+LESSON = "lessons/02-prefill-and-decode.md#prefill"
+HOW = ("positions = arange(cache.length, cache.length + T); x = embed(ids) (+ pos_embed(positions) for GPT-2); "
+       "cos/sin = model.rope(positions, x.dtype) for Llama; every block(x, cos_sin, cache, model.attn_impl, hook); "
+       "cache.advance(T); logits = lm_head(ln_final(x[:, -1])).float()")
+
+
+def full_forward_last(model, ids: torch.Tensor) -> torch.Tensor:
+    """The oracle: the model over the whole sequence from position 0, no cache; last position's logits."""
+    with torch.no_grad():
+        return model(ids)[:, -1].float()
+
+
+def run(c, impl, model, ids, cache):
+    with torch.no_grad():
+        return c.call(impl.prefill, model, ids, cache)
+
+
+def test_logits_of_the_last_prompt_token(impl):
+    model, ids = tiny_model("llama_gqa"), prompt(6)
+    c = Case("prefill(model, ids, cache)", "a 6-token prompt, empty cache, tiny Llama (GQA, RoPE)",
+             shapes="ids [1, 6] -> logits [B, vocab] = [1, 128] float32", hint=HOW, lesson=LESSON)
+    logits = run(c, impl, model, ids, KVCache.for_model(model, max_seq_len=16))
+    c.close(logits, full_forward_last(model, ids), hint="return the logits of the LAST prompt position "
+            "(they predict the first new token), [B, vocab] in float32; " + HOW)
+
+
+def test_the_cache_holds_the_prompt(impl):
+    model, ids = tiny_model("llama_gqa"), prompt(6)
+    c = Case("prefill(model, ids, cache)", "a 6-token prompt, empty cache of 16 positions",
+             shapes="cache.k: [n_layers, B, n_kv_heads, 16, head_dim] = [2, 1, 2, 16, 16]", lesson=LESSON,
+             hint="each layer writes its K/V (the blocks do it through cache.write); afterwards call "
+                  "cache.advance(T) once, so cache.length == 6")
+    cache, ref = KVCache.for_model(model, max_seq_len=16), KVCache.for_model(model, max_seq_len=16)
+    run(c, impl, model, ids, cache)
+    prefill(model, ids, ref)
+    c.equal(cache.length, 6)
+    c.close(cache.k[:, :, :, :6], ref.k[:, :, :, :6])
+    c.close(cache.v[:, :, :, :6], ref.v[:, :, :, :6])
+
+
+def test_prefill_onto_a_filled_cache(impl):
+    model, ids = tiny_model("llama_gqa"), prompt(7, seed=1)
+    c = Case("prefill(model, ids[:, 4:], cache)", "the last 3 tokens of a 7-token prompt, after 4 cached ones "
+             "(how a prefix-cache hit is used)", shapes="ids [1, 3]; cache.length 4 -> 7", lesson=LESSON,
+             hint="positions start at cache.length (here 4, 5, 6), not 0; " + HOW)
+    cache = KVCache.for_model(model, max_seq_len=16)
+    prefill(model, ids[:, :4], cache)
+    logits = run(c, impl, model, ids[:, 4:], cache)
+    c.equal(cache.length, 7)
+    c.close(logits, full_forward_last(model, ids))
+
+
+def test_gpt2_learned_positions(impl):
+    model, ids = tiny_model("gpt2"), prompt(5, seed=2)
+    c = Case("prefill(model, ids, cache)", "a 5-token prompt then 2 more, tiny GPT-2 (learned positions, no RoPE)",
+             shapes="ids [1, 5] then [1, 2] -> logits [1, 128]", lesson=LESSON,
+             hint="GPT-2 has model.pos_embed and model.rope is None: x = embed(ids) + pos_embed(positions), "
+                  "and the blocks get rope_cos_sin=None; " + HOW)
+    cache = KVCache.for_model(model, max_seq_len=16)
+    c.close(run(c, impl, model, ids, cache), full_forward_last(model, ids))
+    more = prompt(2, seed=3)
+    c.close(run(c, impl, model, more, cache), full_forward_last(model, torch.cat([ids, more], dim=1)))
+
+
+def test_a_batch_of_two_prompts(impl):
+    model, ids = tiny_model("llama_mqa_tied"), prompt(5, batch=2, seed=4)
+    c = Case("prefill(model, ids, cache)", "2 prompts of 5 tokens, tiny Llama with 1 K/V head",
+             shapes="ids [2, 5] -> logits [2, 128]", hint=HOW, lesson=LESSON)
+    cache = KVCache.for_model(model, batch_size=2, max_seq_len=8)
+    c.close(run(c, impl, model, ids, cache), full_forward_last(model, ids))

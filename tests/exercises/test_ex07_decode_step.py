@@ -1,0 +1,84 @@
+"""Exercise 7: decode_step, one new token at position cache.length."""
+
+import pytest
+import torch
+
+from exercises.checking import Case
+from exercises.models import prompt, tiny_model
+from minillm import KVCache
+from minillm.phases import prefill
+
+pytestmark = pytest.mark.ex07
+LESSON = "lessons/02-prefill-and-decode.md#decode"
+HOW = ("the new token sits at position cache.length (a prompt of 5 -> position 5): positions = "
+       "arange(cache.length, cache.length + 1); run embed (+ pos_embed), rope, every block with the cache, "
+       "cache.advance(1), then lm_head(ln_final(x))[:, -1].float()")
+
+
+def full_forward_last(model, ids: torch.Tensor) -> torch.Tensor:
+    """The oracle: the model over the whole sequence from position 0, no cache; last position's logits."""
+    with torch.no_grad():
+        return model(ids)[:, -1].float()
+
+
+def after_prefill(model, ids, max_seq_len=16):
+    cache = KVCache.for_model(model, batch_size=ids.shape[0], max_seq_len=max_seq_len)
+    prefill(model, ids, cache)
+    return cache
+
+
+def step(c, impl, model, token, cache):
+    with torch.no_grad():
+        return c.call(impl.decode_step, model, token, cache)
+
+
+def test_one_step_after_the_prompt(impl):
+    model, ids = tiny_model("llama_gqa"), prompt(6)
+    c = Case("decode_step(model, token_id, cache)", "prompt of 5 tokens prefilled, then token 6 decoded "
+             "(position 5), tiny Llama", shapes="token_id [1] -> logits [B, vocab] = [1, 128] float32",
+             hint=HOW, lesson=LESSON)
+    cache = after_prefill(model, ids[:, :5])
+    logits = step(c, impl, model, ids[:, 5], cache)
+    c.close(logits, full_forward_last(model, ids))
+    c.equal(cache.length, 6, hint="decode appends one position: call cache.advance(1) after the blocks")
+
+
+def test_the_new_token_is_written_at_position_length(impl):
+    model, ids = tiny_model("llama_gqa"), prompt(6, seed=1)
+    c = Case("decode_step(model, token_id, cache)", "prompt of 5 tokens, 1 decode step",
+             shapes="cache.k: [n_layers, B, n_kv_heads, max_seq_len, head_dim] = [2, 1, 2, 16, 16]; "
+                    "the step writes position 5", hint=HOW, lesson=LESSON)
+    cache, ref = after_prefill(model, ids[:, :5]), after_prefill(model, ids)
+    step(c, impl, model, ids[:, 5], cache)
+    c.close(cache.k[:, :, :, :6], ref.k[:, :, :, :6])
+    c.close(cache.v[:, :, :, :6], ref.v[:, :, :, :6])
+
+
+def test_three_steps_in_a_row(impl):
+    model, ids = tiny_model("llama_gqa"), prompt(7, seed=2)
+    c = Case("decode_step(model, token_id, cache) x 3", "prompt of 4 tokens, then positions 4, 5, 6",
+             shapes="token_id [1] -> logits [1, 128]", hint=HOW, lesson=LESSON)
+    cache = after_prefill(model, ids[:, :4])
+    for n in range(4, 7):
+        logits = step(c, impl, model, ids[:, n], cache)
+        c.close(logits, full_forward_last(model, ids[:, : n + 1]))
+    c.equal(cache.length, 7)
+
+
+def test_gpt2_learned_positions(impl):
+    model, ids = tiny_model("gpt2"), prompt(6, seed=3)
+    c = Case("decode_step(model, token_id, cache) x 2", "tiny GPT-2 (learned positions): prompt of 4, "
+             "positions 4 and 5", shapes="token_id [1] -> logits [1, 128]", lesson=LESSON,
+             hint="GPT-2 adds model.pos_embed(positions) to the embedding and has no RoPE; " + HOW)
+    cache = after_prefill(model, ids[:, :4])
+    for n in (4, 5):
+        c.close(step(c, impl, model, ids[:, n], cache), full_forward_last(model, ids[:, : n + 1]))
+
+
+def test_a_batch_of_two(impl):
+    model, ids = tiny_model("llama_mqa_tied"), prompt(5, batch=2, seed=4)
+    c = Case("decode_step(model, token_id, cache)", "2 sequences with prompts of 4, one token each",
+             shapes="token_id [2] -> logits [2, 128]", lesson=LESSON,
+             hint="token_id [B] becomes ids [B, 1] (one new token per sequence); " + HOW)
+    cache = after_prefill(model, ids[:, :4], max_seq_len=8)
+    c.close(step(c, impl, model, ids[:, 4], cache), full_forward_last(model, ids))

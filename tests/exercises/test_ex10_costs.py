@@ -1,0 +1,80 @@
+"""Exercise 10: KV cache bytes per token and the cost (FLOPs, bytes, intensity) of a decode step."""
+
+from importlib.resources import files
+
+import pytest
+
+from exercises.checking import Case
+from exercises.models import tiny_config
+from minillm import ModelConfig
+from minillm.costs import flops_per_token, weights_bytes
+
+pytestmark = pytest.mark.ex10
+LESSON = "lessons/05-compute-vs-memory-bound.md#arithmetic-intensity"
+KV_LESSON = "lessons/03-kv-cache.md#how-big-is-the-kv-cache"
+KV = "2 (K and V) · n_layers · n_kv_heads · head_dim · dtype_bytes"
+DECODE = ("one step reads every weight once (shared by the whole batch), reads the cache's context_len "
+          "positions and writes 1 new one, per sequence; FLOPs = flops_per_token(context_len) per sequence")
+
+
+def llama3_8b() -> ModelConfig:
+    return ModelConfig.from_json(files("minillm") / "configs" / "llama-3-8b.json")
+
+
+def test_kv_bytes_llama_3_8b(impl):
+    c = Case("kv_bytes_per_token(llama-3-8b, dtype_bytes=2)", "Llama-3-8B in bfloat16: 32 layers, 32 query heads, "
+             "8 KV heads, head_dim 128", shapes="one token's K and V in every layer", lesson=KV_LESSON,
+             hint=f"{KV} = 2 · 32 · 8 · 128 · 2 = 131,072 bytes (128 KiB per token)")
+    c.equal(c.call(impl.kv_bytes_per_token, llama3_8b(), 2), 131072)
+
+
+def test_kv_bytes_with_one_kv_head(impl):
+    cfg = tiny_config("llama_mqa_tied")
+    c = Case("kv_bytes_per_token(tiny MQA Llama, dtype_bytes=4)", "2 layers, 4 query heads, 1 KV head, head_dim 16",
+             shapes="float32", hint=f"{KV} = 2 · 2 · 1 · 16 · 4 = 256: only the KV heads are cached",
+             lesson=KV_LESSON)
+    c.equal(c.call(impl.kv_bytes_per_token, cfg, 4), 256)
+
+
+def expected_decode(cfg, context_len, dtype_bytes, batch_size):
+    kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
+    w = weights_bytes(cfg, dtype_bytes)
+    return dict(flops=batch_size * flops_per_token(cfg, context_len), weights_bytes=w,
+                kv_read_bytes=kv * context_len * batch_size, kv_written_bytes=kv * batch_size,
+                bytes=w + kv * (context_len + 1) * batch_size)
+
+
+def check_decode(c, cost, expected):
+    for field in ("flops", "weights_bytes", "kv_read_bytes", "kv_written_bytes", "bytes"):
+        c.close(getattr(cost, field, None), float(expected[field]), hint=f"PhaseCost.{field}: {DECODE}")
+    c.close(cost.arithmetic_intensity, expected["flops"] / expected["bytes"])
+
+
+def test_decode_step_batch_1(impl):
+    cfg = llama3_8b()
+    c = Case("decode_cost(llama-3-8b, context_len=1000, dtype_bytes=2)", "one bfloat16 decode step, batch 1, "
+             "1000 positions in the cache after the write", shapes="PhaseCost(flops, bytes, weights_bytes, "
+             "kv_read_bytes, kv_written_bytes)", hint=DECODE, lesson=LESSON)
+    cost = c.call(impl.decode_cost, cfg, 1000, 2)
+    check_decode(c, cost, expected_decode(cfg, 1000, 2, 1))
+    c.true(0.5 < cost.arithmetic_intensity < 2, "a batch-1 decode step should do about 1 FLOP per byte",
+           expected="about 1 FLOP/byte (2 FLOPs per weight, 2 bytes per weight)", got=cost.arithmetic_intensity)
+
+
+def test_decode_step_batch_16_reads_the_weights_once(impl):
+    cfg = llama3_8b()
+    c = Case("decode_cost(llama-3-8b, context_len=1000, dtype_bytes=2, batch_size=16)",
+             "16 sequences decoded together", shapes="PhaseCost", lesson=LESSON,
+             hint="batching: FLOPs and KV traffic grow with the batch, the weights are read once for all "
+                  "16 sequences, so the arithmetic intensity grows almost 16x; " + DECODE)
+    cost = c.call(impl.decode_cost, cfg, 1000, 2, 16)
+    check_decode(c, cost, expected_decode(cfg, 1000, 2, 16))
+
+
+def test_decode_step_reads_the_whole_cache(impl):
+    cfg = tiny_config("llama_gqa")
+    c = Case("decode_cost(tiny Llama GQA, context_len=100, dtype_bytes=4, batch_size=2)",
+             "a tiny model where the KV cache is a large part of the bytes", shapes="PhaseCost", lesson=LESSON,
+             hint="every decode step re-reads all context_len cached positions of every layer: that is why "
+                  "TPOT grows with the context; " + DECODE)
+    check_decode(c, c.call(impl.decode_cost, cfg, 100, 4, 2), expected_decode(cfg, 100, 4, 2))

@@ -1,0 +1,84 @@
+"""Honest checks, part 2: every classic mistake is rejected by at least one check of its exercise.
+
+Part 1 is the checks themselves passing on minillm's reference code (the default run).
+Here each wrong implementation of mistakes.py is swapped in, every check of its exercise
+is called directly, and at least one must fail with an AssertionError (a teaching message,
+not a crash).
+"""
+
+import importlib
+import inspect
+
+import pytest
+
+from exercises.mistakes import MISTAKES, Mistake, swap_in
+from exercises.registry import EXERCISES, reference
+
+# The mistakes the spec names, and the exercise each one belongs to.
+REQUIRED = {
+    "attention_without_scale": "ex02",
+    "mask_off_by_one": "ex01",
+    "rope_positions_restart_at_zero": "ex03",
+    "decode_rope_positions_restart_at_zero": "ex07",
+    "decode_position_off_by_one": "ex07",
+    "cache_not_appended": "ex05",
+    "cache_appended_twice": "ex05",
+    "mask_assumes_square": "ex01",
+    "attention_mask_assumes_square": "ex02",
+    "top_p_on_logits": "ex08",
+    "top_p_drops_crossing_token": "ex08",
+    "top_p_masks_everything_when_top_prob_exceeds_p": "ex08",
+    "temperature_zero_divides_by_zero": "ex08",
+    "tpot_includes_first_token": "ex09",
+    "kv_bytes_forgets_k_and_v": "ex10",
+    "kv_bytes_uses_query_heads": "ex10",
+    "prefix_hit_counts_partial_block": "ex11",
+    "prefix_hit_leaves_no_token_to_prefill": "ex11",
+}
+
+
+def checks_of(ex_id: str) -> list:
+    """The check functions test_*(impl) of an exercise, in file order."""
+    module = importlib.import_module(EXERCISES[ex_id].test_module)
+    return [f for name, f in vars(module).items() if name.startswith("test_") and inspect.isfunction(f)]
+
+
+@pytest.mark.parametrize("m", [pytest.param(m, id=f"{m.exercise}-{m.name}", marks=getattr(pytest.mark, m.exercise))
+                               for m in MISTAKES])
+def test_mistake_is_rejected(m: Mistake):
+    impl = swap_in(m, reference(EXERCISES[m.exercise]))
+    rejected, crashed = [], []
+    for check in checks_of(m.exercise):
+        try:
+            check(impl)
+        except AssertionError as e:
+            rejected.append((check.__name__, str(e)))
+        except Exception as e:  # noqa: BLE001
+            crashed.append(f"{check.__name__}: {type(e).__name__}: {e}")
+    assert not crashed, f"{m.name} crashed checks instead of failing them with a message: {crashed}"
+    assert rejected, f"no check of {m.exercise} rejects {m.name} ({m.what})"
+
+
+def test_the_named_mistakes_are_all_there():
+    present = {m.name: m.exercise for m in MISTAKES}
+    missing = {name: ex for name, ex in REQUIRED.items() if present.get(name) != ex}
+    assert not missing, f"mistakes missing from mistakes.py (or under another exercise): {missing}"
+
+
+def test_every_exercise_has_checks_and_mistakes():
+    for ex_id in EXERCISES:
+        assert checks_of(ex_id), f"{ex_id} has no checks"
+        assert any(m.exercise == ex_id for m in MISTAKES), f"{ex_id} has no mistakes in mistakes.py"
+
+
+def test_checks_take_only_impl():
+    for ex_id in EXERCISES:
+        for check in checks_of(ex_id):
+            params = list(inspect.signature(check).parameters)
+            assert params == ["impl"], f"{check.__module__}.{check.__name__}{params}: checks take impl only, " \
+                                       "so that this file can call them with a mistake"
+
+
+def test_mistake_names_are_unique():
+    names = [m.name for m in MISTAKES]
+    assert len(names) == len(set(names))
