@@ -10,9 +10,23 @@ The package layout is the course outline:
     phases.py     prefill and decode_step, the two phases of inference
     sampling.py   SamplingParams: greedy, temperature, top-k, top-p
     generate.py   generate: prefill, then decode in a loop
+    block_hash.py chained sha256 block hashes, seeded by the model's identity, dtype, device
+    prefix_cache.py  PrefixCache: K/V of cached prompt prefixes, so their prefill is skipped
+    prefix_demo.py   shared-system-prompt requests with and without the prefix cache, measured
     tokenizer.py  load_tokenizer: text <-> ids, chat template, streaming detokenizer
     weights.py    model names, the weights directory, downloads
     gguf_convert.py  GGUF file -> Hugging Face folder (dequantised)
+    costs.py      FLOPs and bytes of prefill and decode, from the config (the cost model)
+    hardware.py   peak FLOP/s and bandwidth (datasheets or calibrated), the roofline verdict
+    metrics.py    TTFT, TPOT, ITL, e2e, MBU per request; percentiles and SLO attainment
+    whatif.py     predicted TTFT / TPOT of any config on any hardware (roofline floors)
+    trace.py      Trace: structured events of every phase of a request (trace=), JSONL export
+    render.py     a trace in the terminal (rich) and in notebooks (HTML)
+    plots.py      timeline, roofline, KV cache bytes, sweep plots (matplotlib)
+    sweep.py      TTFT vs prompt length, TPOT vs context length, measured
+    baseline.py   generate_no_cache: the nanoGPT-style sampler that re-runs the whole sequence
+    compile.py    torch.compile of decode_step over a static view of the cache (CUDA graphs)
+    bench.py      minillm vs transformers vs no cache vs the roofline floors, interleaved
 """
 
 from .config import ModelConfig
@@ -22,8 +36,10 @@ from .kv_cache import KVCache
 from .loading import load_model
 from .model import Transformer
 from .phases import decode_step, prefill
+from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, sample
 from .tokenizer import StreamDecoder, Tokenizer, load_tokenizer
+from .trace import Trace
 
 __all__ = [
     "CacheFullError",
@@ -33,9 +49,11 @@ __all__ = [
     "MiniLLMError",
     "ModelConfig",
     "ModelNotFoundError",
+    "PrefixCache",
     "SamplingParams",
     "StreamDecoder",
     "Tokenizer",
+    "Trace",
     "Transformer",
     "WeightsError",
     "decode_step",

@@ -28,7 +28,12 @@ class KVCache:
     Attributes:
         k, v: [n_layers, batch, n_kv_heads, max_seq_len, head_dim] tensors.
         length: positions filled (the next write goes there).
+        attn_mask: None: :meth:`write` returns exactly the filled positions, and attention
+            masks causally by position. (The static view of :mod:`minillm.compile` returns
+            the whole buffer instead, and sets a mask hiding the unfilled end.)
     """
+
+    attn_mask = None
 
     def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=torch.float32, device="cpu"):
         shape = (n_layers, batch_size, n_kv_heads, max_seq_len, head_dim)

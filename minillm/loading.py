@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -60,7 +61,7 @@ def load_model(name_or_path, device=None, dtype=None, attn_impl: str = "sdpa", w
     config = ModelConfig.from_json(folder)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_random_init():
         model = Transformer(config, attn_impl=attn_impl)
     state = to_minillm_names(read_safetensors(folder), config)
     _check_names_and_shapes(model, state, folder)
@@ -68,7 +69,20 @@ def load_model(name_or_path, device=None, dtype=None, attn_impl: str = "sdpa", w
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     model.source = folder
-    return model.to(device).eval().requires_grad_(False)
+    model = model.to(device).eval().requires_grad_(False)
+    return model.pack_weights()  # q|k|v and gate|up stacked, laid out for 1-row matmuls: faster decode, same logits
+
+
+@contextmanager
+def _no_random_init():
+    """Skip nn.Embedding's random init while building: the checkpoint replaces every weight, and
+    ``normal_`` on the meta device imports torch's symbolic-shapes stack (+70 MB of RSS for good)."""
+    normal_ = torch.nn.init.normal_
+    torch.nn.init.normal_ = lambda tensor, *args, **kwargs: tensor
+    try:
+        yield
+    finally:
+        torch.nn.init.normal_ = normal_
 
 
 def resolve_device(device) -> torch.device:

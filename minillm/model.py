@@ -62,6 +62,32 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
+def _pack(linears: list[nn.Linear], long_rows: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stack the weights (and biases) of linears sharing one input into one [sum(out), in] matrix.
+
+    Each linear's weight becomes a view of its rows, so names, shapes and values stay.
+    With ``long_rows``, the matrix is stored so that its contiguous runs are along its
+    longer side: transposed in memory (strides (1, out), "column-major") when out >= in.
+    Allocated once and copied into (no temporary copies). Returns (weight, bias or None).
+    """
+    first = linears[0].weight
+    shape = (sum(lin.out_features for lin in linears), first.shape[1])
+    if long_rows and shape[0] >= shape[1]:
+        weight = torch.empty(shape[::-1], dtype=first.dtype, device=first.device).t()
+    else:
+        weight = torch.empty(shape, dtype=first.dtype, device=first.device)
+    bias = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
+    start = 0
+    for lin in linears:
+        end = start + lin.out_features
+        weight[start:end].copy_(lin.weight)
+        lin.weight = nn.Parameter(weight[start:end], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[start:end], requires_grad=False)
+        start = end
+    return weight, bias
+
+
 def make_norm(config: ModelConfig) -> nn.Module:
     cls = RMSNorm if config.uses_rope else LayerNorm
     return cls(config.d_model, config.norm_eps)
@@ -87,9 +113,16 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(config.d_model, config.d_mlp, bias=config.mlp_bias)
         self.up_proj = nn.Linear(config.d_model, config.d_mlp, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.d_mlp, config.d_model, bias=config.mlp_bias)
+        # [2·d_mlp, d_model]: gate and up stacked, set by Transformer.pack_weights (one matmul, not two).
+        self.register_buffer("gate_up_weight", None, persistent=False)
+        self.register_buffer("gate_up_bias", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def causal_mask(n_queries: int, n_keys: int, device=None) -> torch.Tensor:
@@ -124,15 +157,18 @@ def eager_attention(q, k, v, hook: Hook | None = None, name: str = "") -> torch.
     return (pattern @ v.unsqueeze(2)).view(B, n_heads, T, head_dim)
 
 
-def sdpa_attention(q, k, v) -> torch.Tensor:
+def sdpa_attention(q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
     """The same attention through ``F.scaled_dot_product_attention`` (fused kernels).
 
     One new query (decode) sees every key: no mask. A square prefill from an empty
     cache is plain causal. A suffix prefilled onto a filled cache needs the explicit
-    rectangular mask.
+    rectangular mask. ``mask`` [T, S] bool (True = may attend) overrides all that: a
+    static cache (:mod:`minillm.compile`) hands over its whole buffer and masks the unfilled end.
     """
     T, S = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     if T == 1:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     if T == S:
@@ -152,13 +188,21 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.d_model, c.n_kv_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.d_model, c.n_kv_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.d_model, bias=c.attention_bias)
+        # [(H + 2·Hkv)·D, d_model]: q, k, v stacked, set by Transformer.pack_weights (one matmul, not three).
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self.register_buffer("qkv_bias", None, persistent=False)
 
     def forward(self, x, rope_cos_sin, cache: KVCache | None, impl: str, hook: Hook | None) -> torch.Tensor:
         """x [B, T, d_model] -> [B, T, d_model]; writes this layer's new K/V into ``cache``."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qkv_weight is not None:
+            sizes = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim)
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if hook:
             for part, t in (("q", q), ("k", k), ("v", v)):
                 hook(f"{self.name}.hook_{part}", t)
@@ -172,7 +216,7 @@ class Attention(nn.Module):
         if impl == "eager":
             out = eager_attention(q, k, v, hook, self.name)
         else:
-            out = sdpa_attention(q, k, v)
+            out = sdpa_attention(q, k, v, cache.attn_mask if cache is not None else None)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -276,6 +320,43 @@ class Transformer(nn.Module):
         if hook:
             hook("ln_final.hook_normalized", x)
         return self.lm_head(x)
+
+    def pack_weights(self, long_rows: bool | None = None) -> "Transformer":
+        """Lay the weights out for fast decoding; the logits stay the same. Returns the model.
+
+        - Matrices that read the same input are stacked: q|k|v into ``attn.qkv_weight``, and
+          gate|up into ``mlp.gate_up_weight``, so a Llama layer runs 4 matmuls instead of 7.
+        - ``long_rows`` (default: on CPU): a decode step multiplies one row vector by each
+          matrix, and MKL streams a matrix fastest along long contiguous rows. nn.Linear keeps
+          [out, in] rows of length in; a matrix with out >= in (q|k|v, gate|up, o, the LM
+          head) is stored transposed instead, strides (1, out). BENCHMARKS.md has the numbers.
+
+        Parameters keep their names, shapes and values: each becomes a view of its packed
+        matrix, so memory is not doubled; the other parameters are copied too, so no tensor
+        keeps a memory-mapped checkpoint file resident. Call it again after moving the model
+        to another device.
+        """
+        if long_rows is None:
+            long_rows = self.embed.weight.device.type == "cpu"
+        originals = {id(p): p for p in self.parameters()}  # (holding them keeps their ids unique)
+        for block in self.blocks:
+            attn, mlp = block.attn, block.mlp
+            attn.qkv_weight, attn.qkv_bias = _pack([attn.q_proj, attn.k_proj, attn.v_proj], long_rows)
+            _pack([attn.o_proj], long_rows)
+            if isinstance(mlp, SwiGLU):
+                mlp.gate_up_weight, mlp.gate_up_bias = _pack([mlp.gate_proj, mlp.up_proj], long_rows)
+            else:
+                _pack([mlp.up_proj], long_rows)
+            _pack([mlp.down_proj], long_rows)
+        tied = self.lm_head.weight is self.embed.weight
+        _pack([self.lm_head], long_rows)  # the LM head is the largest matrix of a small model
+        if tied:
+            self.embed.weight = self.lm_head.weight  # looking up rows of a column-major table works alike
+        for module in self.modules():  # the rest (norms, an untied embedding) gets its own memory too, so
+            for name, p in list(module.named_parameters(recurse=False)):  # nothing pins a memory-mapped file
+                if id(p) in originals:
+                    setattr(module, name, nn.Parameter(p.detach().clone(), requires_grad=False))
+        return self
 
     def num_parameters(self) -> int:
         """Distinct parameters (a tied LM head is counted once)."""

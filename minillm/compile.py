@@ -1,0 +1,100 @@
+"""``torch.compile`` of the decode step: one graph for every step, CUDA graphs on a GPU.
+
+:func:`~minillm.phases.decode_step` changes shape every step: the cache views it
+attends over grow by one position. A compiled graph wants fixed shapes, and a CUDA
+graph (``mode="reduce-overhead"``) requires them: it replays the recorded kernels on
+the same addresses. So the compiled step sees the cache through a *static view*:
+
+    k[layer]: [B, n_kv_heads, max_seq_len, head_dim]   the whole preallocated buffer
+              | filled ... | pos | unfilled ...... |
+                            ^ the new K/V: index_put_ at pos (a tensor, not a Python int)
+    mask:     key j visible  iff  j <= pos              (the unfilled end is hidden)
+
+Every step then has the same shapes, and ``pos`` is data, so one graph serves all
+lengths (gpt-fast's design). The price: attention reads the whole buffer, so size the
+cache to the request (``KVCache.for_model(model, max_seq_len=prompt + new tokens)``).
+
+Prefill stays eager (one call per request, its length varies anyway).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import KVCache
+from .model import Transformer
+
+
+class StaticKVView:
+    """A KVCache seen with fixed shapes: writes at ``pos`` [1] (a tensor), reads whole buffers.
+
+    It offers what :class:`~minillm.model.Attention` uses of a cache: ``write`` and ``attn_mask``.
+    """
+
+    def __init__(self, cache: KVCache, pos: torch.Tensor):
+        self.k, self.v = cache.k, cache.v
+        _, B, n_kv_heads, max_seq_len, _ = cache.k.shape
+        keys = torch.arange(max_seq_len, device=pos.device)
+        self.attn_mask = (keys <= pos)[None, :]  # [T=1, max_seq_len] bool
+        # (batch, head, position) indices of the entries one decode step writes, each [B, n_kv_heads, 1]
+        self.batch = torch.arange(B, device=pos.device).view(B, 1, 1)
+        self.heads = torch.arange(n_kv_heads, device=pos.device).view(1, n_kv_heads, 1)
+        self.pos = pos.view(1, 1, 1)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, n_kv_heads, 1, head_dim] at ``pos``; return the whole buffers of this layer."""
+        # index_put_ into the whole [n_layers, ...] buffer, an input the graph updates in place. Writing
+        # into the view k[layer] instead makes torch.compile copy that layer's whole buffer every step
+        # (3.4x slower decode at 1024 positions, BENCHMARKS.md).
+        index = (torch.full_like(self.pos, layer), self.batch, self.heads, self.pos)
+        self.k.index_put_(index, k)
+        self.v.index_put_(index, v)
+        return self.k[layer], self.v[layer]
+
+
+def decode_forward_static(model: Transformer, token_ids: torch.Tensor, pos: torch.Tensor, cache: KVCache):
+    """One decode forward pass with fixed shapes: token_ids [B, 1] at position ``pos`` [1].
+
+    The same blocks as :meth:`Transformer.forward`, run over a :class:`StaticKVView`.
+    Does not move ``cache.length`` (the caller does). Returns float32 logits [B, vocab].
+    """
+    x = model.embed(token_ids)
+    if model.pos_embed is not None:
+        x = x + model.pos_embed(pos)
+    rope_cos_sin = model.rope(pos, x.dtype) if model.rope is not None else None
+    view = StaticKVView(cache, pos)
+    for block in model.blocks:
+        x = block(x, rope_cos_sin, view, "sdpa", None)
+    return model.lm_head(model.ln_final(x))[:, -1].float()
+
+
+def compile_decode_step(mode: str = "default"):
+    """A drop-in replacement for :func:`~minillm.phases.decode_step`, compiled with ``torch.compile``.
+
+    Args:
+        mode: torch.compile's mode: "default" (fused kernels; CPU), "reduce-overhead"
+            (plus CUDA graphs: one launch per step on a GPU), "max-autotune".
+
+    Returns ``step(model, token_id, cache) -> logits [B, vocab]`` (float32), with
+    decode_step's arguments (no hook, no trace). The first call compiles (seconds to a
+    minute); later calls reuse the graph for every cache length. The cache buffers are
+    marked as static addresses so CUDA graphs may write them in place.
+    """
+    compiled = torch.compile(decode_forward_static, mode=mode, fullgraph=True, dynamic=False)
+    marked = set()
+
+    def step(model: Transformer, token_id, cache: KVCache) -> torch.Tensor:
+        cache.check_room(1)
+        device = cache.k.device
+        token_ids = torch.as_tensor(token_id, device=device).reshape(-1, 1)
+        if id(cache) not in marked:
+            torch._dynamo.mark_static_address(cache.k)
+            torch._dynamo.mark_static_address(cache.v)
+            marked.add(id(cache))
+        pos = torch.tensor([cache.length], device=device)
+        with torch.inference_mode():
+            logits = compiled(model, token_ids, pos, cache)
+        cache.advance(1)
+        return logits.clone() if mode == "reduce-overhead" else logits  # a CUDA graph reuses its output buffer
+
+    return step

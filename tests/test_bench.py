@@ -1,0 +1,161 @@
+"""The benchmark harness on a tiny random model: engines, fields, ratios, the plot.
+
+No timing assertions: speed targets live in the benchmark's output, not in tests.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from tiny_models import CONFIGS, build_hf, save_hf
+
+from minillm import KVCache, SamplingParams, generate, load_model
+from minillm.baseline import generate_no_cache
+from minillm.bench import (
+    COLUMNS,
+    ENGINES,
+    BenchResult,
+    check_targets,
+    make_engines,
+    plot,
+    rich_table,
+    run_bench,
+    table_rows,
+    to_markdown,
+)
+from minillm.hardware import HardwareProfile
+
+HW = HardwareProfile("test-hw", peak_flops=1e11, mem_bandwidth=1e10)
+PROMPTS, CONTEXTS, BATCHES = (8, 16), (8, 24), (1, 2)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    family, kwargs = CONFIGS["llama_gqa"]
+    return load_model(save_hf(build_hf(family, kwargs), tmp_path_factory.mktemp("bench")), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def result(model) -> BenchResult:
+    pytest.importorskip("transformers")
+    return run_bench(model, prompt_lengths=PROMPTS, context_lengths=CONTEXTS, batch_sizes=BATCHES, repeats=2,
+                     decode_tokens=4, hardware=HW, memory_tokens=8, model_name="tiny")
+
+
+def test_every_engine_measured_on_every_case(result):
+    assert result.engines() == list(ENGINES)
+    for engine in ENGINES:
+        for length in PROMPTS:
+            assert result.find(engine, "prefill", length, 1) is not None
+        for batch in BATCHES:
+            for length in CONTEXTS:
+                m = result.find(engine, "decode", length, batch)
+                assert m is not None, (engine, length, batch)
+                assert len(m.times_ms) == 2 and m.time_ms > 0
+
+
+def test_ratios_follow_from_the_measured_numbers(result, model):
+    for m in result.measurements:
+        ref = result.find("transformers", m.phase, m.length, m.batch_size)
+        assert m.vs_reference == pytest.approx(m.tokens_per_s / ref.tokens_per_s)
+        assert m.time_ms == pytest.approx(sorted(m.times_ms)[len(m.times_ms) // 2] if len(m.times_ms) % 2
+                                          else sum(sorted(m.times_ms)[:2]) / 2)
+        tokens = m.batch_size * (m.length if m.phase == "prefill" else 1)
+        assert m.tokens_per_s == pytest.approx(tokens / m.time_ms * 1e3)
+        assert m.floor_fraction == pytest.approx(m.floor_ms / m.time_ms)
+
+
+def test_floors_come_from_the_cost_model(result, model):
+    from minillm.costs import decode_cost, prefill_cost
+
+    pre = result.find("minillm-sdpa", "prefill", 16)
+    cost = prefill_cost(model.config, 16, 4)
+    assert pre.floor_ms == pytest.approx(1e3 * max(cost.flops / HW.peak_flops, cost.bytes / HW.mem_bandwidth))
+    dec = result.find("minillm-sdpa", "decode", 24, 2)
+    cost = decode_cost(model.config, 24 + dec.decode_tokens // 2, 4, batch_size=2)
+    assert dec.floor_ms == pytest.approx(1e3 * cost.bytes / HW.mem_bandwidth)
+
+
+def test_all_engines_agree_on_the_greedy_tokens(result):
+    compared = [m for m in result.measurements if m.engine != "minillm-sdpa"]
+    assert compared and all(m.same_tokens for m in compared), [
+        (m.engine, m.phase, m.length, m.batch_size) for m in compared if not m.same_tokens]
+
+
+def test_json_has_all_fields(result, tmp_path):
+    data = json.loads(result.to_json(tmp_path / "bench.json").read_text())
+    assert {"model", "device", "dtype", "threads", "hardware", "measurements", "memory", "targets",
+            "notes", "versions"} <= data.keys()
+    row = data["measurements"][0]
+    assert {"engine", "phase", "length", "batch_size", "time_ms", "times_ms", "tokens_per_s", "floor_ms",
+            "floor_fraction", "vs_reference", "bound", "same_tokens"} <= row.keys()
+    assert data["memory"]["generate_peak_bytes"] > 0 and "within_budget" in data["memory"]
+    assert {t["name"] for t in data["targets"]} >= {"no-cache slowdown grows with context",
+                                                   "memory: peak RSS generating (MB)"}
+
+
+def test_table_and_markdown_show_every_measurement(result):
+    rows = table_rows(result)
+    assert len(rows) == len(result.measurements) and all(len(r) == len(COLUMNS) for r in rows)
+    assert rich_table(result).row_count == len(rows)
+    md = to_markdown(result)
+    assert md.count("\n| prefill |") + md.count("\n| decode |") == len(rows)
+    assert "x transformers" in md and "Memory" in md
+
+
+def test_targets_are_checked_from_the_numbers(result):
+    checks = {t.name: t for t in check_targets(result)}
+    m = result.find("minillm-sdpa", "decode", 8)
+    t = checks["decode ctx 8: x transformers"]
+    assert t.measured == m.vs_reference and t.met == (m.vs_reference >= 1.5)
+
+
+def test_plot_is_a_png(result, tmp_path):
+    path = plot(result, tmp_path / "bench.png")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_no_cache_baseline_makes_minillms_greedy_tokens(model, batch):
+    ids = torch.randint(0, model.config.vocab_size, (batch, 12), generator=torch.Generator().manual_seed(3))
+    out = generate_no_cache(model, ids, 10)
+    assert out.shape == (batch, 22) and torch.equal(out[:, :12], ids)
+    for b in range(batch):
+        steps = list(generate(model, ids[b], SamplingParams(max_new_tokens=10), eos_token_ids=[]))
+        assert out[b, 12:].tolist() == [s.token_id for s in steps]
+
+
+def test_no_cache_baseline_refuses_to_outgrow_the_context(model):
+    ids = torch.zeros(1, model.config.max_seq_len, dtype=torch.long)
+    with pytest.raises(ValueError, match="exceed the context"):
+        generate_no_cache(model, ids, 2)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(repeats=0), "repeats"),
+    (dict(decode_tokens=1), "decode_tokens"),
+    (dict(prompt_lengths=(1,)), "prompt length"),
+    (dict(context_lengths=(10_000,)), "context length"),
+])
+def test_bad_arguments_raise(model, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        run_bench(model, **{"prompt_lengths": (8,), "context_lengths": (8,), "batch_sizes": (1,),
+                            "hardware": HW, "memory_tokens": 0, "engines": ("minillm-sdpa",), **kwargs})
+
+
+def test_unknown_engine_is_an_error(model):
+    with pytest.raises(ValueError, match="unknown engine"):
+        make_engines(model, ["minillm-sdpa", "vllm"])
+
+
+def test_decode_engine_restores_the_cache_between_repeats(model):
+    engine, _ = make_engines(model, ["minillm-sdpa"])
+    engine = engine[0]
+    ids = torch.randint(0, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(5))
+    cache = engine.prepare_decode(ids, 5)
+    assert isinstance(cache, KVCache) and cache.length == 9
+    first, second = engine.decode(ids, cache, 5), engine.decode(ids, cache, 5)
+    assert first.tokens == second.tokens and len(first.gaps_s) == 4
+    assert not math.isnan(first.ttft_s)
