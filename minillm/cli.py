@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from . import weights
 from .errors import MiniLLMError
@@ -113,17 +114,16 @@ def _add_generate(sub) -> None:
 
 
 def run_generate(args) -> int:
-    from .generate import generate
     from .loading import load_model
-    from .sampling import SamplingParams
-    from .tokenizer import StreamDecoder, load_tokenizer
-
     from .prefix_cache import PrefixCache
+    from .tokenizer import load_tokenizer
 
     params = _sampling_params(args)
     prompts = [_read_prompt(p) for p in args.prompt] or [_read_prompt(None)]
     if args.block_size < 1:
         raise UsageError(f"--block-size must be >= 1, got {args.block_size}")
+    if args.trace_out and not Path(args.trace_out).absolute().parent.is_dir():
+        raise UsageError(f"--trace-out: folder {Path(args.trace_out).absolute().parent} does not exist")
     folder = _ensure_model(args.model, args.weights_dir)
     model = load_model(folder, device=args.device, dtype=args.dtype)
     tokenizer = load_tokenizer(folder)

@@ -107,6 +107,8 @@ class ModelConfig:
             hf = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        if not isinstance(hf, dict):
+            raise ConfigError(f"{path} must hold a JSON object of config fields, got {type(hf).__name__}")
         return cls.from_hf(hf)
 
     @classmethod

@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 
+from .errors import CacheFullError
 from .kv_cache import KVCache
 from .model import Transformer
 from .phases import decode_step, prefill
@@ -86,6 +87,11 @@ def generate(
     """
     params = params or SamplingParams()
     prompt_ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
+    if len(prompt_ids) > model.config.max_seq_len:
+        raise CacheFullError(
+            f"the prompt is {len(prompt_ids)} tokens but the model's context is {model.config.max_seq_len} "
+            "(prompt and output together); shorten the prompt"
+        )
     if cache is None:
         max_seq_len = min(model.config.max_seq_len, len(prompt_ids) + params.max_new_tokens)
         cache = KVCache.for_model(model, max_seq_len=max(max_seq_len, 1))

@@ -25,6 +25,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
+from rich.console import Console
 from rich.progress import track
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -259,7 +260,8 @@ def _hf_tensors(reader: gguf.GGUFReader, config: dict, progress: bool) -> dict[s
     """Every tensor, dequantized, renamed, Q/K un-permuted, checked against the config's shapes."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     tensors = {}
-    for tensor in track(reader.tensors, description="Dequantizing GGUF", disable=not progress):
+    for tensor in track(reader.tensors, description="Dequantizing GGUF", disable=not progress,
+                        console=Console(stderr=True)):
         w = _dequantize(tensor)
         kind = tensor.name.split(".")[-2]  # blk.3.attn_q.weight -> attn_q
         if kind in heads and tensor.name.endswith(".weight"):

@@ -282,7 +282,9 @@ def _sync(dev: torch.device) -> None:
 
 
 def _device(device) -> torch.device:
-    dev = torch.device(device)
+    from .loading import resolve_device  # one place decides which devices exist
+
+    dev = resolve_device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev

@@ -89,7 +89,10 @@ def resolve_device(device) -> torch.device:
     """cuda when available, else cpu; an explicit device that is not available raises ValueError."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be cpu, cuda, cuda:N or mps, got {device!r}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' is not available on this machine; use --device cpu")
     if device.type == "mps" and not torch.backends.mps.is_available():
@@ -124,8 +127,11 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     for name in files:
         if not (folder / name).is_file():
             raise ModelNotFoundError(f"shard {name} listed in {index.name} is missing from {folder}")
-        with safe_open(folder / name, framework="pt") as f:
-            tensors.update({key: f.get_tensor(key) for key in f.keys()})
+        try:
+            with safe_open(folder / name, framework="pt") as f:
+                tensors.update({key: f.get_tensor(key) for key in f.keys()})
+        except Exception as e:  # safetensors raises its own SafetensorError for a damaged file
+            raise WeightsError(f"cannot read {folder / name} ({e}); download or convert it again") from None
     return tensors
 
 

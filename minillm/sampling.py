@@ -40,12 +40,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))

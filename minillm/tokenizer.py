@@ -38,7 +38,10 @@ def load_tokenizer(name_or_path: str | Path, weights_dir: str | Path | None = No
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise ModelNotFoundError(f"{model_dir} has no tokenizer.json; add the model's tokenizer.json to that folder")
-    backend = tokenizers.Tokenizer.from_file(str(path))
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+        raise ModelNotFoundError(f"cannot read {path} ({e}); download or convert the model again") from None
     return Tokenizer(backend, _read_json(model_dir / "tokenizer_config.json"), _read_json(model_dir / "config.json"))
 
 

@@ -127,6 +127,12 @@ def test_bad_config_names_the_field(llama_dir, tmp_path, change, match):
         ModelConfig.from_json(tmp_path)
 
 
+def test_config_that_is_not_an_object(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="must hold a JSON object"):
+        ModelConfig.from_json(tmp_path)
+
+
 def test_missing_config_field_is_named():
     with pytest.raises(ConfigError, match="missing field 'hidden_size'"):
         ModelConfig.from_hf({"model_type": "llama"})
@@ -156,6 +162,20 @@ def test_bad_checkpoints_list_the_tensors(llama_dir, tmp_path, edit, match):
         load_model(_copy_with(llama_dir, tmp_path, edit), device="cpu")
 
 
+def test_truncated_safetensors_is_named(llama_dir, tmp_path):
+    data = (llama_dir / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    (tmp_path / "config.json").write_text((llama_dir / "config.json").read_text())
+    with pytest.raises(WeightsError, match="cannot read .*model.safetensors"):
+        load_model(tmp_path, device="cpu")
+
+
+def test_prompt_longer_than_the_context_says_so(model):
+    too_long = [1] * (model.config.max_seq_len + 1)
+    with pytest.raises(CacheFullError, match="the prompt is 129 tokens but the model's context is 128"):
+        next(generate(model, too_long))
+
+
 def test_no_parameter_is_left_uninitialised(model):
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert all(b.device.type == "cpu" for b in model.buffers())
@@ -173,6 +193,9 @@ def test_half_precision_loads_and_stays_close(llama_dir, dtype):
 def test_bad_dtype_and_device(llama_dir):
     with pytest.raises(ValueError, match="dtype must be one of"):
         load_model(llama_dir, dtype="int8")
+    for bad in ("tpu", ""):
+        with pytest.raises(ValueError, match="device must be cpu, cuda, cuda:N or mps"):
+            load_model(llama_dir, device=bad)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="'cuda' is not available"):
             load_model(llama_dir, device="cuda")
@@ -184,7 +207,10 @@ def test_bad_dtype_and_device(llama_dir):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"temperature": -0.1}, "temperature must be >= 0"),
+        ({"temperature": -0.1}, "temperature must be a finite number >= 0"),
+        ({"temperature": float("inf")}, "temperature must be a finite number >= 0"),
+        ({"seed": "abc"}, r"seed must be an integer in \[0, 2\*\*63\)"),
+        ({"seed": 2**70}, r"seed must be an integer in \[0, 2\*\*63\)"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ({"top_k": -1}, "top_k must be an integer >= 0"),

@@ -124,6 +124,7 @@ def test_template_raise_exception_becomes_value_error(tok):
 def test_load_tokenizer_missing_raises(tmp_path):
     with pytest.raises(ModelNotFoundError, match="no model at"):
         load_tokenizer(tmp_path / "absent")
+    (tmp_path / "config.json").write_text("{}")  # a model folder, but without its tokenizer
     with pytest.raises(ModelNotFoundError, match="no tokenizer.json"):
         load_tokenizer(tmp_path)
 
