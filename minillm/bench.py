@@ -18,6 +18,9 @@ Method, so that a noisy machine affects every engine alike:
 - a decode case fills the cache with the first length-1 prompt tokens once (untimed);
   each repeat cuts the cache back to that, feeds the last prompt token and times the
   gaps between the next ``decode_tokens`` tokens; TPOT is the median gap;
+- a decode batch of B holds B copies of one prompt, so each engine prefills one row
+  and copies its K/V to the others (a step costs the same whatever the rows hold, and
+  the untimed set-up is B times shorter);
 - each engine's number is the median over the repeats; the spread is kept too.
 
 The floors come from the cost model (:mod:`minillm.costs`) and the calibrated peaks
@@ -180,7 +183,8 @@ class BenchResult:
 #
 # Each engine offers the same three calls; ids are [B, L] int64 on the model's device.
 #   ttft(ids)                       -> Clock: prompt -> first token, from an empty cache
-#   prepare_decode(ids, n)          -> state: the first L-1 tokens' K/V in a cache (untimed)
+#   prepare_decode(ids, n)          -> state: the first L-1 tokens' K/V in a cache (untimed;
+#                                      the rows of ids are equal: one is prefilled, then copied)
 #   decode(ids, state, n)           -> Clock: the last prompt token, then n tokens in all
 
 
@@ -226,8 +230,15 @@ class MiniLLMEngine:
 
     def prepare_decode(self, ids: torch.Tensor, n_new: int) -> KVCache:
         self.model.attn_impl = self.attn_impl
-        cache = KVCache.for_model(self.model, batch_size=ids.shape[0], max_seq_len=ids.shape[1] + n_new)
-        prefill(self.model, ids[:, :-1], cache)
+        batch, length = ids.shape
+        row = KVCache.for_model(self.model, batch_size=1, max_seq_len=length + n_new)
+        prefill(self.model, ids[:1, :-1], row)
+        if batch == 1:
+            return row
+        cache = KVCache.for_model(self.model, batch_size=batch, max_seq_len=length + n_new)
+        cache.k.copy_(row.k.expand_as(cache.k))  # [n_layers, 1, ...] -> every row of the batch
+        cache.v.copy_(row.v.expand_as(cache.v))
+        cache.advance(row.length)
         return cache
 
     def decode(self, ids: torch.Tensor, cache: KVCache, n_new: int) -> Clock:
@@ -283,7 +294,9 @@ class TransformersEngine:
         from transformers import DynamicCache
 
         cache = DynamicCache()
-        self._generate(ids[:, :-1], 1, None, cache)  # fills the cache with the first L-1 tokens
+        self._generate(ids[:1, :-1], 1, None, cache)  # fills the cache with the first L-1 tokens of one row
+        if ids.shape[0] > 1:
+            cache.batch_repeat_interleave(ids.shape[0])  # ... and copies them to every row
         return cache
 
     def decode(self, ids: torch.Tensor, cache, n_new: int) -> Clock:
@@ -379,7 +392,7 @@ def run_bench(
     context_lengths=(128, 1024),
     batch_sizes=(1, 8),
     repeats: int = 3,
-    decode_tokens: int = 32,
+    decode_tokens: int = 16,
     engines=ENGINES,
     compile_mode: str | None = None,
     hardware: HardwareProfile | None = None,
@@ -439,7 +452,7 @@ def run_bench(
     for batch in batch_sizes:
         for length in context_lengths:
             say(f"decode at context {length}, batch {batch}")
-            runs = _decode_case(built, prompt(batch, length), repeats, decode_tokens, notes)
+            runs = _decode_case(built, prompt(1, length).repeat(batch, 1), repeats, decode_tokens, notes)
             for name, clocks in runs.items():
                 measurements.append(_decode_measurement(model, hw, name, length, batch, clocks))
                 tokens[id(measurements[-1])] = clocks[0].tokens
@@ -618,11 +631,12 @@ def check_targets(result: BenchResult, engine: str = "minillm-sdpa") -> list[Tar
         detail = ", ".join(f"ctx {n}: {slow[n]:.1f}x" for n in lengths)
         checks.append(TargetCheck("no-cache slowdown grows with context", slow[lengths[-1]], slow[lengths[0]],
                                   grows, detail))
-    if result.device.startswith("cuda"):
-        for m in result.measurements:
-            if m.engine == "minillm-compile" and m.phase == "decode" and m.batch_size == 1:
-                checks.append(_check(f"cuda decode ctx {m.length} (--compile): x transformers",
-                                     m.vs_reference, 3.0, "tok/s ratio, same run"))
+    # The decode target again for the compiled step (3x on a CUDA GPU, 1.5x elsewhere).
+    on_cuda = result.device.startswith("cuda")
+    for m in result.measurements:
+        if m.engine == "minillm-compile" and m.phase == "decode" and m.batch_size == 1:
+            checks.append(_check(f"{'cuda ' if on_cuda else ''}decode ctx {m.length} (--compile): x transformers",
+                                 m.vs_reference, 3.0 if on_cuda else 1.5, "tok/s ratio, same run"))
     return checks
 
 

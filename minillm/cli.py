@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from . import weights
-from .errors import MiniLLMError
+from .errors import MiniLLMError, OutputPathError, check_output_dir
 
 
 class UsageError(Exception):
@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minillm: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(file=sys.stderr)
+        fresh_line = "\n" if sys.stderr.isatty() else ""  # a terminal echoed ^C, maybe mid-line of output
+        print(f"{fresh_line}minillm: interrupted", file=sys.stderr)
         return 130
 
 
@@ -276,6 +277,7 @@ def run_sweep(args) -> int:
 
     if min(args.repeats, args.decode_steps) < 1:
         raise UsageError("--repeats and --decode-steps must be >= 1")
+    _check_out_dir("--out", args.out)
     model = load_model(_ensure_model(args.model, args.weights_dir), device=args.device, dtype=args.dtype)
     param = next(model.parameters())
     hw = get_hardware(param.device, param.dtype)
@@ -291,6 +293,14 @@ def run_sweep(args) -> int:
     console.print(table)
     console.print("wrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _check_out_dir(flag: str, path: str) -> None:
+    """A usage error now when the output folder ``path`` could not be written at the end."""
+    try:
+        check_output_dir(path)
+    except OutputPathError as e:
+        raise UsageError(f"{flag}: {e}") from None
 
 
 # -- download, convert, info ----------------------------------------------------------------
@@ -312,6 +322,7 @@ def _add_convert(sub) -> None:
     p.add_argument("--debug", action="store_true")
 
     def run(args):
+        _check_out_dir("OUT_DIR", args.out_dir)  # before the gguf import and the dequantizing
         from .gguf_convert import convert_gguf
 
         print(convert_gguf(args.gguf_file, args.out_dir))
@@ -397,7 +408,9 @@ def _add_whatif(sub) -> None:
     p.add_argument("--device", default="cpu", help="with --hardware this: which device's calibration")
     p.add_argument("--prompt-tokens", type=int, default=2000)
     p.add_argument("--output-tokens", type=int, default=200)
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="default bfloat16; with --hardware this, the dtype the model runs in on --device "
+                        "(float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--debug", action="store_true")
     p.set_defaults(run=run_whatif)
@@ -411,6 +424,7 @@ def run_whatif(args) -> int:
 
     if min(args.prompt_tokens, args.output_tokens, args.batch_size) < 1:
         raise UsageError("--prompt-tokens, --output-tokens and --batch-size must be >= 1")
+    args.dtype = args.dtype or _whatif_dtype(args.hardware, args.device)
     hw = _whatif_hardware(args.hardware, args.device, args.dtype)
     config = load_config(args.config)
     dtype_bytes = 4 if args.dtype == "float32" else 2
@@ -438,6 +452,15 @@ def run_whatif(args) -> int:
         table.add_row(key, value)
     Console().print(table)
     return 0
+
+
+def _whatif_dtype(hardware: str, device: str) -> str:
+    """The default --dtype: what load_model picks on this machine's device, bfloat16 on a datasheet GPU."""
+    if hardware != "this":
+        return "bfloat16"
+    from .loading import resolve_device, resolve_dtype
+
+    return str(resolve_dtype(None, resolve_device(device))).removeprefix("torch.")
 
 
 def _whatif_hardware(name: str, device: str, dtype: str):
@@ -551,26 +574,33 @@ def _add_bench(sub) -> None:
 
     p = sub.add_parser("bench", help="prefill and decode speed: minillm vs transformers, no cache, the floors")
     _model_options(p)
-    p.add_argument("--prompt-lengths", type=int, nargs="+", default=[128, 512, 2048], metavar="N",
+    p.add_argument("--prompt-lengths", type=int, nargs="+", metavar="N",
                    help="prefill cases, batch 1 (default 128 512 2048)")
-    p.add_argument("--context-lengths", type=int, nargs="+", default=[128, 1024], metavar="N",
+    p.add_argument("--context-lengths", type=int, nargs="+", metavar="N",
                    help="decode cases: tokens in the cache (default 128 1024)")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], metavar="B", help="decode (default 1 8)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per case and engine, medians reported (default 3)")
-    p.add_argument("--decode-tokens", type=int, default=32, help="tokens per decode run (default 32)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", metavar="B", help="decode (default 1 8)")
+    p.add_argument("--repeats", type=int, help="runs per case and engine, medians reported (default 3)")
+    p.add_argument("--decode-tokens", type=int, help="tokens per decode run (default 16)")
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES) + ["minillm-compile"])
     p.add_argument("--compile", nargs="?", const="auto", metavar="MODE",
                    help="add minillm-compile: torch.compile of decode_step (mode default on cpu, "
                         "reduce-overhead = CUDA graphs on cuda)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
-    p.add_argument("--memory-tokens", type=int, default=1024,
+    p.add_argument("--memory-tokens", type=int,
                    help="peak RSS of generating this many tokens, in a fresh process (0: skip; default 1024)")
     p.add_argument("--json", metavar="FILE", help="write every number as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="tok/s against length per engine, floors drawn")
     p.add_argument("--markdown", metavar="FILE.md", help="write the tables as markdown")
     p.add_argument("--quick", action="store_true",
-                   help="a smoke run: prompts 32 128, context 64, batch 1, 1 repeat, 8 tokens, memory 64 tokens")
+                   help="a smoke run: prompts 32 128, context 64, batch 1, 1 repeat, 8 tokens, memory 64 tokens "
+                        "(options given explicitly still apply)")
     p.set_defaults(run=run_bench_cmd)
+
+
+BENCH_DEFAULTS = dict(prompt_lengths=[128, 512, 2048], context_lengths=[128, 1024], batch_sizes=[1, 8],
+                      repeats=3, decode_tokens=16, memory_tokens=1024)
+BENCH_QUICK = dict(prompt_lengths=[32, 128], context_lengths=[64], batch_sizes=[1],
+                   repeats=1, decode_tokens=8, memory_tokens=64)
 
 
 def run_bench_cmd(args) -> int:
@@ -580,9 +610,9 @@ def run_bench_cmd(args) -> int:
     from .bench import rich_table, run_bench, targets_rich_table, to_markdown
     from .loading import load_model
 
-    if args.quick:
-        args.prompt_lengths, args.context_lengths, args.batch_sizes = [32, 128], [64], [1]
-        args.repeats, args.decode_tokens, args.memory_tokens = 1, 8, min(args.memory_tokens, 64)
+    for name, value in (BENCH_QUICK if args.quick else BENCH_DEFAULTS).items():
+        if getattr(args, name) is None:  # an option given explicitly wins over the preset
+            setattr(args, name, value)
     if min(args.repeats, *args.batch_sizes) < 1 or args.decode_tokens < 2 or args.memory_tokens < 0:
         raise UsageError("--repeats and --batch-sizes must be >= 1, --decode-tokens >= 2, --memory-tokens >= 0")
     if args.threads:

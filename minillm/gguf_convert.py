@@ -30,7 +30,7 @@ from rich.progress import track
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from .errors import ConfigError, ModelNotFoundError, WeightsError
+from .errors import ConfigError, ModelNotFoundError, WeightsError, check_output_dir
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -99,6 +99,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
 
     Raises:
         ModelNotFoundError: the file is missing or is not a readable GGUF.
+        OutputPathError: ``out_dir`` is a file or cannot be written (checked before dequantizing).
         ConfigError: an architecture other than llama, or a tokenizer / RoPE variant
             that is not supported.
         WeightsError: a tensor is unknown, missing, of the wrong shape or of a type
@@ -106,6 +107,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = _open_reader(gguf_path)
+    check_output_dir(out_dir)
     _check_supported(reader)
     config = _hf_config(reader)
     tensors = _hf_tensors(reader, config, progress)
@@ -384,10 +386,22 @@ def _tokenizer_config(reader: gguf.GGUFReader) -> dict:
 
 
 def _write_atomic(path: Path, write) -> None:
-    """Call ``write(tmp_path)`` then rename, so ``path`` is never half-written."""
+    """Call ``write(tmp_path)`` then rename, so ``path`` is never half-written.
+
+    The file gets the mode of any new file (0o666 less the umask, usually 0o644):
+    safetensors writes through a private temporary file, which leaves it 0o600.
+    """
     partial = path.with_name(path.name + ".partial")
     write(partial)
+    os.chmod(partial, 0o666 & ~_umask())
     os.replace(partial, path)
+
+
+def _umask() -> int:
+    """The process umask. Reading it means setting it, so it is set straight back."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _write_json(path: Path, data: dict) -> None:

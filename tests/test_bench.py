@@ -159,3 +159,57 @@ def test_decode_engine_restores_the_cache_between_repeats(model):
     first, second = engine.decode(ids, cache, 5), engine.decode(ids, cache, 5)
     assert first.tokens == second.tokens and len(first.gaps_s) == 4
     assert not math.isnan(first.ttft_s)
+
+
+@pytest.mark.parametrize("engine_name", ["minillm-sdpa", "transformers"])
+def test_batch_decode_setup_copies_one_row_to_every_row(model, engine_name):
+    """The batch set-up prefills one row and copies it; the oracle is a batch-1 decode of that row."""
+    if engine_name == "transformers":
+        pytest.importorskip("transformers")
+    engine = make_engines(model, [engine_name])[0][0]
+    row = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(7))
+    single = engine.decode(row, engine.prepare_decode(row, 6), 6).tokens
+    batch = engine.decode(row.repeat(3, 1), engine.prepare_decode(row.repeat(3, 1), 6), 6).tokens
+    assert batch == [step * 3 for step in single]
+
+
+def test_minillm_batch_cache_equals_a_batch_prefill(model):
+    engine = make_engines(model, ["minillm-sdpa"])[0][0]
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(8)).repeat(2, 1)
+    copied = engine.prepare_decode(ids, 4)
+    direct = KVCache.for_model(model, batch_size=2, max_seq_len=16)
+    from minillm import prefill
+
+    prefill(model, ids[:, :-1], direct)
+    assert copied.length == direct.length == 11
+    for layer in range(model.config.n_layers):
+        torch.testing.assert_close(copied.keys(layer), direct.keys(layer))
+        torch.testing.assert_close(copied.values(layer), direct.values(layer))
+
+
+def test_compiled_engine_gets_its_own_target_rows(result):
+    import copy
+
+    with_compile = copy.deepcopy(result)
+    for m in [m for m in result.measurements if m.engine == "minillm-sdpa" and m.phase == "decode"]:
+        twin = copy.deepcopy(m)
+        twin.engine, twin.vs_reference = "minillm-compile", 2.0
+        with_compile.measurements.append(twin)
+    checks = {t.name: t for t in check_targets(with_compile)}
+    assert checks["decode ctx 8 (--compile): x transformers"].met is True
+    assert "decode ctx 8 (--compile): x transformers" not in {t.name for t in check_targets(result)}
+
+
+def test_cli_quick_preset_yields_to_explicit_options(smollm2_dir, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "minillm", "bench", "--quick", "--engines", "minillm-sdpa",
+                        "--prompt-lengths", "16", "--decode-tokens", "3", "--memory-tokens", "0", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    cases = {(m["phase"], m["length"], m["decode_tokens"]) for m in data["measurements"]}
+    assert cases == {("prefill", 16, 1), ("decode", 64, 3)}  # 16 and 3 given; context 64 from --quick
+    assert data["repeats"] == 1 and data["memory"] is None

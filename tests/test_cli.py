@@ -1,9 +1,12 @@
 """The minillm command line, run as a user runs it: in a subprocess."""
 
+import importlib.abc
 import subprocess
 import sys
 
 import pytest
+
+from minillm.cli import main
 
 
 def minillm(*args, stdin=None):
@@ -65,3 +68,40 @@ def test_info_reports_parameters_and_kv_bytes():
     assert r.returncode == 0, r.stderr
     assert "134,515,008" in r.stdout  # SmolLM2-135M's parameter count (embeddings tied)
     assert "46,080" in r.stdout  # KV bytes per token: 2 * 30 layers * 3 KV heads * 64 * 4 bytes
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["convert", "{gguf}", "{out}"],
+        ["sweep", "--out", "{out}", "--prompt-lengths", "4", "--context-lengths", "8", "--repeats", "1",
+         "--decode-steps", "1"],
+    ],
+    ids=["convert", "sweep"],
+)
+@pytest.mark.parametrize("out", ["taken", "taken/out"])
+def test_output_folder_through_a_file_exits_2_before_the_work(tmp_path, smollm2_gguf, args, out):
+    (tmp_path / "taken").write_text("keep me")
+    r = minillm(*(a.format(gguf=smollm2_gguf, out=tmp_path / out) for a in args))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and f"{tmp_path / 'taken'} exists and is not a folder" in r.stderr
+    assert (tmp_path / "taken").read_text() == "keep me"
+
+
+class _InterruptImport(importlib.abc.MetaPathFinder):
+    """Ctrl-C pressed while ``module`` is being imported."""
+
+    def __init__(self, module: str):
+        self.module = module
+
+    def find_spec(self, name, path, target=None):
+        if name == self.module:
+            raise KeyboardInterrupt
+        return None
+
+
+def test_ctrl_c_during_a_lazy_import_exits_130_with_one_line(monkeypatch, capsys):
+    monkeypatch.delitem(sys.modules, "minillm.whatif", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_InterruptImport("minillm.whatif"), *sys.meta_path])
+    assert main(["whatif", "--config", "llama-3-8b"]) == 130
+    assert capsys.readouterr().err == "minillm: interrupted\n"

@@ -1,6 +1,7 @@
 """GGUF -> HF folder conversion, checked against transformers loading the same GGUF file."""
 
 import json
+import os
 
 import gguf
 import numpy as np
@@ -9,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from minillm.errors import ConfigError, ModelNotFoundError
+from minillm import gguf_convert
+from minillm.errors import ConfigError, ModelNotFoundError, OutputPathError
 from minillm.gguf_convert import convert_gguf, unpermute_qk
 
 transformers = pytest.importorskip("transformers")
@@ -196,3 +198,43 @@ def test_unreadable_file_raises_model_not_found(tmp_path):
     with pytest.raises(ModelNotFoundError, match="cannot read") as info:
         convert_gguf(path, tmp_path / "out", progress=False)
     assert "\n" not in str(info.value)
+
+
+def test_converted_files_get_the_umask_mode(tmp_path):
+    """Like any file the user creates: 0o666 less the umask (safetensors alone leaves 0o600)."""
+    old = os.umask(0o002)
+    try:
+        out = convert_gguf(_tiny_llama_gguf(tmp_path / "tiny.gguf", _tiny_hf_weights()), tmp_path / "out",
+                           progress=False)
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert modes == dict.fromkeys(
+        ["model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json"], oct(0o666 & ~0o002)
+    )
+
+
+@pytest.mark.parametrize("out", ["taken", "taken/out"])
+def test_output_path_through_a_file_fails_before_dequantizing(tmp_path, monkeypatch, out):
+    """A file where the folder would go: one-line error, before the long work, and the file is kept."""
+    gguf_file = _tiny_llama_gguf(tmp_path / "tiny.gguf", _tiny_hf_weights())
+    (tmp_path / "taken").write_text("keep me")
+
+    def dequantize_all(*args):
+        raise AssertionError("dequantized before checking the output folder")
+
+    monkeypatch.setattr(gguf_convert, "_hf_tensors", dequantize_all)
+    with pytest.raises(OutputPathError, match="is not a folder") as info:
+        convert_gguf(gguf_file, tmp_path / out, progress=False)
+    assert "\n" not in str(info.value) and str(tmp_path / "taken") in str(info.value)
+    assert (tmp_path / "taken").read_text() == "keep me"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_output_folder_without_write_permission_fails_before_dequantizing(tmp_path, monkeypatch):
+    gguf_file = _tiny_llama_gguf(tmp_path / "tiny.gguf", _tiny_hf_weights())
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    monkeypatch.setattr(gguf_convert, "_hf_tensors", lambda *args: pytest.fail("dequantized first"))
+    with pytest.raises(OutputPathError, match="permission denied"):
+        convert_gguf(gguf_file, locked / "out", progress=False)

@@ -89,3 +89,8 @@ def test_cli_calibrate_quick_then_whatif_this(tmp_path, monkeypatch, capsys):
     assert main(["whatif", "--config", "llama-2-7b", "--hardware", "this", "--dtype", "float32",
                  "--prompt-tokens", "10", "--output-tokens", "3"]) == 0
     assert "1,048,576" in capsys.readouterr().out  # fp32 KV bytes per token of Llama-2-7B
+    # without --dtype: what the model runs in on this CPU (float32), so the calibration above is used
+    assert main(["whatif", "--config", "llama-2-7b", "--hardware", "this",
+                 "--prompt-tokens", "10", "--output-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert "float32" in out and "1,048,576" in out and "measuring" not in err
