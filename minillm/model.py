@@ -62,6 +62,46 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
+SPLIT_MAX_ROWS = 16  # up to this many rows (decode: one per sequence) a product is memory-bound
+
+
+@torch.compiler.assume_constant_result  # torch.compile reads it once, when it traces
+def _cpu_threads() -> int:
+    return torch.get_num_threads()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weightᵀ + bias, as ``F.linear``: x [..., in], weight [out, in] -> [..., out].
+
+    A decode step multiplies one row per sequence by every matrix: the time goes into
+    reading the matrix from memory, and MKL reads it with one CPU core, which cannot
+    stream memory as fast as all the cores together. So on a CPU with n threads, a
+    product of at most SPLIT_MAX_ROWS rows is cut into n column blocks of the matrix,
+    run as one batched matmul (a block per thread):
+
+        x @ Wᵀ  =  [ x @ Wᵀ[:, block 0] | x @ Wᵀ[:, block 1] | ... ]      (views, no copies)
+
+    On 2 cores a SmolLM2-135M decode step's 121 products went from 33.9 to 26.1 ms
+    (BENCHMARKS.md). Prefill's many rows go to ``F.linear``: MKL already spreads a big
+    product over every core. Same values as ``F.linear`` up to float rounding.
+    """
+    n, out = _cpu_threads(), weight.shape[0]
+    rows = x.numel() // x.shape[-1]
+    if x.device.type != "cpu" or n == 1 or out % n or rows > SPLIT_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    blocks = weight.t().unflatten(1, (n, out // n)).transpose(0, 1)  # [n, in, out/n]
+    y = torch.bmm(x.reshape(1, rows, -1).expand(n, -1, -1), blocks)  # [n, rows, out/n]
+    y = y.transpose(0, 1).reshape(*x.shape[:-1], out)
+    return y if bias is None else y + bias
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same state-dict names) computed by :func:`linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 def _pack(linears: list[nn.Linear], long_rows: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Stack the weights (and biases) of linears sharing one input into one [sum(out), in] matrix.
 
@@ -98,8 +138,8 @@ class GeluMLP(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.up_proj = nn.Linear(config.d_model, config.d_mlp, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.d_mlp, config.d_model, bias=config.mlp_bias)
+        self.up_proj = Linear(config.d_model, config.d_mlp, bias=config.mlp_bias)
+        self.down_proj = Linear(config.d_mlp, config.d_model, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
@@ -110,16 +150,16 @@ class SwiGLU(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.d_model, config.d_mlp, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(config.d_model, config.d_mlp, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.d_mlp, config.d_model, bias=config.mlp_bias)
+        self.gate_proj = Linear(config.d_model, config.d_mlp, bias=config.mlp_bias)
+        self.up_proj = Linear(config.d_model, config.d_mlp, bias=config.mlp_bias)
+        self.down_proj = Linear(config.d_mlp, config.d_model, bias=config.mlp_bias)
         # [2·d_mlp, d_model]: gate and up stacked, set by Transformer.pack_weights (one matmul, not two).
         self.register_buffer("gate_up_weight", None, persistent=False)
         self.register_buffer("gate_up_bias", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+            gate, up = linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
@@ -184,10 +224,10 @@ class Attention(nn.Module):
         c = config
         self.layer, self.name = layer, f"blocks.{layer}.attn"
         self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
-        self.q_proj = nn.Linear(c.d_model, c.n_heads * c.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.d_model, c.n_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.d_model, c.n_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.d_model, bias=c.attention_bias)
+        self.q_proj = Linear(c.d_model, c.n_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = Linear(c.d_model, c.n_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = Linear(c.d_model, c.n_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = Linear(c.n_heads * c.head_dim, c.d_model, bias=c.attention_bias)
         # [(H + 2·Hkv)·D, d_model]: q, k, v stacked, set by Transformer.pack_weights (one matmul, not three).
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
@@ -197,7 +237,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         if self.qkv_weight is not None:
             sizes = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim)
-            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(sizes, dim=-1)
+            q, k, v = linear(x, self.qkv_weight, self.qkv_bias).split(sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
@@ -264,7 +304,7 @@ class Transformer(nn.Module):
         self.rope = RotaryEmbedding(config) if config.uses_rope else None
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.ln_final = make_norm(config)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 

@@ -1,0 +1,49 @@
+"""model.linear: decode's few-row products split into one column block per CPU thread.
+
+The oracle is F.linear on the same tensors, on both weight layouts pack_weights uses.
+"""
+
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minillm.model import SPLIT_MAX_ROWS, linear
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def weight(out, inp, column_major):
+    return torch.randn(inp, out).t() if column_major else torch.randn(out, inp)  # [out, in] either way
+
+
+@pytest.mark.parametrize("column_major", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, SPLIT_MAX_ROWS])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_split_product_equals_f_linear(threads, column_major, rows, with_bias):
+    threads(2)
+    torch.manual_seed(rows)
+    w, x = weight(96, 40, column_major), torch.randn(rows, 1, 40)
+    b = torch.randn(96) if with_bias else None
+    with mock.patch("torch.bmm", wraps=torch.bmm) as bmm:
+        got = linear(x, w, b)
+    assert bmm.call_count == 1  # the split path ran
+    assert got.shape == (rows, 1, 96)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["many rows", "one thread", "out not divisible"])
+def test_other_products_go_to_f_linear(threads, case):
+    threads(1 if case == "one thread" else 3 if case == "out not divisible" else 2)
+    rows = SPLIT_MAX_ROWS + 1 if case == "many rows" else 1
+    w, x = torch.randn(64, 24), torch.randn(rows, 24)  # 64 % 3 != 0
+    with mock.patch("torch.bmm", wraps=torch.bmm) as bmm:
+        got = linear(x, w)
+    assert bmm.call_count == 0
+    torch.testing.assert_close(got, F.linear(x, w))
