@@ -65,9 +65,8 @@ class LayerNorm(nn.Module):
 SPLIT_MAX_ROWS = 16  # up to this many rows (decode: one per sequence) a product is memory-bound
 
 
-@torch.compiler.assume_constant_result  # torch.compile reads it once, when it traces
 def _cpu_threads() -> int:
-    return torch.get_num_threads()
+    return torch.get_num_threads()  # (minillm.compile marks it constant: read once, when tracing)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

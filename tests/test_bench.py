@@ -213,3 +213,13 @@ def test_cli_quick_preset_yields_to_explicit_options(smollm2_dir, tmp_path):
     cases = {(m["phase"], m["length"], m["decode_tokens"]) for m in data["measurements"]}
     assert cases == {("prefill", 16, 1), ("decode", 64, 3)}  # 16 and 3 given; context 64 from --quick
     assert data["repeats"] == 1 and data["memory"] is None
+
+
+def test_importing_minillm_leaves_the_compiler_out():
+    """torch._dynamo (and sympy with it) is ~70 MB of RSS: only --compile may import it (the memory target)."""
+    import subprocess
+    import sys
+
+    code = "import sys, minillm, minillm.generate, minillm.loading; print('torch._dynamo' in sys.modules, 'sympy' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["False", "False"], r.stderr
