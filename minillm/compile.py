@@ -21,13 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from . import model as _model
 from .kv_cache import KVCache
 from .model import Transformer
-
-# model.linear splits decode's products over torch.get_num_threads() column blocks; the traced
-# graph cannot call that, so it reads the thread count once, when it compiles.
-torch.compiler.assume_constant_result(_model._cpu_threads)
 
 
 class StaticKVView:

@@ -65,10 +65,6 @@ class LayerNorm(nn.Module):
 SPLIT_MAX_ROWS = 16  # up to this many rows (decode: one per sequence) a product is memory-bound
 
 
-def _cpu_threads() -> int:
-    return torch.get_num_threads()  # (minillm.compile marks it constant: read once, when tracing)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weightᵀ + bias, as ``F.linear``: x [..., in], weight [out, in] -> [..., out].
 
@@ -84,7 +80,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (BENCHMARKS.md). Prefill's many rows go to ``F.linear``: MKL already spreads a big
     product over every core. Same values as ``F.linear`` up to float rounding.
     """
-    n, out = _cpu_threads(), weight.shape[0]
+    if torch.compiler.is_compiling():  # inductor rewrites the batched product into a slower kernel
+        return F.linear(x, weight, bias)
+    n, out = torch.get_num_threads(), weight.shape[0]
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or n == 1 or out % n or rows > SPLIT_MAX_ROWS:
         return F.linear(x, weight, bias)
