@@ -76,11 +76,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
         x @ Wᵀ  =  [ x @ Wᵀ[:, block 0] | x @ Wᵀ[:, block 1] | ... ]      (views, no copies)
 
-    On 2 cores a SmolLM2-135M decode step's 121 products went from 33.9 to 26.1 ms
-    (BENCHMARKS.md). Prefill's many rows go to ``F.linear``: MKL already spreads a big
-    product over every core. Same values as ``F.linear`` up to float rounding.
+    On 2 cores this took a SmolLM2-135M decode step from 43.1 to 36.2 ms at batch 1 and
+    from 103 to 71 ms at batch 8 (BENCHMARKS.md). Prefill's many rows, a GPU, and a
+    torch.compile'd step use ``F.linear``: MKL already spreads a big product over every
+    core, cuBLAS a product over the GPU, and inductor turns the batched product into a
+    slower kernel. Same values as ``F.linear`` up to float rounding.
     """
-    if torch.compiler.is_compiling():  # inductor rewrites the batched product into a slower kernel
+    if torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
     n, out = torch.get_num_threads(), weight.shape[0]
     rows = x.numel() // x.shape[-1]
