@@ -532,6 +532,8 @@ def _add_prefix_demo(sub) -> None:
 
 
 def run_prefix_demo_cmd(args) -> int:
+    if args.plot:
+        _check_out_file("--plot", args.plot, ".png")
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -581,7 +583,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", metavar="B", help="decode (default 1 8)")
     p.add_argument("--repeats", type=int, help="runs per case and engine, medians reported (default 3)")
     p.add_argument("--decode-tokens", type=int, help="tokens per decode run (default 16)")
-    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES) + ["minillm-compile"])
+    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES) + ["minillm-compile"],
+                   metavar="ENGINE", help=f"which engines to run, each once (default: {' '.join(ENGINES)}; "
+                                          "also minillm-compile)")
     p.add_argument("--compile", nargs="?", const="auto", metavar="MODE",
                    help="add minillm-compile: torch.compile of decode_step (mode default on cpu, "
                         "reduce-overhead = CUDA graphs on cuda)")
@@ -607,17 +611,21 @@ def run_bench_cmd(args) -> int:
     import torch
     from rich.console import Console
 
-    from .bench import rich_table, run_bench, targets_rich_table, to_markdown
+    from .bench import rich_table, run_bench, targets_rich_table, to_markdown, validate_bench
     from .loading import load_model
 
     for name, value in (BENCH_QUICK if args.quick else BENCH_DEFAULTS).items():
         if getattr(args, name) is None:  # an option given explicitly wins over the preset
             setattr(args, name, value)
-    if min(args.repeats, *args.batch_sizes) < 1 or args.decode_tokens < 2 or args.memory_tokens < 0:
-        raise UsageError("--repeats and --batch-sizes must be >= 1, --decode-tokens >= 2, --memory-tokens >= 0")
+    _check_bench_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     model = load_model(_ensure_model(args.model, args.weights_dir), device=args.device, dtype=args.dtype)
+    try:  # lengths against the model's context: before any work
+        validate_bench(model, args.prompt_lengths, args.context_lengths, args.batch_sizes, args.repeats,
+                       args.decode_tokens, args.memory_tokens)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     compile_mode = None
     if args.compile:
         on_cuda = next(model.parameters()).device.type == "cuda"
@@ -628,7 +636,8 @@ def run_bench_cmd(args) -> int:
                        model_name=str(args.model), progress=lambda line: console.print(f"[dim]bench: {line}[/dim]"))
     out = Console() if sys.stdout.isatty() else Console(width=180)  # piped: don't wrap the 11 columns
     out.print(rich_table(result))
-    out.print(targets_rich_table(result))
+    if targets := targets_rich_table(result):
+        out.print(targets)
     for note in result.notes + ([_memory_note(result.memory)] if result.memory else []):
         out.print(f"- {note}")
     for flag, write in (("json", result.to_json), ("markdown", lambda path: _write(path, to_markdown(result)))):
@@ -639,6 +648,38 @@ def run_bench_cmd(args) -> int:
 
         out.print(f"wrote {plot(result, args.plot)}")
     return 0
+
+
+COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _check_bench_args(args) -> None:
+    """One-line usage errors for the bench's options, before the model loads."""
+    for flag, value, least in (("--repeats", args.repeats, 1), ("--batch-sizes", min(args.batch_sizes), 1),
+                               ("--decode-tokens", args.decode_tokens, 2), ("--memory-tokens", args.memory_tokens, 0)):
+        if value < least:
+            raise UsageError(f"{flag} must be >= {least}, got {value}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    if args.compile and args.compile not in COMPILE_MODES:
+        raise UsageError(f"--compile: unknown mode {args.compile!r}; use one of {', '.join(COMPILE_MODES[1:])}")
+    twice = sorted({e for e in args.engines if args.engines.count(e) > 1})
+    if twice:
+        raise UsageError(f"--engines lists {', '.join(twice)} more than once; name each engine once")
+    for flag in ("json", "markdown", "plot"):
+        if getattr(args, flag):
+            _check_out_file(f"--{flag}", getattr(args, flag), ".png" if flag == "plot" else None)
+
+
+def _check_out_file(flag: str, path: str, suffix: str | None = None) -> None:
+    """A usage error now for an output file that could not be written after the work."""
+    target = Path(path).expanduser().absolute()
+    if suffix and target.suffix.lower() != suffix:
+        raise UsageError(f"{flag}: {path} must end in {suffix}")
+    if target.is_dir():
+        raise UsageError(f"{flag}: {target} is a folder; give a file name")
+    if not target.parent.is_dir():
+        raise UsageError(f"{flag}: folder {target.parent} does not exist; create it or pick another path")
 
 
 def _memory_note(memory) -> str:

@@ -77,16 +77,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x @ Wᵀ  =  [ x @ Wᵀ[:, block 0] | x @ Wᵀ[:, block 1] | ... ]      (views, no copies)
 
     On 2 cores this took a SmolLM2-135M decode step from 43.1 to 36.2 ms at batch 1 and
-    from 103 to 71 ms at batch 8 (BENCHMARKS.md). Prefill's many rows, a GPU, and a
-    torch.compile'd step use ``F.linear``: MKL already spreads a big product over every
-    core, cuBLAS a product over the GPU, and inductor turns the batched product into a
-    slower kernel. Same values as ``F.linear`` up to float rounding.
+    from 103 to 71 ms at batch 8 (BENCHMARKS.md). Prefill's many rows, a GPU, a
+    torch.compile'd step and 16-bit floats use ``F.linear``: MKL already spreads a big
+    product over every core, cuBLAS a product over the GPU, inductor turns the batched
+    product into a slower kernel, and CPU bmm is slower than F.linear in bfloat16 and
+    float16 (measured). Same values as ``F.linear`` up to float rounding.
     """
     if torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
     n, out = torch.get_num_threads(), weight.shape[0]
     rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu" or n == 1 or out % n or rows > SPLIT_MAX_ROWS:
+    if x.device.type != "cpu" or x.dtype != torch.float32 or n == 1 or out % n or rows > SPLIT_MAX_ROWS:
         return F.linear(x, weight, bias)
     blocks = weight.t().unflatten(1, (n, out // n)).transpose(0, 1)  # [n, in, out/n]
     y = torch.bmm(x.reshape(1, rows, -1).expand(n, -1, -1), blocks)  # [n, rows, out/n]

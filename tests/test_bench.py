@@ -223,3 +223,41 @@ def test_importing_minillm_leaves_the_compiler_out():
     code = "import sys, minillm, minillm.generate, minillm.loading; print('torch._dynamo' in sys.modules, 'sympy' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.split() == ["False", "False"], r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--threads", "0"], "--threads must be >= 1"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--decode-tokens", "1"], "--decode-tokens must be >= 2"),
+    (["--compile", "bogus"], "--compile: unknown mode 'bogus'"),
+    (["--engines", "minillm-sdpa", "minillm-sdpa"], "lists minillm-sdpa more than once"),
+    (["--json", "{tmp}/missing/b.json"], "does not exist"),
+    (["--json", "{tmp}"], "is a folder"),
+    (["--plot", "{tmp}/b.txt"], "must end in .png"),
+    (["--memory-tokens", "9000"], "memory tokens must be in [0, 8176]"),
+    (["--prompt-lengths", "0"], "prompt length 0 must be in"),
+])
+def test_cli_bad_bench_options_exit_2_before_the_work(smollm2_dir, tmp_path, args, message):
+    import subprocess
+    import sys
+
+    args = [a.format(tmp=tmp_path) for a in args]
+    r = subprocess.run([sys.executable, "-m", "minillm", "bench", "--quick", *args], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+    assert "bench: warming up" not in r.stderr
+
+
+def test_a_beaten_floor_is_noted_and_not_judged(result):
+    import copy
+
+    bad = copy.deepcopy(result)
+    m = bad.find("minillm-sdpa", "decode", 8)
+    m.floor_fraction = 3.0
+    check = {t.name: t for t in check_targets(bad)}["decode ctx 8: fraction of floor"]
+    assert check.met is None and "recalibrate" in check.detail
+    from minillm.bench import _beaten_floor_notes
+
+    assert "understates" in _beaten_floor_notes(bad.measurements, bad.hardware)[0]
+    assert _beaten_floor_notes(result.measurements, result.hardware) == []

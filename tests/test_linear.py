@@ -38,11 +38,13 @@ def test_split_product_equals_f_linear(threads, column_major, rows, with_bias):
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["many rows", "one thread", "out not divisible"])
+@pytest.mark.parametrize("case", ["many rows", "one thread", "out not divisible", "bfloat16"])
 def test_other_products_go_to_f_linear(threads, case):
     threads(1 if case == "one thread" else 3 if case == "out not divisible" else 2)
     rows = SPLIT_MAX_ROWS + 1 if case == "many rows" else 1
     w, x = torch.randn(64, 24), torch.randn(rows, 24)  # 64 % 3 != 0
+    if case == "bfloat16":
+        w, x = w.bfloat16(), x.bfloat16()
     with mock.patch("torch.bmm", wraps=torch.bmm) as bmm:
         got = linear(x, w)
     assert bmm.call_count == 0

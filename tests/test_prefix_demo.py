@@ -75,3 +75,12 @@ def test_cli_generate_with_prefix_cache_marks_the_cached_prompt(smollm2_dir, cap
 def test_cli_rejects_a_bad_block_size(capsys):
     assert main(["prefix-demo", "--block-size", "0"]) == 2
     assert "--block-size" in capsys.readouterr().err
+
+
+def test_cli_plot_must_be_a_png_checked_first(smollm2_dir, tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "minillm", "prefix-demo", "--plot", str(tmp_path / "p.txt")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "must end in .png" in r.stderr, r.stderr
