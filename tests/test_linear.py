@@ -49,3 +49,15 @@ def test_other_products_go_to_f_linear(threads, case):
         got = linear(x, w)
     assert bmm.call_count == 0
     torch.testing.assert_close(got, F.linear(x, w))
+
+
+@pytest.mark.parametrize("dtype, transposed", [("float32", True), ("bfloat16", True), ("float16", False)])
+def test_cpu_layout_is_column_major_except_in_float16(tmp_path, dtype, transposed):
+    from tiny_models import CONFIGS, build_hf, save_hf
+
+    from minillm import load_model
+
+    family, kwargs = CONFIGS["llama_gqa"]
+    model = load_model(save_hf(build_hf(family, kwargs), tmp_path), device="cpu", dtype=dtype)
+    gate_up = model.blocks[0].mlp.gate_up_weight  # [2·d_mlp, d_model], out >= in
+    assert gate_up.t().is_contiguous() == transposed and gate_up.is_contiguous() == (not transposed)
