@@ -123,8 +123,8 @@ def run_generate(args) -> int:
     prompts = [_read_prompt(p) for p in args.prompt] or [_read_prompt(None)]
     if args.block_size < 1:
         raise UsageError(f"--block-size must be >= 1, got {args.block_size}")
-    if args.trace_out and not Path(args.trace_out).absolute().parent.is_dir():
-        raise UsageError(f"--trace-out: folder {Path(args.trace_out).absolute().parent} does not exist")
+    if args.trace_out:
+        _check_out_file("--trace-out", args.trace_out)
     folder = _ensure_model(args.model, args.weights_dir)
     model = load_model(folder, device=args.device, dtype=args.dtype)
     tokenizer = load_tokenizer(folder)
