@@ -43,6 +43,8 @@ def test_prompt_from_stdin_without_chat():
         (["generate", "hi", "--temperature", "abc"], "invalid float value"),
         (["generate", "   "], "the prompt is empty"),
         (["frobnicate"], "invalid choice"),
+        (["generate", "hi", "--trace-out", "/"], "is a folder; give a file name"),
+        (["generate", "hi", "--trace-out", "/no/such/folder/t.jsonl"], "folder /no/such/folder does not exist"),
     ],
 )
 def test_usage_errors_exit_2_with_one_line(args, message):
