@@ -692,7 +692,7 @@ def cache_slowdowns(result: BenchResult) -> dict[int, float]:
 # -- memory -----------------------------------------------------------------------------------
 
 
-def measure_peak_memory(model: Transformer, n_tokens: int = 1024, prompt_tokens: int = 16,
+def measure_peak_memory(model: Transformer, n_tokens: int = 1024, prompt_tokens: int = MEMORY_PROMPT_TOKENS,
                         threads: int | None = None) -> MemoryReport:
     """Peak RSS of generating n_tokens greedily with ``generate``, in a fresh Python process.
 
