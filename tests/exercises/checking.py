@@ -77,6 +77,20 @@ class Case:
         except Exception as e:  # noqa: BLE001 - any crash of the code under test is a failed check
             self.fail(f"raised {type(e).__name__}: {e}")
 
+    def raises(self, error: type[Exception], fn, *args, **kwargs) -> None:
+        """fn(*args, **kwargs) must raise ``error`` (the docstring promises it); returning is a failure."""
+        __tracebackhide__ = True
+        try:
+            got = fn(*args, **kwargs)
+        except NotImplementedError:
+            raise
+        except error:
+            return
+        except Exception as e:  # noqa: BLE001 - the wrong error is a failed check too
+            self.fail(f"raised {type(e).__name__}: {e}", expected=f"{error.__name__} naming the problem",
+                      got=type(e).__name__)
+        self.fail(f"returned instead of raising {error.__name__}", expected=error.__name__, got=_short(got))
+
     def equal(self, got, expected, hint: str | None = None) -> None:
         """Exactly equal: tensors (shape, dtype kind and values), numbers, tuples, None."""
         __tracebackhide__ = True
@@ -120,6 +134,11 @@ class Case:
             self.fail(f"expected a tensor of shape {shape(expected)}, got {type(got).__name__}", hint=hint)
         if got.shape != expected.shape:
             self.fail(f"wrong shape: expected {shape(expected)}, got {shape(got)}", hint=hint)
+
+
+def _short(x) -> str:
+    text = repr(x)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def shape(t: torch.Tensor) -> str:
@@ -175,7 +194,8 @@ def _first_difference(got: torch.Tensor, expected: torch.Tensor) -> str:
 
 
 def _largest_difference(got: torch.Tensor, expected: torch.Tensor) -> str:
-    diff = (got - expected).abs().nan_to_num(nan=math.inf)
+    # equal infinities (two -inf of a filtered token) differ by nan, not by nothing: count them as equal
+    diff = torch.where(got == expected, 0.0, (got - expected).abs()).nan_to_num(nan=math.inf)
     flat = int(diff.reshape(-1).argmax())
     idx = list(torch.unravel_index(torch.tensor(flat), diff.shape)) if diff.dim() else []
     idx = [int(i) for i in idx]

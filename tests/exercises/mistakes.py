@@ -22,10 +22,10 @@ import torch
 from minillm.block_hash import hash_block
 from minillm.costs import PhaseCost, decode_cost, flops_per_token, weights_bytes
 from minillm.kv_cache import KVCache
-from minillm.metrics import RequestMetrics
+from minillm.metrics import RequestMetrics, percentile
 from minillm.model import causal_mask
 from minillm.rope import RotaryEmbedding
-from minillm.sampling import filter_logits
+from minillm.sampling import filter_logits, sample
 
 INF = float("inf")
 
@@ -228,6 +228,39 @@ def cache_length_advanced_in_write(self, layer, k, v):
     return out
 
 
+@mistake("ex05", "KVCache.write")
+def cache_writes_only_sequence_0(self, layer, k, v):
+    """Stores only the first sequence of the batch (written with batch 1 in mind)."""
+    end = self.length + k.shape[2]
+    self.k[layer, 0, :, self.length : end] = k[0]  # MISTAKE: [layer, :, ...] = k
+    self.v[layer, 0, :, self.length : end] = v[0]
+    return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+@mistake("ex05", "KVCache.write")
+def cache_write_returns_only_the_new_entries(self, layer, k, v):
+    """Stores the new K/V but returns only them: attention would never see the cached positions."""
+    KVCache.write(self, layer, k, v)
+    return k, v  # MISTAKE: the filled views 0 .. length+T-1
+
+
+@mistake("ex05", "KVCache.write")
+def cache_write_forgets_the_layer(self, layer, k, v):
+    """Indexes without the layer: the new K/V are broadcast into every layer, the last writer wins."""
+    end = self.length + k.shape[2]
+    self.k[:, :, :, self.length : end] = k  # MISTAKE: self.k[layer, :, :, ...]
+    self.v[:, :, :, self.length : end] = v
+    return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+@mistake("ex05", "KVCache.write")
+def cache_write_returns_float32(self, layer, k, v):
+    """Builds the returned view with torch.cat on float32 copies: a bfloat16 cache comes back as float32."""
+    KVCache.write(self, layer, k, v)
+    old_k, old_v = self.k[layer, :, :, : self.length].float(), self.v[layer, :, :, : self.length].float()
+    return torch.cat([old_k, k.float()], dim=2), torch.cat([old_v, v.float()], dim=2)  # MISTAKE: .float()
+
+
 @mistake("ex05", "KVCache.keys")
 def cache_keys_ignore_length(self, layer):
     """Returns the whole preallocated buffer, zeros after length included."""
@@ -361,6 +394,40 @@ def top_p_mask_left_in_sorted_order(logits, params):
     return logits.masked_fill(drop_sorted, -INF)  # MISTAKE: no scatter back through the sort order
 
 
+@mistake("ex08", "filter_logits")
+def temperature_after_top_p(logits, params):
+    """Filters with top-k/top-p on the raw logits and divides by the temperature last."""
+    return _top_p(_top_k(logits, params), params) / params.temperature  # MISTAKE: temperature first
+
+
+@mistake("ex08", "filter_logits")
+def top_k_threshold_across_the_batch(logits, params):
+    """Takes the k-th largest logit of the whole batch, not of each row."""
+    logits = logits / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits.flatten(), params.top_k).values[-1]  # MISTAKE: per row, values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -INF)
+    return _top_p(logits, params)
+
+
+@mistake("ex08", "sample")
+def logprob_under_the_tempered_distribution(logits, params, generator=None):
+    """Reports log_softmax(logits / temperature) instead of the model's own log-probability."""
+    token_ids, _ = sample(logits, params, generator)
+    tempered = logits if params.greedy else logits / params.temperature  # MISTAKE: the raw logits
+    return token_ids, torch.log_softmax(tempered, dim=-1).gather(-1, token_ids[:, None]).squeeze(-1)
+
+
+@mistake("ex08", "sample")
+def sample_ignores_the_generator(logits, params, generator=None):
+    """Draws with torch.multinomial(probs, 1) from the global RNG: the seed does not repeat a run."""
+    if params.greedy:
+        return sample(logits, params)
+    probs = torch.softmax(filter_logits(logits, params), dim=-1)
+    token_ids = torch.multinomial(probs, num_samples=1).squeeze(-1)  # MISTAKE: generator=generator
+    return token_ids, torch.log_softmax(logits, dim=-1).gather(-1, token_ids[:, None]).squeeze(-1)
+
+
 @mistake("ex08", "sample")
 def temperature_zero_divides_by_zero(logits, params, generator=None):
     """Temperature 0 goes through logits / 0 (inf, nan) instead of taking the argmax."""
@@ -408,6 +475,38 @@ def output_throughput_over_decode_time(cls, start_s, token_times_s, n_prompt_tok
     m = RequestMetrics.from_timestamps(start_s, token_times_s, n_prompt_tokens)
     decode_s = (m.e2e_ms - m.ttft_ms) / 1e3
     return replace(m, output_throughput_tok_s=m.n_output_tokens / decode_s if decode_s else INF)  # MISTAKE
+
+
+@mistake("ex09", "RequestMetrics.from_timestamps")
+def metrics_skip_the_promised_errors(cls, start_s, token_times_s, n_prompt_tokens, bytes_per_decode_step=None,
+                                     peak_bandwidth=None):
+    """Computes the metrics of any timestamps: decreasing times give a negative ITL, none an IndexError."""
+    t = [float(x) for x in token_times_s]  # MISTAKE: no ValueError for [], decreasing times, t_1 < start
+    itl = tuple((b - a) * 1e3 for a, b in zip(t, t[1:]))
+    ttft, e2e = (t[0] - start_s) * 1e3, (t[-1] - start_s) * 1e3
+    tpot = (e2e - ttft) / (len(t) - 1) if len(t) > 1 else None
+    p = (lambda q: percentile(itl, q) if itl else None)
+    return cls(n_prompt_tokens, len(t), ttft, tpot, itl, p(50), p(90), p(99), e2e,
+               len(t) / (e2e / 1e3) if e2e > 0 else INF, n_prompt_tokens / (ttft / 1e3) if ttft > 0 else INF)
+
+
+@mistake("ex09", "RequestMetrics.from_timestamps")
+def metrics_refuse_equal_timestamps(cls, start_s, token_times_s, n_prompt_tokens, bytes_per_decode_step=None,
+                                    peak_bandwidth=None):
+    """Refuses two tokens with the same timestamp (<= instead of <): a coarse clock fails valid requests."""
+    t = list(token_times_s)
+    if any(b <= a for a, b in zip(t, t[1:])):  # MISTAKE: b < a
+        raise ValueError("token_times_s must be increasing")
+    return RequestMetrics.from_timestamps(start_s, token_times_s, n_prompt_tokens)
+
+
+@mistake("ex09", "RequestMetrics.from_timestamps")
+def ttft_from_the_clock_origin(cls, start_s, token_times_s, n_prompt_tokens, bytes_per_decode_step=None,
+                               peak_bandwidth=None):
+    """TTFT and e2e from t = 0 instead of the request start (start_s forgotten)."""
+    m = RequestMetrics.from_timestamps(start_s, token_times_s, n_prompt_tokens)
+    t = list(token_times_s)
+    return replace(m, ttft_ms=t[0] * 1e3, e2e_ms=t[-1] * 1e3)  # MISTAKE: t - start_s
 
 
 # -- ex10 costs ------------------------------------------------------------------------------------

@@ -24,3 +24,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
             scores = q[:, h, i : i + 1] @ k[:, kv, :seen].transpose(-1, -2) / math.sqrt(D)  # [B, 1, seen]
             out[:, h, i : i + 1] = torch.softmax(scores, dim=-1) @ v[:, kv, :seen]
     return out
+
+
+def filter_row(logits: list[float], temperature: float, top_k: int = 0, top_p: float = 1.0) -> list[float]:
+    """One row of logits through temperature, then top-k, then top-p, with Python floats (vLLM's order).
+
+    Divide by the temperature; keep the top_k largest (0: all); walk the survivors from the most
+    likely down, keeping each while the probability mass before it is < top_p. Dropped: -inf.
+    """
+    scaled = [x / temperature for x in logits]
+    order = sorted(range(len(scaled)), key=lambda i: -scaled[i])
+    kept = order[:top_k] if top_k else order
+    z = sum(math.exp(scaled[i]) for i in kept)
+    nucleus, mass = [], 0.0
+    for i in kept:
+        if mass >= top_p:
+            break
+        nucleus.append(i)
+        mass += math.exp(scaled[i]) / z
+    return [scaled[i] if i in nucleus else -math.inf for i in range(len(scaled))]

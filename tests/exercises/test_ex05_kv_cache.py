@@ -88,3 +88,39 @@ def test_prefill_then_three_decode_steps(impl):
         cache.advance(1)
     c.equal(cache.length, 6)
     c.close(c.call(cache.keys, 1), keys[1])
+
+
+def test_a_batch_of_three_sequences(impl):
+    c = Case("cache.write(layer, k, v) with batch 3", "3 sequences decoded together: a 2-token prefill, then "
+             "1 decode token, each sequence with its own K/V",
+             shapes="cache k, v: [2, batch=3, 2, 8, 4]; new k, v: [3, 2, T, 4]", lesson=LESSON,
+             hint="write every sequence of the batch: self.k[layer, :, :, length:length+T] = k (the ':' on the "
+                  "batch dimension), not only sequence 0")
+    cache = impl.KVCache(n_layers=2, batch_size=3, n_kv_heads=2, max_seq_len=8, head_dim=4)
+    k0, v0 = randn(2, 3, 2, 2, 4, seed=20).unbind(0)
+    for layer in range(2):
+        c.call(cache.write, layer, k0, v0)
+    cache.advance(2)
+    k1, v1 = randn(2, 3, 2, 1, 4, seed=21).unbind(0)
+    got_k, got_v = c.call(cache.write, 1, k1, v1)
+    c.close(got_k, torch.cat([k0, k1], dim=2))
+    c.close(got_v, torch.cat([v0, v1], dim=2))
+    c.close(c.call(cache.keys, 0), k0)
+    c.close(c.call(cache.values, 1), v0)
+
+
+def test_far_from_position_0_in_each_dtype(impl):
+    for dtype in (torch.float32, torch.bfloat16):
+        c = Case(f"cache.write(0, k, v), a {str(dtype)[6:]} cache", "500 positions already filled (max_seq_len "
+                 "512), then a 3-token write at positions 500, 501, 502",
+                 shapes=f"cache k, v: [1, 1, 2, 512, 4] {str(dtype)[6:]}; new k, v: [1, 2, 3, 4]", lesson=LESSON,
+                 hint=WRITE + "; the views keep the cache's dtype (no float32 copy of a bfloat16 cache)")
+        cache = impl.KVCache(n_layers=1, batch_size=1, n_kv_heads=2, max_seq_len=512, head_dim=4, dtype=dtype)
+        old = randn(2, 1, 2, 500, 4, seed=22).to(dtype)
+        cache.k[0, :, :, :500], cache.v[0, :, :, :500] = old[0], old[1]
+        cache.advance(500)
+        k, v = randn(2, 1, 2, 3, 4, seed=23).to(dtype).unbind(0)
+        got_k, got_v = c.call(cache.write, 0, k, v)
+        c.equal(got_k, torch.cat([old[0], k], dim=2))
+        c.equal(got_v, torch.cat([old[1], v], dim=2))
+        c.equal(c.call(cache.keys, 0), old[0])

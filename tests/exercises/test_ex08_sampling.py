@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from exercises.checking import Case
+from exercises.oracles import filter_row
 from minillm.sampling import SamplingParams
 
 pytestmark = pytest.mark.ex08
@@ -119,3 +120,41 @@ def test_same_seed_same_tokens(impl):
     c.equal(runs[1], runs[0])
     c.true(len(set(runs[0])) > 1, "always the same token at temperature 1", expected="varied tokens",
            got=runs[0])
+
+
+def test_temperature_comes_before_top_p(impl):
+    logits = logits_of([0.7, 0.2, 0.1])
+    c = Case("filter_logits(logits, SamplingParams(temperature=2, top_p=0.7))",
+             "probabilities [0.7, 0.2, 0.1]; at T = 2 they flatten to [0.523, 0.280, 0.198], so the mass before "
+             "the 2nd token is 0.523 < 0.7: two tokens are kept (top-p on the untempered 0.7 would keep one)",
+             shapes="logits [1, 3]", lesson=LESSON + "#temperature",
+             hint="order of operations (vLLM, Hugging Face): divide by the temperature FIRST, then top-k, then "
+                  "top-p on the tempered probabilities; " + TOP_P)
+    got = c.call(impl.filter_logits, logits, SamplingParams(temperature=2.0, top_p=0.7))
+    c.close(got, torch.tensor([filter_row(logits[0].tolist(), 2.0, top_p=0.7)]))
+
+
+def test_temperature_top_k_top_p_together_on_a_batch(impl):
+    logits = torch.tensor([[1.0, 4.0, 2.5, -1.0, 3.0, 0.0], [40.0, 38.0, 39.5, 10.0, 20.0, 39.0]])
+    cases = [(0.5, 3, 0.9), (1.5, 4, 0.8), (3.0, 0, 0.6)]
+    for temperature, top_k, top_p in cases:
+        c = Case(f"filter_logits(logits, SamplingParams(temperature={temperature}, top_k={top_k}, top_p={top_p}))",
+                 "2 sequences whose logits have very different scales, every knob set at once",
+                 shapes="logits [2, 6]: each row is filtered on its own", lesson=LESSON,
+                 hint="logits / temperature, then per row: the top_k largest (the k-th largest OF THAT ROW: "
+                      "topk(...).values[:, -1:]), then top-p on that row's softmax; " + TOP_P)
+        got = c.call(impl.filter_logits, logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+        expected = torch.tensor([filter_row(row, temperature, top_k, top_p) for row in logits.tolist()])
+        c.close(got, expected)
+
+
+def test_logprob_ignores_the_temperature(impl):
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 2.0]])
+    c = Case("sample(logits, SamplingParams(temperature=2.5, top_k=1))",
+             "2 sequences, temperature 2.5, top-k 1: the argmax of each row is drawn",
+             shapes="logits [2, 4] -> (token_ids [2], logprobs [2])", lesson=LESSON + "#temperature",
+             hint="the logprob is log_softmax of the RAW logits (before temperature and filtering), as "
+                  "OpenAI-style APIs report it; the temperature only changes how the token is drawn")
+    ids, logprobs = c.call(impl.sample, logits, SamplingParams(temperature=2.5, top_k=1))
+    c.equal(ids, torch.tensor([0, 1]))
+    c.close(logprobs, torch.log_softmax(logits, -1)[[0, 1], [0, 1]])

@@ -52,3 +52,30 @@ def test_one_token_has_no_tpot(impl):
     c.close(m.ttft_ms, 200.0)
     c.equal(m.tpot_ms, None)
     c.equal(tuple(m.itl_ms), ())
+
+
+def test_bad_timestamps_are_refused(impl):
+    cases = [
+        ("RequestMetrics.from_timestamps(0.0, [], 10)", "no output token at all", (0.0, [], 10)),
+        ("RequestMetrics.from_timestamps(0.0, [1.0, 0.5, 1.2], 10)",
+         "the 2nd token before the 1st: an ITL of -500 ms", (0.0, [1.0, 0.5, 1.2], 10)),
+        ("RequestMetrics.from_timestamps(5.0, [4.5, 5.5], 10)", "the first token 0.5 s before the request started",
+         (5.0, [4.5, 5.5], 10)),
+    ]
+    for what, case, args in cases:
+        c = Case(what, case, shapes="timestamps (s)", lesson=LESSON,
+                 hint="the docstring promises a ValueError for no tokens, decreasing times or a token before the "
+                      "start: check the input first (raise ValueError('...')), never report a negative latency")
+        c.raises(ValueError, impl.RequestMetrics.from_timestamps, *args)
+
+
+def test_equal_timestamps_are_fine(impl):
+    c = Case("RequestMetrics.from_timestamps(2.0, [2.0, 2.25, 2.25], 4)",
+             "a token at the very start and two tokens in the same instant (coarse clocks do this)",
+             shapes="3 timestamps (s)", lesson=LESSON,
+             hint="non-decreasing is allowed: refuse only a time that goes BACK (b < a) or a token before the "
+                  "start; " + DEFS)
+    m = metrics(c, impl, 2.0, [2.0, 2.25, 2.25], 4)
+    c.close(m.ttft_ms, 0.0)
+    c.close(tuple(m.itl_ms), (250.0, 0.0))
+    c.close(m.tpot_ms, 125.0)
