@@ -5,21 +5,23 @@ fast tokenizers), reading the files an HF-style folder ships:
 
     tokenizer.json          vocabulary, merges, pre-tokenizer, decoder, added tokens
     tokenizer_config.json   bos/eos token strings, chat_template   (optional)
+    chat_template.jinja     the chat template, as transformers now saves it (optional)
     config.json             eos_token_id, possibly a list          (optional)
+
+Chat templates are rendered in :mod:`minillm.chat_template`.
 """
 
 from __future__ import annotations
 
 import json
-from functools import cached_property
+import operator
+import re
 from pathlib import Path
 from typing import Sequence
 
-import jinja2
-import jinja2.ext
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from .chat_template import SPECIAL_TOKEN_NAMES, normalize_messages, render_chat_template, select_template
 from .errors import ModelNotFoundError
 
 _REPLACEMENT = "\ufffd"  # what a UTF-8 decoder emits for an incomplete or invalid byte sequence
@@ -42,7 +44,11 @@ def load_tokenizer(name_or_path: str | Path, weights_dir: str | Path | None = No
         backend = tokenizers.Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception for a malformed file
         raise ModelNotFoundError(f"cannot read {path} ({e}); download or convert the model again") from None
-    return Tokenizer(backend, _read_json(model_dir / "tokenizer_config.json"), _read_json(model_dir / "config.json"))
+    tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
+    template_file = model_dir / "chat_template.jinja"
+    if template_file.is_file():  # transformers reads it in preference to tokenizer_config's
+        tokenizer_config["chat_template"] = template_file.read_text(encoding="utf-8")
+    return Tokenizer(backend, tokenizer_config, _read_json(model_dir / "config.json"))
 
 
 def _read_json(path: Path) -> dict:
@@ -62,17 +68,14 @@ class Tokenizer:
         bos_token_id, eos_token_id: ids of the BOS / EOS tokens, or None.
         eos_token_ids: every id that ends generation (tokenizer_config's eos_token
             plus config.json's eos_token_id, an int or a list).
-        chat_template: the Jinja chat template, or None.
+        chat_template: the Jinja chat template (or a dict of named ones), or None.
     """
 
     def __init__(
         self, backend: tokenizers.Tokenizer, tokenizer_config: dict | None = None, model_config: dict | None = None
     ):
         self.backend = backend
-        self.special_tokens = {
-            name: _token_content((tokenizer_config or {}).get(name))
-            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
-        }
+        self.special_tokens = {name: _token_content((tokenizer_config or {}).get(name)) for name in SPECIAL_TOKEN_NAMES}
         model_config = model_config or {}
         self.bos_token_id = self._special_id("bos_token", model_config.get("bos_token_id"))
         self.eos_token_id = self._special_id("eos_token", model_config.get("eos_token_id"))
@@ -81,6 +84,7 @@ class Tokenizer:
         self.eos_token_ids = {i for i in [self.eos_token_id, *config_eos] if i is not None}
         self.chat_template = (tokenizer_config or {}).get("chat_template")
         self._added_ids = set(backend.get_added_tokens_decoder())
+        self.byte_fallback_ids = _byte_fallback_ids(backend)
 
     def _special_id(self, name: str, fallback: int | list[int] | None) -> int | None:
         token = self.special_tokens[name]
@@ -109,20 +113,42 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids`` (an incomplete UTF-8 character at the end shows as U+FFFD)."""
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        """Text of ``ids`` (an incomplete UTF-8 character at the end shows as U+FFFD).
+
+        ``ids``: ints (or numpy / 0-d torch integers), each a vocabulary id.
+        Raises ValueError for an id that is not an integer or not in the vocabulary.
+        """
+        return self.backend.decode(self.check_ids(ids), skip_special_tokens=skip_special_tokens)
+
+    def check_ids(self, ids: Sequence[int]) -> list[int]:
+        """``ids`` as a list of Python ints, each one in the vocabulary.
+
+        Raises ValueError naming the first bad id (the `tokenizers` library would turn an
+        unknown id into "" and a negative one into an OverflowError).
+        """
+        try:
+            checked = [_as_token_id(i) for i in ids]
+        except TypeError:
+            raise ValueError(f"token ids must be a sequence of integers, got {ids!r:.80}") from None
+        for token_id in checked:
+            if self.backend.id_to_token(token_id) is None:  # also catches holes in the id range
+                raise ValueError(f"token id {token_id} is not in the vocabulary (ids 0..{self.vocab_size - 1})")
+        return checked
 
     def id_to_token(self, token_id: int) -> str | None:
-        """The vocabulary entry, as stored (byte-level: 'Ġhello' for ' hello'); None if out of range."""
-        return self.backend.id_to_token(int(token_id))
+        """The vocabulary entry, as stored (byte-level: 'Ġhello' for ' hello'); None for an
+        integer outside the vocabulary. Raises ValueError for a non-integer."""
+        token_id = _as_token_id(token_id)
+        return self.backend.id_to_token(token_id) if token_id >= 0 else None
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """One readable piece per id, for display: ``[' hello', ' \\xf0\\x9f', '\\x98\\x80']``.
 
         Byte-level pieces are shown as the text they encode; bytes of a character
         split across tokens are shown as ``\\xNN`` escapes instead of U+FFFD.
+        Raises ValueError like :meth:`decode`.
         """
-        return [self._token_string(int(i)) for i in ids]
+        return [self._token_string(i) for i in self.check_ids(ids)]
 
     def _token_string(self, token_id: int) -> str:
         token = self.backend.id_to_token(token_id)
@@ -132,54 +158,60 @@ class Tokenizer:
         raw = bytes(_BYTE_OF_CHAR[c] for c in token)
         return raw.decode("utf-8", errors="backslashreplace")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        **kwargs,
+    ) -> str:
         """Render ``[{"role": ..., "content": ...}, ...]`` into the prompt text the model was tuned on.
 
-        Rendered like transformers' ``apply_chat_template(tokenize=False)``. The text
-        already holds its special tokens, so encode it with ``add_special_tokens=False``.
+        Rendered like transformers' ``apply_chat_template(tokenize=False)``, string for string
+        (see :mod:`minillm.chat_template`). "content" may be a string or a list of parts
+        (``[{"type": "text", "text": ...}]``). The text already holds its special tokens, so
+        encode it with ``add_special_tokens=False``.
 
-        Raises ValueError when the model has no chat template, a message is not a
-        dict with string "role" and "content", or the template rejects the chat.
+        Args:
+            tools: JSON schemas of callable functions, for templates that support tool use.
+            documents: ``[{"title": ..., "text": ...}]``, for retrieval-augmented templates.
+            **kwargs: extra template variables (e.g. ``enable_thinking=False``).
+
+        Raises ValueError (one line) when the model has no chat template, a message is
+        malformed, or the template rejects the chat (its ``raise_exception`` message is kept).
         """
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
-        _check_messages(messages)
-        try:
-            return self._compiled_template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
-            )
-        except jinja2.TemplateError as error:
-            raise ValueError(f"chat template error: {str(error).splitlines()[0]}") from error
-
-    @cached_property
-    def _compiled_template(self) -> jinja2.Template:
-        return _jinja_env().from_string(self.chat_template)
+        return render_chat_template(
+            select_template(self.chat_template, tools),
+            normalize_messages(messages),
+            add_generation_prompt=add_generation_prompt,
+            special_tokens=self.special_tokens,
+            tools=tools,
+            documents=documents,
+            **kwargs,
+        )
 
 
-def _check_messages(messages) -> None:
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-    for i, message in enumerate(messages):
-        if not (isinstance(message, dict) and all(isinstance(message.get(k), str) for k in ("role", "content"))):
-            raise ValueError(f"message {i} needs string 'role' and 'content', got {message!r:.80}")
+def _as_token_id(value) -> int:
+    """An int from an int-like value (numpy or 0-d torch integers too); TypeError otherwise.
+    bool is refused although Python counts it as an int: True is never meant as id 1."""
+    if isinstance(value, bool):
+        raise TypeError("bool")
+    return operator.index(value)
 
 
-def _jinja_env() -> ImmutableSandboxedEnvironment:
-    """The Jinja setup transformers renders chat templates with (utils/chat_template_utils.py).
-
-    Sandboxed because templates come with downloaded models; trim/lstrip_blocks
-    because templates are written expecting them (no stray newlines around tags).
-    """
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-    env.globals["raise_exception"] = _raise_exception
-    return env
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")
 
 
-def _raise_exception(message: str):
-    raise jinja2.TemplateError(message)
+def _byte_fallback_ids(backend: tokenizers.Tokenizer) -> frozenset[int]:
+    """Ids of the ``<0x00>``..``<0xFF>`` tokens of a byte-fallback model (SentencePiece style:
+    Llama-2, Mistral, TinyLlama), or nothing for other models."""
+    if not getattr(backend.model, "byte_fallback", False):
+        return frozenset()
+    vocab = backend.get_vocab(with_added_tokens=False)
+    return frozenset(i for token, i in vocab.items() if _BYTE_TOKEN.fullmatch(token))
 
 
 def _gpt2_byte_of_char() -> dict[str, int]:
@@ -203,7 +235,11 @@ class StreamDecoder:
     """Turns token ids into text one token at a time, never splitting a character.
 
     One character can span several tokens (an emoji is 4 UTF-8 bytes, often 2-4
-    byte-level tokens), so text is held back while it ends in U+FFFD. Each push
+    byte-level tokens), so text is held back while it ends in U+FFFD. A byte-fallback
+    tokenizer (``<0xE6><0x97><0xA5>`` for "日") is held back while the last token is a
+    byte token: its decoder turns a whole run of byte tokens into text at once, and one
+    invalid byte in the run makes every byte of it U+FFFD (``tokenizers``' ByteFallback, as
+    transformers decodes), so the run's text is known only once a non-byte token ends it. Each push
     decodes only a short window (the vLLM / TGI "prefix offset, read offset" scheme),
     so a token costs O(1) amortised instead of re-decoding the whole sequence:
 
@@ -229,10 +265,14 @@ class StreamDecoder:
         return f"StreamDecoder(tokens={len(self.ids)}, {offsets})"
 
     def push(self, token_id: int) -> str:
-        """Add one id; return the text it completes ("" while a character is still partial)."""
-        self.ids.append(int(token_id))
+        """Add one id; return the text it completes ("" while a character is still partial).
+
+        Raises ValueError (and keeps its state) for an id that is not an integer in the vocabulary.
+        """
+        self.ids.extend(self.tokenizer.check_ids([token_id]))
         prefix_text, new_text = self._window_texts()
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
+        held = new_text.endswith(_REPLACEMENT) or self.ids[-1] in self.tokenizer.byte_fallback_ids
+        if len(new_text) <= len(prefix_text) or held:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return new_text[len(prefix_text) :]
