@@ -20,6 +20,8 @@ def pytest_addoption(parser):
                          "files (lessons/exercises/ or --student-dir), or only the deliberate mistakes")
     group.addoption("--student-dir", metavar="PATH", help="the student's copy of lessons/exercises/ (--impl student)")
     group.addoption("--exercise-report", metavar="FILE.json", help="write each exercise's check results as JSON")
+    group.addoption("--exercise-progress", metavar="FILE.jsonl",
+                    help="append a line as each check starts and ends (how `minillm check` survives a hang or crash)")
 
 
 @pytest.fixture(scope="session")

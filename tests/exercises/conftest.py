@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,32 @@ def pytest_runtest_makereport(item, call):
             checks[item.name] = {"name": item.name, "outcome": outcome,
                                  "message": "" if outcome == "passed" else _message(report)}
     return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With --exercise-progress, one JSON line before and one after each check, flushed at once.
+
+    A check that hangs or ends the process (os._exit, a segfault) leaves a "start" line with
+    no "end": `minillm check` (minillm/classroom.py) then knows which check it was, stops the
+    run, and carries on with the next exercises in a fresh process.
+    """
+    ex = exercise_of(item)
+    path = item.config.getoption("exercise_progress")
+    if not (path and is_check(item) and ex is not None):
+        return (yield)
+    about = {"exercise": ex.id, "title": ex.title, "file": ex.file, "lesson": ex.lesson, "check": item.name}
+    _append(path, {"event": "start", "time": time.time(), **about})
+    result = yield
+    check = item.config.stash[RESULTS].get(ex.id, {}).get(item.name)
+    if check is not None:
+        _append(path, {"event": "end", **about, **check})
+    return result
+
+
+def _append(path: str, line: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 def _outcome(report) -> str | None:

@@ -76,3 +76,27 @@ def test_class_table_has_a_row_per_student(tmp_path):
     console.print(table)
     text = console.export_text()
     assert "alice" in text and "bob" in text and "1/2" in text and "ex02" in text
+
+
+def test_a_hang_or_a_crash_stops_only_its_own_exercise(tmp_path):
+    files = {
+        "ex01_causal_mask.py": "def causal_mask(n_queries, n_keys, device=None):\n    while True:\n        pass\n",
+        "ex02_attention.py": "import os\n\ndef eager_attention(q, k, v, hook=None, name=''):\n    os._exit(3)\n",
+        "ex03_rope.py": "def apply_rope(x, cos, sin)\n    return x\n",
+        "ex04_gqa.py": "from minillm.no_such_module import eager_attention  # noqa: F401\n",
+        "ex05_kv_cache.py": "from minillm.kv_cache import KVCache  # noqa: F401\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    results = classroom.run_checks(["ex01", "ex02", "ex03", "ex04", "ex05"], tmp_path, timeout_s=8)
+    by_id = {r.id: r for r in results}
+    assert [r.status for r in results] == ["failed"] * 4 + ["passed"], [(r.id, r.status) for r in results]
+    messages = {ex: " ".join(c.message for c in by_id[ex].checks if c.outcome == "failed") for ex in by_id}
+    assert messages["ex01"].startswith("timed out: an infinite loop? ex01 was still running after 8 s")
+    assert messages["ex02"].startswith("crashed: the Python process ended (exit code 3)")
+    assert "SyntaxError" in messages["ex03"] and "ModuleNotFoundError" in messages["ex04"]
+
+
+def test_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="timeout_s must be > 0 seconds, got 0"):
+        classroom.run_checks(["ex01"], timeout_s=0)
