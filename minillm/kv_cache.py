@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .errors import CacheFullError
+from .units import fmt_bytes
 
 
 class KVCache:
@@ -37,6 +38,10 @@ class KVCache:
 
     def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=torch.float32, device="cpu"):
         shape = (n_layers, batch_size, n_kv_heads, max_seq_len, head_dim)
+        for name, value in zip(("n_layers", "batch_size", "n_kv_heads", "max_seq_len", "head_dim"), shape):
+            _check_positive_int(name, value)
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype must be a floating torch.dtype (e.g. torch.float32), got {dtype!r}")
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0
@@ -46,16 +51,36 @@ class KVCache:
         """A cache shaped for ``model`` (its dtype and device).
 
         ``max_seq_len`` defaults to the model's context length; see ``repr`` for the
-        memory it takes. Raises ValueError if it is < 1 or beyond the model's context.
+        memory it takes. Raises ValueError if ``batch_size`` or ``max_seq_len`` is not a
+        positive int, or ``max_seq_len`` is beyond the model's context.
         """
         cfg = model.config
         max_seq_len = cfg.max_seq_len if max_seq_len is None else max_seq_len
-        if not 1 <= max_seq_len <= cfg.max_seq_len:
+        _check_positive_int("max_seq_len", max_seq_len)
+        _check_positive_int("batch_size", batch_size)
+        if max_seq_len > cfg.max_seq_len:
             raise ValueError(f"max_seq_len must be in [1, {cfg.max_seq_len}] (the model's context), got {max_seq_len}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         param = next(model.parameters())
         return cls(cfg.n_layers, batch_size, cfg.n_kv_heads, max_seq_len, cfg.head_dim, param.dtype, param.device)
+
+    def check_matches(self, model) -> None:
+        """Raise ValueError naming every way this cache does not fit ``model``.
+
+        A cache built for another model (layers, KV heads, head_dim), in another dtype or on
+        another device would otherwise fail deep inside attention (an IndexError in
+        :meth:`write`, a dtype error in a matmul). :func:`~minillm.phases.prefill` and
+        :func:`~minillm.phases.decode_step` call this before every pass.
+        """
+        cfg, param = model.config, next(model.parameters())
+        expected = {"n_layers": cfg.n_layers, "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+                    "dtype": param.dtype, "device": param.device}
+        _, _, n_kv_heads, _, head_dim = self.k.shape
+        got = {"n_layers": self.n_layers, "n_kv_heads": n_kv_heads, "head_dim": head_dim,
+               "dtype": self.k.dtype, "device": self.k.device}
+        wrong = [f"{name} {got[name]} (the model's: {want})" for name, want in expected.items() if got[name] != want]
+        if wrong:
+            raise ValueError(f"this KV cache does not fit the model: {', '.join(wrong)}; "
+                             "build it with KVCache.for_model(model, max_seq_len=...)")
 
     # -- shape and memory -------------------------------------------------------------
 
@@ -126,8 +151,8 @@ class KVCache:
         self.length = 0
 
     def truncate(self, n: int) -> None:
-        """Keep only the first ``n`` positions (0 <= n <= length); raises ValueError otherwise."""
-        if not 0 <= n <= self.length:
+        """Keep only the first ``n`` positions (an int, 0 <= n <= length); raises ValueError otherwise."""
+        if not _is_int(n) or not 0 <= n <= self.length:
             raise ValueError(f"truncate: n must be in [0, {self.length}] (the cache length), got {n}")
         self.length = n
 
@@ -138,8 +163,8 @@ class KVCache:
         return (
             f"KVCache(layers={n_layers}, batch={batch}, kv_heads={n_kv_heads}, head_dim={head_dim}, "
             f"length={self.length}/{max_seq_len}, dtype={str(self.k.dtype).removeprefix('torch.')}, "
-            f"device={self.k.device}, used={_fmt_bytes(self.bytes_used)}, "
-            f"capacity={_fmt_bytes(self.bytes_capacity)}, per_token={_fmt_bytes(self.bytes_per_token)})"
+            f"device={self.k.device}, used={fmt_bytes(self.bytes_used)}, "
+            f"capacity={fmt_bytes(self.bytes_capacity)}, per_token={fmt_bytes(self.bytes_per_token)})"
         )
 
     def _repr_html_(self) -> str:
@@ -149,16 +174,23 @@ class KVCache:
             ("K and V per layer", f"[{batch}, {n_kv_heads}, {max_seq_len}, {head_dim}] × {n_layers} layers"),
             ("length", f"{self.length} / {max_seq_len} positions ({fill:.1f}%)"),
             ("dtype, device", f"{str(self.k.dtype).removeprefix('torch.')}, {self.k.device}"),
-            ("bytes per token", _fmt_bytes(self.bytes_per_token)),
-            ("used / capacity", f"{_fmt_bytes(self.bytes_used)} / {_fmt_bytes(self.bytes_capacity)}"),
+            ("bytes per token", fmt_bytes(self.bytes_per_token)),
+            ("used / capacity", f"{fmt_bytes(self.bytes_used)} / {fmt_bytes(self.bytes_capacity)}"),
         ]
         body = "".join(f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in rows)
         bar = f"<div style='background:#ddd;width:300px'><div style='background:#4a8;width:{fill:.1f}%;height:8px'></div></div>"
         return f"<b>KVCache</b><table>{body}</table>{bar}"
 
 
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_positive_int(name: str, value) -> None:
+    """ValueError unless ``value`` is an int >= 1 (a float such as 256.0 would fail inside torch)."""
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+_fmt_bytes = fmt_bytes  # the old name, still imported by the CLI's prefix-demo until it moves to minillm.units

@@ -19,6 +19,7 @@ import torch
 
 from .kv_cache import KVCache
 from .model import Hook, Transformer
+from .trace import Trace
 
 
 def prefill(model: Transformer, token_ids, cache: KVCache, hook: Hook | None = None, trace=None) -> torch.Tensor:
@@ -36,9 +37,10 @@ def prefill(model: Transformer, token_ids, cache: KVCache, hook: Hook | None = N
 
     Returns float32 logits of the last position, [B, vocab].
 
-    Raises ValueError (empty prompt, wrong rank or batch, ids out of vocab range),
-    CacheFullError (the prompt does not fit in the cache).
+    Raises ValueError (empty prompt, wrong rank or batch, ids out of vocab range, a cache
+    or trace that does not fit), CacheFullError (the prompt does not fit in the cache).
     """
+    _check_state(model, cache, trace)
     token_ids = _as_batch(model, token_ids, cache, what="token_ids")
     cache.check_room(token_ids.shape[1])
     with torch.inference_mode():
@@ -61,8 +63,10 @@ def decode_step(model: Transformer, token_id, cache: KVCache, hook: Hook | None 
 
     Returns float32 logits for the following position, [B, vocab].
 
-    Raises ValueError (bad shape or id), CacheFullError (no room for one more token).
+    Raises ValueError (bad shape or id, several tokens for one sequence, a cache or trace
+    that does not fit), CacheFullError (no room for one more token).
     """
+    _check_state(model, cache, trace)
     token_ids = _as_batch(model, token_id, cache, what="token_id").reshape(-1, 1)
     cache.check_room(1)
     with torch.inference_mode():
@@ -73,23 +77,44 @@ def decode_step(model: Transformer, token_id, cache: KVCache, hook: Hook | None 
     return logits[:, -1].float()
 
 
+def _check_state(model: Transformer, cache: KVCache, trace) -> None:
+    """The cache and the trace a pass is given: the right kinds, and a cache shaped for this model."""
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}; "
+                         "build one with KVCache.for_model(model, max_seq_len=...)")
+    cache.check_matches(model)
+    if trace is not None and not isinstance(trace, Trace):
+        raise ValueError(f"trace must be a minillm Trace or None, got {type(trace).__name__}")
+
+
 def _as_batch(model: Transformer, ids, cache: KVCache, what: str) -> torch.Tensor:
     """ids as a [B, T] int64 tensor on the model's device; T may be absent for decode."""
     device = cache.k.device
-    ids = ids.to(device) if isinstance(ids, torch.Tensor) else torch.tensor(ids, device=device)
+    if isinstance(ids, str):
+        raise ValueError(f"{what} must be token ids, got a str; encode text with the tokenizer first")
+    try:
+        ids = ids.to(device) if isinstance(ids, torch.Tensor) else torch.tensor(ids, device=device)
+    except (TypeError, ValueError, RuntimeError) as e:  # ragged lists, None, objects
+        raise ValueError(f"{what} must be an int, a list of ints or an int tensor ({e})") from None
     if ids.numel() == 0:
         raise ValueError(f"{what} is empty; give at least one token")
     if ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{what} must hold integer token ids, got dtype {ids.dtype}")
     max_rank = 2 if what == "token_ids" else 1
     if ids.dim() > max_rank:
-        raise ValueError(f"{what} must have at most {max_rank} dimensions, got shape {tuple(ids.shape)}")
+        raise ValueError(f"{what} must have at most {max_rank} dimensions, got shape {tuple(ids.shape)}"
+                         + (_ONE_TOKEN_HINT if what == "token_id" else ""))
     if what == "token_ids" and ids.dim() < 2:
         ids = ids.reshape(1, -1)
     batch = ids.shape[0] if ids.dim() else 1
     if batch != cache.batch_size:
-        raise ValueError(f"{what} has batch {batch} but the KV cache was built for batch {cache.batch_size}")
+        hint = _ONE_TOKEN_HINT if what == "token_id" and cache.batch_size == 1 else ""
+        raise ValueError(f"{what} has batch {batch} but the KV cache was built for batch {cache.batch_size}{hint}")
     vocab = model.config.vocab_size
     if ids.numel() and (ids.min() < 0 or ids.max() >= vocab):
         raise ValueError(f"{what} must be in [0, {vocab}) (the vocabulary), got {ids.min().item()}..{ids.max().item()}")
     return ids.long()
+
+
+_ONE_TOKEN_HINT = ("; decode_step takes one token per sequence (to process several tokens in one pass, "
+                   "call prefill: it continues from cache.length)")

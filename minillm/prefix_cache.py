@@ -45,7 +45,8 @@ from typing import Container, Sequence
 import torch
 
 from .block_hash import HashFn, block_hashes, hash_block, model_seed, short
-from .kv_cache import KVCache, _fmt_bytes
+from .kv_cache import KVCache
+from .units import fmt_bytes
 
 
 @dataclass
@@ -438,9 +439,9 @@ class PrefixCache:
     def __repr__(self) -> str:
         s = self.stats
         cap = [f"{self.capacity_blocks} blocks" if self.capacity_blocks is not None else "",
-               _fmt_bytes(self.capacity_bytes) if self.capacity_bytes is not None else ""]
+               fmt_bytes(self.capacity_bytes) if self.capacity_bytes is not None else ""]
         cap = " / ".join(c for c in cap if c) or "unbounded"
-        return (f"PrefixCache(block_size={self.block_size}, blocks={s.blocks}, bytes={_fmt_bytes(s.bytes)}, "
+        return (f"PrefixCache(block_size={self.block_size}, blocks={s.blocks}, bytes={fmt_bytes(s.bytes)}, "
                 f"capacity={cap}, requests={s.requests}, hit_tokens={s.hit_tokens}/{s.query_tokens} "
                 f"({100 * s.hit_rate:.1f}%), evictions={s.evictions})")
 

@@ -134,8 +134,15 @@ class Trace:
         hardware: optional :class:`~minillm.hardware.HardwareProfile`; when given, the
             end of the request also records the roofline verdicts and MBU.
 
-    Create it when the request begins: event times are ms since ``start_s``.
-    One trace holds one request.
+    Event times are ms since ``start_s``, the request start: the clock starts at the first
+    event recorded after the header (a span, a record, or the first pass), so a trace made
+    in one notebook cell and used in the next does not count the time in between.
+
+    One trace holds one request: a prefill after a sampled token, or any pass after the
+    metrics, is refused with a ValueError (make a new ``Trace()`` for each request).
+    Passes without sampling (several prefills onto one cache, then decode steps) are fine.
+
+    Raises ValueError for a bad level, keep, n_candidates, tokenizer or hardware.
     """
 
     def __init__(self, level: str = "steps", keep=(), n_candidates: int = 5, tokenizer=None, hardware=None):
@@ -143,6 +150,7 @@ class Trace:
             raise ValueError(f"trace level must be one of {', '.join(LEVELS)}, got {level!r}")
         if isinstance(keep, str):
             keep = (keep,)
+        _check_args(keep, n_candidates, tokenizer, hardware)
         self.level = level
         self.keep = tuple(keep)
         self.n_candidates = n_candidates
@@ -166,6 +174,7 @@ class Trace:
 
     def record(self, kind: str, **fields) -> Event:
         """Append an event of any kind (fields must be JSON-serialisable) and return it."""
+        self._start_clock()
         event = Event(kind=kind, t_ms=fields.pop("t_ms", self.now_ms()), **fields)
         self.events.append(event)
         return event
@@ -176,6 +185,7 @@ class Trace:
 
         The event gets start_ms, end_ms and time_ms and is recorded when the block ends.
         """
+        self._start_clock()
         event = Event(kind=kind, t_ms=0.0, start_ms=self.now_ms(), **fields)
         yield event
         event["end_ms"] = event["t_ms"] = self.now_ms()
@@ -187,7 +197,10 @@ class Trace:
 
         Called by :func:`~minillm.phases.prefill` and :func:`~minillm.phases.decode_step`;
         ``token_ids`` is [B, T] int64, ``hook`` an extra observer. Returns the logits.
+        Raises ValueError when the pass would start a second request in this trace.
         """
+        self._check_same_request(phase)
+        self._start_clock()
         if not self._model_recorded:
             self._record_model(model, cache)
         step, self._n_passes = self._n_passes, self._n_passes + 1
@@ -389,6 +402,18 @@ class Trace:
 
     # -- internals ------------------------------------------------------------------------
 
+    def _start_clock(self) -> None:
+        """Restart the request clock at the first event after the header (see the class docstring)."""
+        if len(self.events) == 1 and self.events[0]["kind"] == "trace":
+            self.start_s = time.perf_counter()
+
+    def _check_same_request(self, phase: str) -> None:
+        """Refuse a pass that would mix a second request into this trace's metrics."""
+        if self.metrics is not None or (phase == "prefill" and self._token_times_s):
+            done = "its metrics are recorded" if self.metrics is not None else "a token was already sampled"
+            raise ValueError(f"this Trace already holds a request ({done}); a trace records one request: "
+                             "make a new Trace() for each generate() call")
+
     def _observes(self) -> bool:
         return self.level == "layers" or any(k != "logits" for k in self.keep)
 
@@ -511,6 +536,20 @@ _SHAPE_FIELDS = {
     "hook_k_cache": "k_cache_shape", "hook_v_cache": "v_cache_shape",
     "hook_attn_out": "attn_out_shape", "hook_mlp_out": "mlp_out_shape", "hook_resid_post": "resid_post_shape",
 }
+
+
+def _check_args(keep, n_candidates, tokenizer, hardware) -> None:
+    """The Trace arguments that would otherwise fail only later, deep inside a pass."""
+    if not all(isinstance(k, str) for k in keep):
+        raise ValueError(f"keep must be activation names or glob patterns (str), got {list(keep)!r}")
+    if isinstance(n_candidates, bool) or not isinstance(n_candidates, int) or n_candidates < 0:
+        raise ValueError(f"n_candidates must be an int >= 0, got {n_candidates!r}")
+    if tokenizer is not None and not hasattr(tokenizer, "token_strings"):
+        raise ValueError(f"tokenizer must be minillm's (load_tokenizer), got {type(tokenizer).__name__}: "
+                         "the trace needs its token_strings()")
+    if hardware is not None and not hasattr(hardware, "mem_bandwidth"):
+        raise ValueError(f"hardware must be a HardwareProfile (minillm.hardware.get_hardware), "
+                         f"got {type(hardware).__name__}")
 
 
 def _how(params) -> dict:

@@ -291,3 +291,41 @@ def test_html_and_repr(model):
 def test_bad_level_is_a_value_error():
     with pytest.raises(ValueError, match="steps, layers"):
         Trace("everything")
+
+
+# -- one trace, one request; arguments checked up front -------------------------------------------
+
+
+def test_a_second_request_in_one_trace_is_refused(model):
+    trace = Trace()
+    run(model, trace, max_new_tokens=3)
+    n_events = len(trace.events)
+    with pytest.raises(ValueError, match=r"already holds a request \(its metrics are recorded\).*new Trace\(\)"):
+        run(model, trace, max_new_tokens=3)
+    assert len(trace.events) == n_events  # refused before the pass: the first request's record is intact
+    stopped = Trace()
+    next(generate(model, PROMPT, SamplingParams(max_new_tokens=5), trace=stopped))  # stopped after 1 token
+    with pytest.raises(ValueError, match=r"a token was already sampled"):
+        run(model, stopped, max_new_tokens=2)
+
+
+def test_the_clock_starts_with_the_request_not_the_trace(model):
+    import time
+
+    trace = Trace()
+    time.sleep(0.3)  # a notebook: the Trace made in one cell, generate() run in the next
+    run(model, trace, max_new_tokens=2)
+    assert trace.metrics["ttft_ms"] == pytest.approx(trace.prefill["end_ms"], abs=1e-6)
+    assert trace.prefill["start_ms"] < 50 and trace.metrics["ttft_ms"] < 300  # the 300 ms of waiting not counted
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(n_candidates=2.5), "n_candidates must be an int >= 0, got 2.5"),
+    (dict(n_candidates=-1), "n_candidates must be an int >= 0, got -1"),
+    (dict(keep=[3]), r"keep must be activation names or glob patterns \(str\), got \[3\]"),
+    (dict(tokenizer=object()), r"tokenizer must be minillm's \(load_tokenizer\), got object"),
+    (dict(hardware="h100"), "hardware must be a HardwareProfile"),
+])
+def test_bad_trace_arguments_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Trace(**kwargs)
