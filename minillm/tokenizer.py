@@ -131,29 +131,39 @@ class Tokenizer:
         except TypeError:
             raise ValueError(f"token ids must be a sequence of integers, got {ids!r:.80}") from None
         for token_id in checked:
-            if self.backend.id_to_token(token_id) is None:  # also catches holes in the id range
+            if token_id < 0 or self.backend.id_to_token(token_id) is None:  # also holes in the id range
                 raise ValueError(f"token id {token_id} is not in the vocabulary (ids 0..{self.vocab_size - 1})")
         return checked
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry, as stored (byte-level: 'Ġhello' for ' hello'); None for an
         integer outside the vocabulary. Raises ValueError for a non-integer."""
-        token_id = _as_token_id(token_id)
+        try:
+            token_id = _as_token_id(token_id)
+        except TypeError:
+            raise ValueError(f"a token id must be an integer, got {token_id!r:.80}") from None
         return self.backend.id_to_token(token_id) if token_id >= 0 else None
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """One readable piece per id, for display: ``[' hello', ' \\xf0\\x9f', '\\x98\\x80']``.
 
         Byte-level pieces are shown as the text they encode; bytes of a character
-        split across tokens are shown as ``\\xNN`` escapes instead of U+FFFD.
+        split across tokens (byte-level or ``<0xNN>`` byte-fallback tokens) are shown as
+        ``\\xNN`` escapes instead of U+FFFD; SentencePiece's '▁' shows as the space it is.
         Raises ValueError like :meth:`decode`.
         """
         return [self._token_string(i) for i in self.check_ids(ids)]
 
     def _token_string(self, token_id: int) -> str:
         token = self.backend.id_to_token(token_id)
+        if token_id in self._added_ids:
+            return token
+        if token_id in self.byte_fallback_ids:  # "<0xE6>" -> "\\xe6", "<0x0A>" -> "\n"
+            return bytes([int(token[3:5], 16)]).decode("utf-8", errors="backslashreplace")
+        if "\u2581" in token and self.byte_fallback_ids:  # SentencePiece: "▁wo" is " wo" (a lone
+            return token.replace("\u2581", " ")  # decode would strip that space as the text's first)
         byte_level = isinstance(self.backend.decoder, tokenizers.decoders.ByteLevel)
-        if not byte_level or token_id in self._added_ids or token is None or not set(token) <= _BYTE_OF_CHAR.keys():
+        if not byte_level or not set(token) <= _BYTE_OF_CHAR.keys():
             return self.backend.decode([token_id], skip_special_tokens=False)
         raw = bytes(_BYTE_OF_CHAR[c] for c in token)
         return raw.decode("utf-8", errors="backslashreplace")

@@ -172,3 +172,105 @@ def test_stream_decoder_property(tok, text):
     pieces, rest = _stream(tok, ids)
     assert "".join(pieces) + rest == tok.decode(ids) == text
     assert not any("\ufffd" in piece for piece in pieces)
+
+
+def _byte_fallback_tokenizer() -> Tokenizer:
+    """A tiny Llama-2 / Mistral / TinyLlama-style tokenizer: SentencePiece BPE whose pieces
+    start with '▁' (a space), the 256 ``<0xNN>`` byte tokens for characters outside the
+    vocabulary, and the decoder of those models' tokenizer.json."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    merges = [("▁", "w"), ("▁w", "o"), ("▁", "h"), ("▁h", "i"), ("é", "t"), ("▁", "é")]
+    for token in ["▁", "w", "o", "h", "i", "é", "t", "▁w", "▁wo", "▁h", "▁hi", "ét", "▁é"]:
+        vocab[token] = len(vocab)
+    backend = Backend(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return Tokenizer(backend, {"bos_token": "<s>", "eos_token": "</s>"})
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_tok():
+    return _byte_fallback_tokenizer()
+
+
+def test_byte_fallback_stream_with_a_stray_byte_equals_one_shot_decode(byte_fallback_tok):
+    """Issue #12 kind 6: "日" (3 byte tokens), a stray <0xF0>, then "▁wo" streamed as '日��� wo'.
+    The ByteFallback decoder (tokenizers, as transformers decodes) turns a byte run holding an
+    invalid byte into one U+FFFD per byte, so the one-shot text is '���� wo'."""
+    tok = byte_fallback_tok
+    ids = tok.encode("日", add_special_tokens=False)[1:] + [tok.backend.token_to_id("<0xF0>"), tok.backend.token_to_id("▁wo")]
+    assert tok.token_strings(ids) == ["\\xe6", "\\x97", "\\xa5", "\\xf0", " wo"]
+    oracle = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.backend).decode(ids)
+    pieces, rest = _stream(tok, ids)
+    assert "".join(pieces) + rest == tok.decode(ids) == oracle == "\ufffd" * 4 + " wo"
+    assert pieces == ["", "", "", "", "\ufffd" * 4 + " wo"]  # the byte run is held until "▁wo" ends it
+
+
+def test_byte_fallback_stream_emits_a_completed_character_after_the_run(byte_fallback_tok):
+    tok = byte_fallback_tok
+    ids = tok.encode("hi 日 wo", add_special_tokens=False)
+    pieces, rest = _stream(tok, ids)
+    assert "".join(pieces) + rest == tok.decode(ids) == "hi 日 wo"
+    assert not any("\ufffd" in piece for piece in pieces)
+
+
+def _random_ids(vocab_size: int):
+    return st.lists(st.integers(0, vocab_size - 1), max_size=24)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), skip=st.booleans())
+def test_stream_equals_decode_for_random_byte_fallback_ids(byte_fallback_tok, data, skip):
+    """Any id sequence, valid UTF-8 or not, special tokens anywhere: stream == one-shot decode."""
+    ids = data.draw(_random_ids(byte_fallback_tok.vocab_size))
+    pieces, rest = _stream(byte_fallback_tok, ids, skip_special_tokens=skip)
+    assert "".join(pieces) + rest == byte_fallback_tok.decode(ids, skip_special_tokens=skip)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), skip=st.booleans())
+def test_stream_equals_decode_for_random_byte_level_ids(tok, data, skip):
+    """Byte-level BPE (SmolLM2): random ids, biased towards the byte tokens that split characters."""
+    byte_ids = st.sampled_from(tok.encode("é中😀🇫🇷\u200d") + [1, 2])  # pieces of characters, <|im_start|>, <|im_end|>
+    ids = data.draw(st.lists(st.one_of(st.integers(0, tok.vocab_size - 1), byte_ids), max_size=24))
+    pieces, rest = _stream(tok, ids, skip_special_tokens=skip)
+    assert "".join(pieces) + rest == tok.decode(ids, skip_special_tokens=skip)
+
+
+BAD_IDS = {"past the end": 10**6, "vocab_size": 49152, "negative": -1, "float": 2.0, "string": "5", "bool": True}
+
+
+@pytest.mark.parametrize("bad", BAD_IDS.values(), ids=BAD_IDS.keys())
+def test_bad_ids_raise_value_error(tok, bad):
+    """tokenizers turns an unknown id into '' and a negative one into OverflowError: both refused."""
+    for call in (lambda: tok.decode([5, bad]), lambda: tok.token_strings([bad])):
+        with pytest.raises(ValueError) as info:
+            call()
+        assert "\n" not in str(info.value) and ("49151" in str(info.value) or "integers" in str(info.value))
+    stream = StreamDecoder(tok)
+    assert stream.push(tok.encode("hi")[0]) == "hi"
+    with pytest.raises(ValueError):
+        stream.push(bad)
+    assert stream.push(tok.encode(" there")[0]) == " there"  # the bad id left no trace
+    assert len(stream.ids) == 2
+
+
+def test_integer_like_ids_are_accepted(tok):
+    import numpy as np
+    import torch
+
+    ids = tok.encode("hello world")
+    assert tok.decode(torch.tensor(ids)) == tok.decode(np.array(ids)) == "hello world"
+    assert StreamDecoder(tok).push(torch.tensor(ids[0])) == "hello"
+
+
+def test_id_to_token_outside_the_vocabulary(tok):
+    assert tok.id_to_token(10**6) is None and tok.id_to_token(-1) is None
+    with pytest.raises(ValueError):
+        tok.id_to_token(1.5)
