@@ -2,15 +2,17 @@
 
     prompt ids --prefill--> logits --sample--> token 1   (phase "prefill": its time is TTFT)
     token 1   --decode---> logits --sample--> token 2   (phase "decode": the gaps are TPOT)
-    ...                                                 until EOS, a stop id, max_new_tokens,
-                                                        or a full KV cache
+    ...                                                 until EOS, a stop id, a stop string,
+                                                        max_new_tokens, or a full KV cache
 
 It is a Python generator, so a CLI can print each token as it comes and a
-notebook can step through a request with ``next()``.
+notebook can step through a request with ``next()``. Given a tokenizer, each step
+also carries the text it adds, with stop strings cut out (minillm/stop_strings.py).
 """
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -18,11 +20,13 @@ from typing import Iterator
 import torch
 
 from .errors import CacheFullError
+from .generation_config import generation_config_of
 from .kv_cache import KVCache
 from .model import Transformer
 from .phases import decode_step, prefill
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, sample
+from .stop_strings import StopStringMatcher
 
 
 @dataclass(frozen=True)
@@ -36,10 +40,15 @@ class GenerationStep:
         cache_length: positions in the KV cache after the forward pass that produced it.
         time_s: ``time.perf_counter()`` when the token was known (seconds).
         finish_reason: None while generating; on the last step "eos", "stop"
-            (a stop id), "length" (max_new_tokens) or "cache_full".
+            (a stop id or a stop string), "length" (max_new_tokens) or "cache_full".
         cached_tokens: prompt tokens whose K/V came from the prefix cache (0 without
             one); the same on every step of a request.
         prefill_tokens: prompt tokens the prefill computed (the prompt minus cached_tokens).
+        text: with a tokenizer, the text this step adds to the answer: "" while a character
+            is incomplete or the text could be the start of a stop string (held back, then
+            released by a later step); a matched stop string and what follows are never
+            included. The steps' texts joined are the answer. None without a tokenizer.
+        stop_reason: the stop string or stop id that ended generation (vLLM's name), else None.
     """
 
     token_id: int
@@ -50,6 +59,8 @@ class GenerationStep:
     finish_reason: str | None = None
     cached_tokens: int = 0
     prefill_tokens: int = 0
+    text: str | None = None
+    stop_reason: int | str | None = None
 
 
 def generate(
@@ -60,17 +71,20 @@ def generate(
     eos_token_ids=None,
     prefix_cache: PrefixCache | None = None,
     trace=None,
+    tokenizer=None,
 ) -> Iterator[GenerationStep]:
     """Generate tokens for one prompt, yielding a :class:`GenerationStep` per token.
 
     Args:
         model: the transformer.
-        prompt_ids: the prompt, [T] int64 (or a list of ints), T >= 1.
-        params: sampling and stopping (default: greedy, 256 tokens).
+        prompt_ids: the prompt, [T] or [1, T] int64 (or a list of ints), T >= 1.
+        params: sampling and stopping. Default: the checkpoint's generation_config.json
+            defaults (see :mod:`minillm.generation_config`), else greedy, 256 tokens.
         cache: a batch-1 KV cache to fill; default a fresh one sized
             min(model context, T + max_new_tokens). Passing a cache that already
             holds a prefix continues from it.
-        eos_token_ids: ids that end generation; default the model config's eos ids.
+        eos_token_ids: ids that end generation; default the checkpoint's (generation_config.json's
+            eos_token_id, else config.json's).
         prefix_cache: a :class:`~minillm.prefix_cache.PrefixCache`: the prompt's cached
             prefix is copied into ``cache`` (which must then be empty) and only the rest is
             prefilled; the prompt's full blocks are inserted after the prefill. The blocks
@@ -79,14 +93,17 @@ def generate(
         trace: a :class:`~minillm.trace.Trace` to record the prefill, each decode step
             (with the top next-token candidates and how the token was chosen) and, with
             the last token, the request's metrics. None (default): nothing is recorded.
+        tokenizer: a :class:`~minillm.tokenizer.Tokenizer`; each step then carries its
+            ``text``. Needed for ``params.stop`` (stop strings are matched on text).
 
     The last yielded step carries the ``finish_reason``. For batched decoding call
-    :func:`prefill` and :func:`decode_step` directly.
+    :func:`prefill` and :func:`decode_step` directly, with [B, T] ids.
 
-    Raises ValueError (empty prompt), CacheFullError (the prompt does not fit).
+    Raises ValueError (text instead of ids, an empty or batched prompt, stop strings
+    without a tokenizer, bad eos ids), CacheFullError (the prompt does not fit).
     """
-    params = params or SamplingParams()
-    prompt_ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
+    prompt_ids = _one_prompt(prompt_ids)
+    params = _check_params(model, params, tokenizer)
     if len(prompt_ids) > model.config.max_seq_len:
         raise CacheFullError(
             f"the prompt is {len(prompt_ids)} tokens but the model's context is {model.config.max_seq_len} "
@@ -95,8 +112,10 @@ def generate(
     if cache is None:
         max_seq_len = min(model.config.max_seq_len, len(prompt_ids) + params.max_new_tokens)
         cache = KVCache.for_model(model, max_seq_len=max(max_seq_len, 1))
-    eos = set(model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    eos = _eos_set(model, eos_token_ids)
     generator = params.make_generator(cache.k.device)
+    text = _TextStream(tokenizer, params.stop) if tokenizer is not None else None
+    output_ids: list[int] = []
 
     request = prefix_cache.begin(model, prompt_ids, cache, trace=trace) if prefix_cache is not None else None
     cached = request.cached_tokens if request else 0
@@ -106,16 +125,21 @@ def generate(
             prefix_cache.commit(model, request, cache, trace=trace)
         phase = "prefill"
         for n in range(1, params.max_new_tokens + 1):
-            token, logprob = sample(logits, params, generator)
+            token, logprob = sample(logits, params, generator, prompt_ids[None], [output_ids])
             token_id = token.item()  # waits for the device: the token is now really known
+            output_ids.append(token_id)
             now = time.perf_counter()
-            reason = _finish_reason(token_id, n, eos, params, cache)
+            reason, stop_reason = _finish_reason(token_id, n, eos, params, cache)
+            piece = text.push(token_id, last=reason is not None) if text else None
+            if text and text.matched is not None:
+                reason, stop_reason = "stop", text.matched
             if trace is not None:
                 trace.record_sample(logits, token_id, params, now, reason)
                 if reason:
                     trace.record_metrics(len(prompt_ids), reason)
             yield GenerationStep(token_id, logprob.item(), phase, cache.length, now, reason,
-                                 cached_tokens=cached, prefill_tokens=len(prompt_ids) - cached)
+                                 cached_tokens=cached, prefill_tokens=len(prompt_ids) - cached,
+                                 text=piece, stop_reason=stop_reason)
             if reason:
                 return
             logits = decode_step(model, token, cache, trace=trace)
@@ -125,13 +149,74 @@ def generate(
             prefix_cache.end(request)
 
 
+def _one_prompt(prompt_ids) -> torch.Tensor:
+    """The prompt as [T] int64; text, a batch, floats or nothing are refused with the fix."""
+    if isinstance(prompt_ids, str):
+        raise ValueError("generate() takes token ids, not text; encode it first: generate(model, tok.encode(text))")
+    ids = prompt_ids if isinstance(prompt_ids, torch.Tensor) else torch.tensor(prompt_ids)
+    if ids.dtype not in (torch.int64, torch.int32) and ids.numel():
+        raise ValueError(f"prompt_ids must hold integer token ids, got dtype {ids.dtype}")
+    if ids.dim() == 2 and ids.shape[0] != 1:
+        raise ValueError(f"generate() runs one prompt, got a batch of shape {tuple(ids.shape)}; for a batch call "
+                         "prefill and decode_step with [B, T] ids and a KVCache.for_model(model, batch_size=B)")
+    if ids.dim() > 2:
+        raise ValueError(f"prompt_ids must be [T] or [1, T], got shape {tuple(ids.shape)}")
+    if ids.numel() == 0:
+        raise ValueError("prompt_ids is empty; give at least one token (e.g. the BOS id)")
+    return ids.reshape(-1).long()
+
+
+def _check_params(model: Transformer, params, tokenizer) -> SamplingParams:
+    if params is None:
+        params = generation_config_of(model).sampling_params()
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}; "
+                         "write SamplingParams(temperature=..., ...)")
+    if params.stop and tokenizer is None:
+        raise ValueError(f"stop strings {list(params.stop)} are matched on text: pass tokenizer= to generate()")
+    return params
+
+
+def _eos_set(model: Transformer, eos_token_ids) -> set[int]:
+    if eos_token_ids is None:
+        return set(generation_config_of(model).eos_token_ids)
+    ids = [eos_token_ids] if isinstance(eos_token_ids, numbers.Integral) else eos_token_ids
+    if isinstance(ids, (str, bytes)) or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"eos_token_ids must be a token id or a list of them, got {eos_token_ids!r}")
+    return {int(i) for i in ids}
+
+
 def _finish_reason(token_id: int, n_generated: int, eos: set, params: SamplingParams, cache: KVCache):
+    """(finish_reason, stop_reason) after ``token_id``; (None, None) to go on."""
     if token_id in eos:
-        return "eos"
+        return "eos", None
     if token_id in params.stop_token_ids:
-        return "stop"
+        return "stop", token_id
     if n_generated >= params.max_new_tokens:
-        return "length"
+        return "length", None
     if cache.length >= cache.max_seq_len:
-        return "cache_full"  # no room to decode this token
-    return None
+        return "cache_full", None  # no room to decode this token
+    return None, None
+
+
+class _TextStream:
+    """Token ids -> the text each adds: UTF-8-safe streaming decode, then stop-string hold-back."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        from .tokenizer import StreamDecoder
+
+        self.decoder = StreamDecoder(tokenizer)
+        self.stop = StopStringMatcher(stop)
+
+    @property
+    def matched(self) -> str | None:
+        return self.stop.matched
+
+    def push(self, token_id: int, last: bool) -> str:
+        """The text ``token_id`` releases; ``last``: generation ends here, so release everything."""
+        piece = self.stop.push(self.decoder.push(token_id))
+        if last and self.matched is None:
+            piece += self.stop.push(self.decoder.flush())
+        if last and self.matched is None:
+            piece += self.stop.flush()
+        return piece

@@ -29,6 +29,7 @@ from safetensors import safe_open
 
 from .config import ModelConfig
 from .errors import ModelNotFoundError, WeightsError
+from .generation_config import GenerationConfig
 from .model import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,8 +50,9 @@ def load_model(name_or_path, device=None, dtype=None, attn_impl: str = "sdpa", w
         attn_impl: "sdpa" (fused) or "eager" (the math written out).
         weights_dir: where named models are stored (default: see :func:`minillm.weights.weights_dir`).
 
-    Returns the model in eval mode, with ``model.config`` (:class:`ModelConfig`) and
-    ``model.source`` (the folder it came from).
+    Returns the model in eval mode, with ``model.config`` (:class:`ModelConfig`),
+    ``model.source`` (the folder it came from) and ``model.generation_config``
+    (:class:`~minillm.generation_config.GenerationConfig`: generation_config.json's eos ids and defaults).
 
     Raises ModelNotFoundError (no such model), ConfigError (unsupported config.json),
     WeightsError (missing, unexpected or mis-shaped tensors), ValueError (bad dtype/device).
@@ -69,6 +71,7 @@ def load_model(name_or_path, device=None, dtype=None, attn_impl: str = "sdpa", w
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     model.source = folder
+    model.generation_config = GenerationConfig.from_folder(folder, config.eos_token_ids)  # stop ids, sampling defaults
     model = model.to(device).eval().requires_grad_(False)
     return model.pack_weights()  # q|k|v and gate|up stacked, laid out for 1-row matmuls: faster decode, same logits
 

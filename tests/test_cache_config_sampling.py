@@ -213,7 +213,7 @@ def test_bad_dtype_and_device(llama_dir):
         ({"seed": 2**70}, r"seed must be an integer in \[0, 2\*\*63\)"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
-        ({"top_k": -1}, "top_k must be an integer >= 0"),
+        ({"top_k": -2}, "top_k must be an integer >= 0"),
         ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
     ],
 )
