@@ -6,11 +6,15 @@ Read from a Hugging Face ``config.json``. Two families are supported:
 - ``llama`` and ``mistral`` (same shape): RoPE, RMSNorm, SwiGLU MLP, grouped-query attention.
 
 Field names follow the HF configs (``n_embd`` for GPT-2, ``hidden_size`` for Llama, ...).
+Every field of transformers' GPT2Config, LlamaConfig and MistralConfig that changes the
+logits is either implemented or refused by name (``NOT_IMPLEMENTED``); types and ranges are
+checked here, at the boundary, so a bad file fails with one line naming the field.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,8 +22,22 @@ from .errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-# HF activation names: "gelu_new" / "gelu_pytorch_tanh" are GELU with the tanh approximation.
-ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "swish": "silu"}
+# HF activation names (transformers' ACT2FN) -> ours. "gelu_new" / "gelu_pytorch_tanh" are GELU with
+# the tanh approximation, "gelu" the exact (erf) one. Llama's gated MLP is SwiGLU: silu only.
+GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+LLAMA_ACTIVATIONS = {"silu": "silu", "swish": "silu"}
+
+# Fields that would change the logits but that minillm does not compute, with the value that
+# means "off". A config.json that sets one to anything else is refused by name. (transformers'
+# gpt2/llama classes ignore the last four; a checkpoint carrying them was trained with them.)
+NOT_IMPLEMENTED = {
+    "add_cross_attention": False,  # GPT-2 as the decoder of an encoder-decoder model
+    "partial_rotary_factor": 1.0,  # RoPE on only part of each head (top level or in rope_parameters)
+    "attn_logit_softcapping": None,  # Gemma 2: tanh cap on attention scores
+    "final_logit_softcapping": None,  # Gemma 2: tanh cap on the logits
+    "query_pre_attn_scalar": None,  # Gemma 2: attention scale other than 1/sqrt(head_dim)
+    "logits_scaling": 1.0,  # Granite: logits divided by this
+}
 
 
 @dataclass(frozen=True)
@@ -49,12 +67,17 @@ class ModelConfig:
         max_seq_len: longest context the model supports (``max_position_embeddings``,
             capped by Mistral's ``sliding_window`` so full attention stays exact).
         norm_eps: epsilon of LayerNorm / RMSNorm.
+        activation: "gelu_tanh", "gelu" or "relu" (GPT-2 MLP), "silu" (SwiGLU MLP).
         rope_theta: RoPE base (None for GPT-2, which learns its positions).
         rope_scaling: long-context RoPE scaling, or None.
         tie_word_embeddings: the LM head reuses the token embedding matrix.
-        activation: "gelu_tanh" (GPT-2 MLP) or "silu" (SwiGLU MLP).
         attention_bias, mlp_bias: whether those projections have biases.
         bos_token_id, eos_token_ids: from config.json; eos may be several ids.
+        scale_attn_weights: divide attention scores by √head_dim (GPT-2's flag; always on for Llama).
+        scale_attn_by_inverse_layer_idx: also divide layer i's scores by i + 1 (GPT-2's flag,
+            from Mistral-GPT2 / Megatron stability tricks).
+
+    Raises ConfigError when a size is not a positive int, or heads do not divide evenly.
     """
 
     model_type: str
@@ -75,15 +98,44 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
+
+    def __post_init__(self):
+        # A second guard for configs built in code (exercises, notebooks); from_hf has already
+        # checked these under their config.json names.
+        sizes = ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_mlp", "vocab_size", "max_seq_len")
+        for name in sizes:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
 
     @property
     def uses_rope(self) -> bool:
         return self.model_type == "llama"
 
     @property
+    def gated_mlp(self) -> bool:
+        """True for Llama's SwiGLU MLP (gate, up, down), False for GPT-2's (up, down)."""
+        return self.model_type == "llama"
+
+    @property
     def n_rep(self) -> int:
         """Query heads that share one K/V head (1 = plain multi-head attention)."""
         return self.n_heads // self.n_kv_heads
+
+    def attn_scale(self, layer: int) -> float:
+        """The factor attention scores q·k are multiplied by in ``layer`` (0-based).
+
+        1/√head_dim (Vaswani et al. 2017), or 1 without ``scale_attn_weights``, then divided by
+        layer + 1 with ``scale_attn_by_inverse_layer_idx``: transformers' GPT2Attention.scaling.
+        """
+        scale = self.head_dim**-0.5 if self.scale_attn_weights else 1.0
+        return scale / (layer + 1) if self.scale_attn_by_inverse_layer_idx else scale
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV cache bytes one token takes: 2 (K and V) · layers · KV heads · head_dim · dtype bytes."""
@@ -107,97 +159,161 @@ class ModelConfig:
             hf = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path} is not a UTF-8 text file; point to a Hugging Face config.json") from None
         if not isinstance(hf, dict):
             raise ConfigError(f"{path} must hold a JSON object of config fields, got {type(hf).__name__}")
         return cls.from_hf(hf)
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
-        """Build from a HF config dict. Raises ConfigError naming the bad field."""
+        """Build from a HF config dict.
+
+        Raises ConfigError naming the field: missing, of the wrong type or range, a value
+        minillm does not compute (``NOT_IMPLEMENTED``, unsupported activations or RoPE types),
+        or heads that do not divide the hidden size.
+        """
         model_type = hf.get("model_type")
-        if model_type == "gpt2":
-            return _from_gpt2(hf)
-        if model_type in ("llama", "mistral"):
-            return _from_llama(hf)
-        raise ConfigError(
-            f"config.json: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"config.json: model_type {model_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        _refuse_not_implemented(hf)
+        return _from_gpt2(hf) if model_type == "gpt2" else _from_llama(hf)
 
 
-def _require(hf: dict, key: str):
-    if key not in hf:
+# -- reading one field, checked ---------------------------------------------------------
+
+_REQUIRED = object()
+
+
+def _get(hf: dict, key: str, default):
+    if key in hf and hf[key] is not None:
+        return hf[key]
+    if default is _REQUIRED:
         raise ConfigError(f"config.json: missing field {key!r} for model_type {hf.get('model_type')!r}")
-    return hf[key]
+    return default
 
 
-def _activation(hf: dict, key: str, default: str) -> str:
-    name = hf.get(key, default)
-    if name not in ACTIVATIONS:
-        raise ConfigError(f"config.json: {key} {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
-    return ACTIVATIONS[name]
+def _int(hf: dict, key: str, default=_REQUIRED, minimum: int = 1) -> int:
+    value = _get(hf, key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"config.json: {key} must be an integer >= {minimum}, got {value!r}; fix that field")
+    return value
 
 
-def _eos_ids(hf: dict) -> tuple[int, ...]:
-    eos = hf.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (eos,)
+def _positive_float(hf: dict, key: str, default=_REQUIRED) -> float:
+    value = _get(hf, key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"config.json: {key} must be a positive number, got {value!r}; fix that field")
+    return float(value)
+
+
+def _bool(hf: dict, key: str, default: bool) -> bool:
+    value = _get(hf, key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"config.json: {key} must be true or false, got {value!r}; fix that field")
+    return value
+
+
+def _token_id(hf: dict, key: str) -> tuple[int, ...]:
+    """``bos_token_id`` / ``eos_token_id``: null, one id or a list of ids (all ints >= 0)."""
+    value = hf.get(key)
+    ids = () if value is None else tuple(value) if isinstance(value, list) else (value,)
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise ConfigError(f"config.json: {key} must be a token id (an integer >= 0) or a list of them, got {value!r}")
+    return ids
+
+
+def _activation(hf: dict, key: str, default: str, table: dict[str, str]) -> str:
+    name = _get(hf, key, default)
+    if name not in table:
+        raise ConfigError(f"config.json: {key} {name!r} is not supported; supported: {', '.join(table)}")
+    return table[name]
+
+
+def _refuse_not_implemented(hf: dict) -> None:
+    rope_parameters = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    for key, off in NOT_IMPLEMENTED.items():
+        value = hf.get(key, rope_parameters.get(key, off))
+        if value is not None and value != off:
+            raise ConfigError(
+                f"config.json: {key} = {value!r} changes the computation and minillm does not implement it; "
+                f"use a checkpoint without it ({key} = {off!r})"
+            )
+
+
+def _divides(hf: dict, whole: str, part: str) -> None:
+    if hf[whole] % hf[part]:
+        raise ConfigError(f"config.json: {whole} ({hf[whole]}) must be a multiple of {part} ({hf[part]})")
+
+
+# -- the two families -------------------------------------------------------------------
 
 
 def _from_gpt2(hf: dict) -> ModelConfig:
-    d_model = _require(hf, "n_embd")
-    n_heads = _require(hf, "n_head")
+    d_model, n_heads = _int(hf, "n_embd"), _int(hf, "n_head")
+    _divides(hf, "n_embd", "n_head")
+    bos = _token_id(hf, "bos_token_id")
+    # reorder_and_upcast_attn is not read: it only upcasts attention scores to float32 (and scales
+    # q before the product), which changes rounding in 16-bit dtypes, not the math.
     return ModelConfig(
         model_type="gpt2",
-        n_layers=_require(hf, "n_layer"),
+        n_layers=_int(hf, "n_layer"),
         d_model=d_model,
         n_heads=n_heads,
         n_kv_heads=n_heads,
         head_dim=d_model // n_heads,
-        d_mlp=hf.get("n_inner") or 4 * d_model,
-        vocab_size=_require(hf, "vocab_size"),
-        max_seq_len=_require(hf, "n_positions"),
-        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-        activation=_activation(hf, "activation_function", "gelu_new"),
-        tie_word_embeddings=hf.get("tie_word_embeddings", True),
+        d_mlp=_int(hf, "n_inner", 4 * d_model),
+        vocab_size=_int(hf, "vocab_size"),
+        max_seq_len=_int(hf, "n_positions"),
+        norm_eps=_positive_float(hf, "layer_norm_epsilon", 1e-5),
+        activation=_activation(hf, "activation_function", "gelu_new", GPT2_ACTIVATIONS),
+        tie_word_embeddings=_bool(hf, "tie_word_embeddings", True),
         attention_bias=True,
         mlp_bias=True,
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=_eos_ids(hf),
+        bos_token_id=bos[0] if bos else None,
+        eos_token_ids=_token_id(hf, "eos_token_id"),
+        scale_attn_weights=_bool(hf, "scale_attn_weights", True),
+        scale_attn_by_inverse_layer_idx=_bool(hf, "scale_attn_by_inverse_layer_idx", False),
     )
 
 
 def _from_llama(hf: dict) -> ModelConfig:
-    d_model = _require(hf, "hidden_size")
-    n_heads = _require(hf, "num_attention_heads")
-    n_kv_heads = hf.get("num_key_value_heads") or n_heads
-    if n_heads % n_kv_heads:
-        raise ConfigError(
-            f"config.json: num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv_heads})"
-        )
-    max_seq_len = _require(hf, "max_position_embeddings")
-    if hf.get("sliding_window"):
-        max_seq_len = min(max_seq_len, hf["sliding_window"])
+    d_model, n_heads = _int(hf, "hidden_size"), _int(hf, "num_attention_heads")
+    n_kv_heads = _int(hf, "num_key_value_heads", n_heads)
+    _divides({**hf, "num_key_value_heads": n_kv_heads}, "num_attention_heads", "num_key_value_heads")
+    if "head_dim" not in hf or hf["head_dim"] is None:
+        _divides(hf, "hidden_size", "num_attention_heads")
+    max_seq_len = _int(hf, "max_position_embeddings")
+    if hf.get("sliding_window") is not None:
+        max_seq_len = min(max_seq_len, _int(hf, "sliding_window"))
+    # MistralConfig has no bias fields: transformers' Mistral layers never have biases.
+    has_bias_fields = hf["model_type"] == "llama"
     rope_theta, rope_scaling = _rope(hf)
+    bos = _token_id(hf, "bos_token_id")
+    # pretraining_tp is not read: transformers 5 ignores it, and 4.x only split the same products
+    # into slices (Llama 2's tensor-parallel layout), which changes rounding, not the math.
     return ModelConfig(
         model_type="llama",
-        n_layers=_require(hf, "num_hidden_layers"),
+        n_layers=_int(hf, "num_hidden_layers"),
         d_model=d_model,
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
-        head_dim=hf.get("head_dim") or d_model // n_heads,
-        d_mlp=_require(hf, "intermediate_size"),
-        vocab_size=_require(hf, "vocab_size"),
+        head_dim=_int(hf, "head_dim", d_model // n_heads),
+        d_mlp=_int(hf, "intermediate_size"),
+        vocab_size=_int(hf, "vocab_size"),
         max_seq_len=max_seq_len,
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        activation=_activation(hf, "hidden_act", "silu"),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        attention_bias=hf.get("attention_bias", False),
-        mlp_bias=hf.get("mlp_bias", False),
+        norm_eps=_positive_float(hf, "rms_norm_eps", 1e-6),
+        activation=_activation(hf, "hidden_act", "silu", LLAMA_ACTIVATIONS),
+        tie_word_embeddings=_bool(hf, "tie_word_embeddings", False),
+        attention_bias=has_bias_fields and _bool(hf, "attention_bias", False),
+        mlp_bias=has_bias_fields and _bool(hf, "mlp_bias", False),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=_eos_ids(hf),
+        bos_token_id=bos[0] if bos else None,
+        eos_token_ids=_token_id(hf, "eos_token_id"),
     )
 
 
@@ -208,14 +324,22 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
     transformers 5 writes ``rope_parameters`` holding ``rope_theta`` and the scaling fields.
     """
     params = hf.get("rope_parameters") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     scaling = hf.get("rope_scaling") or params
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config.json: {key} must be an object of RoPE fields, got {value!r}")
+    theta = _positive_float(params, "rope_theta", _positive_float(hf, "rope_theta", 10000.0))
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(
-            f"config.json: rope_scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            f"config.json: rope_scaling type {rope_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     if rope_type == "default":
-        return float(theta), None
-    fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    return float(theta), RopeScaling(rope_type, **{k: scaling[k] for k in fields if k in scaling})
+        return theta, None
+    fields = {"factor": _positive_float, "low_freq_factor": _positive_float, "high_freq_factor": _positive_float,
+              "original_max_position_embeddings": _int}
+    scaling = {key: read(scaling, key) for key, read in fields.items() if key in scaling}
+    if rope_type == "llama3" and scaling.get("high_freq_factor", 4.0) <= scaling.get("low_freq_factor", 1.0):
+        raise ConfigError("config.json: rope_scaling high_freq_factor must be greater than low_freq_factor")
+    return theta, RopeScaling(rope_type, **scaling)

@@ -12,6 +12,7 @@
 | positions | learned ``pos_embed``    | rotary (RoPE) on q and k     |
 | norm      | LayerNorm (with bias)    | RMSNorm                      |
 | MLP       | up -> GELU(tanh) -> down | down(silu(gate) * up)        |
+| attn scale| 1/√head_dim (optional /(layer+1)) | 1/√head_dim         |
 | attention | n_kv_heads = n_heads     | grouped-query (n_kv_heads <= n_heads) |
 
 Per-layer activations can be observed through ``hook(name, tensor)``; the names follow
@@ -133,16 +134,26 @@ def make_norm(config: ModelConfig) -> nn.Module:
     return cls(config.d_model, config.norm_eps)
 
 
-class GeluMLP(nn.Module):
-    """GPT-2's MLP: down(gelu_tanh(up(x))), d_model -> d_mlp -> d_model."""
+# ModelConfig.activation -> the function (transformers' ACT2FN names are mapped in config.py).
+ACTIVATIONS = {
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's "gelu_new"
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+class GPT2MLP(nn.Module):
+    """GPT-2's MLP: down(act(up(x))), d_model -> d_mlp -> d_model; act is GELU(tanh) by default."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.up_proj = Linear(config.d_model, config.d_mlp, bias=config.mlp_bias)
         self.down_proj = Linear(config.d_mlp, config.d_model, bias=config.mlp_bias)
+        self.act = ACTIVATIONS[config.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+        return self.down_proj(self.act(self.up_proj(x)))
 
 
 class SwiGLU(nn.Module):
@@ -178,8 +189,10 @@ def causal_mask(n_queries: int, n_keys: int, device=None) -> torch.Tensor:
     return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril(diagonal=n_keys - n_queries)
 
 
-def eager_attention(q, k, v, hook: Hook | None = None, name: str = "") -> torch.Tensor:
+def eager_attention(q, k, v, hook: Hook | None = None, name: str = "", scale: float | None = None) -> torch.Tensor:
     """softmax(q·kᵀ / √head_dim + causal mask) · v, written out (Vaswani et al. 2017).
+
+    ``scale`` replaces 1/√head_dim when given (see ``ModelConfig.attn_scale``).
 
     q: [B, n_heads, T, head_dim]; k, v: [B, n_kv_heads, S, head_dim] with S >= T.
     Grouped-query attention: each K/V head serves n_heads / n_kv_heads query heads,
@@ -189,7 +202,8 @@ def eager_attention(q, k, v, hook: Hook | None = None, name: str = "") -> torch.
     B, n_heads, T, head_dim = q.shape
     n_kv_heads, S = k.shape[1], k.shape[2]
     q = q.view(B, n_kv_heads, n_heads // n_kv_heads, T, head_dim)
-    scores = q @ k.unsqueeze(2).transpose(-1, -2) / math.sqrt(head_dim)  # [B, kv, rep, T, S]
+    scale = 1 / math.sqrt(head_dim) if scale is None else scale
+    scores = q @ k.unsqueeze(2).transpose(-1, -2) * scale  # [B, kv, rep, T, S]
     scores = scores.masked_fill(~causal_mask(T, S, q.device), float("-inf"))
     pattern = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     if hook:
@@ -197,8 +211,10 @@ def eager_attention(q, k, v, hook: Hook | None = None, name: str = "") -> torch.
     return (pattern @ v.unsqueeze(2)).view(B, n_heads, T, head_dim)
 
 
-def sdpa_attention(q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
+def sdpa_attention(q, k, v, mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """The same attention through ``F.scaled_dot_product_attention`` (fused kernels).
+
+    ``scale`` replaces 1/√head_dim when given, as in ``eager_attention``.
 
     One new query (decode) sees every key: no mask. A square prefill from an empty
     cache is plain causal. A suffix prefilled onto a filled cache needs the explicit
@@ -208,12 +224,12 @@ def sdpa_attention(q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
     T, S = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
     if T == 1:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, scale=scale)
     if T == S:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(T, S, q.device), enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(T, S, q.device), enable_gqa=gqa, scale=scale)
 
 
 class Attention(nn.Module):
@@ -224,6 +240,7 @@ class Attention(nn.Module):
         c = config
         self.layer, self.name = layer, f"blocks.{layer}.attn"
         self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
+        self.scale = c.attn_scale(layer)  # 1/√head_dim unless the config says otherwise (GPT-2 flags)
         self.q_proj = Linear(c.d_model, c.n_heads * c.head_dim, bias=c.attention_bias)
         self.k_proj = Linear(c.d_model, c.n_kv_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = Linear(c.d_model, c.n_kv_heads * c.head_dim, bias=c.attention_bias)
@@ -254,9 +271,9 @@ class Attention(nn.Module):
                 hook(f"{self.name}.hook_k_cache", k)
                 hook(f"{self.name}.hook_v_cache", v)
         if impl == "eager":
-            out = eager_attention(q, k, v, hook, self.name)
+            out = eager_attention(q, k, v, hook, self.name, self.scale)
         else:
-            out = sdpa_attention(q, k, v, cache.attn_mask if cache is not None else None)
+            out = sdpa_attention(q, k, v, cache.attn_mask if cache is not None else None, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -269,7 +286,7 @@ class Block(nn.Module):
         self.ln1 = make_norm(config)
         self.attn = Attention(config, layer)
         self.ln2 = make_norm(config)
-        self.mlp = SwiGLU(config) if config.activation == "silu" else GeluMLP(config)
+        self.mlp = SwiGLU(config) if config.gated_mlp else GPT2MLP(config)
 
     def forward(self, x, rope_cos_sin, cache, impl, hook):
         attn_out = self.attn(self.ln1(x), rope_cos_sin, cache, impl, hook)
