@@ -1,0 +1,78 @@
+"""The ``minillm`` command line: argument parsing and rendering only; the work is in the library.
+
+    minillm generate "What is the capital of France?"     stream an answer
+    minillm download NAME                                  fetch a model into the weights dir
+    minillm convert FILE.gguf OUT_DIR                      GGUF -> Hugging Face folder
+    minillm info [MODEL]                                   config, parameters, bytes
+    minillm generate "..." --trace [steps|layers]          every phase of the request, in numbers
+    minillm sweep --out DIR                                TTFT vs prompt length, TPOT vs context
+    minillm calibrate [--device cpu] [--quick]             measure peak FLOP/s and GB/s
+    minillm whatif --config llama-3-8b --hardware h100     roofline TTFT / TPOT prediction
+    minillm generate --prefix-cache --system "..." Q1 Q2   requests in turn, reusing cached prefixes
+    minillm prefix-demo [--requests N] [--plot FILE.png]   TTFT with and without the prefix cache
+    minillm bench [--quick] [--json F] [--plot F.png]      minillm vs transformers, no cache, the floors
+    minillm check [ex03 ...] [--student-dir DIR ...]       grade the classroom exercises (lessons/exercises)
+
+One module per command group, each holding its commands' options and their running:
+common.py (the usage error, shared options, output checks), generate.py, models.py (download,
+convert, info), sweep.py, roofline.py (calibrate, whatif), prefix_demo.py, bench.py, check.py.
+
+Exit codes: 0 ok, 1 runtime error (one line), 2 usage error (one line), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import MiniLLMError
+from .bench import add_bench
+from .check import _class_table, add_check  # noqa: F401  (_class_table: tests import it from here)
+from .common import Parser, UsageError
+from .generate import add_generate
+from .models import add_convert, add_download, add_info
+from .prefix_demo import add_prefix_demo
+from .roofline import add_calibrate, add_whatif
+from .sweep import add_sweep
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``minillm`` console script; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        return args.run(args) or 0
+    except UsageError as e:
+        print(f"minillm: error: {e}", file=sys.stderr)
+        return 2
+    except (MiniLLMError, ValueError, OSError) as e:
+        if debug:
+            raise
+        print(f"minillm: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        fresh_line = "\n" if sys.stderr.isatty() else ""  # a terminal echoed ^C, maybe mid-line of output
+        print(f"{fresh_line}minillm: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="minillm", description="An educational LLM inference engine in pure PyTorch.")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    add_generate(sub)
+    add_download(sub)
+    add_convert(sub)
+    add_info(sub)
+    add_sweep(sub)
+    add_calibrate(sub)
+    add_whatif(sub)
+    add_prefix_demo(sub)
+    add_bench(sub)
+    add_check(sub)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

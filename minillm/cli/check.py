@@ -1,0 +1,88 @@
+"""minillm check: grade the classroom exercises (lessons/exercises) with their checks."""
+
+from __future__ import annotations
+
+from .common import UsageError
+
+
+def add_check(sub) -> None:
+    p = sub.add_parser("check", help="grade the classroom exercises (lessons/exercises) with their checks")
+    p.add_argument("exercises", nargs="*", metavar="EXERCISE", help="ex01, ex02, ... or 1, 2, ... (default: all)")
+    p.add_argument("--student-dir", nargs="+", metavar="DIR",
+                   help="a student's copy of lessons/exercises/ (default: the checkout's); several: a class table")
+    p.add_argument("-v", "--verbose", action="store_true", help="also show pytest's own output (tracebacks)")
+    p.add_argument("--debug", action="store_true")
+    p.set_defaults(run=run_check)
+
+
+def run_check(args) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from ..classroom import exercise_ids, find_checkout, normalize_exercise, run_checks
+
+    root = find_checkout()
+    known = exercise_ids(root)
+    try:
+        wanted = [normalize_exercise(e, known) for e in args.exercises] or known
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    dirs = [Path(d) for d in args.student_dir] if args.student_dir else [None]
+    for d in dirs:
+        if d is not None and not d.is_dir():
+            raise UsageError(f"--student-dir {d} is not a folder")
+    results = {d: run_checks(wanted, d, root, args.verbose) for d in dirs}
+    console = Console()
+    if len(dirs) == 1:
+        where = dirs[0] or root / "lessons" / "exercises"
+        _print_exercise_results(console, results[dirs[0]], str(where))
+    else:
+        console.print(_class_table(results))
+    failed = any(r.status == "failed" for rs in results.values() for r in rs)
+    return 1 if failed else 0
+
+
+_STATUS_STYLE = {"passed": "green", "failed": "red", "not attempted": "dim"}
+
+
+def _print_exercise_results(console, results, where: str) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"exercises in {where}")
+    for column in ("exercise", "topic", "result", "checks"):
+        table.add_column(column)
+    for r in results:
+        style = _STATUS_STYLE[r.status]
+        todo = f" ({r.count('not attempted')} not attempted)" if r.status == "failed" and r.count("not attempted") else ""
+        table.add_row(r.id, r.title, f"[{style}]{r.status}[/{style}]", f"{r.count('passed')}/{len(r.checks)} passed{todo}")
+    console.print(table)
+    for r in results:
+        failures: dict[str, list[str]] = {}  # one message, the checks that gave it (a load error fails them all)
+        for check in r.checks:
+            if check.outcome == "failed":
+                failures.setdefault(check.message, []).append(check.name)
+        for message, names in failures.items():
+            console.print(f"\n[red]FAILED[/red] {r.id} {r.file}: {', '.join(names)}")
+            console.print(message, markup=False, highlight=False, soft_wrap=True)
+    totals = {s: sum(r.status == s for r in results) for s in _STATUS_STYLE}
+    todo = "" if totals["passed"] == len(results) else (
+        f" Write them in {where}/exNN_*.py; 'minillm check exNN -v' shows tracebacks.")
+    console.print("\n" + ", ".join(f"{n} {s}" for s, n in totals.items()) + f" (of {len(results)} exercises)."
+                  + todo, markup=False, soft_wrap=True)
+
+
+def _class_table(results: dict):
+    from rich.table import Table
+
+    ids = [r.id for r in next(iter(results.values()))]
+    table = Table(title="class results", caption="+ passed   x failed   . not attempted")
+    table.add_column("student")
+    for ex_id in ids:
+        table.add_column(ex_id, justify="center")
+    table.add_column("passed", justify="right")
+    marks = {"passed": "[green]+[/green]", "failed": "[red]x[/red]", "not attempted": "[dim].[/dim]"}
+    for folder, rs in results.items():
+        passed = sum(r.status == "passed" for r in rs)
+        table.add_row(folder.name, *(marks[r.status] for r in rs), f"{passed}/{len(rs)}")
+    return table

@@ -1,0 +1,66 @@
+"""minillm download, convert, info: getting a model and looking inside it."""
+
+from __future__ import annotations
+
+from .. import weights
+from .common import check_out_dir, ensure_model
+
+
+def add_download(sub) -> None:
+    p = sub.add_parser("download", help="fetch a model into the weights directory")
+    p.add_argument("name", nargs="?", default=weights.DEFAULT_MODEL,
+                   help=f"{weights.DEFAULT_MODEL} or a Hugging Face repo id such as gpt2")
+    p.add_argument("--weights-dir")
+    p.add_argument("--debug", action="store_true")
+    p.set_defaults(run=lambda args: print(weights.download(args.name, args.weights_dir)))
+
+
+def add_convert(sub) -> None:
+    p = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face model folder")
+    p.add_argument("gguf_file")
+    p.add_argument("out_dir")
+    p.add_argument("--debug", action="store_true")
+
+    def run(args):
+        check_out_dir("OUT_DIR", args.out_dir)  # before the gguf import and the dequantizing
+        from ..gguf_convert import convert_gguf
+
+        print(convert_gguf(args.gguf_file, args.out_dir))
+
+    p.set_defaults(run=run)
+
+
+def add_info(sub) -> None:
+    p = sub.add_parser("info", help="show a model's config, parameter count and memory")
+    p.add_argument("model", nargs="?", default=weights.DEFAULT_MODEL)
+    p.add_argument("--weights-dir")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--debug", action="store_true")
+    p.set_defaults(run=run_info)
+
+
+def run_info(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..loading import load_model
+
+    model = load_model(ensure_model(args.model, args.weights_dir), device="cpu", dtype=args.dtype)
+    c = model.config
+    dtype_bytes = next(model.parameters()).element_size()
+    table = Table(title=f"{args.model} ({args.dtype})", show_header=False)
+    rows = [
+        ("model_type", c.model_type), ("layers", c.n_layers), ("d_model", c.d_model),
+        ("heads / KV heads", f"{c.n_heads} / {c.n_kv_heads} (GQA x{c.n_rep})" if c.n_rep > 1 else c.n_heads),
+        ("head_dim", c.head_dim), ("d_mlp", c.d_mlp), ("vocab", c.vocab_size), ("context", c.max_seq_len),
+        ("positions", f"RoPE theta={c.rope_theta:g}" if c.uses_rope else "learned"),
+        ("tied embeddings", c.tie_word_embeddings),
+        ("parameters", f"{model.num_parameters():,}"),
+        ("weights bytes", f"{model.weights_bytes():,} ({model.weights_bytes() / 2**20:.1f} MiB)"),
+        ("KV bytes per token", f"{c.kv_bytes_per_token(dtype_bytes):,} (2 x {c.n_layers} x {c.n_kv_heads} x "
+                               f"{c.head_dim} x {dtype_bytes})"),
+    ]
+    for key, value in rows:
+        table.add_row(key, str(value))
+    Console().print(table)
+    return 0

@@ -1,0 +1,113 @@
+"""minillm calibrate and whatif: this machine's roofline, and predicted TTFT / TPOT on any hardware."""
+
+from __future__ import annotations
+
+import sys
+
+from .common import UsageError
+
+
+def add_calibrate(sub) -> None:
+    p = sub.add_parser("calibrate", help="measure this machine's peak matmul FLOP/s and memory bandwidth")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or mps (default: cpu)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--quick", action="store_true", help="smaller, faster measurement (less accurate)")
+    p.add_argument("--debug", action="store_true")
+    p.set_defaults(run=run_calibrate)
+
+
+def run_calibrate(args) -> int:
+    from rich.console import Console
+
+    from ..hardware import calibrate, calibration_path
+
+    hw = calibrate(args.device, args.dtype, quick=args.quick)
+    Console().print(_hardware_table(hw, f"calibrated {args.device} {args.dtype} (saved to {calibration_path()})"))
+    return 0
+
+
+def _hardware_table(hw, title: str):
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False)
+    table.add_row("device", hw.name)
+    table.add_row("peak matmul", f"{hw.peak_flops / 1e9:,.1f} GFLOP/s")
+    table.add_row("memory bandwidth", f"{hw.mem_bandwidth / 1e9:,.1f} GB/s")
+    table.add_row("ridge point", f"{hw.ridge_point:,.1f} FLOP/byte")
+    table.add_row("how", hw.description)
+    return table
+
+
+def add_whatif(sub) -> None:
+    p = sub.add_parser("whatif", help="predict TTFT and TPOT of a model on some hardware (roofline floors)")
+    p.add_argument("--config", required=True, help="config.json path or folder, a downloaded model, or llama-3-8b")
+    p.add_argument("--hardware", default="h100", help="h100, h200, a100, l4, rtx4090, m2-max, laptop-cpu, "
+                                                     "or 'this' (the calibrated local machine)")
+    p.add_argument("--device", default="cpu", help="with --hardware this: which device's calibration")
+    p.add_argument("--prompt-tokens", type=int, default=2000)
+    p.add_argument("--output-tokens", type=int, default=200)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="default bfloat16; with --hardware this, the dtype the model runs in on --device "
+                        "(float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--debug", action="store_true")
+    p.set_defaults(run=run_whatif)
+
+
+def run_whatif(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..whatif import load_config, predict
+
+    if min(args.prompt_tokens, args.output_tokens, args.batch_size) < 1:
+        raise UsageError("--prompt-tokens, --output-tokens and --batch-size must be >= 1")
+    args.dtype = args.dtype or _whatif_dtype(args.hardware, args.device)
+    hw = _whatif_hardware(args.hardware, args.device, args.dtype)
+    config = load_config(args.config)
+    dtype_bytes = 4 if args.dtype == "float32" else 2
+    w = predict(config, hw, args.prompt_tokens, args.output_tokens, dtype_bytes, args.batch_size)
+    table = Table(title=f"{args.config} on {hw.name}, {args.dtype}, batch {w.batch_size} (roofline floors)",
+                  show_header=False)
+    fits = {True: "fits", False: "does NOT fit", None: "capacity unknown"}[w.fits_in_memory]
+    na = "n/a (one output token)"
+    rows = [
+        ("hardware", str(hw)),
+        ("request", f"{w.prompt_tokens} prompt + {w.output_tokens} output tokens"),
+        ("weights bytes", f"{w.weights_bytes:,} ({w.weights_bytes / 1e9:.2f} GB)"),
+        ("KV bytes per token", f"{w.kv_bytes_per_token:,}"),
+        ("KV bytes per request", f"{w.kv_bytes_per_request:,} ({w.kv_bytes_per_request / 1e9:.3f} GB)"),
+        ("memory needed", f"{w.memory_bytes_needed / 1e9:.2f} GB ({fits})"),
+        ("prefill", f"{w.prefill.flops / 1e12:.3g} TFLOP, {w.prefill.bytes / 1e9:.3g} GB, "
+                    f"{w.prefill.arithmetic_intensity:.3g} FLOP/byte: {w.prefill_bound}"),
+        ("TTFT", f"{w.ttft_ms:.2f} ms"),
+        ("decode", f"{w.decode_first.arithmetic_intensity:.3g} FLOP/byte: {w.decode_bound}"
+                   if w.decode_first else na),
+        ("TPOT", f"{w.tpot_ms:.3f} ms ({w.output_throughput_tok_s:,.0f} tok/s)" if w.tpot_ms else na),
+        ("e2e", f"{w.e2e_ms:.1f} ms"),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    Console().print(table)
+    return 0
+
+
+def _whatif_dtype(hardware: str, device: str) -> str:
+    """The default --dtype: what load_model picks on this machine's device, bfloat16 on a datasheet GPU."""
+    if hardware != "this":
+        return "bfloat16"
+    from ..loading import resolve_device, resolve_dtype
+
+    return str(resolve_dtype(None, resolve_device(device))).removeprefix("torch.")
+
+
+def _whatif_hardware(name: str, device: str, dtype: str):
+    from ..hardware import PROFILES, get_hardware, load_calibration
+
+    if name == "this":
+        if load_calibration(device, dtype) is None:
+            print(f"minillm: no calibration for {device}/{dtype} yet; measuring it now (once)", file=sys.stderr)
+        return get_hardware(device, dtype)
+    if name not in PROFILES:
+        raise UsageError(f"unknown --hardware {name!r}; known: {', '.join(PROFILES)}, this")
+    return PROFILES[name]
