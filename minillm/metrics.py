@@ -184,3 +184,27 @@ def slo_attainment(
         return ttft_ok and tpot_ok
 
     return sum(ok(m) for m in metrics_list) / len(metrics_list)
+
+
+def goodput(
+    metrics_list: Sequence[RequestMetrics], duration_s: float, ttft_ms: float | None = None,
+    tpot_ms: float | None = None,
+) -> float:
+    """Requests per second that met every given SLO: (requests meeting them) / duration_s.
+
+    Throughput counts every finished request; goodput only those served well enough
+    (DistServe, Zhong et al. 2024; vLLM's ``benchmark_serving.py --goodput`` reports it
+    as ``request_goodput``, req/s). A request meets the SLOs as in :func:`slo_attainment`
+    (TTFT <= ttft_ms and TPOT <= tpot_ms; a one-token request meets any TPOT SLO), so
+    goodput = slo_attainment · len(metrics_list) / duration_s.
+
+    Args:
+        metrics_list: the requests of one benchmark run.
+        duration_s: the run's wall-clock time, first request sent to last token (s).
+        ttft_ms, tpot_ms: the SLOs (ms); None: not checked.
+
+    Raises ValueError for an empty list or duration_s <= 0.
+    """
+    if not duration_s > 0:
+        raise ValueError(f"duration_s must be > 0 seconds, got {duration_s}")
+    return slo_attainment(metrics_list, ttft_ms, tpot_ms) * len(metrics_list) / duration_s

@@ -587,3 +587,97 @@ def prefix_hit_continues_after_a_miss(block_hashes, cached, n_tokens, block_size
     """Counts every cached block, also those after a missing one."""
     max_blocks = max(n_tokens - 1, 0) // block_size
     return sum(h in cached for h in block_hashes[:max_blocks]) * block_size  # MISTAKE: stop at the first miss
+
+
+# -- ex13 percentiles, SLOs, goodput ---------------------------------------------------------------
+
+
+def _meets(m, ttft_ms, tpot_ms):
+    return (ttft_ms is None or m.ttft_ms <= ttft_ms) and (tpot_ms is None or m.tpot_ms is None or m.tpot_ms <= tpot_ms)
+
+
+@mistake("ex13", "percentile")
+def percentile_nearest_rank(values, p):
+    """Rounds the rank to the nearest value instead of interpolating between the two neighbours."""
+    v = sorted(values)
+    if not v or not 0 <= p <= 100:
+        raise ValueError("no values or p outside [0, 100]")
+    return float(v[round((len(v) - 1) * p / 100)])  # MISTAKE: interpolate between floor and ceil
+
+
+@mistake("ex13", "percentile")
+def percentile_of_unsorted_values(values, p):
+    """Interpolates between ranks of the values as given, without sorting them first."""
+    v = list(values)  # MISTAKE: sorted(values)
+    if not v or not 0 <= p <= 100:
+        raise ValueError("no values or p outside [0, 100]")
+    r = (len(v) - 1) * p / 100
+    lo, hi = math.floor(r), math.ceil(r)
+    return v[lo] + (v[hi] - v[lo]) * (r - lo)
+
+
+@mistake("ex13", "percentile")
+def percentile_rank_from_n_not_n_minus_1(values, p):
+    """Takes the rank p/100 · n (clamped) instead of p/100 · (n - 1): every percentile is pushed up."""
+    v = sorted(values)
+    if not v or not 0 <= p <= 100:
+        raise ValueError("no values or p outside [0, 100]")
+    r = min(len(v) * p / 100, len(v) - 1)  # MISTAKE: (len(v) - 1) * p / 100
+    lo, hi = math.floor(r), math.ceil(r)
+    return v[lo] + (v[hi] - v[lo]) * (r - lo)
+
+
+@mistake("ex13", "slo_attainment")
+def slo_met_only_strictly_below(metrics_list, ttft_ms=None, tpot_ms=None):
+    """Uses < for the SLO: a request exactly on the limit counts as missing it."""
+    if not metrics_list:
+        raise ValueError("no requests")
+    ok = [(ttft_ms is None or m.ttft_ms < ttft_ms)  # MISTAKE: <=
+          and (tpot_ms is None or m.tpot_ms is None or m.tpot_ms < tpot_ms) for m in metrics_list]
+    return sum(ok) / len(ok)
+
+
+@mistake("ex13", "slo_attainment")
+def slo_one_token_request_misses_tpot(metrics_list, ttft_ms=None, tpot_ms=None):
+    """Counts a one-token request (TPOT None) as missing any TPOT SLO."""
+    if not metrics_list:
+        raise ValueError("no requests")
+    ok = [(ttft_ms is None or m.ttft_ms <= ttft_ms)
+          and (tpot_ms is None or (m.tpot_ms is not None and m.tpot_ms <= tpot_ms))  # MISTAKE
+          for m in metrics_list]
+    return sum(ok) / len(ok)
+
+
+@mistake("ex13", "slo_attainment")
+def slo_attainment_in_percent(metrics_list, ttft_ms=None, tpot_ms=None):
+    """Returns a percentage (0..100) where the docstring says a fraction (0..1)."""
+    if not metrics_list:
+        raise ValueError("no requests")
+    return 100 * sum(_meets(m, ttft_ms, tpot_ms) for m in metrics_list) / len(metrics_list)  # MISTAKE: 100 *
+
+
+@mistake("ex13", "slo_attainment")
+def slo_each_checked_separately(metrics_list, ttft_ms=None, tpot_ms=None):
+    """Averages the TTFT attainment and the TPOT attainment instead of asking both of each request."""
+    if not metrics_list:
+        raise ValueError("no requests")
+    n = len(metrics_list)
+    ttft_ok = sum(_meets(m, ttft_ms, None) for m in metrics_list) / n
+    tpot_ok = sum(_meets(m, None, tpot_ms) for m in metrics_list) / n
+    return (ttft_ok + tpot_ok) / 2  # MISTAKE: per request, both at once
+
+
+@mistake("ex13", "goodput")
+def goodput_counts_every_request(metrics_list, duration_s, ttft_ms=None, tpot_ms=None):
+    """Divides every finished request by the duration: that is throughput, not goodput."""
+    if not metrics_list or duration_s <= 0:
+        raise ValueError("no requests or duration_s <= 0")
+    return len(metrics_list) / duration_s  # MISTAKE: only the requests meeting the SLOs
+
+
+@mistake("ex13", "goodput")
+def goodput_without_the_duration(metrics_list, duration_s, ttft_ms=None, tpot_ms=None):
+    """Returns the number of good requests, not a rate per second."""
+    if not metrics_list or duration_s <= 0:
+        raise ValueError("no requests or duration_s <= 0")
+    return float(sum(_meets(m, ttft_ms, tpot_ms) for m in metrics_list))  # MISTAKE: / duration_s
