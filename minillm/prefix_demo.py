@@ -21,6 +21,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.console import Console
+from rich.progress import Progress
+
 from .generate import generate
 from .prefix_cache import PrefixCache, PrefixCacheStats
 from .sampling import SamplingParams
@@ -219,11 +222,13 @@ class PrefixDemoResult:
 
 
 def run_prefix_demo(model, tokenizer, n_requests: int = 4, block_size: int = 16, max_new_tokens: int = 8,
-                    system: str | None = None) -> PrefixDemoResult:
+                    system: str | None = None, progress: bool = False) -> PrefixDemoResult:
     """Run ``n_requests`` shared-system-prompt requests without and with a prefix cache; return the numbers.
 
     Each request runs first without the cache, then with it (interleaved, so a machine
     getting slower or faster affects both alike), after one warm-up generate.
+    ``progress``: a progress bar over the requests on stderr (drawn only when stderr is a
+    terminal, and erased at the end).
     Raises ValueError for n_requests < 1.
     """
     if n_requests < 1:
@@ -235,11 +240,13 @@ def run_prefix_demo(model, tokenizer, n_requests: int = 4, block_size: int = 16,
     kv_per_token = model.config.kv_bytes_per_token(next(model.parameters()).element_size())
     _timed(model, prompts[0][:32], params, eos, None)  # warm-up: first-call overheads out of request 1
     rows = []
-    for i, prompt in enumerate(prompts):
-        ttft_off, out_off, _ = _timed(model, prompt, params, eos, None)
-        ttft_on, out_on, cached = _timed(model, prompt, params, eos, pc)
-        rows.append(DemoRow(i + 1, question(i), len(prompt), cached, len(prompt) - cached, ttft_off, ttft_on,
-                            cached * kv_per_token, pc.stats.hit_rate, out_on == out_off))
+    console = Console(stderr=True)  # off on a pipe: rich would still end its bar with a blank line there
+    with Progress(console=console, disable=not (progress and console.is_terminal), transient=True) as bar:
+        for i, prompt in enumerate(bar.track(prompts, description="requests without and with the prefix cache")):
+            ttft_off, out_off, _ = _timed(model, prompt, params, eos, None)
+            ttft_on, out_on, cached = _timed(model, prompt, params, eos, pc)
+            rows.append(DemoRow(i + 1, question(i), len(prompt), cached, len(prompt) - cached, ttft_off, ttft_on,
+                                cached * kv_per_token, pc.stats.hit_rate, out_on == out_off))
     return PrefixDemoResult(rows, _common_prefix(prompts), block_size, max_new_tokens, pc.stats)
 
 

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.progress import Progress
 
 from .costs import decode_cost, prefill_cost
 from .kv_cache import KVCache
@@ -129,19 +131,30 @@ def sweep(
     decode_steps: int = 3,
     hw=None,
     name: str = "",
+    progress: bool = False,
 ) -> SweepResult:
     """Measure TTFT per prompt length and TPOT per context length (ms).
 
     ``hw`` (a :class:`~minillm.hardware.HardwareProfile`) adds the roofline floor of each point.
+    ``progress``: a progress bar over the points on stderr while measuring (drawn only
+    when stderr is a terminal, and erased at the end).
     Raises ValueError for a length < 1 or beyond the model's context.
     """
     limit = model.config.max_seq_len
     for n in [*prompt_lengths, *context_lengths]:
         if not 1 <= n <= limit - decode_steps:
             raise ValueError(f"sweep lengths must be in [1, {limit - decode_steps}] (the model's context), got {n}")
-    warm_up(model, max(prompt_lengths))
-    ttft = [measure_ttft_ms(model, n, repeats) for n in prompt_lengths]
-    tpot = [measure_tpot_ms(model, c, decode_steps) for c in context_lengths]
+    ttft, tpot = [], []
+    console = Console(stderr=True)  # off on a pipe: rich would still end its bar with a blank line there
+    with Progress(console=console, disable=not (progress and console.is_terminal), transient=True) as bar:
+        task = bar.add_task("warm-up", total=1 + len(prompt_lengths) + len(context_lengths))
+        warm_up(model, max(prompt_lengths))
+        for n in prompt_lengths:
+            bar.update(task, advance=1, description=f"TTFT, prompt of {n} tokens")
+            ttft.append(measure_ttft_ms(model, n, repeats))
+        for c in context_lengths:
+            bar.update(task, advance=1, description=f"TPOT, context of {c} tokens")
+            tpot.append(measure_tpot_ms(model, c, decode_steps))
     param = next(model.parameters())
     result = SweepResult(name, str(param.device), str(param.dtype).removeprefix("torch."),
                          list(prompt_lengths), ttft, list(context_lengths), tpot)

