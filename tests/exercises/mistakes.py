@@ -20,7 +20,9 @@ from typing import Callable
 import torch
 
 from minillm.block_hash import hash_block
-from minillm.costs import PhaseCost, decode_cost, flops_per_token, weights_bytes
+from minillm.costs import (PhaseCost, attention_flops, attention_params, decode_cost, flops_per_token,
+                           kv_bytes_per_token, lm_head_params, mlp_params, weights_bytes)
+from minillm.hardware import OVERHEAD_FACTOR, Roofline
 from minillm.kv_cache import KVCache
 from minillm.metrics import RequestMetrics, percentile
 from minillm.model import causal_mask
@@ -587,6 +589,107 @@ def prefix_hit_continues_after_a_miss(block_hashes, cached, n_tokens, block_size
     """Counts every cached block, also those after a missing one."""
     max_blocks = max(n_tokens - 1, 0) // block_size
     return sum(h in cached for h in block_hashes[:max_blocks]) * block_size  # MISTAKE: stop at the first miss
+
+
+# -- ex12 prefill cost, roofline ------------------------------------------------------------------
+
+
+def _prefill(config, n_tokens, dtype_bytes, cached_tokens=0, batch_size=1, last_only=True, weights_per_seq=False,
+             kv_read_new=True, head_every_token=False, causal=True, flops_per_batch=True):
+    """minillm's prefill_cost with each of its terms exchangeable (the mistakes below pick wrong ones)."""
+    if n_tokens < 1 or cached_tokens < 0 or batch_size < 1:
+        raise ValueError("n_tokens < 1, cached_tokens < 0 or batch_size < 1")
+    layer = config.n_layers * (attention_params(config) + mlp_params(config))
+    head_tokens = n_tokens if (head_every_token or not last_only) else 1
+    flops = 2 * layer * n_tokens + 2 * lm_head_params(config) * head_tokens + attention_flops(
+        config, n_tokens, cached_tokens, causal)
+    kv = kv_bytes_per_token(config, dtype_bytes) * batch_size
+    w = weights_bytes(config, dtype_bytes) * (batch_size if weights_per_seq else 1)
+    read = kv * (cached_tokens + (n_tokens if kv_read_new else 0))
+    written = kv * n_tokens
+    flops = flops * (batch_size if flops_per_batch else 1)
+    return PhaseCost(float(flops), float(w + read + written), float(w), float(read), float(written))
+
+
+@mistake("ex12", "prefill_cost")
+def prefill_reads_weights_per_sequence(config, n_tokens, dtype_bytes, cached_tokens=0, batch_size=1,
+                                       last_only=True):
+    """Counts the weights once per sequence of the batch: they are read once for all of them."""
+    return _prefill(config, n_tokens, dtype_bytes, cached_tokens, batch_size, last_only, weights_per_seq=True)  # MISTAKE
+
+
+@mistake("ex12", "prefill_cost")
+def prefill_kv_read_only_the_cached_part(config, n_tokens, dtype_bytes, cached_tokens=0, batch_size=1,
+                                         last_only=True):
+    """KV read = cached_tokens positions only: attention also reads the new entries it just wrote."""
+    return _prefill(config, n_tokens, dtype_bytes, cached_tokens, batch_size, last_only, kv_read_new=False)  # MISTAKE
+
+
+@mistake("ex12", "prefill_cost")
+def prefill_ignores_last_only(config, n_tokens, dtype_bytes, cached_tokens=0, batch_size=1, last_only=True):
+    """Runs the LM head on every prompt token even with last_only=True (only the last one's logits are used)."""
+    return _prefill(config, n_tokens, dtype_bytes, cached_tokens, batch_size, last_only,
+                    head_every_token=True)  # MISTAKE
+
+
+@mistake("ex12", "prefill_cost")
+def prefill_attention_counts_the_whole_rectangle(config, n_tokens, dtype_bytes, cached_tokens=0, batch_size=1,
+                                                 last_only=True):
+    """Counts every query-key pair, masked ones included: causal attention does about half."""
+    return _prefill(config, n_tokens, dtype_bytes, cached_tokens, batch_size, last_only, causal=False)  # MISTAKE
+
+
+@mistake("ex12", "prefill_cost")
+def prefill_flops_of_one_sequence(config, n_tokens, dtype_bytes, cached_tokens=0, batch_size=1, last_only=True):
+    """Forgets to multiply the FLOPs by batch_size (every sequence does its own arithmetic)."""
+    return _prefill(config, n_tokens, dtype_bytes, cached_tokens, batch_size, last_only,
+                    flops_per_batch=False)  # MISTAKE
+
+
+@mistake("ex12", "prefill_cost")
+def prefill_head_dim_from_d_model(config, n_tokens, dtype_bytes, cached_tokens=0, batch_size=1, last_only=True):
+    """Takes head_dim as d_model // n_heads: wrong for models with an explicit head_dim (Gemma, Qwen3)."""
+    c = replace(config, head_dim=config.d_model // config.n_heads)  # MISTAKE: config.head_dim
+    return _prefill(c, n_tokens, dtype_bytes, cached_tokens, batch_size, last_only)
+
+
+def _roofline(cost, time_s, hw, floor=max, overhead=True, fraction=lambda floor_s, t: floor_s / t):
+    if time_s <= 0:
+        raise ValueError("time_s must be > 0")
+    compute_s, memory_s = cost.flops / hw.peak_flops, cost.bytes / hw.mem_bandwidth
+    floor_s = floor(compute_s, memory_s)
+    bound = "compute-bound" if floor_s == compute_s else "memory-bound"
+    if overhead and time_s > OVERHEAD_FACTOR * floor_s:
+        bound = "overhead-bound"
+    return Roofline(time_s, cost.arithmetic_intensity, compute_s, memory_s, floor_s, cost.flops / time_s,
+                    cost.bytes / time_s, fraction(floor_s, time_s), bound, "")
+
+
+@mistake("ex12", "roofline")
+def roofline_smaller_floor_binds(cost, time_s, hw):
+    """Takes the smaller floor as the limit: the phase could then beat the other floor."""
+    return _roofline(cost, time_s, hw, floor=min)  # MISTAKE: max
+
+
+@mistake("ex12", "roofline")
+def roofline_never_overhead_bound(cost, time_s, hw):
+    """Always blames compute or memory, even when the time is many floors away from either."""
+    return _roofline(cost, time_s, hw, overhead=False)  # MISTAKE
+
+
+@mistake("ex12", "roofline")
+def roofline_fraction_inverted(cost, time_s, hw):
+    """roofline_fraction = time / floor (>= 1) instead of floor / time (1 = at the roof)."""
+    return _roofline(cost, time_s, hw, fraction=lambda floor_s, t: t / floor_s)  # MISTAKE
+
+
+@mistake("ex12", "roofline")
+def roofline_bound_from_intensity_above_1(cost, time_s, hw):
+    """Calls a phase compute-bound when it does more than 1 FLOP per byte, not more than the ridge point."""
+    r = _roofline(cost, time_s, hw)
+    if r.bound == "overhead-bound":
+        return r
+    return replace(r, bound="compute-bound" if cost.arithmetic_intensity > 1 else "memory-bound")  # MISTAKE
 
 
 # -- ex13 percentiles, SLOs, goodput ---------------------------------------------------------------

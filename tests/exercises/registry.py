@@ -86,6 +86,8 @@ EXERCISES = {ex.id: ex for ex in [
     Exercise("ex11", "prefix-cache hits", "ex11_prefix_cache", "lessons/08-prompt-caching.md#block-hashes",
              {"block_hashes": "minillm.block_hash", "longest_cached_prefix": "minillm.prefix_cache"},
              ("block_hashes", "longest_cached_prefix")),
+    Exercise("ex12", "prefill cost, roofline verdict", "ex12_roofline", "lessons/05-compute-vs-memory-bound.md#the-roofline",
+             {"prefill_cost": "minillm.costs", "roofline": "minillm.hardware"}, ("prefill_cost", "roofline")),
     Exercise("ex13", "percentiles, SLOs, goodput", "ex13_serving_metrics", "lessons/06-metrics.md#percentiles",
              {"percentile": "minillm.metrics", "slo_attainment": "minillm.metrics", "goodput": "minillm.metrics"},
              ("percentile", "slo_attainment", "goodput")),
