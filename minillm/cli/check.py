@@ -9,30 +9,31 @@ def add_check(sub) -> None:
     p = sub.add_parser("check", help="grade the classroom exercises (lessons/exercises) with their checks")
     p.add_argument("exercises", nargs="*", metavar="EXERCISE", help="ex01, ex02, ... or 1, 2, ... (default: all)")
     p.add_argument("--student-dir", nargs="+", metavar="DIR",
-                   help="a student's copy of lessons/exercises/ (default: the checkout's); several: a class table")
+                   help="a student's copy of lessons/exercises/ (default: the checkout's); several: a class table; "
+                        "exercise ids may follow the folders (--student-dir alice ex03)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="stop an exercise whose checks run longer than this (an infinite loop?); default 60")
     p.add_argument("-v", "--verbose", action="store_true", help="also show pytest's own output (tracebacks)")
     p.add_argument("--debug", action="store_true")
     p.set_defaults(run=run_check)
 
 
 def run_check(args) -> int:
-    from pathlib import Path
-
     from rich.console import Console
 
     from ..classroom import exercise_ids, find_checkout, normalize_exercise, run_checks
 
     root = find_checkout()
     known = exercise_ids(root)
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout must be a number of seconds > 0, got {args.timeout:g}")
+    dirs, named = _student_dirs(args.student_dir or [], known)
     try:
-        wanted = [normalize_exercise(e, known) for e in args.exercises] or known
+        wanted = [normalize_exercise(e, known) for e in [*args.exercises, *named]] or known
     except ValueError as e:
         raise UsageError(str(e)) from None
-    dirs = [Path(d) for d in args.student_dir] if args.student_dir else [None]
-    for d in dirs:
-        if d is not None and not d.is_dir():
-            raise UsageError(f"--student-dir {d} is not a folder")
-    results = {d: run_checks(wanted, d, root, args.verbose) for d in dirs}
+    dirs = dirs or [None]  # None: the checkout's lessons/exercises
+    results = {d: run_checks(wanted, d, root, args.verbose, args.timeout) for d in dirs}
     console = Console()
     if len(dirs) == 1:
         where = dirs[0] or root / "lessons" / "exercises"
@@ -41,6 +42,30 @@ def run_check(args) -> int:
         console.print(_class_table(results))
     failed = any(r.status == "failed" for rs in results.values() for r in rs)
     return 1 if failed else 0
+
+
+def _student_dirs(values: list[str], known: list[str]):
+    """Split --student-dir's words into (folders, exercise ids).
+
+    nargs="+" makes argparse take every word after the flag, so ``--student-dir alice ex03``
+    arrives as ["alice", "ex03"]: a word that is no folder but names an exercise is one.
+    """
+    from pathlib import Path
+
+    from ..classroom import normalize_exercise
+
+    dirs, named = [], []
+    for value in values:
+        if Path(value).is_dir():
+            dirs.append(Path(value))
+            continue
+        try:
+            named.append(normalize_exercise(value, known))
+        except ValueError:
+            raise UsageError(f"--student-dir {value} is not a folder (nor an exercise id: {', '.join(known)})") from None
+    if values and not dirs:
+        raise UsageError(f"--student-dir needs a folder before the exercise ids, got only {' '.join(values)}")
+    return dirs, named
 
 
 _STATUS_STYLE = {"passed": "green", "failed": "red", "not attempted": "dim"}

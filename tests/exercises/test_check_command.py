@@ -8,7 +8,9 @@ import pytest
 
 from minillm import classroom
 from minillm.classroom import CheckResult, ExerciseResult
-from minillm.cli import _class_table
+from minillm.cli import _class_table, main
+from minillm.cli.check import _student_dirs
+from minillm.cli.common import UsageError
 from minillm.errors import MiniLLMError
 
 
@@ -29,7 +31,7 @@ def test_a_students_folder_passed_failed_not_attempted(tmp_path):
     (tmp_path / "ex02_attention.py").write_text(textwrap.dedent("""\
         from exercises.mistakes import attention_without_scale as eager_attention  # noqa: F401
     """))
-    r = minillm("check", "ex01", "ex02", "ex05", "--student-dir", str(tmp_path))
+    r = minillm("check", "--student-dir", str(tmp_path), "ex01", "ex02", "5")  # the teacher's guide's order
     assert r.returncode == 1, r.stdout + r.stderr
     rows = {line.split()[1]: line for line in r.stdout.splitlines() if line.startswith("│ ex")}
     assert "passed" in rows["ex01"] and "failed" in rows["ex02"] and "not attempted" in rows["ex05"]
@@ -100,3 +102,20 @@ def test_a_hang_or_a_crash_stops_only_its_own_exercise(tmp_path):
 def test_timeout_must_be_positive():
     with pytest.raises(ValueError, match="timeout_s must be > 0 seconds, got 0"):
         classroom.run_checks(["ex01"], timeout_s=0)
+
+
+def test_student_dir_words_split_into_folders_and_exercises(tmp_path):
+    (tmp_path / "alice").mkdir()
+    (tmp_path / "bob").mkdir()
+    known = ["ex01", "ex03", "ex05"]
+    folders = [str(tmp_path / "alice"), str(tmp_path / "bob")]
+    assert _student_dirs([*folders, "ex03", "5"], known) == ([tmp_path / "alice", tmp_path / "bob"], ["ex03", "ex05"])
+    with pytest.raises(UsageError, match="--student-dir .*carol is not a folder"):
+        _student_dirs([*folders, str(tmp_path / "carol")], known)
+    with pytest.raises(UsageError, match="needs a folder before the exercise ids"):
+        _student_dirs(["ex03"], known)
+
+
+def test_timeout_must_be_positive_on_the_command_line(capsys):
+    assert main(["check", "ex01", "--timeout", "0"]) == 2
+    assert "minillm: error: --timeout must be a number of seconds > 0, got 0" in capsys.readouterr().err
