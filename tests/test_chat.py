@@ -2,6 +2,9 @@
 KV cache does not already hold, and answers exactly as a fresh request on the whole
 rendered conversation would (greedy, token for token)."""
 
+import subprocess
+import sys
+
 import pytest
 
 from minillm import SamplingParams, generate, load_model, load_tokenizer
@@ -127,3 +130,31 @@ def test_bad_input_is_a_clear_error(model, tokenizer):
         ChatSession(model, tokenizer, max_context=10**6)
     with pytest.raises(ValueError, match="the message is empty"):
         list(ChatSession(model, tokenizer).send("  "))
+
+
+def test_cli_chat_reads_lines_and_streams_answers(model, tokenizer, smollm2_dir):
+    """`minillm chat` with a pipe for stdin: one message a line, answers on stdout, the reuse on stderr."""
+    lines = ["What is the capital of France?", "/system Be brief.", "And of Germany?", "/reset", "/exit", "Hi"]
+    run = subprocess.run([sys.executable, "-m", "minillm", "chat", "--model", str(smollm2_dir), "--max-new-tokens",
+                          str(PARAMS.max_new_tokens)], input="\n".join(lines) + "\n", capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr
+    chat = ChatSession(model, tokenizer, params=PARAMS)  # the oracle for the CLI: the library, same turns
+    list(chat.send(lines[0]))
+    turn1, held = chat.last_turn, list(chat.cache_ids)
+    chat.set_system("Be brief.")
+    list(chat.send(lines[2]))
+    turn2 = chat.last_turn
+    assert run.stdout == f"{turn1.text}\n{turn2.text}\n"  # nothing after /exit
+    assert turn2.reused_tokens == common_prefix_len(held, rendered(tokenizer, chat.messages[:-1]))
+    err = run.stderr.splitlines()
+    assert err[0].startswith(f"[0 tokens reused, {turn1.prompt_tokens} prefilled | generated {len(turn1.token_ids)} tok")
+    assert err[1] == "system message: 'Be brief.'"
+    assert err[2].startswith(f"[{turn2.reused_tokens} tokens reused, {turn2.prefill_tokens} prefilled")
+    assert err[3] == "conversation forgotten, KV cache emptied (0 tokens)" and len(err) == 4
+
+
+def test_cli_chat_bad_options_are_usage_errors(smollm2_dir):
+    run = subprocess.run([sys.executable, "-m", "minillm", "chat", "--model", str(smollm2_dir), "--max-context", "0"],
+                         input="", capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stderr) == (2, "minillm: error: --max-context must be >= 1, got 0\n")

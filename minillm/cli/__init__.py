@@ -1,6 +1,7 @@
 """The ``minillm`` command line: argument parsing and rendering only; the work is in the library.
 
     minillm generate "What is the capital of France?"     stream an answer
+    minillm chat [--system TEXT]                           a conversation; each turn prefills only its new tokens
     minillm download NAME                                  fetch a model into the weights dir
     minillm convert FILE.gguf OUT_DIR                      GGUF -> Hugging Face folder
     minillm info [MODEL]                                   config, parameters, bytes
@@ -14,7 +15,7 @@
     minillm check [ex03 ...] [--student-dir DIR ...]       grade the classroom exercises (lessons/exercises)
 
 One module per command group, each holding its commands' options and their running:
-common.py (the usage error, shared options, output checks), generate.py, models.py (download,
+common.py (the usage error, shared options, output checks), generate.py, chat.py, models.py (download,
 convert, info), sweep.py, roofline.py (calibrate, whatif), prefix_demo.py, bench.py, check.py.
 
 Exit codes: 0 ok, 1 runtime error (one line), 2 usage error (one line), 130 interrupted.
@@ -27,6 +28,7 @@ import sys
 
 from ..errors import MiniLLMError
 from .bench import add_bench
+from .chat import add_chat
 from .check import _class_table, add_check  # noqa: F401  (_class_table: tests import it from here)
 from .common import Parser, UsageError
 from .generate import add_generate
@@ -62,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     add_generate(sub)
+    add_chat(sub)
     add_download(sub)
     add_convert(sub)
     add_info(sub)

@@ -1,0 +1,181 @@
+"""minillm chat: a multi-turn conversation whose KV cache survives between turns.
+
+Each answer streams to stdout; after it, stderr says what the turn cost, e.g.
+``[412 tokens reused, 23 prefilled | generated 31 tok | TTFT 96.1 ms | ...]``: only the
+new turn is prefilled (see :mod:`minillm.chat`). Lines come from a rich prompt on a
+terminal, or one message per line from a pipe (``printf 'Hi\\n/reset\\n' | minillm chat``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .common import UsageError, ensure_model, model_options
+
+COMMANDS = {
+    "/reset": "forget the conversation and empty the KV cache (the system message stays)",
+    "/system TEXT": "set the system message (/system alone shows it)",
+    "/trace": "show the trace of each answer (prefill, decode steps, roofline); again to stop",
+    "/history": "show the conversation and the KV cache",
+    "/exit": "leave (so does Ctrl-D)",
+}
+
+
+def add_chat(sub) -> None:
+    p = sub.add_parser("chat", help="chat in turns; the KV cache is kept, so each turn prefills only its new tokens")
+    model_options(p)
+    p.add_argument("--system", help="system message")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most (default 256)")
+    p.add_argument("--max-context", type=int, help="KV cache positions for the whole conversation "
+                                                   "(default: min(model context, 2048)); full: old turns are dropped")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int)
+    p.set_defaults(run=run_chat)
+
+
+def run_chat(args) -> int:
+    from rich.console import Console
+
+    from ..chat import ChatSession
+    from ..loading import load_model
+    from ..tokenizer import load_tokenizer
+
+    params = _sampling_params(args)
+    if args.max_context is not None and args.max_context < 1:
+        raise UsageError(f"--max-context must be >= 1, got {args.max_context}")
+    folder = ensure_model(args.model, args.weights_dir)
+    model = load_model(folder, device=args.device, dtype=args.dtype)
+    if args.max_context is not None and args.max_context > model.config.max_seq_len:
+        raise UsageError(f"--max-context must be at most {model.config.max_seq_len} (the model's context), "
+                         f"got {args.max_context}")
+    session = ChatSession(model, load_tokenizer(folder), args.system, params, args.max_context)
+    interactive = sys.stdin.isatty()
+    status = Console(stderr=True, highlight=False, soft_wrap=True)  # a stats line stays one line in a log
+    if interactive:
+        _enable_line_history()
+        status.print(f"chatting with {args.model}, a context of {session.max_context} tokens; "
+                     "/help lists the commands, Ctrl-D leaves", style="dim")
+    state = {"trace": False}
+    while (line := _read_line(interactive, status)) is not None:
+        line = line.strip()
+        if line.startswith("/"):
+            if _command(line, session, state, status) == "exit":
+                break
+        elif line:
+            _turn(session, line, state["trace"], status)
+    return 0
+
+
+def _sampling_params(args):
+    from ..sampling import SamplingParams
+
+    try:
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                              max_new_tokens=args.max_new_tokens)
+    except ValueError as e:  # "top_p must be ..." -> "--top-p must be ...": name the flag the user typed
+        name, rest = str(e).split(" ", 1)
+        raise UsageError(f"--{name.replace('_', '-')} {rest}") from None
+
+
+def _read_line(interactive: bool, status) -> str | None:
+    """The next line the user typed (None at end of input: Ctrl-D or the pipe's end)."""
+    if not interactive:
+        line = sys.stdin.readline()
+        return line if line else None
+    from rich.prompt import Prompt
+
+    try:
+        return Prompt.ask("[bold green]you[/bold green]", console=status)
+    except EOFError:
+        status.print()  # leave the terminal on a fresh line
+        return None
+
+
+def _enable_line_history() -> None:
+    """Up/down arrows recall earlier lines: input() uses GNU readline once it is imported."""
+    try:
+        import readline  # noqa: F401
+    except ImportError:  # Windows
+        pass
+
+
+def _command(line: str, session, state: dict, status) -> str | None:
+    """Run one /command; returns "exit" for /exit."""
+    name, _, rest = line.partition(" ")
+    if name in ("/exit", "/quit"):
+        return "exit"
+    if name == "/reset":
+        session.reset()
+        status.print(f"conversation forgotten, KV cache emptied ({session.cache.length} tokens)", style="dim")
+    elif name == "/system":
+        if rest.strip():
+            session.set_system(rest.strip())
+        system = session.messages[0]["content"] if session.messages and session.messages[0]["role"] == "system" else None
+        status.print(f"system message: {system!r}", style="dim", markup=False)
+    elif name == "/trace":
+        state["trace"] = not state["trace"]
+        status.print(f"trace {'on' if state['trace'] else 'off'}", style="dim")
+    elif name == "/history":
+        for message in session.messages:
+            status.print(f"[bold]{message['role']}[/bold]: ", end="")
+            status.print(message["content"], markup=False)
+        status.print(repr(session.cache), style="dim", markup=False)
+    elif name == "/help":
+        for usage, what in COMMANDS.items():
+            status.print(f"  {usage:<14} {what}", markup=False)
+    else:
+        status.print(f"unknown command {name}; /help lists them", markup=False)
+    return None
+
+
+def _turn(session, text: str, traced: bool, status) -> None:
+    """One turn: the answer streamed to stdout, then what it cost on stderr. Ctrl-C stops the answer."""
+    from ..errors import CacheFullError
+    from ..tokenizer import StreamDecoder
+
+    trace = _new_trace(session) if traced else None
+    stream = StreamDecoder(session.tokenizer)
+    steps = session.send(text, trace=trace)
+    try:
+        for step in steps:
+            print(stream.push(step.token_id), end="", flush=True)
+    except KeyboardInterrupt:
+        steps.close()  # the conversation stays as before this message
+        print(stream.flush())
+        status.print("[answer interrupted; the conversation is unchanged]", style="dim", markup=False)
+        return
+    except CacheFullError as error:
+        status.print(f"minillm: error: {error}", markup=False)
+        return
+    print(stream.flush())
+    turn = session.last_turn
+    if turn.dropped_messages:
+        status.print(f"[context full ({session.max_context} tokens): dropped the {turn.dropped_messages} "
+                     "oldest messages; /reset starts over]", style="dim", markup=False)
+    status.print(_summary(turn), style="dim", markup=False)
+    if turn.finish_reason == "cache_full":
+        status.print("[the answer filled the context and was cut; /reset or a larger --max-context]",
+                     style="dim", markup=False)
+    if trace is not None:
+        from rich.console import Console
+
+        from ..render import print_trace
+
+        print_trace(trace, Console(), prompt=False)
+
+
+def _summary(turn) -> str:
+    n = len(turn.token_ids)
+    tpot = f"{(turn.end_s - turn.start_s - turn.ttft_ms / 1e3) * 1e3 / (n - 1):.1f} ms" if n > 1 else "n/a"
+    return (f"[{turn.reused_tokens} tokens reused, {turn.prefill_tokens} prefilled | generated {n} tok | "
+            f"TTFT {turn.ttft_ms:.1f} ms | TPOT {tpot} | stop: {turn.finish_reason}]")
+
+
+def _new_trace(session):
+    from ..hardware import get_hardware
+    from ..trace import Trace
+
+    param = next(session.model.parameters())
+    return Trace("steps", tokenizer=session.tokenizer, hardware=get_hardware(param.device, param.dtype))
