@@ -12,6 +12,7 @@ def add_prefix_demo(sub) -> None:
     p.add_argument("--block-size", type=int, default=16, help="prefix cache block size in tokens (default 16)")
     p.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per request (default 8)")
     p.add_argument("--plot", metavar="FILE.png", help="draw TTFT per request, without and with the cache")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
     p.set_defaults(run=run_prefix_demo_cmd)
 
 
@@ -31,7 +32,8 @@ def run_prefix_demo_cmd(args) -> int:
         raise UsageError("--requests, --block-size and --max-new-tokens must be >= 1")
     folder = ensure_model(args.model, args.weights_dir)
     model = load_model(folder, device=args.device, dtype=args.dtype)
-    result = run_prefix_demo(model, load_tokenizer(folder), args.requests, args.block_size, args.max_new_tokens)
+    result = run_prefix_demo(model, load_tokenizer(folder), args.requests, args.block_size, args.max_new_tokens,
+                             progress=not args.quiet)
     table = Table("req", "prompt", "cached", "prefill", "TTFT ms\nno cache", "TTFT ms\ncache", "speedup",
                   "KV saved", "hit rate", "same\noutput", box=box.SIMPLE_HEAD, padding=0, show_edge=False,
                   title=f"Prefix cache: {result.shared_prefix_tokens} shared prompt tokens, block_size "

@@ -15,6 +15,7 @@ def add_sweep(sub) -> None:
     p.add_argument("--context-lengths", type=int, nargs="+", default=list(DEFAULT_CONTEXT_LENGTHS), metavar="N")
     p.add_argument("--repeats", type=int, default=3, help="prefills per prompt length (median)")
     p.add_argument("--decode-steps", type=int, default=3, help="decode steps per context length (median)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
     p.set_defaults(run=run_sweep)
 
 
@@ -34,7 +35,7 @@ def run_sweep(args) -> int:
     param = next(model.parameters())
     hw = get_hardware(param.device, param.dtype)
     result = sweep(model, args.prompt_lengths, args.context_lengths, args.repeats, args.decode_steps, hw,
-                   name=str(args.model))
+                   name=str(args.model), progress=not args.quiet)
     paths = save_sweep_plots(result, args.out)
     table = Table("measurement", "tokens", "ms", "roofline floor ms", title=f"sweep of {args.model} on {hw.name}")
     for name, lengths, ms, floors in (("TTFT", result.prompt_lengths, result.ttft_ms, result.ttft_floor_ms),
