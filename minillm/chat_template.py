@@ -108,9 +108,9 @@ def render_chat_template(
     variables = {name: token for name, token in special_tokens.items() if token is not None}
     variables.update(kwargs)
     try:
-        compiled = _compile(template)
-        return compiled.render(
-            messages=messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt, **variables
+        return _compile(template).render(
+            messages=messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
+            **variables,
         )
     except Exception as error:  # the template is the model's code: any failure in it is a bad-template error
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]

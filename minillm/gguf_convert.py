@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -30,7 +31,7 @@ from rich.progress import track
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from .errors import ConfigError, ModelNotFoundError, WeightsError, check_output_dir
+from .errors import ConfigError, ModelNotFoundError, OutputPathError, WeightsError, check_output_dir
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -51,37 +52,42 @@ _LAYER_NAMES = {
 # GGUF token types (llama.cpp llama_token_type): which vocabulary entries are added tokens.
 _CONTROL, _USER_DEFINED = 3, 4
 
-# How each `tokenizer.ggml.pre` value splits text before BPE, as llama.cpp's
-# llama-vocab.cpp does it. The GPT-2 regex is the one built into ByteLevel(use_regex=True):
-#   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+# How each `tokenizer.ggml.pre` value tokenizes, as llama.cpp does (src/llama-vocab.cpp:
+# llama_vocab::impl::load for the flags, llm_tokenizer_bpe for the regexes). The regexes run
+# one after the other, each splitting the pieces the previous one made (matches and the
+# text between them both become pieces), then BPE runs on each piece.
+#   ignore_merges: a piece that is a whole vocabulary entry is that token, merges or not.
+#   add_bos: the default when the file has no tokenizer.ggml.add_bos_token key.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
 
-def _gpt2_pre() -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+@dataclass(frozen=True)
+class PreTokenizerRules:
+    """llama.cpp's per-vocabulary rules for one ``tokenizer.ggml.pre`` name."""
+
+    splits: tuple[str, ...]
+    ignore_merges: bool = False
+    add_bos: bool = False
 
 
-def _digits_then_gpt2_pre() -> pre_tokenizers.PreTokenizer:
-    # llama.cpp runs "\p{N}" first, so every digit is its own word ("2024" -> 2|0|2|4).
-    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_pre()])
-
-
-def _llama3_pre() -> pre_tokenizers.PreTokenizer:
-    split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
-    return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-
-
-_PRE_TOKENIZERS = {
-    "gpt2": _gpt2_pre,
-    "default": _gpt2_pre,
-    "smollm": _digits_then_gpt2_pre,
-    "starcoder": _digits_then_gpt2_pre,
-    "llama-bpe": _llama3_pre,
-    "llama3": _llama3_pre,
-    "llama-v3": _llama3_pre,
+_GPT2 = PreTokenizerRules((_GPT2_SPLIT,))
+_LLAMA3 = PreTokenizerRules((_LLAMA3_SPLIT,), ignore_merges=True, add_bos=True)
+_DIGITS_THEN_GPT2 = PreTokenizerRules((r"\p{N}", _GPT2_SPLIT))  # every digit its own piece
+PRE_TOKENIZERS = {
+    # llama.cpp's fallback for files without a name: punctuation runs, then GPT-2, then digit groups of 3
+    "default": PreTokenizerRules((r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", "[0-9][0-9][0-9]")),
+    "gpt-2": _GPT2,
+    "llama-bpe": _LLAMA3,  # Llama-3 family
+    "llama3": _LLAMA3,
+    "llama-v3": _LLAMA3,
+    "falcon3": _LLAMA3,
+    "smollm": _DIGITS_THEN_GPT2,
+    "starcoder": _DIGITS_THEN_GPT2,
+    "refact": _DIGITS_THEN_GPT2,
 }
 
 
@@ -100,10 +106,12 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
     Raises:
         ModelNotFoundError: the file is missing or is not a readable GGUF.
         OutputPathError: ``out_dir`` is a file or cannot be written (checked before dequantizing).
-        ConfigError: an architecture other than llama, or a tokenizer / RoPE variant
-            that is not supported.
+        ConfigError: an architecture other than llama, a tokenizer / RoPE variant or a
+            metadata key that changes the math and is not supported (``NOT_IMPLEMENTED_KEYS``),
+            or a size that is not a positive integer (``llama.attention.head_count`` 0, ...).
         WeightsError: a tensor is unknown, missing, of the wrong shape or of a type
-            gguf cannot dequantize.
+            gguf cannot dequantize (checked before dequantizing).
+        OutputPathError: a file could not be written (a full disk); no ``.partial`` file is left.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = _open_reader(gguf_path)
@@ -111,11 +119,12 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
     _check_supported(reader)
     config = _hf_config(reader)
     tensors = _hf_tensors(reader, config, progress)
+    tokenizer = _build_tokenizer(reader)  # before writing: every failure but a write one leaves no files
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").unlink(missing_ok=True)  # folder reads as incomplete until the end
     _write_atomic(out_dir / "model.safetensors", lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-    _write_atomic(out_dir / "tokenizer.json", lambda p: _build_tokenizer(reader).save(str(p)))
+    _write_atomic(out_dir / "tokenizer.json", lambda p: tokenizer.save(str(p)))
     _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(reader))
     _write_json(out_dir / "config.json", config)
     return out_dir
@@ -143,6 +152,22 @@ def _meta(reader: gguf.GGUFReader, key: str, default=_REQUIRED):
     return field.contents()
 
 
+def _meta_int(reader: gguf.GGUFReader, key: str, default=_REQUIRED) -> int:
+    """A size key (``llama.block_count``...): a positive integer, or ConfigError naming the key."""
+    value = _meta(reader, key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"GGUF metadata {key} must be a positive integer, got {value!r}; the file is damaged")
+    return value
+
+
+def _meta_float(reader: gguf.GGUFReader, key: str, default=_REQUIRED) -> float:
+    """A positive number (``llama.rope.freq_base``, an epsilon), or ConfigError naming the key."""
+    value = _meta(reader, key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise ConfigError(f"GGUF metadata {key} must be a positive number, got {value!r}; the file is damaged")
+    return float(value)
+
+
 def _check_supported(reader: gguf.GGUFReader) -> None:
     """Fail before writing anything when the file needs a feature minillm lacks."""
     arch = _meta(reader, "general.architecture")
@@ -153,10 +178,33 @@ def _check_supported(reader: gguf.GGUFReader) -> None:
     if tokenizer_model != "gpt2":
         raise ConfigError(f"GGUF tokenizer {tokenizer_model!r} is not supported; supported: 'gpt2' (byte-level BPE)")
     pre = _meta(reader, "tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TOKENIZERS:
-        raise ConfigError(f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(_PRE_TOKENIZERS)}")
+    if pre not in PRE_TOKENIZERS:
+        raise ConfigError(f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(PRE_TOKENIZERS)}")
+    _check_special_tokens(reader)
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ConfigError("GGUF has rope_freqs.weight (Llama-3.1-style RoPE scaling), which is not supported")
+    for key, off in NOT_IMPLEMENTED_KEYS.items():
+        value = _meta(reader, f"llama.{key}", off)
+        if value != off:
+            raise ConfigError(f"GGUF llama.{key} = {value!r} changes the computation and is not supported by minillm")
+
+
+# llama.* keys that change the math and that minillm does not compute, with the value that means
+# "off" (llama.cpp's default when the key is absent). A file that sets one otherwise is refused.
+NOT_IMPLEMENTED_KEYS = {
+    "expert_count": 0,  # mixture of experts (Mixtral is a "llama" GGUF)
+    "use_parallel_residual": False,  # attention and MLP from the same input (GPT-NeoX)
+    "attention.clamp_kqv": 0.0,  # q, k, v clamped to ±this
+    "attention.max_alibi_bias": 0.0,  # ALiBi positions instead of RoPE
+    "attention.causal": True,
+    "attention.scale": 0.0,  # a fixed attention scale instead of 1/sqrt(head_dim) (0: unset)
+    "attn_logit_softcapping": 0.0,
+    "final_logit_softcapping": 0.0,
+    "logit_scale": 1.0,
+    "embedding_scale": 1.0,
+    "residual_scale": 1.0,
+    "rope.scaling.attn_factor": 1.0,  # YaRN's attention temperature
+}
 
 
 # ---------------------------------------------------------------- config.json
@@ -164,9 +212,18 @@ def _check_supported(reader: gguf.GGUFReader) -> None:
 
 def _hf_config(reader: gguf.GGUFReader) -> dict:
     """config.json for transformers' LlamaConfig, from the ``llama.*`` metadata keys."""
-    key = lambda name, default=_REQUIRED: _meta(reader, f"llama.{name}", default)  # noqa: E731
+    key = lambda name, default=_REQUIRED: _meta_int(reader, f"llama.{name}", default)  # noqa: E731
     d_model, n_heads = key("embedding_length"), key("attention.head_count")
+    n_kv_heads = key("attention.head_count_kv", n_heads)
+    if n_heads % n_kv_heads:
+        raise ConfigError(f"GGUF llama.attention.head_count ({n_heads}) must be a multiple of "
+                          f"llama.attention.head_count_kv ({n_kv_heads}); the file is damaged")
+    if "llama.attention.key_length" not in reader.fields and d_model % n_heads:
+        raise ConfigError(f"GGUF llama.embedding_length ({d_model}) must be a multiple of "
+                          f"llama.attention.head_count ({n_heads}) when llama.attention.key_length is absent")
     head_dim = key("attention.key_length", d_model // n_heads)
+    if key("attention.value_length", head_dim) != head_dim:
+        raise ConfigError("GGUF llama.attention.value_length differs from key_length; not supported")
     if key("rope.dimension_count", head_dim) != head_dim:
         raise ConfigError("GGUF rotates only part of each head (rope.dimension_count < head_dim); not supported")
     config = {
@@ -176,11 +233,11 @@ def _hf_config(reader: gguf.GGUFReader) -> dict:
         "intermediate_size": key("feed_forward_length"),
         "num_hidden_layers": key("block_count"),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": key("attention.head_count_kv", n_heads),
+        "num_key_value_heads": n_kv_heads,
         "head_dim": head_dim,
         "max_position_embeddings": key("context_length"),
-        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
-        "rope_theta": key("rope.freq_base", 10000.0),
+        "rms_norm_eps": _meta_float(reader, "llama.attention.layer_norm_rms_epsilon"),
+        "rope_theta": _meta_float(reader, "llama.rope.freq_base", 10000.0),
         "vocab_size": key("vocab_size", len(_meta(reader, "tokenizer.ggml.tokens"))),
         # llama.cpp writes output.weight only when it differs from the embedding
         "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
@@ -197,17 +254,16 @@ def _hf_config(reader: gguf.GGUFReader) -> dict:
 
 
 def _rope_scaling(reader: gguf.GGUFReader) -> dict | None:
-    """HF ``rope_scaling`` from ``llama.rope.scaling.*`` (linear or YaRN), None when absent."""
+    """HF ``rope_scaling`` from ``llama.rope.scaling.*`` (linear), None when absent.
+
+    YaRN and LongRoPE are refused here, at convert time, as minillm's loader would refuse them.
+    """
     kind = _meta(reader, "llama.rope.scaling.type", "none")
     if kind == "none":
         return None
-    factor = _meta(reader, "llama.rope.scaling.factor")
     if kind == "linear":
-        return {"rope_type": "linear", "factor": factor}
-    if kind == "yarn":
-        original = _meta(reader, "llama.rope.scaling.original_context_length")
-        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
-    raise ConfigError(f"GGUF RoPE scaling {kind!r} is not supported; supported: linear, yarn")
+        return {"rope_type": "linear", "factor": _meta_float(reader, "llama.rope.scaling.factor")}
+    raise ConfigError(f"GGUF llama.rope.scaling.type {kind!r} is not supported; supported: none, linear")
 
 
 # ---------------------------------------------------------------- model.safetensors
@@ -261,6 +317,8 @@ def _dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
 def _hf_tensors(reader: gguf.GGUFReader, config: dict, progress: bool) -> dict[str, torch.Tensor]:
     """Every tensor, dequantized, renamed, Q/K un-permuted, checked against the config's shapes."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    expected = _expected_shapes(config)
+    _check_shapes({hf_tensor_name(t.name): tuple(reversed(t.shape.tolist())) for t in reader.tensors}, expected)
     tensors = {}
     for tensor in track(reader.tensors, description="Dequantizing GGUF", disable=not progress,
                         console=Console(stderr=True)):
@@ -269,7 +327,6 @@ def _hf_tensors(reader: gguf.GGUFReader, config: dict, progress: bool) -> dict[s
         if kind in heads and tensor.name.endswith(".weight"):
             w = unpermute_qk(w, heads[kind])
         tensors[hf_tensor_name(tensor.name)] = w
-    _check_shapes(tensors, _expected_shapes(config))
     return tensors
 
 
@@ -296,14 +353,18 @@ def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_shapes(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
-    missing = sorted(expected.keys() - tensors.keys())
-    extra = sorted(tensors.keys() - expected.keys())
+def _check_shapes(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> None:
+    """Names and shapes (GGUF's, read before dequantizing) against what the metadata implies."""
+    missing = sorted(expected.keys() - shapes.keys())
+    extra = sorted(shapes.keys() - expected.keys())
     if missing or extra:
         raise WeightsError(f"GGUF tensors do not match the config: missing {missing[:3]}, unexpected {extra[:3]}")
     for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            raise WeightsError(f"{name} has shape {list(tensors[name].shape)}, config expects {list(shape)}")
+        if shapes[name] != shape:
+            raise WeightsError(
+                f"GGUF tensor for {name} has shape {list(shapes[name])}, but the llama.* metadata (heads, head "
+                f"size, lengths) gives {list(shape)}; the file is damaged"
+            )
 
 
 # ---------------------------------------------------------------- tokenizer.json
@@ -312,15 +373,19 @@ def _check_shapes(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[in
 def _build_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
     """Byte-level BPE from ``tokenizer.ggml.tokens`` / ``merges``, for the `tokenizers` library.
 
-    Pipeline: added tokens matched whole -> pre-tokenizer per ``tokenizer.ggml.pre``
-    -> BPE merges -> BOS/EOS per ``add_bos_token`` / ``add_eos_token``. Decoding maps
-    the byte alphabet (Ġ = space, Ċ = newline, ...) back to UTF-8 bytes.
+    Pipeline, with llama.cpp's rules for the file's ``tokenizer.ggml.pre`` (:data:`PRE_TOKENIZERS`):
+    added tokens matched whole -> the pre-tokenizer's regex splits -> byte alphabet
+    (space = Ġ, newline = Ċ, ...) -> BPE (whole-word lookup first where llama.cpp does it)
+    -> BOS/EOS as llama.cpp adds them. Decoding maps the byte alphabet back to UTF-8 bytes.
     """
     tokens = _meta(reader, "tokenizer.ggml.tokens")
+    rules = PRE_TOKENIZERS[_meta(reader, "tokenizer.ggml.pre", "default")]
     merges = [tuple(m.split(" ", 1)) for m in _meta(reader, "tokenizer.ggml.merges")]
     vocab = {token: i for i, token in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    tok.pre_tokenizer = _PRE_TOKENIZERS[_meta(reader, "tokenizer.ggml.pre", "default")]()
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=rules.ignore_merges))
+    splits = [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in rules.splits]
+    to_bytes = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)  # the splits are done
+    tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, to_bytes])
     tok.decoder = decoders.ByteLevel()
     types = _meta(reader, "tokenizer.ggml.token_type", [])
     # Both kinds are matched whole in the raw text (as llama.cpp does); only CONTROL
@@ -337,17 +402,34 @@ def _added(content: str, special: bool) -> AddedToken:
     return AddedToken(content, special=special, normalized=False)
 
 
-def _flagged_token(reader: gguf.GGUFReader, tokens: list[str], which: str) -> tuple[str, int] | None:
-    """(token, id) of "bos" or "eos" when ``tokenizer.ggml.add_{which}_token`` is set (absent: not set)."""
+def _adds(reader: gguf.GGUFReader, which: str) -> bool:
+    """Whether encoding adds "bos" or "eos": ``tokenizer.ggml.add_{which}_token``, else llama.cpp's
+    default for the pre-tokenizer (BOS for the Llama-3 family, nothing otherwise)."""
+    rules = PRE_TOKENIZERS[_meta(reader, "tokenizer.ggml.pre", "default")]
+    return bool(_meta(reader, f"tokenizer.ggml.add_{which}_token", rules.add_bos if which == "bos" else False))
+
+
+def _check_special_tokens(reader: gguf.GGUFReader) -> None:
+    """Special token ids must be vocabulary ids, and a BOS/EOS that is added must exist."""
+    n_tokens = len(_meta(reader, "tokenizer.ggml.tokens"))
+    for key in _SPECIAL_ID_KEYS.values():
+        token_id = _meta(reader, f"tokenizer.ggml.{key}", None)
+        if token_id is not None and not 0 <= token_id < n_tokens:
+            raise ConfigError(f"GGUF tokenizer.ggml.{key} is {token_id}, outside the {n_tokens}-token vocabulary")
+    for which in ("bos", "eos"):
+        if _adds(reader, which) and _meta(reader, f"tokenizer.ggml.{which}_token_id", None) is None:
+            raise ConfigError(f"GGUF adds a {which.upper()} token but has no tokenizer.ggml.{which}_token_id")
+
+
+def _added_special(reader: gguf.GGUFReader, tokens: list[str], which: str) -> tuple[str, int] | None:
+    """(token, id) of "bos" or "eos" when encoding adds it, else None."""
     token_id = _meta(reader, f"tokenizer.ggml.{which}_token_id", None)
-    if token_id is None or not _meta(reader, f"tokenizer.ggml.add_{which}_token", False):
-        return None
-    return tokens[token_id], token_id
+    return (tokens[token_id], token_id) if token_id is not None and _adds(reader, which) else None
 
 
 def _post_processor(reader: gguf.GGUFReader, tokens: list[str]) -> processors.TemplateProcessing | None:
     """Template that wraps each sequence in BOS and/or EOS, or None when neither is added."""
-    bos, eos = _flagged_token(reader, tokens, "bos"), _flagged_token(reader, tokens, "eos")
+    bos, eos = _added_special(reader, tokens, "bos"), _added_special(reader, tokens, "eos")
     specials = [t for t in (bos, eos) if t is not None]
     if not specials:
         return None
@@ -361,25 +443,35 @@ def _post_processor(reader: gguf.GGUFReader, tokens: list[str]) -> processors.Te
     )
 
 
+# tokenizer_config.json's special token names -> the GGUF keys of their ids
+_SPECIAL_ID_KEYS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+    "sep_token": "seperator_token_id",  # sic: llama.cpp's key name
+    "mask_token": "mask_token_id",
+}
+
+
 def _tokenizer_config(reader: gguf.GGUFReader) -> dict:
-    """tokenizer_config.json: special token strings, BOS/EOS flags and the chat template."""
+    """tokenizer_config.json: special token strings, BOS/EOS flags and the chat template.
+
+    A token or template the GGUF lacks is left out, never written as null (transformers then
+    leaves it undefined; a null ``bos_token`` would render as "None" in older readers).
+    """
     tokens = _meta(reader, "tokenizer.ggml.tokens")
-
-    def token(key: str) -> str | None:
+    config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    for name, key in _SPECIAL_ID_KEYS.items():
         token_id = _meta(reader, f"tokenizer.ggml.{key}", None)
-        return None if token_id is None else tokens[token_id]
-
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": token("bos_token_id"),
-        "eos_token": token("eos_token_id"),
-        "unk_token": token("unknown_token_id"),
-        "pad_token": token("padding_token_id"),
-        "add_bos_token": bool(_meta(reader, "tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(_meta(reader, "tokenizer.ggml.add_eos_token", False)),
-        "model_max_length": _meta(reader, "llama.context_length"),
-        "chat_template": _meta(reader, "tokenizer.chat_template", None),
-    }
+        if token_id is not None:
+            config[name] = tokens[token_id]
+    config["add_bos_token"], config["add_eos_token"] = _adds(reader, "bos"), _adds(reader, "eos")
+    config["model_max_length"] = _meta(reader, "llama.context_length")
+    chat_template = _meta(reader, "tokenizer.chat_template", None)
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    return config
 
 
 # ---------------------------------------------------------------- writing
@@ -388,12 +480,20 @@ def _tokenizer_config(reader: gguf.GGUFReader) -> dict:
 def _write_atomic(path: Path, write) -> None:
     """Call ``write(tmp_path)`` then rename, so ``path`` is never half-written.
 
+    ``write`` only writes (everything it writes is computed before): any error it raises is a
+    failed write, turned into OutputPathError with the temporary file removed.
+
     The file gets the mode of any new file (0o666 less the umask, usually 0o644):
     safetensors writes through a private temporary file, which leaves it 0o600.
     """
     partial = path.with_name(path.name + ".partial")
-    write(partial)
-    os.chmod(partial, 0o666 & ~_umask())
+    try:
+        write(partial)
+        os.chmod(partial, 0o666 & ~_umask())
+    except Exception as error:  # OSError, or safetensors' / tokenizers' own errors for a full disk
+        partial.unlink(missing_ok=True)
+        fix = "free some disk space or choose another folder"
+        raise OutputPathError(f"cannot write {path} ({error}); {fix}") from error
     os.replace(partial, path)
 
 

@@ -83,7 +83,9 @@ class Tokenizer:
         config_eos = config_eos if isinstance(config_eos, list) else [config_eos]
         self.eos_token_ids = {i for i in [self.eos_token_id, *config_eos] if i is not None}
         self.chat_template = (tokenizer_config or {}).get("chat_template")
-        self._added_ids = set(backend.get_added_tokens_decoder())
+        added = backend.get_added_tokens_decoder()
+        self._added_ids = set(added)
+        self.special_ids = frozenset(i for i, token in added.items() if token.special)  # dropped by skip_special_tokens
         self.byte_fallback_ids = _byte_fallback_ids(backend)
 
     def _special_id(self, name: str, fallback: int | list[int] | None) -> int | None:
@@ -281,11 +283,18 @@ class StreamDecoder:
         """
         self.ids.extend(self.tokenizer.check_ids([token_id]))
         prefix_text, new_text = self._window_texts()
-        held = new_text.endswith(_REPLACEMENT) or self.ids[-1] in self.tokenizer.byte_fallback_ids
+        held = new_text.endswith(_REPLACEMENT) or self._in_byte_run()
         if len(new_text) <= len(prefix_text) or held:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return new_text[len(prefix_text) :]
+
+    def _in_byte_run(self) -> bool:
+        """Whether the last token that shows in the text is a byte-fallback token. Skipped special
+        tokens do not end a run: decode drops them before it joins the byte tokens."""
+        hidden = self.tokenizer.special_ids if self.skip_special_tokens else frozenset()
+        last_shown = next((i for i in reversed(self.ids) if i not in hidden), None)
+        return last_shown in self.tokenizer.byte_fallback_ids
 
     def flush(self) -> str:
         """Return whatever is held back (U+FFFD if the ids really end mid-character)."""

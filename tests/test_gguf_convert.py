@@ -82,9 +82,21 @@ def test_unpermute_qk_inverts_llama_cpp(n_heads):
     assert torch.equal(unpermute_qk(_llama_cpp_permute(w, n_heads), n_heads), w)
 
 
-def _tiny_llama_gguf(path, hf: dict[str, torch.Tensor]):
+def _default_tokenizer(writer: gguf.GGUFWriter) -> None:
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(["<s>", "</s>", "a", "b", "ab"])
+    writer.add_token_types([3, 3, 1, 1, 1])
+    writer.add_token_merges(["a b"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_add_bos_token(True)
+
+
+def _tiny_llama_gguf(path, hf: dict[str, torch.Tensor], write_tokenizer=_default_tokenizer):
     """A 1-layer Llama GGUF written the way llama.cpp's converter writes ``hf``:
-    Q/K rows permuted, F16 matrices, F32 norms, an untied output.weight, BOS added."""
+    Q/K rows permuted, F16 matrices, F32 norms, an untied output.weight, BOS added;
+    ``write_tokenizer(writer)`` writes the tokenizer.ggml.* keys."""
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(1)
     writer.add_context_length(32)
@@ -96,14 +108,7 @@ def _tiny_llama_gguf(path, hf: dict[str, torch.Tensor]):
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
     writer.add_rope_scaling_factor(2.0)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
-    writer.add_token_list(["<s>", "</s>", "a", "b", "ab"])
-    writer.add_token_types([3, 3, 1, 1, 1])
-    writer.add_token_merges(["a b"])
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(1)
-    writer.add_add_bos_token(True)
+    write_tokenizer(writer)
     for name, tensor in _gguf_tensors(hf).items():
         writer.add_tensor(name, tensor.numpy())
     writer.write_header_to_file()
@@ -132,10 +137,10 @@ def _gguf_tensors(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _tiny_hf_weights() -> dict[str, torch.Tensor]:
+def _tiny_hf_weights(n_vocab: int = 5) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     shapes = {
-        "model.embed_tokens": (5, 8), "lm_head": (5, 8), "model.norm": (8,),
+        "model.embed_tokens": (n_vocab, 8), "lm_head": (n_vocab, 8), "model.norm": (8,),
         "model.layers.0.input_layernorm": (8,), "model.layers.0.post_attention_layernorm": (8,),
         "model.layers.0.self_attn.q_proj": (8, 8), "model.layers.0.self_attn.k_proj": (4, 8),
         "model.layers.0.self_attn.v_proj": (4, 8), "model.layers.0.self_attn.o_proj": (8, 8),
@@ -176,7 +181,8 @@ def _tiny_gguf(path, arch: str, pre: str = "smollm"):
 
 
 @pytest.mark.parametrize(
-    ("arch", "pre", "named"), [("bert", "smollm", "'bert'"), ("llama", "mystery-pre", "'mystery-pre'")]
+    ("arch", "pre", "named"),
+    [("bert", "smollm", "'bert'"), ("llama", "mystery-pre", "'mystery-pre'"), ("llama", "gpt2", "'gpt2'")],
 )
 def test_unsupported_gguf_raises_config_error(tmp_path, arch, pre, named):
     path = _tiny_gguf(tmp_path / "tiny.gguf", arch, pre)
@@ -184,6 +190,8 @@ def test_unsupported_gguf_raises_config_error(tmp_path, arch, pre, named):
         convert_gguf(path, tmp_path / "out", progress=False)
     message = str(info.value)
     assert named in message and "supported" in message and "\n" not in message
+    if arch == "llama":  # the names minillm knows are listed
+        assert "llama-bpe" in message and "smollm" in message and "gpt-2" in message
     assert not (tmp_path / "out").exists()  # nothing written
 
 
@@ -238,3 +246,110 @@ def test_output_folder_without_write_permission_fails_before_dequantizing(tmp_pa
     monkeypatch.setattr(gguf_convert, "_hf_tensors", lambda *args: pytest.fail("dequantized first"))
     with pytest.raises(OutputPathError, match="permission denied"):
         convert_gguf(gguf_file, locked / "out", progress=False)
+
+
+# ---------------------------------------------------------------- tokenizer, by llama.cpp's rules
+
+WORDS = ["<|begin_of_text|>", "<|end_of_text|>", "Ġ", "h", "e", "l", "o", "Ġh", "el", "Ġhello",
+         "1", "2", "3", "4", "5", "12", "123", "45", "12345", ",", "x"]  # fmt: skip
+WORD_MERGES = ["Ġ h", "e l", "1 2", "12 3", "4 5", "123 45"]  # nothing builds "Ġhello"
+
+
+def _words_tokenizer(pre: str, **keys):
+    """A writer of tokenizer.ggml.* keys for WORDS, with ``pre`` and optional add_bos/add_eos keys."""
+
+    def write(writer: gguf.GGUFWriter) -> None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(WORDS)
+        writer.add_token_types([3, 3] + [1] * (len(WORDS) - 2))
+        writer.add_token_merges(WORD_MERGES)
+        writer.add_bos_token_id(0)
+        writer.add_eos_token_id(1)
+        if "add_bos" in keys:
+            writer.add_add_bos_token(keys["add_bos"])
+        if "add_eos" in keys:
+            writer.add_add_eos_token(keys["add_eos"])
+
+    return write
+
+
+def _converted_tokenizer(tmp_path, write_tokenizer, n_vocab: int = len(WORDS)) -> tuple[Tokenizer, dict]:
+    path = _tiny_llama_gguf(tmp_path / "tok.gguf", _tiny_hf_weights(n_vocab), write_tokenizer)
+    out = convert_gguf(path, tmp_path / "out", progress=False)
+    return Tokenizer.from_file(str(out / "tokenizer.json")), json.loads((out / "tokenizer_config.json").read_text())
+
+
+def _ids(*tokens: str) -> list[int]:
+    return [WORDS.index(t) for t in tokens]
+
+
+# Expected ids worked out by hand with llama.cpp's rules (src/llama-vocab.cpp): for llama-bpe a
+# piece that is a whole vocabulary entry is one token (ignore_merges) and BOS is added by
+# default; "\p{N}{1,3}" (llama-bpe), "\p{N}+" then "[0-9]{3}" (default), "\p{N}" (smollm)
+# split "12345" before BPE; gpt-2 keeps it whole and BPE merges it to one token.
+LLAMA_CPP_CASES = {
+    "llama-bpe whole word, BOS": ("llama-bpe", {}, " hello", _ids("<|begin_of_text|>", "Ġhello")),
+    "llama-bpe digits by 3": ("llama-bpe", {}, "12345", _ids("<|begin_of_text|>", "123", "45")),
+    "llama-bpe add_bos_token=false": ("llama-bpe", {"add_bos": False}, " hello", _ids("Ġhello")),
+    "llama-bpe add_eos_token=true": ("llama-bpe", {"add_eos": True}, "x", _ids("<|begin_of_text|>", "x", "<|end_of_text|>")),
+    "gpt-2 merges only": ("gpt-2", {}, " hello", _ids("Ġh", "el", "l", "o")),
+    "gpt-2 digits whole": ("gpt-2", {}, "12345", _ids("12345")),
+    "gpt-2 add_bos_token=true": ("gpt-2", {"add_bos": True}, "x,", _ids("<|begin_of_text|>", "x", ",")),
+    "default digits by 3": ("default", {}, "12345", _ids("123", "45")),
+    "smollm single digits": ("smollm", {}, "12345", _ids("1", "2", "3", "4", "5")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", LLAMA_CPP_CASES)
+def test_tokenizer_follows_llama_cpp_rules(tmp_path, case):
+    pre, keys, text, expected = LLAMA_CPP_CASES[case]
+    tok, config = _converted_tokenizer(tmp_path, _words_tokenizer(pre, **keys))
+    assert tok.encode(text).ids == expected
+    assert config["add_bos_token"] is (expected[0] == 0)
+    assert tok.decode(expected, skip_special_tokens=True) == text
+
+
+def test_missing_special_tokens_are_left_out_of_tokenizer_config(tmp_path):
+    def write(writer: gguf.GGUFWriter) -> None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("gpt-2")
+        writer.add_token_list(["a", "b", "ab", "c", "d"])
+        writer.add_token_merges(["a b"])
+
+    tok, config = _converted_tokenizer(tmp_path, write, n_vocab=5)
+    assert config == {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False,
+                      "add_eos_token": False, "model_max_length": 32}  # fmt: skip
+    assert tok.encode("abc").ids == [2, 3]
+
+
+@pytest.mark.parametrize(
+    ("keys", "says"),
+    [({"bos_token_id": 99}, "bos_token_id is 99, outside the 21-token vocabulary"),
+     ({"no_bos": True}, "adds a BOS token but has no tokenizer.ggml.bos_token_id")],
+)  # fmt: skip
+def test_bad_special_token_ids_raise_config_error(tmp_path, keys, says):
+    def write(writer: gguf.GGUFWriter) -> None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("llama-bpe")  # adds BOS by default
+        writer.add_token_list(WORDS)
+        writer.add_token_merges(WORD_MERGES)
+        if not keys.get("no_bos"):
+            writer.add_bos_token_id(keys.get("bos_token_id", 0))
+
+    path = _tiny_llama_gguf(tmp_path / "tok.gguf", _tiny_hf_weights(len(WORDS)), write)
+    with pytest.raises(ConfigError, match=says) as info:
+        convert_gguf(path, tmp_path / "out", progress=False)
+    assert "\n" not in str(info.value) and not (tmp_path / "out").exists()
+
+
+SMOLLM2_TEXTS = ["Hello, world!", "Pi is 3.14159; 1,000,000 items", "def add(a, b):\n    return a + b\n",
+                 "😀 🎉👍🏽 日本語のテキスト", "a  b   c    d\n\n\tx", "It's, I'm, we'll", "<|im_start|>user\nhi<|im_end|>"]  # fmt: skip
+
+
+def test_smollm2_tokenizer_matches_transformers(converted_dir, smollm2_gguf):
+    """The real "smollm" pre-tokenizer, freshly converted, against transformers' reading of the GGUF."""
+    ours = Tokenizer.from_file(str(converted_dir / "tokenizer.json"))
+    theirs = transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    for text in SMOLLM2_TEXTS:
+        assert ours.encode(text).ids == theirs(text).input_ids, text

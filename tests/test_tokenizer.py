@@ -204,7 +204,8 @@ def test_byte_fallback_stream_with_a_stray_byte_equals_one_shot_decode(byte_fall
     The ByteFallback decoder (tokenizers, as transformers decodes) turns a byte run holding an
     invalid byte into one U+FFFD per byte, so the one-shot text is '���� wo'."""
     tok = byte_fallback_tok
-    ids = tok.encode("日", add_special_tokens=False)[1:] + [tok.backend.token_to_id("<0xF0>"), tok.backend.token_to_id("▁wo")]
+    stray_byte, wo = tok.backend.token_to_id("<0xF0>"), tok.backend.token_to_id("▁wo")
+    ids = tok.encode("日", add_special_tokens=False)[1:] + [stray_byte, wo]  # [1:]: no "▁" before 日
     assert tok.token_strings(ids) == ["\\xe6", "\\x97", "\\xa5", "\\xf0", " wo"]
     oracle = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.backend).decode(ids)
     pieces, rest = _stream(tok, ids)
