@@ -200,18 +200,30 @@ def _convert_once(gguf: Path, folder: Path, progress: bool) -> Path:
     """Convert ``gguf`` into ``folder`` unless it is already complete there; return ``folder``.
 
     The conversion writes into ``_downloads/<name>.partial`` first and renames it at the
-    end, so an interrupted conversion never looks like a complete model.
+    end, so an interrupted conversion never looks like a complete model; a failed one
+    removes it. Two processes asking at once (two ``minillm generate`` on an empty weights
+    folder) take turns on ``_downloads/<name>.lock``: the second waits, then finds the model
+    complete and converts nothing.
     """
     if is_complete(folder):
         return folder
+    from filelock import FileLock
+
     from .gguf_convert import convert_gguf  # lazy: only conversions pay for the gguf reader
 
-    partial = folder.parent / "_downloads" / f"{folder.name}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    convert_gguf(gguf, partial, progress=progress)
-    shutil.rmtree(folder, ignore_errors=True)  # an incomplete leftover would block the rename
-    partial.rename(folder)
+    downloads = folder.parent / "_downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    with FileLock(downloads / f"{folder.name}.lock"):
+        if is_complete(folder):  # converted by another process while this one waited
+            return folder
+        partial = downloads / f"{folder.name}.partial"
+        shutil.rmtree(partial, ignore_errors=True)  # left by a process that was killed
+        try:
+            convert_gguf(gguf, partial, progress=progress)
+            shutil.rmtree(folder, ignore_errors=True)  # an incomplete leftover would block the rename
+            partial.rename(folder)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
     return folder
 
 

@@ -1,0 +1,171 @@
+"""Damaged or unsupported GGUF files, full disks and two processes converting at once (issue #12).
+
+Each bad input must give one line naming the metadata key or tensor, before anything is
+written; a failed write must leave no ``.partial`` file; two processes converting into one
+empty weights folder must both get the model, and leave nothing else behind.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors import SafetensorError
+
+from minillm import gguf_convert, load_model, weights
+from minillm.errors import ConfigError, OutputPathError, WeightsError
+from minillm.gguf_convert import convert_gguf
+
+D, FF, HEADS, KV_HEADS, HEAD_DIM = 8, 16, 2, 1, 4
+METADATA = {
+    "llama.block_count": 1, "llama.context_length": 32, "llama.embedding_length": D,
+    "llama.feed_forward_length": FF, "llama.attention.head_count": HEADS, "llama.attention.head_count_kv": KV_HEADS,
+    "llama.rope.freq_base": 10000.0, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+    "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm", "tokenizer.ggml.bos_token_id": 0,
+    "tokenizer.ggml.eos_token_id": 1,
+}  # fmt: skip
+TOKENS = ["<s>", "</s>", "a", "b", "ab"]
+SHAPES = {
+    "token_embd.weight": (5, D), "output_norm.weight": (D,), "blk.0.attn_norm.weight": (D,),
+    "blk.0.attn_q.weight": (HEADS * HEAD_DIM, D), "blk.0.attn_k.weight": (KV_HEADS * HEAD_DIM, D),
+    "blk.0.attn_v.weight": (KV_HEADS * HEAD_DIM, D), "blk.0.attn_output.weight": (D, HEADS * HEAD_DIM),
+    "blk.0.ffn_norm.weight": (D,), "blk.0.ffn_gate.weight": (FF, D), "blk.0.ffn_up.weight": (FF, D),
+    "blk.0.ffn_down.weight": (D, FF),
+}  # fmt: skip
+_TYPES = {bool: gguf.GGUFValueType.BOOL, int: gguf.GGUFValueType.UINT32, float: gguf.GGUFValueType.FLOAT32,
+          str: gguf.GGUFValueType.STRING}  # fmt: skip
+
+
+def tiny_gguf(path, metadata=None, shapes=None):
+    """A 1-layer random Llama GGUF (tied embeddings, F32), with metadata keys and tensor shapes
+    changed by ``metadata`` / ``shapes`` (a value of None drops that key)."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in {**METADATA, **(metadata or {})}.items():
+        if value is not None:
+            writer.add_key_value(key, value, _TYPES[type(value)])
+    writer.add_token_list(TOKENS)
+    writer.add_token_types([3, 3, 1, 1, 1])
+    writer.add_token_merges(["a b"])
+    g = np.random.default_rng(0)
+    for name, shape in {**SHAPES, **(shapes or {})}.items():
+        writer.add_tensor(name, (1 + 0.5 * g.standard_normal(shape)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_the_tiny_gguf_converts_and_loads(tmp_path):
+    model = load_model(tiny_gguf(tmp_path / "tiny.gguf"), device="cpu", weights_dir=tmp_path / "w")
+    assert model(torch.tensor([[0, 2, 3]])).shape == (1, 3, 5)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "says"),
+    [
+        ({"llama.attention.head_count": 0}, "llama.attention.head_count must be a positive integer, got 0"),
+        ({"llama.embedding_length": "8"}, "llama.embedding_length must be a positive integer, got '8'"),
+        ({"llama.block_count": None}, "'llama.block_count' is missing"),
+        ({"llama.context_length": 0}, "llama.context_length must be a positive integer"),
+        ({"llama.attention.head_count_kv": 3}, "head_count (2) must be a multiple of llama.attention.head_count_kv"),
+        ({"llama.attention.head_count": 3}, "embedding_length (8) must be a multiple of llama.attention.head_count"),
+        ({"llama.attention.layer_norm_rms_epsilon": 0.0}, "layer_norm_rms_epsilon must be a positive number"),
+        ({"llama.rope.freq_base": -1.0}, "llama.rope.freq_base must be a positive number"),
+        ({"llama.attention.value_length": 8, "llama.attention.key_length": 4}, "value_length differs"),
+        ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+          "llama.rope.scaling.original_context_length": 8}, "llama.rope.scaling.type 'yarn' is not supported"),
+        ({"llama.rope.scaling.type": "longrope"}, "'longrope' is not supported"),
+        ({"llama.expert_count": 8}, "llama.expert_count = 8"),
+        ({"llama.attn_logit_softcapping": 50.0}, "llama.attn_logit_softcapping = 50.0"),
+        ({"llama.logit_scale": 0.5}, "llama.logit_scale = 0.5"),
+        ({"llama.attention.causal": False}, "llama.attention.causal = False"),
+    ],
+)  # fmt: skip
+def test_bad_metadata_is_one_line_before_writing(tmp_path, metadata, says):
+    path = tiny_gguf(tmp_path / "bad.gguf", metadata)
+    with pytest.raises(ConfigError) as info:
+        convert_gguf(path, tmp_path / "out", progress=False)
+    assert says in str(info.value) and "\n" not in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("shapes", "says"),
+    [
+        ({"blk.0.attn_q.weight": (6, D)}, "q_proj.weight has shape [6, 8], but the llama.* metadata"),
+        ({"blk.0.attn_k.weight": (3, D)}, "k_proj.weight has shape [3, 8]"),
+        ({"blk.0.ffn_up.weight": (FF, D + 1)}, "up_proj.weight has shape [16, 9]"),
+    ],
+)
+def test_tensor_shape_that_does_not_fit_the_heads_is_one_line(tmp_path, monkeypatch, shapes, says):
+    """Checked from the GGUF header, before dequantizing (un-permuting such a Q used to crash in reshape)."""
+    monkeypatch.setattr(gguf_convert, "_dequantize", lambda tensor: pytest.fail("dequantized before the check"))
+    with pytest.raises(WeightsError) as info:
+        convert_gguf(tiny_gguf(tmp_path / "bad.gguf", shapes=shapes), tmp_path / "out", progress=False)
+    assert says in str(info.value) and "\n" not in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def _disk_full(tensors, path, metadata=None):
+    """What safetensors does when the disk fills: part of the file written, then its own error."""
+    with open(path, "wb") as f:
+        f.write(b"\0" * 1000)
+    raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+                          'left on device" })')
+
+
+def test_full_disk_while_converting_is_one_line_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(gguf_convert, "save_file", _disk_full)
+    with pytest.raises(OutputPathError) as info:
+        convert_gguf(tiny_gguf(tmp_path / "tiny.gguf"), tmp_path / "out", progress=False)
+    message = str(info.value)
+    assert "No space left on device" in message and "free some disk space" in message and "\n" not in message
+    assert str(tmp_path / "out" / "model.safetensors") in message
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []  # no .partial, no config.json
+
+
+def test_full_disk_while_converting_into_the_weights_folder_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(gguf_convert, "save_file", _disk_full)
+    root = tmp_path / "weights"
+    with pytest.raises(OutputPathError):
+        weights.resolve_model(tiny_gguf(tmp_path / "tiny.gguf"), root, progress=False)
+    assert sorted(p.name for p in root.iterdir()) == ["_downloads"]
+    assert [p.name for p in (root / "_downloads").iterdir()] == ["tiny.lock"]  # the lock file stays, empty
+    assert weights.list_models(root) == []
+
+
+# Each process converts the same GGUF into the same empty weights folder, then prints the greedy
+# next tokens of a fixed prompt. They start converting together (a barrier of files in argv[3]),
+# and dequantizing is slowed, so without a lock both would be writing the same folder at once.
+CONVERT_AND_ANSWER = textwrap.dedent("""
+    import os, sys, time
+    import torch
+    from minillm import gguf_convert, load_model
+    dequantize = gguf_convert._dequantize
+    gguf_convert._dequantize = lambda tensor: (time.sleep(0.2), dequantize(tensor))[1]
+    open(os.path.join(sys.argv[3], str(os.getpid())), "w").close()
+    while len(os.listdir(sys.argv[3])) < 2:
+        time.sleep(0.01)
+    model = load_model(sys.argv[1], device="cpu", weights_dir=sys.argv[2])
+    print(model(torch.tensor([[0, 2, 3, 4]])).argmax(-1).tolist(), model.source)
+""")
+
+
+def test_two_processes_convert_into_one_empty_weights_folder(tmp_path):
+    gguf_file, root, barrier = tiny_gguf(tmp_path / "tiny.gguf"), tmp_path / "weights", tmp_path / "barrier"
+    barrier.mkdir()
+    runs = [subprocess.Popen([sys.executable, "-c", CONVERT_AND_ANSWER, str(gguf_file), str(root), str(barrier)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [run.communicate(timeout=300) for run in runs]
+    for run, (out, err) in zip(runs, outputs):
+        assert run.returncode == 0, err
+    expected = load_model(root / "tiny", device="cpu")(torch.tensor([[0, 2, 3, 4]])).argmax(-1).tolist()
+    assert [out for out, _ in outputs] == [f"{expected} {root / 'tiny'}\n"] * 2
+    assert sorted(p.name for p in root.iterdir()) == ["_downloads", "tiny"]
+    assert sorted(p.name for p in (root / "tiny").iterdir()) == [
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert [p.name for p in (root / "_downloads").iterdir()] == ["tiny.lock"]
