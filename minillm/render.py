@@ -1,4 +1,5 @@
-"""Rendering a :class:`~minillm.trace.Trace`: rich panels and tables for the terminal, HTML for notebooks.
+"""Rendering a :class:`~minillm.trace.Trace`: rich panels and tables for the terminal
+(the notebook view is :mod:`minillm.render_html`).
 
     prompt panel     the prompt's tokens, boundaries shown (colours, or "·" in plain text)
     prefill panel    tokens, positions, K/V written, cache, time, FLOPs, bytes, intensity
@@ -13,8 +14,6 @@ renderables; only :func:`print_trace` prints (to the console it is given).
 """
 
 from __future__ import annotations
-
-import html
 
 from rich import box
 from rich.console import Console, Group
@@ -213,46 +212,6 @@ def _why_not(phase: str, r: dict, expected: str) -> str:
     return f"Textbook {phase} is {expected}. Not here, {1 / r['roofline_fraction']:.1f}x its floor: {why}."
 
 
-# -- HTML (notebooks) --------------------------------------------------------------------------
-
-
-def trace_html(trace: Trace) -> str:
-    """The trace as HTML: summary, prefill, and the steps table."""
-    parts = [f"<b>Trace</b> (level {html.escape(trace.level)}, {len(trace.events)} events)"]
-    m = trace.metrics
-    if m is not None:
-        rows = [("TTFT", f"{m['ttft_ms']:.1f} ms"),
-                ("TPOT", f"{m['tpot_ms']:.1f} ms" if m["tpot_ms"] is not None else "n/a"),
-                ("end-to-end", f"{m['e2e_ms']:.1f} ms"),
-                ("throughput", f"{m['output_throughput_tok_s']:.1f} tok/s"),
-                ("tokens", f"{m['n_prompt_tokens']} prompt, {m['n_output_tokens']} output")]
-        rows += [(f"{phase} bound", f"{r['bound']}: {r['explanation']}") for phase, r in trace.rooflines.items()]
-        parts.append(_html_table(["", ""], rows))
-    e = trace.prefill
-    if e is not None:
-        parts.append(_html_table(["prefill", ""], [
-            ("tokens", f"{e['n_tokens']} (positions {e['position_first']}..{e['position_last']})"),
-            ("K/V written", f"{_shape(e['kv_written_shape'])} per layer = {fmt_bytes(e['kv_written_bytes'])}"),
-            ("time", f"{e['time_ms']:.1f} ms"),
-            ("work", f"{e['flops'] / 1e9:.3g} GFLOP, {e['bytes'] / 1e6:.4g} MB, "
-                     f"{e['arithmetic_intensity_flop_per_byte']:.3g} FLOP/byte"),
-        ]))
-    rows = [(str(n), str(e["next_token_id"]), _quoted(e.get("next_token_text", "")), _candidates(e),
-             str(e["cache_length_after"]), fmt_bytes(e["kv_bytes"]), f"{e['time_ms']:.1f}",
-             _rate(e["attained_bytes_per_s"], 1e9))
-            for n, e in enumerate((e for e in trace.steps if "next_token_id" in e), start=1)]
-    if rows:
-        parts.append(_html_table(["#", "id", "token", "top-5", "cache", "KV", "ms", "GB/s"], rows))
-    return "<br>".join(parts)
-
-
-def _html_table(header: list[str], rows) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td style='text-align:left'>{html.escape(str(c))}</td>" for c in row)
-                   + "</tr>" for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
-
-
 # -- formatting ---------------------------------------------------------------------------------
 
 
@@ -351,5 +310,5 @@ def _n_layers(trace: Trace) -> int:
 
 __all__ = [
     "layers_table", "prefill_panel", "print_trace", "prompt_panel", "roofline_panel", "steps_panel",
-    "summary_panel", "trace_html", "visible",
+    "summary_panel", "visible",
 ]

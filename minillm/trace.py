@@ -81,6 +81,8 @@ from pathlib import Path
 
 import torch
 
+from .units import fmt_num
+
 SCHEMA_VERSION = 1
 LEVELS = ("steps", "layers")
 PASS_KINDS = ("prefill", "decode")
@@ -396,7 +398,7 @@ class Trace:
                 f"decode={len(self.decode_steps)}{summary})")
 
     def _repr_html_(self) -> str:
-        from .render import trace_html
+        from .render_html import trace_html
 
         return trace_html(self)
 
@@ -579,5 +581,5 @@ def _sync(device: torch.device) -> None:
 
 
 def _short(value, limit: int = 80) -> str:
-    text = f"{value:.4g}" if isinstance(value, float) else str(value)
+    text = fmt_num(value, 4) if isinstance(value, float) else str(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -282,7 +282,8 @@ def test_html_and_repr(model):
     trace = Trace()
     run(model, trace, max_new_tokens=3)
     page = trace._repr_html_()
-    assert "TTFT" in page and "<table>" in page
+    assert "TTFT" in page and page.count("class='minillm-step'") == 3
+    assert not any(tag in page for tag in ("<script", "<style", "<link", "http"))  # self-contained, sanitiser-safe
     assert "next_token_id" in trace.prefill._repr_html_()
     assert "<table>" in trace.decode_steps._repr_html_()
     assert repr(trace).startswith("Trace(level='steps'") and "decode=2" in repr(trace)
