@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import time
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Callable
@@ -22,10 +23,12 @@ import torch
 from minillm.block_hash import hash_block
 from minillm.costs import (PhaseCost, attention_flops, attention_params, decode_cost, flops_per_token,
                            kv_bytes_per_token, lm_head_params, mlp_params, weights_bytes)
+from minillm.generate import GenerationStep
 from minillm.hardware import OVERHEAD_FACTOR, Roofline
 from minillm.kv_cache import KVCache
 from minillm.metrics import RequestMetrics, percentile
 from minillm.model import causal_mask
+from minillm.phases import decode_step, prefill
 from minillm.rope import RotaryEmbedding
 from minillm.sampling import filter_logits, sample
 
@@ -784,3 +787,74 @@ def goodput_without_the_duration(metrics_list, duration_s, ttft_ms=None, tpot_ms
     if not metrics_list or duration_s <= 0:
         raise ValueError("no requests or duration_s <= 0")
     return float(sum(_meets(m, ttft_ms, tpot_ms) for m in metrics_list))  # MISTAKE: / duration_s
+
+
+# -- ex14 the generate loop ------------------------------------------------------------------------
+
+
+def _generate(model, prompt_ids, params, cache, eos_token_ids, decode_last=False, yield_eos=True, stop_ids=True,
+              check_room=True, first_phase="prefill", seeded=True, max_tokens=None):
+    """The reference loop with its decisions exchangeable (the mistakes below make wrong ones)."""
+    generator = params.make_generator(cache.k.device) if seeded else None
+    logits = prefill(model, prompt_ids, cache)
+    phase = first_phase
+    for n in range(1, (max_tokens or params.max_new_tokens) + 1):
+        token, logprob = sample(logits, params, generator)
+        token_id = token.item()
+        reason = ("eos" if token_id in eos_token_ids else
+                  "stop" if stop_ids and token_id in params.stop_token_ids else
+                  "length" if n >= (max_tokens or params.max_new_tokens) else
+                  "cache_full" if check_room and cache.length >= cache.max_seq_len else None)
+        if reason == "eos" and not yield_eos:
+            return
+        step = GenerationStep(token_id, logprob.item(), phase, cache.length, time.perf_counter(), reason,
+                              prefill_tokens=len(prompt_ids))
+        if reason and decode_last:
+            decode_step(model, token, cache)
+        yield step
+        if reason:
+            return
+        logits = decode_step(model, token, cache)
+        phase = "decode"
+
+
+@mistake("ex14", "generate")
+def generate_decodes_the_last_token(model, prompt_ids, params, cache, eos_token_ids):
+    """Runs decode_step on the last token too: a wasted pass, and a full cache raises CacheFullError."""
+    return _generate(model, prompt_ids, params, cache, eos_token_ids, decode_last=True)  # MISTAKE
+
+
+@mistake("ex14", "generate")
+def generate_swallows_the_eos_token(model, prompt_ids, params, cache, eos_token_ids):
+    """Stops on EOS without yielding it: the caller never sees finish_reason 'eos'."""
+    return _generate(model, prompt_ids, params, cache, eos_token_ids, yield_eos=False)  # MISTAKE
+
+
+@mistake("ex14", "generate")
+def generate_ignores_stop_token_ids(model, prompt_ids, params, cache, eos_token_ids):
+    """Only EOS ids end generation; params.stop_token_ids are never looked at."""
+    return _generate(model, prompt_ids, params, cache, eos_token_ids, stop_ids=False)  # MISTAKE
+
+
+@mistake("ex14", "generate")
+def generate_never_checks_the_cache(model, prompt_ids, params, cache, eos_token_ids):
+    """No 'cache_full' stop: decode_step raises CacheFullError once the cache is full."""
+    return _generate(model, prompt_ids, params, cache, eos_token_ids, check_room=False)  # MISTAKE
+
+
+@mistake("ex14", "generate")
+def generate_first_step_labelled_decode(model, prompt_ids, params, cache, eos_token_ids):
+    """Every step says phase 'decode', the first one too (it comes from the prefill's logits)."""
+    return _generate(model, prompt_ids, params, cache, eos_token_ids, first_phase="decode")  # MISTAKE
+
+
+@mistake("ex14", "generate")
+def generate_samples_without_the_seeded_generator(model, prompt_ids, params, cache, eos_token_ids):
+    """Calls sample(logits, params) without the generator: a seed no longer repeats a run."""
+    return _generate(model, prompt_ids, params, cache, eos_token_ids, seeded=False)  # MISTAKE
+
+
+@mistake("ex14", "generate")
+def generate_one_token_too_many(model, prompt_ids, params, cache, eos_token_ids):
+    """Loops to max_new_tokens + 1 (range(max_new_tokens + 1) counted from 0)."""
+    return _generate(model, prompt_ids, params, cache, eos_token_ids, max_tokens=params.max_new_tokens + 1)  # MISTAKE

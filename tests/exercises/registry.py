@@ -91,6 +91,9 @@ EXERCISES = {ex.id: ex for ex in [
     Exercise("ex13", "percentiles, SLOs, goodput", "ex13_serving_metrics", "lessons/06-metrics.md#percentiles",
              {"percentile": "minillm.metrics", "slo_attainment": "minillm.metrics", "goodput": "minillm.metrics"},
              ("percentile", "slo_attainment", "goodput")),
+    # minillm's generate also runs a prefix cache, a trace and stop strings: the reference is the loop alone
+    Exercise("ex14", "the generate loop", "ex14_generate", "lessons/02-prefill-and-decode.md#the-two-phases-at-a-glance",
+             {"generate": "exercises.solutions"}, ("generate",)),
 ]}
 
 
