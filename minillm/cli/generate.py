@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
+from ..units import fmt_bytes
 from .common import UsageError, check_out_file, ensure_model, model_options
 
 
@@ -195,7 +196,7 @@ def _cached_prompt_panel(trace, prefix_cache):
     title = (f"Prompt: {len(pieces)} tokens, {cached} from the prefix cache ({cached // B} blocks of {B}), "
              f"{len(pieces) - cached} prefilled")
     st = prefix_cache.stats
-    subtitle = (f"prefix cache: {st.blocks} blocks, {st.bytes / 2**20:.1f} MiB, hit rate {100 * st.hit_rate:.1f}% "
+    subtitle = (f"prefix cache: {st.blocks} blocks, {fmt_bytes(st.bytes)}, hit rate {100 * st.hit_rate:.1f}% "
                 f"over {st.requests} requests, {st.evictions} evictions")
     return Panel(text, title=title, title_align="left", subtitle=subtitle)
 

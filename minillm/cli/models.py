@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .. import weights
+from ..units import fmt_bytes
 from .common import check_out_dir, ensure_model
 
 
@@ -56,7 +57,7 @@ def run_info(args) -> int:
         ("positions", f"RoPE theta={c.rope_theta:g}" if c.uses_rope else "learned"),
         ("tied embeddings", c.tie_word_embeddings),
         ("parameters", f"{model.num_parameters():,}"),
-        ("weights bytes", f"{model.weights_bytes():,} ({model.weights_bytes() / 2**20:.1f} MiB)"),
+        ("weights bytes", f"{model.weights_bytes():,} ({fmt_bytes(model.weights_bytes())})"),
         ("KV bytes per token", f"{c.kv_bytes_per_token(dtype_bytes):,} (2 x {c.n_layers} x {c.n_kv_heads} x "
                                f"{c.head_dim} x {dtype_bytes})"),
     ]
@@ -79,8 +80,8 @@ def _gguf_source_table(model_name: str, weights_dir, folder, tied: bool):
         return None
     float32_bytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     table = Table("GGUF type", "tensors", "parameters", "which", title=(
-        f"converted from {gguf_path.name} ({gguf_path.stat().st_size / 1e6:.1f} MB), "
-        f"dequantised to float32 ({float32_bytes / 1e6:.0f} MB)"), caption=(
+        f"converted from {gguf_path.name} ({fmt_bytes(gguf_path.stat().st_size)}), "
+        f"dequantised to float32 ({fmt_bytes(float32_bytes)})"), caption=(
         "The float32 file is bigger but holds only the quantised model's information: its logits equal "
         "transformers loading this GGUF, not the original bf16 checkpoint's."))
     for t in weights.gguf_tensor_types(gguf_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..units import fmt_bytes
 from .common import UsageError, check_out_file, ensure_model, model_options
 
 
@@ -23,7 +24,6 @@ def run_prefix_demo_cmd(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from ..kv_cache import _fmt_bytes
     from ..loading import load_model
     from ..prefix_demo import plot_prefix_demo, run_prefix_demo
     from ..tokenizer import load_tokenizer
@@ -41,12 +41,12 @@ def run_prefix_demo_cmd(args) -> int:
     for r in result.rows:
         table.add_row(str(r.request), str(r.prompt_tokens), str(r.cached_tokens), str(r.prefill_tokens),
                       f"{r.ttft_no_cache_ms:.0f}", f"{r.ttft_cache_ms:.0f}", f"x{r.speedup:.1f}",
-                      _fmt_bytes(r.kv_bytes_saved), f"{100 * r.hit_rate:.1f}%", "yes" if r.same_output else "NO")
+                      fmt_bytes(r.kv_bytes_saved), f"{100 * r.hit_rate:.1f}%", "yes" if r.same_output else "NO")
     console = Console()
     console.print(table)
     s = result.stats
     console.print(f"warm requests: TTFT x{result.warm_speedup:.1f} faster | cache: {s.blocks} blocks, "
-                  f"{_fmt_bytes(s.bytes)}, hit rate {100 * s.hit_rate:.1f}% ({s.hit_tokens}/{s.query_tokens} "
+                  f"{fmt_bytes(s.bytes)}, hit rate {100 * s.hit_rate:.1f}% ({s.hit_tokens}/{s.query_tokens} "
                   f"tokens), {s.evictions} evictions")
     if args.plot:
         console.print(f"wrote {plot_prefix_demo(result, args.plot)}")

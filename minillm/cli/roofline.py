@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from ..units import fmt_bytes, fmt_num
 from .common import UsageError
 
 
@@ -74,14 +75,14 @@ def run_whatif(args) -> int:
     rows = [
         ("hardware", str(hw)),
         ("request", f"{w.prompt_tokens} prompt + {w.output_tokens} output tokens"),
-        ("weights bytes", f"{w.weights_bytes:,} ({w.weights_bytes / 1e9:.2f} GB)"),
-        ("KV bytes per token", f"{w.kv_bytes_per_token:,}"),
-        ("KV bytes per request", f"{w.kv_bytes_per_request:,} ({w.kv_bytes_per_request / 1e9:.3f} GB)"),
-        ("memory needed", f"{w.memory_bytes_needed / 1e9:.2f} GB ({fits})"),
-        ("prefill", f"{w.prefill.flops / 1e12:.3g} TFLOP, {w.prefill.bytes / 1e9:.3g} GB, "
-                    f"{w.prefill.arithmetic_intensity:.3g} FLOP/byte: {w.prefill_bound}"),
+        ("weights bytes", f"{w.weights_bytes:,} ({fmt_bytes(w.weights_bytes)})"),
+        ("KV bytes per token", f"{w.kv_bytes_per_token:,} ({fmt_bytes(w.kv_bytes_per_token)})"),
+        ("KV bytes per request", f"{w.kv_bytes_per_request:,} ({fmt_bytes(w.kv_bytes_per_request)})"),
+        ("memory needed", f"{fmt_bytes(w.memory_bytes_needed)} ({fits})"),
+        ("prefill", f"{fmt_num(w.prefill.flops / 1e12)} TFLOP, {fmt_bytes(w.prefill.bytes)}, "
+                    f"{fmt_num(w.prefill.arithmetic_intensity)} FLOP/byte: {w.prefill_bound}"),
         ("TTFT", f"{w.ttft_ms:.2f} ms"),
-        ("decode", f"{w.decode_first.arithmetic_intensity:.3g} FLOP/byte: {w.decode_bound}"
+        ("decode", f"{fmt_num(w.decode_first.arithmetic_intensity)} FLOP/byte: {w.decode_bound}"
                    if w.decode_first else na),
         ("TPOT", f"{w.tpot_ms:.3f} ms ({w.output_throughput_tok_s:,.0f} tok/s)" if w.tpot_ms else na),
         ("e2e", f"{w.e2e_ms:.1f} ms"),
