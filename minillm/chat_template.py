@@ -56,6 +56,10 @@ def normalize_messages(messages) -> list[dict]:
     parts (OpenAI's ``[{"type": "text", "text": ...}]``) or a dict (a tool's JSON result);
     only an assistant message carrying "tool_calls" may omit it.
 
+    A message's reasoning, under any of the names in use (``reasoning_content``, ``thinking``,
+    ``reasoning``), is also put under the first two, as transformers does: Qwen3-style templates
+    read ``reasoning_content``, gpt-oss's reads ``thinking``.
+
     Raises ValueError naming the first bad message.
     """
     if not isinstance(messages, (list, tuple)) or not messages:
@@ -76,8 +80,15 @@ def normalize_messages(messages) -> list[dict]:
                 f"message {i} 'content' must be a string or a list of parts like "
                 f"[{{'type': 'text', 'text': ...}}], got {content!r:.80}"
             )
+        reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         normalized.append(message)
     return normalized
+
+
+# Names a message's reasoning is passed under; templates read the first two (transformers' order).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def render_chat_template(

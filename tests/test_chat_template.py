@@ -45,6 +45,12 @@ PARTS_CHAT = [
     {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
     {"role": "user", "content": "And here?"},
 ]
+REASONING_CHAT = [
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4", "reasoning": "Two and two make four."},
+    {"role": "user", "content": "3+3?"},
+    {"role": "assistant", "content": "6", "thinking": "Three and three."},
+]
 
 # (template file, messages, keyword arguments of apply_chat_template, tokenizer_config changes)
 CASES = {
@@ -61,6 +67,7 @@ CASES = {
         "bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": False, "normalized": False, "rstrip": False, "special": True}}),
     "parts-namespace-generation": ("parts", PARTS_CHAT, {}, {}),
     "parts-extra-kwarg": ("parts", PARTS_CHAT[:1], {"enable_thinking": False}, {}),
+    "reasoning-aliases": ("reasoning", REASONING_CHAT, {}, {}),
 }  # fmt: skip
 
 
