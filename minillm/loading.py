@@ -19,7 +19,6 @@ GPT-2's Conv1D stores weights as [in, out], the transpose of ``nn.Linear``'s [ou
 
 from __future__ import annotations
 
-import json
 import re
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +30,7 @@ from .config import ModelConfig
 from .errors import ModelNotFoundError, WeightsError
 from .generation_config import GenerationConfig
 from .model import Transformer
+from .weights import shard_names
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Buffers some checkpoints carry that are not weights (causal masks, RoPE tables): recomputed, so skipped.
@@ -118,7 +118,7 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint folder: model.safetensors, or the shards its index lists."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = shard_names(index)
     elif (folder / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:

