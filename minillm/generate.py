@@ -92,7 +92,8 @@ def generate(
             ``cached_tokens`` and ``prefill_tokens``.
         trace: a :class:`~minillm.trace.Trace` to record the prefill, each decode step
             (with the top next-token candidates and how the token was chosen) and, with
-            the last token, the request's metrics. None (default): nothing is recorded.
+            the last token, the request's metrics (and, given a tokenizer, the "detokenize"
+            event). None (default): nothing is recorded.
         tokenizer: a :class:`~minillm.tokenizer.Tokenizer`; each step then carries its
             ``text``. Needed for ``params.stop`` (stop strings are matched on text).
 
@@ -137,6 +138,8 @@ def generate(
                 trace.record_sample(logits, token_id, params, now, reason)
                 if reason:
                     trace.record_metrics(len(prompt_ids), reason)
+                if reason and text:
+                    trace.record("detokenize", time_ms=text.time_s * 1e3, n_tokens=n, text=text.text)
             yield GenerationStep(token_id, logprob.item(), phase, cache.length, now, reason,
                                  cached_tokens=cached, prefill_tokens=len(prompt_ids) - cached,
                                  text=piece, stop_reason=stop_reason)
@@ -200,13 +203,16 @@ def _finish_reason(token_id: int, n_generated: int, eos: set, params: SamplingPa
 
 
 class _TextStream:
-    """Token ids -> the text each adds: UTF-8-safe streaming decode, then stop-string hold-back."""
+    """Token ids -> the text each adds: UTF-8-safe streaming decode, then stop-string hold-back.
+    Keeps the text shown so far and the seconds spent (a trace's "detokenize" event)."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...]):
         from .tokenizer import StreamDecoder
 
         self.decoder = StreamDecoder(tokenizer)
         self.stop = StopStringMatcher(stop)
+        self.text = ""
+        self.time_s = 0.0
 
     @property
     def matched(self) -> str | None:
@@ -214,9 +220,12 @@ class _TextStream:
 
     def push(self, token_id: int, last: bool) -> str:
         """The text ``token_id`` releases; ``last``: generation ends here, so release everything."""
+        start = time.perf_counter()
         piece = self.stop.push(self.decoder.push(token_id))
         if last and self.matched is None:
             piece += self.stop.push(self.decoder.flush())
         if last and self.matched is None:
             piece += self.stop.flush()
+        self.text += piece
+        self.time_s += time.perf_counter() - start
         return piece

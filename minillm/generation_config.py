@@ -84,7 +84,7 @@ class GenerationConfig:
                 if knob not in defaults:
                     defaults[knob], sources[knob] = value, "transformers default with do_sample"
         else:
-            defaults["temperature"], sources["temperature"] = 0.0, f"{FILE} (greedy: do_sample is not true)"
+            defaults["temperature"], sources["temperature"] = 0.0, f"{FILE} (greedy)"  # do_sample absent or false
         try:
             SamplingParams(**defaults)
         except ValueError as e:

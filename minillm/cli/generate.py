@@ -14,11 +14,7 @@ def add_generate(sub) -> None:
     p.add_argument("prompt", nargs="*", help="the prompt; '-' or omitted reads stdin; several prompts "
                                               "run one after another (sharing a --prefix-cache)")
     model_options(p)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--seed", type=int)
+    _sampling_options(p)
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="wrap the prompt in the model's chat template (default when it has one)")
@@ -37,12 +33,35 @@ def add_generate(sub) -> None:
     p.set_defaults(run=run_generate)
 
 
+def _sampling_options(p) -> None:
+    """The SamplingParams knobs (vLLM's names). Unset ones take the checkpoint's
+    generation_config.json default, else minillm's (see 'minillm info')."""
+    g = p.add_argument_group("sampling and stopping (default: the model's generation_config.json, else the value shown)")
+    g.add_argument("--max-new-tokens", type=int, help="most tokens to generate (256)")
+    g.add_argument("--temperature", type=float, help="0 = greedy (0)")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, help="keep the smallest set reaching this probability mass (1 = off)")
+    g.add_argument("--min-p", type=float, help="keep tokens with at least this fraction of the top probability (0 = off)")
+    g.add_argument("--repetition-penalty", type=float,
+                   help="> 1 discourages tokens of the prompt and output: logit / p if positive, * p if not (1 = off)")
+    g.add_argument("--presence-penalty", type=float, help="subtracted from the logit of each output token so far (0)")
+    g.add_argument("--frequency-penalty", type=float, help="subtracted once per occurrence in the output so far (0)")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", metavar="TEXT",
+                   help="end the answer before this text (never printed); repeat for several")
+
+
+_SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                   "presence_penalty", "frequency_penalty", "seed", "stop")
+_SAMPLE_ONLY_FLAGS = ("top_k", "top_p", "min_p", "seed")  # no effect on greedy decoding
+
+
 def run_generate(args) -> int:
     from ..loading import load_model
     from ..prefix_cache import PrefixCache
     from ..tokenizer import load_tokenizer
 
-    params = _sampling_params(args)
+    _sampling_params(args)  # bad values are usage errors before the model loads
     prompts = [_read_prompt(p) for p in args.prompt] or [_read_prompt(None)]
     if args.block_size < 1:
         raise UsageError(f"--block-size must be >= 1, got {args.block_size}")
@@ -51,6 +70,7 @@ def run_generate(args) -> int:
     folder = ensure_model(args.model, args.weights_dir)
     model = load_model(folder, device=args.device, dtype=args.dtype)
     tokenizer = load_tokenizer(folder)
+    params = _sampling_params(args, model.generation_config)
     prefix_cache = PrefixCache(model, block_size=args.block_size) if args.prefix_cache else None
     for prompt in prompts:  # one request after another; with --prefix-cache they share cached prefixes
         if args.trace or args.trace_out or args.plots:
@@ -63,29 +83,41 @@ def run_generate(args) -> int:
 def _generate_one(args, model, tokenizer, prompt: str, params, prefix_cache) -> None:
     """One request: the answer streamed to stdout, the summary line to stderr."""
     from ..generate import generate
-    from ..tokenizer import StreamDecoder
 
     start = time.perf_counter()
     prompt_ids = _encode_prompt(tokenizer, prompt, args.chat, args.system)
-    eos = tokenizer.eos_token_ids | set(model.config.eos_token_ids)
-    stream = StreamDecoder(tokenizer)
     steps = []
-    for step in generate(model, prompt_ids, params, eos_token_ids=eos, prefix_cache=prefix_cache):
+    for step in generate(model, prompt_ids, params, eos_token_ids=_eos_ids(model, tokenizer),
+                         prefix_cache=prefix_cache, tokenizer=tokenizer):
         steps.append(step)
-        print(stream.push(step.token_id), end="", flush=True)
-    print(stream.flush())
+        print(step.text, end="", flush=True)  # stop strings held back and never printed
+    print()
     print(_summary(len(prompt_ids), steps, start), file=sys.stderr)
 
 
-def _sampling_params(args):
-    from ..sampling import SamplingParams
+def _sampling_params(args, generation_config=None):
+    """The flags the user set over the checkpoint's defaults; warns (stderr, one line) about
+    sampling flags that greedy decoding ignores, as transformers does."""
+    from ..generation_config import GenerationConfig
 
+    user_set = {name: getattr(args, name, None) for name in _SAMPLING_FLAGS}  # a command may have only some flags
+    user_set = {name: value for name, value in user_set.items() if value is not None}
     try:
-        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              seed=args.seed, max_new_tokens=args.max_new_tokens)
+        params = (generation_config or GenerationConfig()).sampling_params(**user_set)
     except ValueError as e:  # "top_p must be ..." -> "--top-p must be ...": name the flag the user typed
         name, rest = str(e).split(" ", 1)
         raise UsageError(f"--{name.replace('_', '-')} {rest}") from None
+    ignored = [f"--{name.replace('_', '-')}" for name in _SAMPLE_ONLY_FLAGS if name in user_set]
+    if generation_config is not None and params.greedy and ignored:
+        print(f"minillm: warning: {', '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect: "
+              f"temperature {params.temperature:g} is greedy decoding; set --temperature > 0 to sample",
+              file=sys.stderr)
+    return params
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    """The tokenizer's EOS and the checkpoint's (generation_config.json's, else config.json's)."""
+    return tokenizer.eos_token_ids | set(model.generation_config.eos_token_ids)
 
 
 def _read_prompt(prompt: str | None) -> str:
@@ -124,7 +156,6 @@ def run_generate_traced(args, model, tokenizer, prompt: str, params, prefix_cach
     from ..hardware import get_hardware
     from ..render import print_trace, prompt_panel
     from ..sweep import warm_up
-    from ..tokenizer import StreamDecoder
     from ..trace import Trace
 
     param = next(model.parameters())
@@ -139,16 +170,11 @@ def run_generate_traced(args, model, tokenizer, prompt: str, params, prefix_cach
     event.update(n_tokens=len(prompt_ids), token_ids=prompt_ids, token_strings=tokenizer.token_strings(prompt_ids))
     if args.trace and prefix_cache is None:  # with a prefix cache: shown after, with the cached tokens marked
         console.print(prompt_panel(trace, plain=console.color_system is None))
-    eos = tokenizer.eos_token_ids | set(model.config.eos_token_ids)
-    stream, steps, pieces, detok_s = StreamDecoder(tokenizer), [], [], 0.0
-    for step in generate(model, prompt_ids, params, eos_token_ids=eos, trace=trace, prefix_cache=prefix_cache):
+    steps = []
+    for step in generate(model, prompt_ids, params, eos_token_ids=_eos_ids(model, tokenizer), trace=trace,
+                         prefix_cache=prefix_cache, tokenizer=tokenizer):  # records "detokenize" at the end
         steps.append(step)
-        t = time.perf_counter()
-        pieces.append(stream.push(step.token_id) + (stream.flush() if step.finish_reason else ""))
-        detok_s += time.perf_counter() - t
-        print(pieces[-1], end="", flush=True)
-        if step.finish_reason:
-            trace.record("detokenize", time_ms=detok_s * 1e3, n_tokens=len(steps), text="".join(pieces))
+        print(step.text, end="", flush=True)
     print()
     if args.trace_out:
         trace.to_jsonl(args.trace_out)

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from .. import weights
 from ..units import fmt_bytes
-from .common import check_out_dir, ensure_model
+from .common import check_out_dir, chosen_model, ensure_model, model_argument
 
 
 def add_download(sub) -> None:
     p = sub.add_parser("download", help="fetch a model into the weights directory")
-    p.add_argument("name", nargs="?", default=weights.DEFAULT_MODEL,
-                   help=f"{weights.DEFAULT_MODEL} or a Hugging Face repo id such as gpt2")
-    p.add_argument("--weights-dir")
-    p.add_argument("--debug", action="store_true")
-    p.set_defaults(run=lambda args: print(weights.download(args.name, args.weights_dir)))
+    model_argument(p, f"{weights.DEFAULT_MODEL} or a Hugging Face repo id such as gpt2")
+    p.add_argument("--weights-dir", help="where models are stored (default: $MINILLM_WEIGHTS, ./weights, "
+                                         "~/.cache/minillm)")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    p.set_defaults(run=lambda args: print(weights.download(chosen_model(args), args.weights_dir)))
 
 
 def add_convert(sub) -> None:
@@ -33,10 +33,12 @@ def add_convert(sub) -> None:
 
 def add_info(sub) -> None:
     p = sub.add_parser("info", help="show a model's config, parameter count and memory")
-    p.add_argument("model", nargs="?", default=weights.DEFAULT_MODEL)
-    p.add_argument("--weights-dir")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--debug", action="store_true")
+    model_argument(p, "model name, hub repo id, folder or .gguf file")
+    p.add_argument("--weights-dir", help="where models are stored (default: $MINILLM_WEIGHTS, ./weights, "
+                                         "~/.cache/minillm)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="the dtype the bytes are counted in")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     p.set_defaults(run=run_info)
 
 
@@ -46,6 +48,7 @@ def run_info(args) -> int:
 
     from ..loading import load_model
 
+    args.model = chosen_model(args)
     model = load_model(ensure_model(args.model, args.weights_dir), device="cpu", dtype=args.dtype)
     c = model.config
     dtype_bytes = next(model.parameters()).element_size()
@@ -67,7 +70,20 @@ def run_info(args) -> int:
     folder = ensure_model(args.model, args.weights_dir)
     if gguf_table := _gguf_source_table(args.model, args.weights_dir, folder, c.tie_word_embeddings):
         Console().print(gguf_table)
+    Console().print(_generation_table(model.generation_config))
     return 0
+
+
+def _generation_table(generation_config):
+    """The stop ids and sampling defaults 'minillm generate' starts from, and where each came from."""
+    from rich.table import Table
+
+    table = Table("setting", "value", "from", title="generation defaults (flags override them)")
+    for name, value, source in generation_config.describe():
+        table.add_row(name, str(value), source)
+    if generation_config.ignored:
+        table.add_row("not used by minillm", ", ".join(generation_config.ignored), "generation_config.json")
+    return table
 
 
 def _gguf_source_table(model_name: str, weights_dir, folder, tied: bool):
