@@ -248,11 +248,12 @@ class StreamDecoder:
 
     One character can span several tokens (an emoji is 4 UTF-8 bytes, often 2-4
     byte-level tokens), so text is held back while it ends in U+FFFD. A byte-fallback
-    tokenizer (``<0xE6><0x97><0xA5>`` for "日") is held back while the last token is a
-    byte token: its decoder turns a whole run of byte tokens into text at once, and one
-    invalid byte in the run makes every byte of it U+FFFD (``tokenizers``' ByteFallback, as
-    transformers decodes), so the run's text is known only once a non-byte token ends it. Each push
-    decodes only a short window (the vLLM / TGI "prefix offset, read offset" scheme),
+    tokenizer (``<0xE6><0x97><0xA5>`` for "日") is also held back while the last token
+    shown is a byte token: its decoder turns a whole run of byte tokens into text at once,
+    and one invalid byte makes every byte of the run U+FFFD (``tokenizers``' ByteFallback,
+    as transformers decodes), so a run's text is known only once a non-byte token ends it.
+
+    Each push decodes only a short window (the vLLM / TGI "prefix offset, read offset" scheme),
     so a token costs O(1) amortised instead of re-decoding the whole sequence:
 
         ids:  t0 t1 t2 t3 | t4 t5 | t6 t7
