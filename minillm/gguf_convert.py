@@ -468,10 +468,22 @@ def _tokenizer_config(reader: gguf.GGUFReader) -> dict:
             config[name] = tokens[token_id]
     config["add_bos_token"], config["add_eos_token"] = _adds(reader, "bos"), _adds(reader, "eos")
     config["model_max_length"] = _meta(reader, "llama.context_length")
-    chat_template = _meta(reader, "tokenizer.chat_template", None)
+    chat_template = _chat_template(reader)
     if chat_template is not None:
         config["chat_template"] = chat_template
     return config
+
+
+def _chat_template(reader: gguf.GGUFReader) -> str | list[dict] | None:
+    """``tokenizer.chat_template``, or, when the file also names others (``tokenizer.chat_templates``
+    lists names like "tool_use", each in ``tokenizer.chat_template.<name>``), transformers'
+    list of ``{"name", "template"}`` with the unnamed one as "default"."""
+    default = _meta(reader, "tokenizer.chat_template", None)
+    names = _meta(reader, "tokenizer.chat_templates", [])
+    if not names:
+        return default
+    named = [{"name": "default", "template": default}] if default is not None else []
+    return named + [{"name": n, "template": _meta(reader, f"tokenizer.chat_template.{n}")} for n in names]
 
 
 # ---------------------------------------------------------------- writing

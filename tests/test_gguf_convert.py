@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 from minillm import gguf_convert
 from minillm.errors import ConfigError, ModelNotFoundError, OutputPathError
 from minillm.gguf_convert import convert_gguf, unpermute_qk
+from minillm.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -353,3 +354,19 @@ def test_smollm2_tokenizer_matches_transformers(converted_dir, smollm2_gguf):
     theirs = transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
     for text in SMOLLM2_TEXTS:
         assert ours.encode(text).ids == theirs(text).input_ids, text
+
+
+@pytest.mark.parametrize("tools", [None, [{"type": "function", "function": {"name": "f"}}]], ids=["default", "tool_use"])
+def test_named_chat_templates_survive_conversion(tmp_path, tools):
+    """llama.cpp's converter writes a model's extra templates as tokenizer.chat_template.<name>."""
+
+    def write(writer: gguf.GGUFWriter) -> None:
+        _words_tokenizer("gpt-2")(writer)
+        writer.add_chat_template([{"name": "default", "template": "plain {{ messages[0].content }}"},
+                                  {"name": "tool_use", "template": "tools {{ tools[0].function.name }}"}])  # fmt: skip
+
+    path = _tiny_llama_gguf(tmp_path / "tok.gguf", _tiny_hf_weights(len(WORDS)), write)
+    tok = load_tokenizer(convert_gguf(path, tmp_path / "out", progress=False))
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=tools) == (
+        "plain hi" if tools is None else "tools f"
+    )
