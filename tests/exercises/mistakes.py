@@ -183,6 +183,22 @@ def rope_tables_repeat_interleaved(self, positions, dtype):
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+@mistake("ex03", "RotaryEmbedding.forward")
+def rope_angles_in_low_precision(self, positions, dtype):
+    """Computes positions · inv_freq in the model's dtype: in bfloat16 the angles past ~100 are rounded."""
+    angles = positions.to(dtype)[:, None] * self.inv_freq.to(dtype)[None, :]  # MISTAKE: in float32, then cast
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@mistake("ex03", "apply_rope")
+def rope_upcasts_to_float32(x, cos, sin):
+    """Returns float32 for a bfloat16 x (mixes x with float32 tables): the model's next matmul gets the wrong dtype."""
+    x = x.float()  # MISTAKE: stay in x's dtype
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos.float() + torch.cat((-x2, x1), dim=-1) * sin.float()
+
+
 @mistake("ex03", "apply_rope")
 def rope_rotates_the_wrong_way(x, cos, sin):
     """Rotates by -angle: (x1·cos + x2·sin, x2·cos - x1·sin)."""
@@ -325,6 +341,20 @@ def decode_rope_positions_restart_at_zero(model, token_id, cache, hook=None, tra
 def decode_forgets_to_advance_cache(model, token_id, cache, hook=None, trace=None):
     """cache.length stays put: the next step overwrites this token's K/V."""
     return _forward(model, token_id.reshape(-1, 1), cache, torch.tensor([cache.length]), advance=False)  # MISTAKE
+
+
+@mistake("ex06", "prefill")
+def prefill_trusts_its_input(model, token_ids, cache, hook=None, trace=None):
+    """Right on good input, but an empty prompt, an id outside the vocabulary or a prompt longer than the
+    cache fails deep inside torch (IndexError, RuntimeError) instead of the promised ValueError/CacheFullError."""
+    T = token_ids.shape[1]
+    return _forward(model, token_ids, cache, torch.arange(cache.length, cache.length + T))  # MISTAKE: no checks
+
+
+@mistake("ex07", "decode_step")
+def decode_trusts_its_input(model, token_id, cache, hook=None, trace=None):
+    """Right on good input, but a bad id or a full cache fails inside torch instead of the promised errors."""
+    return _forward(model, token_id.reshape(-1, 1), cache, torch.tensor([cache.length]))  # MISTAKE: no checks
 
 
 # -- ex08 sampling ---------------------------------------------------------------------------------
@@ -527,6 +557,21 @@ def kv_bytes_forgets_k_and_v(config, dtype_bytes):
 def kv_bytes_uses_query_heads(config, dtype_bytes):
     """Uses n_heads instead of n_kv_heads: wrong by n_rep for GQA and MQA models."""
     return 2 * config.n_layers * config.n_heads * config.head_dim * dtype_bytes  # MISTAKE
+
+
+@mistake("ex10", "kv_bytes_per_token")
+def kv_bytes_head_dim_from_d_model(config, dtype_bytes):
+    """Takes head_dim as d_model // n_heads: wrong for models that set head_dim explicitly."""
+    return 2 * config.n_layers * config.n_kv_heads * (config.d_model // config.n_heads) * dtype_bytes  # MISTAKE
+
+
+@mistake("ex10", "decode_cost")
+def decode_cost_accepts_an_empty_context(config, context_len, dtype_bytes, batch_size=1):
+    """Computes a cost for context_len 0 or batch_size 0 instead of the promised ValueError."""
+    kv = kv_bytes_per_token(config, dtype_bytes) * batch_size  # MISTAKE: no check of context_len, batch_size
+    w = weights_bytes(config, dtype_bytes)
+    flops = batch_size * flops_per_token(config, context_len)
+    return PhaseCost(flops, w + kv * (context_len + 1), w, kv * context_len, kv)
 
 
 @mistake("ex10", "decode_cost")

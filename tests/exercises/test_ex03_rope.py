@@ -93,3 +93,34 @@ def test_scores_depend_only_on_distance(impl):
              shapes="q, k [1, 1, 1, 8]", lesson=LESSON,
              hint="rotating q by m·θ and k by n·θ leaves q·k depending on m - n only; " + LAYOUT)
     c.close(c.call(score, 9, 6), c.call(score, 5, 2))
+
+
+def test_tables_far_from_position_0_in_bfloat16(impl):
+    cfg = tiny_config("llama_gqa")
+    positions = torch.tensor([1001, 1002, 1003, 1537])
+    c = Case("RotaryEmbedding(config).forward(positions=[1001, 1002, 1003, 1537], torch.bfloat16)",
+             "a long conversation in a bfloat16 model: positions past 1000 (oracle: the angles in float64, then "
+             "cos/sin rounded to bfloat16)", shapes="cos, sin: [4, 16] bfloat16", lesson=LESSON,
+             hint="compute positions · inv_freq in float32 (positions.float()), and cast only cos and sin to dtype: "
+                  "bfloat16 keeps 8 bits of mantissa, so an angle of 1001 · 0.1 rounded in bfloat16 is off by "
+                  "~0.25 rad")
+    inv_freq = RotaryEmbedding(cfg).inv_freq.double()
+    angles = positions.double()[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = c.call(impl.RotaryEmbedding(cfg).forward, positions, torch.bfloat16)
+    c.true(cos.dtype == sin.dtype == torch.bfloat16, "wrong dtype", expected="bfloat16", got=f"{cos.dtype}, {sin.dtype}")
+    c.close(cos, angles.cos().to(torch.bfloat16), atol=0.02, rtol=0.0)
+    c.close(sin, angles.sin().to(torch.bfloat16), atol=0.02, rtol=0.0)
+
+
+def test_rotation_of_a_batch_in_bfloat16(impl):
+    cfg = config(8)
+    cos, sin = RotaryEmbedding(cfg)(torch.tensor([700, 701, 702]), torch.bfloat16)
+    x = randn(3, 2, 3, 8, seed=4).to(torch.bfloat16)
+    c = Case("apply_rope(x, cos, sin)", "a batch of 3 sequences, 2 heads, positions 700..702, bfloat16",
+             shapes="x [3, 2, 3, 8] bfloat16 ([B, heads, T, head_dim]), cos/sin [3, 8] bfloat16", lesson=LESSON,
+             hint="the rotation keeps x's shape and dtype: x·cos + rotate_half(x)·sin, broadcast over batch and "
+                  "heads; " + LAYOUT)
+    got = c.call(impl.apply_rope, x, cos, sin)
+    c.equal(got.dtype if isinstance(got, torch.Tensor) else type(got), torch.bfloat16)
+    c.close(got, apply_rope(x.double(), cos.double(), sin.double()), atol=0.05, rtol=0.0)

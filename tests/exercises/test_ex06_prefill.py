@@ -6,6 +6,7 @@ import torch
 from exercises.checking import Case
 from exercises.models import prompt, tiny_model
 from minillm import KVCache
+from minillm.errors import CacheFullError
 from minillm.phases import prefill
 
 pytestmark = pytest.mark.ex06
@@ -79,3 +80,30 @@ def test_a_batch_of_two_prompts(impl):
              shapes="ids [2, 5] -> logits [2, 128]", hint=HOW, lesson=LESSON)
     cache = KVCache.for_model(model, batch_size=2, max_seq_len=8)
     c.close(run(c, impl, model, ids, cache), full_forward_last(model, ids))
+
+
+def test_far_from_position_0_with_an_explicit_head_dim(impl):
+    model, ids = tiny_model("llama_head_dim"), prompt(110, seed=6)
+    c = Case("prefill(model, ids[:, 100:], cache)", "10 more tokens after 100 cached ones (positions 100..109); "
+             "a tiny Llama whose head_dim (24) is not d_model / n_heads (16)", shapes="ids [1, 10] -> logits [1, 128]",
+             hint="positions start at cache.length (100), and every size comes from the config (head_dim 24); " + HOW,
+             lesson=LESSON)
+    cache = KVCache.for_model(model, max_seq_len=112)
+    prefill(model, ids[:, :100], cache)
+    c.close(run(c, impl, model, ids[:, 100:], cache), full_forward_last(model, ids), atol=1e-4)
+    c.equal(cache.length, 110)
+
+
+def test_bad_input_is_refused(impl):
+    model = tiny_model("llama_gqa")
+    cases = [(ValueError, torch.zeros(1, 0, dtype=torch.long), 16, "an empty prompt, ids [1, 0]"),
+             (ValueError, torch.tensor([[5, 128, 7]]), 16, "token id 128 in a vocabulary of 128 (ids 0..127)"),
+             (CacheFullError, prompt(9), 8, "a 9-token prompt for a cache of 8 positions")]
+    for error, ids, max_seq_len, case in cases:
+        c = Case(f"prefill(model, {list(ids.shape)} ids, cache)", case, shapes=f"ids {list(ids.shape)}",
+                 lesson=LESSON,
+                 hint="the docstring promises ValueError for an empty prompt or an id outside the vocabulary and "
+                      "CacheFullError when the prompt does not fit: check before the forward pass (ids.numel(), "
+                      "0 <= ids < model.config.vocab_size, cache.check_room(T)), not an IndexError from inside torch")
+        with torch.no_grad():
+            c.raises(error, impl.prefill, model, ids, KVCache.for_model(model, max_seq_len=max_seq_len))

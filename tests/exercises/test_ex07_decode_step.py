@@ -6,6 +6,7 @@ import torch
 from exercises.checking import Case
 from exercises.models import prompt, tiny_model
 from minillm import KVCache
+from minillm.errors import CacheFullError
 from minillm.phases import prefill
 
 pytestmark = pytest.mark.ex07
@@ -82,3 +83,30 @@ def test_a_batch_of_two(impl):
              hint="token_id [B] becomes ids [B, 1] (one new token per sequence); " + HOW)
     cache = after_prefill(model, ids[:, :4], max_seq_len=8)
     c.close(step(c, impl, model, ids[:, 4], cache), full_forward_last(model, ids))
+
+
+def test_far_from_position_0_with_an_explicit_head_dim(impl):
+    model, ids = tiny_model("llama_head_dim"), prompt(102, seed=5)
+    c = Case("decode_step(model, token_id, cache) x 2", "100 tokens prefilled, then positions 100 and 101; "
+             "a tiny Llama whose head_dim (24) is not d_model / n_heads (16)",
+             shapes="token_id [1] -> logits [1, 128]", hint=HOW, lesson=LESSON)
+    cache = after_prefill(model, ids[:, :100], max_seq_len=110)
+    for n in (100, 101):
+        logits = step(c, impl, model, ids[:, n], cache)
+        c.close(logits, full_forward_last(model, ids[:, : n + 1]), atol=1e-4)
+    c.equal(cache.length, 102)
+
+
+def test_bad_input_is_refused(impl):
+    model = tiny_model("llama_gqa")
+    cases = [(ValueError, torch.tensor([128]), 16, "token id 128 in a vocabulary of 128 (ids 0..127)"),
+             (ValueError, torch.tensor([-1]), 16, "token id -1"),
+             (CacheFullError, torch.tensor([3]), 5, "a cache of 5 positions already holding 5 tokens")]
+    for error, token, max_seq_len, case in cases:
+        c = Case(f"decode_step(model, {token.tolist()}, cache)", case, shapes="token_id [1]", lesson=LESSON,
+                 hint="the docstring promises ValueError for a bad id and CacheFullError when there is no room: check "
+                      "before the forward pass (0 <= id < model.config.vocab_size; cache.check_room(1)), so the "
+                      "student of your code gets that message, not an IndexError from inside torch")
+        cache = after_prefill(model, prompt(5), max_seq_len=max_seq_len)
+        with torch.no_grad():
+            c.raises(error, impl.decode_step, model, token, cache)

@@ -78,3 +78,22 @@ def test_decode_step_reads_the_whole_cache(impl):
              hint="every decode step re-reads all context_len cached positions of every layer: that is why "
                   "TPOT grows with the context; " + DECODE)
     check_decode(c, c.call(impl.decode_cost, cfg, 100, 4, 2), expected_decode(cfg, 100, 4, 2))
+
+
+def test_kv_bytes_with_an_explicit_head_dim(impl):
+    cfg = tiny_config("llama_head_dim")
+    c = Case("kv_bytes_per_token(tiny Llama, dtype_bytes=4)", "2 layers, 2 KV heads, head_dim 24 while d_model / "
+             "n_heads = 64 / 4 = 16 (models like Gemma and Qwen3 set head_dim explicitly)", shapes="float32",
+             hint=f"{KV} with config.head_dim = 2 · 2 · 2 · 24 · 4 = 768; never d_model // n_heads",
+             lesson=KV_LESSON)
+    c.equal(c.call(impl.kv_bytes_per_token, cfg, 4), 768)
+
+
+def test_decode_cost_errors(impl):
+    cfg = tiny_config("llama_gqa")
+    for args, case in [((cfg, 0, 2), "context_len = 0"), ((cfg, 10, 2, 0), "batch_size = 0"),
+                       ((cfg, -5, 2), "context_len = -5")]:
+        c = Case(f"decode_cost(config, {', '.join(map(str, args[1:]))})", case, shapes="", lesson=LESSON,
+                 hint="the docstring promises a ValueError for context_len < 1 or batch_size < 1 (a decode step "
+                      "always attends to at least its own token)")
+        c.raises(ValueError, impl.decode_cost, *args)
