@@ -3,7 +3,8 @@
 Write ``eager_attention(q, k, v)``: softmax(q·kᵀ / √head_dim + causal mask) · v. Here every
 query head has its own K/V head (n_kv_heads = n_heads); exercise 4 adds grouped-query
 attention. Build the mask with ``causal_mask`` (below, minillm's; or paste your exercise 1)
-and put -inf where it is False before the softmax. ``hook`` and ``name`` can be ignored.
+and put -inf where it is False before the softmax. ``hook`` and ``name`` can be ignored;
+``scale`` cannot (a model may set its own, see the docstring).
 
 Check:      minillm check ex02   (or: pytest tests/exercises -m ex02 --impl student)
 Lesson:     lessons/01-what-is-inference.md#attention
@@ -20,8 +21,10 @@ import torch
 from minillm.model import Hook, causal_mask  # noqa: F401
 
 
-def eager_attention(q, k, v, hook: Hook | None = None, name: str = "") -> torch.Tensor:
+def eager_attention(q, k, v, hook: Hook | None = None, name: str = "", scale: float | None = None) -> torch.Tensor:
     """softmax(q·kᵀ / √head_dim + causal mask) · v, written out (Vaswani et al. 2017).
+
+    ``scale`` replaces 1/√head_dim when given (see ``ModelConfig.attn_scale``).
 
     q: [B, n_heads, T, head_dim]; k, v: [B, n_kv_heads, S, head_dim] with S >= T.
     Grouped-query attention: each K/V head serves n_heads / n_kv_heads query heads,

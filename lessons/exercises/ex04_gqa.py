@@ -21,8 +21,10 @@ import torch
 from minillm.model import Hook, causal_mask  # noqa: F401
 
 
-def eager_attention(q, k, v, hook: Hook | None = None, name: str = "") -> torch.Tensor:
+def eager_attention(q, k, v, hook: Hook | None = None, name: str = "", scale: float | None = None) -> torch.Tensor:
     """softmax(q·kᵀ / √head_dim + causal mask) · v, written out (Vaswani et al. 2017).
+
+    ``scale`` replaces 1/√head_dim when given (see ``ModelConfig.attn_scale``).
 
     q: [B, n_heads, T, head_dim]; k, v: [B, n_kv_heads, S, head_dim] with S >= T.
     Grouped-query attention: each K/V head serves n_heads / n_kv_heads query heads,

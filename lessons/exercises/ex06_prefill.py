@@ -6,7 +6,8 @@ Llama), model.rope (Llama's RotaryEmbedding; None for GPT-2), model.blocks (each
 ``block(x, rope_cos_sin, cache, model.attn_impl, hook)`` writes its K/V into the cache and
 attends over everything cached), ``cache.advance(T)``, model.ln_final and model.lm_head.
 The positions start at ``cache.length`` (a prompt can be prefilled after a cached prefix).
-The checks pass token_ids as a [B, T] int64 tensor and leave hook and trace unset.
+The checks pass token_ids as a [B, T] int64 tensor and leave hook and trace unset. They also
+grade the errors the docstring promises: check the ids and ``cache.check_room(T)`` first.
 
 Check:      minillm check ex06   (or: pytest tests/exercises -m ex06 --impl student)
 Lesson:     lessons/02-prefill-and-decode.md#prefill
@@ -37,8 +38,8 @@ def prefill(model: Transformer, token_ids, cache: KVCache, hook: Hook | None = N
 
     Returns float32 logits of the last position, [B, vocab].
 
-    Raises ValueError (empty prompt, wrong rank or batch, ids out of vocab range),
-    CacheFullError (the prompt does not fit in the cache).
+    Raises ValueError (empty prompt, wrong rank or batch, ids out of vocab range, a cache
+    or trace that does not fit), CacheFullError (the prompt does not fit in the cache).
     """
     raise NotImplementedError(
         "Exercise 6 (prefill) is not written yet: see lessons/02-prefill-and-decode.md#prefill"

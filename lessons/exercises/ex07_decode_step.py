@@ -6,7 +6,8 @@ Llama), model.rope (Llama's RotaryEmbedding; None for GPT-2), model.blocks (each
 ``block(x, rope_cos_sin, cache, model.attn_impl, hook)`` writes its K/V into the cache and
 attends over everything cached), ``cache.advance(T)``, model.ln_final and model.lm_head.
 The one new token of each sequence sits at position ``cache.length``. The checks pass
-token_id as a [B] int64 tensor and leave hook and trace unset.
+token_id as a [B] int64 tensor and leave hook and trace unset. They also grade the errors
+the docstring promises: check the ids and ``cache.check_room(1)`` before the forward pass.
 
 Check:      minillm check ex07   (or: pytest tests/exercises -m ex07 --impl student)
 Lesson:     lessons/02-prefill-and-decode.md#decode
@@ -34,7 +35,8 @@ def decode_step(model: Transformer, token_id, cache: KVCache, hook: Hook | None 
 
     Returns float32 logits for the following position, [B, vocab].
 
-    Raises ValueError (bad shape or id), CacheFullError (no room for one more token).
+    Raises ValueError (bad shape or id, several tokens for one sequence, a cache or trace
+    that does not fit), CacheFullError (no room for one more token).
     """
     raise NotImplementedError(
         "Exercise 7 (decode step) is not written yet: see lessons/02-prefill-and-decode.md#decode"

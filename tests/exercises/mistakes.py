@@ -151,6 +151,12 @@ def attention_mask_assumes_square(q, k, v, hook=None, name=""):
     return _attention(q, k, v, mask=mask_assumes_square)  # MISTAKE
 
 
+@mistake("ex02", "eager_attention")
+def attention_ignores_the_scale_argument(q, k, v, hook=None, name="", scale=None):
+    """Always divides by √head_dim, also when the model gives its own scale."""
+    return _attention(q, k, v)  # MISTAKE: _attention(q, k, v, scale=scale)
+
+
 @mistake("ex04", "eager_attention")
 def gqa_heads_tiled_not_grouped(q, k, v, hook=None, name=""):
     """K/V heads repeated as a tile (query head h reads K/V head h % n_kv_heads), not in groups."""

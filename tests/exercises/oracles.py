@@ -7,8 +7,10 @@ import math
 import torch
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention one query at a time: softmax(q·kᵀ / √head_dim) · v over the keys it may see.
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Causal attention one query at a time: softmax(q·kᵀ · scale) · v over the keys it may see.
+
+    scale defaults to 1/√head_dim (Vaswani et al. 2017).
 
     q: [B, n_heads, T, head_dim]; k, v: [B, n_kv_heads, S, head_dim]. Query i sits at
     position S - T + i and sees keys 0..S - T + i. Query head h reads K/V head h // n_rep.
@@ -21,7 +23,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
         kv = h // n_rep
         for i in range(T):
             seen = S - T + i + 1
-            scores = q[:, h, i : i + 1] @ k[:, kv, :seen].transpose(-1, -2) / math.sqrt(D)  # [B, 1, seen]
+            scale_ = 1 / math.sqrt(D) if scale is None else scale
+            scores = q[:, h, i : i + 1] @ k[:, kv, :seen].transpose(-1, -2) * scale_  # [B, 1, seen]
             out[:, h, i : i + 1] = torch.softmax(scores, dim=-1) @ v[:, kv, :seen]
     return out
 

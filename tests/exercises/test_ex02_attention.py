@@ -75,3 +75,13 @@ def test_queries_after_a_cache_see_the_cached_keys(impl):
              hint="with a cache the queries are the last T of S positions: the mask is causal_mask(T, S), "
                   "a rectangle where query i sees keys 0..S-T+i (not a square T×T tril)")
     c.close(c.call(impl.eager_attention, q, k, v), oracles.attention(q, k, v))
+
+
+def test_an_explicit_scale_replaces_one_over_sqrt_head_dim(impl):
+    q, k, v = qkv(B=3, H=2, T=2, S=6, D=8, seed=6)
+    c = Case("eager_attention(q, k, v, scale=0.0625)", "a batch of 3, 2 queries after 4 cached keys, head_dim 8, "
+             "and a model whose config sets its own attention scale (Gemma's query_pre_attn_scalar: 1/256 ** 0.5)",
+             shapes=shapes(q, k), lesson=LESSON,
+             hint="scores = q·kᵀ · scale, with scale = 1/√head_dim only when it is None (the docstring's "
+                  "ModelConfig.attn_scale)")
+    c.close(c.call(impl.eager_attention, q, k, v, scale=0.0625), oracles.attention(q, k, v, scale=0.0625))
