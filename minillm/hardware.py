@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from .costs import PhaseCost
+from .units import fmt_ms, fmt_num
 
 OVERHEAD_FACTOR = 5.0  # measured time above this many floors: the hardware is not what limits it
 
@@ -165,10 +166,10 @@ def roofline(cost: PhaseCost, time_s: float, hw: HardwareProfile) -> Roofline:
 
 
 def _explain(bound, hw_bound, cost, hw, time_s, compute_s, memory_s, ratio) -> str:
-    ms = lambda s: f"{s * 1e3:.3g} ms"  # noqa: E731
+    ms = lambda s: fmt_ms(s * 1e3)  # noqa: E731  (never "1.84e+03 ms")
     side = "above" if hw_bound == "compute-bound" else "below"
     floors = (f"compute floor {ms(compute_s)}, memory floor {ms(memory_s)}; intensity "
-              f"{cost.arithmetic_intensity:.3g} FLOP/byte is {side} the ridge {hw.ridge_point:.3g}")
+              f"{fmt_num(cost.arithmetic_intensity)} FLOP/byte is {side} the ridge {fmt_num(hw.ridge_point)}")
     if bound == "overhead-bound":
         return (f"measured {ms(time_s)} is {ratio:.1f}x the {ms(max(compute_s, memory_s))} floor ({floors}): "
                 "neither arithmetic nor memory traffic explains it; the time goes to overhead "

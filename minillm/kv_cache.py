@@ -191,6 +191,3 @@ def _check_positive_int(name: str, value) -> None:
     """ValueError unless ``value`` is an int >= 1 (a float such as 256.0 would fail inside torch)."""
     if not _is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-_fmt_bytes = fmt_bytes  # the old name, still imported by the CLI's prefix-demo until it moves to minillm.units

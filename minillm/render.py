@@ -22,6 +22,7 @@ from rich.table import Column, Table
 from rich.text import Text
 
 from .trace import Trace
+from .units import fmt_bytes, fmt_num
 
 TOKEN_STYLES = ("on grey23", "on dark_blue")  # alternate backgrounds mark token boundaries
 PLAIN_SEPARATOR = "·"
@@ -74,9 +75,9 @@ def prefill_panel(trace: Trace) -> Panel | None:
                  f"= {fmt_bytes(e['kv_written_bytes'])}")
     grid.add_row("cache", f"{e['cache_length_before']} -> {e['cache_length_after']} positions, "
                  f"{fmt_bytes(e['kv_bytes'])}")
-    grid.add_row("work", f"{e['flops'] / 1e9:.3g} GFLOP, {e['bytes'] / 1e6:.4g} MB moved "
-                 f"(weights {e['weights_bytes'] / 1e6:.4g} MB), "
-                 f"{e['arithmetic_intensity_flop_per_byte']:.3g} FLOP/byte")
+    grid.add_row("work", f"{fmt_num(e['flops'] / 1e9)} GFLOP, {fmt_bytes(e['bytes'])} moved "
+                 f"(weights {fmt_bytes(e['weights_bytes'])}), "
+                 f"{fmt_num(e['arithmetic_intensity_flop_per_byte'])} FLOP/byte")
     grid.add_row("time", f"{e['time_ms']:9.1f} ms forward pass ({e['attn_impl']} attention)")
     grid.add_row("attained", f"{_rate(e['attained_flop_per_s'], 1e9):>9} GFLOP/s "
                  f"{_rate(e['attained_bytes_per_s'], 1e9):>9} GB/s")
@@ -86,31 +87,41 @@ def prefill_panel(trace: Trace) -> Panel | None:
     return Panel(grid, title="Prefill", title_align="left", subtitle=warm)
 
 
-def layers_table(trace: Trace, step: int = 0) -> Table:
-    """Per-layer shapes (in -> out) and times of one pass (level "layers")."""
+def layers_table(trace: Trace, step: int = 0) -> Group:
+    """Per-layer times of one pass (level "layers"), with the shapes written once above them.
+
+    Every layer of a pass has the same shapes, so they are printed once; then one compact row
+    per layer (its time and a bar), so 80 columns never wrap a row. A layer whose shapes
+    differ from the first one's gets them on its row.
+    """
     layers = trace.layers(step)
     phase = layers[0]["phase"] if layers else "?"
-    table = Table(
-        Column("layer", justify="right"), Column("attention"), Column("q | k, v"), Column("K/V cache"),
-        Column("MLP"), Column("ms", justify="right", width=7, no_wrap=True),
-        title=f"Layers of step {step} ({phase}): in -> out [B, T, d_model]; q, k, v, cache [B, heads, T, head_dim]",
-        box=box.SIMPLE_HEAD, padding=(0, 1), title_justify="left",
-    )
+    first = layers[0] if layers else {}
+    shapes = _grid()
+    shapes.add_row("attention", f"{_shape(first.get('attn_in_shape'))} -> {_shape(first.get('attn_out_shape'))}"
+                   "  [B, T, d_model]")
+    shapes.add_row("q | k, v", f"{_shape(first.get('q_shape'))} | {_shape(first.get('k_shape'))}"
+                   "  [B, heads, T, head_dim]")
+    shapes.add_row("K/V cache", f"{_shape(first.get('k_cache_shape'))}  [B, kv_heads, S, head_dim]")
+    shapes.add_row("MLP", f"{_shape(first.get('mlp_in_shape'))} -> {_shape(first.get('mlp_out_shape'))}")
+    max_ms = max((e["time_ms"] or 0 for e in layers), default=0) or 1.0
+    table = Table(Column("layer", justify="right"), Column("ms", justify="right", width=8, no_wrap=True),
+                  Column("", no_wrap=True), box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False)
     for e in layers:
-        table.add_row(
-            str(e["layer"]),
-            f"{_shape(e['attn_in_shape'])} -> {_shape(e['attn_out_shape'])}",
-            f"{_shape(e['q_shape'])} | {_shape(e['k_shape'])}",
-            _shape(e["k_cache_shape"]),
-            f"{_shape(e['mlp_in_shape'])} -> {_shape(e['mlp_out_shape'])}",
-            _num(e["time_ms"], ".2f"),
-        )
+        bar = "█" * round(LAYER_BAR_WIDTH * (e["time_ms"] or 0) / max_ms)
+        differs = [k for k in _LAYER_SHAPES if e.get(k) != first.get(k)]
+        note = "  " + ", ".join(f"{k.removesuffix('_shape')} {_shape(e[k])}" for k in differs) if differs else ""
+        table.add_row(str(e["layer"]), _num(e["time_ms"], ".2f"), bar + note)
     pass_event = next((e for e in trace.steps if e["step"] == step), None)
     layer_ms = sum(e["time_ms"] or 0 for e in layers)
-    if pass_event is not None:
-        table.caption = (f"layers: {layer_ms:.1f} ms of the {pass_event['time_ms']:.1f} ms pass; the rest is the "
-                         "embedding, the final norm and the LM head")
-    return table
+    caption = (Text(f"layers: {layer_ms:.1f} ms of the {pass_event['time_ms']:.1f} ms pass; the rest is the "
+                    "embedding, the final norm and the LM head", style="dim") if pass_event is not None else "")
+    title = Text(f"Layers of step {step} ({phase}): {len(layers)} layers, the same shapes in each", style="bold")
+    return Group(title, shapes, table, caption)
+
+
+LAYER_BAR_WIDTH = 40  # characters for the slowest layer of the pass
+_LAYER_SHAPES = ("attn_in_shape", "q_shape", "k_shape", "k_cache_shape", "mlp_out_shape")
 
 
 STEP_HEADER = f"{'#':>4} {'id':>6}  {'token':<14} {'cache':>6} {'KV':>10} {'ms':>8} {'GB/s':>7}"
@@ -131,7 +142,7 @@ def steps_panel(trace: Trace) -> Panel | None:
     lines = [Text(STEP_HEADER, style="bold")]
     for n, e in enumerate(rows, start=1):
         lines.append(Text(
-            f"{n:>4} {e['next_token_id']:>6}  {_quoted(e.get('next_token_text', '')):<14} "
+            f"{n:>4} {e['next_token_id']:>6}  {_token(e.get('next_token_text')):<14} "
             f"{e['cache_length_after']:>6} {fmt_bytes(e['kv_bytes']):>10} "
             f"{_num(e['time_ms'], '.1f'):>8} {_rate(e['attained_bytes_per_s'], 1e9):>7}"
         ))
@@ -174,21 +185,22 @@ def roofline_panel(trace: Trace) -> Panel | None:
         return None
     any_event = next(iter(verdicts.values()))
     grid = _grid()
+    # the peaks go in a row, not the title: rich cuts a long title mid-number at 80 columns
+    grid.add_row("peaks", f"{fmt_num(any_event['peak_flop_per_s'] / 1e9)} GFLOP/s, "
+                 f"{fmt_num(any_event['peak_bytes_per_s'] / 1e9)} GB/s, ridge "
+                 f"{fmt_num(any_event['ridge_point_flop_per_byte'])} FLOP/byte")
     for phase, r in verdicts.items():
         grid.add_row(phase, Text(r["bound"], style="bold"))
-        steps = f"{r['n_passes']} steps, " if phase == "decode" else ""
+        steps = f"{r['n_passes']} step{'s' if r['n_passes'] != 1 else ''}, " if phase == "decode" else ""
         flops, bw = r["attained_flop_per_s"], r["attained_bytes_per_s"]
-        grid.add_row("", f"{steps}{r['arithmetic_intensity_flop_per_byte']:.3g} FLOP/byte, "
-                     f"{flops / 1e9:.3g} GFLOP/s ({_pct(flops, r['peak_flop_per_s'])} of peak), "
-                     f"{bw / 1e9:.3g} GB/s ({_pct(bw, r['peak_bytes_per_s'])} of peak)")
+        grid.add_row("", f"{steps}{fmt_num(r['arithmetic_intensity_flop_per_byte'])} FLOP/byte, "
+                     f"{fmt_num(flops / 1e9)} GFLOP/s ({_pct(flops, r['peak_flop_per_s'])} of peak), "
+                     f"{fmt_num(bw / 1e9)} GB/s ({_pct(bw, r['peak_bytes_per_s'])} of peak)")
         grid.add_row("", Text(r["explanation"], style="dim"))
         expected = {"prefill": "compute-bound", "decode": "memory-bound"}[phase]
         if r["bound"] != expected:
             grid.add_row("", Text(_why_not(phase, r, expected), style="italic"))
-    title = (f"Roofline: {any_event['hardware']}, {any_event['peak_flop_per_s'] / 1e9:.3g} GFLOP/s, "
-             f"{any_event['peak_bytes_per_s'] / 1e9:.3g} GB/s, ridge "
-             f"{any_event['ridge_point_flop_per_byte']:.3g} FLOP/byte")
-    return Panel(grid, title=title, title_align="left")
+    return Panel(grid, title=f"Roofline: {any_event['hardware']}", title_align="left")
 
 
 def _why_not(phase: str, r: dict, expected: str) -> str:
@@ -196,8 +208,8 @@ def _why_not(phase: str, r: dict, expected: str) -> str:
     ai, ridge = r["arithmetic_intensity_flop_per_byte"], r["ridge_point_flop_per_byte"]
     if r["bound"] != "overhead-bound":
         side = "above" if ai >= ridge else "below"
-        return (f"Textbook {phase} is {expected}. Not here: its intensity {ai:.3g} FLOP/byte is {side} "
-                f"this machine's ridge point {ridge:.3g} FLOP/byte.")
+        return (f"Textbook {phase} is {expected}. Not here: its intensity {fmt_num(ai)} FLOP/byte is {side} "
+                f"this machine's ridge point {fmt_num(ridge)} FLOP/byte.")
     load, cpus, share = r.get("load_average_1m"), r.get("cpu_count"), r.get("cpu_share")
     if share is not None and share < BUSY_CPU_SHARE:
         why = (f"other processes were running: this one got {100 * share:.0f}% of the CPU time its "
@@ -232,15 +244,6 @@ def visible(text: str) -> str:
     return "".join(out)
 
 
-def fmt_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""
-
-
 def _quoted(text: str, limit: int = 12) -> str:
     text = visible(text)
     if len(text) > limit:
@@ -248,12 +251,15 @@ def _quoted(text: str, limit: int = 12) -> str:
     return f"'{text}'"
 
 
+def _token(text: str | None, token_id: int | None = None) -> str:
+    """A token's quoted text; without a tokenizer, its id (``id 17``) or "-" where the id is shown already."""
+    if text is not None:
+        return _quoted(text)
+    return f"id {token_id}" if token_id is not None else "-"
+
+
 def _candidate_items(e: dict) -> list[str]:
-    return [f"{_quoted(c.get('text', str(c['token_id'])), 12)} {c['prob']:.2f}" for c in e.get("candidates", [])]
-
-
-def _candidates(e: dict) -> str:
-    return "  ".join(_candidate_items(e))
+    return [f"{_token(c.get('text'), c['token_id'])} {c['prob']:.2f}" for c in e.get("candidates", [])]
 
 
 def _packed(prefix: str, items: list[str], width: int) -> list[str]:
@@ -275,7 +281,9 @@ def _choice(e: dict) -> str:
     else:
         method = (f"sampled at temperature {how['temperature']:g}, top-k {how['top_k'] or 'off'}, "
                   f"top-p {how['top_p']:g}; rank {e['next_token_rank']} of the model's distribution")
-    return (f"{_quoted(e.get('next_token_text', ''))} (id {e['next_token_id']}, p={e['next_token_prob']:.2f}), "
+    text = e.get("next_token_text")
+    token = f"{_quoted(text)} (id {e['next_token_id']}, " if text is not None else f"id {e['next_token_id']} ("
+    return (f"{token}p={e['next_token_prob']:.2f}), "
             f"{method}")
 
 
@@ -309,6 +317,6 @@ def _n_layers(trace: Trace) -> int:
 
 
 __all__ = [
-    "layers_table", "prefill_panel", "print_trace", "prompt_panel", "roofline_panel", "steps_panel",
+    "fmt_bytes", "layers_table", "prefill_panel", "print_trace", "prompt_panel", "roofline_panel", "steps_panel",
     "summary_panel", "visible",
 ]

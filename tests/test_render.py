@@ -92,6 +92,17 @@ def test_cli_trace_out_and_plots(cli_run):
         assert (out / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_same_weights_read_the_same_in_info_whatif_and_the_trace(cli_run, smollm2_dir):
+    info = minillm("info")
+    whatif = minillm("whatif", "--config", str(smollm2_dir), "--dtype", "float32", "--hardware", "h100")
+    assert info.returncode == whatif.returncode == 0, info.stderr + whatif.stderr
+    # 538,060,032 bytes of float32 weights / 2**20 = 513.13 MiB, in every command
+    assert "538,060,032 (513.1 MiB)" in info.stdout and "538,060,032 (513.1 MiB)" in whatif.stdout
+    assert "(weights 513.1 MiB)" in cli_run[0].stdout
+    for out in (info.stdout, whatif.stdout, cli_run[0].stdout):
+        assert not re.search(r"\d (?:kB|MB|GB)(?!/s)", out)  # no decimal byte amounts (rates stay GB/s)
+
+
 # -- rendering without the CLI --------------------------------------------------------------------
 
 
@@ -117,6 +128,59 @@ def test_rendering_fits_80_columns_and_keeps_markup_literal(tiny_trace):
     assert max(len(line) for line in text.splitlines()) <= 80
     assert re.search(r"│ <s>·a\\n +│\n│  b·\[red\]c +│", text)  # boundaries, escapes, line breaks, no markup
     assert "Layers of step 0 (prefill)" in text and "Layers of step 1 (decode)" in text
+
+
+def test_layers_print_their_shapes_once_then_one_row_per_layer(tiny_trace):
+    model, trace = tiny_trace
+    text = render(trace)
+    n_layers = model.config.n_layers
+    assert "Layers of step 0 (prefill): 2 layers, the same shapes in each" in text
+    assert re.findall(r"(?m)^attention  (\S+ -> \S+)", text) == ["1x4x64 -> 1x4x64", "1x1x64 -> 1x1x64"]
+    assert re.findall(r"(?m)^K/V cache  (\S+)", text) == ["1x2x4x16", "1x2x5x16"]
+    rows = re.findall(r"(?m)^ +(\d+) +([\d.]+) +(█+) *$", text)  # one line per layer: no wrapping
+    assert [int(r[0]) for r in rows] == list(range(n_layers)) * 2
+    for step, pass_rows in ((0, rows[:n_layers]), (1, rows[n_layers:])):
+        ms = [e["time_ms"] for e in trace.layers(step)]
+        assert [float(r[1]) for r in pass_rows] == pytest.approx(ms, abs=0.006)
+        assert [len(r[2]) for r in pass_rows] == [round(40 * t / max(ms)) for t in ms]  # bars scale with time
+
+
+def test_roofline_title_and_numbers_fit_80_columns_without_scientific_notation(tiny_trace):
+    trace = Trace.from_records(tiny_trace[1].to_records())
+    trace.events = type(trace.events)(e for e in trace.events if e["kind"] != "roofline")
+    trace.record_roofline(PROFILES["h200"])  # big peaks: 989.4 TFLOP/s, 4.8 TB/s; floors of microseconds
+    text = render(trace)
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "╭─ Roofline: h200 ─" in text
+    assert "│ peaks    989,400 GFLOP/s, 4,800 GB/s, ridge 206 FLOP/byte" in text
+    assert not re.search(r"\de[+-]\d", text)  # e.g. never "1.84e+03 ms" nor "6.1e-06 ms"
+
+
+def test_without_a_tokenizer_tokens_show_as_ids(tiny_trace):
+    trace = tiny_trace[1]  # recorded without a tokenizer
+    text = render(trace)
+    first = trace.prefill
+    assert f"id {first['next_token_id']} (p={first['next_token_prob']:.2f}), greedy" in text
+    top = "  ".join(f"id {c['token_id']} {c['prob']:.2f}" for c in first["candidates"][:2])
+    assert f"top-5: {top}" in text and "''" not in text
+
+
+@pytest.mark.parametrize("n_bytes, text", [
+    (512, "512 B"), (46_080, "45.0 KiB"), (538_060_032, "513.1 MiB"), (16_060_522_496, "15.0 GiB"),
+])
+def test_one_byte_convention_iec(n_bytes, text):
+    from minillm.units import fmt_bytes
+
+    assert fmt_bytes(n_bytes) == text  # 46080 / 1024 = 45.0; 538060032 / 2**20 = 513.13; / 2**30 = 14.96
+
+
+@pytest.mark.parametrize("value, text", [
+    (1842.3, "1,842"), (12.34, "12.3"), (0.5034, "0.503"), (0.000123, "0.000123"), (989400.0, "989,400"),
+])
+def test_numbers_keep_three_digits_in_plain_decimals(value, text):
+    from minillm.units import fmt_num
+
+    assert fmt_num(value) == text
 
 
 @pytest.mark.parametrize("load, share, reason", [
