@@ -555,11 +555,13 @@ def _check_args(keep, n_candidates, tokenizer, hardware) -> None:
 
 
 def _how(params) -> dict:
-    """How a token was chosen, as recorded in the "sampling" field."""
+    """How a token was chosen, as recorded in the "sampling" field (min_p and penalties only when set)."""
+    defaults = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    extras = {k: getattr(params, k) for k, off in defaults.items() if getattr(params, k) != off}
     if params.greedy:
-        return {"method": "greedy"}
+        return {"method": "greedy", **extras}
     return {"method": "sampled", "temperature": params.temperature, "top_k": params.top_k,
-            "top_p": params.top_p, "seed": params.seed}
+            "top_p": params.top_p, "seed": params.seed, **extras}
 
 
 def _host_load() -> dict:

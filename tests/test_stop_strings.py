@@ -128,3 +128,14 @@ def test_a_batch_of_one_and_an_int_eos_are_accepted(model):
     steps = list(generate(model, torch.tensor([PROMPT]), SamplingParams(max_new_tokens=3), eos_token_ids=127))
     assert [s.token_id for s in steps] == [s.token_id for s in generate(model, PROMPT, SamplingParams(max_new_tokens=3),
                                                                          eos_token_ids=[127])]
+
+
+def test_trace_records_the_penalty_and_the_detokenized_text(model, tokenizer):
+    from minillm import Trace
+
+    trace = Trace()
+    params = SamplingParams(max_new_tokens=4, repetition_penalty=1.5)
+    steps = list(generate(model, PROMPT, params, tokenizer=tokenizer, eos_token_ids=(), trace=trace))
+    assert trace.first("decode")["sampling"] == {"method": "greedy", "repetition_penalty": 1.5}
+    detok = trace.first("detokenize")
+    assert detok["n_tokens"] == 4 and detok["text"] == "".join(s.text for s in steps) and detok["time_ms"] >= 0
