@@ -8,8 +8,10 @@ The package layout is the course outline:
     loading.py    load_model: safetensors checkpoint -> Transformer
     kv_cache.py   KVCache, the visible cache of keys and values
     phases.py     prefill and decode_step, the two phases of inference
-    sampling.py   SamplingParams: greedy, temperature, top-k, top-p
+    sampling.py   SamplingParams: penalties, greedy, temperature, min-p, top-k, top-p (vLLM's names)
     generate.py   generate: prefill, then decode in a loop
+    stop_strings.py  stop strings on streamed text: held back while they could start, cut out when found
+    generation_config.py  generation_config.json: the checkpoint's eos ids and sampling defaults
     block_hash.py chained sha256 block hashes, seeded by the model's identity, dtype, device
     prefix_cache.py  PrefixCache: K/V of cached prompt prefixes, so their prefill is skipped
     prefix_demo.py   shared-system-prompt requests with and without the prefix cache, measured
