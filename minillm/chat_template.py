@@ -111,11 +111,13 @@ def render_chat_template(
         documents: ``[{"title": ..., "text": ...}]`` for retrieval-augmented templates.
         **kwargs: extra template variables (``enable_thinking=False``, ``date_string=...``).
 
-    Raises ValueError with one line: a tool that is not a JSON-schema dict, a template that
+    Raises ValueError with one line: a tool or document that is not a dict, a template that
     does not parse, or one that fails or calls ``raise_exception(message)`` (the message is kept).
     """
     if tools is not None and not all(isinstance(tool, dict) for tool in tools):
         raise ValueError("tools must be JSON-schema dicts; transformers.utils.get_json_schema(fn) makes one")
+    if documents is not None and not all(isinstance(document, dict) for document in documents):
+        raise ValueError("documents must be dicts like {'title': ..., 'text': ...}")
     variables = {name: token for name, token in special_tokens.items() if token is not None}
     variables.update(kwargs)
     try:

@@ -184,13 +184,15 @@ def test_chat_template_jinja_file_wins_like_transformers(tokenizer_json, tmp_pat
         ([{"role": "assistant", "content": None}], None, "needs a 'content'"),
         ([{"content": "hi"}], None, "needs a string 'role'"),
         (SYSTEM_CHAT[1:2], [len], "tools must be JSON-schema dicts"),
+        (SYSTEM_CHAT[1:2], None, "documents must be dicts"),
     ],
 )
 def test_bad_inputs_are_one_line_value_errors(tokenizer_json, tmp_path, messages, tools, says):
     template = (TEMPLATES / "llama3.jinja").read_text()
     tok = load_tokenizer(_model_folder(tmp_path / "model", tokenizer_json, template, {}))
+    documents = ["a plain string"] if says.startswith("documents") else None
     with pytest.raises(ValueError, match=says) as info:
-        tok.apply_chat_template(messages, tools=tools)
+        tok.apply_chat_template(messages, tools=tools, documents=documents)
     assert "\n" not in str(info.value)
 
 
