@@ -155,6 +155,8 @@ def _meta(reader: gguf.GGUFReader, key: str, default=_REQUIRED):
 def _meta_int(reader: gguf.GGUFReader, key: str, default=_REQUIRED) -> int:
     """A size key (``llama.block_count``...): a positive integer, or ConfigError naming the key."""
     value = _meta(reader, key, default)
+    if isinstance(value, list):  # llama.cpp allows per-layer values (e.g. head_count_kv of DeciLM, OpenELM)
+        raise ConfigError(f"GGUF metadata {key} has one value per layer; minillm supports one value for all layers")
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"GGUF metadata {key} must be a positive integer, got {value!r}; the file is damaged")
     return value

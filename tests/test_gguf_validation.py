@@ -36,7 +36,7 @@ SHAPES = {
     "blk.0.ffn_down.weight": (D, FF),
 }  # fmt: skip
 _TYPES = {bool: gguf.GGUFValueType.BOOL, int: gguf.GGUFValueType.UINT32, float: gguf.GGUFValueType.FLOAT32,
-          str: gguf.GGUFValueType.STRING}  # fmt: skip
+          str: gguf.GGUFValueType.STRING, list: gguf.GGUFValueType.ARRAY}  # fmt: skip
 
 
 def tiny_gguf(path, metadata=None, shapes=None):
@@ -71,6 +71,7 @@ def test_the_tiny_gguf_converts_and_loads(tmp_path):
         ({"llama.embedding_length": "8"}, "llama.embedding_length must be a positive integer, got '8'"),
         ({"llama.block_count": None}, "'llama.block_count' is missing"),
         ({"llama.context_length": 0}, "llama.context_length must be a positive integer"),
+        ({"llama.attention.head_count_kv": [1]}, "head_count_kv has one value per layer"),
         ({"llama.attention.head_count_kv": 3}, "head_count (2) must be a multiple of llama.attention.head_count_kv"),
         ({"llama.attention.head_count": 3}, "embedding_length (8) must be a multiple of llama.attention.head_count"),
         ({"llama.attention.layer_norm_rms_epsilon": 0.0}, "layer_norm_rms_epsilon must be a positive number"),
