@@ -70,7 +70,8 @@ def _prompt(trace: Trace) -> str:
         return ""
     pieces = "".join(
         f"<span class='minillm-prompt-token' style=\"font-family:{MONO};background:{('#fde7d4', '#dbe9f6')[i % 2]};"
-        f"padding:0 1px;margin:0 1px 0 0;border-radius:2px;white-space:pre\">{_esc(visible(p))}</span>"
+        f"display:inline-block;padding:0 1px;margin:0 1px 0 0;border-radius:2px;white-space:pre\">"
+        f"{_esc(visible(p))}</span>"  # inline-block: the line may break between tokens
         for i, p in enumerate(event["token_strings"]))
     return _section(f"Prompt: {event['n_tokens']} tokens", f"<div style='line-height:1.9'>{pieces}</div>")
 
