@@ -98,14 +98,17 @@ def _print_exercise_results(console, results, where: str) -> None:
 
 
 def _class_table(results: dict):
+    """One row per student, one narrow column per exercise (its number): 14 exercises fit in 80 columns."""
+    from rich import box
     from rich.table import Table
 
     ids = [r.id for r in next(iter(results.values()))]
-    table = Table(title="class results", caption="+ passed   x failed   . not attempted")
-    table.add_column("student")
+    table = Table(title="class results", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
+                  caption="columns: exercise numbers   + passed   x failed   . not attempted")
+    table.add_column("student", no_wrap=True, max_width=16)
     for ex_id in ids:
-        table.add_column(ex_id, justify="center")
-    table.add_column("passed", justify="right")
+        table.add_column(ex_id.removeprefix("ex"), justify="center", min_width=2, no_wrap=True)
+    table.add_column("passed", justify="right", no_wrap=True)
     marks = {"passed": "[green]+[/green]", "failed": "[red]x[/red]", "not attempted": "[dim].[/dim]"}
     for folder, rs in results.items():
         passed = sum(r.status == "passed" for r in rs)
