@@ -109,6 +109,10 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        allowed = LLAMA_ACTIVATIONS if self.gated_mlp else GPT2_ACTIVATIONS
+        if self.activation not in allowed.values():
+            raise ConfigError(f"ModelConfig.activation must be one of {sorted(set(allowed.values()))} for "
+                              f"model_type {self.model_type!r}, got {self.activation!r}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"

