@@ -346,8 +346,9 @@ class PrefixCache:
         """Look up the prompt, lock its hit blocks and copy their K/V into the empty ``cache``.
 
         Afterwards ``cache.length == request.cached_tokens``: prefill ``prompt_ids[cached_tokens:]``.
-        Raises ValueError if ``cache`` is not empty or not batch 1.
+        Raises ValueError if ``cache`` is not empty, not batch 1, or not shaped for ``model``.
         """
+        cache.check_matches(model)  # before any copy: a cache for another model fails inside torch
         if cache.length != 0 or cache.batch_size != 1:
             raise ValueError("the prefix cache fills a KV cache from position 0: pass an empty batch-1 "
                              f"KVCache (got length {cache.length}, batch {cache.batch_size})")

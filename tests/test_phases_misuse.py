@@ -104,3 +104,13 @@ def test_the_cache_and_trace_arguments_are_checked(model, cache, trace, message)
     cache = KVCache.for_model(model, max_seq_len=8) if cache == "ok" else cache
     with pytest.raises(ValueError, match=message):
         prefill(model, [1, 2], cache, trace=trace)
+
+
+def test_the_prefix_cache_checks_the_cache_before_copying_into_it(model):
+    from minillm import PrefixCache, SamplingParams, generate
+
+    prefix_cache = PrefixCache(model, block_size=4)
+    list(generate(model, list(range(12)), SamplingParams(max_new_tokens=1), prefix_cache=prefix_cache))
+    with pytest.raises(ValueError, match=r"does not fit the model: head_dim 8 \(the model's: 16\)"):
+        list(generate(model, list(range(12)), SamplingParams(max_new_tokens=1), cache=KVCache(2, 1, 2, 16, 8),
+                      prefix_cache=prefix_cache))
