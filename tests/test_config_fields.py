@@ -71,7 +71,8 @@ REFUSE = {
 
 # Rows whose field changes nothing in transformers' float32 eval-mode logits (rounding, no-op fields),
 # or only names what the checkpoint's tensors already show (their shapes).
-SAME_AS_BASE = {"gpt2 reorder_and_upcast_attn", "gpt2 activation gelu_pytorch_tanh", "llama pretraining_tp", "llama hidden_act swish", "llama tied",
+SAME_AS_BASE = {"gpt2 reorder_and_upcast_attn", "gpt2 activation gelu_pytorch_tanh", "llama pretraining_tp",
+                "llama hidden_act swish", "llama tied",
                 "mistral attention_bias (not a Mistral field)", "mistral sliding_window"}
 AMPLIFY = 4  # the random matrices ×4: peaky attention, so a wrong scale moves the logits by ~0.2, not ~0.004
 
@@ -103,6 +104,7 @@ def test_field_matches_transformers(case, tmp_path):
         with torch.no_grad():
             assert (model(ids) - expected).abs().max().item() <= TOL, impl
     # The row can fail: with the field left at its default, the same weights give other logits.
+    # (Rows that change tensor shapes or names cannot be ignored silently: the loader's check fails.)
     without = build_hf(family, base)
     if case not in SAME_AS_BASE and without.state_dict().keys() == hf.state_dict().keys():
         if all(without.state_dict()[k].shape == t.shape for k, t in hf.state_dict().items()):
@@ -144,7 +146,8 @@ GPT2_JSON = dict(GPT2, model_type="gpt2")
         (LLAMA_JSON, {"num_hidden_layers": 2.5}, "num_hidden_layers must be an integer"),
         (LLAMA_JSON, {"intermediate_size": -1}, "intermediate_size must be an integer >= 1"),
         (LLAMA_JSON, {"vocab_size": True}, "vocab_size must be an integer"),
-        (LLAMA_JSON, {"num_attention_heads": 3, "num_key_value_heads": 1}, "hidden_size (64) must be a multiple of num_attention_heads (3)"),
+        (LLAMA_JSON, {"num_attention_heads": 3, "num_key_value_heads": 1},
+         "hidden_size (64) must be a multiple of num_attention_heads (3)"),
         (LLAMA_JSON, {"num_key_value_heads": 3}, "num_attention_heads (4) must be a multiple of num_key_value_heads"),
         (LLAMA_JSON, {"head_dim": 0}, "head_dim must be an integer >= 1"),
         (LLAMA_JSON, {"rms_norm_eps": -1e-5}, "rms_norm_eps must be a positive number"),
@@ -185,7 +188,8 @@ def test_config_built_in_code_is_checked(field, value):
 
 
 @pytest.mark.parametrize(("scale_weights", "by_layer", "layer", "expected"),
-                         [(True, False, 3, 0.25), (True, True, 3, 0.0625), (False, True, 1, 0.5), (False, False, 5, 1.0)])
+                         [(True, False, 3, 0.25), (True, True, 3, 0.0625), (False, True, 1, 0.5),
+                          (False, False, 5, 1.0)])
 def test_attn_scale_formula(scale_weights, by_layer, layer, expected):
     """head_dim 16: 1/√16 = 0.25, divided by layer + 1 with the inverse-layer flag."""
     config = ModelConfig.from_hf({**GPT2_JSON, "scale_attn_weights": scale_weights,
