@@ -220,3 +220,19 @@ def test_whatif_config_with_bad_field_is_one_line(tmp_path, change, says):
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA_JSON, **change}))
     with pytest.raises(ConfigError, match=says):
         load_config(str(tmp_path / "config.json"))
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_per_layer_attention_scale_holds_through_the_kv_cache(impl, tmp_path):
+    """Prefill then decode (the sdpa paths with and without a mask) use the same per-layer scale."""
+    from minillm import KVCache, decode_step, prefill
+
+    hf = _build("gpt2", {**GPT2, "scale_attn_weights": False, "scale_attn_by_inverse_layer_idx": True})
+    model = load_model(save_hf(hf, tmp_path), device="cpu", dtype="float32", attn_impl=impl)
+    ids = torch.randint(0, GPT2["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(2))
+    expected = _logits(hf, ids)[0, 9:]  # what positions 9..15 predict
+    cache = KVCache.for_model(model, max_seq_len=16)
+    steps = [prefill(model, ids[:, :7], cache), prefill(model, ids[:, 7:10], cache)]  # a suffix: the masked path
+    steps += [decode_step(model, ids[:, i], cache) for i in range(10, 16)]
+    got = torch.cat([steps[1][:, None], *[s[:, None] for s in steps[2:]]], dim=1)[0]
+    assert (got - expected).abs().max().item() <= TOL
