@@ -38,7 +38,11 @@ POLL_S = 0.2  # how often the progress of a running check is read
 
 @dataclass(frozen=True)
 class CheckResult:
-    """One check: its test name, "passed" / "failed" / "not attempted", and the failure message."""
+    """One check: its test name, its outcome and the failure message.
+
+    outcome: "passed", "failed", "not attempted" (the stub is untouched) or "not run"
+    (an earlier check of the exercise timed out or crashed the process).
+    """
 
     name: str
     outcome: str
@@ -149,8 +153,12 @@ def run_checks(exercises: list[str], student_dir: Path | None = None, root: Path
             unfinished = _collect(events, done)
             if unfinished is None:
                 break
-            done[unfinished["exercise"]].checks.append(
-                CheckResult(unfinished["check"], "failed", _stopped_message(unfinished, timed_out, returncode, timeout_s)))
+            ex = done[unfinished["exercise"]]
+            ex.checks.append(CheckResult(unfinished["check"], "failed",
+                                         _stopped_message(unfinished, timed_out, returncode, timeout_s)))
+            ran = {c.name for c in ex.checks}
+            ex.checks += [CheckResult(name, "not run", "an earlier check of this exercise timed out or crashed")
+                          for name in _collected(events, ex.id) if name not in ran]
             todo = todo[todo.index(unfinished["exercise"]) + 1:]
             if not todo:
                 break
@@ -215,10 +223,17 @@ def _exercise_started(events: list[dict]) -> float | None:
 def _collect(events: list[dict], done: dict[str, _Exercise]) -> dict | None:
     """Add the finished checks to ``done``; return the start line of a check that never ended, if any."""
     for e in events:
+        if e["event"] == "collected":
+            continue
         ex = done.setdefault(e["exercise"], _Exercise(e["exercise"], e["title"], e["file"], e["lesson"], []))
         if e["event"] == "end":
             ex.checks.append(CheckResult(e["name"], e["outcome"], e["message"]))
     return events[-1] if events[-1]["event"] == "start" else None
+
+
+def _collected(events: list[dict], exercise: str) -> list[str]:
+    """The names of an exercise's checks, in the order pytest runs them."""
+    return next((e["checks"] for e in events if e["event"] == "collected" and e["exercise"] == exercise), [])
 
 
 def _stopped_message(start: dict, timed_out: bool, returncode: int, timeout_s: float) -> str:

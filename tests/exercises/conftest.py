@@ -131,6 +131,22 @@ def pytest_runtest_protocol(item, nextitem):
     return result
 
 
+def pytest_collection_finish(session):
+    """With --exercise-progress, first a line per exercise naming its checks (to tell which never ran)."""
+    path = session.config.getoption("exercise_progress")
+    if not path:
+        return
+    checks: dict[str, list[str]] = {}
+    for item in session.items:
+        ex = exercise_of(item)
+        if is_check(item) and ex is not None:
+            checks.setdefault(ex.id, []).append(item.name)
+    for ex_id, names in checks.items():
+        ex = EXERCISES[ex_id]
+        _append(path, {"event": "collected", "exercise": ex.id, "title": ex.title, "file": ex.file,
+                       "lesson": ex.lesson, "checks": names})
+
+
 def _append(path: str, line: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")

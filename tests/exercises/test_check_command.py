@@ -1,5 +1,6 @@
 """`minillm check`, run as a student runs it: on a fresh checkout, and on a folder of answers."""
 
+import importlib
 import subprocess
 import sys
 import textwrap
@@ -103,6 +104,8 @@ def test_a_hang_or_a_crash_stops_only_its_own_exercise(tmp_path):
     assert messages["ex01"].startswith("timed out: an infinite loop? ex01 was still running after 10 s")
     assert messages["ex02"].startswith("crashed: the Python process ended (exit code 3)")
     assert "SyntaxError" in messages["ex03"] and "ModuleNotFoundError" in messages["ex04"]
+    n_checks = sum(name.startswith("test_") for name in vars(importlib.import_module("exercises.test_ex01_causal_mask")))
+    assert [c.outcome for c in by_id["ex01"].checks] == ["failed"] + ["not run"] * (n_checks - 1)
 
 
 def test_timeout_must_be_positive():
