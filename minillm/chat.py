@@ -126,8 +126,8 @@ class ChatSession:
     def set_system(self, system: str | None) -> None:
         """Set (or with None / "" remove) the system message; the rest of the conversation stays.
 
-        The next turn reuses nothing before the system message changes, so it
-        prefills the whole conversation again.
+        The next turn reuses the cache only up to the first token where the old and new
+        system messages differ, so it prefills nearly the whole conversation again.
         """
         if self._has_system():
             self.messages = self.messages[1:]
@@ -193,6 +193,6 @@ class ChatSession:
         if n >= self.max_context:
             raise CacheFullError(
                 f"this message makes a {n}-token prompt but the chat's context is {self.max_context} tokens; "
-                "send a shorter message or start with a larger --max-context"
+                "send a shorter message or use a larger max_context (--max-context)"
             )
         return messages, dropped

@@ -8,6 +8,7 @@ import pytest
 from minillm import weights
 from minillm.cli import main
 from minillm.config import ModelConfig
+from minillm.units import fmt_bytes
 
 
 def expected_types(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -46,7 +47,8 @@ def test_info_names_the_quantisation_of_the_default_weights(smollm2_dir, smollm2
     config = ModelConfig.from_json(smollm2_dir / "config.json")
     for name, (n, params) in expected_types(config).items():
         assert re.search(rf"│ {name} │ {n} │ {params:,} │", out), name
-    assert f"converted from {smollm2_gguf.name} ({smollm2_gguf.stat().st_size / 1e6:.1f} MB)" in out
-    float32_mb = 4 * sum(params for _, params in expected_types(config).values()) / 1e6  # 4 bytes a parameter
-    assert f"dequantised to float32 ({float32_mb:.0f} MB)" in out
+    assert f"converted from {smollm2_gguf.name} ({fmt_bytes(smollm2_gguf.stat().st_size)})" in out
+    float32_bytes = 4 * sum(params for _, params in expected_types(config).values())  # 4 bytes a parameter
+    printed_mib = float(re.search(r"dequantised to float32 \(([\d.]+) MiB\)", out).group(1))
+    assert abs(printed_mib - float32_bytes / 2**20) < 0.1  # the file: the tensors plus a small JSON header
     assert "logits equal transformers loading this GGUF, not the original bf16 checkpoint's" in out
