@@ -179,7 +179,7 @@ class KVCache:
         ]
         body = "".join(f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in rows)
         bar = f"<div style='background:#ddd;width:300px'><div style='background:#4a8;width:{fill:.1f}%;height:8px'></div></div>"
-        return f"<b>KVCache</b><table>{body}</table>{bar}"
+        return f"<div style='font-family:system-ui,sans-serif'><b>KVCache</b><table>{body}</table>{bar}</div>"
 
 
 

@@ -88,6 +88,9 @@ LEVELS = ("steps", "layers")
 PASS_KINDS = ("prefill", "decode")
 
 
+_SANS = "font-family:system-ui,sans-serif"  # not the browser's default serif
+
+
 class Event(dict):
     """One trace event: a plain dict with a ``kind`` (JSON-ready), shown as a table in notebooks."""
 
@@ -101,7 +104,7 @@ class Event(dict):
             f"<td style='text-align:left'>{html.escape(_short(v))}</td></tr>"
             for k, v in self.items()
         )
-        return f"<b>{html.escape(self.kind)}</b><table>{rows}</table>"
+        return f"<div style='{_SANS}'><b>{html.escape(self.kind)}</b><table>{rows}</table></div>"
 
 
 class Events(list):
@@ -116,7 +119,7 @@ class Events(list):
             "<tr>" + "".join(f"<td>{html.escape(_short(e.get(c, '')))}</td>" for c in columns) + "</tr>"
             for e in self
         )
-        return f"<table><tr>{head}</tr>{body}</table>"
+        return f"<table style='{_SANS}'><tr>{head}</tr>{body}</table>"
 
 
 class Trace:
