@@ -17,6 +17,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from .trace import Trace
+from .units import fmt_bytes
 
 PREFILL_COLOR, DECODE_COLOR, ROOF_COLOR = "tab:orange", "tab:blue", "0.3"
 
@@ -92,7 +93,8 @@ def kv_cache(trace: Trace, path=None) -> Figure:
                     textcoords="offset points", xytext=(8, -4), fontsize=8)
     model = trace.first("model")
     if model:
-        ax.set_title(f"KV cache: {model['kv_bytes_per_token']:,} bytes per token")
+        per_token = model["kv_bytes_per_token"]
+        ax.set_title(f"KV cache: {per_token:,} bytes ({fmt_bytes(per_token)}) per token")
     ax.set_xlabel("position (tokens in the cache)")
     ax.set_ylabel("KV cache (MiB)")
     ax.set_xlim(left=0)
