@@ -615,6 +615,26 @@ def block_hashes_not_chained(token_ids, block_size, seed, extra_keys=(), hash_fn
     return [hash_fn(seed, token_ids[s : s + block_size], extra_keys) for s in starts]  # MISTAKE
 
 
+@mistake("ex11", "block_hashes")
+def block_hashes_drop_extra_keys(token_ids, block_size, seed, extra_keys=(), hash_fn=hash_block):
+    """Hashes the tokens only: two LoRA adapters (or images) with the same prompt would share K/V."""
+    hashes, parent = [], seed
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_fn(parent, token_ids[start : start + block_size], ())  # MISTAKE: extra_keys
+        hashes.append(parent)
+    return hashes
+
+
+@mistake("ex11", "block_hashes")
+def block_hashes_chain_from_the_first_block(token_ids, block_size, seed, extra_keys=(), hash_fn=hash_block):
+    """Chains every block to the first block's hash instead of the previous block's."""
+    hashes = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hashes[0] if hashes else seed  # MISTAKE: hashes[-1]
+        hashes.append(hash_fn(parent, token_ids[start : start + block_size], extra_keys))
+    return hashes
+
+
 @mistake("ex11", "longest_cached_prefix")
 def prefix_hit_counts_partial_block(block_hashes, cached, n_tokens, block_size):
     """After the full blocks, also counts the leftover tokens of the partial block as cached."""
