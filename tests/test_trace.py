@@ -314,10 +314,13 @@ def test_the_clock_starts_with_the_request_not_the_trace(model):
     import time
 
     trace = Trace()
-    time.sleep(0.3)  # a notebook: the Trace made in one cell, generate() run in the next
+    waited_ms = 2000.0  # a notebook: the Trace made in one cell, generate() run in the next
+    time.sleep(waited_ms / 1000)
     run(model, trace, max_new_tokens=2)
     assert trace.metrics["ttft_ms"] == pytest.approx(trace.prefill["end_ms"], abs=1e-6)
-    assert trace.prefill["start_ms"] < 50 and trace.metrics["ttft_ms"] < 300  # the 300 ms of waiting not counted
+    # the wait is not counted; the margin is wide so a loaded CI machine cannot flip it
+    assert trace.prefill["start_ms"] < waited_ms / 2
+
 
 
 @pytest.mark.parametrize("kwargs, message", [
