@@ -79,7 +79,7 @@ def attention_params(config: ModelConfig) -> int:
 
 def mlp_params(config: ModelConfig) -> int:
     """Weights of one MLP (no biases): 3·d_model·d_mlp for SwiGLU (gate, up, down), 2· for GELU."""
-    n_mats = 3 if config.activation == "silu" else 2
+    n_mats = 3 if config.gated_mlp else 2
     return n_mats * config.d_model * config.d_mlp
 
 
@@ -112,7 +112,7 @@ def _n_params(config: ModelConfig) -> int:
     c = config
     norm = c.d_model if c.uses_rope else 2 * c.d_model  # RMSNorm weight | LayerNorm weight + bias
     attn_bias = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.d_model if c.attention_bias else 0
-    mlp_bias = ((2 if c.activation == "silu" else 1) * c.d_mlp + c.d_model) if c.mlp_bias else 0
+    mlp_bias = ((2 if c.gated_mlp else 1) * c.d_mlp + c.d_model) if c.mlp_bias else 0
     layer = attention_params(c) + mlp_params(c) + attn_bias + mlp_bias + 2 * norm
     embed = c.vocab_size * c.d_model + (0 if c.uses_rope else c.max_seq_len * c.d_model)
     head = 0 if c.tie_word_embeddings else lm_head_params(c)
