@@ -39,7 +39,8 @@ class ChatTurn:
         reused_tokens: of those, the ones whose K/V the cache already held (no compute).
         prefill_tokens: the ones this turn's prefill computed (prompt_tokens - reused_tokens).
         token_ids: the generated ids (the EOS included, when the answer ended with it).
-        text: the answer's text (special tokens skipped), as appended to the history.
+        text: the answer's text (special tokens and a matched stop string left out), as
+            appended to the history.
         finish_reason: "eos", "stop", "length" or "cache_full" (see :class:`GenerationStep`).
         dropped_messages: old messages dropped before this turn so the prompt and
             ``max_new_tokens`` fit in the context (0 normally).
@@ -75,7 +76,9 @@ class ChatSession:
     Args:
         model: the transformer. tokenizer: a :class:`~minillm.tokenizer.Tokenizer` with a chat template.
         system: optional system message (the first message of the conversation).
-        params: sampling and stopping per answer (default greedy, 256 tokens).
+        params: sampling and stopping per answer (default: the checkpoint's generation_config.json
+            defaults, else greedy with 256 tokens). Stop strings (``params.stop``) end an answer
+            and are left out of its text, as in :func:`~minillm.generate.generate`.
         max_context: positions of the KV cache, the conversation's whole budget (prompt
             and answers); default min(model context, 2048). When a turn's prompt plus
             ``params.max_new_tokens`` does not fit, the oldest user/assistant messages are
@@ -95,8 +98,9 @@ class ChatSession:
             raise ValueError("this model has no chat template, so it cannot chat; use `minillm generate` instead")
         self.model = model
         self.tokenizer = tokenizer
-        self.params = params or SamplingParams()
-        self.eos_token_ids = set(tokenizer.eos_token_ids) | set(model.config.eos_token_ids)
+        gen = getattr(model, "generation_config", None)  # load_model's: generation_config.json's stop ids, defaults
+        self.params = params or (gen.sampling_params() if gen else SamplingParams())
+        self.eos_token_ids = set(tokenizer.eos_token_ids) | set((gen or model.config).eos_token_ids)
         if max_context is None:
             max_context = min(model.config.max_seq_len, DEFAULT_MAX_CONTEXT)
         if not 1 <= max_context <= model.config.max_seq_len:
@@ -159,16 +163,18 @@ class ChatSession:
         reused = min(common_prefix_len(self.cache_ids, prompt), len(prompt) - 1)
         self.cache.truncate(reused)
         generated: list[int] = []
+        pieces: list[str] = []
         first_s = None
         try:
             for step in generate(self.model, prompt[reused:], self.params, cache=self.cache,
-                                 eos_token_ids=self.eos_token_ids, trace=trace):
+                                 eos_token_ids=self.eos_token_ids, trace=trace, tokenizer=self.tokenizer):
                 generated.append(step.token_id)
+                pieces.append(step.text)
                 first_s = first_s or step.time_s
                 yield step
         finally:  # the cache holds the prompt and every generated token fed back so far
             self.cache_ids = (prompt + generated)[: self.cache.length]
-        answer = self.tokenizer.decode(generated)
+        answer = "".join(pieces)  # the answer's text, special tokens and a matched stop string left out
         self.messages = messages + [{"role": "assistant", "content": answer}]
         self.last_turn = ChatTurn(len(prompt), reused, len(prompt) - reused, tuple(generated), answer,
                                   step.finish_reason, dropped, (first_s - start) * 1e3, start, step.time_s)

@@ -158,3 +158,12 @@ def test_cli_chat_bad_options_are_usage_errors(smollm2_dir):
     run = subprocess.run([sys.executable, "-m", "minillm", "chat", "--model", str(smollm2_dir), "--max-context", "0"],
                          input="", capture_output=True, text=True, timeout=120)
     assert (run.returncode, run.stderr) == (2, "minillm: error: --max-context must be >= 1, got 0\n")
+
+
+def test_a_stop_string_ends_the_answer_and_stays_out_of_the_history(model, tokenizer):
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    full = tokenizer.decode(fresh_answer(model, tokenizer, question))  # the answer without a stop string
+    chat = ChatSession(model, tokenizer, params=SamplingParams(max_new_tokens=12, stop=(" Paris",)))
+    list(chat.send(question[0]["content"]))
+    assert chat.last_turn.finish_reason == "stop"
+    assert chat.last_turn.text == full[: full.index(" Paris")] == chat.messages[-1]["content"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 from .common import UsageError, ensure_model, model_options
+from .generate import _sampling_options, _sampling_params
 
 COMMANDS = {
     "/reset": "forget the conversation and empty the KV cache (the system message stays)",
@@ -24,14 +25,10 @@ COMMANDS = {
 def add_chat(sub) -> None:
     p = sub.add_parser("chat", help="chat in turns; the KV cache is kept, so each turn prefills only its new tokens")
     model_options(p)
-    p.add_argument("--system", help="system message")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most (default 256)")
+    p.add_argument("--system", help="system message (default: none)")
     p.add_argument("--max-context", type=int, help="KV cache positions for the whole conversation "
                                                    "(default: min(model context, 2048)); full: old turns are dropped")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--seed", type=int)
+    _sampling_options(p)
     p.set_defaults(run=run_chat)
 
 
@@ -42,7 +39,7 @@ def run_chat(args) -> int:
     from ..loading import load_model
     from ..tokenizer import load_tokenizer
 
-    params = _sampling_params(args)
+    _sampling_params(args)  # bad values are usage errors before the model loads
     if args.max_context is not None and args.max_context < 1:
         raise UsageError(f"--max-context must be >= 1, got {args.max_context}")
     folder = ensure_model(args.model, args.weights_dir)
@@ -50,6 +47,7 @@ def run_chat(args) -> int:
     if args.max_context is not None and args.max_context > model.config.max_seq_len:
         raise UsageError(f"--max-context must be at most {model.config.max_seq_len} (the model's context), "
                          f"got {args.max_context}")
+    params = _sampling_params(args, model.generation_config)  # unset flags: the checkpoint's defaults
     session = ChatSession(model, load_tokenizer(folder), args.system, params, args.max_context)
     interactive = sys.stdin.isatty()
     status = Console(stderr=True, highlight=False, soft_wrap=True)  # a stats line stays one line in a log
@@ -66,17 +64,6 @@ def run_chat(args) -> int:
         elif line:
             _turn(session, line, state["trace"], status)
     return 0
-
-
-def _sampling_params(args):
-    from ..sampling import SamplingParams
-
-    try:
-        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                              max_new_tokens=args.max_new_tokens)
-    except ValueError as e:  # "top_p must be ..." -> "--top-p must be ...": name the flag the user typed
-        name, rest = str(e).split(" ", 1)
-        raise UsageError(f"--{name.replace('_', '-')} {rest}") from None
 
 
 def _read_line(interactive: bool, status) -> str | None:
@@ -133,23 +120,21 @@ def _command(line: str, session, state: dict, status) -> str | None:
 def _turn(session, text: str, traced: bool, status) -> None:
     """One turn: the answer streamed to stdout, then what it cost on stderr. Ctrl-C stops the answer."""
     from ..errors import CacheFullError
-    from ..tokenizer import StreamDecoder
 
     trace = _new_trace(session) if traced else None
-    stream = StreamDecoder(session.tokenizer)
     steps = session.send(text, trace=trace)
     try:
         for step in steps:
-            print(stream.push(step.token_id), end="", flush=True)
+            print(step.text, end="", flush=True)
     except KeyboardInterrupt:
         steps.close()  # the conversation stays as before this message
-        print(stream.flush())
+        print()
         status.print("[answer interrupted; the conversation is unchanged]", style="dim", markup=False)
         return
     except CacheFullError as error:
         status.print(f"minillm: error: {error}", markup=False)
         return
-    print(stream.flush())
+    print()
     turn = session.last_turn
     if turn.dropped_messages:
         status.print(f"[context full ({session.max_context} tokens): dropped the {turn.dropped_messages} "
