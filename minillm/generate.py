@@ -156,7 +156,10 @@ def _one_prompt(prompt_ids) -> torch.Tensor:
     """The prompt as [T] int64; text, a batch, floats or nothing are refused with the fix."""
     if isinstance(prompt_ids, str):
         raise ValueError("generate() takes token ids, not text; encode it first: generate(model, tok.encode(text))")
-    ids = prompt_ids if isinstance(prompt_ids, torch.Tensor) else torch.tensor(prompt_ids)
+    try:
+        ids = prompt_ids if isinstance(prompt_ids, torch.Tensor) else torch.tensor(prompt_ids)
+    except (TypeError, ValueError, RuntimeError):  # None, ragged lists, strings inside lists
+        raise ValueError(f"prompt_ids must be a list of token ids or an integer tensor, got {prompt_ids!r:.60}") from None
     if ids.dtype not in (torch.int64, torch.int32) and ids.numel():
         raise ValueError(f"prompt_ids must hold integer token ids, got dtype {ids.dtype}")
     if ids.dim() == 2 and ids.shape[0] != 1:

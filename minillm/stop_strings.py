@@ -10,8 +10,9 @@ of the text that is the start of some stop string, so the emitted text never sho
     push("\\nUser")      -> ""            "\\n\\nUser" still could
     push(":")           -> "" , matched  the stop string itself is never emitted
 
-As vLLM with ``include_stop_str_in_output=False``: the output ends just before the
-earliest stop string found, and generation stops there.
+As vLLM with ``include_stop_str_in_output=False``: generation stops at the first piece
+after which the text holds a whole stop string, and the output ends just before the
+earliest stop string in that text (a longer one still incomplete then never completes).
 """
 
 from __future__ import annotations

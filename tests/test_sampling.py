@@ -165,16 +165,19 @@ _VALUES = st.sampled_from([0.0, 1.0, -1.0, 1e-30, 30.0, -30.0, 1e30, -1e30, 3e38
 def test_any_accepted_params_sample_a_possible_token(rows, temperature, top_k, top_p, min_p, bfloat16, seed):
     """Ties, -inf entries and magnitudes near float32's limit: a token is always drawn, it is
     never a -inf one, and settings that leave only the top token pick it (or a tie with it:
-    exactly for greedy and top_k 1, in float32 probability for min_p 1 and a tiny top_p)."""
+    exactly for greedy; for top_k 1, min_p 1 and a tiny top_p, among the float32 ties after temperature)."""
     rows = [r if any(math.isfinite(x) for x in r) else [0.0, *r[1:]] for r in rows]  # each row needs a finite logit
     logits = torch.tensor(rows).to(torch.bfloat16 if bfloat16 else torch.float32)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     tokens, logprobs = sample(logits, params, params.make_generator("cpu"))
     chosen = logits.float().gather(-1, tokens[:, None]).squeeze(-1)
     assert torch.isfinite(chosen).all() and torch.isfinite(logprobs).all()
-    if params.greedy or top_k == 1:
+    shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)
+    tempered = shifted / min(temperature, 3e38)  # at 1e30, logits 1e-30 apart are tied in float32
+    probs = torch.softmax(tempered, dim=-1)
+    if params.greedy:
         assert torch.equal(chosen, logits.float().amax(dim=-1))
+    elif top_k == 1:
+        assert torch.equal(tempered.gather(-1, tokens[:, None]), tempered.amax(dim=-1, keepdim=True))
     elif min_p == 1.0 or top_p == 1e-30:
-        shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)
-        probs = torch.softmax(shifted / min(temperature, 3e38), dim=-1)
-        assert torch.equal(probs.gather(-1, tokens[:, None]).squeeze(-1), probs.amax(dim=-1))
+        assert torch.equal(probs.gather(-1, tokens[:, None]), probs.amax(dim=-1, keepdim=True))

@@ -43,8 +43,11 @@ def test_streamed_text_is_the_text_before_the_first_stop_string(text, cuts, stop
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
     pieces = [text[i:j] for i, j in zip(bounds, bounds[1:])]
     out, matched = _run(pieces, stop)
-    found = [text.find(s) for s in stop if s in text]
-    assert "".join(out) == (text[: min(found)] if found else text)
+    # Generation ends at the first piece after which the text holds a stop string (later pieces are
+    # never generated); the answer is cut at the earliest stop string in the text up to there.
+    seen = next((text[:end] for end in bounds[1:] if any(s in text[:end] for s in stop)), text)
+    found = [seen.find(s) for s in stop if s in seen]
+    assert "".join(out) == (seen[: min(found)] if found else text)
     assert (matched is not None) == bool(found)
     for n in range(1, len(out) + 1):  # no prefix of what was shown ever holds a stop string
         assert not any(s in "".join(out[:n]) for s in stop)
@@ -114,6 +117,8 @@ def test_penalties_reach_generate(model):
         ([], {}, "prompt_ids is empty"),
         ([1.5, 2.0], {}, "prompt_ids must hold integer token ids"),
         ([[[1]]], {}, r"must be \[T\] or \[1, T\]"),
+        (None, {}, "prompt_ids must be a list of token ids or an integer tensor, got None"),
+        ([[1, 2], [3]], {}, "prompt_ids must be a list of token ids or an integer tensor"),
         ([1, 2], {"params": SamplingParams(stop="."),}, "pass tokenizer= to generate"),
         ([1, 2], {"params": {"temperature": 1.0}}, "params must be a SamplingParams"),
         ([1, 2], {"eos_token_ids": "."}, "eos_token_ids must be a token id or a list of them"),
