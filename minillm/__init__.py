@@ -31,6 +31,8 @@ The package layout is the course outline:
     bench.py      minillm vs transformers vs no cache vs the roofline floors, interleaved
 """
 
+import importlib.metadata
+
 from .config import ModelConfig
 from .errors import CacheFullError, ConfigError, MiniLLMError, ModelNotFoundError, WeightsError
 from .generate import GenerationStep, generate
@@ -42,6 +44,11 @@ from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, sample
 from .tokenizer import StreamDecoder, Tokenizer, load_tokenizer
 from .trace import Trace
+
+try:  # the installed distribution's version (pyproject.toml's), as `pip show minillm` prints it
+    __version__ = importlib.metadata.version("minillm")
+except importlib.metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "CacheFullError",

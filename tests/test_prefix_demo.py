@@ -68,7 +68,7 @@ def test_cli_generate_with_prefix_cache_marks_the_cached_prompt(smollm2_dir, cap
     cached = int(re.search(r"\((\d+) cached\)", summaries[1]).group(1))
     assert cached >= 100 and cached % 16 == 0  # the system prompt's full blocks
     assert main(args + ["--trace", "--no-warmup"]) == 0
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err  # the trace panels: on stderr, the answer alone on stdout
     assert "from the prefix cache" in out and "prefix_lookup" in out and "prefix_hit" in out and "▶" in out
 
 

@@ -59,9 +59,14 @@ def cli_run(smollm2_dir, tmp_path_factory):
     return r, out
 
 
+def _panels(stderr: str) -> str:
+    """The trace as rendered on stderr, less the "wrote PATH" lines (temporary paths)."""
+    return "".join(line for line in stderr.splitlines(keepends=True) if not line.startswith("wrote "))
+
+
 def test_cli_trace_matches_the_golden_text(cli_run):
     r, _ = cli_run
-    got = mask_timings(r.stdout)
+    got = mask_timings(_panels(r.stderr))
     if os.environ.get("MINILLM_UPDATE_GOLDEN"):
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(got)
@@ -69,7 +74,7 @@ def test_cli_trace_matches_the_golden_text(cli_run):
 
 
 def test_cli_trace_shows_every_phase_within_80_columns(cli_run):
-    out = cli_run[0].stdout
+    out = _panels(cli_run[0].stderr)
     for title in ("Prompt: ", "Prefill", "Steps: ", "Summary", "Roofline: "):
         assert f"╭─ {title}" in out
     assert len(re.findall(r"(?m)^│ +\d+ +\d+  '", out)) == 8  # one row per generated token
@@ -80,11 +85,14 @@ def test_cli_trace_shows_every_phase_within_80_columns(cli_run):
 
 
 def test_cli_trace_out_and_plots(cli_run):
-    _, out = cli_run
+    run, out = cli_run
     records = [json.loads(line) for line in (out / "trace.jsonl").read_text().splitlines()]
     kinds = [r["kind"] for r in records]
     assert kinds.count("prefill") == 1 and kinds.count("decode") == 7
     assert {"tokenize", "metrics", "detokenize", "roofline", "model", "warmup"} <= set(kinds)
+    assert run.stdout == next(e for e in records if e["kind"] == "detokenize")["text"] + "\n"  # just the answer
+    assert f"wrote {out / 'trace.jsonl'}\n" in run.stderr
+    assert f"wrote {out / 'plots' / 'roofline.png'}\n" in run.stderr
     metrics = next(r for r in records if r["kind"] == "metrics")
     prefill = next(r for r in records if r["kind"] == "prefill")
     assert metrics["ttft_ms"] == pytest.approx(prefill["end_ms"], abs=1e-6)

@@ -18,14 +18,18 @@ One module per command group, each holding its commands' options and their runni
 common.py (the usage error, shared options, output checks), generate.py, chat.py, models.py (download,
 convert, info), sweep.py, roofline.py (calibrate, whatif), prefix_demo.py, bench.py, check.py.
 
-Exit codes: 0 ok, 1 runtime error (one line), 2 usage error (one line), 130 interrupted.
+Exit codes: 0 ok, 1 runtime error (one line), 2 usage error (one line), 130 interrupted,
+141 the reader of stdout went away (`minillm generate ... | head`), silently.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
+from .. import __version__
 from ..errors import MiniLLMError
 from .bench import add_bench
 from .chat import add_chat
@@ -39,7 +43,12 @@ from .sweep import add_sweep
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``minillm`` console script; returns the exit code."""
+    """Entry point of the ``minillm`` console script; returns the exit code.
+
+    Every error ends in one line on stderr: usage errors exit 2, the errors minillm raises for
+    bad input exit 1, and anything else (a bug, an unexpected library error) exits 1 with its
+    type and a pointer to --debug, which shows the full traceback instead.
+    """
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
     try:
@@ -48,20 +57,45 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"minillm: error: {e}", file=sys.stderr)
         return 2
-    except (MiniLLMError, ValueError, OSError) as e:
-        if debug:
-            raise
-        print(f"minillm: error: {e}", file=sys.stderr)
-        return 1
+    except BrokenPipeError:  # the reader went away (`| head`): not an error of ours
+        return _quiet_exit_on_closed_stdout()
     except KeyboardInterrupt:
         fresh_line = "\n" if sys.stderr.isatty() else ""  # a terminal echoed ^C, maybe mid-line of output
         print(f"{fresh_line}minillm: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if debug:
+            raise
+        print(f"minillm: error: {_one_line(e)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(error: Exception) -> str:
+    """The error as one line; an exception minillm did not expect also names its type and --debug."""
+    text = " ".join(str(error).split()) or "(no message)"
+    if isinstance(error, (MiniLLMError, ValueError, OSError)):  # raised for the user, worded for them
+        return text
+    return f"{type(error).__name__}: {text} (run with --debug for the traceback)"
+
+
+def _quiet_exit_on_closed_stdout() -> int:
+    """Exit status 141 (128 + SIGPIPE), as a C tool killed by SIGPIPE in `cmd | head` ends, silently.
+
+    The recipe of Python's signal docs ("Note on SIGPIPE"): point stdout at devnull, so that
+    the interpreter's final flush of the unwritten output does not raise again at exit.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout without a file descriptor (captured in tests)
+        pass
+    return 128 + signal.SIGPIPE
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="minillm", description="An educational LLM inference engine in pure PyTorch.")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    parser.add_argument("--version", action="version", version=f"minillm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     add_generate(sub)
     add_chat(sub)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .common import UsageError, check_out_file, ensure_model, model_options, write_text
+from .common import UsageError, check_out_file, ensure_model, model_options, write_text, wrote
 
 
 def add_bench(sub) -> None:
@@ -28,9 +28,9 @@ def add_bench(sub) -> None:
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--memory-tokens", type=int,
                    help="peak RSS of generating this many tokens, in a fresh process (0: skip; default 1024)")
-    p.add_argument("--json", metavar="FILE", help="write every number as JSON")
-    p.add_argument("--plot", metavar="FILE.png", help="tok/s against length per engine, floors drawn")
-    p.add_argument("--markdown", metavar="FILE.md", help="write the tables as markdown")
+    p.add_argument("--json", metavar="FILE", help="write every number as JSON (default: not written)")
+    p.add_argument("--plot", metavar="FILE.png", help="tok/s against length per engine, floors drawn (default: none)")
+    p.add_argument("--markdown", metavar="FILE.md", help="write the tables as markdown (default: not written)")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: prompts 32 128, context 64, batch 1, 1 repeat, 8 tokens, memory 64 tokens "
                         "(options given explicitly still apply)")
@@ -78,11 +78,11 @@ def run_bench_cmd(args) -> int:
         out.print(f"- {note}")
     for flag, write in (("json", result.to_json), ("markdown", lambda path: write_text(path, to_markdown(result)))):
         if getattr(args, flag):
-            out.print(f"wrote {write(getattr(args, flag))}")
+            wrote(write(getattr(args, flag)))
     if args.plot:
         from ..bench import plot
 
-        out.print(f"wrote {plot(result, args.plot)}")
+        wrote(plot(result, args.plot))
     return 0
 
 

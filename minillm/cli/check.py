@@ -14,7 +14,7 @@ def add_check(sub) -> None:
     p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                    help="stop an exercise whose checks run longer than this (an infinite loop?); default 60")
     p.add_argument("-v", "--verbose", action="store_true", help="also show pytest's own output (tracebacks)")
-    p.add_argument("--debug", action="store_true")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     p.set_defaults(run=run_check)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -14,9 +15,38 @@ class UsageError(Exception):
     """Bad command-line usage: one line on stderr, exit code 2."""
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help with every option's default shown: "(default: X)" is appended unless the
+    help already says what the default is (argparse's ArgumentDefaultsHelpFormatter would also
+    print "default: None" for defaults decided later, and repeat the defaults already written)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or action.nargs == 0 or default in (None, argparse.SUPPRESS)
+                or "default" in text.lower()):
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
+
+
 class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):  # argparse would print the whole usage block; one line is kinder
         raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def warn(message: str) -> None:
+    """One line on stderr for a flag that is ignored or a result to take with care; never stdout."""
+    print(f"minillm: warning: {message}", file=sys.stderr)
+
+
+def wrote(path) -> None:
+    """Announce an output file after writing it, on stderr: stdout stays the command's answer."""
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def model_options(p: argparse.ArgumentParser) -> None:
@@ -28,6 +58,19 @@ def model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
 
 
+def model_argument(p: argparse.ArgumentParser, help: str) -> None:
+    """``--model`` / ``-m`` as every command spells it, and the older positional MODEL, still accepted."""
+    p.add_argument("model_positional", nargs="?", metavar="MODEL", help="same as --model (the older spelling)")
+    p.add_argument("--model", "-m", help=f"{help} (default: {weights.DEFAULT_MODEL})")
+
+
+def chosen_model(args) -> str:
+    """The model named by --model or the positional MODEL (one of them), else the default."""
+    if args.model_positional and args.model and args.model_positional != args.model:
+        raise UsageError(f"two models given: {args.model_positional} and --model {args.model}; give one")
+    return args.model or args.model_positional or weights.DEFAULT_MODEL
+
+
 def ensure_model(name_or_path: str, weights_dir: str | None):
     """The model folder; a missing known model is downloaded first, with a notice."""
     if weights.is_model_name(name_or_path) and not weights.is_downloaded(name_or_path, weights_dir):
@@ -37,7 +80,10 @@ def ensure_model(name_or_path: str, weights_dir: str | None):
 
 
 def check_out_file(flag: str, path: str, suffix: str | None = None) -> None:
-    """A usage error now for an output file that could not be written after the work."""
+    """A usage error now for an output file that could not be written after the work.
+
+    Nothing is created: an existing file is replaced later, by the writer.
+    """
     target = Path(path).expanduser().absolute()
     if suffix and target.suffix.lower() != suffix:
         raise UsageError(f"{flag}: {path} must end in {suffix}")
@@ -45,6 +91,10 @@ def check_out_file(flag: str, path: str, suffix: str | None = None) -> None:
         raise UsageError(f"{flag}: {target} is a folder; give a file name")
     if not target.parent.is_dir():
         raise UsageError(f"{flag}: folder {target.parent} does not exist; create it or pick another path")
+    if not os.access(target.parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag}: cannot write in {target.parent} (permission denied); pick a folder you can write to")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise UsageError(f"{flag}: {target} is read-only; pick another file name")
 
 
 def check_out_dir(flag: str, path: str) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import time
 
 from ..units import fmt_bytes
-from .common import UsageError, check_out_file, ensure_model, model_options
+from .common import UsageError, check_out_dir, check_out_file, ensure_model, model_options, warn, wrote
 
 
 def add_generate(sub) -> None:
@@ -19,17 +21,25 @@ def add_generate(sub) -> None:
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="wrap the prompt in the model's chat template (default when it has one)")
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="send the prompt as raw text")
-    p.add_argument("--system", help="system message (chat mode)")
+    p.add_argument("--system", help="system message (chat mode); --system \"\" sends an empty one "
+                                     "(default: none, so the template may add its own, e.g. SmolLM2's persona)")
     p.add_argument("--trace", nargs="?", const="steps", choices=["steps", "layers"],
                    help="show every phase: prompt tokens, prefill, each step, summary, roofline verdicts "
-                        "(layers: also per-layer shapes and times)")
-    p.add_argument("--trace-out", metavar="FILE.jsonl", help="write the trace, one JSON event a line (schema: pydoc minillm.trace)")
-    p.add_argument("--plots", metavar="DIR", help="with a trace: write timeline, roofline and KV cache PNGs")
-    p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="with a trace: skip the warm-up pass (then the first pass pays one-time setup costs)")
+                        "(layers: also per-layer shapes and times; default: off, steps when given alone)")
+    p.add_argument("--trace-out", metavar="FILE.jsonl",
+                   help="write the trace, one JSON event a line (schema: pydoc minillm.trace; default: not written)")
+    p.add_argument("--plots", metavar="DIR", help="write timeline, roofline and KV cache PNGs into DIR "
+                                                  "(traces the request; default: none)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction,
+                   help="one untimed prefill + decode pass before the first request, so its TTFT leaves out "
+                        "one-time setup costs (default: on with --trace/--trace-out/--plots, off otherwise: "
+                        "the summary then says 'cold')")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per prompt on stdout: text, finish_reason, usage, metrics "
+                        "(instead of the streamed answer)")
     p.add_argument("--prefix-cache", action="store_true",
                    help="reuse the K/V of prompt prefixes seen before in this run (automatic prefix caching)")
-    p.add_argument("--block-size", type=int, default=16, help="prefix cache block size in tokens (default 16)")
+    p.add_argument("--block-size", type=int, help="prefix cache block size in tokens (default: 16)")
     p.set_defaults(run=run_generate)
 
 
@@ -46,7 +56,8 @@ def _sampling_options(p) -> None:
                    help="> 1 discourages tokens of the prompt and output: logit / p if positive, * p if not (1 = off)")
     g.add_argument("--presence-penalty", type=float, help="subtracted from the logit of each output token so far (0)")
     g.add_argument("--frequency-penalty", type=float, help="subtracted once per occurrence in the output so far (0)")
-    g.add_argument("--seed", type=int)
+    g.add_argument("--seed", type=int, help="seed of the sampler's random generator: the same seed, the same answer "
+                                           "(none: a fresh random draw each run)")
     g.add_argument("--stop", action="append", metavar="TEXT",
                    help="end the answer before this text (never printed); repeat for several")
 
@@ -62,37 +73,69 @@ def run_generate(args) -> int:
     from ..tokenizer import load_tokenizer
 
     _sampling_params(args)  # bad values are usage errors before the model loads
+    _check_generate_args(args)
     prompts = [_read_prompt(p) for p in args.prompt] or [_read_prompt(None)]
+    folder = ensure_model(args.model, args.weights_dir)
+    model = load_model(folder, device=args.device, dtype=args.dtype)
+    tokenizer = load_tokenizer(folder)
+    if args.system is not None and args.chat is None and not tokenizer.has_chat_template:
+        raise UsageError(f"--system needs a chat template and {args.model} has none; put the text in the prompt")
+    params = _sampling_params(args, model.generation_config)
+    prefix_cache = PrefixCache(model, block_size=args.block_size) if args.prefix_cache else None
+    traced = bool(args.trace or args.trace_out or args.plots)
+    warmup = traced if args.warmup is None else args.warmup
+    for i, prompt in enumerate(prompts):  # one request after another; with --prefix-cache they share cached prefixes
+        cold = not warmup and i == 0  # later requests run in a process the first one warmed
+        if traced:
+            run_generate_traced(args, model, tokenizer, prompt, params, prefix_cache, warmup, cold)
+        else:
+            _generate_one(args, model, tokenizer, prompt, params, prefix_cache, warmup and i == 0, cold)
+    return 0
+
+
+def _check_generate_args(args) -> None:
+    """Contradicting or ignored flags and unwritable outputs: said now, before the model loads."""
+    if args.system is not None and args.chat is False:  # dropping it would change the answer unseen
+        raise UsageError("--system needs chat mode: drop --no-chat, or put the text in the prompt")
+    if args.block_size is not None and not args.prefix_cache:
+        warn("--block-size has no effect without --prefix-cache")
+    args.block_size = 16 if args.block_size is None else args.block_size
     if args.block_size < 1:
         raise UsageError(f"--block-size must be >= 1, got {args.block_size}")
     if args.trace_out:
         check_out_file("--trace-out", args.trace_out)
-    folder = ensure_model(args.model, args.weights_dir)
-    model = load_model(folder, device=args.device, dtype=args.dtype)
-    tokenizer = load_tokenizer(folder)
-    params = _sampling_params(args, model.generation_config)
-    prefix_cache = PrefixCache(model, block_size=args.block_size) if args.prefix_cache else None
-    for prompt in prompts:  # one request after another; with --prefix-cache they share cached prefixes
-        if args.trace or args.trace_out or args.plots:
-            run_generate_traced(args, model, tokenizer, prompt, params, prefix_cache)
-        else:
-            _generate_one(args, model, tokenizer, prompt, params, prefix_cache)
-    return 0
+    if args.plots:
+        check_out_dir("--plots", args.plots)
 
 
-def _generate_one(args, model, tokenizer, prompt: str, params, prefix_cache) -> None:
-    """One request: the answer streamed to stdout, the summary line to stderr."""
+def _generate_one(args, model, tokenizer, prompt: str, params, prefix_cache, warmup: bool, cold: bool) -> None:
+    """One request: the answer streamed to stdout (or its JSON record), the summary line to stderr."""
     from ..generate import generate
+    from ..sweep import warm_up
 
-    start = time.perf_counter()
+    if warmup:
+        warm_up(model, len(_encode_prompt(tokenizer, prompt, args.chat, args.system)))
+    start = time.perf_counter()  # TTFT includes tokenizing, as a server's counts from the request's arrival
     prompt_ids = _encode_prompt(tokenizer, prompt, args.chat, args.system)
     steps = []
     for step in generate(model, prompt_ids, params, eos_token_ids=_eos_ids(model, tokenizer),
                          prefix_cache=prefix_cache, tokenizer=tokenizer):
         steps.append(step)
-        print(step.text, end="", flush=True)  # stop strings held back and never printed
-    print()
-    print(_summary(len(prompt_ids), steps, start), file=sys.stderr)
+        if not args.json:
+            print(step.text, end="", flush=True)  # stop strings held back and never printed
+    _finish_request(args, prompt, prompt_ids, steps, start, cold)
+
+
+def _finish_request(args, prompt: str, prompt_ids, steps, start_s: float, cold: bool) -> None:
+    """After the last token: the answer's newline or its JSON line on stdout, the summary on stderr."""
+    from ..metrics import RequestMetrics
+
+    metrics = RequestMetrics.from_timestamps(start_s, [s.time_s for s in steps], len(prompt_ids))
+    if args.json:
+        print(json.dumps(_json_record(prompt, steps, metrics, cold)), flush=True)
+    else:
+        print(flush=True)
+    print(_summary(metrics, steps, cold), file=sys.stderr)
 
 
 def _sampling_params(args, generation_config=None):
@@ -121,10 +164,13 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 
 def _read_prompt(prompt: str | None) -> str:
+    """The prompt argument, or stdin's text for '-' or none, less the one newline that ends a
+    piped line (`echo "..." | minillm generate`, as `$(...)` in a shell drops it)."""
     if prompt in (None, "-"):
         if prompt is None and sys.stdin.isatty():
             raise UsageError("give a prompt, or pipe one in on stdin (see 'minillm generate --help')")
         prompt = sys.stdin.read()
+        prompt = prompt.removesuffix("\r\n") if prompt.endswith("\r\n") else prompt.removesuffix("\n")
     if not prompt.strip():
         raise UsageError("the prompt is empty")
     return prompt
@@ -135,21 +181,40 @@ def _encode_prompt(tokenizer, prompt: str, chat: bool | None, system: str | None
         chat = tokenizer.has_chat_template
     if not chat:
         return tokenizer.encode(prompt)
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    # system "" is a message too: leaving it out lets templates insert their default persona
+    messages = ([] if system is None else [{"role": "system", "content": system}]) + [{"role": "user", "content": prompt}]
     return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
 
 
-def _summary(n_prompt: int, steps, start: float) -> str:
-    ttft_ms = (steps[0].time_s - start) * 1e3
-    e2e_s = steps[-1].time_s - start
-    tpot = f"{(steps[-1].time_s - steps[0].time_s) * 1e3 / (len(steps) - 1):.1f} ms" if len(steps) > 1 else "n/a"
+def _summary(m, steps, cold: bool) -> str:
+    """One line: tokens, TTFT ("cold": no warm-up pass ran before it), TPOT, and two rates named by
+    what they measure: decode = 1 / TPOT (as llama.cpp and Ollama print it), output = tokens / e2e."""
     cached = f" ({steps[0].cached_tokens} cached)" if steps[0].cached_tokens else ""
-    return (f"[prompt {n_prompt} tok{cached} | generated {len(steps)} tok | TTFT {ttft_ms:.1f} ms | TPOT {tpot} | "
-            f"{len(steps) / e2e_s:.1f} tok/s | stop: {steps[-1].finish_reason}]")
+    tpot = f"{m.tpot_ms:.1f} ms | decode {1e3 / m.tpot_ms:.1f} tok/s" if m.tpot_ms else "n/a | decode n/a"
+    return (f"[prompt {m.n_prompt_tokens} tok{cached} | generated {m.n_output_tokens} tok | "
+            f"TTFT {m.ttft_ms:.1f} ms{' (cold)' if cold else ''} | TPOT {tpot} | "
+            f"output {m.output_throughput_tok_s:.1f} tok/s | stop: {steps[-1].finish_reason}]")
 
 
-def run_generate_traced(args, model, tokenizer, prompt: str, params, prefix_cache=None) -> int:
-    """generate() with a Trace: the prompt's tokens, the streamed answer, then the trace rendered."""
+def _json_record(prompt: str, steps, m, cold: bool) -> dict:
+    """One request as JSON: usage named as OpenAI's API and vLLM name it, times in ms, rates in tok/s."""
+    return {
+        "prompt": prompt,
+        "text": "".join(s.text or "" for s in steps),
+        "finish_reason": steps[-1].finish_reason,
+        "usage": {"prompt_tokens": m.n_prompt_tokens, "completion_tokens": m.n_output_tokens,
+                  "cached_tokens": steps[0].cached_tokens},
+        "metrics": {"ttft_ms": m.ttft_ms, "tpot_ms": m.tpot_ms, "e2e_ms": m.e2e_ms,
+                    "decode_tok_s": 1e3 / m.tpot_ms if m.tpot_ms else None,
+                    "output_tok_s": m.output_throughput_tok_s, "prefill_tok_s": m.prefill_throughput_tok_s,
+                    "itl_p50_ms": m.itl_p50_ms, "itl_p99_ms": m.itl_p99_ms, "cold": cold},
+    }
+
+
+def run_generate_traced(args, model, tokenizer, prompt: str, params, prefix_cache=None, warmup: bool = True,
+                        cold: bool = False) -> int:
+    """generate() with a Trace: the answer streamed to stdout; the prompt's tokens and the trace
+    rendered on stderr (so `--trace > answer.txt` keeps just the answer)."""
     from rich.console import Console
 
     from ..generate import generate
@@ -160,8 +225,8 @@ def run_generate_traced(args, model, tokenizer, prompt: str, params, prefix_cach
 
     param = next(model.parameters())
     hw = get_hardware(param.device, param.dtype)  # measured once per machine, then cached
-    console = Console()
-    warmup_ms = warm_up(model, len(_encode_prompt(tokenizer, prompt, args.chat, args.system))) if args.warmup else None
+    console = Console(stderr=True)
+    warmup_ms = warm_up(model, len(_encode_prompt(tokenizer, prompt, args.chat, args.system))) if warmup else None
     trace = Trace(args.trace or "steps", tokenizer=tokenizer, hardware=hw)
     if warmup_ms is not None:
         trace.record("warmup", time_ms=warmup_ms)
@@ -174,20 +239,25 @@ def run_generate_traced(args, model, tokenizer, prompt: str, params, prefix_cach
     for step in generate(model, prompt_ids, params, eos_token_ids=_eos_ids(model, tokenizer), trace=trace,
                          prefix_cache=prefix_cache, tokenizer=tokenizer):  # records "detokenize" at the end
         steps.append(step)
-        print(step.text, end="", flush=True)
-    print()
+        if not args.json:
+            print(step.text, end="", flush=True)
+    if args.trace:
+        from ..metrics import RequestMetrics
+
+        metrics = RequestMetrics.from_timestamps(trace.start_s, [s.time_s for s in steps], len(prompt_ids))
+        print(json.dumps(_json_record(prompt, steps, metrics, cold)) if args.json else "", flush=True)
+        if prefix_cache is not None:
+            console.print(_cached_prompt_panel(trace, prefix_cache))
+        print_trace(trace, console, prompt=False)  # its summary panel stands for the summary line
+    else:
+        _finish_request(args, prompt, prompt_ids, steps, trace.start_s, cold)
     if args.trace_out:
-        trace.to_jsonl(args.trace_out)
+        wrote(trace.to_jsonl(args.trace_out))
     if args.plots:
         from ..plots import save_trace_plots
 
-        save_trace_plots(trace, args.plots)
-    if args.trace:
-        if prefix_cache is not None:
-            console.print(_cached_prompt_panel(trace, prefix_cache))
-        print_trace(trace, console, prompt=False)
-    else:
-        print(_summary(len(prompt_ids), steps, trace.start_s), file=sys.stderr)
+        for path in save_trace_plots(trace, args.plots):
+            wrote(path)
     return 0
 
 

@@ -20,7 +20,7 @@ def add_convert(sub) -> None:
     p = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face model folder")
     p.add_argument("gguf_file")
     p.add_argument("out_dir")
-    p.add_argument("--debug", action="store_true")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
 
     def run(args):
         check_out_dir("OUT_DIR", args.out_dir)  # before the gguf import and the dequantizing

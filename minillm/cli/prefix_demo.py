@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..units import fmt_bytes
-from .common import UsageError, check_out_file, ensure_model, model_options
+from .common import UsageError, check_out_file, ensure_model, model_options, wrote
 
 
 def add_prefix_demo(sub) -> None:
@@ -12,7 +12,7 @@ def add_prefix_demo(sub) -> None:
     p.add_argument("--requests", type=int, default=4, help="number of requests (default 4)")
     p.add_argument("--block-size", type=int, default=16, help="prefix cache block size in tokens (default 16)")
     p.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per request (default 8)")
-    p.add_argument("--plot", metavar="FILE.png", help="draw TTFT per request, without and with the cache")
+    p.add_argument("--plot", metavar="FILE.png", help="draw TTFT per request, without and with the cache (default: none)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
     p.set_defaults(run=run_prefix_demo_cmd)
 
@@ -45,9 +45,11 @@ def run_prefix_demo_cmd(args) -> int:
     console = Console()
     console.print(table)
     s = result.stats
-    console.print(f"warm requests: TTFT x{result.warm_speedup:.1f} faster | cache: {s.blocks} blocks, "
+    warm = (f"TTFT x{result.warm_speedup:.1f} faster" if result.warm_rows
+            else "n/a (none: the first request fills the cache; use --requests 2 or more)")
+    console.print(f"warm requests: {warm} | cache: {s.blocks} blocks, "
                   f"{fmt_bytes(s.bytes)}, hit rate {100 * s.hit_rate:.1f}% ({s.hit_tokens}/{s.query_tokens} "
                   f"tokens), {s.evictions} evictions")
     if args.plot:
-        console.print(f"wrote {plot_prefix_demo(result, args.plot)}")
+        wrote(plot_prefix_demo(result, args.plot))
     return 0

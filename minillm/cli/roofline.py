@@ -5,15 +5,16 @@ from __future__ import annotations
 import sys
 
 from ..units import fmt_bytes, fmt_num
-from .common import UsageError
+from .common import UsageError, warn
 
 
 def add_calibrate(sub) -> None:
     p = sub.add_parser("calibrate", help="measure this machine's peak matmul FLOP/s and memory bandwidth")
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps (default: cpu)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="the dtype of the measured matmuls")
     p.add_argument("--quick", action="store_true", help="smaller, faster measurement (less accurate)")
-    p.add_argument("--debug", action="store_true")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     p.set_defaults(run=run_calibrate)
 
 
@@ -41,17 +42,18 @@ def _hardware_table(hw, title: str):
 
 def add_whatif(sub) -> None:
     p = sub.add_parser("whatif", help="predict TTFT and TPOT of a model on some hardware (roofline floors)")
-    p.add_argument("--config", required=True, help="config.json path or folder, a downloaded model, or llama-3-8b")
+    p.add_argument("--model", "-m", "--config", dest="config", required=True,
+                   help="config.json path or folder, a downloaded model, or llama-3-8b (--config: the older spelling)")
     p.add_argument("--hardware", default="h100", help="h100, h200, a100, l4, rtx4090, m2-max, laptop-cpu, "
                                                      "or 'this' (the calibrated local machine)")
-    p.add_argument("--device", default="cpu", help="with --hardware this: which device's calibration")
-    p.add_argument("--prompt-tokens", type=int, default=2000)
-    p.add_argument("--output-tokens", type=int, default=200)
+    p.add_argument("--device", help="with --hardware this: which device's calibration (default: cpu)")
+    p.add_argument("--prompt-tokens", type=int, default=2000, help="tokens prefilled")
+    p.add_argument("--output-tokens", type=int, default=200, help="tokens generated")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="default bfloat16; with --hardware this, the dtype the model runs in on --device "
                         "(float32 on cpu, bfloat16 on cuda)")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--debug", action="store_true")
+    p.add_argument("--batch-size", type=int, default=1, help="requests decoded together")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     p.set_defaults(run=run_whatif)
 
 
@@ -63,9 +65,16 @@ def run_whatif(args) -> int:
 
     if min(args.prompt_tokens, args.output_tokens, args.batch_size) < 1:
         raise UsageError("--prompt-tokens, --output-tokens and --batch-size must be >= 1")
+    if args.device and args.hardware != "this":
+        warn(f"--device has no effect with --hardware {args.hardware} (a datasheet); it picks the calibration "
+             "of --hardware this")
+    args.device = args.device or "cpu"
     args.dtype = args.dtype or _whatif_dtype(args.hardware, args.device)
     hw = _whatif_hardware(args.hardware, args.device, args.dtype)
     config = load_config(args.config)
+    if args.prompt_tokens + args.output_tokens > config.max_seq_len:
+        warn(f"{args.prompt_tokens:,} prompt + {args.output_tokens:,} output tokens exceed {args.config}'s "
+             f"{config.max_seq_len:,}-token context: the model cannot run this request; the floors are extrapolated")
     dtype_bytes = 4 if args.dtype == "float32" else 2
     w = predict(config, hw, args.prompt_tokens, args.output_tokens, dtype_bytes, args.batch_size)
     table = Table(title=f"{args.config} on {hw.name}, {args.dtype}, batch {w.batch_size} (roofline floors)",

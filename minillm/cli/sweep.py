@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import UsageError, check_out_dir, ensure_model, model_options
+from .common import UsageError, check_out_dir, ensure_model, model_options, wrote
 
 
 def add_sweep(sub) -> None:
@@ -11,8 +11,10 @@ def add_sweep(sub) -> None:
     p = sub.add_parser("sweep", help="measure TTFT vs prompt length and TPOT vs context length; write PNGs")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the PNGs, sweep.json and sweep.csv")
     model_options(p)
-    p.add_argument("--prompt-lengths", type=int, nargs="+", default=list(DEFAULT_PROMPT_LENGTHS), metavar="N")
-    p.add_argument("--context-lengths", type=int, nargs="+", default=list(DEFAULT_CONTEXT_LENGTHS), metavar="N")
+    p.add_argument("--prompt-lengths", type=int, nargs="+", default=list(DEFAULT_PROMPT_LENGTHS), metavar="N",
+                   help="prefill cases (tokens)")
+    p.add_argument("--context-lengths", type=int, nargs="+", default=list(DEFAULT_CONTEXT_LENGTHS), metavar="N",
+                   help="decode cases: tokens in the KV cache")
     p.add_argument("--repeats", type=int, default=3, help="prefills per prompt length (median)")
     p.add_argument("--decode-steps", type=int, default=3, help="decode steps per context length (median)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
@@ -44,5 +46,5 @@ def run_sweep(args) -> int:
             table.add_row(name, str(n), f"{t:.1f}", f"{f:.1f}")
     console = Console()
     console.print(table)
-    console.print("wrote " + ", ".join(str(p) for p in paths))
+    wrote(", ".join(str(p) for p in paths))
     return 0
