@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..classroom import DEFAULT_TIMEOUT_S  # stdlib only: cheap to import with the parser
 from .common import UsageError
 
 
@@ -11,8 +12,9 @@ def add_check(sub) -> None:
     p.add_argument("--student-dir", nargs="+", metavar="DIR",
                    help="a student's copy of lessons/exercises/ (default: the checkout's); several: a class table; "
                         "exercise ids may follow the folders (--student-dir alice ex03)")
-    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="stop an exercise whose checks run longer than this (an infinite loop?); default 60")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help=f"stop an exercise whose checks run longer than this (an infinite loop?); "
+                        f"default {DEFAULT_TIMEOUT_S:g}")
     p.add_argument("-v", "--verbose", action="store_true", help="also show pytest's own output (tracebacks)")
     p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     p.set_defaults(run=run_check)
