@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from .generate import generate
+from .generation_config import generation_config_of
 from .prefix_cache import PrefixCache, PrefixCacheStats
 from .sampling import SamplingParams
 
@@ -235,7 +236,7 @@ def run_prefix_demo(model, tokenizer, n_requests: int = 4, block_size: int = 16,
         raise ValueError(f"n_requests must be >= 1, got {n_requests}")
     prompts = build_prompts(tokenizer, n_requests, system)
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    eos = set(tokenizer.eos_token_ids) | set(model.config.eos_token_ids)
+    eos = set(tokenizer.eos_token_ids) | set(generation_config_of(model).eos_token_ids)
     pc = PrefixCache(model, block_size=block_size)
     kv_per_token = model.config.kv_bytes_per_token(next(model.parameters()).element_size())
     _timed(model, prompts[0][:32], params, eos, None)  # warm-up: first-call overheads out of request 1
