@@ -128,14 +128,17 @@ class ChatSession:
         self.last_turn = None
 
     def set_system(self, system: str | None) -> None:
-        """Set (or with None / "" remove) the system message; the rest of the conversation stays.
+        """Set (or with None remove) the system message; the rest of the conversation stays.
+
+        An empty string is sent as an empty system message, as ``generate --system ""`` does:
+        many templates insert a default persona only when there is no system message at all.
 
         The next turn reuses the cache only up to the first token where the old and new
         system messages differ, so it prefills nearly the whole conversation again.
         """
         if self._has_system():
             self.messages = self.messages[1:]
-        if system:
+        if system is not None:
             self.messages = [{"role": "system", "content": system}] + self.messages
 
     def prompt_ids(self, messages: list[dict] | None = None) -> list[int]:

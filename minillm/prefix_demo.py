@@ -280,8 +280,9 @@ def plot_prefix_demo(result: PrefixDemoResult, path: str | Path) -> Path:
         ax.annotate(f"{r.cached_tokens} cached\n×{r.speedup:.1f}", top, ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x), [f"request {r.request}\n{r.prompt_tokens} tok" for r in rows])
     ax.set_ylabel("TTFT (ms)")
+    speedup = "n/a (one request)" if not result.warm_rows else f"×{result.warm_speedup:.1f}"  # no warm request to time
     ax.set_title(f"Prefix cache: {result.shared_prefix_tokens} shared prompt tokens, block_size {result.block_size}\n"
-                 f"warm TTFT speedup ×{result.warm_speedup:.1f}, hit rate {100 * result.stats.hit_rate:.0f}%",
+                 f"warm TTFT speedup {speedup}, hit rate {100 * result.stats.hit_rate:.0f}%",
                  fontsize=10)
     ax.legend()
     path = Path(path)

@@ -167,3 +167,12 @@ def test_a_stop_string_ends_the_answer_and_stays_out_of_the_history(model, token
     list(chat.send(question[0]["content"]))
     assert chat.last_turn.finish_reason == "stop"
     assert chat.last_turn.text == full[: full.index(" Paris")] == chat.messages[-1]["content"]
+
+
+def test_an_empty_system_message_is_sent_not_dropped(model, tokenizer):
+    # SmolLM2's template inserts its default persona only when there is no system message at all.
+    chat = ChatSession(model, tokenizer, system="", params=PARAMS)
+    assert chat.messages == [{"role": "system", "content": ""}]
+    text = tokenizer.apply_chat_template(chat.messages + [{"role": "user", "content": "Hi"}])
+    assert "SmolLM" not in text
+    assert text == tokenizer.apply_chat_template([{"role": "system", "content": ""}, {"role": "user", "content": "Hi"}])

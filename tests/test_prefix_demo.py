@@ -84,3 +84,16 @@ def test_cli_plot_must_be_a_png_checked_first(smollm2_dir, tmp_path):
     r = subprocess.run([sys.executable, "-m", "minillm", "prefix-demo", "--plot", str(tmp_path / "p.txt")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "must end in .png" in r.stderr, r.stderr
+
+
+def test_plot_with_one_request_says_n_a_not_nan(smollm2, tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from minillm.prefix_demo import plot_prefix_demo, run_prefix_demo
+
+    model, tok = smollm2
+    result = run_prefix_demo(model, tok, n_requests=1, max_new_tokens=2)
+    titles = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: titles.append(fig.axes[0].get_title()))
+    plot_prefix_demo(result, tmp_path / "demo.png")
+    assert "n/a (one request)" in titles[0] and "nan" not in titles[0]
