@@ -31,7 +31,7 @@ The package layout is the course outline:
     bench.py      minillm vs transformers vs no cache vs the roofline floors, interleaved
 """
 
-import importlib.metadata
+from importlib import metadata as _metadata
 
 from .config import ModelConfig
 from .errors import CacheFullError, ConfigError, MiniLLMError, ModelNotFoundError, WeightsError
@@ -46,8 +46,8 @@ from .tokenizer import StreamDecoder, Tokenizer, load_tokenizer
 from .trace import Trace
 
 try:  # the installed distribution's version (pyproject.toml's), as `pip show minillm` prints it
-    __version__ = importlib.metadata.version("minillm")
-except importlib.metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = _metadata.version("minillm")
+except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
     __version__ = "0+unknown"
 
 __all__ = [

@@ -111,7 +111,12 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. Special tokens written in the text (``<|im_start|>``) become
-        their single ids; ``add_special_tokens`` adds the BOS/EOS the tokenizer is set up for."""
+        their single ids; ``add_special_tokens`` adds the BOS/EOS the tokenizer is set up for.
+
+        Raises ValueError when ``text`` is not a str (the tokenizers library's own message
+        names none of the arguments)."""
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a str, got {type(text).__name__}; decode ids with tok.decode")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -297,12 +297,19 @@ def _hub_message(repo_id: str, folder: Path, error: Exception) -> str:
     if isinstance(error, GatedRepoError):
         return f"{repo_id} is gated on the Hugging Face hub; accept its terms at {url}, run `hf auth login`, and retry"
     if isinstance(error, RepositoryNotFoundError):
-        return f"no model {repo_id} on the Hugging Face hub (or it is private); check the name at {url}"
+        return f"no model {repo_id} on the Hugging Face hub (or it is private); check the name at {url}{_typo_hint(repo_id)}"
     cause = type(error.__cause__ or error).__name__  # e.g. ConnectError under LocalEntryNotFoundError
     return (
         f"cannot reach the Hugging Face hub to download {repo_id} ({cause}); download config.json, "
-        f"model.safetensors and tokenizer.json from {url} and put them in {folder}"
+        f"model.safetensors and tokenizer.json from {url} and put them in {folder}{_typo_hint(repo_id)}"
     )
+
+
+def _typo_hint(repo_id: str) -> str:
+    """A name with no owner/ may be a misspelt minillm name rather than a hub repo (like ``gpt2``)."""
+    if "/" in repo_id:
+        return ""
+    return f" (or, if you meant a model minillm ships, its names are: {', '.join(KNOWN_MODELS)})"
 
 
 def _silent_tqdm() -> type:

@@ -244,6 +244,12 @@ def test_stream_equals_decode_for_random_byte_level_ids(tok, data, skip):
     assert "".join(pieces) + rest == tok.decode(ids, skip_special_tokens=skip)
 
 
+@pytest.mark.parametrize("text", [None, 5, ["a"], b"bytes"])
+def test_encode_refuses_what_is_not_text(tok, text):
+    with pytest.raises(ValueError, match=f"text must be a str, got {type(text).__name__}; decode ids with tok.decode"):
+        tok.encode(text)
+
+
 BAD_IDS = {"past the end": 10**6, "vocab_size": 49152, "negative": -1, "float": 2.0, "string": "5", "bool": True}
 
 

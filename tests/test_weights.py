@@ -213,7 +213,8 @@ def test_offline_message_says_what_to_fetch_and_where(hub, root):
         weights.resolve_model("gpt2", root, download=True)
     assert str(info.value).endswith(
         "download config.json, model.safetensors and tokenizer.json from https://huggingface.co/gpt2 "
-        f"and put them in {root / 'gpt2'}"
+        f"and put them in {root / 'gpt2'} (or, if you meant a model minillm ships, its names are: "
+        "smollm2-135m-instruct)"
     )
 
 
