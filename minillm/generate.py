@@ -103,8 +103,8 @@ def generate(
     Raises ValueError (text instead of ids, an empty or batched prompt, stop strings
     without a tokenizer, bad eos ids), CacheFullError (the prompt does not fit).
     """
-    prompt_ids = _one_prompt(prompt_ids)
-    params = _check_params(model, params, tokenizer)
+    prompt_ids = check_prompt(prompt_ids)
+    params = check_params(model, params, tokenizer)
     if len(prompt_ids) > model.config.max_seq_len:
         raise CacheFullError(
             f"the prompt is {len(prompt_ids)} tokens but the model's context is {model.config.max_seq_len} "
@@ -113,9 +113,9 @@ def generate(
     if cache is None:
         max_seq_len = min(model.config.max_seq_len, len(prompt_ids) + params.max_new_tokens)
         cache = KVCache.for_model(model, max_seq_len=max(max_seq_len, 1))
-    eos = _eos_set(model, eos_token_ids)
+    eos = eos_token_set(model, eos_token_ids)
     generator = params.make_generator(cache.k.device)
-    text = _TextStream(tokenizer, params.stop) if tokenizer is not None else None
+    text = TextStream(tokenizer, params.stop) if tokenizer is not None else None
     output_ids: list[int] = []
 
     request = prefix_cache.begin(model, prompt_ids, cache, trace=trace) if prefix_cache is not None else None
@@ -152,7 +152,7 @@ def generate(
             prefix_cache.end(request)
 
 
-def _one_prompt(prompt_ids) -> torch.Tensor:
+def check_prompt(prompt_ids) -> torch.Tensor:
     """The prompt as [T] int64; text, a batch, floats or nothing are refused with the fix."""
     if isinstance(prompt_ids, str):
         raise ValueError("generate() takes token ids, not text; encode it first: generate(model, tok.encode(text))")
@@ -172,7 +172,9 @@ def _one_prompt(prompt_ids) -> torch.Tensor:
     return ids.reshape(-1).long()
 
 
-def _check_params(model: Transformer, params, tokenizer) -> SamplingParams:
+def check_params(model: Transformer, params, tokenizer) -> SamplingParams:
+    """``params``, or the checkpoint's defaults for None; ValueError for a non-SamplingParams
+    or for stop strings without a tokenizer (they are matched on text)."""
     if params is None:
         params = generation_config_of(model).sampling_params()
     if not isinstance(params, SamplingParams):
@@ -183,7 +185,8 @@ def _check_params(model: Transformer, params, tokenizer) -> SamplingParams:
     return params
 
 
-def _eos_set(model: Transformer, eos_token_ids) -> set[int]:
+def eos_token_set(model: Transformer, eos_token_ids) -> set[int]:
+    """The ids that end generation: ``eos_token_ids`` (an id or a list), default the checkpoint's."""
     if eos_token_ids is None:
         return set(generation_config_of(model).eos_token_ids)
     ids = [eos_token_ids] if isinstance(eos_token_ids, numbers.Integral) else eos_token_ids
@@ -205,7 +208,7 @@ def _finish_reason(token_id: int, n_generated: int, eos: set, params: SamplingPa
     return None, None
 
 
-class _TextStream:
+class TextStream:
     """Token ids -> the text each adds: UTF-8-safe streaming decode, then stop-string hold-back.
     Keeps the text shown so far and the seconds spent (a trace's "detokenize" event)."""
 

@@ -1,0 +1,248 @@
+"""LLMEngine: many requests at once, one step at a time (vLLM's ``LLMEngine`` in small).
+
+    add_request ──> waiting ──schedule──> running ──finish──> outputs
+                        ^                    │
+                        └──── preempted ─────┘   (blocks freed, recomputed later)
+
+Each :meth:`LLMEngine.step` is the same four moves::
+
+    batch  = scheduler.schedule()            which requests, how many tokens each
+    logits = forward_batch(model, batch)     one pass over all their tokens, paged KV
+    tokens = sample_rows(logits, requests)   each with its own SamplingParams and seed
+    update: append tokens, cache full blocks, finish (EOS, stop, max_tokens, context)
+
+A request's tokens do not depend on what else is in the batch: each one attends only to
+its own K/V, so its greedy output equals :func:`~minillm.generate.generate`'s alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..generate import TextStream, check_params, check_prompt, eos_token_set
+from ..sampling import SamplingParams
+from .block_allocator import blocks_needed
+from .model_runner import run_model, sample_rows
+from .paged_cache import PagedKVCache
+from .request import Request
+from .scheduler import Scheduler, ScheduledBatch
+from .step_trace import StepRecord
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request (vLLM's ``RequestOutput``, flattened).
+
+    Attributes:
+        request_id: the id :meth:`LLMEngine.add_request` returned.
+        prompt_token_ids: the prompt.
+        new_token_ids: tokens generated in this step (0 or 1).
+        token_ids: every token generated so far.
+        finished: True on the request's last output.
+        finish_reason: "eos", "stop", "length" or "abort" when finished, else None.
+        stop_reason: the stop id or stop string that ended it, else None.
+        num_cached_tokens: prompt tokens served from the prefix cache (vLLM's name).
+        text: with a tokenizer, the answer so far (stop strings cut out), else None.
+        message: why "length" or "abort" came early (e.g. a pool too small), else None.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    new_token_ids: list[int]
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
+    text: str | None = None
+    message: str | None = None
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache, with prefix caching and chunked prefill.
+
+    Args:
+        model: a :class:`~minillm.model.Transformer` (``minillm.load_model(...)``).
+        tokenizer: optional; outputs then carry ``text``, and ``SamplingParams.stop`` works.
+        kv_cache_memory: the pool's budget: "512MiB", "2GiB", bytes, or a fraction of free
+            memory such as 0.3. Ignored when ``num_blocks`` is given.
+        num_blocks: the pool's size in blocks (vLLM's ``num_gpu_blocks_override``).
+        block_size: positions per block (vLLM's ``block_size``).
+        max_num_seqs, max_num_batched_tokens, enable_chunked_prefill: the scheduler's knobs,
+            with vLLM's names (see :class:`~minillm.serving.scheduler.Scheduler`).
+        enable_prefix_caching: requests share cached full blocks of a common prefix.
+        eos_token_ids: ids that end a request; default the checkpoint's.
+
+    Attributes:
+        cache (:class:`PagedKVCache`), scheduler (:class:`Scheduler`), requests (id -> Request),
+        steps (one :class:`StepRecord` per step: the step trace).
+
+    Raises ValueError for a pool that holds no block, or bad knobs.
+    """
+
+    def __init__(self, model, tokenizer=None, *, kv_cache_memory: str | int | float = "512MiB",
+                 num_blocks: int | None = None, block_size: int = 16, max_num_seqs: int = 32,
+                 max_num_batched_tokens: int = 512, enable_chunked_prefill: bool = True,
+                 enable_prefix_caching: bool = True, eos_token_ids=None):
+        self.model, self.tokenizer = model, tokenizer
+        self.cache = PagedKVCache.for_model(model, kv_cache_memory, block_size, num_blocks, enable_prefix_caching)
+        self.scheduler = Scheduler(self.cache.allocator, max_num_seqs, max_num_batched_tokens,
+                                   enable_chunked_prefill)
+        self.eos_token_ids = eos_token_set(model, eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.steps: list[StepRecord] = []
+        self._ids = itertools.count()
+
+    # -- requests in ------------------------------------------------------------------
+
+    def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None,
+                    arrival_s: float | None = None) -> str:
+        """Queue a prompt (token ids); returns its request id.
+
+        ``params`` default to the checkpoint's generation defaults, as in ``generate``.
+        ``arrival_s``: its arrival time (``time.perf_counter()`` seconds); default now.
+
+        Raises ValueError for text instead of ids, an empty prompt, ids outside the vocabulary,
+        a prompt beyond the model's context or the whole pool, a prompt longer than
+        ``max_num_batched_tokens`` without chunked prefill, or a duplicate request id.
+        """
+        prompt = check_prompt(prompt_ids).tolist()
+        params = check_params(self.model, params, self.tokenizer)
+        self._check_fits(prompt)
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use; give a new one or leave it out")
+        device = self.cache.k.device
+        request = Request(request_id, prompt, params, time.perf_counter() if arrival_s is None else arrival_s,
+                          generator=params.make_generator(device))
+        if self.tokenizer is not None:
+            request.text_stream = TextStream(self.tokenizer, params.stop)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def _check_fits(self, prompt: list[int]) -> None:
+        vocab, context, pool = self.model.config.vocab_size, self.model.config.max_seq_len, self.cache.allocator
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt ids must be in [0, {vocab}) (the vocabulary), got {min(prompt)}..{max(prompt)}")
+        if len(prompt) > context:
+            raise ValueError(f"the prompt is {len(prompt)} tokens but the model's context is {context}; "
+                             "shorten the prompt")
+        if blocks_needed(len(prompt) + 1, pool.block_size) > pool.num_blocks:
+            raise ValueError(f"the prompt is {len(prompt)} tokens but the whole KV cache pool holds "
+                             f"{pool.num_blocks} blocks of {pool.block_size} ({pool.num_blocks * pool.block_size} "
+                             "positions); give the engine more kv_cache_memory")
+        budget = self.scheduler.max_num_batched_tokens
+        if len(prompt) > budget and not self.scheduler.enable_chunked_prefill:
+            raise ValueError(f"the prompt is {len(prompt)} tokens, more than max_num_batched_tokens ({budget}), "
+                             "and chunked prefill is off; raise max_num_batched_tokens or enable chunked prefill")
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now: its blocks go back to the pool; its last output says "abort".
+
+        Raises ValueError for an unknown id; aborting a finished request does nothing.
+        """
+        request = self.requests.get(str(request_id))
+        if request is None:
+            raise ValueError(f"no request with id {request_id!r}; known ids: {list(self.requests)[:10]}")
+        if not request.finished:
+            self.scheduler.finish(request, "abort", message="aborted by the caller")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule one batch, run it, sample, and return an output per request that changed.
+
+        A request appears when it got a token or finished (a prefill chunk that does not
+        reach the end of the prompt yields nothing yet). Returns [] when nothing is left.
+        """
+        start = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        new_tokens: dict[str, int] = {}
+        if scheduled:
+            sampling, logits = run_model(self.model, self.cache, scheduled)
+            tokens, _ = sample_rows(logits, sampling)
+            now = time.perf_counter()
+            for request, n in zip(scheduled.requests, scheduled.num_tokens):
+                request.num_computed_tokens += n
+                self.cache.allocator.cache_full_blocks(request.request_id, request.all_token_ids,
+                                                       request.num_computed_tokens)
+            for request, token in zip(sampling, tokens):
+                self._append_token(request, token, now)
+                new_tokens[request.request_id] = token
+        changed = [r for r in scheduled.requests if r.request_id in new_tokens or r.finished]
+        changed += [r for r in scheduled.finished if r not in changed]
+        self._record(scheduled, start, changed)
+        return [self._output(r, new_tokens.get(r.request_id)) for r in changed]
+
+    def _append_token(self, request: Request, token: int, now: float) -> None:
+        """Add a sampled token; finish the request on EOS, a stop id or string, max tokens, or the context."""
+        request.output_ids.append(token)
+        request.token_times_s.append(now)
+        params, n = request.params, len(request.output_ids)
+        reason, stop_reason, message = None, None, None
+        if token in self.eos_token_ids:
+            reason = "eos"
+        elif token in params.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif n >= params.max_new_tokens:
+            reason = "length"
+        elif request.num_tokens > self.model.config.max_seq_len:  # no position left to decode this token
+            reason, message = "length", f"reached the model's context of {self.model.config.max_seq_len} tokens"
+        if request.text_stream is not None:
+            request.text_stream.push(token, last=reason is not None)
+            if request.text_stream.matched is not None:
+                reason, stop_reason = "stop", request.text_stream.matched
+        if reason:
+            self.scheduler.finish(request, reason, stop_reason, message)
+
+    def _output(self, request: Request, new_token: int | None) -> RequestOutput:
+        return RequestOutput(
+            request.request_id, request.prompt_ids, [] if new_token is None else [new_token],
+            list(request.output_ids), request.finished, request.finish_reason, request.stop_reason,
+            request.num_cached_tokens, request.text_stream.text if request.text_stream else None, request.message)
+
+    def _record(self, scheduled: ScheduledBatch, start: float, changed: list[Request]) -> None:
+        pool = self.cache.allocator
+        rows = []
+        for request, n in zip(scheduled.requests, scheduled.num_tokens):
+            decode = n == 1 and request.num_computed_tokens > request.num_prompt_tokens
+            rows.append((request.request_id, 0 if decode else n, n if decode else 0))
+        self.steps.append(StepRecord(
+            len(self.steps), start, time.perf_counter(), tuple(rows), pool.num_used_blocks, pool.num_free_blocks,
+            pool.num_cached_blocks, tuple(r.request_id for r in scheduled.preempted),
+            tuple(r.request_id for r in changed if r.finished), len(self.scheduler.waiting),
+            len(self.scheduler.running)))
+
+    # -- all at once ------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run a list of prompts (token id lists) to completion; final outputs in prompt order.
+
+        ``params``: one :class:`SamplingParams` for all, or one per prompt (vLLM's ``LLM.generate``).
+        Raises ValueError as :meth:`add_request`, or for a params list of the wrong length.
+        """
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+            raise ValueError("generate() takes a list of prompts (token id lists); encode text with the tokenizer")
+        if isinstance(params, Sequence):
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give one, or one each")
+        else:
+            params = [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def __repr__(self) -> str:
+        return f"LLMEngine({self.scheduler!r}, {self.cache!r})"

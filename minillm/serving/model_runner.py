@@ -1,0 +1,83 @@
+"""The model runner: a scheduler decision in, one forward pass and one token per finished row out.
+
+    ScheduledBatch  --prepare_batch-->  PagedBatch (flat tokens, positions, slots, tables)
+                    --forward_batch-->  logits [R, vocab], one row per request that samples
+                    --sample_rows---->  token ids [R], logprobs [R]
+
+A request samples in a step when the step computes its last known token: a decode always,
+a prefill only with its final chunk (an earlier chunk just fills the cache).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sampling import sample
+from .block_allocator import slot_mapping
+from .paged_attention import PagedBatch, PrefillChunk, forward_batch
+from .paged_cache import PagedKVCache
+from .request import Request
+from .scheduler import ScheduledBatch
+
+
+def prepare_batch(cache: PagedKVCache, scheduled: ScheduledBatch) -> tuple[PagedBatch, list[Request]]:
+    """Lay the scheduled tokens end to end (see :class:`PagedBatch`).
+
+    Returns the batch and the requests that sample this step, in the order of its logits rows.
+    """
+    device, block_size = cache.k.device, cache.block_size
+    tables = cache.allocator.block_tables
+    token_ids, positions, slots, logits_rows, sampling = [], [], [], [], []
+    decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
+    for request, n in zip(scheduled.requests, scheduled.num_tokens):
+        start, end, row = request.num_computed_tokens, request.num_computed_tokens + n, len(token_ids)
+        table = tables[request.request_id]
+        token_ids += request.all_token_ids[start:end]
+        positions += range(start, end)
+        slots += slot_mapping(table, start, end, block_size)
+        if n == 1:
+            decode_rows.append(row)
+            decode_tables.append(table)
+            decode_lens.append(end)
+        else:
+            table_t = torch.tensor(table[: -(-end // block_size)], device=device)
+            prefills.append(PrefillChunk(row, row + n, end, table_t))
+        if end == request.num_tokens:
+            logits_rows.append(row + n - 1)
+            sampling.append(request)
+    width = max((len(t) for t in decode_tables), default=1)
+    padded = [t + [0] * (width - len(t)) for t in decode_tables]  # block 0 is a stand-in: masked out
+    as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    batch = PagedBatch(cache, as_long(token_ids), as_long(positions), as_long(slots), as_long(decode_rows),
+                       as_long(padded).reshape(len(padded), width), as_long(decode_lens), prefills,
+                       as_long(logits_rows))
+    return batch, sampling
+
+
+def run_model(model, cache: PagedKVCache, scheduled: ScheduledBatch) -> tuple[list[Request], torch.Tensor]:
+    """One forward pass over the scheduled tokens: (requests that sample, their logits [R, vocab] float32)."""
+    batch, sampling = prepare_batch(cache, scheduled)
+    return sampling, forward_batch(model, batch)
+
+
+def sample_rows(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[float]]:
+    """Each request's next token from its row of logits, with its own params and generator.
+
+    The same :func:`~minillm.sampling.sample` call that :func:`~minillm.generate.generate`
+    makes, row by row, so a seeded request draws the same tokens in a batch as alone.
+    Greedy rows without penalties are one batched argmax.
+    """
+    tokens, logprobs = [0] * len(requests), [0.0] * len(requests)
+    plain = [i for i, r in enumerate(requests) if r.params.greedy and not r.params.has_penalties]
+    if plain:
+        rows = logits[plain]
+        ids, lps = sample(rows, requests[plain[0]].params)
+        for i, token, lp in zip(plain, ids.tolist(), lps.tolist()):
+            tokens[i], logprobs[i] = token, lp
+    for i, request in enumerate(requests):
+        if request.params.greedy and not request.params.has_penalties:
+            continue
+        prompt = torch.tensor(request.prompt_ids, device=logits.device)[None]
+        token, lp = sample(logits[i : i + 1], request.params, request.generator, prompt, [request.output_ids])
+        tokens[i], logprobs[i] = token.item(), lp.item()
+    return tokens, logprobs

@@ -1,0 +1,119 @@
+"""One step's batch as the model sees it: every request's new tokens in one flat row.
+
+The scheduler hands over requests of very different shapes: a 300-token prefill chunk
+next to twenty 1-token decodes. Padding them to a rectangle would waste compute on the
+pad, so the tokens are laid end to end (vLLM's "flattened" batch) and each token carries
+its own position and the pool slot its K/V goes to::
+
+    request:     A (prefill chunk)     B     C      (B, C decode)
+    token_ids:   a5 a6 a7 a8           b9    c41    [N = 6]
+    positions:   5  6  7  8            9     41
+    slots:       from A's block table  B's   C's
+
+Everything but attention is per token, so the layers run on [1, N, d_model] unchanged.
+Attention is per request: each reads its own K/V from the pool through its block table.
+This module writes the reference path: gather the request's blocks into a contiguous
+view, then scaled dot-product attention with the mask that hides what it must not see:
+
+- the decodes, together: queries [B_dec, heads, 1, head_dim] against their gathered K/V
+  padded to the longest, with a mask hiding positions past each one's length;
+- each prefill chunk on its own: its queries against its K/V with the causal mask offset
+  by the positions already in the cache (the same rectangular mask as a prefix-cache hit).
+
+A production kernel (vLLM's paged_attention, FlashInfer) reads the blocks in place
+without the gather copy; on a CPU the gather costs one extra read and write of the K/V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..model import Transformer, causal_mask
+from .paged_cache import PagedKVCache
+
+
+@dataclass
+class PrefillChunk:
+    """A request whose step computes ``end - start`` > 1 tokens (tokens start..end-1 of the flat row).
+
+    ``context_len``: positions it attends over (cached before + this chunk);
+    ``block_table``: [n_blocks] int64, enough blocks for ``context_len``.
+    """
+
+    start: int
+    end: int
+    context_len: int
+    block_table: torch.Tensor
+
+
+class PagedBatch:
+    """The flat token row of one step, with what paged attention needs to find each request's K/V.
+
+    Args:
+        cache: the :class:`PagedKVCache` pool.
+        token_ids: [N] int64, every scheduled token, request after request.
+        positions: [N] int64, each token's position in its own sequence.
+        slots: [N] int64, the pool slot each token's K/V is written to.
+        decode_rows: [B_dec] int64, the indices in the row of the 1-token (decode) requests.
+        decode_block_tables: [B_dec, max_blocks] int64 (short tables padded with block 0, masked).
+        decode_context_lens: [B_dec] int64, positions each decode attends over (its own included).
+        prefills: one :class:`PrefillChunk` per request with more than one token.
+        logits_rows: [R] int64, the rows whose logits are wanted (each request's last token,
+            when that token completes its known tokens and so samples the next one).
+    """
+
+    paged = True  # the model's attention calls attend() on it instead of a KVCache's write()
+
+    def __init__(self, cache: PagedKVCache, token_ids, positions, slots, decode_rows, decode_block_tables,
+                 decode_context_lens, prefills: list[PrefillChunk], logits_rows):
+        self.cache = cache
+        self.token_ids, self.positions, self.slots = token_ids, positions, slots
+        self.decode_rows, self.decode_block_tables = decode_rows, decode_block_tables
+        self.prefills, self.logits_rows = prefills, logits_rows
+        keys = torch.arange(decode_block_tables.shape[1] * cache.block_size, device=token_ids.device)
+        self.decode_mask = (keys[None, :] < decode_context_lens[:, None])[:, None, None, :]  # [B_dec, 1, 1, S]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Write this step's K/V into the pool, then attention of every request over its own K/V.
+
+        q [1, n_heads, N, head_dim]; k, v [1, n_kv_heads, N, head_dim] (RoPE applied).
+        Returns [1, n_heads, N, head_dim], each token's output from its own request's keys.
+        """
+        self.cache.write(layer, k[0].transpose(0, 1), v[0].transpose(0, 1), self.slots)
+        out = torch.empty_like(q)
+        gqa = q.shape[1] != k.shape[1]
+        if len(self.decode_rows):
+            keys, values = self.cache.gather(layer, self.decode_block_tables)  # [B_dec, n_kv_heads, S, head_dim]
+            q_dec = q[0, :, self.decode_rows].transpose(0, 1).unsqueeze(2)  # [B_dec, n_heads, 1, head_dim]
+            o = F.scaled_dot_product_attention(q_dec, keys, values, attn_mask=self.decode_mask, scale=scale,
+                                               enable_gqa=gqa)
+            out[0, :, self.decode_rows] = o.squeeze(2).transpose(0, 1)
+        for chunk in self.prefills:
+            keys, values = self.cache.gather(layer, chunk.block_table[None])
+            keys, values = keys[:, :, : chunk.context_len], values[:, :, : chunk.context_len]
+            q_chunk = q[:, :, chunk.start : chunk.end]
+            mask = causal_mask(chunk.end - chunk.start, chunk.context_len, q.device)
+            out[:, :, chunk.start : chunk.end] = F.scaled_dot_product_attention(
+                q_chunk, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return out
+
+
+def forward_batch(model: Transformer, batch: PagedBatch) -> torch.Tensor:
+    """Run the model over one flat batch; returns float32 logits [R, vocab] of ``batch.logits_rows``.
+
+    The same parts as :meth:`Transformer.forward` (embedding, blocks, final norm, LM head),
+    with per-token positions and paged attention. Only the rows that sample go through the
+    LM head, the largest matmul of a small model.
+    """
+    with torch.inference_mode():
+        x = model.embed(batch.token_ids[None])  # [1, N, d_model]
+        if model.pos_embed is not None:
+            x = x + model.pos_embed(batch.positions)
+        rope_cos_sin = model.rope(batch.positions, x.dtype) if model.rope is not None else None
+        for block in model.blocks:
+            x = block(x, rope_cos_sin, batch, model.attn_impl, None)
+        x = x[:, batch.logits_rows]
+        return model.lm_head(model.ln_final(x))[0].float()

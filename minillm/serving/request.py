@@ -1,0 +1,93 @@
+"""A request inside the engine: its tokens, how many have K/V in the pool, and its timeline.
+
+The one number the scheduler works with is ``num_computed_tokens``, how many of the
+request's tokens already have their K/V in the paged cache::
+
+    prompt (7) + output (2):   t0 t1 t2 t3 t4 t5 t6 | o0 o1
+    num_computed_tokens 8:     ====================== ==      o1 is next: a decode of 1 token
+    chunked prefill, 4 done:   ==========                      3 prompt tokens left to prefill
+
+A step schedules ``num_tokens - num_computed_tokens`` tokens (or fewer, a chunk). When the
+computed tokens reach the end, the last position's logits give a new token. Preemption
+sets ``num_computed_tokens`` back to 0: the K/V is recomputed from prompt + output later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling import SamplingParams
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass
+class Request:
+    """One request's state and timestamps (seconds from ``time.perf_counter()``).
+
+    Attributes:
+        request_id: the engine's name for it (a string, as in vLLM).
+        prompt_ids: the prompt's token ids.
+        params: its :class:`~minillm.sampling.SamplingParams` (its own seed, stop ids, max tokens).
+        arrival_s: when it reached the engine.
+        output_ids: tokens generated so far.
+        status: "waiting", "running" or "finished".
+        num_computed_tokens: tokens whose K/V is in the paged cache.
+        num_cached_tokens: prompt tokens that were prefix-cache hits when first scheduled.
+        finish_reason: None while running; "eos", "stop", "length" or "abort".
+        stop_reason: the stop id or stop string that ended it, else None.
+        message: why an "abort" or "length" ended it early (a full pool), else None.
+        first_scheduled_s, finish_s: when it first got a slot in a batch, when it finished.
+        token_times_s: when each output token was known.
+        num_preemptions, preempted_s: how often it lost its blocks, and when.
+        generator: its seeded random generator (None: the global one), kept across steps.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_s: float
+    output_ids: list[int] = field(default_factory=list)
+    status: str = WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    message: str | None = None
+    first_scheduled_s: float | None = None
+    finish_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+    preempted_s: list[float] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    text_stream: object = None  # generate's TextStream when the engine has a tokenizer
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens: what the cache must hold before the next token."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while prompt tokens (or, after a preemption, earlier outputs) still need K/V."""
+        return self.num_tokens - self.num_computed_tokens > 1 or self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status == FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status}, prompt={self.num_prompt_tokens}, "
+                f"output={len(self.output_ids)}, computed={self.num_computed_tokens}, "
+                f"cached={self.num_cached_tokens}" + (f", finish_reason={self.finish_reason!r}" if self.finished else "")
+                + ")")
