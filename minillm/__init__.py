@@ -29,6 +29,7 @@ The package layout is the course outline:
     baseline.py   generate_no_cache: the nanoGPT-style sampler that re-runs the whole sequence
     compile.py    torch.compile of decode_step over a static view of the cache (CUDA graphs)
     bench.py      minillm vs transformers vs no cache vs the roofline floors, interleaved
+    serving/      many users at once: paged KV cache, block allocator, scheduler, LLMEngine
 """
 
 from importlib import metadata as _metadata
@@ -42,6 +43,7 @@ from .model import Transformer
 from .phases import decode_step, prefill
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, sample
+from .serving import LLMEngine
 from .tokenizer import StreamDecoder, Tokenizer, load_tokenizer
 from .trace import Trace
 
@@ -55,6 +57,7 @@ __all__ = [
     "ConfigError",
     "GenerationStep",
     "KVCache",
+    "LLMEngine",
     "MiniLLMError",
     "ModelConfig",
     "ModelNotFoundError",

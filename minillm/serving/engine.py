@@ -218,7 +218,7 @@ class LLMEngine:
             len(self.steps), start, time.perf_counter(), tuple(rows), pool.num_used_blocks, pool.num_free_blocks,
             pool.num_cached_blocks, tuple(r.request_id for r in scheduled.preempted),
             tuple(r.request_id for r in changed if r.finished), len(self.scheduler.waiting),
-            len(self.scheduler.running)))
+            len(self.scheduler.running), sum(r.num_computed_tokens for r in self.scheduler.running)))
 
     # -- all at once ------------------------------------------------------------------
 

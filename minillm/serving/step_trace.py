@@ -25,6 +25,8 @@ class StepRecord:
         preempted: ids of requests that lost their blocks this step.
         finished: ids of requests that finished this step.
         num_waiting, num_running: queue lengths after the step.
+        num_kv_tokens: positions whose K/V the running requests hold after the step (a block
+            shared by two requests counts for both): what a perfectly packed cache would store.
     """
 
     step: int
@@ -38,6 +40,7 @@ class StepRecord:
     finished: tuple[str, ...] = ()
     num_waiting: int = 0
     num_running: int = 0
+    num_kv_tokens: int = 0
 
     @property
     def time_ms(self) -> float:
