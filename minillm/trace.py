@@ -18,7 +18,8 @@ Levels:
 Timings: ``time.perf_counter()``; on a GPU the device is synchronised before each clock
 read, but only when tracing (at level "layers", after every layer, which slows it).
 
-Event schema (``trace.to_records()``, one JSON object a line in ``to_jsonl``). Every
+Event schema (``trace.to_records()``, one JSON object a line in ``to_jsonl``; ``to_chrome_trace``
+draws them on a timeline for Perfetto, see :mod:`minillm.chrome_trace`). Every
 event has ``kind`` and ``t_ms`` (when it was recorded); times are ms since
 ``trace.start_s`` (the request start), bytes are bytes, FLOPs are FLOP.
 
@@ -45,7 +46,7 @@ event has ``kind`` and ``t_ms`` (when it was recorded); times are ms since
                sampling ({"method": "greedy"} or {"method": "sampled", temperature, top_k,
                top_p, seed}), sample_ms, end_ms (when the token was known; TTFT for the
                prefill event), finish_reason (None, or why generation stopped)
-    layer      step, phase, layer, name ("blocks.{i}"), time_ms, attn_in_shape, q_shape,
+    layer      step, phase, layer, name ("blocks.{i}"), start_ms, time_ms, attn_in_shape, q_shape,
                k_shape, v_shape, k_cache_shape, v_cache_shape, attn_out_shape,
                mlp_in_shape (the residual after attention), mlp_out_shape, resid_post_shape
     activation step, name, index, shape, dtype (the tensor is trace.activations[name][index])
@@ -377,6 +378,15 @@ class Trace:
                 f.write(json.dumps(record) + "\n")
         return path
 
+    def to_chrome_trace(self, path) -> Path:
+        """Write the trace as a Chrome trace (JSON, times in microseconds): open it in
+        https://ui.perfetto.dev or chrome://tracing to see the request on a timeline, one track
+        per kind of work (see :mod:`minillm.chrome_trace`). Raises ValueError when the folder
+        of ``path`` does not exist."""
+        from . import chrome_trace
+
+        return chrome_trace.write(path, chrome_trace.trace_to_chrome_events(self), chrome_trace.trace_metadata(self))
+
     @classmethod
     def from_records(cls, records) -> "Trace":
         """A trace rebuilt from records (activation tensors are not part of them)."""
@@ -517,6 +527,7 @@ class _LayerObserver:
         if point == "hook_resid_post":
             _sync(self.device)
             now = time.perf_counter()
+            info["start_ms"] = (self.last_s - self.trace.start_s) * 1e3
             info["time_ms"] = (now - self.last_s) * 1e3
             self.last_s = now
 
@@ -526,7 +537,8 @@ class _LayerObserver:
             info = self.layers[layer]
             self.trace.record(
                 "layer", step=self.step, phase=self.phase, layer=layer, name=f"blocks.{layer}",
-                time_ms=info.get("time_ms"), attn_in_shape=previous_resid, q_shape=info.get("q_shape"),
+                start_ms=info.get("start_ms"), time_ms=info.get("time_ms"),
+                attn_in_shape=previous_resid, q_shape=info.get("q_shape"),
                 k_shape=info.get("k_shape"), v_shape=info.get("v_shape"),
                 k_cache_shape=info.get("k_cache_shape"), v_cache_shape=info.get("v_cache_shape"),
                 attn_out_shape=info.get("attn_out_shape"), mlp_in_shape=info.get("attn_out_shape"),

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from ..units import fmt_bytes
 from .common import UsageError, check_out_dir, check_out_file, ensure_model, model_options, warn, wrote
@@ -26,8 +27,9 @@ def add_generate(sub) -> None:
     p.add_argument("--trace", nargs="?", const="steps", choices=["steps", "layers"],
                    help="show every phase: prompt tokens, prefill, each step, summary, roofline verdicts "
                         "(layers: also per-layer shapes and times; default: off, steps when given alone)")
-    p.add_argument("--trace-out", metavar="FILE.jsonl",
-                   help="write the trace, one JSON event a line (schema: pydoc minillm.trace; default: not written)")
+    p.add_argument("--trace-out", metavar="FILE.jsonl|FILE.json",
+                   help="write the trace: .jsonl one JSON event a line (schema: pydoc minillm.trace), .json a "
+                        "Chrome trace to open in ui.perfetto.dev or chrome://tracing (default: not written)")
     p.add_argument("--plots", metavar="DIR", help="write timeline, roofline and KV cache PNGs into DIR "
                                                   "(traces the request; default: none)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction,
@@ -104,8 +106,16 @@ def _check_generate_args(args) -> None:
         raise UsageError(f"--block-size must be >= 1, got {args.block_size}")
     if args.trace_out:
         check_out_file("--trace-out", args.trace_out)
+        if _trace_format(args.trace_out) is None:
+            raise UsageError(f"--trace-out: {args.trace_out} must end in .jsonl (one JSON event a line) "
+                             "or .json (a Chrome trace for ui.perfetto.dev)")
     if args.plots:
         check_out_dir("--plots", args.plots)
+
+
+def _trace_format(path: str) -> str | None:
+    """What --trace-out writes, by the file's suffix: "jsonl", "chrome" (.json), or None."""
+    return {".jsonl": "jsonl", ".json": "chrome"}.get(Path(path).suffix.lower())
 
 
 def _generate_one(args, model, tokenizer, prompt: str, params, prefix_cache, warmup: bool, cold: bool) -> None:
@@ -252,7 +262,8 @@ def run_generate_traced(args, model, tokenizer, prompt: str, params, prefix_cach
     else:
         _finish_request(args, prompt, prompt_ids, steps, trace.start_s, cold)
     if args.trace_out:
-        wrote(trace.to_jsonl(args.trace_out))
+        chrome = _trace_format(args.trace_out) == "chrome"
+        wrote(trace.to_chrome_trace(args.trace_out) if chrome else trace.to_jsonl(args.trace_out))
     if args.plots:
         from ..plots import save_trace_plots
 
