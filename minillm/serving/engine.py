@@ -164,6 +164,7 @@ class LLMEngine:
         """
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
+        rows = scheduled.rows()
         new_tokens: dict[str, int] = {}
         if scheduled:
             sampling, logits = run_model(self.model, self.cache, scheduled)
@@ -178,7 +179,7 @@ class LLMEngine:
                 new_tokens[request.request_id] = token
         changed = [r for r in scheduled.requests if r.request_id in new_tokens or r.finished]
         changed += [r for r in scheduled.finished if r not in changed]
-        self._record(scheduled, start, changed)
+        self._record(scheduled, rows, start, changed)
         return [self._output(r, new_tokens.get(r.request_id)) for r in changed]
 
     def _append_token(self, request: Request, token: int, now: float) -> None:
@@ -208,14 +209,10 @@ class LLMEngine:
             list(request.output_ids), request.finished, request.finish_reason, request.stop_reason,
             request.num_cached_tokens, request.text_stream.text if request.text_stream else None, request.message)
 
-    def _record(self, scheduled: ScheduledBatch, start: float, changed: list[Request]) -> None:
+    def _record(self, scheduled: ScheduledBatch, rows: tuple, start: float, changed: list[Request]) -> None:
         pool = self.cache.allocator
-        rows = []
-        for request, n in zip(scheduled.requests, scheduled.num_tokens):
-            decode = n == 1 and request.num_computed_tokens > request.num_prompt_tokens
-            rows.append((request.request_id, 0 if decode else n, n if decode else 0))
         self.steps.append(StepRecord(
-            len(self.steps), start, time.perf_counter(), tuple(rows), pool.num_used_blocks, pool.num_free_blocks,
+            len(self.steps), start, time.perf_counter(), rows, pool.num_used_blocks, pool.num_free_blocks,
             pool.num_cached_blocks, tuple(r.request_id for r in scheduled.preempted),
             tuple(r.request_id for r in changed if r.finished), len(self.scheduler.waiting),
             len(self.scheduler.running), sum(r.num_computed_tokens for r in self.scheduler.running)))

@@ -78,11 +78,6 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
-    def is_prefill(self) -> bool:
-        """True while prompt tokens (or, after a preemption, earlier outputs) still need K/V."""
-        return self.num_tokens - self.num_computed_tokens > 1 or self.num_computed_tokens < self.num_prompt_tokens
-
-    @property
     def finished(self) -> bool:
         return self.status == FINISHED
 

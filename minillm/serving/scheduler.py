@@ -57,26 +57,32 @@ class ScheduledBatch:
         return sum(self.num_tokens)
 
     @property
-    def num_prefill_tokens(self) -> int:
-        return sum(n for r, n in zip(self.requests, self.num_tokens) if _is_prefill_chunk(r, n))
+    def num_decode_tokens(self) -> int:
+        return sum(n for r, n in zip(self.requests, self.num_tokens) if is_decode(r, n))
 
     @property
-    def num_decode_tokens(self) -> int:
-        return self.total_tokens - self.num_prefill_tokens
+    def num_prefill_tokens(self) -> int:
+        return self.total_tokens - self.num_decode_tokens
+
+    def rows(self) -> tuple[tuple[str, int, int], ...]:
+        """(request_id, num_prefill_tokens, num_decode_tokens) per scheduled request (before the step runs)."""
+        return tuple((r.request_id, 0, n) if is_decode(r, n) else (r.request_id, n, 0)
+                     for r, n in zip(self.requests, self.num_tokens))
 
     def __bool__(self) -> bool:
         return bool(self.requests)
 
     def __repr__(self) -> str:
-        parts = [f"{r.request_id}:{'prefill' if _is_prefill_chunk(r, n) else 'decode'} {n}"
+        parts = [f"{r.request_id}:{'decode' if is_decode(r, n) else 'prefill'} {n}"
                  for r, n in zip(self.requests, self.num_tokens)]
         extra = f", preempted {[r.request_id for r in self.preempted]}" if self.preempted else ""
         return f"ScheduledBatch([{', '.join(parts)}], {self.total_tokens} tokens{extra})"
 
 
-def _is_prefill_chunk(request: Request, num_tokens: int) -> bool:
-    """A chunk of more than one token, or any chunk still inside the prompt, is prefill."""
-    return num_tokens > 1 or request.num_computed_tokens < request.num_prompt_tokens - 1
+def is_decode(request: Request, num_tokens: int) -> bool:
+    """A decode computes one output token's K/V; anything else (prompt tokens, or a recompute
+    of prompt + output after a preemption) is prefill. Call it before the step runs."""
+    return num_tokens == 1 and request.num_computed_tokens >= request.num_prompt_tokens
 
 
 class Scheduler:
