@@ -929,3 +929,128 @@ def generate_samples_without_the_seeded_generator(model, prompt_ids, params, cac
 def generate_one_token_too_many(model, prompt_ids, params, cache, eos_token_ids):
     """Loops to max_new_tokens + 1 (range(max_new_tokens + 1) counted from 0)."""
     return _generate(model, prompt_ids, params, cache, eos_token_ids, max_tokens=params.max_new_tokens + 1)  # MISTAKE
+
+
+# -- ex15 block allocator --------------------------------------------------------------------------
+
+
+@mistake("ex15", "blocks_needed")
+def blocks_needed_floors(num_tokens, block_size):
+    """num_tokens // block_size: the partial last block is not counted (17 tokens of 16 get 1 block)."""
+    return num_tokens // block_size  # MISTAKE: ceil
+
+
+@mistake("ex15", "blocks_needed")
+def blocks_needed_off_by_one(num_tokens, block_size):
+    """num_tokens // block_size + 1: one block too many exactly on a boundary (16 tokens of 16 get 2, 0 get 1)."""
+    return num_tokens // block_size + 1  # MISTAKE: (num_tokens + block_size - 1) // block_size
+
+
+@mistake("ex15", "slot_mapping")
+def slot_is_block_id_plus_offset(block_table, start, end, block_size):
+    """block_table[p // B] + p % B: the block id is not multiplied by block_size, so blocks overlap."""
+    if end > len(block_table) * block_size:
+        raise ValueError("position beyond the block table")
+    return [block_table[p // block_size] + p % block_size for p in range(start, end)]  # MISTAKE: * block_size
+
+
+@mistake("ex15", "slot_mapping")
+def slot_mapping_restarts_at_the_chunk(block_table, start, end, block_size):
+    """Numbers the positions from the chunk's start: a decode at position 16 writes over position 0's slot."""
+    if end > len(block_table) * block_size:
+        raise ValueError("position beyond the block table")
+    return [block_table[i // block_size] * block_size + i % block_size for i in range(end - start)]  # MISTAKE
+
+
+@mistake("ex15", "slot_mapping")
+def slot_mapping_rejects_a_full_table(block_table, start, end, block_size):
+    """end >= len(table) * B raises: a table whose last block is exactly full is refused (off by one)."""
+    if end >= len(block_table) * block_size:  # MISTAKE: >
+        raise ValueError("position beyond the block table")
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def _allocate_slots(self, request_id, num_tokens, cached_blocks=(), check_first=True, share_first=False,
+                    hits_are_free=False, ceil=True):
+    """minillm's allocate_slots with its decisions exchangeable (the mistakes below make wrong ones)."""
+    cached_blocks = list(cached_blocks)
+    if share_first:
+        for block_id in cached_blocks:
+            self.share_block(block_id)
+        self.block_tables.setdefault(request_id, []).extend(cached_blocks)
+        cached_blocks = []
+    table = self.block_tables.get(request_id, [])
+    total = -(-num_tokens // self.block_size) if ceil else num_tokens // self.block_size
+    needed = total - len(table) - len(cached_blocks)
+    free_hits = 0 if hits_are_free else sum(self.blocks[b].ref_count == 0 for b in cached_blocks)
+    if check_first and needed > self.num_free_blocks - free_hits:
+        return False
+    for block_id in cached_blocks:
+        self.share_block(block_id)
+    table = self.block_tables.setdefault(request_id, [])
+    table.extend(cached_blocks)
+    for _ in range(max(needed, 0)):
+        if not self.free_queue:
+            return False
+        table.append(self.allocate_block().block_id)
+    return True
+
+
+@mistake("ex15", "BlockAllocator.allocate_slots")
+def allocate_slots_keeps_a_partial_allocation(self, request_id, num_tokens, cached_blocks=()):
+    """Takes blocks one by one and returns False when the queue runs dry, keeping the blocks it took."""
+    return _allocate_slots(self, request_id, num_tokens, cached_blocks, check_first=False)  # MISTAKE
+
+
+@mistake("ex15", "BlockAllocator.allocate_slots")
+def allocate_slots_shares_hits_before_checking(self, request_id, num_tokens, cached_blocks=()):
+    """Shares the prefix-cache hits first, then finds the pool short: returns False with their ref counts raised."""
+    return _allocate_slots(self, request_id, num_tokens, cached_blocks, share_first=True)  # MISTAKE
+
+
+@mistake("ex15", "BlockAllocator.allocate_slots")
+def allocate_slots_counts_free_hits_twice(self, request_id, num_tokens, cached_blocks=()):
+    """Compares the fresh blocks needed with num_free_blocks, which still counts the free cached hits."""
+    return _allocate_slots(self, request_id, num_tokens, cached_blocks, hits_are_free=True)  # MISTAKE
+
+
+@mistake("ex15", "BlockAllocator.allocate_slots")
+def allocate_slots_forgets_the_partial_block(self, request_id, num_tokens, cached_blocks=()):
+    """num_tokens // block_size blocks: the positions of the partial last block have no slot."""
+    return _allocate_slots(self, request_id, num_tokens, cached_blocks, ceil=False)  # MISTAKE
+
+
+@mistake("ex15", "BlockAllocator.free_block")
+def free_ignores_ref_count(self, block_id):
+    """Every free puts the block back in the free queue: a block another request still reads gets reused."""
+    block = self.blocks[block_id]
+    if block.ref_count < 1:
+        raise RuntimeError(f"block {block_id} freed twice")
+    block.ref_count = 0  # MISTAKE: -= 1, and only at 0 into the queue
+    self.free_queue[block_id] = None
+
+
+@mistake("ex15", "BlockAllocator.free_block")
+def double_free_not_detected(self, block_id):
+    """No check of the count: a second free drives it to -1 and the block is queued twice over."""
+    block = self.blocks[block_id]
+    block.ref_count -= 1  # MISTAKE: raise RuntimeError when it is already 0
+    if block.ref_count <= 0:
+        self.free_queue[block_id] = None
+
+
+@mistake("ex15", "BlockAllocator.free")
+def free_in_table_order(self, request_id):
+    """Frees the table head first: under LRU the shared head (a system prompt) is evicted before the tail."""
+    for block_id in self.block_tables.pop(request_id, []):  # MISTAKE: reversed(...)
+        self.free_block(block_id)
+    self._hashes.pop(request_id, None)
+
+
+@mistake("ex15", "BlockAllocator.free")
+def free_skips_shared_blocks(self, request_id):
+    """Does not free blocks another request shares: their counts never come back to 0 (a leak)."""
+    for block_id in reversed(self.block_tables.pop(request_id, [])):
+        if self.blocks[block_id].ref_count == 1:  # MISTAKE: free_block also decrements a shared block
+            self.free_block(block_id)
+    self._hashes.pop(request_id, None)
