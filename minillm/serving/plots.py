@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 
 from ..metrics import percentile
 from ..plots import DECODE_COLOR, PREFILL_COLOR
-from .step_trace import DECODE, PREFILL, QUEUED, request_spans
+from .step_trace import DECODE, PREFILL, QUEUED, spans_by_request
 
 SPAN_COLORS = {QUEUED: "0.82", PREFILL: PREFILL_COLOR, DECODE: DECODE_COLOR}
 BAR_HEIGHT = 0.7
@@ -49,8 +49,9 @@ def plot_timeline(requests, steps, title: str = "") -> Figure:
         labelled.add(name)
         return name if first else None
 
+    spans = spans_by_request(steps, requests, merge=True)
     for row, r in enumerate(requests):
-        for span in request_spans(r, steps, merge=True):
+        for span in spans[r.request_id]:
             name = "prefill (recompute)" if span.recompute else span.kind
             ax.barh(row, span.end_s - span.start_s, left=span.start_s - t0, height=BAR_HEIGHT,
                     color=SPAN_COLORS[span.kind], hatch="//" if span.recompute else None,

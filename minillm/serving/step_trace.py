@@ -7,6 +7,7 @@ scheduled, each token, finish) this is everything a timeline needs:
 
     StepRecord               one step: batch, time, blocks, preempted, finished
     request_spans            one request's life as queued / prefill / decode spans
+    spans_by_request         the same for every request of a run
     chrome_trace_events      the run for Perfetto: a scheduler track, a track per request, counters
     write_chrome_trace       the same, validated and written as a .json file
 
@@ -112,10 +113,26 @@ def request_spans(request, steps, merge: bool = False) -> list[Span]:
     ``merge``: join spans of the same kind in consecutive steps (one "decode" bar
     instead of one per token), as a plot wants; the Chrome trace keeps one per step.
     """
-    rows = _rows_by_request(steps).get(request.request_id, [])
+    return _spans(request, _rows_by_request(steps).get(request.request_id, []), steps, merge)
+
+
+def spans_by_request(steps, requests, merge: bool = False) -> dict[str, list[Span]]:
+    """:func:`request_spans` of every request (``engine.requests``, a dict or a list), by id,
+    with the steps read once (one pass over the steps, not one per request)."""
+    requests = _request_list(requests)
+    rows = _rows_by_request(steps)
+    return {r.request_id: _spans(r, rows.get(r.request_id, []), steps, merge) for r in requests}
+
+
+def _spans(request, rows, steps, merge: bool) -> list[Span]:
     spans = _queued_spans(request, rows, steps) + [_work_span(request, *row) for row in rows]
     spans.sort(key=lambda s: s.start_s)
     return _merged(spans) if merge else spans
+
+
+def _request_list(requests) -> list:
+    """``engine.requests`` (a dict id -> Request) or any iterable of requests, as a list."""
+    return list(requests.values()) if isinstance(requests, dict) else list(requests)
 
 
 def _rows_by_request(steps) -> dict[str, list[tuple[StepRecord, int, int]]]:
@@ -207,7 +224,7 @@ def chrome_trace_events(steps, requests) -> list[dict]:
 
     Times: microseconds from the earliest arrival (or the first step, if earlier).
     """
-    requests = list(requests.values()) if isinstance(requests, dict) else list(requests)
+    requests = _request_list(requests)
     t0 = min([r.arrival_s for r in requests] + [s.start_s for s in steps[:1]], default=0.0)
 
     def us(t: float) -> float:
@@ -217,8 +234,9 @@ def chrome_trace_events(steps, requests) -> list[dict]:
               thread_sort_index(PID, SCHEDULER_TID, SCHEDULER_TID)]
     for step in steps:
         events += _step_events(step, us)
+    spans = spans_by_request(steps, requests)
     for i, request in enumerate(requests):
-        events += _request_events(request, 1 + i, steps, us)
+        events += _request_events(request, 1 + i, spans[request.request_id], us)
     return events
 
 
@@ -228,8 +246,8 @@ def write_chrome_trace(path, steps, requests, metadata: dict | None = None) -> P
     ``metadata`` (flat JSON values) is added to the file's ``otherData``, e.g. the engine's knobs.
     Raises ValueError as :func:`minillm.chrome_trace.write` (bad events, a missing folder).
     """
-    n_requests = len(requests)
-    data = {"generator": "minillm serving", "n_steps": len(steps), "n_requests": n_requests,
+    requests = _request_list(requests)
+    data = {"generator": "minillm serving", "n_steps": len(steps), "n_requests": len(requests),
             "time_origin": "earliest arrival", **(metadata or {})}
     return write(path, chrome_trace_events(steps, requests), data)
 
@@ -254,9 +272,9 @@ def _step_events(step: StepRecord, us) -> list[dict]:
     ]
 
 
-def _request_events(request, tid: int, steps, us) -> list[dict]:
+def _request_events(request, tid: int, spans: list[Span], us) -> list[dict]:
     events = [thread_name(PID, tid, f"request {request.request_id}"), thread_sort_index(PID, tid, tid)]
-    for span in request_spans(request, steps):
+    for span in spans:
         start = us(span.start_s)
         args = {} if span.kind == QUEUED else {"step": span.first_step, "num_tokens": span.num_tokens}
         if span.recompute:

@@ -14,7 +14,7 @@ from minillm import SamplingParams, chrome_trace, load_model
 from minillm.serving import LLMEngine, Request, StepRecord
 from minillm.serving.plots import plot_itl, plot_rate_sweep, plot_timeline
 from minillm.serving.render import pool_panel, requests_table, steps_table
-from minillm.serving.step_trace import chrome_trace_events, request_spans, write_chrome_trace
+from minillm.serving.step_trace import chrome_trace_events, request_spans, spans_by_request, write_chrome_trace
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7]]
 
@@ -117,6 +117,8 @@ def test_chrome_events_of_a_hand_made_run():
 
 
 def test_request_spans_merge_consecutive_steps(tight):
+    assert spans_by_request(tight.steps, tight.requests, merge=True) == {
+        r.request_id: request_spans(r, tight.steps, merge=True) for r in tight.requests.values()}
     for r in tight.requests.values():
         per_step, merged = request_spans(r, tight.steps), request_spans(r, tight.steps, merge=True)
         assert sum(s.num_tokens for s in merged) == sum(s.num_tokens for s in per_step)
