@@ -152,7 +152,10 @@ def _latencies(r) -> tuple[str, str, str, str]:
     queue = "-" if r.first_scheduled_s is None else f"{(r.first_scheduled_s - r.arrival_s) * 1e3:.1f}"
     if not r.token_times_s or r.first_scheduled_s is None:
         return queue, "-", "-", "-"
-    m = request_metrics(r)
+    try:
+        m = request_metrics(r)
+    except ValueError:  # timestamps out of order (e.g. an arrival_s given in the future): no latencies
+        return queue, "-", "-", "-"
     tpot = "-" if m.tpot_ms is None else f"{m.tpot_ms:.1f}"
     e2e = f"{m.e2e_ms:.1f}" if r.finish_s is not None else "-"
     return queue, f"{m.ttft_ms:.1f}", tpot, e2e
