@@ -88,7 +88,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     n, out = torch.get_num_threads(), weight.shape[0]
     rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu" or x.dtype != torch.float32 or n == 1 or out % n or rows > SPLIT_MAX_ROWS:
+    if x.device.type != "cpu" or x.dtype != torch.float32 or n == 1 or out % n or not 0 < rows <= SPLIT_MAX_ROWS:
         return F.linear(x, weight, bias)
     blocks = weight.t().unflatten(1, (n, out // n)).transpose(0, 1)  # [n, in, out/n]
     y = torch.bmm(x.reshape(1, rows, -1).expand(n, -1, -1), blocks)  # [n, rows, out/n]

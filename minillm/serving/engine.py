@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 from ..generate import TextStream, check_params, check_prompt, eos_token_set
@@ -29,7 +30,7 @@ from .model_runner import run_model, sample_rows
 from .paged_cache import PagedKVCache
 from .request import Request
 from .scheduler import Scheduler, ScheduledBatch
-from .step_trace import StepRecord
+from .step_trace import StepRecord, write_chrome_trace
 
 
 @dataclass(frozen=True)
@@ -240,6 +241,16 @@ class LLMEngine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
+
+    def export_chrome_trace(self, path) -> Path:
+        """Write the step trace as a Chrome trace (open it in ui.perfetto.dev): a scheduler track,
+        a track per request, counters for blocks and queues. Returns the path; ValueError for a
+        missing folder."""
+        s = self.scheduler
+        metadata = {"block_size": self.cache.block_size, "num_blocks": self.cache.num_blocks,
+                    "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
+                    "enable_chunked_prefill": s.enable_chunked_prefill}
+        return write_chrome_trace(path, self.steps, self.requests, metadata)
 
     def __repr__(self) -> str:
         return f"LLMEngine({self.scheduler!r}, {self.cache!r})"
