@@ -100,13 +100,13 @@ def _print_exercise_results(console, results, where: str) -> None:
 
 
 def _class_table(results: dict):
-    """One row per student, one narrow column per exercise (its number): 14 exercises fit in 80 columns."""
+    """One row per student, one narrow column per exercise (its number): 16 exercises fit in 80 columns."""
     from rich import box
     from rich.table import Table
 
     ids = [r.id for r in next(iter(results.values()))]
-    table = Table(title="class results", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
-                  caption="columns: exercise numbers   + passed   x failed   . not attempted")
+    table = Table(title="class results", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, padding=(0, 0),
+                  caption="columns: exercises   + passed   x failed   . not attempted")
     table.add_column("student", no_wrap=True, max_width=16)
     for ex_id in ids:
         table.add_column(ex_id.removeprefix("ex"), justify="center", min_width=2, no_wrap=True)

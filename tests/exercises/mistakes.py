@@ -31,6 +31,8 @@ from minillm.model import causal_mask
 from minillm.phases import decode_step, prefill
 from minillm.rope import RotaryEmbedding
 from minillm.sampling import filter_logits, sample
+from minillm.serving.request import RUNNING, WAITING
+from minillm.serving.scheduler import ScheduledBatch
 
 INF = float("inf")
 
@@ -1054,3 +1056,126 @@ def free_skips_shared_blocks(self, request_id):
         if self.blocks[block_id].ref_count == 1:  # MISTAKE: free_block also decrements a shared block
             self.free_block(block_id)
     self._hashes.pop(request_id, None)
+
+
+# -- ex16 scheduler step ---------------------------------------------------------------------------
+
+
+def _preempt(self, request, batch, free_blocks=True):
+    self.running.remove(request)
+    if free_blocks:
+        self.allocator.free(request.request_id)
+    request.status, request.num_computed_tokens = WAITING, 0
+    request.num_preemptions += 1
+    self.waiting.appendleft(request)
+    if request in batch.requests:
+        i = batch.requests.index(request)
+        del batch.requests[i], batch.num_tokens[i]
+    batch.preempted.append(request)
+
+
+def _schedule(self, decodes_first=True, count_decodes=True, cut_to_budget=True, honour_no_chunking=True,
+              first_come=True, wait_in_line=True, cap_seqs=True, victim=-1, free_victim=True, use_hits=True):
+    """minillm's schedule in one piece with its decisions exchangeable (the mistakes below make wrong ones)."""
+    batch, budget = ScheduledBatch(), self.max_num_batched_tokens
+    left = lambda r: r.num_tokens - r.num_computed_tokens  # noqa: E731
+    for request in sorted(self.running, key=lambda r: left(r) > 1) if decodes_first else list(self.running):
+        if budget <= 0:
+            break
+        if request.status != RUNNING:
+            continue
+        n, scheduled = min(left(request), budget), True
+        while not self.allocator.allocate_slots(request.request_id, request.num_computed_tokens + n):
+            loser = self.running[victim]
+            _preempt(self, loser, batch, free_victim)
+            if loser is request:
+                scheduled = False
+                break
+        if scheduled:
+            batch.requests.append(request)
+            batch.num_tokens.append(n)
+            budget -= n if count_decodes or n > 1 else 0
+    if batch.preempted:
+        return batch
+    for request in list(self.waiting) if first_come else list(reversed(self.waiting)):
+        if budget <= 0 or (cap_seqs and len(self.running) >= self.max_num_seqs):
+            break
+        hits = self.allocator.find_cached_prefix(request.all_token_ids) if use_hits else []
+        computed = len(hits) * self.allocator.block_size
+        n = request.num_tokens - computed
+        if n > budget and honour_no_chunking and not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:
+            if wait_in_line:
+                break
+            continue
+        n = min(n, budget if cut_to_budget else self.max_num_batched_tokens)
+        if not self.allocator.allocate_slots(request.request_id, computed + n, hits):
+            break
+        self.waiting.remove(request)
+        request.status, request.num_computed_tokens = RUNNING, computed
+        if request.first_scheduled_s is None:
+            request.first_scheduled_s, request.num_cached_tokens = time.perf_counter(), computed
+        self.running.append(request)
+        batch.requests.append(request)
+        batch.num_tokens.append(n)
+        budget -= n
+    return batch
+
+
+@mistake("ex16", "Scheduler.schedule")
+def prefill_before_decodes(self):
+    """Serves the running requests in age order: an old request's long prefill chunk starves the decodes."""
+    return _schedule(self, decodes_first=False)  # MISTAKE
+
+
+@mistake("ex16", "Scheduler.schedule")
+def decode_tokens_not_counted_in_budget(self):
+    """Decodes are 'only one token' and not taken off the budget: the step exceeds max_num_batched_tokens."""
+    return _schedule(self, count_decodes=False)  # MISTAKE
+
+
+@mistake("ex16", "Scheduler.schedule")
+def chunk_not_cut_to_remaining_budget(self):
+    """Cuts a prompt to max_num_batched_tokens instead of what the requests before it left of the budget."""
+    return _schedule(self, cut_to_budget=False)  # MISTAKE
+
+
+@mistake("ex16", "Scheduler.schedule")
+def chunks_when_chunked_prefill_is_off(self):
+    """Cuts a prompt to the budget left even with enable_chunked_prefill=False."""
+    return _schedule(self, honour_no_chunking=False)  # MISTAKE
+
+
+@mistake("ex16", "Scheduler.schedule")
+def waiting_served_last_in_first_out(self):
+    """Takes waiting requests from the back of the deque (pop() instead of popleft()): the newest starts first."""
+    return _schedule(self, first_come=False)  # MISTAKE
+
+
+@mistake("ex16", "Scheduler.schedule")
+def later_prompt_overtakes_one_that_does_not_fit(self):
+    """Without chunking, skips a prompt that does not fit and starts a smaller one behind it: not FCFS."""
+    return _schedule(self, wait_in_line=False)  # MISTAKE
+
+
+@mistake("ex16", "Scheduler.schedule")
+def max_num_seqs_ignored(self):
+    """Admits waiting requests while the token budget lasts, however many are running."""
+    return _schedule(self, cap_seqs=False)  # MISTAKE
+
+
+@mistake("ex16", "Scheduler.schedule")
+def preempts_the_oldest(self):
+    """Preempts running[0], the request that has done the most work, instead of the newest."""
+    return _schedule(self, victim=0)  # MISTAKE
+
+
+@mistake("ex16", "Scheduler.schedule")
+def preempted_blocks_not_freed(self):
+    """Sends the preempted request back to waiting but never frees its blocks: the room never appears."""
+    return _schedule(self, free_victim=False)  # MISTAKE
+
+
+@mistake("ex16", "Scheduler.schedule")
+def prefix_hits_recomputed(self):
+    """Never asks find_cached_prefix: a prompt whose first blocks are cached is prefilled in full."""
+    return _schedule(self, use_hits=False)  # MISTAKE

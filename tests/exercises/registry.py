@@ -99,6 +99,8 @@ EXERCISES = {ex.id: ex for ex in [
               "BlockAllocator": "minillm.serving.block_allocator"},
              ("blocks_needed", "slot_mapping", "BlockAllocator.allocate_slots", "BlockAllocator.free_block",
               "BlockAllocator.free")),
+    Exercise("ex16", "scheduler step", "ex16_scheduler", "lessons/11-serving.md#continuous-batching",
+             {"Scheduler": "minillm.serving.scheduler"}, ("Scheduler.schedule",)),
 ]}
 
 

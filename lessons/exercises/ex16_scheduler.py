@@ -1,0 +1,58 @@
+"""Exercise 16: one scheduler step of continuous batching: who runs next, and how many tokens each.
+
+Write ``Scheduler.schedule``. The class inherits minillm's: ``self.running`` (a list, oldest
+first), ``self.waiting`` (a deque, first come first), ``self.allocator`` (a :class:`BlockAllocator`),
+the knobs ``max_num_batched_tokens``, ``max_num_seqs``, ``enable_chunked_prefill``, and
+``finish``. Return a :class:`ScheduledBatch` (``requests``, ``num_tokens``, ``preempted``)::
+
+    running (oldest first):  A decode 1 | B decode 1 | C prefill, 300 of 900 left
+    waiting (FCFS):          D prompt 700 | E prompt 40
+    budget 512:              A 1, B 1, C 300 (its last chunk), D 210 (a first chunk) -> 512
+
+1. Running requests: decodes (1 token left: ``num_tokens - num_computed_tokens == 1``) first, then
+   partly prefilled prompts, each group oldest first; each gets ``min(tokens left, budget left)``.
+   Each needs blocks for ``num_computed_tokens + n`` positions: ``self.allocator.allocate_slots``.
+2. When that returns False, preempt the NEWEST running request (``self.running[-1]``, maybe the
+   request itself) and try again: remove it from ``running``, free its blocks
+   (``self.allocator.free``), set ``status = WAITING``, ``num_computed_tokens = 0``, add 1 to
+   ``num_preemptions``, put it at the FRONT of ``waiting``, take it out of the batch if it was
+   scheduled earlier in this step, and append it to ``batch.preempted``.
+3. Then, only if nobody was preempted, waiting requests in arrival order while the budget and
+   ``max_num_seqs`` (running requests in all) allow: take the prefix-cache hits
+   (``hits = self.allocator.find_cached_prefix(request.all_token_ids)``, ``computed = len(hits) *
+   block_size``), schedule ``num_tokens - computed`` tokens, cut to the budget left when chunked
+   prefill is on; when it is off, a prompt that does not fit the budget left waits, and so does
+   everyone behind it. ``allocate_slots(request_id, computed + n, hits)`` False: stop, the pool is
+   full. A started request: ``status = RUNNING``, ``num_computed_tokens = computed``, on its first
+   start ``first_scheduled_s`` (``time.perf_counter()``) and ``num_cached_tokens = computed``; it
+   joins the end of ``running``.
+
+Write it from the queues and the allocator: the inherited helpers ``_make_room``,
+``_admit_waiting`` and ``_preempt`` are minillm's answer, split up. One case the checks leave out:
+minillm ends the only running request when the whole pool cannot hold it (``_finish_pool_full``).
+The checks build requests and a BlockAllocator by hand, no model: a step "runs" by adding each
+scheduled count to ``num_computed_tokens``.
+
+Check:      minillm check ex16   (or: pytest tests/exercises -m ex16 --impl student)
+Lesson:     lessons/11-serving.md#continuous-batching
+Reference:  minillm.serving.scheduler.Scheduler
+            (peek once your checks pass, or when stuck)
+"""
+
+from __future__ import annotations
+
+import time  # noqa: F401
+
+from minillm.serving import scheduler
+from minillm.serving.request import RUNNING, WAITING, Request  # noqa: F401
+from minillm.serving.scheduler import ScheduledBatch
+
+
+class Scheduler(scheduler.Scheduler):
+    """minillm's Scheduler (queues, knobs, add, finish); schedule is yours."""
+
+    def schedule(self) -> ScheduledBatch:
+        """Build the next step's batch (see the module docstring); allocates the blocks it needs."""
+        raise NotImplementedError(
+            "Exercise 16 (scheduler step) is not written yet: see lessons/11-serving.md#continuous-batching"
+        )
