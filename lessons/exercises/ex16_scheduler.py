@@ -10,8 +10,9 @@ the knobs ``max_num_batched_tokens``, ``max_num_seqs``, ``enable_chunked_prefill
     budget 512:              A 1, B 1, C 300 (its last chunk), D 210 (a first chunk) -> 512
 
 1. Running requests: decodes (1 token left: ``num_tokens - num_computed_tokens == 1``) first, then
-   partly prefilled prompts, each group oldest first; each gets ``min(tokens left, budget left)``.
-   Each needs blocks for ``num_computed_tokens + n`` positions: ``self.allocator.allocate_slots``.
+   partly prefilled prompts, each group oldest first; each gets ``min(tokens left, budget left)``
+   (stop when the budget is spent; skip a request preempted earlier in this loop). Each needs
+   blocks for ``num_computed_tokens + n`` positions: ``self.allocator.allocate_slots``.
 2. When that returns False, preempt the NEWEST running request (``self.running[-1]``, maybe the
    request itself) and try again: remove it from ``running``, free its blocks
    (``self.allocator.free``), set ``status = WAITING``, ``num_computed_tokens = 0``, add 1 to

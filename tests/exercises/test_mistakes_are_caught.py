@@ -38,6 +38,25 @@ REQUIRED = {
     "cache_writes_only_sequence_0": "ex05",
     "temperature_after_top_p": "ex08",
     "metrics_skip_the_promised_errors": "ex09",
+    # issue #14: serving many users
+    "blocks_needed_floors": "ex15",
+    "blocks_needed_off_by_one": "ex15",
+    "slot_mapping_rejects_a_full_table": "ex15",
+    "free_ignores_ref_count": "ex15",
+    "double_free_not_detected": "ex15",
+    "free_in_table_order": "ex15",
+    "free_skips_shared_blocks": "ex15",
+    "allocate_slots_keeps_a_partial_allocation": "ex15",
+    "allocate_slots_shares_hits_before_checking": "ex15",
+    "prefill_before_decodes": "ex16",
+    "decode_tokens_not_counted_in_budget": "ex16",
+    "chunk_not_cut_to_remaining_budget": "ex16",
+    "chunks_when_chunked_prefill_is_off": "ex16",
+    "waiting_served_last_in_first_out": "ex16",
+    "later_prompt_overtakes_one_that_does_not_fit": "ex16",
+    "max_num_seqs_ignored": "ex16",
+    "preempts_the_oldest": "ex16",
+    "preempted_blocks_not_freed": "ex16",
 }
 
 
