@@ -1,0 +1,30 @@
+"""Models shared by the serving tests: loaded once per session, never per test.
+
+``tiny_model(name)``: a random-weight model of one tests/tiny_models.py config (float32, CPU).
+``smollm2``: the real default model and its tokenizer (on disk already; see tests/conftest.py).
+"""
+
+import pytest
+from tiny_models import CONFIGS, build_hf, save_hf
+
+import minillm
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    models = {}
+
+    def get(name: str):
+        if name not in models:
+            family, kwargs = CONFIGS[name]
+            folder = save_hf(build_hf(family, kwargs), tmp_path_factory.mktemp(name))
+            models[name] = minillm.load_model(folder, device="cpu")
+        return models[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of smollm2-135m-instruct, float32 on the CPU."""
+    return minillm.load_model("smollm2-135m-instruct", device="cpu"), minillm.load_tokenizer("smollm2-135m-instruct")
