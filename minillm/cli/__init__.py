@@ -12,11 +12,12 @@
     minillm generate --prefix-cache --system "..." Q1 Q2   requests in turn, reusing cached prefixes
     minillm prefix-demo [--requests N] [--plot FILE.png]   TTFT with and without the prefix cache
     minillm bench [--quick] [--json F] [--plot F.png]      minillm vs transformers, no cache, the floors
+    minillm bench-serving [--quick] [--request-rate R ...] one workload: one-at-a-time, static, continuous batching
     minillm check [ex03 ...] [--student-dir DIR ...]       grade the classroom exercises (lessons/exercises)
 
 One module per command group, each holding its commands' options and their running:
 common.py (the usage error, shared options, output checks), generate.py, chat.py, models.py (download,
-convert, info), sweep.py, roofline.py (calibrate, whatif), prefix_demo.py, bench.py, check.py.
+convert, info), sweep.py, roofline.py (calibrate, whatif), prefix_demo.py, bench.py, bench_serving.py, check.py.
 
 Exit codes: 0 ok, 1 runtime error (one line), 2 usage error (one line), 130 interrupted,
 141 the reader of stdout went away (`minillm generate ... | head`), silently.
@@ -32,6 +33,7 @@ import sys
 from .. import __version__
 from ..errors import MiniLLMError
 from .bench import add_bench
+from .bench_serving import add_bench_serving
 from .chat import add_chat
 from .check import _class_table, add_check  # noqa: F401  (_class_table: tests import it from here)
 from .common import Parser, UsageError
@@ -107,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_whatif(sub)
     add_prefix_demo(sub)
     add_bench(sub)
+    add_bench_serving(sub)
     add_check(sub)
     return parser
 
