@@ -113,7 +113,9 @@ class LLMEngine:
         prompt = check_prompt(prompt_ids).tolist()
         params = check_params(self.model, params, self.tokenizer)
         self._check_fits(prompt)
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id is None:  # the next number the caller has not taken already
+            request_id = next(i for i in map(str, self._ids) if i not in self.requests)
+        request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use; give a new one or leave it out")
         device = self.cache.k.device
@@ -234,7 +236,14 @@ class LLMEngine:
                 raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give one, or one each")
         else:
             params = [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.add_request(p, sp))
+        except ValueError:  # a bad prompt refuses the whole call: none of its prompts stays queued
+            for request_id in ids:
+                self.scheduler.finish(self.requests.pop(request_id), "abort")
+            raise
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished_requests():
             for out in self.step():
