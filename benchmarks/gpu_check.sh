@@ -6,7 +6,7 @@
 #
 # Needs the default model in the weights dir (minillm download; MINILLM_WEIGHTS to point
 # elsewhere) and transformers for the comparison. Writes OUT_DIR/{env.txt, tests.txt,
-# calibrate.txt, bench.txt, bench.json, bench.md, bench.png}.
+# calibrate.txt, bench.txt, bench.json, bench.md, bench.png, serving.txt, serving.json, serving_*.png}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-benchmarks/gpu-results}"
@@ -30,3 +30,6 @@ echo "== calibrate cuda bfloat16" | tee "$OUT/calibrate.txt"
 echo "== bench cuda bfloat16 --compile" | tee "$OUT/bench.txt"
 COLUMNS=200 "$PY" -m minillm bench --device cuda --dtype bfloat16 --compile \
     --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plot "$OUT/bench.png" "$@" 2>&1 | tee -a "$OUT/bench.txt"
+
+echo "== bench-serving cuda (the GPU row of BENCHMARKS.md's Serving section)" | tee "$OUT/serving.txt"
+COLUMNS=200 "$PY" -m minillm bench-serving --device cuda --request-rate 4 16 inf --json "$OUT/serving.json" --plots "$OUT" 2>&1 | tee -a "$OUT/serving.txt"
