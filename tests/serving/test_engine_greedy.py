@@ -89,7 +89,10 @@ def test_batched_greedy_tokens_equal_generate_alone(cases, knobs):
     assert waves_mixed, "no step mixed a prefill with decodes: the arrivals did not overlap"
     preempted = [r for r in engine.requests.values() if r.num_preemptions]
     assert preempted and any(s.preempted for s in engine.steps)
-    if not knobs.get("enable_chunked_prefill", True):  # every prefill whole: a prompt, or a recompute
-        whole = {rid: {len(r.prompt_ids) + i for i in range(MAX_NEW)} for rid, r in engine.requests.items()}
-        assert all(p == 0 or p in whole[r] for s in engine.steps for r, p, _ in s.scheduled)
+    if not knobs.get("enable_chunked_prefill", True):  # each prompt prefilled whole, in its first step
+        first = {}
+        for step in engine.steps:
+            for rid, p, _ in step.scheduled:
+                first.setdefault(rid, p)
+        assert first == {rid: len(prompt) for rid, prompt in zip(ids, prompts)}
     assert all(b.ref_count == 0 for b in engine.cache.allocator.blocks)

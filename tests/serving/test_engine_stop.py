@@ -40,7 +40,7 @@ STOP_CASES = [  # (prompt text, stop strings): what generate gives, the engine m
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def stop_cases(smollm2):
     """(prompts, params, generate's (tokens, finish_reason, stop_reason, text) for each)."""
     model, tok = smollm2
@@ -49,12 +49,10 @@ def stop_cases(smollm2):
     return prompts, params, [alone(model, p, sp, eos=None, tokenizer=tok) for p, sp in zip(prompts, params)]
 
 
-@pytest.mark.parametrize("chunked", [True, False])
-def test_stop_strings_give_generate_text(smollm2, stop_cases, chunked):
+def test_stop_strings_give_generate_text(smollm2, stop_cases):
     model, tok = smollm2
     prompts, params, expected = stop_cases
-    engine = LLMEngine(model, tok, num_blocks=16, block_size=16, max_num_batched_tokens=16 if chunked else 64,
-                       enable_chunked_prefill=chunked)
+    engine = LLMEngine(model, tok, num_blocks=16, block_size=16, max_num_batched_tokens=16)  # prompts in chunks
     outs = engine.generate(prompts, params)
     for out, want in zip(outs, expected):
         assert (out.token_ids, out.finish_reason, out.stop_reason, out.text) == want
