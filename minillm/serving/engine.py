@@ -143,16 +143,18 @@ class LLMEngine:
             raise ValueError(f"the prompt is {len(prompt)} tokens, more than max_num_batched_tokens ({budget}), "
                              "and chunked prefill is off; raise max_num_batched_tokens or enable chunked prefill")
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request now: its blocks go back to the pool; its last output says "abort".
+    def abort_request(self, request_id: str) -> RequestOutput:
+        """Stop a request now: its blocks go back to the pool. Returns its last output, which says
+        "abort" (no later step reports it: it is in no batch).
 
-        Raises ValueError for an unknown id; aborting a finished request does nothing.
+        Raises ValueError for an unknown id; aborting a finished request changes nothing.
         """
         request = self.requests.get(str(request_id))
         if request is None:
             raise ValueError(f"no request with id {request_id!r}; known ids: {list(self.requests)[:10]}")
         if not request.finished:
             self.scheduler.finish(request, "abort", message="aborted by the caller")
+        return self._output(request, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

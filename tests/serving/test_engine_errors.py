@@ -120,8 +120,10 @@ def test_abort_of_a_running_request_frees_its_blocks_at_once(model):
     pool = engine.cache.allocator
     held_by_a = len(pool.block_tables[a])
     used = pool.num_used_blocks
-    engine.abort_request(a)
+    out = engine.abort_request(a)
     assert a not in pool.block_tables and pool.num_used_blocks == used - held_by_a
+    assert out.finished and out.finish_reason == "abort" and out.new_token_ids == [] and len(out.token_ids) == 2
+    assert a not in [o.request_id for o in engine.step()]  # the abort was its last output
     ra = engine.requests[a]
     assert ra.finished and ra.finish_reason == "abort" and ra.message and len(ra.output_ids) == 2
     while engine.has_unfinished_requests():
