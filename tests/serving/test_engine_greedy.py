@@ -9,7 +9,6 @@ logit gap there: a gap near float32 noise (~1e-4) is a near-tie, anything larger
 """
 
 import pytest
-import torch
 
 from minillm import KVCache, LLMEngine, SamplingParams, generate, prefill
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from minillm.model import causal_mask
 from minillm.sampling import SamplingParams
+from minillm.serving.block_allocator import slot_mapping
 from minillm.serving.model_runner import prepare_batch
 from minillm.serving.paged_cache import PagedKVCache
 from minillm.serving.request import Request
@@ -42,7 +43,7 @@ def make_case(lengths, chunks, block_size, seed=0):
         k = torch.randn(n, N_KV_HEADS, HEAD_DIM, generator=g)
         v = torch.randn(n, N_KV_HEADS, HEAD_DIM, generator=g)
         table = cache.allocator.block_tables[r.request_id]
-        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n - c)], dtype=torch.long)
+        slots = torch.tensor(slot_mapping(table, 0, n - c, block_size), dtype=torch.long)
         cache.write(0, k[: n - c], v[: n - c], slots)  # what earlier steps computed
         r.num_computed_tokens = n - c
         full_k.append(k)
