@@ -12,6 +12,8 @@ One concept per file, in the order a request meets them:
     step_trace.py       StepRecord: what each step did (the timeline, the Chrome trace)
     workload.py         seeded Poisson arrivals, prompt and output lengths
     run_metrics.py      TTFT, TPOT, ITL, queueing, percentiles, SLO attainment, goodput of a run
+    bench.py            one workload through one-at-a-time, static and continuous batching, measured
+    render.py, plots.py the step trace as rich tables, timelines, rate sweeps and ITL plots
 """
 
 from .block_allocator import BlockAllocator
