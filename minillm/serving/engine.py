@@ -110,6 +110,12 @@ class LLMEngine:
         a prompt beyond the model's context or the whole pool, a prompt longer than
         ``max_num_batched_tokens`` without chunked prefill, or a duplicate request id.
         """
+        if isinstance(prompt_ids, str):
+            raise ValueError("add_request takes token ids, not text; encode it first: "
+                             "engine.add_request(tok.encode(text))")
+        if getattr(prompt_ids, "ndim", 1) == 2 and len(prompt_ids) > 1 or _is_nested(prompt_ids):
+            raise ValueError("add_request takes one prompt; add each prompt with its own add_request, "
+                             "or pass the list to engine.generate([...])")
         prompt = check_prompt(prompt_ids).tolist()
         params = check_params(self.model, params, self.tokenizer)
         self._check_fits(prompt)
@@ -157,6 +163,7 @@ class LLMEngine:
         return self._output(request, None)
 
     def has_unfinished_requests(self) -> bool:
+        """True while some request is waiting or running (vLLM's name)."""
         return self.scheduler.has_unfinished()
 
     # -- one step ---------------------------------------------------------------------
@@ -265,3 +272,8 @@ class LLMEngine:
 
     def __repr__(self) -> str:
         return f"LLMEngine({self.scheduler!r}, {self.cache!r})"
+
+
+def _is_nested(prompt_ids) -> bool:
+    """A list of several lists: a batch of prompts ([[1, 2]] alone is one prompt, as in generate)."""
+    return isinstance(prompt_ids, (list, tuple)) and len(prompt_ids) > 1 and isinstance(prompt_ids[0], (list, tuple))

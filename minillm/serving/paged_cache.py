@@ -27,7 +27,8 @@ import torch
 from ..units import fmt_bytes
 from .block_allocator import BlockAllocator
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def parse_memory(spec: str | int | float, available_bytes: int | None = None) -> int:
@@ -38,22 +39,26 @@ def parse_memory(spec: str | int | float, available_bytes: int | None = None) ->
     Raises ValueError for anything else, naming the accepted forms.
     """
     text = str(spec).strip().lower().replace(" ", "")
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]i?b|b)?", text)
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]i?b|b)?", text)
     if match is None:
         raise ValueError(f"KV cache memory must be a size like 512MiB, 2GiB, 1GB or a fraction of free memory "
                          f"like 0.3, got {spec!r}")
     value, unit = float(match.group(1)), match.group(2) or ""
     if not unit and 0 < value <= 1 and "." in text:
         if available_bytes is None:
-            raise ValueError(f"a fraction ({spec}) needs the free memory; give a size like 512MiB instead")
+            raise ValueError(f"a fraction ({spec}) needs the free memory, which this machine does not report; "
+                             "give a size like 512MiB instead")
         return int(value * available_bytes)
     if value <= 0:
         raise ValueError(f"KV cache memory must be > 0, got {spec!r}")
+    if not unit and "." in text:
+        raise ValueError(f"a fraction of free memory must be in (0, 1], got {spec!r}; for a size add a unit: 512MiB")
     return int(value * _UNITS[unit])
 
 
-def free_memory_bytes(device: torch.device) -> int:
-    """Free memory of ``device``: CUDA's ``mem_get_info``; on CPU, /proc/meminfo's MemAvailable."""
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Free memory of ``device``: CUDA's ``mem_get_info``; on CPU, /proc/meminfo's MemAvailable;
+    None where neither is available (e.g. macOS)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:
@@ -63,7 +68,7 @@ def free_memory_bytes(device: torch.device) -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    raise ValueError("cannot read the free memory of this machine; give the KV cache memory as a size like 512MiB")
+    return None
 
 
 class PagedKVCache:
@@ -103,8 +108,11 @@ class PagedKVCache:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         per_block = bytes_per_block(cfg, block_size, param.element_size())
         if num_blocks is None:
-            available = free_memory_bytes(param.device) if _is_fraction(memory) else None
+            available = free_memory_bytes(param.device)
             budget = parse_memory(memory, available)
+            if available is not None and budget > available:
+                raise ValueError(f"a KV cache of {fmt_bytes(budget)} is more than the free memory "
+                                 f"({fmt_bytes(available)}); give less, e.g. 512MiB or a fraction like 0.3")
             num_blocks = budget // per_block
             if num_blocks < 1:
                 raise ValueError(f"a KV cache of {fmt_bytes(budget)} holds no block (one block of {block_size} "
@@ -204,7 +212,3 @@ def bytes_per_block(config, block_size: int, dtype_bytes: int) -> int:
     """2 (K, V) · n_layers · n_kv_heads · block_size · head_dim · dtype_bytes."""
     return 2 * config.n_layers * config.n_kv_heads * block_size * config.head_dim * dtype_bytes
 
-
-def _is_fraction(memory) -> bool:
-    text = str(memory).strip()
-    return re.fullmatch(r"0?\.\d+|1\.0*", text) is not None

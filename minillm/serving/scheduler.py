@@ -116,9 +116,11 @@ class Scheduler:
         self.running: list[Request] = []
 
     def add(self, request: Request) -> None:
+        """Queue a new request at the back of the waiting queue (first come, first served)."""
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
+        """True while a request is waiting or running."""
         return bool(self.waiting or self.running)
 
     # -- the decision -----------------------------------------------------------------

@@ -24,10 +24,11 @@ def assert_nothing_held(engine):
     ([1] * 129, {}, "model's context is 128"),
     ([1] * 16, dict(num_blocks=4), "whole KV cache pool holds 4 blocks"),
     ([], {}, "empty"),
-    ("hello", {}, "token ids, not text"),
+    ("hello", {}, r"add_request takes token ids, not text; encode it first: engine.add_request\(tok.encode"),
     ([1, 2, 128], {}, r"must be in \[0, 128\)"),
     ([-1, 2], {}, r"must be in \[0, 128\)"),
-    ([[1, 2], [3, 4]], {}, "one prompt"),
+    ([[1, 2], [3, 4]], {}, r"add_request takes one prompt.*engine.generate"),
+    (torch.tensor([[1, 2], [3, 4]]), {}, r"add_request takes one prompt.*engine.generate"),
     ([1.5, 2.0], {}, "integer token ids"),
     ([1] * 40, dict(max_num_batched_tokens=32, enable_chunked_prefill=False), "chunked prefill is off"),
 ])
@@ -46,6 +47,9 @@ def test_bad_prompts_are_value_errors(model, prompt, knobs, match):
     (dict(num_blocks=0), "num_blocks must be a positive int"),
     (dict(num_blocks=None, kv_cache_memory="1KiB"), "holds no block"),
     (dict(num_blocks=None, kv_cache_memory="lots"), "KV cache memory must be a size"),
+    (dict(num_blocks=None, kv_cache_memory=10**20), "more than the free memory"),
+    (dict(num_blocks=None, kv_cache_memory="1000TiB"), "more than the free memory"),
+    (dict(num_blocks=None, kv_cache_memory=1.5), r"fraction of free memory must be in \(0, 1\]"),
 ])
 def test_bad_knobs_are_value_errors(model, knobs, match):
     with pytest.raises(ValueError, match=match):
