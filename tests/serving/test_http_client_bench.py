@@ -1,0 +1,241 @@
+"""The client-side serving benchmark (minillm/serving/http_client_bench.py) and /metrics scraping.
+
+The oracle for the client's timing is a stub OpenAI-compatible server written here, which
+streams at known delays (first chunk after TTFT_S, then one every ITL_S) and keeps
+Prometheus histograms of those same nominal delays: the client's TTFT/ITL must come out
+at the delays, the server-side mean at them exactly, and the server-side p50 at the value
+Prometheus's histogram_quantile formula gives for the stub's buckets, computed by hand.
+Counting tokens per chunk is checked on hand-made events. Servers listen on 127.0.0.1 only,
+on a free port, and stop at the end of each test.
+"""
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+import uvicorn  # noqa: E402
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse  # noqa: E402
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest  # noqa: E402
+
+from minillm.serving import http_client_bench as hb  # noqa: E402
+from minillm.serving.metrics_scrape import histogram_quantile, scrape_delta  # noqa: E402
+from minillm.serving.workload import make_workload  # noqa: E402
+
+TTFT_S, ITL_S = 0.3, 0.1
+BUCKETS_S = (0.05, 0.25, 0.5, 1.0)
+FAIL_MAX_TOKENS = 7  # the stub answers 400 to this max_tokens
+HANG_MAX_TOKENS = 9  # ... and never answers this one
+
+
+def stub_app() -> FastAPI:
+    """An OpenAI-compatible stub: streams max_tokens one-token chunks (text "t<i> "), then the usage."""
+    app, registry = FastAPI(), CollectorRegistry()
+    ttft = Histogram("minillm:time_to_first_token_seconds", "", registry=registry, buckets=BUCKETS_S)
+    itl = Histogram("minillm:inter_token_latency_seconds", "", registry=registry, buckets=BUCKETS_S)
+    tokens = Counter("minillm:generation_tokens", "", registry=registry)
+    success = Counter("minillm:request_success", "", ["finished_reason"], registry=registry)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "stub", "object": "model"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(generate_latest(registry).decode())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        n = body["max_tokens"]
+        if n == FAIL_MAX_TOKENS:
+            return JSONResponse({"error": {"message": "max_tokens 7 is unlucky", "type": "invalid_request_error",
+                                           "param": "max_tokens", "code": None}}, status_code=400)
+
+        async def events():
+            await asyncio.sleep(3600 if n == HANG_MAX_TOKENS else TTFT_S)
+            for i in range(n):
+                if i:
+                    await asyncio.sleep(ITL_S)
+                choice = {"index": 0, "text": f"t{i} ", "finish_reason": "length" if i == n - 1 else None}
+                yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+            ttft.observe(TTFT_S)
+            for _ in range(n - 1):
+                itl.observe(ITL_S)
+            tokens.inc(n)
+            success.labels("length").inc()
+            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n, "total_tokens": n + len(body["prompt"])}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+@contextlib.contextmanager
+def serve(app, timeout_s: float = 20.0):
+    """uvicorn on 127.0.0.1, a free port, in a thread; yields the base URL; stopped on exit."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the stub server did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout_s)
+
+
+@pytest.fixture(scope="module")
+def stub_url():
+    with serve(stub_app()) as url:
+        yield url
+
+
+def workload(n: int, max_tokens: str = "4", rate=None, seed: int = 0):
+    return make_workload(n, "uniform:3-8", max_tokens, rate=rate, seed=seed, vocab_size=100)
+
+
+def test_client_side_ttft_and_itl_equal_the_stub_delays(stub_url):
+    result = hb.run_http_bench(stub_url, workload(4), ttft_slo_ms=1000, tpot_slo_ms=150, timeout_s=30)
+    s = result.summary
+    assert result.model == "stub" and result.n_failed == 0 and s.n_completed == 4
+    assert s.total_output_tokens == 16 and result.n_count_mismatch == 0 and result.n_without_usage == 0
+    # a measured delay can only be late: at least the stub's sleep, a little more under load
+    assert TTFT_S * 1e3 <= s.p50_ttft_ms < TTFT_S * 1e3 + 150
+    assert ITL_S * 1e3 - 5 <= s.p50_itl_ms < ITL_S * 1e3 + 60
+    assert s.mean_tpot_ms == pytest.approx(s.mean_itl_ms)  # one token per chunk: TPOT is the mean gap
+    for r in result.requests:
+        assert r.finish_reason == "length" and r.num_chunks == 4 and r.text == "t0 t1 t2 t3 "
+        assert r.num_prompt_tokens == len(workload(4)[int(r.request_id)].prompt_ids)
+    assert s.slo_attainment == 1.0 and s.goodput_req_s == pytest.approx(4 / s.duration_s)
+
+
+def test_server_side_numbers_are_the_difference_of_two_scrapes(stub_url):
+    hb.run_http_bench(stub_url, workload(2, seed=1), timeout_s=30)  # earlier traffic the delta must leave out
+    result = hb.run_http_bench(stub_url, workload(3, "5"), timeout_s=30)
+    server = result.server
+    assert server is not None and server.prefix == "minillm:"
+    ttft, itl = server.stats_ms("ttft"), server.stats_ms("itl")
+    assert ttft["count"] == 3 and ttft["mean"] == pytest.approx(TTFT_S * 1e3)
+    assert itl["count"] == 3 * 4 and itl["mean"] == pytest.approx(ITL_S * 1e3)
+    # every TTFT in (0.25, 0.5]: Prometheus interpolates rank 1.5 of 3 to 0.25 + 0.25 * 1.5 / 3
+    assert ttft["p50"] == pytest.approx((0.25 + 0.25 * 1.5 / 3) * 1e3)
+    assert server.counters["generation_tokens_total"] == 15
+    assert server.counters["request_success_total{length}"] == 3
+    assert "e2e" not in server.latencies and "e2e" in result.server_note
+    assert result.ttft_gap_ms() == pytest.approx(result.summary.p50_ttft_ms - ttft["p50"])
+
+
+def test_failures_are_counted_and_never_crash_the_run(stub_url):
+    w = workload(4)
+    w[1] = type(w[1])(w[1].arrival_s, w[1].prompt_ids, FAIL_MAX_TOKENS)
+    w[2] = type(w[2])(w[2].arrival_s, w[2].prompt_ids, HANG_MAX_TOKENS)
+    start = time.perf_counter()
+    result = hb.run_http_bench(stub_url, w, model="stub", timeout_s=2.0)
+    assert time.perf_counter() - start < 6  # the overall timeout bounds the hanging request
+    assert result.n_failed == 2 and result.summary.n_completed == 2 and result.summary.n_aborted == 2
+    assert result.requests[1].error == "HTTP 400: max_tokens 7 is unlucky"
+    assert "timeout" in result.requests[2].error
+    assert result.summary.total_output_tokens == 8
+
+
+def test_a_server_that_is_not_there_fails_every_request_in_one_line():
+    with serve(FastAPI()) as url:
+        pass  # started and stopped: nothing listens on that port any more
+    result = hb.run_http_bench(url, workload(3), model="any", timeout_s=10)
+    assert result.n_failed == 3 and result.summary.n_completed == 0 and result.summary.total_output_tokens == 0
+    assert all(e.startswith("ConnectError") for e in result.errors)
+    assert result.server is None and "no /metrics" in result.server_note
+    with pytest.raises(ValueError, match="is the server running"):
+        hb.run_http_bench(url, workload(1), timeout_s=10)  # no --model: /v1/models must answer
+
+
+# -- counting tokens per chunk, on hand-made events -------------------------------------------------
+
+
+def feed(events: list[tuple[float, dict]]) -> hb.ClientRequest:
+    record, last_text = hb.ClientRequest("0", arrival_s=0.0, first_scheduled_s=0.0, num_prompt_tokens=3), None
+    for t, event in events:
+        last_text = hb._read_event(event, t, record, last_text)
+    hb._finish(record, last_text)
+    return record
+
+
+def usage(n: int) -> dict:
+    return {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n,
+                                     "prompt_tokens_details": {"cached_tokens": 2}}}
+
+
+def text(s: str, **extra) -> dict:
+    return {"choices": [{"index": 0, "text": s, **extra}]}
+
+
+def test_a_chunk_with_token_ids_carries_that_many_tokens():
+    r = feed([(1.0, text("ab", token_ids=[5, 6])), (1.5, text("c", token_ids=[7])), (2.0, usage(3))])
+    assert r.token_times_s == [1.0, 1.0, 1.5] and r.chunk_tokens == 3 and r.num_cached_tokens == 2
+    assert r.finish_reason == "length" and r.error is None
+
+
+def test_logprobs_tokens_count_when_there_are_no_token_ids():
+    r = feed([(1.0, text("ab", logprobs={"tokens": ["a", "b"]})), (2.0, usage(2))])
+    assert r.token_times_s == [1.0, 1.0]
+
+
+def test_held_back_text_gets_the_usage_count_at_the_last_text_chunk():
+    # the second token's text was held back (an empty chunk), then sent with the third's
+    r = feed([(1.0, text("a")), (1.2, text("")), (1.4, text("bc", finish_reason="length")), (1.5, usage(3))])
+    assert r.chunk_tokens == 2 and r.usage_completion_tokens == 3
+    assert r.token_times_s == [1.0, 1.4, 1.4] and r.finish_reason == "length"
+
+
+def test_more_chunks_than_the_usage_are_trimmed_from_the_end():
+    r = feed([(1.0, text("a")), (1.1, text("b")), (1.2, text("c")), (1.3, usage(2))])
+    assert r.token_times_s == [1.0, 1.1]
+
+
+def test_an_error_event_or_an_empty_stream_fails_the_request():
+    r = feed([(1.0, text("a")), (1.1, {"error": {"message": "engine died"}})])
+    assert r.finish_reason == "abort" and "engine died" in r.error
+    r = feed([(1.0, usage(0))])
+    assert r.finish_reason == "abort" and "without any output token" in r.error
+
+
+# -- Prometheus's histogram_quantile, by hand ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("q, expected", [
+    (0.5, 0.025 + 0.025 * (5 - 2) / 4),  # rank 5 in (0.025, 0.05], which holds ranks 3..6
+    (0.1, 0.025 * 1 / 2),                # rank 1 in the first bucket, which starts at 0
+    (1.0, 0.1),                          # rank 10: the last finite bucket ends at 10
+])
+def test_histogram_quantile_interpolates_inside_the_bucket(q, expected):
+    buckets = ((0.025, 2), (0.05, 6), (0.1, 10), (float("inf"), 10))
+    assert histogram_quantile(q, buckets) == pytest.approx(expected)
+
+
+def test_histogram_quantile_in_the_inf_bucket_is_the_last_finite_bound():
+    assert histogram_quantile(0.99, ((0.1, 1), (1.0, 2), (float("inf"), 10))) == 1.0
+    assert histogram_quantile(0.5, ((0.1, 0), (float("inf"), 0))) is None
+
+
+def test_vllm_names_are_read_when_minillm_names_are_absent():
+    def text_of(count: int, total_s: float) -> str:
+        return (f'vllm:time_to_first_token_seconds_bucket{{le="0.5",model_name="m"}} {count}\n'
+                f'vllm:time_to_first_token_seconds_bucket{{le="+Inf",model_name="m"}} {count}\n'
+                f'vllm:time_to_first_token_seconds_count{{model_name="m"}} {count}\n'
+                f'vllm:time_to_first_token_seconds_sum{{model_name="m"}} {total_s}\n')
+
+    numbers = scrape_delta(text_of(2, 0.4), text_of(6, 1.2))
+    assert numbers.prefix == "vllm:" and numbers.stats_ms("ttft")["mean"] == pytest.approx(200.0)
+    assert scrape_delta("", "other_metric 1\n").prefix is None
