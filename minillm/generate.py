@@ -197,7 +197,7 @@ def eos_token_set(model: Transformer, eos_token_ids) -> set[int]:
 
 def _finish_reason(token_id: int, n_generated: int, eos: set, params: SamplingParams, cache: KVCache):
     """(finish_reason, stop_reason) after ``token_id``; (None, None) to go on."""
-    if token_id in eos:
+    if token_id in eos and not params.ignore_eos:
         return "eos", None
     if token_id in params.stop_token_ids:
         return "stop", token_id

@@ -53,6 +53,8 @@ class SamplingParams:
         stop: strings that end generation; the text stops just before the first one found
             and never shows it (vLLM's ``include_stop_str_in_output=False``). A single
             string is one stop string. Needs a tokenizer in :func:`~minillm.generate.generate`.
+        ignore_eos: True: the model's EOS ids do not end generation, so it runs to
+            max_new_tokens (vLLM's ``ignore_eos``, for benchmarks); stop ids and strings still do.
 
     Raises ValueError naming the parameter, its allowed values and what it got.
     """
@@ -68,6 +70,7 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
     max_tokens: InitVar[int | None] = None
 
     def __post_init__(self, max_tokens):
@@ -90,6 +93,8 @@ class SamplingParams:
             "stop_token_ids": _token_ids(self.stop_token_ids),
             "stop": _stop_strings(self.stop),
         }
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         checked["top_k"] = max(checked["top_k"], 0)  # vLLM's -1 = off is minillm's 0
         for name, value in checked.items():
             object.__setattr__(self, name, value)

@@ -200,7 +200,7 @@ class LLMEngine:
         request.token_times_s.append(now)
         params, n = request.params, len(request.output_ids)
         reason, stop_reason, message = None, None, None
-        if token in self.eos_token_ids:
+        if token in self.eos_token_ids and not params.ignore_eos:
             reason = "eos"
         elif token in params.stop_token_ids:
             reason, stop_reason = "stop", token

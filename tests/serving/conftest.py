@@ -28,3 +28,13 @@ def tiny_model(tmp_path_factory):
 def smollm2():
     """(model, tokenizer) of smollm2-135m-instruct, float32 on the CPU."""
     return minillm.load_model("smollm2-135m-instruct", device="cpu"), minillm.load_tokenizer("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat(tmp_path_factory):
+    """(model, tokenizer): a random 2-layer Llama with SmolLM2's vocabulary (49,152 ids) and
+    SmolLM2's tokenizer and chat template: text in and out in milliseconds (the server tests)."""
+    family, kwargs = CONFIGS["llama_gqa"]
+    kwargs = dict(kwargs, vocab_size=49152, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+    folder = save_hf(build_hf(family, kwargs), tmp_path_factory.mktemp("tiny_chat"))
+    return minillm.load_model(folder, device="cpu"), minillm.load_tokenizer("smollm2-135m-instruct")

@@ -1,0 +1,175 @@
+"""An OpenAI-compatible HTTP server on the batching engine (vLLM's ``vllm serve``, in small).
+
+    POST /v1/completions        a prompt (text or token ids) -> its continuation
+    POST /v1/chat/completions   messages -> the chat template -> the assistant's answer
+    GET  /v1/models             the one model served
+    GET  /health                200 while the engine thread is alive
+    GET  /metrics               Prometheus text: vLLM's metric names under ``minillm:``
+
+Each HTTP request is a coroutine; all of them feed one :class:`AsyncEngine`, whose thread
+steps the engine and batches whatever requests are in flight. ``stream: true`` answers with
+server-sent events in OpenAI's chunk format (``data: {...}`` lines, then ``data: [DONE]``).
+Text is streamed as the engine releases it (:class:`~minillm.generate.TextStream`), so a
+chunk never splits a UTF-8 character or shows part of a stop string.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+
+from ..generation_config import generation_config_of
+from ..sampling import SamplingParams
+from . import openai_protocol as protocol
+from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from .server_metrics import ServerMetrics
+
+
+class APIError(Exception):
+    """A request the server refuses: the HTTP status and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def create_app(async_engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
+    """The FastAPI app serving ``async_engine``'s model under the name ``model_name``.
+
+    Args:
+        async_engine: the engine in its thread (its ``engine`` must have been built with no
+            other user); ``app.state.async_engine`` holds it, for routers added later.
+        tokenizer: the model's :class:`~minillm.tokenizer.Tokenizer` (text in, text out,
+            the chat template).
+        model_name: what /v1/models lists and requests must name (or leave out).
+
+    The app's metrics live in their own Prometheus registry (``app.state.metrics``), so several
+    apps in one process (tests) do not collide.
+    """
+    app = FastAPI(title="minillm", description="an OpenAI-compatible server on minillm's batching engine")
+    app.state.async_engine, app.state.tokenizer, app.state.model_name = async_engine, tokenizer, model_name
+    app.state.metrics = metrics = ServerMetrics(async_engine)
+    async_engine.on_finished = metrics.observe_finished
+    model = async_engine.engine.model
+    defaults = generation_config_of(model).defaults
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(protocol.error_body(error.status, error.message, error.param, error.code), error.status)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:  # a bug: say so, keep serving
+        return JSONResponse(protocol.error_body(500, f"internal error: {type(error).__name__}: {error}"), 500)
+
+    @app.get("/health")
+    async def health():
+        if not async_engine.is_alive():
+            raise APIError(503, "the engine thread has stopped; restart the server")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        body = await asyncio.to_thread(metrics.exposition)  # the gauges wait for the engine's lock
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _parse(request, protocol.CompletionRequest)
+        _check_model(body.model, model_name)
+        if isinstance(body.prompt, str):
+            prompt_ids = await asyncio.to_thread(tokenizer.encode, body.prompt)
+        else:
+            prompt_ids = list(body.prompt)
+        max_tokens = _max_tokens(body.max_tokens, len(prompt_ids), model.config.max_seq_len)
+        params = _sampling_params(body, max_tokens, defaults)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        outputs = async_engine.generate(prompt_ids, params, request_id)
+        final = await _last_output(outputs, request)
+        choice = {"index": 0, "text": final.text, "logprobs": None,
+                  "finish_reason": protocol.finish_reason(final.finish_reason)}
+        return {"id": request_id, "object": "text_completion", "created": protocol.now_s(), "model": model_name,
+                "choices": [choice], "usage": _usage(final)}
+
+    return app
+
+
+async def _parse(request: Request, model_class):
+    """The body as ``model_class``; APIError 400 for non-UTF-8, bad JSON, wrong types or values."""
+    raw = await request.body()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise APIError(400, f"the body is not UTF-8 text (byte {error.start}); send JSON encoded as UTF-8") from None
+    try:
+        return model_class.model_validate_json(text)
+    except ValidationError as error:
+        message, param = protocol.validation_message(error)
+        raise APIError(400, message, param) from None
+
+
+def _check_model(name: str | None, served: str) -> None:
+    if name is not None and name != served:
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {served!r} (GET /v1/models)",
+                       "model", "model_not_found")
+
+
+def _max_tokens(requested: int | None, prompt_len: int, context: int) -> int:
+    """``requested``, or the rest of the context; APIError 400 when prompt and output exceed the
+    context (OpenAI's and vLLM's rule, with their numbers in the message)."""
+    if prompt_len > context - 1 and requested is None or prompt_len >= context:
+        raise APIError(400, f"the prompt is {prompt_len} tokens but this model's maximum context length is "
+                            f"{context} tokens (prompt and output together); shorten the prompt",
+                       "prompt", "context_length_exceeded")
+    if requested is None:
+        return context - prompt_len
+    if prompt_len + requested > context:
+        raise APIError(400, f"this model's maximum context length is {context} tokens, but {prompt_len + requested} "
+                            f"were requested ({prompt_len} in the prompt, {requested} for the completion); "
+                            "lower max_tokens or shorten the prompt", "max_tokens", "context_length_exceeded")
+    return requested
+
+
+def _sampling_params(body, max_tokens: int, defaults: dict) -> SamplingParams:
+    """The request's knobs; a knob it leaves out takes the checkpoint's default
+    (generation_config.json, as vLLM's ``--generation-config auto``), else OpenAI's."""
+    def knob(name, fallback):
+        value = getattr(body, name)
+        return value if value is not None else defaults.get(name, fallback)
+
+    try:
+        return SamplingParams(
+            temperature=knob("temperature", protocol.OPENAI_DEFAULT_TEMPERATURE), top_p=knob("top_p", 1.0),
+            top_k=knob("top_k", 0), min_p=knob("min_p", 0.0), repetition_penalty=knob("repetition_penalty", 1.0),
+            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+            seed=body.seed, max_new_tokens=max_tokens, stop=body.stop or (), ignore_eos=body.ignore_eos)
+    except ValueError as error:
+        raise APIError(400, str(error)) from None
+
+
+async def _last_output(outputs, request: Request):
+    """Run a non-streaming request to its end; a client that leaves first aborts it."""
+    last = None
+    try:
+        async for out in outputs:
+            last = out
+    except (QueueFullError, EngineDeadError, ValueError) as error:
+        raise _engine_error(error) from None
+    return last
+
+
+def _engine_error(error: Exception) -> APIError:
+    if isinstance(error, QueueFullError):
+        return APIError(503, str(error), code="queue_full")
+    if isinstance(error, EngineDeadError):
+        return APIError(500, str(error))
+    return APIError(400, str(error))
+
+
+def _usage(out) -> dict:
+    return protocol.usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)

@@ -1,0 +1,191 @@
+"""AsyncEngine: the batching engine in one background thread, fed by many asyncio clients.
+
+An HTTP server handles each request in a coroutine, but :class:`LLMEngine` is synchronous and
+must run one step at a time. So the engine gets its own thread, and the two sides meet in
+per-request queues (vLLM's ``AsyncLLMEngine`` / ``AsyncLLM``, in small)::
+
+    coroutine (one per HTTP request)          engine thread (one)
+    ─────────────────────────────────         ─────────────────────────────────────
+    generate(): add_request ──lock──────────> while requests are unfinished:
+                await queue.get()  <───────────   with lock: outputs = engine.step()
+                yield RequestOutput               each output -> its request's queue
+    client gone: abort soon ────────────────> with lock: abort_request (blocks freed)
+
+``lock`` is held around every ``engine.step()`` and every change to the engine; whoever reads
+engine state (a web view, /metrics) takes it too, so they never see a step half done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import uuid
+from typing import AsyncIterator, Callable
+
+from ..errors import MiniLLMError
+from ..sampling import SamplingParams
+from .engine import LLMEngine, RequestOutput
+from .request import Request
+
+
+class QueueFullError(MiniLLMError):
+    """The engine's waiting queue is at its limit; the client should retry later (HTTP 503)."""
+
+
+class EngineDeadError(MiniLLMError):
+    """A step of the engine raised; the requests it was running were aborted (HTTP 500)."""
+
+
+class AsyncEngine:
+    """Runs ``engine`` in a background thread; :meth:`generate` streams a request's outputs.
+
+    Args:
+        engine: the :class:`LLMEngine` to drive (no one else should step it).
+        max_waiting_requests: refuse new requests (:class:`QueueFullError`) while this many are
+            waiting for a first slot; None: no limit (vLLM answers 503 the same way when its
+            queue is full).
+        on_finished: called in the engine thread, under ``lock``, with each engine
+            :class:`Request` that finishes (any reason, aborts included): the metrics hook.
+
+    Attributes:
+        engine, lock (a ``threading.Lock``: hold it to read engine state), max_waiting_requests.
+    """
+
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
+                 on_finished: Callable[[Request], None] | None = None):
+        if max_waiting_requests is not None and max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0 (or None: no limit), got {max_waiting_requests}")
+        self.engine, self.max_waiting_requests, self.on_finished = engine, max_waiting_requests, on_finished
+        self.lock = threading.Lock()
+        self._wake = threading.Event()  # set when there is work: a new request or an abort
+        self._stopping = False
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._to_abort: collections.deque[str] = collections.deque()  # appended by clients, popped by the thread
+        self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"AsyncEngine({self.engine!r}, streams={len(self._queues)}, running={self._thread.is_alive()})"
+
+    def is_alive(self) -> bool:
+        """True while the engine thread runs (False after :meth:`close`)."""
+        return self._thread.is_alive()
+
+    # -- the client side (coroutines in the server's event loop) ---------------------------
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Queue a prompt and yield its :class:`RequestOutput` each step it changes, the last finished.
+
+        Leaving the loop early (a client that disconnects cancels the coroutine, or ``aclose()``)
+        aborts the request: its blocks go back to the pool before the engine's next step.
+
+        Raises ValueError as ``LLMEngine.add_request`` (a bad prompt), QueueFullError when
+        the waiting queue is at ``max_waiting_requests``, EngineDeadError when a step failed.
+        """
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        request_id = uuid.uuid4().hex if request_id is None else str(request_id)
+        try:  # add under the lock, in a worker thread: a step may hold the lock for a while
+            await asyncio.to_thread(self._add, prompt_ids, params, request_id, loop, queue)
+        except asyncio.CancelledError:  # the client left while the add was under way: it may be in
+            self._abort_soon(request_id)
+            raise
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, Exception):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._abort_soon(request_id)
+            else:
+                self._queues.pop(request_id, None)
+
+    def _add(self, prompt_ids, params, request_id, loop, queue) -> None:
+        with self.lock:
+            if self._stopping:
+                raise EngineDeadError("the server is shutting down; send the request again later")
+            waiting = len(self.engine.scheduler.waiting)
+            if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
+                raise QueueFullError(f"the waiting queue is full ({waiting} requests, limit "
+                                     f"{self.max_waiting_requests}: --max-waiting-requests); retry later")
+            self.engine.add_request(prompt_ids, params, request_id)
+            self._queues[request_id] = (loop, queue)
+        self._wake.set()
+
+    def _abort_soon(self, request_id: str) -> None:
+        """Called when a client leaves: the engine thread aborts it before its next step."""
+        self._queues.pop(request_id, None)
+        self._to_abort.append(request_id)
+        self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request now (its blocks are free on return); unknown or finished ids change nothing."""
+        self._queues.pop(request_id, None)
+        await asyncio.to_thread(self._abort_now, request_id)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine thread (after the step it is in); unfinished requests are aborted."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+        with self.lock:
+            for request_id in list(self._queues):
+                self._abort_now(request_id, locked=True)
+                self._deliver(request_id, EngineDeadError("the server shut down before the request finished"))
+
+    # -- the engine thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wake.wait()
+            with self.lock:
+                while self._to_abort:
+                    self._abort_now(self._to_abort.popleft(), locked=True)
+                if not self.engine.has_unfinished_requests():
+                    self._wake.clear()  # sleep until add or abort sets it again
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception as error:  # a bug or a device error: fail the batch, keep serving
+                    self._fail_all(error)
+                    continue
+                for out in outputs:
+                    if out.finished:
+                        self._finished(self.engine.requests[out.request_id])
+                    self._deliver(out.request_id, out)
+
+    def _abort_now(self, request_id: str, locked: bool = False) -> None:
+        if not locked:
+            with self.lock:
+                return self._abort_now(request_id, locked=True)
+        request = self.engine.requests.get(request_id)
+        if request is not None and not request.finished:
+            self.engine.abort_request(request_id)
+            self._finished(request)
+
+    def _finished(self, request: Request) -> None:
+        if self.on_finished is not None:
+            self.on_finished(request)
+
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._queues.get(request_id)
+        if target is None:  # its client left: nobody to tell
+            return
+        loop, queue = target
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the client's event loop is closed (server shutting down)
+            self._queues.pop(request_id, None)
+
+    def _fail_all(self, error: Exception) -> None:
+        """A step raised: abort every unfinished request and tell each client, one line."""
+        message = EngineDeadError(f"the engine failed during a step: {type(error).__name__}: {error}")
+        for request_id, request in list(self.engine.requests.items()):
+            if not request.finished:
+                self._abort_now(request_id, locked=True)
+                self._deliver(request_id, message)

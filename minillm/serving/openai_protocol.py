@@ -1,0 +1,143 @@
+"""The OpenAI API's request and response bodies, as pydantic models (what /v1/* accept and return).
+
+Field names, defaults and ranges are OpenAI's (platform.openai.com/docs/api-reference), plus
+vLLM's extensions to them (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, a prompt
+given as token ids). Parsing is strict, as OpenAI's API is: ``"5"`` is not a number, an unknown
+field is an error (it is more often a typo than a feature), so a bad request fails here with the
+field's name instead of deep inside the engine.
+
+    JSON body --validate--> CompletionRequest / ChatCompletionRequest --sampling_params--> SamplingParams
+    RequestOutput (engine) --------------------------------------------> Completion / chunk JSON
+
+Errors have OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}`` (:func:`error_body`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+# OpenAI's documented default when a request gives no temperature (vLLM's too).
+OPENAI_DEFAULT_TEMPERATURE = 1.0
+# /v1/completions' default max_tokens (OpenAI's legacy API and vLLM: 16). Chat has none: the rest of the context.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False  # one last chunk with the usage and no choices
+
+
+class _SamplingFields(_Strict):
+    """The fields both endpoints share: the model, sampling and stopping."""
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # vLLM's extension; -1 or 0: off
+    min_p: float | None = Field(None, ge=0, le=1)  # vLLM's extension
+    repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=1)  # one choice per request: the engine samples one sequence each
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
+    user: str | None = None  # OpenAI's end-user id: accepted, not used
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, stop):
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > 4 or not all(stops):
+            raise ValueError("stop must be up to 4 non-empty strings (OpenAI's limit)")
+        return stop
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions: a prompt (text, or token ids as vLLM allows) to continue."""
+
+    prompt: str | list[int]
+    max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
+    echo: Literal[False] = False
+    logprobs: None = None  # not supported on /v1/completions (chat has them)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, prompt):
+        if not prompt:
+            raise ValueError("the prompt is empty; give some text or at least one token id")
+        return prompt
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions: a conversation, rendered with the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+# -- responses -------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's ``usage``; ``cached_tokens``: prompt tokens served from the prefix cache."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def finish_reason(engine_reason: str | None) -> str | None:
+    """The engine's reason as OpenAI names it: "stop" for a natural end (EOS, a stop id or
+    string), "length" for max_tokens or the context; an abort ends a stream as "abort" (vLLM's)."""
+    return {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}.get(engine_reason, engine_reason)
+
+
+def now_s() -> int:
+    """``created``: Unix seconds."""
+    return int(time.time())
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 500: "server_error", 503: "server_error"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def validation_message(error: ValidationError) -> tuple[str, str | None]:
+    """(one-line message, the field) for pydantic's first complaint, e.g.
+    ``messages.0.role: Input should be 'system', 'developer', ... (got 'robot')``."""
+    first = error.errors()[0]
+    loc = [part for part in first["loc"] if part not in ("str", "list[int]", "list[str]", "list[dict[any,any]]")]
+    param = ".".join(str(part) for part in loc) or None
+    if first["type"] == "json_invalid":
+        return f"the body is not valid JSON: {first['msg']}", None
+    message = first["msg"].removeprefix("Value error, ")
+    got = first.get("input")
+    if first["type"] == "extra_forbidden":
+        message = "unknown field (not an OpenAI or vLLM request field minillm accepts); remove it"
+    elif first["type"] != "missing" and not isinstance(got, (dict, list)):
+        message += f" (got {got!r:.60})"
+    return (f"{param}: {message}" if param else message), param

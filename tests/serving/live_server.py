@@ -1,0 +1,64 @@
+"""A real `minillm serve` app for tests: uvicorn in a thread on 127.0.0.1, a free port.
+
+    with live_server(model, tokenizer, num_blocks=64) as url:      # "http://127.0.0.1:PORT"
+        httpx.post(f"{url}/v1/completions", json={...})
+        app_of(url).state.async_engine.engine.steps                 # the engine behind it
+
+Keyword arguments go to :class:`~minillm.serving.engine.LLMEngine` (``num_blocks``,
+``block_size``, ``max_num_seqs``, ...), except ``max_waiting_requests`` (the server's queue
+limit). On exit the server stops and the engine thread is closed, even after a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import uvicorn
+
+from minillm.serving.api_server import create_app
+from minillm.serving.async_engine import AsyncEngine
+from minillm.serving.engine import LLMEngine
+
+_APPS: dict[str, object] = {}  # base URL -> its FastAPI app, while the server runs
+STARTUP_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def live_server(model, tokenizer, model_name: str = "minillm-test", max_waiting_requests: int | None = None,
+                **engine_kwargs):
+    """Serve ``model`` on 127.0.0.1 for the ``with`` block; yields the base URL (no trailing slash)."""
+    async_engine = AsyncEngine(LLMEngine(model, tokenizer, **engine_kwargs), max_waiting_requests)
+    app = create_app(async_engine, tokenizer, model_name)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="off"))
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the test server on port {port} did not start")
+            time.sleep(0.02)
+        _APPS[url] = app
+        yield url
+    finally:
+        _APPS.pop(url, None)
+        server.should_exit = True
+        thread.join(STARTUP_TIMEOUT_S)
+        async_engine.close()
+
+
+def app_of(url: str):
+    """The FastAPI app behind a running ``live_server`` URL (``.state.async_engine``, ``.state.metrics``)."""
+    return _APPS[url]
