@@ -29,6 +29,7 @@ from ..sampling import SamplingParams
 from . import openai_protocol as protocol
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from .server_metrics import ServerMetrics
+from .web_view import router as web_view_router
 
 
 class APIError(Exception):
@@ -56,6 +57,7 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI
     app.state.async_engine, app.state.tokenizer, app.state.model_name = async_engine, tokenizer, model_name
     app.state.metrics = metrics = ServerMetrics(async_engine)
     async_engine.on_finished = metrics.observe_finished
+    app.include_router(web_view_router)  # GET / (the live engine view) and GET /engine/state
     model = async_engine.engine.model
     defaults = generation_config_of(model).defaults
 
