@@ -14,6 +14,7 @@ block (free, cached and reusable, or held by a request; a shared prefix block is
 several), the latest step's batch (prefill chunk or decode per request), and the queues.
 """
 
+import heapq
 import time
 from functools import cache
 from importlib import resources
@@ -35,6 +36,8 @@ def engine_state(engine, max_blocks: int = MAX_BLOCKS, max_finished: int = MAX_F
 
     - ``pool``: ``num_blocks``, ``block_size``, ``num_used_blocks``, ``num_free_blocks``,
       ``num_cached_blocks`` (the allocator's own counts: a cached block may be free or held),
+      ``num_cached_free_blocks`` (free blocks still holding a hash: what a new prompt can hit
+      without any request holding them),
       ``blocks``: the first ``max_blocks`` blocks in id order, each ``{"state": "free"}``,
       ``{"state": "cached"}`` (free, but still named by a hash: a prefix hit can reuse it) or
       ``{"state": "used", "request_ids": [...], "ref_count": n}`` (n > 1: a shared prefix block).
@@ -78,9 +81,11 @@ def pool_state(allocator, max_blocks: int = MAX_BLOCKS) -> dict:
                            "ref_count": block.ref_count})
         else:
             blocks.append({"state": CACHED if block.block_hash is not None else FREE})
+    cached_free = sum(1 for block in allocator.blocks if block.ref_count == 0 and block.block_hash is not None)
     return {"num_blocks": allocator.num_blocks, "block_size": allocator.block_size,
             "num_used_blocks": allocator.num_used_blocks, "num_free_blocks": allocator.num_free_blocks,
-            "num_cached_blocks": allocator.num_cached_blocks, "blocks": blocks}
+            "num_cached_blocks": allocator.num_cached_blocks, "num_cached_free_blocks": cached_free,
+            "blocks": blocks}
 
 
 def step_state(step: StepRecord, now_s: float | None = None) -> dict:
@@ -102,8 +107,8 @@ def _running_row(request, allocator) -> dict:
 
 def finished_rows(requests: dict, max_finished: int = MAX_FINISHED) -> list[dict]:
     """The newest ``max_finished`` finished requests of ``engine.requests``, newest first."""
-    done = sorted((r for r in requests.values() if r.finished), key=lambda r: r.finish_s, reverse=True)
-    return [_finished_row(r) for r in done[:max_finished]]
+    done = heapq.nlargest(max_finished, (r for r in requests.values() if r.finished), key=lambda r: r.finish_s)
+    return [_finished_row(r) for r in done]
 
 
 def _finished_row(request) -> dict:

@@ -8,6 +8,7 @@ timestamps measured from arrival.
 """
 
 import json
+import re
 import threading
 
 import pytest
@@ -32,11 +33,17 @@ def expected_block(pool, block_id):
     return {"state": "used", "request_ids": holders, "ref_count": block.ref_count}
 
 
+def states_count(pool_state, name):
+    return [b["state"] for b in pool_state["blocks"]].count(name)
+
+
 def check_pool(state, pool):
     s = state["pool"]
     assert (s["num_blocks"], s["block_size"]) == (pool.num_blocks, B)
     assert (s["num_used_blocks"], s["num_free_blocks"], s["num_cached_blocks"]) == \
         (pool.num_used_blocks, pool.num_free_blocks, pool.num_cached_blocks)
+    cached_free = [i for i in pool.free_queue if pool.blocks[i].block_hash is not None]  # the free queue's view
+    assert s["num_cached_free_blocks"] == states_count(s, "cached") == len(cached_free)
     assert s["blocks"] == [expected_block(pool, i) for i in range(pool.num_blocks)]
     states = [b["state"] for b in s["blocks"]]
     assert states.count("used") == pool.num_used_blocks
@@ -101,9 +108,10 @@ def test_limits_on_blocks_and_finished_rows_and_an_abort_before_any_token(engine
     waiting = engine.add_request(prompt(6, 9), SamplingParams(max_new_tokens=1))
     engine.abort_request(waiting)
 
-    state = engine_state(engine, max_blocks=5, max_finished=2)
-    assert len(state["pool"]["blocks"]) == 5 and state["pool"]["num_blocks"] == pool.num_blocks == 24
+    state = engine_state(engine, max_blocks=3, max_finished=2)
+    assert len(state["pool"]["blocks"]) == 3 and state["pool"]["num_blocks"] == pool.num_blocks == 24
     assert state["pool"]["num_cached_blocks"] == pool.num_cached_blocks == 3  # a full block of 4 per prompt
+    assert state["pool"]["num_cached_free_blocks"] == 3 > states_count(state["pool"], "cached")  # counted past block 3
     aborted, newest = state["finished"]
     assert aborted == {"request_id": waiting, "finish_reason": "abort", "num_prompt_tokens": 6,
                        "num_output_tokens": 0, "num_cached_tokens": 0, "ttft_ms": None, "tpot_ms": None}
@@ -129,7 +137,7 @@ def test_router_serves_the_page_and_the_state_under_the_engines_lock(engine):
         page = client.get("/")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert page.text == page_html() and 'id="grid"' in page.text
-        assert "<script src" not in page.text and "<link" not in page.text  # self-contained: no CDN
+        assert not re.findall(r'(?:src|href)="(?!data:)', page.text)  # self-contained: nothing fetched from a CDN
         got = client.get("/engine/state").json()
     want = engine_state(engine)
     got["step"].pop("age_ms"), want["step"].pop("age_ms")
