@@ -29,6 +29,8 @@ from ..sampling import SamplingParams
 from . import openai_protocol as protocol
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from .server_metrics import ServerMetrics
+
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 from .web_view import router as web_view_router
 
 
@@ -53,17 +55,23 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI
     The app's metrics live in their own Prometheus registry (``app.state.metrics``), so several
     apps in one process (tests) do not collide.
     """
+    if async_engine.engine.tokenizer is None:
+        raise ValueError("the engine needs the tokenizer to stream text: LLMEngine(model, tokenizer, ...)")
     app = FastAPI(title="minillm", description="an OpenAI-compatible server on minillm's batching engine")
     app.state.async_engine, app.state.tokenizer, app.state.model_name = async_engine, tokenizer, model_name
     app.state.metrics = metrics = ServerMetrics(async_engine)
     async_engine.on_finished = metrics.observe_finished
     app.include_router(web_view_router)  # GET / (the live engine view) and GET /engine/state
     model = async_engine.engine.model
-    defaults = generation_config_of(model).defaults
+    defaults, context, created_s = generation_config_of(model).defaults, model.config.max_seq_len, protocol.now_s()
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
         return JSONResponse(protocol.error_body(error.status, error.message, error.param, error.code), error.status)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, error: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:  # a bug: say so, keep serving
@@ -80,6 +88,11 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI
         body = await asyncio.to_thread(metrics.exposition)  # the gauges wait for the engine's lock
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created_s,
+                                            "owned_by": "minillm", "max_model_len": context}]}
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _parse(request, protocol.CompletionRequest)
@@ -88,17 +101,113 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI
             prompt_ids = await asyncio.to_thread(tokenizer.encode, body.prompt)
         else:
             prompt_ids = list(body.prompt)
-        max_tokens = _max_tokens(body.max_tokens, len(prompt_ids), model.config.max_seq_len)
+        params = _sampling_params(body, _max_tokens(body.max_tokens, len(prompt_ids), context), defaults)
+        reply = protocol.CompletionReply(f"cmpl-{uuid.uuid4().hex}", model_name)
+        return await _respond(async_engine.generate(prompt_ids, params, reply.id), body, reply, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _parse(request, protocol.ChatCompletionRequest)
+        _check_model(body.model, model_name)
+        prompt_ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, body.messages)
+        max_tokens = _max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids), context)
         params = _sampling_params(body, max_tokens, defaults)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        outputs = async_engine.generate(prompt_ids, params, request_id)
-        final = await _last_output(outputs, request)
-        choice = {"index": 0, "text": final.text, "logprobs": None,
-                  "finish_reason": protocol.finish_reason(final.finish_reason)}
-        return {"id": request_id, "object": "text_completion", "created": protocol.now_s(), "model": model_name,
-                "choices": [choice], "usage": _usage(final)}
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        reply = protocol.ChatReply(f"chatcmpl-{uuid.uuid4().hex}", model_name, tokenizer)
+        outputs = async_engine.generate(prompt_ids, params, reply.id, logprobs=logprobs)
+        return await _respond(outputs, body, reply, request)
 
     return app
+
+
+async def _respond(outputs, body, reply, request: Request):
+    """Await the first output (errors of the request still become HTTP statuses), then answer
+    with the whole completion, or stream it as server-sent events."""
+    first = await _until_disconnect(_next(outputs), request)
+    if not body.stream:
+        last = first if first.finished else await _until_disconnect(_last(outputs), request)
+        return reply.response(last)
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    return StreamingResponse(_events(first, outputs, reply, include_usage), media_type="text/event-stream")
+
+
+async def _events(first, outputs, reply, include_usage: bool):
+    """The SSE stream: one chunk per generated token, the usage chunk if asked, ``[DONE]``.
+
+    The client going away cancels this generator (Starlette listens for the disconnect), and
+    the cancellation reaches ``AsyncEngine.generate``, which aborts the request.
+    """
+    def event(data: dict) -> str:
+        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    for chunk in reply.first_chunks(include_usage):
+        yield event(chunk)
+    out = first
+    try:
+        while True:
+            yield event(reply.chunk(out, include_usage))
+            if out.finished:
+                break
+            out = await outputs.__anext__()
+    except (EngineDeadError, QueueFullError, ValueError) as error:
+        api_error = _engine_error(error)
+        yield event(protocol.error_body(api_error.status, api_error.message, api_error.param, api_error.code))
+    else:
+        if include_usage:
+            yield event(reply.usage_chunk(out))
+    yield "data: [DONE]\n\n"
+
+
+async def _next(outputs):
+    try:
+        return await outputs.__anext__()
+    except (QueueFullError, EngineDeadError, ValueError) as error:
+        raise _engine_error(error) from None
+
+
+async def _last(outputs):
+    last = None
+    try:
+        async for last in outputs:
+            pass
+    except (QueueFullError, EngineDeadError, ValueError) as error:
+        raise _engine_error(error) from None
+    return last
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the answer was ready; its request was aborted."""
+
+
+async def _until_disconnect(coroutine, request: Request):
+    """Await ``coroutine``, polling the connection; a client gone cancels it (which aborts its
+    request in the engine) and raises ClientDisconnected."""
+    task = asyncio.ensure_future(coroutine)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise ClientDisconnected()
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+
+
+def _chat_prompt_ids(tokenizer, messages) -> list[int]:
+    """The chat template applied (with the assistant's turn opened), then encoded; APIError 400
+    when the template refuses the chat. "developer" is OpenAI's newer name for "system"."""
+    chat = [dict(m.model_dump(exclude_none=True), role="system" if m.role == "developer" else m.role)
+            for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+    except ValueError as error:
+        raise APIError(400, str(error), "messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
 
 
 async def _parse(request: Request, model_class):
@@ -154,24 +263,9 @@ def _sampling_params(body, max_tokens: int, defaults: dict) -> SamplingParams:
         raise APIError(400, str(error)) from None
 
 
-async def _last_output(outputs, request: Request):
-    """Run a non-streaming request to its end; a client that leaves first aborts it."""
-    last = None
-    try:
-        async for out in outputs:
-            last = out
-    except (QueueFullError, EngineDeadError, ValueError) as error:
-        raise _engine_error(error) from None
-    return last
-
-
 def _engine_error(error: Exception) -> APIError:
     if isinstance(error, QueueFullError):
         return APIError(503, str(error), code="queue_full")
     if isinstance(error, EngineDeadError):
         return APIError(500, str(error))
     return APIError(400, str(error))
-
-
-def _usage(out) -> dict:
-    return protocol.usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)

@@ -74,10 +74,11 @@ class AsyncEngine:
 
     # -- the client side (coroutines in the server's event loop) ---------------------------
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       logprobs: int | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a prompt and yield its :class:`RequestOutput` each step it changes, the last finished.
 
+        ``request_id``: default a fresh random one; ``logprobs``: as ``LLMEngine.add_request``.
         Leaving the loop early (a client that disconnects cancels the coroutine, or ``aclose()``)
         aborts the request: its blocks go back to the pool before the engine's next step.
 
@@ -87,7 +88,7 @@ class AsyncEngine:
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         request_id = uuid.uuid4().hex if request_id is None else str(request_id)
         try:  # add under the lock, in a worker thread: a step may hold the lock for a while
-            await asyncio.to_thread(self._add, prompt_ids, params, request_id, loop, queue)
+            await asyncio.to_thread(self._add, prompt_ids, params, request_id, logprobs, loop, queue)
         except asyncio.CancelledError:  # the client left while the add was under way: it may be in
             self._abort_soon(request_id)
             raise
@@ -105,7 +106,7 @@ class AsyncEngine:
             else:
                 self._queues.pop(request_id, None)
 
-    def _add(self, prompt_ids, params, request_id, loop, queue) -> None:
+    def _add(self, prompt_ids, params, request_id, logprobs, loop, queue) -> None:
         with self.lock:
             if self._stopping:
                 raise EngineDeadError("the server is shutting down; send the request again later")
@@ -113,7 +114,7 @@ class AsyncEngine:
             if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
                 raise QueueFullError(f"the waiting queue is full ({waiting} requests, limit "
                                      f"{self.max_waiting_requests}: --max-waiting-requests); retry later")
-            self.engine.add_request(prompt_ids, params, request_id)
+            self.engine.add_request(prompt_ids, params, request_id, logprobs=logprobs)
             self._queues[request_id] = (loop, queue)
         self._wake.set()
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import torch
+
 from ..generate import TextStream, check_params, check_prompt, eos_token_set
 from ..sampling import SamplingParams
 from .block_allocator import blocks_needed
@@ -48,6 +50,10 @@ class RequestOutput:
         num_cached_tokens: prompt tokens served from the prefix cache (vLLM's name).
         text: with a tokenizer, the answer so far (stop strings cut out), else None.
         message: why "length" or "abort" came early (e.g. a pool too small), else None.
+        logprobs: with ``add_request(..., logprobs=k)``, one ``(logprob, [(id, logprob), ...k])`` per
+            token of ``token_ids``: its log-probability and the k most likely tokens at that
+            position (natural log of the model's raw distribution, as OpenAI and vLLM report
+            them); else None.
     """
 
     request_id: str
@@ -60,6 +66,7 @@ class RequestOutput:
     num_cached_tokens: int
     text: str | None = None
     message: str | None = None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class LLMEngine:
@@ -100,11 +107,13 @@ class LLMEngine:
     # -- requests in ------------------------------------------------------------------
 
     def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None,
-                    arrival_s: float | None = None) -> str:
+                    arrival_s: float | None = None, logprobs: int | None = None) -> str:
         """Queue a prompt (token ids); returns its request id.
 
         ``params`` default to the checkpoint's generation defaults, as in ``generate``.
         ``arrival_s``: its arrival time (``time.perf_counter()`` seconds); default now.
+        ``logprobs``: k >= 0 records each output token's logprob and the k most likely tokens
+        (vLLM's ``SamplingParams.logprobs``; see :attr:`RequestOutput.logprobs`); None: not kept.
 
         Raises ValueError for text instead of ids, an empty prompt, ids outside the vocabulary,
         a prompt beyond the model's context or the whole pool, a prompt longer than
@@ -119,6 +128,8 @@ class LLMEngine:
         prompt = check_prompt(prompt_ids).tolist()
         params = check_params(self.model, params, self.tokenizer)
         self._check_fits(prompt)
+        if logprobs is not None and not (type(logprobs) is int and 0 <= logprobs <= self.model.config.vocab_size):
+            raise ValueError(f"logprobs must be None or a number of top tokens in [0, vocab size], got {logprobs!r}")
         if request_id is None:  # the next number the caller has not taken already
             request_id = next(i for i in map(str, self._ids) if i not in self.requests)
         request_id = str(request_id)
@@ -126,7 +137,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use; give a new one or leave it out")
         device = self.cache.k.device
         request = Request(request_id, prompt, params, time.perf_counter() if arrival_s is None else arrival_s,
-                          generator=params.make_generator(device))
+                          generator=params.make_generator(device), num_logprobs=logprobs)
         if self.tokenizer is not None:
             request.text_stream = TextStream(self.tokenizer, params.stop)
         self.requests[request_id] = request
@@ -186,7 +197,9 @@ class LLMEngine:
                 request.num_computed_tokens += n
                 self.cache.allocator.cache_full_blocks(request.request_id, request.all_token_ids,
                                                        request.num_computed_tokens)
-            for request, token in zip(sampling, tokens):
+            for row, (request, token) in enumerate(zip(sampling, tokens)):
+                if request.num_logprobs is not None:
+                    request.output_logprobs.append(_token_logprobs(logits[row], token, request.num_logprobs))
                 self._append_token(request, token, now)
                 new_tokens[request.request_id] = token
         changed = [r for r in scheduled.requests if r.request_id in new_tokens or r.finished]
@@ -219,7 +232,8 @@ class LLMEngine:
         return RequestOutput(
             request.request_id, request.prompt_ids, [] if new_token is None else [new_token],
             list(request.output_ids), request.finished, request.finish_reason, request.stop_reason,
-            request.num_cached_tokens, request.text_stream.text if request.text_stream else None, request.message)
+            request.num_cached_tokens, request.text_stream.text if request.text_stream else None, request.message,
+            None if request.num_logprobs is None else list(request.output_logprobs))
 
     def _record(self, scheduled: ScheduledBatch, rows: tuple, start: float, changed: list[Request]) -> None:
         pool = self.cache.allocator
@@ -272,6 +286,13 @@ class LLMEngine:
 
     def __repr__(self) -> str:
         return f"LLMEngine({self.scheduler!r}, {self.cache!r})"
+
+
+def _token_logprobs(logits, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """(logprob of ``token``, the k most likely (id, logprob)) from one row of raw logits [vocab]."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = logprobs.topk(k)
+    return logprobs[token].item(), list(zip(top.indices.tolist(), top.values.tolist()))
 
 
 def _is_nested(prompt_ids) -> bool:

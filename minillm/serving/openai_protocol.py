@@ -115,6 +115,86 @@ def now_s() -> int:
     return int(time.time())
 
 
+class CompletionReply:
+    """Renders one /v1/completions request's engine outputs as OpenAI's JSON: the whole
+    ``text_completion``, or its stream of chunks (each with the text added since the last one)."""
+
+    object, chunk_object = "text_completion", "text_completion"
+
+    def __init__(self, request_id: str, model: str):
+        self.id, self.model, self.created = request_id, model, now_s()
+        self.text_sent = 0  # characters of the answer already streamed
+
+    def _envelope(self, object_name: str, choices: list, **fields) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
+                "choices": choices, **fields}
+
+    def response(self, out) -> dict:
+        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": finish_reason(out.finish_reason)}
+        return self._envelope(self.object, [choice], usage=_usage(out))
+
+    def first_chunks(self, include_usage: bool) -> list[dict]:
+        return []
+
+    def chunk(self, out, include_usage: bool) -> dict:
+        """The chunk for one output: the new text ("" while the engine holds a partial
+        character or a possible stop string back), and the finish reason on the last one."""
+        delta, self.text_sent = out.text[self.text_sent:], len(out.text)
+        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason(out.finish_reason)}
+        return self._envelope(self.chunk_object, [choice], **({"usage": None} if include_usage else {}))
+
+    def usage_chunk(self, out) -> dict:
+        """``stream_options.include_usage``: a last chunk with no choices and the usage."""
+        return self._envelope(self.chunk_object, [], usage=_usage(out))
+
+
+class ChatReply(CompletionReply):
+    """The same for /v1/chat/completions: ``message`` / ``delta`` instead of ``text``, and the
+    tokens' logprobs when asked (OpenAI's ``logprobs.content``)."""
+
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, request_id: str, model: str, tokenizer):
+        super().__init__(request_id, model)
+        self.tokenizer, self.logprobs_sent = tokenizer, 0
+
+    def response(self, out) -> dict:
+        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                  "logprobs": self._logprobs(out, 0), "finish_reason": finish_reason(out.finish_reason)}
+        return self._envelope(self.object, [choice], usage=_usage(out))
+
+    def first_chunks(self, include_usage: bool) -> list[dict]:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return [self._envelope(self.chunk_object, [choice], **({"usage": None} if include_usage else {}))]
+
+    def chunk(self, out, include_usage: bool) -> dict:
+        delta, self.text_sent = out.text[self.text_sent:], len(out.text)
+        logprobs, self.logprobs_sent = self._logprobs(out, self.logprobs_sent), len(out.token_ids)
+        choice = {"index": 0, "delta": {"content": delta} if delta or not out.finished else {},
+                  "logprobs": logprobs, "finish_reason": finish_reason(out.finish_reason)}
+        return self._envelope(self.chunk_object, [choice], **({"usage": None} if include_usage else {}))
+
+    def _logprobs(self, out, start: int) -> dict | None:
+        """``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}`` for the
+        tokens from ``start`` on. ``bytes`` is null: minillm's token strings show a split UTF-8
+        character as ``\\xNN`` escapes, not as its raw bytes."""
+        if out.logprobs is None:
+            return None
+        strings = self.tokenizer.token_strings
+
+        def entry(token_id: int, logprob: float) -> dict:
+            # vLLM's floor for -inf (a token the model rules out): JSON has no infinity
+            return {"token": strings([token_id])[0], "logprob": max(logprob, -9999.0), "bytes": None}
+
+        content = [dict(entry(token_id, logprob), top_logprobs=[entry(i, lp) for i, lp in top])
+                   for token_id, (logprob, top) in zip(out.token_ids[start:], out.logprobs[start:])]
+        return {"content": content}
+
+
+def _usage(out) -> dict:
+    return usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
+
+
 # -- errors ------------------------------------------------------------------------------------
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 500: "server_error", 503: "server_error"}

@@ -43,6 +43,8 @@ class Request:
         token_times_s: when each output token was known.
         num_preemptions, preempted_s: how often it lost its blocks, and when.
         generator: its seeded random generator (None: the global one), kept across steps.
+        num_logprobs: None, or how many top tokens to keep with each output token's logprob.
+        output_logprobs: with num_logprobs, one (logprob, [(id, logprob), ...]) per output token.
     """
 
     request_id: str
@@ -63,6 +65,8 @@ class Request:
     preempted_s: list[float] = field(default_factory=list)
     generator: torch.Generator | None = None
     text_stream: object = None  # generate's TextStream when the engine has a tokenizer
+    num_logprobs: int | None = None
+    output_logprobs: list = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
