@@ -6,6 +6,7 @@ import math
 import sys
 from pathlib import Path
 
+from ..weights import DEFAULT_MODEL
 from .common import UsageError, check_out_dir, check_out_file, ensure_model, model_options, warn, wrote
 
 SERVING_DEFAULTS = dict(num_prompts=64, input_len="uniform:32-512", output_len="uniform:16-256",
@@ -19,10 +20,14 @@ TTFT_SLO_MS, TPOT_SLO_MS = 5000.0, 500.0
 
 def add_bench_serving(sub) -> None:
     from ..serving.bench import POLICIES
+    from .bench_serving_http import add_http_options
 
     p = sub.add_parser("bench-serving", help="a workload through one-at-a-time, static and continuous batching: "
-                                             "throughput, TTFT/TPOT/ITL, SLOs, goodput, KV memory")
+                                             "throughput, TTFT/TPOT/ITL, SLOs, goodput, KV memory; or sent to a "
+                                             "server over HTTP (--base-url)")
     model_options(p)
+    add_http_options(p)
+    p.set_defaults(model=None)  # None: --model not given (in-process: the default model; over HTTP: the server's)
     p.add_argument("--num-prompts", type=int, help="requests in the workload (default 64; --quick 8)")
     p.add_argument("--request-rate", nargs="+", default=["inf"], metavar="RATE",
                    help="mean Poisson arrival rate(s), requests/s; inf = offline, all at t=0 (default: inf)")
@@ -70,6 +75,11 @@ def run_bench_serving(args) -> int:
         if getattr(args, name) is None:  # an option given explicitly wins over the preset
             setattr(args, name, value)
     rates = _check_args(args)
+    if args.base_url:
+        from .bench_serving_http import run_over_http
+
+        return run_over_http(args, rates)
+    args.model = args.model or DEFAULT_MODEL  # None only tells run_over_http that --model was not given
     if args.threads:
         import torch
 
@@ -77,7 +87,8 @@ def run_bench_serving(args) -> int:
     folder = ensure_model(args.model, args.weights_dir)
     model = load_model(folder, device=args.device, dtype=args.dtype)
     tokenizer = _tokenizer(folder, required=bool(args.dataset))
-    workloads = _workloads(args, rates, model, tokenizer)
+    workloads = _workloads(args, rates, model.config.vocab_size, tokenizer)
+    _check_fits(args, model, next(iter(workloads.values())))
     config = ServingConfig(args.max_num_seqs, args.max_num_batched_tokens, args.kv_cache_memory, args.block_size,
                            args.ttft_slo_ms, args.tpot_slo_ms)
     token_ids = _safe_ids(tokenizer)
@@ -168,7 +179,7 @@ def _safe_ids(tokenizer):
     return safe_token_ids(tokenizer) if tokenizer is not None else None
 
 
-def _workloads(args, rates: list[float], model, tokenizer) -> dict:
+def _workloads(args, rates: list[float], vocab_size: int, tokenizer) -> dict:
     """rate -> the workload at that rate: the same prompts and lengths, only the arrivals differ."""
     from ..serving.workload import load_jsonl, make_workload
 
@@ -179,9 +190,8 @@ def _workloads(args, rates: list[float], model, tokenizer) -> dict:
             w = load_jsonl(args.dataset, tokenizer, rate_or_none, args.seed)[: args.num_prompts]
         else:
             w = make_workload(args.num_prompts, args.input_len, args.output_len, rate_or_none, args.seed,
-                              vocab_size=model.config.vocab_size, token_ids=_safe_ids(tokenizer))
+                              vocab_size=vocab_size, token_ids=_safe_ids(tokenizer))
         out[rate] = w
-    _check_fits(args, model, next(iter(out.values())))
     return out
 
 
@@ -254,28 +264,11 @@ def _ms(value) -> str:
 
 
 def _print_result(out, result) -> None:
-    from rich import box
-    from rich.table import Table
-
     from ..units import fmt_bytes, fmt_num
 
     cfg = result.config
-    # Two tables of 8 columns rather than one of 13, so that an 80-column terminal shows every number.
-    throughput = Table("rate", "policy", "req/s", "out tok/s", "total tok/s", "SLO met", "goodput", "preempt",
-                       box=box.SIMPLE_HEAD, title=f"Serving {result.workload['n_requests']} requests: throughput "
-                       f"(SLO: TTFT <= {cfg.ttft_slo_ms:g} ms and TPOT <= {cfg.tpot_slo_ms:g} ms; goodput in req/s)")
-    latency = Table("rate", "policy", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99",
-                    box=box.SIMPLE_HEAD, title="Latency (ms)")
-    for run in result.runs:
-        s, rate = run.summary, _rate_text(run.rate_req_s)
-        throughput.add_row(rate, run.policy, fmt_num(s.request_throughput_req_s), fmt_num(s.output_throughput_tok_s),
-                           fmt_num(s.total_token_throughput_tok_s),
-                           "-" if s.slo_attainment is None else f"{100 * s.slo_attainment:.0f}%",
-                           "-" if s.goodput_req_s is None else fmt_num(s.goodput_req_s), str(s.n_preemptions))
-        latency.add_row(rate, run.policy, _ms(s.p50_ttft_ms), _ms(s.p99_ttft_ms), _ms(s.p50_tpot_ms),
-                        _ms(s.p99_tpot_ms), _ms(s.p99_itl_ms))
-    out.print(throughput)
-    out.print(latency)
+    _print_summaries(out, [(run.rate_req_s, run.policy, run.summary) for run in result.runs],
+                     result.workload["n_requests"], cfg.ttft_slo_ms, cfg.tpot_slo_ms)
     _print_ratios(out, result)
     kv = [r for r in result.runs if r.kv_memory is not None]
     if kv:
@@ -298,6 +291,34 @@ def _print_result(out, result) -> None:
     m = result.machine
     out.print(f"[dim]{m.get('model', '')} on {m['device']}, {m['dtype']}, {m['torch_threads']} threads; load average "
               f"(1/5/15 min) {_load(m['loadavg_before'])} before, {_load(m['loadavg_after'])} after the runs[/dim]")
+
+
+def _print_summaries(out, rows, n_requests: int, ttft_slo_ms: float, tpot_slo_ms: float,
+                     last_column: tuple[str, str] = ("preempt", "n_preemptions")) -> None:
+    """The throughput and latency tables, a row per (rate, policy, RunSummary); ``last_column``:
+    the throughput table's last header and the RunSummary count it shows."""
+    from rich import box
+    from rich.table import Table
+
+    from ..units import fmt_num
+
+    # Two tables of 8 columns rather than one of 13, so that an 80-column terminal shows every number.
+    throughput = Table("rate", "policy", "req/s", "out tok/s", "total tok/s", "SLO met", "goodput", last_column[0],
+                       box=box.SIMPLE_HEAD, title=f"Serving {n_requests} requests: throughput "
+                       f"(SLO: TTFT <= {ttft_slo_ms:g} ms and TPOT <= {tpot_slo_ms:g} ms; goodput in req/s)")
+    latency = Table("rate", "policy", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99",
+                    box=box.SIMPLE_HEAD, title="Latency (ms)")
+    for rate_req_s, policy, s in rows:
+        rate = _rate_text(rate_req_s)
+        throughput.add_row(rate, policy, fmt_num(s.request_throughput_req_s), fmt_num(s.output_throughput_tok_s),
+                           fmt_num(s.total_token_throughput_tok_s),
+                           "-" if s.slo_attainment is None else f"{100 * s.slo_attainment:.0f}%",
+                           "-" if s.goodput_req_s is None else fmt_num(s.goodput_req_s),
+                           str(getattr(s, last_column[1])))
+        latency.add_row(rate, policy, _ms(s.p50_ttft_ms), _ms(s.p99_ttft_ms), _ms(s.p50_tpot_ms),
+                        _ms(s.p99_tpot_ms), _ms(s.p99_itl_ms))
+    out.print(throughput)
+    out.print(latency)
 
 
 def _print_ratios(out, result) -> None:

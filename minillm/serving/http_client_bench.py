@@ -119,17 +119,19 @@ class HttpRunResult:
     server: ServerSideNumbers | None = None
     server_note: str = ""
 
-    def ttft_gap_ms(self) -> float | None:
-        """Client p50 TTFT - server p50 TTFT (ms): HTTP, JSON, detokenization, queueing outside the
-        engine; None without both. The server's p50 is a bucket estimate (metrics_scrape)."""
-        server = self.server.stats_ms("ttft").get("p50") if self.server else None
-        client = self.summary.p50_ttft_ms
+    def ttft_gap_ms(self, stat: str = "p50") -> float | None:
+        """Client minus server TTFT (ms), ``stat`` "mean" or "p50": HTTP, JSON, detokenization and
+        queueing outside the engine; None without both. The server's mean is exact, its p50 a
+        bucket estimate (metrics_scrape)."""
+        server = self.server.stats_ms("ttft").get(stat) if self.server else None
+        client = getattr(self.summary, f"{stat}_ttft_ms")
         return None if server is None or client is None else client - server
 
     def to_dict(self) -> dict:
         return {"base_url": self.base_url, "model": self.model, "summary": self.summary.to_dict(),
                 "n_failed": self.n_failed, "errors": self.errors, "n_count_mismatch": self.n_count_mismatch,
-                "n_without_usage": self.n_without_usage, "ttft_gap_p50_ms": self.ttft_gap_ms(),
+                "n_without_usage": self.n_without_usage, "ttft_gap_p50_ms": self.ttft_gap_ms("p50"),
+                "ttft_gap_mean_ms": self.ttft_gap_ms("mean"),
                 "server": None if self.server is None else self.server.to_dict(), "server_note": self.server_note,
                 "requests": [_request_dict(r) for r in self.requests]}
 
@@ -242,16 +244,16 @@ def _error_message(body: bytes) -> str:
 # -- a run ------------------------------------------------------------------------------------------
 
 
-async def served_model(client, base_url: str) -> str:
+def served_model(base_url: str, timeout_s: float = 10.0) -> str:
     """The first model id of ``GET /v1/models``. Raises ValueError (one line) when the server
     cannot be reached or lists no model."""
     import httpx
 
     try:
-        response = await client.get(f"{base_url}/v1/models")
+        response = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=timeout_s)
         response.raise_for_status()
         return response.json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
         raise ValueError(f"cannot read the model from {base_url}/v1/models ({type(e).__name__}: {e}); "
                          "is the server running? give the model name with --model") from None
 
@@ -266,7 +268,7 @@ async def _scrape(client, base_url: str) -> str | None:
         return None
 
 
-async def run_http_bench_async(base_url: str, workload: Sequence[WorkloadRequest], model: str | None = None,
+async def run_http_bench_async(base_url: str, workload: Sequence[WorkloadRequest], model: str,
                                ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None,
                                timeout_s: float = 600.0,
                                progress: Callable[[int, int], None] | None = None) -> HttpRunResult:
@@ -278,7 +280,6 @@ async def run_http_bench_async(base_url: str, workload: Sequence[WorkloadRequest
     base_url = base_url.rstrip("/")
     limits = httpx.Limits(max_connections=len(workload), max_keepalive_connections=len(workload))
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits) as client:
-        model = model or await served_model(client, base_url)
         before = await _scrape(client, base_url)
         records = await _send_all(client, f"{base_url}/v1/completions", model, workload, timeout_s, progress)
         after = await _scrape(client, base_url) if before is not None else None
@@ -349,4 +350,5 @@ def run_http_bench(base_url: str, workload: Sequence[WorkloadRequest], model: st
     Raises ValueError for an empty workload, or when no model is given and ``/v1/models``
     cannot be read (the server is not there).
     """
+    model = model or served_model(base_url)
     return asyncio.run(run_http_bench_async(base_url, workload, model, ttft_slo_ms, tpot_slo_ms, timeout_s, progress))

@@ -69,7 +69,8 @@ def stub_app() -> FastAPI:
                 itl.observe(ITL_S)
             tokens.inc(n)
             success.labels("length").inc()
-            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n, "total_tokens": n + len(body["prompt"])}
+            n_prompt = len(body["prompt"])
+            usage = {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}
             yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
 
@@ -134,7 +135,8 @@ def test_server_side_numbers_are_the_difference_of_two_scrapes(stub_url):
     assert server.counters["generation_tokens_total"] == 15
     assert server.counters["request_success_total{length}"] == 3
     assert "e2e" not in server.latencies and "e2e" in result.server_note
-    assert result.ttft_gap_ms() == pytest.approx(result.summary.p50_ttft_ms - ttft["p50"])
+    assert result.ttft_gap_ms("p50") == pytest.approx(result.summary.p50_ttft_ms - ttft["p50"])
+    assert 0 <= result.ttft_gap_ms("mean") < 150  # the client sees the stub's delays plus HTTP
 
 
 def test_failures_are_counted_and_never_crash_the_run(stub_url):
@@ -239,3 +241,44 @@ def test_vllm_names_are_read_when_minillm_names_are_absent():
     numbers = scrape_delta(text_of(2, 0.4), text_of(6, 1.2))
     assert numbers.prefix == "vllm:" and numbers.stats_ms("ttft")["mean"] == pytest.approx(200.0)
     assert scrape_delta("", "other_metric 1\n").prefix is None
+
+
+# -- the CLI ------------------------------------------------------------------------------------------
+
+
+def test_cli_prints_the_tables_and_the_client_vs_server_comparison(stub_url, tmp_path, capsys):
+    from minillm.cli import main
+
+    out_json = tmp_path / "http.json"
+    argv = ["bench-serving", "--base-url", stub_url, "--tokenizer", "smollm2-135m-instruct", "--num-prompts", "3",
+            "--input-len", "4", "--output-len", "3", "--request-rate", "inf", "20", "--json", str(out_json), "-q"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "Serving 3 requests: throughput" in printed and "Client vs server (ms) @ 20 req/s" in printed
+    assert "0 of 3 requests failed" in printed and "server counted 9 output tokens, the client 9" in printed
+    doc = json.loads(out_json.read_text())
+    assert doc["model"] == "stub" and [run["rate_req_s"] for run in doc["runs"]] == ["inf", 20.0]
+    for run in doc["runs"]:
+        assert run["summary"]["total_output_tokens"] == 9 and run["n_failed"] == 0
+        assert run["server"]["latencies_ms"]["ttft"]["mean"] == pytest.approx(TTFT_S * 1e3)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--tokenizer", "no-such-model-here"], "no local tokenizer for 'no-such-model-here'"),
+    (["--plots", "x"], "--plots need the model in this process"),
+    (["--timeout", "0"], "--timeout must be a number of seconds > 0"),
+])
+def test_cli_usage_errors_are_one_line(stub_url, capsys, extra, message):
+    from minillm.cli import main
+
+    assert main(["bench-serving", "--base-url", stub_url, "--num-prompts", "1", *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_cli_without_a_tokenizer_for_the_served_model_says_how_to_give_one(stub_url, capsys):
+    from minillm.cli import main
+
+    assert main(["bench-serving", "--base-url", stub_url, "--num-prompts", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "no local tokenizer for 'stub'" in err and "give --tokenizer MODEL" in err
