@@ -163,6 +163,38 @@ def test_a_server_that_is_not_there_fails_every_request_in_one_line():
         hb.run_http_bench(url, workload(1), timeout_s=10)  # no --model: /v1/models must answer
 
 
+# -- against minillm serve -------------------------------------------------------------------------
+
+
+def test_minillm_serve_gives_every_request_max_tokens_and_its_metrics_match_the_client(tiny_chat):
+    from live_server import live_server
+
+    import minillm
+    from minillm.serving.workload import safe_token_ids
+
+    model, tokenizer = tiny_chat
+    w = make_workload(6, "uniform:4-24", "uniform:3-8", rate=20, seed=0, token_ids=safe_token_ids(tokenizer))
+    with live_server(model, tokenizer, num_blocks=128) as url:
+        result = hb.run_http_bench(url, w, ttft_slo_ms=1e6, tpot_slo_ms=1e6, timeout_s=120)
+    assert result.model == "minillm-test" and result.n_failed == 0 and result.n_count_mismatch == 0
+    assert [len(r.token_times_s) for r in result.requests] == [x.max_tokens for x in w]
+    assert [r.usage_completion_tokens for r in result.requests] == [x.max_tokens for x in w]
+    assert {r.finish_reason for r in result.requests} == {"length"}
+    greedy = [s.token_id for s in minillm.generate(model, list(w[0].prompt_ids),
+                                                   minillm.SamplingParams(max_new_tokens=w[0].max_tokens),
+                                                   eos_token_ids=[])]
+    assert result.requests[0].text == tokenizer.decode(greedy)
+    server = result.server
+    assert server.prefix == "minillm:" and server.note == ""
+    assert server.stats_ms("ttft")["count"] == server.stats_ms("e2e")["count"] == 6
+    assert server.stats_ms("itl")["count"] == sum(x.max_tokens - 1 for x in w)
+    assert server.counters["generation_tokens_total"] == result.summary.total_output_tokens == sum(x.max_tokens for x in w)
+    assert server.counters["prompt_tokens_total"] == sum(len(x.prompt_ids) for x in w)
+    assert server.counters["request_success_total{length}"] == 6
+    # the client's clock starts at the arrival, before the server's, and stops after it
+    assert result.ttft_gap_ms("mean") >= 0 and result.summary.mean_e2e_ms >= server.stats_ms("e2e")["mean"]
+
+
 # -- counting tokens per chunk, on hand-made events -------------------------------------------------
 
 
