@@ -188,7 +188,8 @@ def test_minillm_serve_gives_every_request_max_tokens_and_its_metrics_match_the_
     assert server.prefix == "minillm:" and server.note == ""
     assert server.stats_ms("ttft")["count"] == server.stats_ms("e2e")["count"] == 6
     assert server.stats_ms("itl")["count"] == sum(x.max_tokens - 1 for x in w)
-    assert server.counters["generation_tokens_total"] == result.summary.total_output_tokens == sum(x.max_tokens for x in w)
+    n_out = sum(x.max_tokens for x in w)
+    assert server.counters["generation_tokens_total"] == result.summary.total_output_tokens == n_out
     assert server.counters["prompt_tokens_total"] == sum(len(x.prompt_ids) for x in w)
     assert server.counters["request_success_total{length}"] == 6
     # the client's clock starts at the arrival, before the server's, and stops after it
