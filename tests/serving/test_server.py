@@ -1,41 +1,223 @@
-"""minillm serve's HTTP API on a tiny random model (tests/serving/live_server.py runs the server)."""
+"""minillm serve's OpenAI API, through the official `openai` client and raw HTTP, on a tiny random
+model with SmolLM2's tokenizer (tests/serving/conftest.py: tiny_chat). The oracle is
+`minillm.generate` alone on the same model: the server's answers must equal it token for token.
+"""
+
+import json
+import threading
+import time
 
 import httpx
+import openai
 import pytest
-from live_server import live_server
+from live_server import app_of, live_server
+from prometheus_client.parser import text_string_to_metric_families
 
 import minillm
 
-TIMEOUT_S = 30.0
+TIMEOUT_S = 60.0
+MODEL = "minillm-test"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_chat):
     model, tokenizer = tiny_chat
-    with live_server(model, tokenizer, num_blocks=128) as url:
+    with live_server(model, tokenizer, model_name=MODEL, num_blocks=128) as url:
         yield url
 
 
-def greedy_ids(tiny_chat, prompt_ids, n):
-    model, _ = tiny_chat
-    params = minillm.SamplingParams(max_new_tokens=n)
-    return [step.token_id for step in minillm.generate(model, prompt_ids, params)]
+@pytest.fixture
+def client(server):
+    with openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S) as c:
+        yield c
 
 
-def test_health(server):
+def alone(tiny_chat, prompt_ids, **params):
+    """generate() alone: (token ids, text) with stop strings cut, as the server should answer."""
+    model, tokenizer = tiny_chat
+    steps = list(minillm.generate(model, prompt_ids, minillm.SamplingParams(**params), tokenizer=tokenizer))
+    return [s.token_id for s in steps], "".join(s.text for s in steps), steps
+
+
+def chat_ids(tokenizer, messages):
+    return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+
+
+def test_health_and_models(server, client):
     assert httpx.get(f"{server}/health", timeout=TIMEOUT_S).json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == [MODEL]
 
 
-def test_completion_equals_generate(server, tiny_chat):
+def test_completion_equals_generate(client, tiny_chat):
     _, tokenizer = tiny_chat
     prompt = "The capital of France is"
-    r = httpx.post(f"{server}/v1/completions", timeout=TIMEOUT_S,
-                   json={"model": "minillm-test", "prompt": prompt, "max_tokens": 6, "temperature": 0})
-    assert r.status_code == 200, r.text
-    body = r.json()
-    ids = tokenizer.encode(prompt)
-    expected = greedy_ids(tiny_chat, ids, 6)
-    assert body["choices"][0]["text"] == tokenizer.decode(expected)
-    assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 6, "total_tokens": len(ids) + 6,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+    ids, text, _ = alone(tiny_chat, tokenizer.encode(prompt), max_new_tokens=6)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    assert r.choices[0].text == text == tokenizer.decode(ids)
+    assert r.choices[0].finish_reason == "length"
+    n = len(tokenizer.encode(prompt))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n, 6, n + 6)
+    # the same prompt as token ids (vLLM's extension) gives the same answer
+    r2 = client.completions.create(model=MODEL, prompt=tokenizer.encode(prompt), max_tokens=6, temperature=0)
+    assert r2.choices[0].text == text
+
+
+def test_chat_completion_equals_generate_with_logprobs(client, tiny_chat):
+    _, tokenizer = tiny_chat
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    ids, text, steps = alone(tiny_chat, chat_ids(tokenizer, messages), max_new_tokens=5)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=5, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    choice = r.choices[0]
+    assert (choice.message.role, choice.message.content, choice.finish_reason) == ("assistant", text, "length")
+    assert r.usage.prompt_tokens == len(chat_ids(tokenizer, messages)) and r.usage.completion_tokens == 5
+    content = choice.logprobs.content
+    assert [c.token for c in content] == tokenizer.token_strings(ids)
+    for c, step in zip(content, steps):  # generate's logprob: log_softmax of the raw logits
+        assert c.logprob == pytest.approx(step.logprob, abs=1e-4)
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token  # greedy: the top token
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-6)
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+
+
+def test_streaming_with_usage(server, client, tiny_chat):
+    _, tokenizer = tiny_chat
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    ids, text, _ = alone(tiny_chat, chat_ids(tokenizer, messages), max_new_tokens=7)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=7, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    token_chunks = [c for c in chunks[1:] if c.choices]
+    assert len(token_chunks) == 7  # one chunk per generated token
+    assert "".join(c.choices[0].delta.content or "" for c in token_chunks) == text
+    assert [c.choices[0].finish_reason for c in token_chunks] == [None] * 6 + ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
+    assert chunks[-1].usage.prompt_tokens == len(chat_ids(tokenizer, messages))
+    # raw SSE: "data: {...}" events, the last one "data: [DONE]"
+    with httpx.stream("POST", f"{server}/v1/completions", timeout=TIMEOUT_S,
+                      json={"prompt": "Hi", "max_tokens": 3, "temperature": 0, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: {") for e in events[:-1])
+    assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]) == alone(
+        tiny_chat, tokenizer.encode("Hi"), max_new_tokens=3)[1]
+
+
+def test_stop_string(client, tiny_chat):
+    _, tokenizer = tiny_chat
+    prompt_ids = tokenizer.encode("Once upon a time")
+    _, full, _ = alone(tiny_chat, prompt_ids, max_new_tokens=24)
+    stop = full[len(full) // 2 : len(full) // 2 + 3]  # a piece of the greedy answer's middle
+    expected = full[: full.index(stop)]
+    r = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=24, temperature=0,
+                                  stop=["never-in-the-text", stop])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
+    streamed = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=24, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected  # no piece of the stop string leaks
+
+
+def test_seed_reproducible(client, tiny_chat):
+    _, tokenizer = tiny_chat
+    prompt = "Pick a random word:"
+
+    def sample(seed):
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0,
+                                         seed=seed).choices[0].text
+
+    first, again, other = sample(7), sample(7), sample(8)
+    assert first == again == alone(tiny_chat, tokenizer.encode(prompt), max_new_tokens=8, temperature=1.0, seed=7)[1]
+    assert other != first
+
+
+def test_cached_tokens_on_a_repeated_long_prompt(client):
+    prompt_ids = list(range(1000, 1040))  # 40 tokens: 2 full blocks of 16 can be reused
+    first = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # at most len - 1 tokens hit (the last one's logits are needed), in whole blocks
+    assert second.usage.prompt_tokens_details.cached_tokens == 16 * ((len(prompt_ids) - 1) // 16) == 32
+    assert second.choices[0].text == first.choices[0].text
+
+
+def test_eight_concurrent_streams_equal_their_single_answers_and_share_batches(server, tiny_chat):
+    _, tokenizer = tiny_chat
+    engine = app_of(server).state.async_engine.engine
+    prompts = [f"Request number {i} asks about topic {i * 7}" for i in range(8)]
+    expected = [alone(tiny_chat, tokenizer.encode(p), max_new_tokens=24)[1] for p in prompts]
+    first_step, answers, barrier = len(engine.steps), [None] * 8, threading.Barrier(8)
+
+    def run(i):
+        with openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S) as c:
+            barrier.wait(TIMEOUT_S)
+            stream = c.completions.create(model=MODEL, prompt=prompts[i], max_tokens=24, temperature=0, stream=True)
+            answers[i] = "".join(chunk.choices[0].text for chunk in stream)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S)
+    assert answers == expected
+    assert max(len(step.scheduled) for step in engine.steps[first_step:]) > 1  # some step ran several requests
+
+
+def wait_until(predicate, timeout_s=TIMEOUT_S):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_disconnect_mid_stream_frees_the_blocks(server):
+    async_engine = app_of(server).state.async_engine
+    engine, pool = async_engine.engine, async_engine.engine.cache.allocator
+    with async_engine.lock:
+        free_before = pool.num_free_blocks
+    body = {"prompt": list(range(2000, 2100)), "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=TIMEOUT_S) as r:
+        lines = (line for line in r.iter_lines() if line)
+        request_id = json.loads(next(lines)[6:])["id"]
+        next(lines)
+        with async_engine.lock:
+            assert pool.block_tables[request_id]  # it holds blocks while it streams
+    # leaving the block closed the connection
+    wait_until(lambda: engine.requests[request_id].finished)
+    with async_engine.lock:
+        request = engine.requests[request_id]
+        assert request.finish_reason == "abort" and len(request.output_ids) < 400
+        assert request_id not in pool.block_tables
+        assert pool.num_free_blocks == free_before == pool.num_blocks
+        assert all(block.ref_count == 0 for block in pool.blocks)
+
+
+def test_metrics_count_the_requests_sent(tiny_chat):
+    model, tokenizer = tiny_chat
+    with live_server(model, tokenizer, num_blocks=64) as url:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S) as c:
+            usages = []  # two 20-token prompts alike (the second hits 16 cached tokens), one of 3
+            for prompt, n in ((list(range(300, 320)), 3), (list(range(300, 320)), 4), ([5, 6, 7], 5)):
+                usages.append(c.completions.create(model="minillm-test", prompt=prompt, max_tokens=n, temperature=0,
+                                                   extra_body={"ignore_eos": True}).usage)
+            stream = c.chat.completions.create(model="minillm-test", messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=2, stream=True, stream_options={"include_usage": True})
+            usages.append([chunk for chunk in stream][-1].usage)
+        text = httpx.get(f"{url}/metrics", timeout=TIMEOUT_S).text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def value(name, **labels):
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    assert value("minillm:request_success_total", finished_reason="length") == 4
+    assert value("minillm:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert value("minillm:generation_tokens_total") == sum(u.completion_tokens for u in usages) == 3 + 4 + 5 + 2
+    assert value("minillm:prefix_cache_queries_total") == sum(u.prompt_tokens for u in usages)
+    assert value("minillm:prefix_cache_hits_total") == sum(u.prompt_tokens_details.cached_tokens for u in usages) == 16
+    assert value("minillm:time_to_first_token_seconds_count") == 4
+    assert value("minillm:e2e_request_latency_seconds_count") == 4
+    assert value("minillm:inter_token_latency_seconds_count") == sum(u.completion_tokens - 1 for u in usages)
+    assert value("minillm:time_to_first_token_seconds_bucket", le="+Inf") == 4
+    assert value("minillm:time_to_first_token_seconds_sum") > 0
+    assert value("minillm:num_requests_running") == value("minillm:num_requests_waiting") == 0
+    assert value("minillm:kv_cache_usage_perc") == 0
