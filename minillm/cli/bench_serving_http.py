@@ -59,8 +59,11 @@ def run_over_http(args, rates: list[float]) -> int:
             def progress(n_done: int, n_requests: int) -> None:
                 advance.request("http", rate, n_done, n_requests)
 
-            runs.append((rate, run_http_bench(base_url, workload, model, args.ttft_slo_ms, args.tpot_slo_ms,
-                                              args.timeout, progress)))
+            try:
+                runs.append((rate, run_http_bench(base_url, workload, model, args.ttft_slo_ms, args.tpot_slo_ms,
+                                                  args.timeout, progress)))
+            except ValueError as e:  # the warm-up request failed: every request would
+                raise UsageError(f"--base-url: {e}") from None
     out = Console(highlight=False) if sys.stdout.isatty() else Console(width=160, highlight=False)
     _print_http(out, args, runs, shape["n_requests"])
     out.print(f"[dim]client here ({os.cpu_count()} CPUs), server {base_url}, model {model}; load average "
@@ -117,6 +120,10 @@ def _notes(r) -> list[str]:
     if r.n_count_mismatch:
         notes.append(f"{r.n_count_mismatch} requests streamed a different token count than their usage "
                      "(text held back; the usage's count is used)")
+    if s.total_cached_tokens:
+        notes.append(f"the server's prefix cache served {s.total_cached_tokens} of {s.total_input_tokens} prompt "
+                     "tokens (prompts sent before, e.g. at an earlier rate; the in-process policies run without "
+                     "prefix caching)")
     if r.n_without_usage:
         notes.append(f"{r.n_without_usage} requests had no usage (tokens counted from chunks)")
     counters = r.server.counters if r.server is not None else {}

@@ -270,8 +270,8 @@ async def _scrape(client, base_url: str) -> str | None:
 
 async def run_http_bench_async(base_url: str, workload: Sequence[WorkloadRequest], model: str,
                                ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None,
-                               timeout_s: float = 600.0,
-                               progress: Callable[[int, int], None] | None = None) -> HttpRunResult:
+                               timeout_s: float = 600.0, progress: Callable[[int, int], None] | None = None,
+                               warm_up_first: bool = True) -> HttpRunResult:
     """Send ``workload`` to ``base_url`` in real time and measure it; see :func:`run_http_bench`."""
     import httpx
 
@@ -280,10 +280,25 @@ async def run_http_bench_async(base_url: str, workload: Sequence[WorkloadRequest
     base_url = base_url.rstrip("/")
     limits = httpx.Limits(max_connections=len(workload), max_keepalive_connections=len(workload))
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits) as client:
+        if warm_up_first:
+            await warm_up(client, f"{base_url}/v1/completions", model, workload[0])
         before = await _scrape(client, base_url)
         records = await _send_all(client, f"{base_url}/v1/completions", model, workload, timeout_s, progress)
         after = await _scrape(client, base_url) if before is not None else None
     return _result(base_url, model, records, ttft_slo_ms, tpot_slo_ms, before, after)
+
+
+async def warm_up(client, url: str, model: str, first: WorkloadRequest) -> None:
+    """One short untimed request before the run, as vLLM's bench's "initial test run": the server's
+    first forward passes are slow, and a server that refuses the run's requests (an unknown
+    model, a bad field) should stop the run in one line, not fail every request. Its prompt is
+    4 of the first request's ids reversed: too short to fill a KV block, so it leaves nothing
+    in a prefix cache for the run to hit. Raises ValueError when it fails."""
+    record = ClientRequest("warm-up", time.perf_counter())
+    body = completion_body(model, WorkloadRequest(0.0, tuple(reversed(first.prompt_ids[:4])), 2))
+    await send_request(client, url, body, record)
+    if record.error is not None:
+        raise ValueError(f"the warm-up request to {url} failed: {record.error}")
 
 
 async def _send_all(client, url, model, workload, timeout_s, progress) -> list[ClientRequest]:
@@ -334,7 +349,7 @@ def _result(base_url, model, records, ttft_slo_ms, tpot_slo_ms, before, after) -
 
 def run_http_bench(base_url: str, workload: Sequence[WorkloadRequest], model: str | None = None,
                    ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None, timeout_s: float = 600.0,
-                   progress: Callable[[int, int], None] | None = None) -> HttpRunResult:
+                   progress: Callable[[int, int], None] | None = None, warm_up_first: bool = True) -> HttpRunResult:
     """Send ``workload`` to an OpenAI-compatible server in real time; client-side and server-side numbers.
 
     Args:
@@ -345,10 +360,13 @@ def run_http_bench(base_url: str, workload: Sequence[WorkloadRequest], model: st
         timeout_s: the whole run's limit (s); requests still running then are cancelled and
             count as failed. Also each request's read timeout.
         progress: called as (n_done, n_requests) after each request ends.
+        warm_up_first: send one short untimed request first (:func:`warm_up`).
 
     Returns a :class:`HttpRunResult`; failed requests are counted in it, never raised.
-    Raises ValueError for an empty workload, or when no model is given and ``/v1/models``
-    cannot be read (the server is not there).
+    Raises ValueError for an empty workload, when no model is given and ``/v1/models``
+    cannot be read (the server is not there), or when the untimed warm-up request
+    (:func:`warm_up`) fails: then every request would.
     """
     model = model or served_model(base_url)
-    return asyncio.run(run_http_bench_async(base_url, workload, model, ttft_slo_ms, tpot_slo_ms, timeout_s, progress))
+    return asyncio.run(run_http_bench_async(base_url, workload, model, ttft_slo_ms, tpot_slo_ms, timeout_s, progress,
+                                            warm_up_first))

@@ -155,7 +155,9 @@ def test_failures_are_counted_and_never_crash_the_run(stub_url):
 def test_a_server_that_is_not_there_fails_every_request_in_one_line():
     with serve(FastAPI()) as url:
         pass  # started and stopped: nothing listens on that port any more
-    result = hb.run_http_bench(url, workload(3), model="any", timeout_s=10)
+    with pytest.raises(ValueError, match="the warm-up request to .* failed: ConnectError"):
+        hb.run_http_bench(url, workload(3), model="any", timeout_s=10)
+    result = hb.run_http_bench(url, workload(3), model="any", timeout_s=10, warm_up_first=False)
     assert result.n_failed == 3 and result.summary.n_completed == 0 and result.summary.total_output_tokens == 0
     assert all(e.startswith("ConnectError") for e in result.errors)
     assert result.server is None and "no /metrics" in result.server_note
@@ -176,10 +178,13 @@ def test_minillm_serve_gives_every_request_max_tokens_and_its_metrics_match_the_
     w = make_workload(6, "uniform:4-24", "uniform:3-8", rate=20, seed=0, token_ids=safe_token_ids(tokenizer))
     with live_server(model, tokenizer, num_blocks=128) as url:
         result = hb.run_http_bench(url, w, ttft_slo_ms=1e6, tpot_slo_ms=1e6, timeout_s=120)
+        with pytest.raises(ValueError, match="warm-up request .* failed: HTTP 404"):
+            hb.run_http_bench(url, w, model="not-served", timeout_s=30)
     assert result.model == "minillm-test" and result.n_failed == 0 and result.n_count_mismatch == 0
     assert [len(r.token_times_s) for r in result.requests] == [x.max_tokens for x in w]
     assert [r.usage_completion_tokens for r in result.requests] == [x.max_tokens for x in w]
     assert {r.finish_reason for r in result.requests} == {"length"}
+    assert result.summary.total_cached_tokens == 0  # distinct prompts; the warm-up left nothing to hit
     greedy = [s.token_id for s in minillm.generate(model, list(w[0].prompt_ids),
                                                    minillm.SamplingParams(max_new_tokens=w[0].max_tokens),
                                                    eos_token_ids=[])]
