@@ -13,11 +13,13 @@
     minillm prefix-demo [--requests N] [--plot FILE.png]   TTFT with and without the prefix cache
     minillm bench [--quick] [--json F] [--plot F.png]      minillm vs transformers, no cache, the floors
     minillm bench-serving [--quick] [--request-rate R ...] one workload: one-at-a-time, static, continuous batching
+    minillm bench-serving --base-url URL [--model NAME]    the same workload sent to a server, timed on the client
     minillm check [ex03 ...] [--student-dir DIR ...]       grade the classroom exercises (lessons/exercises)
 
 One module per command group, each holding its commands' options and their running:
 common.py (the usage error, shared options, output checks), generate.py, chat.py, models.py (download,
-convert, info), sweep.py, roofline.py (calibrate, whatif), prefix_demo.py, bench.py, bench_serving.py, check.py.
+convert, info), sweep.py, roofline.py (calibrate, whatif), prefix_demo.py, bench.py, bench_serving.py
+(bench_serving_http.py: its --base-url mode), check.py.
 
 Exit codes: 0 ok, 1 runtime error (one line), 2 usage error (one line), 130 interrupted,
 141 the reader of stdout went away (`minillm generate ... | head`), silently.

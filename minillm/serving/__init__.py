@@ -14,6 +14,8 @@ One concept per file, in the order a request meets them:
     run_metrics.py      TTFT, TPOT, ITL, queueing, percentiles, SLO attainment, goodput of a run
     bench.py            one workload through one-at-a-time, static and continuous batching, measured
     render.py, plots.py the step trace as rich tables, timelines, rate sweeps and ITL plots
+    http_client_bench.py the same workload sent to a server over HTTP, timed on the client
+    metrics_scrape.py   a server's own latencies from two /metrics scrapes (before/after a run)
 """
 
 from .block_allocator import BlockAllocator
