@@ -68,6 +68,10 @@ class AsyncEngine:
     def __repr__(self) -> str:
         return f"AsyncEngine({self.engine!r}, streams={len(self._queues)}, running={self._thread.is_alive()})"
 
+    def wake(self) -> None:
+        """Tell the thread there is work: call it after adding to the engine directly (under ``lock``)."""
+        self._wake.set()
+
     def is_alive(self) -> bool:
         """True while the engine thread runs (False after :meth:`close`)."""
         return self._thread.is_alive()
@@ -116,7 +120,7 @@ class AsyncEngine:
                                      f"{self.max_waiting_requests}: --max-waiting-requests); retry later")
             self.engine.add_request(prompt_ids, params, request_id, logprobs=logprobs)
             self._queues[request_id] = (loop, queue)
-        self._wake.set()
+        self.wake()
 
     def _abort_soon(self, request_id: str) -> None:
         """Called when a client leaves: the engine thread aborts it before its next step."""

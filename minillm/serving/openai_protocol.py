@@ -67,14 +67,26 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int]
     max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
     echo: Literal[False] = False
-    logprobs: None = None  # not supported on /v1/completions (chat has them)
+    logprobs: int | None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt_not_empty(cls, prompt):
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            raise ValueError("one prompt per request (a list of prompts is a batch): send each in its own request")
+        if not isinstance(prompt, (str, list)):
+            raise ValueError("prompt must be a string or a list of token ids")
         if not prompt:
             raise ValueError("the prompt is empty; give some text or at least one token id")
         return prompt
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _no_logprobs(cls, logprobs):
+        if logprobs is not None:
+            raise ValueError("logprobs are served on /v1/chat/completions (logprobs: true, top_logprobs: k), "
+                             "not on /v1/completions")
+        return logprobs
 
 
 class ChatMessage(_Strict):

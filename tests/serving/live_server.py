@@ -62,3 +62,12 @@ def live_server(model, tokenizer, model_name: str = "minillm-test", max_waiting_
 def app_of(url: str):
     """The FastAPI app behind a running ``live_server`` URL (``.state.async_engine``, ``.state.metrics``)."""
     return _APPS[url]
+
+
+def wait_until(predicate, timeout_s: float = 30.0, poll_s: float = 0.01) -> None:
+    """Poll ``predicate()`` until it is true; AssertionError after ``timeout_s`` (bounded waits in tests)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true within {timeout_s} s: {getattr(predicate, '__name__', predicate)}")
+        time.sleep(poll_s)

@@ -5,12 +5,11 @@ model with SmolLM2's tokenizer (tests/serving/conftest.py: tiny_chat). The oracl
 
 import json
 import threading
-import time
 
 import httpx
 import openai
 import pytest
-from live_server import app_of, live_server
+from live_server import app_of, live_server, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 import minillm
@@ -160,13 +159,6 @@ def test_eight_concurrent_streams_equal_their_single_answers_and_share_batches(s
         t.join(TIMEOUT_S)
     assert answers == expected
     assert max(len(step.scheduled) for step in engine.steps[first_step:]) > 1  # some step ran several requests
-
-
-def wait_until(predicate, timeout_s=TIMEOUT_S):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def test_disconnect_mid_stream_frees_the_blocks(server):

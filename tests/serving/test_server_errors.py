@@ -1,0 +1,130 @@
+"""Bad requests to minillm serve: each gets its HTTP status and OpenAI's error JSON, one line that
+names the field; the server keeps serving. Also the waiting-queue limit (503) and a client that
+gives up on a non-streaming request (its request is aborted)."""
+
+import json
+import threading
+
+import httpx
+import pytest
+from live_server import app_of, live_server, wait_until
+
+import minillm
+
+TIMEOUT_S = 60.0
+CONTEXT = 512  # tiny_chat's max_position_embeddings
+USER = [{"role": "user", "content": "Hi"}]
+
+# (endpoint, body: dict -> JSON, str/bytes -> sent as is, status, param, a piece of the message)
+CASES = {
+    "bad JSON": ("completions", '{"prompt": "hi",', 400, None, "not valid JSON"),
+    "non-UTF-8 body": ("completions", b'{"prompt": "caf\xe9"}', 400, None, "not UTF-8"),
+    "empty body": ("completions", "", 400, None, "not valid JSON"),
+    "body is a list": ("completions", "[1, 2]", 400, None, "object"),
+    "prompt missing": ("completions", {"max_tokens": 3}, 400, "prompt", "required"),
+    "prompt empty string": ("completions", {"prompt": ""}, 400, "prompt", "empty"),
+    "prompt empty ids": ("completions", {"prompt": []}, 400, "prompt", "empty"),
+    "prompt is a number": ("completions", {"prompt": 42}, 400, "prompt", "string"),
+    "batch of prompts": ("completions", {"prompt": [[1, 2], [3]]}, 400, "prompt", "one prompt per request"),
+    "prompt list of strings": ("completions", {"prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
+    "token id outside the vocabulary": ("completions", {"prompt": [1, 49152]}, 400, None, "vocabulary"),
+    "negative token id": ("completions", {"prompt": [-1, 5]}, 400, None, "vocabulary"),
+    "huge prompt": ("completions", {"prompt": [7] * (CONTEXT + 100)}, 400, "prompt", f"{CONTEXT} tokens"),
+    "prompt + max_tokens over the context": ("completions", {"prompt": [7] * 500, "max_tokens": 50}, 400,
+                                             "max_tokens", f"{CONTEXT} tokens"),
+    "max_tokens 0": ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    "negative max_tokens": ("completions", {"prompt": "hi", "max_tokens": -5}, 400, "max_tokens", "-5"),
+    "max_tokens as a string": ("completions", {"prompt": "hi", "max_tokens": "10"}, 400, "max_tokens", "integer"),
+    "max_tokens a float": ("completions", {"prompt": "hi", "max_tokens": 1.5}, 400, "max_tokens", "integer"),
+    "temperature negative": ("completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", "-1"),
+    "temperature a word": ("completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "number"),
+    "top_p 0": ("completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", "greater than 0"),
+    "top_k -2": ("completions", {"prompt": "hi", "top_k": -2}, 400, "top_k", "-1"),
+    "n 2": ("completions", {"prompt": "hi", "n": 2}, 400, "n", "less than or equal to 1"),
+    "empty stop string": ("completions", {"prompt": "hi", "stop": ""}, 400, "stop", "non-empty"),
+    "stop a number": ("completions", {"prompt": "hi", "stop": 5}, 400, "stop", "string"),
+    "negative seed": ("completions", {"prompt": "hi", "seed": -1}, 400, "seed", "greater than or equal to 0"),
+    "stream not a bool": ("completions", {"prompt": "hi", "stream": "yes"}, 400, "stream", "boolean"),
+    "unknown field": ("completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate", "unknown field"),
+    "unknown model": ("completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model", "minillm-test"),
+    "completions logprobs": ("completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs", "chat/completions"),
+    "messages missing": ("chat/completions", {"max_tokens": 3}, 400, "messages", "required"),
+    "empty messages": ("chat/completions", {"messages": []}, 400, "messages", "at least 1"),
+    "messages not a list": ("chat/completions", {"messages": "Hi"}, 400, "messages", "array"),
+    "unknown role": ("chat/completions", {"messages": [{"role": "robot", "content": "Hi"}]}, 400,
+                     "messages.0.role", "'robot'"),
+    "user message without content": ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages",
+                                     "content"),
+    "content a number": ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
+                         "messages.0.content", "string"),
+    "top_logprobs without logprobs": ("chat/completions", {"messages": USER, "top_logprobs": 2}, 400,
+                                      "top_logprobs", "logprobs: true"),
+    "top_logprobs 50": ("chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 50}, 400,
+                        "top_logprobs", "20"),
+    "chat unknown model": ("chat/completions", {"messages": USER, "model": "nope"}, 404, "model", "does not exist"),
+    "chat max_completion_tokens 0": ("chat/completions", {"messages": USER, "max_completion_tokens": 0}, 400,
+                                     "max_completion_tokens", "greater than or equal to 1"),
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat):
+    model, tokenizer = tiny_chat
+    with live_server(model, tokenizer, num_blocks=64) as url:
+        yield url
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_request_gets_an_openai_error(server, name):
+    endpoint, body, status, param, fragment = CASES[name]
+    content = json.dumps(body) if isinstance(body, dict) else body
+    r = httpx.post(f"{server}/v1/{endpoint}", content=content, timeout=TIMEOUT_S,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert fragment in error["message"] and "\n" not in error["message"]
+
+
+def test_server_keeps_serving_after_bad_requests(server):
+    for body in ('{"prompt": ', {"prompt": [10**9]}, {"prompt": "x", "max_tokens": -1}):
+        httpx.post(f"{server}/v1/completions", content=body if isinstance(body, str) else json.dumps(body),
+                   timeout=TIMEOUT_S)
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=TIMEOUT_S)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert httpx.get(f"{server}/health", timeout=TIMEOUT_S).status_code == 200
+    engine = app_of(server).state.async_engine.engine
+    assert not engine.has_unfinished_requests()
+
+
+def test_full_waiting_queue_is_503_and_a_client_that_gives_up_aborts(tiny_chat):
+    """One request runs (max_num_seqs 1), one waits (the limit, 1): a third gets 503. The
+    waiting one's client then gives up: the server aborts it before it ever runs."""
+    model, tokenizer = tiny_chat
+    with live_server(model, tokenizer, num_blocks=64, max_num_seqs=1, max_waiting_requests=1) as url:
+        async_engine = app_of(url).state.async_engine
+        engine, lock = async_engine.engine, async_engine.lock
+        with lock:  # a long request straight into the engine: it holds the only slot
+            hog = engine.add_request([5] * 20, minillm.SamplingParams(max_new_tokens=480, ignore_eos=True))
+        async_engine.wake()
+        wait_until(lambda: engine.requests[hog].status == "running")
+
+        def waiting_client():  # gives up after 1 s, long before its turn
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{url}/v1/completions", json={"prompt": [6] * 20, "max_tokens": 4}, timeout=1.0)
+
+        waiter = threading.Thread(target=waiting_client)
+        waiter.start()
+        wait_until(lambda: len(engine.scheduler.waiting) == 1)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=TIMEOUT_S)
+        assert r.status_code == 503
+        error = r.json()["error"]
+        assert (error["type"], error["code"]) == ("server_error", "queue_full")
+        assert "--max-waiting-requests" in error["message"]
+        with lock:  # the engine stands still (the hog cannot finish) while the waiter gives up
+            waiter.join(TIMEOUT_S)
+            (waited,) = [r for r in engine.requests.values() if r.prompt_ids == [6] * 20]
+        wait_until(lambda: waited.finished)  # the server polls the connection every DISCONNECT_POLL_S
+        assert waited.finish_reason == "abort" and waited.output_ids == []
+        assert engine.requests[hog].finish_reason is None  # still running: the abort did not wait for it
