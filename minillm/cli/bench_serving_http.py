@@ -120,6 +120,8 @@ def _notes(r) -> list[str]:
     if r.n_count_mismatch:
         notes.append(f"{r.n_count_mismatch} requests streamed a different token count than their usage "
                      "(text held back; the usage's count is used)")
+    if r.n_short:
+        notes.append(f"{r.n_short} requests ended before their max_tokens (does the server ignore ignore_eos?)")
     if s.total_cached_tokens:
         notes.append(f"the server's prefix cache served {s.total_cached_tokens} of {s.total_input_tokens} prompt "
                      "tokens (prompts sent before, e.g. at an earlier rate; the in-process policies run without "

@@ -26,16 +26,16 @@ This is what vLLM's ``benchmarks/benchmark_serving.py`` does (``backend_request_
 - The count is checked against the final ``usage.completion_tokens`` (the server's own
   count, asked for with ``stream_options: {"include_usage": true}``). When they differ
   (text held back and sent later with another token's), the usage wins: missing tokens
-  are timed at the last chunk that carried text (their text had arrived by then), extra
-  ones dropped from the end; such requests are counted (``n_count_mismatch``).
+  are timed at the last chunk that carried text or tokens (their text had arrived by
+  then), extra ones dropped from the end; such requests are counted (``n_count_mismatch``).
 - TTFT: first token's time - arrival. TPOT: (e2e - TTFT) / (tokens - 1), tokens from the
   usage, as vLLM's bench. ITL: one gap per *token*, the gaps between consecutive token
   times. vLLM's bench appends one gap per *chunk*; the two agree when every chunk carries
   one token (minillm's and vLLM's servers send a chunk per token unless text is held
   back); a chunk of k tokens adds k - 1 zero gaps here, so the mean ITL stays equal to the
   mean gap per token and the p99 still shows the long waits.
-- A failed request (connection error, HTTP error status, an error event in the stream,
-  the run's overall timeout) is counted in ``n_failed`` with its message, and enters the
+- A failed request (connection error, HTTP error status, an error event or a malformed
+  event in the stream, a stream that ends with no finish_reason, the run's overall timeout) is counted in ``n_failed`` with its message, and enters the
   summary as ``finish_reason "abort"``: an SLO miss, outside every latency, as
   run_metrics treats aborted requests. A run never raises for a failed request.
 
@@ -67,6 +67,7 @@ class ClientRequest:
 
     Attributes:
         request_id: its index in the workload, as a string.
+        max_tokens: what it asked for; with ignore_eos every completed request should get them all.
         arrival_s: scheduled arrival (``time.perf_counter()`` s): run start + the workload's arrival_s.
         first_scheduled_s: when the client sent it (perf_counter s); minus arrival_s: the client's lateness.
         num_prompt_tokens: ``usage.prompt_tokens``, else the workload's prompt length.
@@ -81,6 +82,7 @@ class ClientRequest:
 
     request_id: str
     arrival_s: float
+    max_tokens: int = 0
     first_scheduled_s: float | None = None
     num_prompt_tokens: int = 0
     token_times_s: list[float] = field(default_factory=list)
@@ -104,6 +106,8 @@ class HttpRunResult:
         n_failed: requests that failed (their messages: ``errors``, message -> count, first few).
         n_count_mismatch: requests whose counted tokens differed from usage.completion_tokens.
         n_without_usage: requests that ended without a usage (their count is the client's own).
+        n_short: completed requests with fewer tokens than their max_tokens (a server that
+            ignores ``ignore_eos`` stops at EOS: less work than the in-process runs).
         server: the server-side numbers of the run; None when /metrics could not be read
             (``server_note`` says why).
     """
@@ -116,6 +120,7 @@ class HttpRunResult:
     errors: dict[str, int]
     n_count_mismatch: int
     n_without_usage: int
+    n_short: int
     server: ServerSideNumbers | None = None
     server_note: str = ""
 
@@ -130,7 +135,7 @@ class HttpRunResult:
     def to_dict(self) -> dict:
         return {"base_url": self.base_url, "model": self.model, "summary": self.summary.to_dict(),
                 "n_failed": self.n_failed, "errors": self.errors, "n_count_mismatch": self.n_count_mismatch,
-                "n_without_usage": self.n_without_usage, "ttft_gap_p50_ms": self.ttft_gap_ms("p50"),
+                "n_without_usage": self.n_without_usage, "n_short": self.n_short, "ttft_gap_p50_ms": self.ttft_gap_ms("p50"),
                 "ttft_gap_mean_ms": self.ttft_gap_ms("mean"),
                 "server": None if self.server is None else self.server.to_dict(), "server_note": self.server_note,
                 "requests": [_request_dict(r) for r in self.requests]}
@@ -168,7 +173,7 @@ async def send_request(client, url: str, body: dict, record: ClientRequest) -> N
     ``record.error`` (never raised), as does cancellation by the run's timeout."""
     import httpx
 
-    last_text_s = None
+    last_seen_s = None
     try:
         record.first_scheduled_s = time.perf_counter()
         async with client.stream("POST", url, json=body) as response:
@@ -182,54 +187,57 @@ async def send_request(client, url: str, body: dict, record: ClientRequest) -> N
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
-                last_text_s = _read_event(json.loads(data), now, record, last_text_s)
+                last_seen_s = _read_event(json.loads(data), now, record, last_seen_s)
                 if record.error:
                     return
-    except (httpx.HTTPError, ValueError) as e:  # ValueError: a chunk that is not JSON
+    except (httpx.HTTPError, ValueError) as e:  # ValueError: an event that is not JSON, or not OpenAI's shape
         record.error = f"{type(e).__name__}: {e}"
     except asyncio.CancelledError:
         record.error = "cancelled: the run's overall timeout passed"
         raise
     finally:
-        _finish(record, last_text_s)
+        _finish(record, last_seen_s)
 
 
-def _read_event(event: dict, now: float, record: ClientRequest, last_text_s: float | None) -> float | None:
-    """Fold one SSE event into ``record``; returns the time of the last chunk that carried text."""
+def _read_event(event, now: float, record: ClientRequest, last_seen_s: float | None) -> float | None:
+    """Fold one SSE event into ``record``; returns the time of the last chunk that carried text or
+    tokens. Raises ValueError for an event that is not OpenAI's chunk shape."""
+    if not isinstance(event, dict) or not all(isinstance(c, dict) for c in event.get("choices") or []):
+        raise ValueError(f"a streamed event that is not an OpenAI chunk: {json.dumps(event)[:200]}")
     if "error" in event:
         record.error = f"error event: {_error_message(json.dumps(event).encode())}"
-        return last_text_s
+        return last_seen_s
     for choice in event.get("choices") or []:
         record.num_chunks += 1
         n = chunk_token_count(choice)
         record.chunk_tokens += n
         record.token_times_s.extend([now] * n)
         record.text += choice.get("text") or ""
-        if choice.get("text"):
-            last_text_s = now
+        if n or choice.get("text"):
+            last_seen_s = now
         if choice.get("finish_reason"):
             record.finish_reason = choice["finish_reason"]
     usage = event.get("usage")
-    if usage:
+    if isinstance(usage, dict):
         record.usage_completion_tokens = usage.get("completion_tokens")
         record.num_prompt_tokens = usage.get("prompt_tokens") or record.num_prompt_tokens
         record.num_cached_tokens = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
-    return last_text_s
+    return last_seen_s
 
 
-def _finish(record: ClientRequest, last_text_s: float | None) -> None:
+def _finish(record: ClientRequest, last_seen_s: float | None) -> None:
     """The usage's count wins over the chunk count (module docstring); a failure ends as "abort"."""
     n = record.usage_completion_tokens
     if record.error is None and n is not None and n != len(record.token_times_s):
         del record.token_times_s[n:]
-        if last_text_s is not None:
-            record.token_times_s.extend([last_text_s] * (n - len(record.token_times_s)))
+        if last_seen_s is not None:
+            record.token_times_s.extend([last_seen_s] * (n - len(record.token_times_s)))
     if record.error is None and not record.token_times_s:
         record.error = "the stream ended without any output token"
+    elif record.error is None and record.finish_reason is None:  # OpenAI's last choice always has one
+        record.error = f"the stream ended with no finish_reason, after {len(record.token_times_s)} tokens (cut off?)"
     if record.error is not None:
         record.finish_reason = "abort"
-    elif record.finish_reason is None:
-        record.finish_reason = "length"  # a server that omits it: ignore_eos makes every request run to max_tokens
 
 
 def _error_message(body: bytes) -> str:
@@ -294,7 +302,7 @@ async def warm_up(client, url: str, model: str, first: WorkloadRequest) -> None:
     model, a bad field) should stop the run in one line, not fail every request. Its prompt is
     4 of the first request's ids reversed: too short to fill a KV block, so it leaves nothing
     in a prefix cache for the run to hit. Raises ValueError when it fails."""
-    record = ClientRequest("warm-up", time.perf_counter())
+    record = ClientRequest("warm-up", time.perf_counter(), 2)
     body = completion_body(model, WorkloadRequest(0.0, tuple(reversed(first.prompt_ids[:4])), 2))
     await send_request(client, url, body, record)
     if record.error is not None:
@@ -304,7 +312,7 @@ async def warm_up(client, url: str, model: str, first: WorkloadRequest) -> None:
 async def _send_all(client, url, model, workload, timeout_s, progress) -> list[ClientRequest]:
     """Each request sent at its arrival (vLLM's bench sleeps the gaps); all bounded by ``timeout_s``."""
     t0 = time.perf_counter()
-    records = [ClientRequest(str(i), t0 + w.arrival_s, num_prompt_tokens=len(w.prompt_ids))
+    records = [ClientRequest(str(i), t0 + w.arrival_s, w.max_tokens, num_prompt_tokens=len(w.prompt_ids))
                for i, w in enumerate(workload)]
     done = [0]
 
@@ -316,10 +324,12 @@ async def _send_all(client, url, model, workload, timeout_s, progress) -> list[C
             progress(done[0], len(workload))
 
     tasks = [asyncio.create_task(one(w, r)) for w, r in zip(workload, records)]
-    _, late = await asyncio.wait(tasks, timeout=timeout_s)
+    finished, late = await asyncio.wait(tasks, timeout=timeout_s)
     for task in late:
         task.cancel()
     await asyncio.gather(*late, return_exceptions=True)
+    for task in finished:
+        task.result()  # send_request keeps every failure of the request in its record: what is left is a bug
     for record in records:
         if record.finish_reason is None:  # cancelled before it was sent
             record.error, record.finish_reason = "not sent: the run's overall timeout passed", "abort"
@@ -335,7 +345,8 @@ def _result(base_url, model, records, ttft_slo_ms, tpot_slo_ms, before, after) -
         dict(Counter(r.error for r in failed).most_common(ERRORS_SHOWN)),
         sum(1 for r in records if r.error is None and r.usage_completion_tokens is not None
             and r.usage_completion_tokens != r.chunk_tokens),
-        sum(1 for r in records if r.error is None and r.usage_completion_tokens is None))
+        sum(1 for r in records if r.error is None and r.usage_completion_tokens is None),
+        sum(1 for r in records if r.error is None and len(r.token_times_s) < r.max_tokens))
     if before is None or after is None:
         result.server_note = "no /metrics on the server: server-side numbers skipped"
     else:

@@ -205,10 +205,10 @@ def test_minillm_serve_gives_every_request_max_tokens_and_its_metrics_match_the_
 
 
 def feed(events: list[tuple[float, dict]]) -> hb.ClientRequest:
-    record, last_text = hb.ClientRequest("0", arrival_s=0.0, first_scheduled_s=0.0, num_prompt_tokens=3), None
+    record, last_seen = hb.ClientRequest("0", arrival_s=0.0, first_scheduled_s=0.0, num_prompt_tokens=3), None
     for t, event in events:
-        last_text = hb._read_event(event, t, record, last_text)
-    hb._finish(record, last_text)
+        last_seen = hb._read_event(event, t, record, last_seen)
+    hb._finish(record, last_seen)
     return record
 
 
@@ -222,13 +222,14 @@ def text(s: str, **extra) -> dict:
 
 
 def test_a_chunk_with_token_ids_carries_that_many_tokens():
-    r = feed([(1.0, text("ab", token_ids=[5, 6])), (1.5, text("c", token_ids=[7])), (2.0, usage(3))])
+    r = feed([(1.0, text("ab", token_ids=[5, 6])), (1.5, text("c", token_ids=[7], finish_reason="length")),
+              (2.0, usage(3))])
     assert r.token_times_s == [1.0, 1.0, 1.5] and r.chunk_tokens == 3 and r.num_cached_tokens == 2
     assert r.finish_reason == "length" and r.error is None
 
 
 def test_logprobs_tokens_count_when_there_are_no_token_ids():
-    r = feed([(1.0, text("ab", logprobs={"tokens": ["a", "b"]})), (2.0, usage(2))])
+    r = feed([(1.0, text("ab", logprobs={"tokens": ["a", "b"]}, finish_reason="stop")), (2.0, usage(2))])
     assert r.token_times_s == [1.0, 1.0]
 
 
@@ -240,8 +241,14 @@ def test_held_back_text_gets_the_usage_count_at_the_last_text_chunk():
 
 
 def test_more_chunks_than_the_usage_are_trimmed_from_the_end():
-    r = feed([(1.0, text("a")), (1.1, text("b")), (1.2, text("c")), (1.3, usage(2))])
+    r = feed([(1.0, text("a")), (1.1, text("b")), (1.2, text("c", finish_reason="length")), (1.3, usage(2))])
     assert r.token_times_s == [1.0, 1.1]
+
+
+def test_missing_tokens_never_go_before_a_later_token_only_chunk():
+    # a last chunk with token ids but no text yet: the missing token is timed at it, not earlier
+    r = feed([(1.0, text("a")), (1.3, text("", token_ids=[9], finish_reason="length")), (1.4, usage(3))])
+    assert r.token_times_s == [1.0, 1.3, 1.3]
 
 
 def test_an_error_event_or_an_empty_stream_fails_the_request():
@@ -249,6 +256,10 @@ def test_an_error_event_or_an_empty_stream_fails_the_request():
     assert r.finish_reason == "abort" and "engine died" in r.error
     r = feed([(1.0, usage(0))])
     assert r.finish_reason == "abort" and "without any output token" in r.error
+    r = feed([(1.0, text("a")), (1.1, text("b"))])  # cut off: no finish_reason, no usage
+    assert r.finish_reason == "abort" and "no finish_reason, after 2 tokens" in r.error
+    with pytest.raises(ValueError, match="not an OpenAI chunk"):
+        feed([(1.0, {"choices": ["a"]})])
 
 
 # -- Prometheus's histogram_quantile, by hand ---------------------------------------------------------
