@@ -1,0 +1,139 @@
+"""The live web view (GET /) in a real headless Chromium, against a running server.
+
+A random-weight tiny Llama with SmolLM2's vocabulary (conftest's ``tiny_chat``: SmolLM2's
+tokenizer and chat template work) answers in milliseconds per step; 300 new tokens keep a
+request running long enough to watch. The page must stream the answer over SSE (the same text the engine
+produced for that request id), draw the request's blocks in the pool grid while it runs
+(only the blocks its table holds), draw the batch, list it as finished with its numbers,
+and log no JavaScript error. Skips (with the reason) only when no Chromium/chromedriver or
+selenium is installed; ``.ci/run`` installs them.
+"""
+
+import shutil
+import time
+
+import pytest
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[dev]')")
+pytest.importorskip("fastapi", reason="the server extra is not installed (pip install -e '.[serve]')")
+from live_server import app_of, live_server  # noqa: E402  (needs fastapi and uvicorn)
+
+BROWSER = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
+DRIVER = shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(
+    BROWSER is None or DRIVER is None,
+    reason="no headless browser: install Debian's chromium and chromium-driver (apt-get install -y chromium "
+           "chromium-driver)",
+)
+MAX_TOKENS, NUM_BLOCKS, BLOCK_SIZE = 300, 64, 16
+WAIT_S = 60  # every wait below is bounded by this
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat):
+    model, tokenizer = tiny_chat
+    with live_server(model, tokenizer, model_name="tiny-web", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    options = Options()
+    options.binary_location = BROWSER
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,1000"):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # to read the JS console
+    driver = webdriver.Chrome(options=options, service=Service(DRIVER))
+    yield driver
+    driver.quit()
+
+
+def wait_for(condition, what: str, timeout_s: float = WAIT_S, every_s: float = 0.05):
+    """Poll ``condition()`` until it returns something truthy; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(every_s)
+    pytest.fail(f"waited {timeout_s} s for {what}")
+
+
+def open_page(browser, url):
+    browser.get(f"{url}/")
+    wait_for(lambda: browser.find_element("id", "model").text == "tiny-web", "the model's name from /v1/models")
+    css = lambda selector: browser.find_elements("css selector", selector)  # noqa: E731
+    wait_for(lambda: len(css("#grid .block")) == NUM_BLOCKS, "the pool grid")
+    return css
+
+
+def console_errors(browser):
+    """(JavaScript errors, failed network loads) logged since the last call."""
+    severe = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    return [e for e in severe if e.get("source") != "network"], [e for e in severe if e.get("source") == "network"]
+
+
+def engine_of(url):
+    return app_of(url).state.async_engine
+
+
+def test_a_prompt_streams_and_the_pool_shows_its_blocks_while_it_runs(server, browser, tmp_path):
+    css = open_page(browser, server)
+    browser.find_element("id", "max-tokens").clear()
+    browser.find_element("id", "max-tokens").send_keys(str(MAX_TOKENS))
+    browser.find_element("id", "prompt").clear()
+    browser.find_element("id", "prompt").send_keys("What does a KV cache hold?")
+    browser.find_element("id", "send").click()
+
+    text = lambda: css(".answer .text")[0].get_attribute("textContent")  # noqa: E731  (exact, not .text)
+    first = wait_for(text, "the first streamed text")
+    request_id = css(".answer")[0].get_attribute("data-request-id")
+    assert request_id
+    wait_for(lambda: len(text()) > len(first), "the streamed text to grow")
+
+    # while it runs: its blocks (and only its) are drawn as used, and the batch has its row
+    used = wait_for(lambda: css("#grid .block.used"), "used blocks in the grid while the request runs")
+    assert {cell.get_attribute("data-request-ids") for cell in used} == {request_id}
+    assert 1 <= len(used) <= -(-(MAX_TOKENS + 100) // BLOCK_SIZE)
+    wait_for(lambda: css(f'#batch .batch-row[data-request-id="{request_id}"]'), "the request's row in the batch")
+    browser.save_screenshot(str(tmp_path / "running.png"))
+
+    wait_for(lambda: "finish:" in css(".answer .meta")[0].text, "the stream's finish reason")
+    async_engine = engine_of(server)
+    with async_engine.lock:
+        request = async_engine.engine.requests[request_id]
+        assert request.finished and text() == request.text_stream.text  # what the engine produced, all of it
+        n_output = len(request.output_ids)
+    row = wait_for(lambda: css(f'#finished tr[data-request-id="{request_id}"]'), "the finished request's row")[0]
+    cells = [td.text for td in row.find_elements("css selector", "td")]
+    assert cells[1] == request.finish_reason and int(cells[4]) == n_output
+    assert float(cells[5]) > 0 and float(cells[6]) > 0  # TTFT and TPOT in ms
+    wait_for(lambda: not css("#grid .block.used"), "the pool to be free again")
+    with async_engine.lock:
+        num_cached = async_engine.engine.cache.allocator.num_cached_blocks
+    assert num_cached > 0 and len(css("#grid .block.cached")) == num_cached  # prefix caching kept its blocks
+
+    shot = tmp_path / "web_view.png"
+    assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+    assert console_errors(browser) == ([], [])
+
+
+def test_bad_input_is_said_on_the_page(server, browser):
+    css = open_page(browser, server)
+    browser.find_element("id", "prompt").clear()
+    browser.find_element("id", "send").click()
+    assert browser.find_element("id", "form-error").text == "type a prompt first" and not css(".answer")
+
+    browser.find_element("id", "prompt").send_keys("Hello")
+    browser.find_element("id", "max-tokens").clear()
+    browser.find_element("id", "max-tokens").send_keys("5000")  # more than tiny_chat's context of 512
+    browser.find_element("id", "send").click()
+    card = wait_for(lambda: css(".answer.failed"), "the server's error on the page")[0]
+    message = card.find_element("css selector", ".text").text
+    assert "512" in message  # the server's OpenAI error message, naming the context limit
+    errors, failed_loads = console_errors(browser)
+    assert errors == []  # a 400 answer is shown, not thrown
+    assert [" 400 " in e["message"] for e in failed_loads] == [True]  # (the console log is really read)
