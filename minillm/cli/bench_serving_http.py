@@ -104,7 +104,9 @@ def _print_http(out, args, runs, n_requests: int) -> None:
     _print_summaries(out, [(rate, "http", r.summary) for rate, r in runs], n_requests, args.ttft_slo_ms,
                      args.tpot_slo_ms, last_column=("failed", "n_aborted"))
     for rate, r in runs:
-        out.print(f"@ {_rate(rate)}: " + "; ".join(_notes(r)))
+        out.print(f"@ {_rate(rate)}:")
+        for note in _notes(r):
+            out.print(f"- {note}")
         if r.server is not None and r.server.latencies:
             out.print(_client_vs_server(r, rate))
             out.print("gap = client - server: HTTP, JSON, detokenization and queueing outside the engine. The "
@@ -113,10 +115,15 @@ def _print_http(out, args, runs, n_requests: int) -> None:
 
 
 def _notes(r) -> list[str]:
-    """One line's worth: failures, token counts, what the server counted against what the client saw."""
+    """Failures, lateness, token counts, what the server counted against what the client saw."""
+    from .bench_serving import _ms
+
     s = r.summary
     notes = [f"{r.n_failed} of {s.n_requests} requests failed" + (
         ": " + ", ".join(f"{msg} (x{n})" for msg, n in r.errors.items()) if r.errors else "")]
+    if s.p99_queue_ms is not None:
+        notes.append(f"requests sent p99 {_ms(s.p99_queue_ms)} ms after their arrival time (the client's own delay, "
+                     "inside TTFT)")
     if r.n_count_mismatch:
         notes.append(f"{r.n_count_mismatch} requests streamed a different token count than their usage "
                      "(text held back; the usage's count is used)")
