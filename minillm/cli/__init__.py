@@ -15,11 +15,12 @@
     minillm bench-serving [--quick] [--request-rate R ...] one workload: one-at-a-time, static, continuous batching
     minillm bench-serving --base-url URL [--model NAME]    the same workload sent to a server, timed on the client
     minillm check [ex03 ...] [--student-dir DIR ...]       grade the classroom exercises (lessons/exercises)
+    minillm serve [--model M] [--port 8000]                an OpenAI-compatible HTTP server on the batching engine
 
 One module per command group, each holding its commands' options and their running:
 common.py (the usage error, shared options, output checks), generate.py, chat.py, models.py (download,
 convert, info), sweep.py, roofline.py (calibrate, whatif), prefix_demo.py, bench.py, bench_serving.py
-(bench_serving_http.py: its --base-url mode), check.py.
+(bench_serving_http.py: its --base-url mode), check.py, serve.py.
 
 Exit codes: 0 ok, 1 runtime error (one line), 2 usage error (one line), 130 interrupted,
 141 the reader of stdout went away (`minillm generate ... | head`), silently.
@@ -43,6 +44,7 @@ from .generate import add_generate
 from .models import add_convert, add_download, add_info
 from .prefix_demo import add_prefix_demo
 from .roofline import add_calibrate, add_whatif
+from .serve import add_serve
 from .sweep import add_sweep
 
 
@@ -113,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench(sub)
     add_bench_serving(sub)
     add_check(sub)
+    add_serve(sub)
     return parser
 
 

@@ -1,0 +1,107 @@
+"""minillm serve: an OpenAI-compatible HTTP server on the batching engine (vLLM's ``vllm serve``, in small)."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+
+from .common import UsageError, ensure_model, model_options
+
+GRACEFUL_SHUTDOWN_S = 3
+
+
+def add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                     "/v1/models, /metrics) on the batching engine")
+    model_options(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; 0.0.0.0 opens it to every machine that can reach this one "
+                        "(there is no authentication: only on a network you trust)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--served-model-name", help="the name clients send as \"model\" (vLLM's flag; default: --model)")
+    p.add_argument("--kv-cache-memory", default="512MiB", help="the paged KV pool: a size (512MiB, 2GiB) or a "
+                                                               "fraction of free memory (0.3)")
+    p.add_argument("--block-size", type=int, default=16, help="positions per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="most requests in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one engine step")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts across steps so decodes keep flowing (vLLM's flag)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="requests share the KV blocks of a common prompt prefix (vLLM's flag)")
+    p.add_argument("--max-waiting-requests", type=int,
+                   help="answer 503 while this many requests wait for a slot (default: no limit)")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    p.set_defaults(run=run_serve)
+
+
+def run_serve(args) -> int:
+    _check_args(args)
+    try:
+        import uvicorn
+
+        from ..serving.api_server import create_app
+    except ImportError as error:  # the serve extra is optional
+        raise UsageError(f"minillm serve needs the serve extra ({error.name} is missing): "
+                         "pip install 'minillm[serve]'") from None
+    from ..loading import load_model
+    from ..serving.async_engine import AsyncEngine
+    from ..serving.engine import LLMEngine
+    from ..tokenizer import load_tokenizer
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    folder = ensure_model(args.model, args.weights_dir)
+    model, tokenizer = load_model(folder, device=args.device, dtype=args.dtype), load_tokenizer(folder)
+    engine = LLMEngine(model, tokenizer, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       enable_chunked_prefill=args.enable_chunked_prefill,
+                       enable_prefix_caching=args.enable_prefix_caching)
+    async_engine = AsyncEngine(engine, args.max_waiting_requests)
+    name = args.served_model_name or str(args.model)
+    app = create_app(async_engine, tokenizer, name)
+    print(_banner(args.host, args.port, name, engine), file=sys.stderr, flush=True)
+    try:
+        # on Ctrl-C, open streams get GRACEFUL_SHUTDOWN_S to finish, then are cut (uvicorn would wait forever)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    finally:
+        async_engine.close()
+    return 0
+
+
+def _check_args(args) -> None:
+    """One-line usage errors before the model loads, the port's too (uvicorn would only log it)."""
+    from ..serving.paged_cache import parse_memory
+
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port must be in 1..65535, got {args.port}")
+    for flag, value in (("--block-size", args.block_size), ("--max-num-seqs", args.max_num_seqs),
+                        ("--max-num-batched-tokens", args.max_num_batched_tokens), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        raise UsageError(f"--max-waiting-requests must be >= 1 (leave it out for no limit), "
+                         f"got {args.max_waiting_requests}")
+    try:
+        parse_memory(args.kv_cache_memory, available_bytes=1)
+    except ValueError as e:
+        raise UsageError(f"--kv-cache-memory: {e}") from None
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as s:  # what uvicorn will do: fail now, in one line, if it cannot
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((args.host, args.port))
+    except OSError as e:
+        raise UsageError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); "
+                         "pick another --port or stop what uses it") from None
+
+
+def _banner(host: str, port: int, name: str, engine) -> str:
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    return (f"minillm serve: {name} at {url}  ({engine.cache.allocator.num_blocks} KV blocks of "
+            f"{engine.cache.block_size}; Ctrl-C stops)\n"
+            f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'\n"
+            f"  metrics: {url}/metrics   models: {url}/v1/models")

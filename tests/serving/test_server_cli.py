@@ -1,0 +1,79 @@
+"""`minillm serve` as a user runs it: a subprocess on a tiny model, a request, Ctrl-C; and its usage errors."""
+
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+import httpx
+import pytest
+from live_server import free_port, wait_until
+from tiny_models import CONFIGS, build_hf, save_hf
+
+from minillm.cli import main
+
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, smollm2_dir):
+    """A tiny random Llama with SmolLM2's vocabulary, saved with SmolLM2's tokenizer files."""
+    family, kwargs = CONFIGS["llama_gqa"]
+    kwargs = dict(kwargs, vocab_size=49152, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+    folder = save_hf(build_hf(family, kwargs), tmp_path_factory.mktemp("tiny_serve"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, folder / name)
+    return folder
+
+
+def test_serve_starts_answers_and_stops_on_ctrl_c(tiny_folder):
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", str(tiny_folder), "--port",
+                               str(port), "--max-num-seqs", "4", "--kv-cache-memory", "8MiB"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def up():
+            assert server.poll() is None, server.stderr.read()
+            try:
+                return httpx.get(f"{url}/health", timeout=1.0).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(up, TIMEOUT_S, poll_s=0.2)
+        r = httpx.post(f"{url}/v1/completions", json={"model": str(tiny_folder), "prompt": "Hi", "max_tokens": 3},
+                       timeout=TIMEOUT_S)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        models = httpx.get(f"{url}/v1/models", timeout=TIMEOUT_S).json()["data"]
+        assert [m["id"] for m in models] == [str(tiny_folder)]
+        server.send_signal(signal.SIGINT)
+        _, stderr = server.communicate(timeout=TIMEOUT_S)
+    finally:
+        server.kill()
+        server.wait(TIMEOUT_S)
+    assert server.returncode == 0, stderr
+    assert f"at {url}" in stderr and f"curl {url}/v1/chat/completions" in stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--port", "0"], "--port must be in 1..65535, got 0"),
+    (["--port", "70000"], "--port must be in 1..65535"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+    (["--max-waiting-requests", "0"], "--max-waiting-requests must be >= 1"),
+    (["--kv-cache-memory", "lots"], "--kv-cache-memory: KV cache memory must be a size"),
+])
+def test_usage_errors(args, message, capsys):
+    assert main(["serve", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("minillm: error: ") and message in err and "\n" not in err
+
+
+def test_busy_port_is_one_line(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err
