@@ -179,6 +179,7 @@ def _write_json(args, runs, workload: dict, model: str, loadavg_before) -> None:
                       "seed": args.seed},
            "machine": {"client_cpu_count": os.cpu_count(), "loadavg_before": loadavg_before,
                        "loadavg_after": list(os.getloadavg())},
-           "runs": [{"rate_req_s": "inf" if math.isinf(rate) else rate, **r.to_dict()} for rate, r in runs]}
+           "runs": [{"policy": "http", "rate_req_s": "inf" if math.isinf(rate) else rate, **r.to_dict()}
+                    for rate, r in runs]}  # policy, rate_req_s, summary: as the in-process runs
     Path(args.json).write_text(json.dumps(doc, indent=1))
     wrote(args.json)

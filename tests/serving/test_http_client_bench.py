@@ -306,7 +306,8 @@ def test_cli_prints_the_tables_and_the_client_vs_server_comparison(stub_url, tmp
     assert "Serving 3 requests: throughput" in printed and "Client vs server (ms) @ 20 req/s" in printed
     assert "0 of 3 requests failed" in printed and "server counted 9 output tokens, the client 9" in printed
     doc = json.loads(out_json.read_text())
-    assert doc["model"] == "stub" and [run["rate_req_s"] for run in doc["runs"]] == ["inf", 20.0]
+    assert doc["model"] == "stub" and [(run["policy"], run["rate_req_s"]) for run in doc["runs"]] == [
+        ("http", "inf"), ("http", 20.0)]
     for run in doc["runs"]:
         assert run["summary"]["total_output_tokens"] == 9 and run["n_failed"] == 0
         assert run["server"]["latencies_ms"]["ttft"]["mean"] == pytest.approx(TTFT_S * 1e3)
