@@ -122,6 +122,17 @@ def test_client_side_ttft_and_itl_equal_the_stub_delays(stub_url):
     assert s.slo_attainment == 1.0 and s.goodput_req_s == pytest.approx(4 / s.duration_s)
 
 
+def test_each_request_is_sent_at_its_poisson_arrival(stub_url):
+    w = workload(5, rate=10.0, seed=3)
+    result = hb.run_http_bench(stub_url, w, timeout_s=30)
+    t0 = result.requests[0].arrival_s
+    for r, x in zip(result.requests, w):
+        assert r.arrival_s - t0 == pytest.approx(x.arrival_s)  # the workload's arrivals, on the client's clock
+        assert 0 <= r.first_scheduled_s - r.arrival_s < 0.05  # sent then, not before, hardly later
+    assert result.summary.mean_queue_ms == pytest.approx(
+        1e3 * sum(r.first_scheduled_s - r.arrival_s for r in result.requests) / 5)
+
+
 def test_server_side_numbers_are_the_difference_of_two_scrapes(stub_url):
     hb.run_http_bench(stub_url, workload(2, seed=1), timeout_s=30)  # earlier traffic the delta must leave out
     result = hb.run_http_bench(stub_url, workload(3, "5"), timeout_s=30)
