@@ -31,13 +31,15 @@ This is what vLLM's ``benchmarks/benchmark_serving.py`` does (``backend_request_
 - TTFT: first token's time - arrival. TPOT: (e2e - TTFT) / (tokens - 1), tokens from the
   usage, as vLLM's bench. ITL: one gap per *token*, the gaps between consecutive token
   times. vLLM's bench appends one gap per *chunk*; the two agree when every chunk carries
-  one token (minillm's and vLLM's servers send a chunk per token unless text is held
-  back); a chunk of k tokens adds k - 1 zero gaps here, so the mean ITL stays equal to the
-  mean gap per token and the p99 still shows the long waits.
+  one token (minillm's server sends a chunk per token, vLLM's usually does); a chunk of k
+  tokens adds k - 1 zero gaps here, so the mean ITL stays equal to the mean gap per token
+  and the p99 still shows the long waits.
 - A failed request (connection error, HTTP error status, an error event or a malformed
-  event in the stream, a stream that ends with no finish_reason, the run's overall timeout) is counted in ``n_failed`` with its message, and enters the
-  summary as ``finish_reason "abort"``: an SLO miss, outside every latency, as
-  run_metrics treats aborted requests. A run never raises for a failed request.
+  event in the stream, a stream that ends with no finish_reason, the run's overall
+  timeout) is counted in ``n_failed`` with its message, and enters the summary as
+  ``finish_reason "abort"``: an SLO miss, outside every latency, as run_metrics treats
+  aborted requests. A run never raises for a failed request; only the untimed warm-up
+  request sent before it (:func:`warm_up`) stops it when it fails, since all would.
 
 Against a server with a Prometheus ``/metrics`` (minillm's, vLLM's), the server's own
 TTFT / ITL / e2e over the same run are read from two scrapes
