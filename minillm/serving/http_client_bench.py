@@ -137,8 +137,8 @@ class HttpRunResult:
     def to_dict(self) -> dict:
         return {"base_url": self.base_url, "model": self.model, "summary": self.summary.to_dict(),
                 "n_failed": self.n_failed, "errors": self.errors, "n_count_mismatch": self.n_count_mismatch,
-                "n_without_usage": self.n_without_usage, "n_short": self.n_short, "ttft_gap_p50_ms": self.ttft_gap_ms("p50"),
-                "ttft_gap_mean_ms": self.ttft_gap_ms("mean"),
+                "n_without_usage": self.n_without_usage, "n_short": self.n_short,
+                "ttft_gap_p50_ms": self.ttft_gap_ms("p50"), "ttft_gap_mean_ms": self.ttft_gap_ms("mean"),
                 "server": None if self.server is None else self.server.to_dict(), "server_note": self.server_note,
                 "requests": [_request_dict(r) for r in self.requests]}
 
