@@ -16,6 +16,8 @@ One concept per file, in the order a request meets them:
     render.py, plots.py the step trace as rich tables, timelines, rate sweeps and ITL plots
     http_client_bench.py the same workload sent to a server over HTTP, timed on the client
     metrics_scrape.py   a server's own latencies from two /metrics scrapes (before/after a run)
+    web_view.py         engine_state(engine): the pool, the step, the queues as JSON; the live page
+                        (web/index.html) at GET / of minillm serve
 """
 
 from .block_allocator import BlockAllocator
