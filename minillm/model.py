@@ -63,7 +63,7 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
-SPLIT_MAX_ROWS = 16  # up to this many rows (decode: one per sequence) a product is memory-bound
+SPLIT_MAX_ROWS = 64  # decode rows (one per sequence); above, MKL's own threading of a product wins
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -78,7 +78,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x @ Wᵀ  =  [ x @ Wᵀ[:, block 0] | x @ Wᵀ[:, block 1] | ... ]      (views, no copies)
 
     On 2 cores this took a SmolLM2-135M decode step from 43.1 to 36.2 ms at batch 1 and
-    from 103 to 71 ms at batch 8 (BENCHMARKS.md). Prefill's many rows, a GPU, a
+    from 103 to 71 ms at batch 8 (BENCHMARKS.md). Up to 64 rows (a serving engine's batch
+    of decodes) MKL threads a small-row product poorly too: a step of 30 decodes on the
+    paged engine took 271 -> 222 ms (fastest of 8, 2 threads). Prefill's many rows, a GPU, a
     torch.compile'd step and 16-bit floats use ``F.linear``: MKL already spreads a big
     product over every core, cuBLAS a product over the GPU, inductor turns the batched
     product into a slower kernel, and CPU bmm is slower than F.linear in bfloat16 and

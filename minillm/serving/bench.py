@@ -15,12 +15,15 @@ once, C a little later)::
     continuous+chunked   the same, long prompts cut into budget-sized chunks
 
 - "one-at-a-time": :func:`~minillm.generate.generate` per request, in arrival order.
-- "static": request-level batching. When idle, take the requests that have arrived (up
-  to ``max_num_seqs``), run them as one batch to completion on the :class:`LLMEngine`
-  (whole prompts in one step: chunked prefill off, a token budget that fits the batch's
-  prompts), and admit nobody until the whole batch has finished. A finished row leaves
-  the batch here, so no compute is spent on padding: this is a *generous* static batching
-  (a padded [B, T] batch would also pay for its finished rows until the last one ends).
+- "static": request-level batching, as a padded [B, T] batch runs it (HF ``generate``
+  on a batch). When idle, take the requests that have arrived (up to ``max_num_seqs``),
+  run them as one batch on the :class:`LLMEngine` (whole prompts in one step: chunked
+  prefill off, a token budget that fits the batch's prompts), and admit nobody until the
+  batch's slowest member has finished. A row whose request has its ``max_tokens`` stays
+  in the batch as padding and keeps decoding (tokens thrown away) until the batch ends,
+  as a finished row of a padded batch still goes through every matmul; its request is
+  answered at its own last token. Prompts are not padded (the tokens lie flat), so the
+  prefill pays no padding: on that side this static batching is generous.
 - "continuous": the engine, chunked prefill off, a budget of at least the longest prompt
   plus ``max_num_seqs`` (a whole prompt always fits next to a full batch of decodes).
 - "continuous+chunked": the engine, chunked prefill on, budget ``max_num_batched_tokens``.
@@ -184,7 +187,11 @@ def run_policy(model, workload: Sequence[WorkloadRequest], policy: str, config: 
 
 def greedy_params(request: WorkloadRequest) -> SamplingParams:
     """The params of every policy: greedy, exactly ``max_tokens`` tokens (EOS is ignored separately)."""
-    return SamplingParams(temperature=0.0, max_new_tokens=request.max_tokens)
+    return greedy_params_of(request.max_tokens)
+
+
+def greedy_params_of(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=max_tokens)
 
 
 def _one_at_a_time(model, workload, order, done) -> tuple[list[Request], list[StepRecord]]:
@@ -239,19 +246,38 @@ def _replay_on_engine(engine: LLMEngine, workload, order, static: bool, max_num_
             batch = []
             while pending and t0 + workload[pending[0]].arrival_s <= now and not (static and len(batch) >= max_num_seqs):
                 batch.append(pending.popleft())
-            if static and batch:  # the whole batch's prompts in one step
-                engine.scheduler.max_num_batched_tokens = max(sum(len(workload[i].prompt_ids) for i in batch),
-                                                              engine.cache.block_size)
-            for i in batch:
+            if static and batch:
+                _add_static_batch(engine, [workload[i] for i in batch], [str(i) for i in batch], t0, done)
+            for i in batch if not static else ():
                 w = workload[i]
                 engine.add_request(list(w.prompt_ids), greedy_params(w), request_id=str(i), arrival_s=t0 + w.arrival_s)
         if not engine.has_unfinished_requests():
             _sleep_until(t0 + workload[pending[0]].arrival_s)
             continue
         for out in engine.step():
-            if out.finished:
+            if out.finished and not static:
                 done()
-    return [engine.requests[str(i)] for i in range(len(workload))]
+    requests = [engine.requests[str(i)] for i in range(len(workload))]
+    if static:
+        for request, w in zip(requests, workload):
+            _drop_padding(request, w.max_tokens)
+    return requests
+
+
+def _add_static_batch(engine: LLMEngine, batch: list[WorkloadRequest], ids: list[str], t0: float, done) -> None:
+    """One static batch: whole prompts in one step, every row decoding as long as the longest."""
+    engine.scheduler.max_num_batched_tokens = max(sum(len(w.prompt_ids) for w in batch), engine.cache.block_size)
+    longest = SamplingParams(temperature=0.0, max_new_tokens=max(w.max_tokens for w in batch))
+    for w, request_id in zip(batch, ids):
+        engine.add_request(list(w.prompt_ids), longest, request_id=request_id, arrival_s=t0 + w.arrival_s)
+        done()  # the bar counts a static request when its batch starts: it has nothing else to show
+
+
+def _drop_padding(request: Request, max_tokens: int) -> None:
+    """A static row back to its own request: its first ``max_tokens`` tokens, finished at the last one."""
+    del request.output_ids[max_tokens:], request.token_times_s[max_tokens:], request.output_logprobs[max_tokens:]
+    request.params = greedy_params_of(max_tokens)
+    request.finish_s, request.finish_reason = request.token_times_s[-1], "length"
 
 
 def _sleep_until(t_s: float) -> None:

@@ -95,6 +95,19 @@ def test_a_static_batch_admits_nobody_until_it_has_finished(offline_runs):
         assert step.num_prefill_tokens == sum(r.num_prompt_tokens for r in batch)
 
 
+def test_a_static_batch_keeps_its_finished_rows_as_padding_until_the_longest_ends(offline_runs):
+    workload, result = offline_runs
+    run = result.run("static", sb.OFFLINE)
+    for ids in (["0", "1"], ["2", "3"], ["4"]):
+        steps = [s for s in run.steps if {rid for rid, _, _ in s.scheduled} & set(ids)]
+        assert all(sorted(rid for rid, _, _ in s.scheduled) == ids for s in steps)  # every row, every step
+        assert len(steps) == max(workload[int(i)].max_tokens for i in ids)  # prefill + decodes of the longest
+        for i in ids:  # answered with its own tokens, at its own last one
+            request = run.requests[int(i)]
+            assert len(request.output_ids) == workload[int(i)].max_tokens
+            assert request.finish_s == request.token_times_s[-1] <= steps[-1].end_s
+
+
 def test_continuous_chunks_only_with_chunked_prefill(offline_runs):
     workload, result = offline_runs
     prompts = {str(i): len(w.prompt_ids) for i, w in enumerate(workload)}
