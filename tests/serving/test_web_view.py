@@ -121,6 +121,33 @@ def test_a_prompt_streams_and_the_pool_shows_its_blocks_while_it_runs(server, br
     assert console_errors(browser) == ([], [])
 
 
+COUNT_STATE_FETCHES = """
+window.stateFetches = 0;
+const fetch0 = window.fetch;
+window.fetch = (url, ...rest) => { if (String(url).endsWith("/engine/state")) window.stateFetches++;
+                                   return fetch0(url, ...rest); };
+"""
+SET_HIDDEN = """
+Object.defineProperty(document, "hidden", {value: arguments[0], configurable: true});
+document.dispatchEvent(new Event("visibilitychange"));
+"""
+
+
+def test_the_page_polls_only_while_the_tab_is_visible(server, browser):
+    open_page(browser, server)
+    browser.execute_script(COUNT_STATE_FETCHES)
+    fetches = lambda: browser.execute_script("return window.stateFetches")  # noqa: E731
+    wait_for(lambda: fetches() >= 3, "a few polls of /engine/state", timeout_s=10)
+    browser.execute_script(SET_HIDDEN, True)
+    time.sleep(0.5)  # a poll in flight may still land
+    hidden_at = fetches()
+    time.sleep(1.5)  # 6 polling periods
+    assert fetches() == hidden_at
+    browser.execute_script(SET_HIDDEN, False)
+    wait_for(lambda: fetches() >= hidden_at + 3, "polling to resume", timeout_s=10)
+    assert console_errors(browser) == ([], [])
+
+
 def test_bad_input_is_said_on_the_page(server, browser):
     css = open_page(browser, server)
     browser.find_element("id", "prompt").clear()
