@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..generation_config import generation_config_of
 from ..sampling import SamplingParams
@@ -68,6 +69,11 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
         return JSONResponse(protocol.error_body(error.status, error.message, error.param, error.code), error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:  # 404, 405
+        message = f"{request.method} {request.url.path}: {error.detail}; the API is under /v1 (GET /v1/models)"
+        return JSONResponse(protocol.error_body(error.status_code, message), error.status_code)
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, error: ClientDisconnected) -> Response:
@@ -200,9 +206,8 @@ async def _until_disconnect(coroutine, request: Request):
 
 def _chat_prompt_ids(tokenizer, messages) -> list[int]:
     """The chat template applied (with the assistant's turn opened), then encoded; APIError 400
-    when the template refuses the chat. "developer" is OpenAI's newer name for "system"."""
-    chat = [dict(m.model_dump(exclude_none=True), role="system" if m.role == "developer" else m.role)
-            for m in messages]
+    when the template refuses the chat."""
+    chat = [m.as_template_message() for m in messages]
     try:
         text = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
     except ValueError as error:

@@ -149,20 +149,22 @@ class AsyncEngine:
         while not self._stopping:
             self._wake.wait()
             with self.lock:
-                while self._to_abort:
-                    self._abort_now(self._to_abort.popleft(), locked=True)
-                if not self.engine.has_unfinished_requests():
-                    self._wake.clear()  # sleep until add or abort sets it again
-                    continue
                 try:
-                    outputs = self.engine.step()
-                except Exception as error:  # a bug or a device error: fail the batch, keep serving
+                    self._step()
+                except Exception as error:  # a bug or a device error: fail the requests in flight, keep serving
                     self._fail_all(error)
-                    continue
-                for out in outputs:
-                    if out.finished:
-                        self._finished(self.engine.requests[out.request_id])
-                    self._deliver(out.request_id, out)
+
+    def _step(self) -> None:
+        """Under the lock: apply the aborts, run one engine step, hand each output to its client."""
+        while self._to_abort:
+            self._abort_now(self._to_abort.popleft(), locked=True)
+        if not self.engine.has_unfinished_requests():
+            self._wake.clear()  # sleep until add or abort sets it again
+            return
+        for out in self.engine.step():
+            if out.finished:
+                self._finished(self.engine.requests[out.request_id])
+            self._deliver(out.request_id, out)
 
     def _abort_now(self, request_id: str, locked: bool = False) -> None:
         if not locked:
@@ -188,9 +190,10 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
 
     def _fail_all(self, error: Exception) -> None:
-        """A step raised: abort every unfinished request and tell each client, one line."""
+        """A step raised: abort every unfinished request and tell each client, one line.
+        (No metrics hook here: it may be what raised.)"""
         message = EngineDeadError(f"the engine failed during a step: {type(error).__name__}: {error}")
         for request_id, request in list(self.engine.requests.items()):
             if not request.finished:
-                self._abort_now(request_id, locked=True)
-                self._deliver(request_id, message)
+                self.engine.abort_request(request_id)
+            self._deliver(request_id, message)

@@ -52,6 +52,13 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
     user: str | None = None  # OpenAI's end-user id: accepted, not used
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, options, info):
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("stream_options needs stream: true")
+        return options
+
     @field_validator("stop")
     @classmethod
     def _stop_not_empty(cls, stop):
@@ -72,12 +79,18 @@ class CompletionRequest(_SamplingFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, prompt):
+        """A string or token ids; a batch of one (``["text"]``, ``[[ids]]``) is that one prompt."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
         if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             raise ValueError("one prompt per request (a list of prompts is a batch): send each in its own request")
         if not isinstance(prompt, (str, list)):
             raise ValueError("prompt must be a string or a list of token ids")
         if not prompt:
             raise ValueError("the prompt is empty; give some text or at least one token id")
+        bad = next((i for i, t in enumerate(prompt) if type(t) is not int), None) if isinstance(prompt, list) else None
+        if bad is not None:
+            raise ValueError(f"a prompt given as a list holds token ids (integers); item {bad} is {prompt[bad]!r:.40}")
         return prompt
 
     @field_validator("logprobs", mode="before")
@@ -89,11 +102,27 @@ class CompletionRequest(_SamplingFields):
         return logprobs
 
 
+class TextPart(_Strict):
+    type: Literal["text"]  # images and audio: the models minillm runs read text only
+    text: str
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict] | None = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+
+    def as_template_message(self) -> dict:
+        """The dict a chat template reads: "developer" (OpenAI's newer name for "system") as
+        "system", text parts joined by newlines into one string (vLLM's "string" content format:
+        most templates, SmolLM2's among them, concatenate content as a string)."""
+        message = self.model_dump(exclude_none=True)
+        if self.role == "developer":
+            message["role"] = "system"
+        if isinstance(self.content, list):
+            message["content"] = "\n".join(part.text for part in self.content)
+        return message
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -221,8 +250,11 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 def validation_message(error: ValidationError) -> tuple[str, str | None]:
     """(one-line message, the field) for pydantic's first complaint, e.g.
     ``messages.0.role: Input should be 'system', 'developer', ... (got 'robot')``."""
-    first = error.errors()[0]
-    loc = [part for part in first["loc"] if part not in ("str", "list[int]", "list[str]", "list[dict[any,any]]")]
+    errors = error.errors()
+    # a union (str | list[...]) fails once per branch: the deepest complaint is the one that helps
+    first = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]), key=lambda e: len(e["loc"]))
+    # drop the union branch names pydantic puts in the path ("str", "list[TextPart]", "function-before[...]")
+    loc = [part for part in first["loc"] if isinstance(part, int) or part.isidentifier() and part != "str"]
     param = ".".join(str(part) for part in loc) or None
     if first["type"] == "json_invalid":
         return f"the body is not valid JSON: {first['msg']}", None

@@ -56,9 +56,9 @@ def test_completion_equals_generate(client, tiny_chat):
     assert r.choices[0].finish_reason == "length"
     n = len(tokenizer.encode(prompt))
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n, 6, n + 6)
-    # the same prompt as token ids (vLLM's extension) gives the same answer
-    r2 = client.completions.create(model=MODEL, prompt=tokenizer.encode(prompt), max_tokens=6, temperature=0)
-    assert r2.choices[0].text == text
+    # the same prompt as token ids (vLLM's extension), or as a batch of one, gives the same answer
+    for same in (tokenizer.encode(prompt), [prompt], [tokenizer.encode(prompt)]):
+        assert client.completions.create(model=MODEL, prompt=same, max_tokens=6, temperature=0).choices[0].text == text
 
 
 def test_chat_completion_equals_generate_with_logprobs(client, tiny_chat):
@@ -77,6 +77,18 @@ def test_chat_completion_equals_generate_with_logprobs(client, tiny_chat):
         assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token  # greedy: the top token
         assert c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-6)
         assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+
+
+def test_chat_text_parts_and_developer_role(client, tiny_chat):
+    """Content as OpenAI's text parts is joined by newlines, "developer" is "system" (vLLM's reading)."""
+    _, tokenizer = tiny_chat
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello\nthere"}]
+    _, text, _ = alone(tiny_chat, chat_ids(tokenizer, plain), max_new_tokens=4)
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    r = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=4, temperature=0)
+    assert r.choices[0].message.content == text
+    assert r.usage.prompt_tokens == len(chat_ids(tokenizer, plain))
 
 
 def test_streaming_with_usage(server, client, tiny_chat):

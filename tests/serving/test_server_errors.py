@@ -27,6 +27,7 @@ CASES = {
     "prompt is a number": ("completions", {"prompt": 42}, 400, "prompt", "string"),
     "batch of prompts": ("completions", {"prompt": [[1, 2], [3]]}, 400, "prompt", "one prompt per request"),
     "prompt list of strings": ("completions", {"prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
+    "prompt mixes ids and text": ("completions", {"prompt": [1, "a"]}, 400, "prompt", "item 1 is 'a'"),
     "token id outside the vocabulary": ("completions", {"prompt": [1, 49152]}, 400, None, "vocabulary"),
     "negative token id": ("completions", {"prompt": [-1, 5]}, 400, None, "vocabulary"),
     "huge prompt": ("completions", {"prompt": [7] * (CONTEXT + 100)}, 400, "prompt", f"{CONTEXT} tokens"),
@@ -43,6 +44,9 @@ CASES = {
     "n 2": ("completions", {"prompt": "hi", "n": 2}, 400, "n", "less than or equal to 1"),
     "empty stop string": ("completions", {"prompt": "hi", "stop": ""}, 400, "stop", "non-empty"),
     "stop a number": ("completions", {"prompt": "hi", "stop": 5}, 400, "stop", "string"),
+    "stop list with a number": ("completions", {"prompt": "hi", "stop": ["a", 1]}, 400, "stop.1", "string"),
+    "stream_options without stream": ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
+                                      400, "stream_options", "stream: true"),
     "negative seed": ("completions", {"prompt": "hi", "seed": -1}, 400, "seed", "greater than or equal to 0"),
     "stream not a bool": ("completions", {"prompt": "hi", "stream": "yes"}, 400, "stream", "boolean"),
     "unknown field": ("completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate", "unknown field"),
@@ -55,6 +59,8 @@ CASES = {
                      "messages.0.role", "'robot'"),
     "user message without content": ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages",
                                      "content"),
+    "image content part": ("chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x.png"}}]}]}, 400, "messages.0.content.0.type", "'text'"),
     "content a number": ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
                          "messages.0.content", "string"),
     "top_logprobs without logprobs": ("chat/completions", {"messages": USER, "top_logprobs": 2}, 400,
@@ -65,6 +71,13 @@ CASES = {
     "chat max_completion_tokens 0": ("chat/completions", {"messages": USER, "max_completion_tokens": 0}, 400,
                                      "max_completion_tokens", "greater than or equal to 1"),
 }
+
+
+def test_unknown_route_and_method_get_openai_errors(server):
+    for method, path, status in (("POST", "/v1/embeddings", 404), ("GET", "/v1/completions", 405)):
+        r = httpx.request(method, f"{server}{path}", timeout=TIMEOUT_S)
+        assert r.status_code == status
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"} and path in r.json()["error"]["message"]
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +141,25 @@ def test_full_waiting_queue_is_503_and_a_client_that_gives_up_aborts(tiny_chat):
         wait_until(lambda: waited.finished)  # the server polls the connection every DISCONNECT_POLL_S
         assert waited.finish_reason == "abort" and waited.output_ids == []
         assert engine.requests[hog].finish_reason is None  # still running: the abort did not wait for it
+
+
+def test_a_failing_step_fails_its_requests_and_the_server_goes_on(tiny_chat):
+    model, tokenizer = tiny_chat
+    with live_server(model, tokenizer, num_blocks=64) as url:
+        engine = app_of(url).state.async_engine.engine
+        real_step = engine.step
+
+        def broken_step():  # one step fails after scheduling (blocks taken), as a device error would
+            engine.step = real_step
+            engine.scheduler.schedule()
+            assert engine.cache.allocator.num_free_blocks < 64
+            raise RuntimeError("boom")
+
+        engine.step = broken_step
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=TIMEOUT_S)
+        assert r.status_code == 500
+        error = r.json()["error"]
+        assert error["type"] == "server_error" and "RuntimeError: boom" in error["message"]
+        assert engine.cache.allocator.num_free_blocks == 64  # the failed request's blocks came back
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=TIMEOUT_S)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
