@@ -5,6 +5,7 @@
     GET  /v1/models             the one model served
     GET  /health                200 while the engine thread is alive
     GET  /metrics               Prometheus text: vLLM's metric names under ``minillm:``
+    GET  /                      the live view of the engine (web_view.py)
 
 Each HTTP request is a coroutine; all of them feed one :class:`AsyncEngine`, whose thread
 steps the engine and batches whatever requests are in flight. ``stream: true`` answers with
@@ -30,9 +31,9 @@ from ..sampling import SamplingParams
 from . import openai_protocol as protocol
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from .server_metrics import ServerMetrics
+from .web_view import router as web_view_router
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
-from .web_view import router as web_view_router
 
 
 class APIError(Exception):
@@ -238,7 +239,7 @@ def _check_model(name: str | None, served: str) -> None:
 def _max_tokens(requested: int | None, prompt_len: int, context: int) -> int:
     """``requested``, or the rest of the context; APIError 400 when prompt and output exceed the
     context (OpenAI's and vLLM's rule, with their numbers in the message)."""
-    if prompt_len > context - 1 and requested is None or prompt_len >= context:
+    if prompt_len >= context:
         raise APIError(400, f"the prompt is {prompt_len} tokens but this model's maximum context length is "
                             f"{context} tokens (prompt and output together); shorten the prompt",
                        "prompt", "context_length_exceeded")

@@ -1,4 +1,4 @@
-"""The OpenAI API's request and response bodies, as pydantic models (what /v1/* accept and return).
+"""The OpenAI API's request bodies (pydantic models) and response bodies (the Reply classes' JSON).
 
 Field names, defaults and ranges are OpenAI's (platform.openai.com/docs/api-reference), plus
 vLLM's extensions to them (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, a prompt
@@ -6,8 +6,8 @@ given as token ids). Parsing is strict, as OpenAI's API is: ``"5"`` is not a num
 field is an error (it is more often a typo than a feature), so a bad request fails here with the
 field's name instead of deep inside the engine.
 
-    JSON body --validate--> CompletionRequest / ChatCompletionRequest --sampling_params--> SamplingParams
-    RequestOutput (engine) --------------------------------------------> Completion / chunk JSON
+    JSON body --validate--> CompletionRequest / ChatCompletionRequest --(api_server)--> SamplingParams
+    RequestOutput (engine) --CompletionReply / ChatReply--> the whole answer, or one chunk per token
 
 Errors have OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}`` (:func:`error_body`).
 """
@@ -46,11 +46,18 @@ class _SamplingFields(_Strict):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=1)  # one choice per request: the engine samples one sequence each
+    n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
     user: str | None = None  # OpenAI's end-user id: accepted, not used
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n):
+        if n != 1:
+            raise ValueError("minillm answers one choice per request (n=1); send n requests (with seeds) instead")
+        return n
 
     @field_validator("stream_options")
     @classmethod

@@ -41,7 +41,7 @@ CASES = {
     "temperature a word": ("completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "number"),
     "top_p 0": ("completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", "greater than 0"),
     "top_k -2": ("completions", {"prompt": "hi", "top_k": -2}, 400, "top_k", "-1"),
-    "n 2": ("completions", {"prompt": "hi", "n": 2}, 400, "n", "less than or equal to 1"),
+    "n 2": ("completions", {"prompt": "hi", "n": 2}, 400, "n", "one choice per request"),
     "empty stop string": ("completions", {"prompt": "hi", "stop": ""}, 400, "stop", "non-empty"),
     "stop a number": ("completions", {"prompt": "hi", "stop": 5}, 400, "stop", "string"),
     "stop list with a number": ("completions", {"prompt": "hi", "stop": ["a", 1]}, 400, "stop.1", "string"),
