@@ -5,7 +5,8 @@ tokenizer and chat template work) answers in milliseconds per step; 300 new toke
 request running long enough to watch. The page must stream the answer over SSE (the same text the engine
 produced for that request id), draw the request's blocks in the pool grid while it runs
 (only the blocks its table holds), draw the batch, list it as finished with its numbers,
-and log no JavaScript error. Skips (with the reason) only when no Chromium/chromedriver or
+and log no JavaScript error. Stop closes a stream and the server frees the request's blocks;
+the page polls only while its tab is visible; bad input is said on the page. Skips (with the reason) only when no Chromium/chromedriver or
 selenium is installed; ``.ci/run`` installs them.
 """
 
@@ -119,6 +120,33 @@ def test_a_prompt_streams_and_the_pool_shows_its_blocks_while_it_runs(server, br
     shot = tmp_path / "web_view.png"
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
     assert console_errors(browser) == ([], [])
+
+
+def test_stop_closes_the_stream_and_the_server_frees_the_requests_blocks(server, browser):
+    css = open_page(browser, server)
+    browser.find_element("id", "max-tokens").clear()
+    browser.find_element("id", "max-tokens").send_keys("450")  # longer than the wait below
+    browser.find_element("id", "prompt").clear()
+    browser.find_element("id", "prompt").send_keys("Tell me a long story.")
+    browser.find_element("id", "send").click()
+    wait_for(lambda: css(".answer .text")[0].get_attribute("textContent"), "the first streamed text")
+    request_id = css(".answer")[0].get_attribute("data-request-id")
+    wait_for(lambda: css("#grid .block.used"), "the request's blocks in the grid")
+    css(".answer .stop")[0].click()
+
+    wait_for(lambda: css(".answer.stopped"), "the card to say it stopped")
+    async_engine = engine_of(server)
+
+    def aborted():
+        with async_engine.lock:
+            request = async_engine.engine.requests[request_id]
+            return request.finished and request.finish_reason
+    assert wait_for(aborted, "the server to end the request", timeout_s=10) == "abort"
+    with async_engine.lock:
+        pool = async_engine.engine.cache.allocator
+        assert pool.num_used_blocks == 0 and not pool.block_tables  # its blocks went back at once
+    wait_for(lambda: not css("#grid .block.used"), "the grid to show the blocks free")
+    assert not css(".answer .stop") and console_errors(browser)[0] == []  # an abort is not a JS error
 
 
 COUNT_STATE_FETCHES = """
