@@ -50,6 +50,8 @@ def engine_state(engine, max_blocks: int = MAX_BLOCKS, max_finished: int = MAX_F
       ``enable_chunked_prefill``.
     - ``running``: per running request ``request_id``, ``num_prompt_tokens``,
       ``num_output_tokens``, ``num_computed_tokens``, ``num_cached_tokens``, ``num_blocks``.
+    - ``waiting``: per waiting request, in queue order, ``request_id``, ``num_prompt_tokens``,
+      ``num_output_tokens`` and ``num_preemptions`` (> 0: it lost its blocks and waits for a recompute).
     - ``finished``: the ``max_finished`` most recently finished requests, newest first:
       ``request_id``, ``finish_reason``, ``num_prompt_tokens``, ``num_output_tokens``,
       ``num_cached_tokens``, ``ttft_ms``, ``tpot_ms`` (from arrival, as
@@ -64,6 +66,9 @@ def engine_state(engine, max_blocks: int = MAX_BLOCKS, max_finished: int = MAX_F
                    "max_num_batched_tokens": scheduler.max_num_batched_tokens,
                    "enable_chunked_prefill": scheduler.enable_chunked_prefill},
         "running": [_running_row(r, engine.cache.allocator) for r in scheduler.running],
+        "waiting": [{"request_id": r.request_id, "num_prompt_tokens": r.num_prompt_tokens,
+                     "num_output_tokens": len(r.output_ids), "num_preemptions": r.num_preemptions}
+                    for r in scheduler.waiting],
         "finished": finished_rows(engine.requests, max_finished),
     }
 

@@ -149,6 +149,32 @@ def test_stop_closes_the_stream_and_the_server_frees_the_requests_blocks(server,
     assert not css(".answer .stop") and console_errors(browser)[0] == []  # an abort is not a JS error
 
 
+def test_copies_queue_behind_max_num_seqs_and_the_page_lists_the_waiting_one(tiny_chat, browser):
+    model, tokenizer = tiny_chat
+    with live_server(model, tokenizer, model_name="tiny-web", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                     max_num_seqs=1) as url:
+        css = open_page(browser, url)
+        browser.find_element("id", "max-tokens").clear()
+        browser.find_element("id", "max-tokens").send_keys("450")
+        browser.find_element("id", "copies").clear()
+        browser.find_element("id", "copies").send_keys("2")
+        browser.find_element("id", "send").click()
+        wait_for(lambda: len(css(".answer")) == 2, "two answer cards")
+        text = lambda: browser.find_element("id", "waiting-list").text  # noqa: E731
+        wait_for(lambda: text().startswith("waiting: "), "the waiting request listed")
+        wait_for(lambda: browser.find_element("id", "running").text == "1", "one running request")
+        assert browser.find_element("id", "waiting").text == "1"
+        async_engine = engine_of(url)
+        with async_engine.lock:
+            (waiting,) = async_engine.engine.scheduler.waiting
+        assert text() == f"waiting: {waiting.request_id.split('-')[-1][:6]}… (prompt {waiting.num_prompt_tokens})"
+        for stop in css(".answer .stop"):
+            stop.click()
+        wait_for(lambda: not css(".answer .stop"), "both streams stopped")
+        browser.get("about:blank")  # leave before this server stops: no poll of a closed port
+        assert console_errors(browser)[0] == []
+
+
 COUNT_STATE_FETCHES = """
 window.stateFetches = 0;
 const fetch0 = window.fetch;

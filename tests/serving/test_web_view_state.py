@@ -71,6 +71,7 @@ def test_state_matches_the_engine_step_by_step(engine):
     for i in shared:
         assert state["pool"]["blocks"][i] == {"state": "used", "request_ids": [a, b], "ref_count": 2}
     assert state["queues"] == {"waiting": 1, "running": 2}
+    assert state["waiting"] == [{"request_id": c, "num_prompt_tokens": 9, "num_output_tokens": 0, "num_preemptions": 0}]
     step = state["step"]
     assert step["index"] == 1 and step["rows"] == [
         {"request_id": a, "prefill_tokens": 0, "decode_tokens": 1},
@@ -157,3 +158,22 @@ def test_router_serves_the_page_and_the_state_under_the_engines_lock(engine):
     finally:
         if app.state.async_engine.lock.locked():
             app.state.async_engine.lock.release()
+
+
+def test_a_preemption_shows_in_the_step_and_the_waiting_queue(tiny_model):
+    # 6 blocks of 4: two requests of 8 + 12 tokens need 5 blocks each at the end, so the newer is preempted
+    engine = LLMEngine(tiny_model("llama_gqa"), num_blocks=6, block_size=B, eos_token_ids=())
+    for seed in (0, 1):
+        engine.add_request(prompt(8, seed), SamplingParams(max_new_tokens=12))
+    seen = []
+    while engine.has_unfinished_requests() and not seen:
+        engine.step()
+        state = engine_state(engine)
+        check_pool(state, engine.cache.allocator)
+        seen = state["step"]["preempted"]
+    (victim,) = seen
+    assert seen == list(engine.steps[-1].preempted)
+    row = next(r for r in state["waiting"] if r["request_id"] == victim)
+    assert row["num_preemptions"] == engine.requests[victim].num_preemptions == 1 and row["num_output_tokens"] > 0
+    assert victim not in [r["request_id"] for r in state["running"]]
+    assert all(victim not in b.get("request_ids", ()) for b in state["pool"]["blocks"])  # its blocks are gone
