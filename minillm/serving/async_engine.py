@@ -2,15 +2,18 @@
 
 An HTTP server handles each request in a coroutine, but :class:`LLMEngine` is synchronous and
 must run one step at a time. So the engine gets its own thread, and the two sides meet in
-per-request queues (vLLM's ``AsyncLLMEngine`` / ``AsyncLLM``, in small)::
+queues (vLLM's ``AsyncLLMEngine`` / ``AsyncLLM``, in small)::
 
-    coroutine (one per HTTP request)          engine thread (one)
-    ─────────────────────────────────         ─────────────────────────────────────
-    generate(): add_request ──lock──────────> while requests are unfinished:
-                await queue.get()  <───────────   with lock: outputs = engine.step()
-                yield RequestOutput               each output -> its request's queue
-    client gone: abort soon ────────────────> with lock: abort_request (blocks freed)
+    coroutines (one per HTTP request)         engine thread (one), in a loop
+    ─────────────────────────────────         ──────────────────────────────────────────
+    generate(): ("add", ...) ──commands──┐    with lock:
+    client gone: ("abort", id) ──────────┴──>     apply the commands, in order
+                                                  outputs = engine.step()
+                await its queue  <──────────────  each output -> its request's queue
+                yield RequestOutput
 
+Commands wait in a queue rather than each taking the lock: requests that arrive during a
+step all join the next one (a lock taken per request could let only one in per step).
 ``lock`` is held around every ``engine.step()`` and every change to the engine; whoever reads
 engine state (a web view, /metrics) takes it too, so they never see a step half done.
 """
@@ -34,7 +37,7 @@ class QueueFullError(MiniLLMError):
 
 
 class EngineDeadError(MiniLLMError):
-    """A step of the engine raised; the requests it was running were aborted (HTTP 500)."""
+    """A step of the engine raised, or the server is stopping: the request was aborted (HTTP 500)."""
 
 
 class AsyncEngine:
@@ -58,10 +61,10 @@ class AsyncEngine:
             raise ValueError(f"max_waiting_requests must be >= 0 (or None: no limit), got {max_waiting_requests}")
         self.engine, self.max_waiting_requests, self.on_finished = engine, max_waiting_requests, on_finished
         self.lock = threading.Lock()
-        self._wake = threading.Event()  # set when there is work: a new request or an abort
+        self._wake = threading.Event()  # set when there is work: a command, or requests to step
         self._stopping = False
+        self._commands: collections.deque[tuple] = collections.deque()  # appended by clients, popped by the thread
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._to_abort: collections.deque[str] = collections.deque()  # appended by clients, popped by the thread
         self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
         self._thread.start()
 
@@ -91,10 +94,16 @@ class AsyncEngine:
         """
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         request_id = uuid.uuid4().hex if request_id is None else str(request_id)
-        try:  # add under the lock, in a worker thread: a step may hold the lock for a while
-            await asyncio.to_thread(self._add, prompt_ids, params, request_id, logprobs, loop, queue)
-        except asyncio.CancelledError:  # the client left while the add was under way: it may be in
-            self._abort_soon(request_id)
+        added = loop.create_future()  # the engine thread resolves it when it has added the request
+        self._queues[request_id] = (loop, queue)
+        self._send(("add", request_id, prompt_ids, params, logprobs, added))
+        try:
+            await added
+        except asyncio.CancelledError:  # the client left while the add was queued: the abort follows it
+            self.abort(request_id)
+            raise
+        except Exception:  # refused (a bad prompt, a full queue): nothing to abort
+            self._queues.pop(request_id, None)
             raise
         finished = False
         try:
@@ -105,33 +114,20 @@ class AsyncEngine:
                 finished = out.finished
                 yield out
         finally:
-            if not finished:
-                self._abort_soon(request_id)
-            else:
+            if finished:
                 self._queues.pop(request_id, None)
+            else:  # cancelled or closed early
+                self.abort(request_id)
 
-    def _add(self, prompt_ids, params, request_id, logprobs, loop, queue) -> None:
-        with self.lock:
-            if self._stopping:
-                raise EngineDeadError("the server is shutting down; send the request again later")
-            waiting = len(self.engine.scheduler.waiting)
-            if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
-                raise QueueFullError(f"the waiting queue is full ({waiting} requests, limit "
-                                     f"{self.max_waiting_requests}: --max-waiting-requests); retry later")
-            self.engine.add_request(prompt_ids, params, request_id, logprobs=logprobs)
-            self._queues[request_id] = (loop, queue)
+    def abort(self, request_id: str) -> None:
+        """Abort a request before the engine's next step (its blocks are freed then); its client
+        hears nothing more. Unknown or finished ids change nothing."""
+        self._queues.pop(request_id, None)
+        self._send(("abort", request_id))
+
+    def _send(self, command: tuple) -> None:
+        self._commands.append(command)
         self.wake()
-
-    def _abort_soon(self, request_id: str) -> None:
-        """Called when a client leaves: the engine thread aborts it before its next step."""
-        self._queues.pop(request_id, None)
-        self._to_abort.append(request_id)
-        self._wake.set()
-
-    async def abort(self, request_id: str) -> None:
-        """Abort a request now (its blocks are free on return); unknown or finished ids change nothing."""
-        self._queues.pop(request_id, None)
-        await asyncio.to_thread(self._abort_now, request_id)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the engine thread (after the step it is in); unfinished requests are aborted."""
@@ -139,9 +135,11 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout_s)
         with self.lock:
+            self._apply_commands()  # refuses the adds still queued
+            stopped = EngineDeadError("the server shut down before the request finished")
             for request_id in list(self._queues):
-                self._abort_now(request_id, locked=True)
-                self._deliver(request_id, EngineDeadError("the server shut down before the request finished"))
+                self._abort_now(request_id)
+                self._deliver(request_id, stopped)
 
     # -- the engine thread ---------------------------------------------------------------
 
@@ -155,21 +153,47 @@ class AsyncEngine:
                     self._fail_all(error)
 
     def _step(self) -> None:
-        """Under the lock: apply the aborts, run one engine step, hand each output to its client."""
-        while self._to_abort:
-            self._abort_now(self._to_abort.popleft(), locked=True)
+        """Under the lock: apply the commands, run one engine step, hand each output to its client."""
+        self._apply_commands()
         if not self.engine.has_unfinished_requests():
-            self._wake.clear()  # sleep until add or abort sets it again
+            self._wake.clear()  # sleep until a command sets it again
+            if self._commands:  # one came in between: do not sleep on it
+                self._wake.set()
             return
         for out in self.engine.step():
             if out.finished:
                 self._finished(self.engine.requests[out.request_id])
             self._deliver(out.request_id, out)
 
-    def _abort_now(self, request_id: str, locked: bool = False) -> None:
-        if not locked:
-            with self.lock:
-                return self._abort_now(request_id, locked=True)
+    def _apply_commands(self) -> None:
+        while self._commands:
+            command = self._commands.popleft()
+            if command[0] == "add":
+                self._add_now(*command[1:])
+            else:
+                self._abort_now(command[1])
+
+    def _add_now(self, request_id, prompt_ids, params, logprobs, added) -> None:
+        """Add a request, or refuse it (full queue, bad prompt, stopping); tell its client which."""
+        error = None
+        waiting = len(self.engine.scheduler.waiting)
+        if self._stopping:
+            error = EngineDeadError("the server is shutting down; send the request again later")
+        elif self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
+            error = QueueFullError(f"the waiting queue is full ({waiting} requests, limit {self.max_waiting_requests}: "
+                                   "--max-waiting-requests); retry later")
+        else:
+            try:
+                self.engine.add_request(prompt_ids, params, request_id, logprobs=logprobs)
+            except ValueError as bad:
+                error = bad
+        loop = added.get_loop()
+        try:
+            loop.call_soon_threadsafe(_resolve, added, error)
+        except RuntimeError:  # the client's event loop is closed (server shutting down)
+            pass
+
+    def _abort_now(self, request_id: str) -> None:
         request = self.engine.requests.get(request_id)
         if request is not None and not request.finished:
             self.engine.abort_request(request_id)
@@ -197,3 +221,13 @@ class AsyncEngine:
             if not request.finished:
                 self.engine.abort_request(request_id)
             self._deliver(request_id, message)
+
+
+def _resolve(added: asyncio.Future, error: Exception | None) -> None:
+    """In the client's event loop: the add happened (or was refused with ``error``)."""
+    if added.cancelled():  # the client left meanwhile; its abort command follows
+        return
+    if error is None:
+        added.set_result(None)
+    else:
+        added.set_exception(error)

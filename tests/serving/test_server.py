@@ -173,6 +173,24 @@ def test_eight_concurrent_streams_equal_their_single_answers_and_share_batches(s
     assert max(len(step.scheduled) for step in engine.steps[first_step:]) > 1  # some step ran several requests
 
 
+def test_requests_that_arrive_during_a_step_all_join_the_next(server):
+    """Requests queue as commands while the engine holds its lock: the next step takes all four."""
+    async_engine = app_of(server).state.async_engine
+    engine, answers = async_engine.engine, []
+    post = lambda i: answers.append(httpx.post(f"{server}/v1/completions", timeout=TIMEOUT_S,  # noqa: E731
+                                               json={"prompt": f"Arrival {i}", "max_tokens": 2}).status_code)
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(4)]
+    with async_engine.lock:  # as during a long step
+        first_step = len(engine.steps)
+        for t in threads:
+            t.start()
+        wait_until(lambda: len(async_engine._commands) == 4)
+    for t in threads:
+        t.join(TIMEOUT_S)
+    assert answers == [200] * 4
+    assert len(engine.steps[first_step].scheduled) == 4  # four prefills in one step
+
+
 def test_disconnect_mid_stream_frees_the_blocks(server):
     async_engine = app_of(server).state.async_engine
     engine, pool = async_engine.engine, async_engine.engine.cache.allocator
