@@ -161,19 +161,27 @@ class Tokenizer:
         """
         return [self._token_string(i) for i in self.check_ids(ids)]
 
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        """The bytes of text each id stands for, a split character's bytes as they are
+        (``[b' hello', b' \\xf0\\x9f', b'\\x98\\x80']``): OpenAI's ``bytes`` of a logprob.
+        Raises ValueError like :meth:`decode`."""
+        return [self._token_bytes(i) for i in self.check_ids(ids)]
+
     def _token_string(self, token_id: int) -> str:
+        return self._token_bytes(token_id).decode("utf-8", errors="backslashreplace")
+
+    def _token_bytes(self, token_id: int) -> bytes:
         token = self.backend.id_to_token(token_id)
         if token_id in self._added_ids:
-            return token
-        if token_id in self.byte_fallback_ids:  # "<0xE6>" -> "\\xe6", "<0x0A>" -> "\n"
-            return bytes([int(token[3:5], 16)]).decode("utf-8", errors="backslashreplace")
+            return token.encode()
+        if token_id in self.byte_fallback_ids:  # "<0xE6>" -> b"\\xe6", "<0x0A>" -> b"\n"
+            return bytes([int(token[3:5], 16)])
         if "\u2581" in token and self.byte_fallback_ids:  # SentencePiece: "▁wo" is " wo" (a lone
-            return token.replace("\u2581", " ")  # decode would strip that space as the text's first)
+            return token.replace("\u2581", " ").encode()  # decode would strip that space as the text's first)
         byte_level = isinstance(self.backend.decoder, tokenizers.decoders.ByteLevel)
         if not byte_level or not set(token) <= _BYTE_OF_CHAR.keys():
-            return self.backend.decode([token_id], skip_special_tokens=False)
-        raw = bytes(_BYTE_OF_CHAR[c] for c in token)
-        return raw.decode("utf-8", errors="backslashreplace")
+            return self.backend.decode([token_id], skip_special_tokens=False).encode()
+        return bytes(_BYTE_OF_CHAR[c] for c in token)
 
     def apply_chat_template(
         self,

@@ -224,15 +224,15 @@ class ChatReply(CompletionReply):
 
     def _logprobs(self, out, start: int) -> dict | None:
         """``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}`` for the
-        tokens from ``start`` on. ``bytes`` is null: minillm's token strings show a split UTF-8
-        character as ``\\xNN`` escapes, not as its raw bytes."""
+        tokens from ``start`` on. A token holding part of a UTF-8 character shows it as ``\\xNN``
+        escapes in ``token``; its ``bytes`` are the raw ones (joined, they decode to the text)."""
         if out.logprobs is None:
             return None
-        strings = self.tokenizer.token_strings
 
         def entry(token_id: int, logprob: float) -> dict:
             # vLLM's floor for -inf (a token the model rules out): JSON has no infinity
-            return {"token": strings([token_id])[0], "logprob": max(logprob, -9999.0), "bytes": None}
+            return {"token": self.tokenizer.token_strings([token_id])[0], "logprob": max(logprob, -9999.0),
+                    "bytes": list(self.tokenizer.token_bytes([token_id])[0])}
 
         content = [dict(entry(token_id, logprob), top_logprobs=[entry(i, lp) for i, lp in top])
                    for token_id, (logprob, top) in zip(out.token_ids[start:], out.logprobs[start:])]

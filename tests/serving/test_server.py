@@ -72,6 +72,7 @@ def test_chat_completion_equals_generate_with_logprobs(client, tiny_chat):
     assert r.usage.prompt_tokens == len(chat_ids(tokenizer, messages)) and r.usage.completion_tokens == 5
     content = choice.logprobs.content
     assert [c.token for c in content] == tokenizer.token_strings(ids)
+    assert b"".join(bytes(c.bytes) for c in content).decode("utf-8", "replace") == tokenizer.decode(ids)
     for c, step in zip(content, steps):  # generate's logprob: log_softmax of the raw logits
         assert c.logprob == pytest.approx(step.logprob, abs=1e-4)
         assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token  # greedy: the top token

@@ -24,6 +24,8 @@ def test_greedy_stream_equals_generate_token_for_token(smollm2):
                 stream_options={"include_usage": True}))
     token_chunks = [c for c in chunks[1:] if c.choices]
     assert [c.choices[0].logprobs.content[0].token for c in token_chunks] == tokenizer.token_strings(ids)
+    raw = b"".join(bytes(c.choices[0].logprobs.content[0].bytes) for c in token_chunks)
+    assert raw.decode() == tokenizer.decode(ids)  # the tokens' bytes, joined, are the answer's UTF-8
     assert [c.choices[0].delta.content or "" for c in token_chunks] == [s.text for s in steps]  # same pieces
     assert all("\ufffd" not in (c.choices[0].delta.content or "") for c in token_chunks)
     assert any(len(char.encode()) == 4 for char in "".join(s.text for s in steps))  # an emoji came through whole
