@@ -89,8 +89,8 @@ def _check_args(args) -> None:
         parse_memory(args.kv_cache_memory, available_bytes=1)
     except ValueError as e:
         raise UsageError(f"--kv-cache-memory: {e}") from None
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as s:  # what uvicorn will do: fail now, in one line, if it cannot
+    try:  # bind as uvicorn will, so that a port in use or a bad host fails now, in one line
+        with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((args.host, args.port))
     except OSError as e:
