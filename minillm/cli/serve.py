@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import socket
 import sys
 
@@ -94,8 +95,9 @@ def _check_args(args) -> None:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((args.host, args.port))
     except OSError as e:
-        raise UsageError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); "
-                         "pick another --port or stop what uses it") from None
+        fix = ("pick another --port or stop what uses it" if e.errno == errno.EADDRINUSE
+               else "give --host an address of this machine (127.0.0.1, or 0.0.0.0 for all)")
+        raise UsageError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); {fix}") from None
 
 
 def _banner(host: str, port: int, name: str, engine) -> str:

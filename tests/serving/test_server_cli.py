@@ -76,4 +76,6 @@ def test_busy_port_is_one_line(capsys):
         port = s.getsockname()[1]
         assert main(["serve", "--port", str(port)]) == 2
     err = capsys.readouterr().err.strip()
-    assert f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "pick another --port" in err
+    assert main(["serve", "--host", "no-such-host.invalid"]) == 2
+    assert "give --host an address of this machine" in capsys.readouterr().err
