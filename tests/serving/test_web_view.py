@@ -2,18 +2,23 @@
 
 A random-weight tiny Llama with SmolLM2's vocabulary (conftest's ``tiny_chat``: SmolLM2's
 tokenizer and chat template work) answers in milliseconds per step; 300 new tokens keep a
-request running long enough to watch. The page must stream the answer over SSE (the same text the engine
-produced for that request id), draw the request's blocks in the pool grid while it runs
-(only the blocks its table holds), draw the batch, list it as finished with its numbers,
-and log no JavaScript error. Stop closes a stream and the server frees the request's blocks;
-the page polls only while its tab is visible; bad input is said on the page. Skips (with the reason) only when no Chromium/chromedriver or
-selenium is installed; ``.ci/run`` installs them.
+request running long enough to watch. The page must stream the answer over SSE (the same
+text the engine produced for that request id), draw the request's blocks in the pool grid
+while it runs (only the blocks its table holds), draw the batch, list it as finished with
+its numbers, and log no JavaScript error. Stop closes a stream and the server frees the
+request's blocks; a request queued behind max_num_seqs and a preempted one are listed as
+waiting; the page polls only while its tab is visible; bad input is said on the page.
+Skips (with the reason) only when no Chromium/chromedriver or selenium is installed;
+``.ci/run`` installs them.
 """
 
 import shutil
 import time
 
 import pytest
+
+from minillm import LLMEngine, SamplingParams
+from minillm.serving.web_view import engine_state
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[dev]')")
 pytest.importorskip("fastapi", reason="the server extra is not installed (pip install -e '.[serve]')")
@@ -63,11 +68,11 @@ def wait_for(condition, what: str, timeout_s: float = WAIT_S, every_s: float = 0
     pytest.fail(f"waited {timeout_s} s for {what}")
 
 
-def open_page(browser, url):
+def open_page(browser, url, num_blocks=NUM_BLOCKS):
     browser.get(f"{url}/")
     wait_for(lambda: browser.find_element("id", "model").text == "tiny-web", "the model's name from /v1/models")
     css = lambda selector: browser.find_elements("css selector", selector)  # noqa: E731
-    wait_for(lambda: len(css("#grid .block")) == NUM_BLOCKS, "the pool grid")
+    wait_for(lambda: len(css("#grid .block")) == num_blocks, "the pool grid, a square per block")
     return css
 
 
@@ -75,6 +80,18 @@ def console_errors(browser):
     """(JavaScript errors, failed network loads) logged since the last call."""
     severe = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     return [e for e in severe if e.get("source") != "network"], [e for e in severe if e.get("source") == "network"]
+
+
+COUNT_STATE_FETCHES = """
+window.stateFetches = 0;
+const fetch0 = window.fetch;
+window.fetch = (url, ...rest) => { if (String(url).endsWith("/engine/state")) window.stateFetches++;
+                                   return fetch0(url, ...rest); };
+"""
+SET_HIDDEN = """
+Object.defineProperty(document, "hidden", {value: arguments[0], configurable: true});
+document.dispatchEvent(new Event("visibilitychange"));
+"""
 
 
 def engine_of(url):
@@ -175,16 +192,31 @@ def test_copies_queue_behind_max_num_seqs_and_the_page_lists_the_waiting_one(tin
         assert console_errors(browser)[0] == []
 
 
-COUNT_STATE_FETCHES = """
-window.stateFetches = 0;
-const fetch0 = window.fetch;
-window.fetch = (url, ...rest) => { if (String(url).endsWith("/engine/state")) window.stateFetches++;
-                                   return fetch0(url, ...rest); };
-"""
-SET_HIDDEN = """
-Object.defineProperty(document, "hidden", {value: arguments[0], configurable: true});
-document.dispatchEvent(new Event("visibilitychange"));
-"""
+def test_a_preemption_is_drawn_from_the_engines_own_state(server, browser, tiny_model):
+    # A preemption lasts a step or two in a live server (the victim is readmitted as soon as its
+    # blocks are back), too short for a 250 ms poll: so a hand-stepped engine's state is drawn
+    # by the page's own render(). 6 blocks of 4: two requests of 8 + 12 tokens cannot both fit.
+    engine = LLMEngine(tiny_model("llama_gqa"), num_blocks=6, block_size=4, eos_token_ids=())
+    for seed in (0, 1):
+        engine.add_request(list(range(seed, seed + 8)), SamplingParams(max_new_tokens=12))
+    while not (engine.steps and engine.steps[-1].preempted):
+        engine.step()
+    (victim_id,) = engine.steps[-1].preempted
+    victim, pool = engine.requests[victim_id], engine.cache.allocator
+    css = open_page(browser, server)
+    browser.execute_script(SET_HIDDEN, True)  # no poll of the server overwrites the drawing
+    browser.execute_script("render(arguments[0])", engine_state(engine))
+
+    assert browser.find_element("id", "waiting-list").text == \
+        f"waiting: {victim_id} (prompt 8, preempted 1×: recomputes up to {8 + len(victim.output_ids)} tokens)"
+    assert browser.find_element("id", "step-summary").text.endswith(f"· preempted {victim_id}")
+    cells = css("#grid .block")
+    assert len(cells) == pool.num_blocks == 6
+    for cell, block in zip(cells, pool.blocks):
+        holders = [rid for rid, table in pool.block_tables.items() if block.block_id in table]
+        assert cell.get_attribute("data-request-ids") == (" ".join(holders) if holders else None)
+        assert victim_id not in holders  # its blocks went back to the pool
+    assert console_errors(browser)[0] == []
 
 
 def test_the_page_polls_only_while_the_tab_is_visible(server, browser):
