@@ -31,7 +31,8 @@ def test_logprobs_and_top_k_match_generate_and_prefill(model):
         assert logprob == pytest.approx(step.logprob, abs=1e-4)
         assert top[0][0] == step.token_id and top[0][1] == pytest.approx(logprob, abs=1e-6)  # greedy: the top one
     # the first token's top 3, from the prompt's logits computed by prefill alone
-    expected = torch.log_softmax(prefill(model, PROMPT, KVCache.for_model(model, max_seq_len=16))[0].float(), -1).topk(3)
+    logits = prefill(model, PROMPT, KVCache.for_model(model, max_seq_len=16))[0]
+    expected = torch.log_softmax(logits.float(), -1).topk(3)
     assert [i for i, _ in out.logprobs[0][1]] == expected.indices.tolist()
     assert [lp for _, lp in out.logprobs[0][1]] == pytest.approx(expected.values.tolist(), abs=1e-4)
     assert run(engine, PROMPT, SamplingParams(max_new_tokens=2)).logprobs is None  # not asked: not kept
