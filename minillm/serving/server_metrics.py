@@ -3,12 +3,14 @@
     histograms  minillm:time_to_first_token_seconds     arrival at the engine -> first token
                 minillm:inter_token_latency_seconds     gap between consecutive tokens of a request
                 minillm:e2e_request_latency_seconds     arrival at the engine -> finished
+                minillm:request_queue_time_seconds      arrival at the engine -> first scheduled
     gauges      minillm:num_requests_running, minillm:num_requests_waiting
                 minillm:kv_cache_usage_perc             used blocks / pool blocks (0..1, as vLLM's)
     counters    minillm:prompt_tokens_total, minillm:generation_tokens_total
                 minillm:prefix_cache_queries_total      prompt tokens looked up in the prefix cache
                 minillm:prefix_cache_hits_total         of those, tokens found (hit rate = hits / queries)
                 minillm:request_success_total{finished_reason="stop"|"length"|"abort"}
+                minillm:num_preemptions_total           times a request lost its blocks (recomputed later)
 
 Times are taken inside the engine (``Request.arrival_s``, ``token_times_s``, ``finish_s``), so
 they leave out HTTP and tokenisation: a client-side benchmark sees that gap. A request counts
@@ -56,6 +58,8 @@ class ServerMetrics:
                              buckets=ITL_BUCKETS_S, registry=registry)
         self.e2e = Histogram("minillm:e2e_request_latency_seconds", "Arrival to finish of a request (s)",
                              buckets=E2E_BUCKETS_S, registry=registry)
+        self.queue_time = Histogram("minillm:request_queue_time_seconds", "Arrival to first scheduled (s)",
+                                    buckets=E2E_BUCKETS_S, registry=registry)
         Gauge("minillm:num_requests_running", "Requests in the running batch", registry=registry
               ).set_function(under_lock(lambda: len(engine.scheduler.running)))
         Gauge("minillm:num_requests_waiting", "Requests waiting for a first slot or after preemption",
@@ -72,6 +76,8 @@ class ServerMetrics:
                                    registry=registry)
         self.success = Counter("minillm:request_success", "Finished requests by finish reason",
                                ["finished_reason"], registry=registry)
+        self.preemptions = Counter("minillm:num_preemptions", "Times a request lost its KV blocks to make room",
+                                   registry=registry)
 
     def observe_finished(self, request: Request) -> None:
         """Count a finished request (any reason) and record its latencies."""
@@ -82,11 +88,13 @@ class ServerMetrics:
                 self.itl.observe(after - before)
         self.e2e.observe(request.finish_s - request.arrival_s)
         if request.first_scheduled_s is not None:  # it reached the prefix cache lookup
+            self.queue_time.observe(request.first_scheduled_s - request.arrival_s)
             self.prefix_queries.inc(request.num_prompt_tokens)
             self.prefix_hits.inc(request.num_cached_tokens)
         self.prompt_tokens.inc(request.num_prompt_tokens)
         self.generation_tokens.inc(len(request.output_ids))
         self.success.labels(finished_reason=finish_reason(request.finish_reason)).inc()
+        self.preemptions.inc(request.num_preemptions)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

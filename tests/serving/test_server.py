@@ -242,5 +242,30 @@ def test_metrics_count_the_requests_sent(tiny_chat):
     assert value("minillm:inter_token_latency_seconds_count") == sum(u.completion_tokens - 1 for u in usages)
     assert value("minillm:time_to_first_token_seconds_bucket", le="+Inf") == 4
     assert value("minillm:time_to_first_token_seconds_sum") > 0
+    assert value("minillm:request_queue_time_seconds_count") == 4
+    assert value("minillm:num_preemptions_total") == 0  # 64 blocks hold these four easily
     assert value("minillm:num_requests_running") == value("minillm:num_requests_waiting") == 0
     assert value("minillm:kv_cache_usage_perc") == 0
+
+
+def test_metrics_count_preemptions_in_a_small_pool(tiny_chat):
+    """Three requests of 5 blocks each in a pool of 8: the scheduler preempts, /metrics counts it."""
+    model, tokenizer = tiny_chat
+    with live_server(model, tokenizer, num_blocks=8) as url:
+        def post(i):
+            httpx.post(f"{url}/v1/completions", timeout=TIMEOUT_S,
+                       json={"prompt": list(range(100 * i, 100 * i + 20)), "max_tokens": 60, "ignore_eos": True})
+
+        async_engine = app_of(url).state.async_engine
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(1, 4)]
+        with async_engine.lock:  # all three start in the same step
+            for t in threads:
+                t.start()
+            wait_until(lambda: len(async_engine._commands) == 3)
+        for t in threads:
+            t.join(TIMEOUT_S)
+        text = httpx.get(f"{url}/metrics", timeout=TIMEOUT_S).text
+        engine = async_engine.engine
+        preemptions = sum(r.num_preemptions for r in engine.requests.values())
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == "minillm:num_preemptions"]
+    assert family.samples[0].value == preemptions > 0
