@@ -14,6 +14,10 @@ One concept per file, in the order a request meets them:
     run_metrics.py      TTFT, TPOT, ITL, queueing, percentiles, SLO attainment, goodput of a run
     bench.py            one workload through one-at-a-time, static and continuous batching, measured
     render.py, plots.py the step trace as rich tables, timelines, rate sweeps and ITL plots
+    async_engine.py     AsyncEngine: the engine in one thread, fed by asyncio clients (adds, aborts, streams)
+    openai_protocol.py  OpenAI's request fields (pydantic, strict), its answers and chunks, its error JSON
+    api_server.py       create_app: minillm serve's FastAPI app (/v1/completions, /v1/chat/completions, ...)
+    server_metrics.py   /metrics: vLLM's Prometheus metrics under minillm:
     http_client_bench.py the same workload sent to a server over HTTP, timed on the client
     metrics_scrape.py   a server's own latencies from two /metrics scrapes (before/after a run)
     web_view.py         engine_state(engine): the pool, the step, the queues as JSON; the live page
