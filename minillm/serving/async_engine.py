@@ -50,16 +50,23 @@ class AsyncEngine:
             queue is full).
         on_finished: called in the engine thread, under ``lock``, with each engine
             :class:`Request` that finishes (any reason, aborts included): the metrics hook.
+        max_finished_requests: finished requests kept in ``engine.requests`` (for a web view);
+            older ones are dropped, so a server's memory does not grow with every request it
+            has answered (``engine.steps``, a few small tuples a step, is kept whole).
 
     Attributes:
         engine, lock (a ``threading.Lock``: hold it to read engine state), max_waiting_requests.
     """
 
     def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
-                 on_finished: Callable[[Request], None] | None = None):
+                 on_finished: Callable[[Request], None] | None = None, max_finished_requests: int = 1000):
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0 (or None: no limit), got {max_waiting_requests}")
+        if max_finished_requests < 0:
+            raise ValueError(f"max_finished_requests must be >= 0, got {max_finished_requests}")
         self.engine, self.max_waiting_requests, self.on_finished = engine, max_waiting_requests, on_finished
+        self.max_finished_requests = max_finished_requests
+        self._finished_ids: collections.deque[str] = collections.deque()  # oldest finished first
         self.lock = threading.Lock()
         self._wake = threading.Event()  # set when there is work: a command, or requests to step
         self._stopping = False
@@ -200,6 +207,10 @@ class AsyncEngine:
             self._finished(request)
 
     def _finished(self, request: Request) -> None:
+        """A request ended: the metrics hook, then forget the oldest finished beyond the limit."""
+        self._finished_ids.append(request.request_id)
+        while len(self._finished_ids) > self.max_finished_requests:
+            self.engine.requests.pop(self._finished_ids.popleft(), None)
         if self.on_finished is not None:
             self.on_finished(request)
 
@@ -220,6 +231,7 @@ class AsyncEngine:
         for request_id, request in list(self.engine.requests.items()):
             if not request.finished:
                 self.engine.abort_request(request_id)
+                self._finished_ids.append(request_id)  # forgotten in turn, like the others
             self._deliver(request_id, message)
 
 

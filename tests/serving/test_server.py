@@ -3,6 +3,7 @@ model with SmolLM2's tokenizer (tests/serving/conftest.py: tiny_chat). The oracl
 `minillm.generate` alone on the same model: the server's answers must equal it token for token.
 """
 
+import asyncio
 import json
 import threading
 
@@ -13,6 +14,8 @@ from live_server import app_of, live_server, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 import minillm
+from minillm.serving.async_engine import AsyncEngine
+from minillm.serving.engine import LLMEngine
 
 TIMEOUT_S = 60.0
 MODEL = "minillm-test"
@@ -269,3 +272,20 @@ def test_metrics_count_preemptions_in_a_small_pool(tiny_chat):
         preemptions = sum(r.num_preemptions for r in engine.requests.values())
     (family,) = [f for f in text_string_to_metric_families(text) if f.name == "minillm:num_preemptions"]
     assert family.samples[0].value == preemptions > 0
+
+
+def test_async_engine_forgets_old_finished_requests(tiny_chat):
+    """A server answers requests for days: only the newest max_finished_requests stay in engine.requests."""
+    model, tokenizer = tiny_chat
+    async_engine = AsyncEngine(LLMEngine(model, tokenizer, num_blocks=32), max_finished_requests=2)
+
+    async def answer(request_id):
+        params = minillm.SamplingParams(max_new_tokens=2)
+        return [out async for out in async_engine.generate([5, 6, 7], params, request_id)][-1]
+
+    try:
+        last = [asyncio.run(answer(f"r{i}")) for i in range(4)]
+    finally:
+        async_engine.close()
+    assert [out.token_ids for out in last] == [last[0].token_ids] * 4 and last[0].finish_reason == "length"
+    assert list(async_engine.engine.requests) == ["r2", "r3"]
