@@ -101,6 +101,8 @@ class AsyncEngine:
         """
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         request_id = uuid.uuid4().hex if request_id is None else str(request_id)
+        if request_id in self._queues:  # checked here: the engine's own check comes after its queue is set
+            raise ValueError(f"request id {request_id!r} is already streaming; give a new one or leave it out")
         added = loop.create_future()  # the engine thread resolves it when it has added the request
         self._queues[request_id] = (loop, queue)
         self._send(("add", request_id, prompt_ids, params, logprobs, added))

@@ -274,7 +274,7 @@ def test_metrics_count_preemptions_in_a_small_pool(tiny_chat):
     assert family.samples[0].value == preemptions > 0
 
 
-def test_async_engine_forgets_old_finished_requests(tiny_chat):
+def test_async_engine_forgets_old_finished_requests_and_refuses_a_live_id(tiny_chat):
     """A server answers requests for days: only the newest max_finished_requests stay in engine.requests."""
     model, tokenizer = tiny_chat
     async_engine = AsyncEngine(LLMEngine(model, tokenizer, num_blocks=32), max_finished_requests=2)
@@ -283,9 +283,17 @@ def test_async_engine_forgets_old_finished_requests(tiny_chat):
         params = minillm.SamplingParams(max_new_tokens=2)
         return [out async for out in async_engine.generate([5, 6, 7], params, request_id)][-1]
 
+    async def same_id_twice():
+        first = async_engine.generate([5, 6, 7], minillm.SamplingParams(max_new_tokens=50), "dup")
+        await first.__anext__()
+        with pytest.raises(ValueError, match="'dup' is already streaming"):
+            await async_engine.generate([5], minillm.SamplingParams(max_new_tokens=2), "dup").__anext__()
+        return [out async for out in first][-1]  # the first one is unharmed
+
     try:
         last = [asyncio.run(answer(f"r{i}")) for i in range(4)]
+        assert len(asyncio.run(same_id_twice()).token_ids) == 50
     finally:
         async_engine.close()
     assert [out.token_ids for out in last] == [last[0].token_ids] * 4 and last[0].finish_reason == "length"
-    assert list(async_engine.engine.requests) == ["r2", "r3"]
+    assert list(async_engine.engine.requests) == ["r3", "dup"]
