@@ -15,7 +15,7 @@ from __future__ import annotations
 import numbers
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -27,6 +27,9 @@ from .phases import decode_step, prefill
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, sample
 from .stop_strings import StopStringMatcher
+
+if TYPE_CHECKING:
+    from .speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,9 @@ class GenerationStep:
             released by a later step); a matched stop string and what follows are never
             included. The steps' texts joined are the answer. None without a tokenizer.
         stop_reason: the stop string or stop id that ended generation (vLLM's name), else None.
+        proposed, accepted: with ``speculative=``, on the first token of each verification pass:
+            the draft tokens it checked and how many the model accepted (its later tokens carry
+            None, so sums over the steps are the request's totals); None without speculation.
     """
 
     token_id: int
@@ -61,6 +67,8 @@ class GenerationStep:
     prefill_tokens: int = 0
     text: str | None = None
     stop_reason: int | str | None = None
+    proposed: int | None = None
+    accepted: int | None = None
 
 
 def generate(
@@ -72,6 +80,7 @@ def generate(
     prefix_cache: PrefixCache | None = None,
     trace=None,
     tokenizer=None,
+    speculative: SpeculativeConfig | None = None,
 ) -> Iterator[GenerationStep]:
     """Generate tokens for one prompt, yielding a :class:`GenerationStep` per token.
 
@@ -96,12 +105,16 @@ def generate(
             event). None (default): nothing is recorded.
         tokenizer: a :class:`~minillm.tokenizer.Tokenizer`; each step then carries its
             ``text``. Needed for ``params.stop`` (stop strings are matched on text).
+        speculative: a :class:`~minillm.speculative.SpeculativeConfig`: a draft proposes
+            tokens and the model verifies several per pass (minillm/speculative.py); the steps
+            are the same tokens (greedy) or the same distribution (sampling). Not with
+            ``prefix_cache`` or ``trace`` yet. None (default): one token per decode step.
 
     The last yielded step carries the ``finish_reason``. For batched decoding call
     :func:`prefill` and :func:`decode_step` directly, with [B, T] ids.
 
     Raises ValueError (text instead of ids, an empty or batched prompt, stop strings
-    without a tokenizer, bad eos ids), CacheFullError (the prompt does not fit).
+    without a tokenizer, bad eos ids, a bad ``speculative``), CacheFullError (the prompt does not fit).
     """
     prompt_ids = check_prompt(prompt_ids)
     params = check_params(model, params, tokenizer)
@@ -114,6 +127,9 @@ def generate(
         max_seq_len = min(model.config.max_seq_len, len(prompt_ids) + params.max_new_tokens)
         cache = KVCache.for_model(model, max_seq_len=max(max_seq_len, 1))
     eos = eos_token_set(model, eos_token_ids)
+    if speculative is not None:
+        yield from _speculative(model, prompt_ids, params, cache, eos, speculative, tokenizer, prefix_cache, trace)
+        return
     generator = params.make_generator(cache.k.device)
     text = TextStream(tokenizer, params.stop) if tokenizer is not None else None
     output_ids: list[int] = []
@@ -130,7 +146,7 @@ def generate(
             token_id = token.item()  # waits for the device: the token is now really known
             output_ids.append(token_id)
             now = time.perf_counter()
-            reason, stop_reason = _finish_reason(token_id, n, eos, params, cache)
+            reason, stop_reason = _finish_reason(token_id, n, eos, params, cache.length >= cache.max_seq_len)
             piece = text.push(token_id, last=reason is not None) if text else None
             if text and text.matched is not None:
                 reason, stop_reason = "stop", text.matched
@@ -150,6 +166,18 @@ def generate(
     finally:  # also when the caller stops iterating early (generator close)
         if request:
             prefix_cache.end(request)
+
+
+def _speculative(model, prompt_ids, params, cache, eos, speculative, tokenizer, prefix_cache, trace):
+    """Checks, then :func:`minillm.speculative.generate_speculative` (imported here: it imports this module)."""
+    from .speculative import SpeculativeConfig, generate_speculative
+
+    if not isinstance(speculative, SpeculativeConfig):
+        raise ValueError(f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}; "
+                         "write SpeculativeConfig(method='ngram', num_speculative_tokens=5)")
+    if prefix_cache is not None or trace is not None:
+        raise ValueError("speculative decoding does not take prefix_cache= or trace= yet; drop one of them")
+    return generate_speculative(model, prompt_ids, params, cache, eos, speculative, tokenizer)
 
 
 def check_prompt(prompt_ids) -> torch.Tensor:
@@ -195,16 +223,17 @@ def eos_token_set(model: Transformer, eos_token_ids) -> set[int]:
     return {int(i) for i in ids}
 
 
-def _finish_reason(token_id: int, n_generated: int, eos: set, params: SamplingParams, cache: KVCache):
-    """(finish_reason, stop_reason) after ``token_id``; (None, None) to go on."""
+def _finish_reason(token_id: int, n_generated: int, eos: set, params: SamplingParams, cache_full: bool):
+    """(finish_reason, stop_reason) after ``token_id``; (None, None) to go on. ``cache_full``: the
+    KV cache has no room to decode this token."""
     if token_id in eos and not params.ignore_eos:
         return "eos", None
     if token_id in params.stop_token_ids:
         return "stop", token_id
     if n_generated >= params.max_new_tokens:
         return "length", None
-    if cache.length >= cache.max_seq_len:
-        return "cache_full", None  # no room to decode this token
+    if cache_full:
+        return "cache_full", None
     return None, None
 
 

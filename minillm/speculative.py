@@ -1,0 +1,318 @@
+"""Speculative decoding: a cheap draft guesses k tokens, the model checks them in one pass.
+
+Decode reads every weight to produce one token. Checking k guessed tokens costs about the
+same single read (a short prefill onto the filled KV cache), so each accepted guess is a
+token for free. Exact verification (Leviathan et al. 2023, "Fast Inference from Transformers
+via Speculative Decoding"; Chen et al. 2023, "Accelerating LLM Decoding with Speculative
+Sampling") keeps the output distribution exactly the model's:
+
+    draft:    last=t4   propose  d1 d2 d3                      (k = 3; q_i: the draft's distributions)
+    verify:   [t4 d1 d2 d3] --one pass onto the cache--> p_0 p_1 p_2 p_3   (the target's, k+1 rows)
+    accept:   d_i with probability min(1, p_i(d_i) / q_i(d_i)), in order, until one is rejected
+    resample: at the first rejection, draw from normalize(max(0, p_i - q_i)): that replaces d_i
+    bonus:    all k accepted: one more token drawn from p_k, for free
+    truncate: the cache keeps t4 and the accepted drafts; rejected positions go (KVCache.truncate)
+
+Greedy decoding is the case where p and q are one-hot: accept while d_i is the model's
+argmax, then take the argmax. So the greedy output is token for token plain greedy's.
+
+Drafts implement :class:`Draft` (``propose(token_ids, k) -> list[int]``): here prompt lookup
+(:class:`NgramDraft`, no second model) and a small model with the same vocabulary
+(:class:`DraftModel`). Names follow vLLM's ``speculative_config``.
+"""
+
+from __future__ import annotations
+
+import numbers
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .generate import GenerationStep, TextStream, _finish_reason
+from .kv_cache import KVCache
+from .model import Transformer
+from .phases import _as_batch, _check_state, decode_step, prefill
+from .sampling import SamplingParams, _ids, apply_penalties, filter_logits, sample
+
+METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How to speculate; the names are vLLM's ``speculative_config`` keys.
+
+    Attributes:
+        method: "ngram" (prompt lookup: propose what followed the last n-gram earlier in the
+            prompt + output) or "draft_model" (a small model with the same vocabulary).
+        num_speculative_tokens: k >= 1, tokens the draft proposes per verification pass.
+        prompt_lookup_min, prompt_lookup_max: n-gram sizes tried, longest first (ngram only).
+        draft_model: the draft :class:`~minillm.model.Transformer` (draft_model only).
+
+    Raises ValueError naming the field and the fix.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 5
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    draft_model: Transformer | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        if (self.method == "draft_model") != (self.draft_model is not None):
+            raise ValueError("method='draft_model' needs draft_model=<a loaded Transformer>, and only it takes one; "
+                             f"got method={self.method!r} with draft_model={type(self.draft_model).__name__}")
+        if self.draft_model is not None and not isinstance(self.draft_model, Transformer):
+            raise ValueError(f"draft_model must be a minillm Transformer (load_model(...)), "
+                             f"got {type(self.draft_model).__name__}")
+
+
+class Draft:
+    """What a draft does: guess the next tokens. Subclass it and write :meth:`propose`.
+
+    A deterministic draft (prompt lookup) only proposes: its q is one-hot, so token d is
+    accepted with probability p(d). A draft that samples also returns its distributions
+    from :meth:`draft_probs`, so the verifier can use min(1, p/q) and max(0, p - q).
+    """
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to ``k`` token ids guessed to follow ``token_ids`` (prompt + output so far); [] for no guess."""
+        raise NotImplementedError
+
+    def draft_probs(self) -> torch.Tensor | None:
+        """q of the last proposal, [n_proposed, vocab] float32, row i the distribution d_i was drawn
+        from; None (default): the draft is deterministic, q is one-hot on each proposed token."""
+        return None
+
+
+class NgramDraft(Draft):
+    """Prompt lookup: find the last n tokens earlier in prompt + output, propose what followed.
+
+    n goes from ``prompt_lookup_max`` down to ``prompt_lookup_min``; the latest earlier
+    occurrence wins (the text most like the current one). vLLM's ngram speculator and
+    transformers' ``prompt_lookup_num_tokens`` do the same search (transformers takes the
+    earliest occurrence). It wins when the output copies the input: quoting, editing, code.
+    """
+
+    def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 3):
+        self.prompt_lookup_min, self.prompt_lookup_max = prompt_lookup_min, prompt_lookup_max
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        for n in range(min(self.prompt_lookup_max, len(token_ids) - 1), self.prompt_lookup_min - 1, -1):
+            pattern = token_ids[-n:]
+            for start in range(len(token_ids) - n - 1, -1, -1):  # latest first; not the pattern itself
+                if token_ids[start : start + n] == pattern:
+                    return token_ids[start + n : start + n + k]
+        return []
+
+
+class DraftModel(Draft):
+    """A small model with the target's vocabulary drafts by sampling, with its own KV cache.
+
+    Its cache holds the tokens it has seen; each :meth:`propose` keeps the part that still
+    agrees with ``token_ids`` (dropping rejected drafts: ``KVCache.truncate``), prefills the
+    rest, then decodes k tokens. It samples with the request's temperature, top-k and top-p
+    (the same transform as the target's p; penalties are left out, which changes only how
+    often drafts are accepted, never the output distribution).
+    """
+
+    def __init__(self, model: Transformer, params: SamplingParams, generator, max_seq_len: int):
+        context = model.config.max_seq_len
+        if max_seq_len > context:
+            raise ValueError(f"the draft model's context is {context} tokens but the request may need {max_seq_len}; "
+                             "use a draft with a longer context or lower max_new_tokens")
+        self.model, self.params, self.generator = model, params, generator
+        self.cache = KVCache.for_model(model, max_seq_len=max_seq_len)
+        self.cached_ids: list[int] = []  # the tokens whose K/V self.cache holds
+        self.q: torch.Tensor | None = None
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        keep = _common_prefix(self.cached_ids, token_ids[:-1])  # at least one new token to run
+        self.cache.truncate(keep)
+        logits = prefill(self.model, token_ids[keep:], self.cache)
+        drafted, q = [], []
+        for i in range(k):
+            probs = token_probs(logits, self.params)[0]
+            drafted.append(torch.multinomial(probs, 1, generator=self.generator).item())
+            q.append(probs)
+            if i < k - 1:
+                logits = decode_step(self.model, drafted[-1], self.cache)
+        self.cached_ids = token_ids + drafted[:-1]
+        self.q = torch.stack(q)
+        return drafted
+
+    def draft_probs(self) -> torch.Tensor | None:
+        return self.q
+
+
+def make_draft(config: SpeculativeConfig, model: Transformer, params: SamplingParams, generator,
+               max_seq_len: int) -> Draft:
+    """The :class:`Draft` ``config`` names, for a request on ``model`` with a cache of ``max_seq_len``.
+    Raises ValueError when a draft model's vocabulary differs from the model's."""
+    if config.method == "ngram":
+        return NgramDraft(config.prompt_lookup_min, config.prompt_lookup_max)
+    draft_vocab, vocab = config.draft_model.config.vocab_size, model.config.vocab_size
+    if draft_vocab != vocab:
+        raise ValueError(f"the draft model's vocabulary has {draft_vocab} tokens but the model's has {vocab}; "
+                         "a draft must share the model's tokenizer (e.g. a smaller model of the same family)")
+    return DraftModel(config.draft_model, params, generator, max_seq_len)
+
+
+def token_probs(logits: torch.Tensor, params: SamplingParams, prompt_ids=None, output_ids=None) -> torch.Tensor:
+    """The distribution :func:`~minillm.sampling.sample` draws from: logits [B, vocab] -> probs [B, vocab].
+
+    Penalties (with ``prompt_ids`` / ``output_ids``, [B, T] as in ``sample``), then greedy as
+    one-hot on the argmax, else softmax(filter_logits(...)): temperature, min-p, top-k, top-p.
+    """
+    logits = logits.float()
+    if params.has_penalties:
+        logits = apply_penalties(logits, params, _ids(prompt_ids, logits), _ids(output_ids, logits))
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    shifted = logits - logits.amax(dim=-1, keepdim=True)  # as in sample(): a tiny temperature then gives 0, not NaN
+    return torch.softmax(filter_logits(shifted, params), dim=-1)
+
+
+def accept_or_resample(p: torch.Tensor, q: torch.Tensor | None, draft_ids: list[int], generator=None):
+    """The verification rule: which drafts to keep, and the one token the target adds.
+
+    Args:
+        p: [k+1, vocab] the target's distributions at the last token and after each draft.
+        q: [k, vocab] the draft's distributions (None: one-hot on each draft, a deterministic draft).
+        draft_ids: the k proposed tokens.
+        generator: random source for the accept test and the draws.
+
+    Returns (n_accepted, token): drafts[:n_accepted] are kept, then ``token``: drawn from
+    normalize(max(0, p_i - q_i)) at the first rejection i, else the bonus token from p_k.
+    Accepting d with probability min(1, p(d)/q(d)) and resampling from the residual gives
+    tokens distributed exactly as p (Leviathan et al. 2023, Theorem 1).
+    """
+    for i, d in enumerate(draft_ids):
+        q_i = q[i] if q is not None else torch.nn.functional.one_hot(torch.tensor(d), p.shape[-1]).to(p)
+        ratio = p[i, d] / q_i[d]
+        if ratio >= 1 or torch.rand((), generator=generator, device=p.device) < ratio:
+            continue
+        residual = (p[i] - q_i).clamp(min=0)
+        if residual.sum() <= 0:  # p == q up to rounding: the rejection had probability ~0
+            residual = p[i]
+        return i, torch.multinomial(residual / residual.sum(), 1, generator=generator).item()
+    return len(draft_ids), torch.multinomial(p[-1], 1, generator=generator).item()
+
+
+def verify(model: Transformer, token_ids: list[int], cache: KVCache) -> torch.Tensor:
+    """The verification pass: [last, d1..dk] onto the filled cache, the logits of every position.
+
+    A prefill that keeps all k+1 rows of logits (prefill keeps only the last): row i is the
+    model's next-token logits after token i. Returns float32 [k+1, vocab]; cache.length grows by
+    k+1 (the caller truncates the rejected drafts). Raises as :func:`~minillm.phases.prefill`.
+    """
+    _check_state(model, cache, None)
+    ids = _as_batch(model, token_ids, cache, what="token_ids")
+    cache.check_room(ids.shape[1])
+    with torch.inference_mode():
+        return model(ids, cache=cache)[0].float()
+
+
+def generate_speculative(model: Transformer, prompt_ids: torch.Tensor, params: SamplingParams, cache: KVCache,
+                         eos: set[int], config: SpeculativeConfig, tokenizer=None):
+    """:func:`~minillm.generate.generate` with speculative decoding; called by it, same steps.
+
+    The first token comes from the prefill as usual; then each round drafts k tokens, verifies
+    them in one pass and yields the accepted ones and the target's own token. k shrinks near
+    ``max_new_tokens`` and the end of the cache, so no pass writes past them; a stop inside a
+    round truncates the cache to where plain decoding would have it. The first step of each
+    round carries ``proposed`` / ``accepted``.
+    """
+    if cache.batch_size != 1:
+        raise ValueError(f"speculative decoding runs one sequence, got a KV cache for batch {cache.batch_size}; "
+                         "pass a batch-1 cache or none")
+    generator = params.make_generator(cache.k.device)
+    draft = make_draft(config, model, params, generator, cache.max_seq_len)
+    text = TextStream(tokenizer, params.stop) if tokenizer is not None else None
+    prompt, output = prompt_ids.tolist(), []
+    logits = prefill(model, prompt_ids, cache)
+    token, logprob = sample(logits, params, generator, prompt_ids[None], [output])
+    emitted, phase, counts = [(token.item(), logprob.item())], "prefill", (None, None)
+    while True:
+        start_length = cache.length - (len(emitted) - 1)  # holds everything before emitted[0]
+        for i, (token_id, logprob) in enumerate(emitted):
+            output.append(token_id)
+            length = start_length + i  # the cache length plain decoding would have now
+            reason, stop_reason = _finish_reason(token_id, len(output), eos, params, length >= cache.max_seq_len)
+            piece = text.push(token_id, last=reason is not None) if text else None
+            if text and text.matched is not None:
+                reason, stop_reason = "stop", text.matched
+            proposed, accepted = counts if i == 0 else (None, None)
+            yield GenerationStep(token_id, logprob, phase, length, time.perf_counter(), reason, prefill_tokens=len(prompt),
+                                 text=piece, stop_reason=stop_reason, proposed=proposed, accepted=accepted)
+            if reason:
+                cache.truncate(length)
+                return
+        phase = "decode"
+        emitted, counts = _round(model, draft, config, params, generator, cache, prompt, output)
+
+
+def _round(model, draft: Draft, config, params, generator, cache: KVCache, prompt: list[int], output: list[int]):
+    """One draft-verify-accept round. Returns ([(token, logprob)] to emit, (proposed, accepted))."""
+    room = min(cache.max_seq_len - cache.length - 1, params.max_new_tokens - len(output) - 1)
+    k = min(config.num_speculative_tokens, room)
+    drafted = draft.propose(prompt + output, k)[:k] if k > 0 else []
+    start = cache.length
+    logits = verify(model, [output[-1]] + drafted, cache)
+    history = output + drafted  # the target's p_i sees the drafts before it (penalties count them)
+    p = torch.cat([token_probs(logits[i : i + 1], params, [prompt], [history[: len(output) + i]])
+                   for i in range(len(drafted) + 1)])
+    q = draft.draft_probs()
+    n_accepted, token = accept_or_resample(p, None if q is None else q.to(p.device), drafted, generator)
+    cache.truncate(start + 1 + n_accepted)  # the last token and the accepted drafts; the new token is not in yet
+    tokens = drafted[:n_accepted] + [token]
+    logprobs = torch.log_softmax(logits[: len(tokens)], dim=-1)[torch.arange(len(tokens)), tokens]
+    return list(zip(tokens, logprobs.tolist())), (len(drafted), n_accepted)
+
+
+@dataclass(frozen=True)
+class SpeculativeStats:
+    """A request's speculation, from its steps (vLLM's spec-decode metrics, per request).
+
+    Attributes:
+        num_drafts: verification passes that had at least one proposed token.
+        num_draft_tokens: tokens proposed over the request.
+        num_accepted_tokens: of those, accepted.
+        acceptance_rate: num_accepted_tokens / num_draft_tokens (0 without drafts).
+        mean_acceptance_length: tokens per pass with drafts: 1 + accepted / num_drafts
+            (vLLM's definition; the one token the target adds counts).
+    """
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+    @classmethod
+    def from_steps(cls, steps) -> "SpeculativeStats":
+        rounds = [s for s in steps if s.proposed]
+        return cls(len(rounds), sum(s.proposed for s in rounds), sum(s.accepted for s in rounds))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+

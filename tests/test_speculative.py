@@ -1,0 +1,285 @@
+"""Speculative decoding (minillm/speculative.py) against plain decoding and the model's distribution.
+
+Oracles: plain greedy generate (token for token), transformers' softmax on the same weights
+(the sampled distribution, chi-square), teacher-forced decode_step (the KV cache), hand cases.
+"""
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from minillm import KVCache, PrefixCache, SamplingParams, decode_step, generate, load_model, load_tokenizer, prefill
+from minillm.speculative import NgramDraft, SpeculativeConfig, SpeculativeStats, accept_or_resample
+from tiny_models import LLAMA_BASE, build_hf, save_hf
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 9, 5, 6], [1, 2, 3, 4, 5, 6, 7, 8], [3, 3, 3, 3], [42]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on one thread: their products are too small to share, and on a busy machine
+    two threads waiting for each other made these tests 50x slower (measured)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _draft_like(hf_target, noise: float, seed: int):
+    """A copy of the target with noisy weights: accepts often, rejects sometimes."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in hf_target.parameters():
+            p.add_(noise * torch.randn_like(p))
+    return hf_target
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """Folders of (target, draft): tiny Llamas with a 128-token vocabulary."""
+    root = tmp_path_factory.mktemp("spec")
+    draft = _draft_like(build_hf("llama", LLAMA_BASE), noise=0.02, seed=1)
+    return save_hf(build_hf("llama", LLAMA_BASE), root / "target"), save_hf(draft, root / "draft")
+
+
+@pytest.fixture(scope="module")
+def models(model_dirs):
+    """(target, draft) in float32."""
+    return tuple(load_model(d, device="cpu") for d in model_dirs)
+
+
+def _config(method: str, k: int, draft) -> SpeculativeConfig:
+    return SpeculativeConfig(method, k, draft_model=draft if method == "draft_model" else None)
+
+
+# -- greedy: token for token plain greedy -------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("k", range(1, 9))
+def test_greedy_output_is_plain_greedy(models, method, k):
+    target, draft = models
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    for prompt in PROMPTS:
+        plain = [(s.token_id, s.cache_length, s.phase) for s in generate(target, prompt, params)]
+        steps = list(generate(target, prompt, params, speculative=_config(method, k, draft)))
+        assert [(s.token_id, s.cache_length, s.phase) for s in steps] == plain
+        assert steps[-1].finish_reason == "length"
+        assert sum(s.proposed for s in steps if s.proposed) > 0  # speculation really happened
+
+
+def test_greedy_with_penalties_is_plain_greedy(models):
+    """The target's p at draft i counts the drafts before it (presence, frequency, repetition)."""
+    target, draft = models
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5)
+    for method in ("ngram", "draft_model"):
+        plain = [s.token_id for s in generate(target, PROMPTS[0], params)]
+        spec = [s.token_id for s in generate(target, PROMPTS[0], params, speculative=_config(method, 4, draft))]
+        assert spec == plain
+
+
+def test_logprobs_are_the_models(models):
+    target, draft = models
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    plain = [s.logprob for s in generate(target, PROMPTS[0], params)]
+    spec = [s.logprob for s in generate(target, PROMPTS[0], params, speculative=_config("draft_model", 3, draft))]
+    assert spec == pytest.approx(plain, abs=1e-5)
+
+
+# -- sampling: exactly the target's distribution ------------------------------------------------
+
+def test_rule_gives_p_for_any_q():
+    """accept_or_resample alone: d ~ q, then the kept-or-resampled token is distributed as p (hand p, q)."""
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.1, 0.7]])
+    q = torch.tensor([[0.1, 0.6, 0.1, 0.2]])
+    gen = torch.Generator().manual_seed(0)
+    n, counts = 8000, torch.zeros(4)
+    for _ in range(n):
+        d = torch.multinomial(q[0], 1, generator=gen).item()
+        n_accepted, token = accept_or_resample(p, q, [d], gen)
+        counts[d if n_accepted else token] += 1
+        if n_accepted:
+            assert 0 <= token < 4  # the bonus, from p[1]
+        else:
+            assert token in (0, 2)  # residual max(0, p - q) = [0.4, 0, 0.1, 0]: tokens 0 and 2 only
+    assert _chi2_p_value(counts, p[0] * n) > 1e-3
+
+
+def test_rule_bonus_and_one_hot_cases():
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    assert accept_or_resample(p, None, [1, 2]) == (2, 0)  # all accepted: bonus from the last row
+    assert accept_or_resample(p, None, [1, 0]) == (1, 2)  # second rejected: the argmax there
+    assert accept_or_resample(p[:1], None, []) == (0, 1)  # no drafts: a plain decode step
+
+
+def _chi2_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson's chi-square test; cells expected below 5 are pooled into one (the usual rule)."""
+    small = expected < 5
+    obs = torch.cat([observed[~small], observed[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    return torch.special.gammaincc(torch.tensor((len(exp) - 1) / 2), stat / 2).item()
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    """(hf target, target, draft): vocab 8, logits scaled x4 so the distributions are far from uniform."""
+    root = tmp_path_factory.mktemp("vocab8")
+    cfg = dict(LLAMA_BASE, vocab_size=8)
+    hf = build_hf("llama", cfg)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(4)
+    target = load_model(save_hf(hf, root / "target"), device="cpu")
+    draft = _draft_like(build_hf("llama", cfg, seed=0), noise=0.1, seed=2)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(4)
+    return hf, target, load_model(save_hf(draft, root / "draft"), device="cpu")
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_tokens_follow_the_models_distribution(small_vocab, method):
+    """Over 1000 seeds, token 2 (the verified draft or the resampled token, k=1) and token 3 (the
+    bonus, or the next round's) follow transformers' p(t2, t3) = sum over t1 of p(t1) p(t2|t1) p(t3|t1,t2).
+    Resampling from p instead of max(0, p - q) gives p-values of 1e-12 (ngram) and 1e-20 (draft
+    model) on t2's marginal here (measured), so the test can fail."""
+    hf, target, draft = small_vocab
+    prompt = list(range(8)) * 2  # every token seen before: the ngram draft always proposes
+    V, n = 8, 1000
+    with torch.no_grad():  # every continuation t1 t2 in one batch: [64, len(prompt) + 2]
+        pairs = torch.cartesian_prod(torch.arange(V), torch.arange(V))
+        ids = torch.cat([torch.tensor(prompt).expand(V * V, -1), pairs], dim=1)
+        probs = torch.softmax(hf(ids).logits.double(), dim=-1)
+    p1 = probs[0, len(prompt) - 1]  # [V]
+    p2 = probs[::V, len(prompt)]  # [V (t1), V (t2)]
+    p3 = probs[:, len(prompt) + 1].reshape(V, V, V)  # [t1, t2, t3]
+    expected = torch.einsum("a,ab,abc->bc", p1, p2, p3) * n  # [t2, t3]
+    counts, proposed, accepted = torch.zeros(V, V, dtype=torch.float64), 0, 0
+    config = _config(method, 1, draft)
+    for seed in range(n):
+        params = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=3, ignore_eos=True)
+        steps = list(generate(target, prompt, params, speculative=config))
+        counts[steps[1].token_id, steps[2].token_id] += 1
+        proposed, accepted = proposed + steps[1].proposed, accepted + steps[1].accepted
+    assert 50 < accepted < proposed - 50  # both accepts and rejections were exercised
+    assert _chi2_p_value(counts.sum(1), expected.sum(1)) > 1e-3  # t2
+    assert _chi2_p_value(counts.flatten(), expected.flatten()) > 1e-3  # (t2, t3)
+
+
+# -- the KV cache equals plain decoding's ------------------------------------------------------
+
+# float64 is not bit-exact: a (k+1)-row product rounds differently from a 1-row one (3e-16 measured)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+def test_cache_equals_plain_decoding_of_the_same_tokens(model_dirs, dtype, tol):
+    """Sampled runs (each a different accept/reject pattern) vs the same tokens decoded one at a time."""
+    target, draft = (load_model(d, device="cpu").to(dtype).pack_weights() for d in model_dirs)  # float64 too
+    patterns = set()
+    for seed in range(4):
+        params = SamplingParams(temperature=1.5, seed=seed, max_new_tokens=20, ignore_eos=True)
+        cache = KVCache.for_model(target, max_seq_len=64)
+        steps = list(generate(target, PROMPTS[0], params, cache=cache, speculative=_config("draft_model", 3, draft)))
+        patterns.add(tuple(s.accepted for s in steps if s.proposed))
+        plain = KVCache.for_model(target, max_seq_len=64)
+        prefill(target, PROMPTS[0], plain)
+        for step in steps[:-1]:
+            decode_step(target, step.token_id, plain)
+        assert cache.length == plain.length == len(PROMPTS[0]) + len(steps) - 1
+        n = plain.length
+        torch.testing.assert_close(cache.k[..., :n, :], plain.k[..., :n, :], atol=tol, rtol=0)
+        torch.testing.assert_close(cache.v[..., :n, :], plain.v[..., :n, :], atol=tol, rtol=0)
+    assert len(patterns) > 1 and {0, 3} <= {a for p in patterns for a in p}  # rejections and full accepts
+
+
+# -- stopping exactly where plain generate stops -----------------------------------------------
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("stop", ["eos", "stop_id", "max_new_tokens", "cache", "context"])
+def test_stops_where_plain_generate_stops(models, method, stop):
+    """A draft proposing past EOS, a stop id, max_new_tokens, the cache or the model's context."""
+    target, draft = models
+    prompt = PROMPTS[0]
+    free = [s.token_id for s in generate(target, prompt, SamplingParams(max_new_tokens=30, ignore_eos=True))]
+    mid = free[len(free) // 2]  # a token the output reaches in mid-run
+    kwargs, params = {}, SamplingParams(max_new_tokens=30, ignore_eos=True)
+    if stop == "eos":
+        kwargs["eos_token_ids"], params = [mid], SamplingParams(max_new_tokens=30)
+    elif stop == "stop_id":
+        params = SamplingParams(max_new_tokens=30, stop_token_ids=[mid])
+    elif stop == "max_new_tokens":
+        params = SamplingParams(max_new_tokens=7, ignore_eos=True)
+    elif stop == "cache":
+        kwargs["cache_size"] = len(prompt) + 11
+    else:  # the model's 128 positions
+        prompt = (prompt * 13)[:120]
+    runs = []
+    for speculative in (None, _config(method, 8, draft)):
+        cache = KVCache.for_model(target, max_seq_len=kwargs.get("cache_size", 128))
+        steps = list(generate(target, prompt, params, cache=cache, eos_token_ids=kwargs.get("eos_token_ids"),
+                              speculative=speculative))
+        runs.append(([s.token_id for s in steps], steps[-1].finish_reason, steps[-1].stop_reason, cache.length))
+    assert runs[1] == runs[0]
+    assert runs[0][1] == {"eos": "eos", "stop_id": "stop", "max_new_tokens": "length"}.get(stop, "cache_full")
+
+
+# -- the drafts ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ids, k, lookup, proposal", [
+    ([1, 2, 3, 9, 1, 2], 2, (1, 3), [3, 9]),
+    ([1, 2, 7, 1, 2, 8, 1, 2], 2, (1, 3), [8, 1]),  # the latest earlier occurrence of [1, 2]
+    ([4, 5, 6, 1, 5, 6], 5, (1, 3), [1, 5, 6]),  # fewer than k tokens follow
+    ([7, 1, 9, 2, 1], 3, (1, 3), [9, 2, 1]),  # only a 1-gram matches
+    ([7, 1, 9, 2, 1], 3, (2, 3), []),  # ... which prompt_lookup_min=2 refuses
+    ([1, 2, 3], 3, (1, 3), []),
+    ([3, 1, 2, 3, 4, 2, 3], 2, (1, 3), [4, 2]),  # [4, 2, 3] unseen; [2, 3] at 2 (the 1-gram [3] is never tried)
+])
+def test_ngram_draft_proposes_what_followed(ids, k, lookup, proposal):
+    assert NgramDraft(*lookup).propose(ids, k) == proposal
+
+
+def test_stats_from_steps(models):
+    target, _ = models
+    steps = list(generate(target, PROMPTS[2], SamplingParams(max_new_tokens=24, ignore_eos=True),
+                          speculative=SpeculativeConfig("ngram", 4)))
+    rounds = [s for s in steps if s.proposed]
+    stats = SpeculativeStats.from_steps(steps)
+    assert stats.num_draft_tokens == sum(s.proposed for s in rounds) > 0
+    assert stats.acceptance_rate == sum(s.accepted for s in rounds) / stats.num_draft_tokens
+    # every step is a token: one from the prefill, then per pass its accepted drafts + 1
+    passes = sum(1 for s in steps if s.proposed is not None)
+    assert len(steps) == 1 + passes + stats.num_accepted_tokens
+    assert stats.mean_acceptance_length == 1 + stats.num_accepted_tokens / len(rounds)
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_speculative_tokens=0), "num_speculative_tokens must be an integer >= 1"),
+    (dict(num_speculative_tokens=2.0), "num_speculative_tokens must be an integer >= 1"),
+    (dict(method="medusa"), "must be one of ngram, draft_model"),
+    (dict(prompt_lookup_min=4, prompt_lookup_max=2), "prompt_lookup_min (4) must be <= prompt_lookup_max (2)"),
+    (dict(method="draft_model"), "needs draft_model=<a loaded Transformer>"),
+    (dict(draft_model="gpt2", method="draft_model"), "must be a minillm Transformer"),
+])
+def test_bad_config_is_one_line(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
+        SpeculativeConfig(**kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_use_is_one_line(models, tmp_path):
+    target, _ = models
+    other = load_model(save_hf(build_hf("llama", dict(LLAMA_BASE, vocab_size=64)), tmp_path / "v64"), device="cpu")
+    params = SamplingParams(max_new_tokens=4)
+    cases = [
+        (dict(speculative=SpeculativeConfig("draft_model", 2, draft_model=other)), "vocabulary has 64 tokens"),
+        (dict(speculative=SpeculativeConfig(), cache=KVCache.for_model(target, batch_size=2, max_seq_len=32)),
+         "runs one sequence, got a KV cache for batch 2"),
+        (dict(speculative=SpeculativeConfig(), prefix_cache=PrefixCache(target)), "does not take prefix_cache="),
+        (dict(speculative={"method": "ngram"}), "must be a SpeculativeConfig"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message) as e:
+            list(generate(target, PROMPTS[0], params, **kwargs))
+        assert "\n" not in str(e.value)
