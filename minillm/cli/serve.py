@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import socket
 import sys
 
@@ -32,6 +33,9 @@ def add_serve(sub) -> None:
                    help="requests share the KV blocks of a common prompt prefix (vLLM's flag)")
     p.add_argument("--max-waiting-requests", type=int,
                    help="answer 503 while this many requests wait for a slot (default: no limit)")
+    p.add_argument("--api-key", default=os.environ.get("MINILLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 requests (vLLM's flag; default: "
+                        "$MINILLM_API_KEY, else no key)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     p.set_defaults(run=run_serve)
 
@@ -62,8 +66,10 @@ def run_serve(args) -> int:
                        enable_prefix_caching=args.enable_prefix_caching)
     async_engine = AsyncEngine(engine, args.max_waiting_requests)
     name = args.served_model_name or str(args.model)
-    app = create_app(async_engine, tokenizer, name)
+    app = create_app(async_engine, tokenizer, name, api_key=args.api_key)
     print(_banner(args.host, args.port, name, engine), file=sys.stderr, flush=True)
+    if args.api_key:
+        print("  /v1 needs the header 'Authorization: Bearer <the --api-key>'", file=sys.stderr, flush=True)
     try:
         # on Ctrl-C, open streams get GRACEFUL_SHUTDOWN_S to finish, then are cut (uvicorn would wait forever)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning",

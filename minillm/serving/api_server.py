@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
@@ -44,7 +45,7 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def create_app(async_engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
+def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``async_engine``'s model under the name ``model_name``.
 
     Args:
@@ -53,6 +54,8 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI
         tokenizer: the model's :class:`~minillm.tokenizer.Tokenizer` (text in, text out,
             the chat template).
         model_name: what /v1/models lists and requests must name (or leave out).
+        api_key: if given, every /v1 request must send ``Authorization: Bearer <api_key>``
+            (401 otherwise), as vLLM's ``--api-key``; /health, /metrics and the web view stay open.
 
     The app's metrics live in their own Prometheus registry (``app.state.metrics``), so several
     apps in one process (tests) do not collide.
@@ -66,6 +69,17 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI
     app.include_router(web_view_router)  # GET / (the live engine view) and GET /engine/state
     model = async_engine.engine.model
     defaults, context, created_s = generation_config_of(model).defaults, model.config.max_seq_len, protocol.now_s()
+
+    expected_auth = f"Bearer {api_key}".encode()
+
+    def check_api_key(request: Request) -> None:
+        """A dependency of the /v1 routes (not a middleware: Starlette's would hide disconnects)."""
+        if api_key is not None and not secrets.compare_digest(
+                request.headers.get("authorization", "").encode(), expected_auth):
+            raise APIError(401, "a missing or wrong API key: send the header 'Authorization: Bearer KEY' "
+                                "(the server's --api-key)", code="invalid_api_key")
+
+    v1 = dict(dependencies=[Depends(check_api_key)])
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
@@ -95,12 +109,12 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI
         body = await asyncio.to_thread(metrics.exposition)  # the gauges wait for the engine's lock
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **v1)
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created_s,
                                             "owned_by": "minillm", "max_model_len": context}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **v1)
     async def completions(request: Request):
         body = await _parse(request, protocol.CompletionRequest)
         _check_model(body.model, model_name)
@@ -112,7 +126,7 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI
         reply = protocol.CompletionReply(f"cmpl-{uuid.uuid4().hex}", model_name)
         return await _respond(async_engine.generate(prompt_ids, params, reply.id), body, reply, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **v1)
     async def chat_completions(request: Request):
         body = await _parse(request, protocol.ChatCompletionRequest)
         _check_model(body.model, model_name)

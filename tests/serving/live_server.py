@@ -6,7 +6,7 @@
 
 Keyword arguments go to :class:`~minillm.serving.engine.LLMEngine` (``num_blocks``,
 ``block_size``, ``max_num_seqs``, ...), except ``max_waiting_requests`` (the server's queue
-limit). On exit the server stops and the engine thread is closed, even after a failure.
+limit) and ``api_key`` (then /v1 needs ``Authorization: Bearer KEY``). On exit the server stops and the engine thread is closed, even after a failure.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def live_server(model, tokenizer, model_name: str = "minillm-test", max_waiting_requests: int | None = None,
-                **engine_kwargs):
+                api_key: str | None = None, **engine_kwargs):
     """Serve ``model`` on 127.0.0.1 for the ``with`` block; yields the base URL (no trailing slash)."""
     async_engine = AsyncEngine(LLMEngine(model, tokenizer, **engine_kwargs), max_waiting_requests)
-    app = create_app(async_engine, tokenizer, model_name)
+    app = create_app(async_engine, tokenizer, model_name, api_key=api_key)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="off"))

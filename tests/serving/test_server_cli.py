@@ -30,7 +30,7 @@ def tiny_folder(tmp_path_factory, smollm2_dir):
 def test_serve_starts_answers_and_stops_on_ctrl_c(tiny_folder):
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", str(tiny_folder), "--port",
-                               str(port), "--max-num-seqs", "4", "--kv-cache-memory", "8MiB"],
+                               str(port), "--max-num-seqs", "4", "--kv-cache-memory", "8MiB", "--api-key", "k3y"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -42,10 +42,11 @@ def test_serve_starts_answers_and_stops_on_ctrl_c(tiny_folder):
                 return False
 
         wait_until(up, TIMEOUT_S, poll_s=0.2)
-        r = httpx.post(f"{url}/v1/completions", json={"model": str(tiny_folder), "prompt": "Hi", "max_tokens": 3},
-                       timeout=TIMEOUT_S)
+        body, key = {"model": str(tiny_folder), "prompt": "Hi", "max_tokens": 3}, {"Authorization": "Bearer k3y"}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT_S).status_code == 401
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=key, timeout=TIMEOUT_S)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-        models = httpx.get(f"{url}/v1/models", timeout=TIMEOUT_S).json()["data"]
+        models = httpx.get(f"{url}/v1/models", headers=key, timeout=TIMEOUT_S).json()["data"]
         assert [m["id"] for m in models] == [str(tiny_folder)]
         server.send_signal(signal.SIGINT)
         _, stderr = server.communicate(timeout=TIMEOUT_S)

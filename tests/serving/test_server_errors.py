@@ -6,6 +6,7 @@ import json
 import threading
 
 import httpx
+import openai
 import pytest
 from live_server import app_of, live_server, wait_until
 
@@ -113,7 +114,8 @@ def test_server_keeps_serving_after_bad_requests(server):
 
 def test_full_waiting_queue_is_503_and_a_client_that_gives_up_aborts(tiny_chat):
     """One request runs (max_num_seqs 1), one waits (the limit, 1): a third gets 503. The
-    waiting one's client then gives up: the server aborts it before it ever runs."""
+    waiting one's client then gives up: the server aborts it before it ever runs. The test
+    holds the engine's lock meanwhile, so the running request cannot finish first."""
     model, tokenizer = tiny_chat
     with live_server(model, tokenizer, num_blocks=64, max_num_seqs=1, max_waiting_requests=1) as url:
         async_engine = app_of(url).state.async_engine
@@ -122,23 +124,31 @@ def test_full_waiting_queue_is_503_and_a_client_that_gives_up_aborts(tiny_chat):
             hog = engine.add_request([5] * 20, minillm.SamplingParams(max_new_tokens=480, ignore_eos=True))
         async_engine.wake()
         wait_until(lambda: engine.requests[hog].status == "running")
+        third = []
 
         def waiting_client():  # gives up after 1 s, long before its turn
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(f"{url}/v1/completions", json={"prompt": [6] * 20, "max_tokens": 4}, timeout=1.0)
 
-        waiter = threading.Thread(target=waiting_client)
+        def third_client():
+            third.append(httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                                    timeout=TIMEOUT_S))
+
+        waiter, late = threading.Thread(target=waiting_client), threading.Thread(target=third_client)
         waiter.start()
         wait_until(lambda: len(engine.scheduler.waiting) == 1)
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=TIMEOUT_S)
-        assert r.status_code == 503
-        error = r.json()["error"]
+        with lock:  # the engine stands still: the hog runs, the waiter waits
+            late.start()
+            wait_until(lambda: len(async_engine._commands) == 1)  # the third one's add, queued first
+            waiter.join(TIMEOUT_S)
+            wait_until(lambda: len(async_engine._commands) == 2)  # the waiter's abort: the server saw it leave
+            (waited,) = [r for r in engine.requests.values() if r.prompt_ids == [6] * 20]
+        late.join(TIMEOUT_S)
+        assert third[0].status_code == 503
+        error = third[0].json()["error"]
         assert (error["type"], error["code"]) == ("server_error", "queue_full")
         assert "--max-waiting-requests" in error["message"]
-        with lock:  # the engine stands still (the hog cannot finish) while the waiter gives up
-            waiter.join(TIMEOUT_S)
-            (waited,) = [r for r in engine.requests.values() if r.prompt_ids == [6] * 20]
-        wait_until(lambda: waited.finished)  # the server polls the connection every DISCONNECT_POLL_S
+        wait_until(lambda: waited.finished)
         assert waited.finish_reason == "abort" and waited.output_ids == []
         assert engine.requests[hog].finish_reason is None  # still running: the abort did not wait for it
 
@@ -163,3 +173,15 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(tiny_chat):
         assert engine.cache.allocator.num_free_blocks == 64  # the failed request's blocks came back
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=TIMEOUT_S)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_api_key_is_required_on_v1_when_set(tiny_chat):
+    model, tokenizer = tiny_chat
+    with live_server(model, tokenizer, num_blocks=16, api_key="s3cret") as url:
+        body = {"prompt": "Hi", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer s3crét".encode("latin-1")}):
+            r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=TIMEOUT_S)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0, timeout=TIMEOUT_S) as client:
+            assert client.completions.create(model="minillm-test", **body).usage.completion_tokens == 2
+        assert httpx.get(f"{url}/health", timeout=TIMEOUT_S).status_code == 200  # open: a probe has no key
