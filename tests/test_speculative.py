@@ -5,13 +5,12 @@ Oracles: plain greedy generate (token for token), transformers' softmax on the s
 """
 
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from minillm import KVCache, PrefixCache, SamplingParams, decode_step, generate, load_model, load_tokenizer, prefill
+from minillm.cli import main
 from minillm.speculative import NgramDraft, SpeculativeConfig, SpeculativeStats, accept_or_resample
 from tiny_models import LLAMA_BASE, build_hf, save_hf
 
@@ -141,13 +140,13 @@ def small_vocab(tmp_path_factory):
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_sampled_tokens_follow_the_models_distribution(small_vocab, method):
-    """Over 1000 seeds, token 2 (the verified draft or the resampled token, k=1) and token 3 (the
+    """Over 600 seeds, token 2 (the verified draft or the resampled token, k=1) and token 3 (the
     bonus, or the next round's) follow transformers' p(t2, t3) = sum over t1 of p(t1) p(t2|t1) p(t3|t1,t2).
-    Resampling from p instead of max(0, p - q) gives p-values of 1e-12 (ngram) and 1e-20 (draft
+    Resampling from p instead of max(0, p - q) gives p-values of 9e-8 (ngram) and 1e-9 (draft
     model) on t2's marginal here (measured), so the test can fail."""
     hf, target, draft = small_vocab
     prompt = list(range(8)) * 2  # every token seen before: the ngram draft always proposes
-    V, n = 8, 1000
+    V, n = 8, 600
     with torch.no_grad():  # every continuation t1 t2 in one batch: [64, len(prompt) + 2]
         pairs = torch.cartesian_prod(torch.arange(V), torch.arange(V))
         ids = torch.cat([torch.tensor(prompt).expand(V * V, -1), pairs], dim=1)
@@ -283,3 +282,73 @@ def test_bad_use_is_one_line(models, tmp_path):
         with pytest.raises(ValueError, match=message) as e:
             list(generate(target, PROMPTS[0], params, **kwargs))
         assert "\n" not in str(e.value)
+
+
+# -- the real model: an input-grounded prompt --------------------------------------------------
+
+REPEAT = ("Repeat exactly: The quick brown fox jumps over the lazy dog. It was a bright cold day in April, "
+          "and the clocks were striking thirteen.")
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir):
+    """(model, tokenizer, chat prompt ids of REPEAT, eos ids as the CLI uses them)."""
+    model, tok = load_model(smollm2_dir, device="cpu"), load_tokenizer(smollm2_dir)
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": REPEAT}]), add_special_tokens=False)
+    return model, tok, ids, tok.eos_token_ids | set(model.generation_config.eos_token_ids)
+
+
+@pytest.fixture(scope="module")
+def smollm2_runs(smollm2):
+    """Plain and ngram (k=5) greedy runs of REPEAT, 40 tokens at most: their steps."""
+    model, tok, ids, eos = smollm2
+    params = SamplingParams(max_new_tokens=40)
+    return [list(generate(model, ids, params, eos_token_ids=eos, tokenizer=tok, speculative=spec))
+            for spec in (None, SpeculativeConfig("ngram", 5))]
+
+
+def test_smollm2_ngram_is_plain_greedy_in_fewer_passes(smollm2_runs):
+    plain, spec = smollm2_runs
+    assert [s.token_id for s in spec] == [s.token_id for s in plain]
+    assert [s.text for s in spec] == [s.text for s in plain]
+    assert spec[-1].finish_reason == plain[-1].finish_reason
+    passes = 1 + sum(1 for s in spec if s.proposed is not None)
+    assert passes <= len(spec) / 2  # the model read its weights at most once per 2 tokens
+
+
+def test_smollm2_stop_string_inside_a_round(smollm2):
+    model, tok, ids, eos = smollm2
+    params = SamplingParams(max_new_tokens=40, stop=["lazy dog"])
+    runs = [list(generate(model, ids, params, eos_token_ids=eos, tokenizer=tok, speculative=spec))
+            for spec in (None, SpeculativeConfig("ngram", 5))]
+    assert ["".join(s.text for s in run) for run in runs] == ["The quick brown fox jumps over the "] * 2
+    assert [(run[-1].finish_reason, run[-1].stop_reason, len(run)) for run in runs[1:]] == \
+        [(runs[0][-1].finish_reason, "lazy dog", len(runs[0]))]
+
+
+def test_cli_speculative_prints_the_answer_and_the_acceptance(smollm2_runs, capsys):
+    """In-process (the model loads in 2 s, not a subprocess's 20 on a busy machine)."""
+    plain, spec = smollm2_runs
+    code = main(["generate", "--speculative", "ngram", "--num-speculative-tokens", "5", "--max-new-tokens", "40",
+                 REPEAT])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out == "".join(s.text for s in plain) + "\n"
+    stats, passes = SpeculativeStats.from_steps(spec), 1 + sum(1 for s in spec if s.proposed is not None)
+    assert err.splitlines()[-1] == (
+        f"[speculative ngram k=5 | accepted {stats.num_accepted_tokens}/{stats.num_draft_tokens} drafted "
+        f"({100 * stats.acceptance_rate:.1f}%) | mean acceptance length {stats.mean_acceptance_length:.2f} | "
+        f"{len(spec)} tok in {passes} passes of the model]")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--speculative", "ngram", "--prefix-cache"], "--speculative does not go with --prefix-cache"),
+    (["--speculative", "ngram", "--num-speculative-tokens", "0"], "--num-speculative-tokens must be >= 1, got 0"),
+    (["--num-speculative-tokens", "3"], "--num-speculative-tokens and --draft-model need --speculative"),
+    (["--speculative", "draft_model"], "--speculative draft_model needs --draft-model MODEL"),
+    (["--speculative", "ngram", "--draft-model", "x"], "--speculative draft_model needs --draft-model MODEL"),
+])
+def test_cli_speculative_usage_errors(args, message, capsys):
+    assert main(["generate", *args, "hi"]) == 2  # said before the model loads
+    err = capsys.readouterr().err
+    assert err == f"minillm: error: {message}" + err.split(message, 1)[1] and err.count("\n") == 1

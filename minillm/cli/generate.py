@@ -42,7 +42,19 @@ def add_generate(sub) -> None:
     p.add_argument("--prefix-cache", action="store_true",
                    help="reuse the K/V of prompt prefixes seen before in this run (automatic prefix caching)")
     p.add_argument("--block-size", type=int, help="prefix cache block size in tokens (default: 16)")
+    _speculative_options(p)
     p.set_defaults(run=run_generate)
+
+
+def _speculative_options(p) -> None:
+    """SpeculativeConfig's knobs (vLLM's speculative_config names, as flags)."""
+    g = p.add_argument_group("speculative decoding (minillm/speculative.py)")
+    g.add_argument("--speculative", choices=["ngram", "draft_model"],
+                   help="a draft proposes tokens, the model verifies several per pass: ngram (prompt lookup, "
+                        "no second model) or draft_model (--draft-model); same greedy output (default: off)")
+    g.add_argument("--num-speculative-tokens", type=int, help="tokens proposed per verification pass (default: 5)")
+    g.add_argument("--draft-model", metavar="MODEL", help="the draft for --speculative draft_model: a smaller "
+                                                          "model with the same tokenizer (default: none)")
 
 
 def _sampling_options(p) -> None:
@@ -84,6 +96,7 @@ def run_generate(args) -> int:
         raise UsageError(f"--system needs a chat template and {args.model} has none; put the text in the prompt")
     params = _sampling_params(args, model.generation_config)
     prefix_cache = PrefixCache(model, block_size=args.block_size) if args.prefix_cache else None
+    args.speculative_config = _speculative_config(args)
     traced = bool(args.trace or args.trace_out or args.plots)
     warmup = traced if args.warmup is None else args.warmup
     for i, prompt in enumerate(prompts):  # one request after another; with --prefix-cache they share cached prefixes
@@ -111,6 +124,34 @@ def _check_generate_args(args) -> None:
                              "or .json (a Chrome trace for ui.perfetto.dev)")
     if args.plots:
         check_out_dir("--plots", args.plots)
+    _check_speculative_args(args)
+
+
+def _check_speculative_args(args) -> None:
+    if args.speculative is None:
+        if args.num_speculative_tokens is not None or args.draft_model is not None:
+            raise UsageError("--num-speculative-tokens and --draft-model need --speculative ngram|draft_model")
+        return
+    if (args.speculative == "draft_model") != (args.draft_model is not None):
+        raise UsageError("--speculative draft_model needs --draft-model MODEL, and only it takes one")
+    if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:
+        raise UsageError(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
+    if args.prefix_cache or args.trace or args.trace_out or args.plots:
+        raise UsageError("--speculative does not go with --prefix-cache, --trace, --trace-out or --plots yet; drop one")
+
+
+def _speculative_config(args):
+    """The SpeculativeConfig the flags ask for (the draft model loaded), or None."""
+    from ..loading import load_model
+    from ..speculative import SpeculativeConfig
+
+    if args.speculative is None:
+        return None
+    draft = None
+    if args.draft_model is not None:
+        draft = load_model(ensure_model(args.draft_model, args.weights_dir), device=args.device, dtype=args.dtype)
+    k = 5 if args.num_speculative_tokens is None else args.num_speculative_tokens
+    return SpeculativeConfig(args.speculative, k, draft_model=draft)
 
 
 def _trace_format(path: str) -> str | None:
@@ -129,11 +170,24 @@ def _generate_one(args, model, tokenizer, prompt: str, params, prefix_cache, war
     prompt_ids = _encode_prompt(tokenizer, prompt, args.chat, args.system)
     steps = []
     for step in generate(model, prompt_ids, params, eos_token_ids=_eos_ids(model, tokenizer),
-                         prefix_cache=prefix_cache, tokenizer=tokenizer):
+                         prefix_cache=prefix_cache, tokenizer=tokenizer, speculative=args.speculative_config):
         steps.append(step)
         if not args.json:
             print(step.text, end="", flush=True)  # stop strings held back and never printed
     _finish_request(args, prompt, prompt_ids, steps, start, cold)
+    if args.speculative_config is not None:
+        print(_speculative_summary(args.speculative_config, steps), file=sys.stderr)
+
+
+def _speculative_summary(config, steps) -> str:
+    """One line: how much of the draft the model kept (vLLM's spec-decode metrics, per request)."""
+    from ..speculative import SpeculativeStats
+
+    st = SpeculativeStats.from_steps(steps)
+    passes = sum(1 for s in steps if s.proposed is not None)
+    return (f"[speculative {config.method} k={config.num_speculative_tokens} | accepted {st.num_accepted_tokens}"
+            f"/{st.num_draft_tokens} drafted ({100 * st.acceptance_rate:.1f}%) | mean acceptance length "
+            f"{st.mean_acceptance_length:.2f} | {len(steps)} tok in {1 + passes} passes of the model]")
 
 
 def _finish_request(args, prompt: str, prompt_ids, steps, start_s: float, cold: bool) -> None:
