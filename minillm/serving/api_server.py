@@ -35,6 +35,7 @@ from .server_metrics import ServerMetrics
 from .web_view import router as web_view_router
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+MAX_BODY_BYTES = 32 * 2**20  # 8,192 token ids as JSON take about 50 KB
 
 
 class APIError(Exception):
@@ -231,8 +232,14 @@ def _chat_prompt_ids(tokenizer, messages) -> list[int]:
 
 
 async def _parse(request: Request, model_class):
-    """The body as ``model_class``; APIError 400 for non-UTF-8, bad JSON, wrong types or values."""
-    raw = await request.body()
+    """The body as ``model_class``; APIError 400 for non-UTF-8, bad JSON, wrong types or values,
+    413 for a body over MAX_BODY_BYTES (read no further: the server's memory is not the client's)."""
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is over {MAX_BODY_BYTES:,} bytes; a prompt the model's "
+                                "context can hold is far smaller")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:

@@ -246,7 +246,7 @@ def _usage(out) -> dict:
 # -- errors ------------------------------------------------------------------------------------
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               500: "server_error", 503: "server_error"}
+               413: "invalid_request_error", 500: "server_error", 503: "server_error"}
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

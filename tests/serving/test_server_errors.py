@@ -11,6 +11,7 @@ import pytest
 from live_server import app_of, live_server, wait_until
 
 import minillm
+from minillm.serving import api_server
 
 TIMEOUT_S = 60.0
 CONTEXT = 512  # tiny_chat's max_position_embeddings
@@ -185,3 +186,13 @@ def test_api_key_is_required_on_v1_when_set(tiny_chat):
         with openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0, timeout=TIMEOUT_S) as client:
             assert client.completions.create(model="minillm-test", **body).usage.completion_tokens == 2
         assert httpx.get(f"{url}/health", timeout=TIMEOUT_S).status_code == 200  # open: a probe has no key
+
+
+def test_a_body_over_the_limit_is_413(server, monkeypatch):
+    monkeypatch.setattr(api_server, "MAX_BODY_BYTES", 4096)
+    body = json.dumps({"prompt": "word " * 2000, "max_tokens": 2})  # 10 KB
+    r = httpx.post(f"{server}/v1/completions", content=body, timeout=TIMEOUT_S)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "over 4,096 bytes" in r.json()["error"]["message"]
+    short = httpx.post(f"{server}/v1/completions", json={"prompt": "word", "max_tokens": 2}, timeout=TIMEOUT_S)
+    assert short.status_code == 200
