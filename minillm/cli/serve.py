@@ -19,7 +19,7 @@ def add_serve(sub) -> None:
     model_options(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; 0.0.0.0 opens it to every machine that can reach this one "
-                        "(there is no authentication: only on a network you trust)")
+                        "(with no --api-key, anyone there can use it: only on a network you trust)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--served-model-name", help="the name clients send as \"model\" (vLLM's flag; default: --model)")
     p.add_argument("--kv-cache-memory", default="512MiB", help="the paged KV pool: a size (512MiB, 2GiB) or a "
@@ -28,9 +28,9 @@ def add_serve(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32, help="most requests in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one engine step")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="split long prompts across steps so decodes keep flowing (vLLM's flag)")
+                   help="split long prompts across steps so decodes keep flowing (vLLM's flag; default: on)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="requests share the KV blocks of a common prompt prefix (vLLM's flag)")
+                   help="requests share the KV blocks of a common prompt prefix (vLLM's flag; default: on)")
     p.add_argument("--max-waiting-requests", type=int,
                    help="answer 503 while this many requests wait for a slot (default: no limit)")
     p.add_argument("--api-key", default=os.environ.get("MINILLM_API_KEY"),
