@@ -18,7 +18,8 @@ argmax, then take the argmax. So the greedy output is token for token plain gree
 
 Drafts implement :class:`Draft` (``propose(token_ids, k) -> list[int]``): here prompt lookup
 (:class:`NgramDraft`, no second model) and a small model with the same vocabulary
-(:class:`DraftModel`). Names follow vLLM's ``speculative_config``.
+(:class:`DraftModel`); write a third and pass it as method "custom". Names follow vLLM's
+``speculative_config``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from .model import Transformer
 from .phases import _as_batch, _check_state, decode_step, prefill
 from .sampling import SamplingParams, _ids, apply_penalties, filter_logits, sample
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "custom")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class SpeculativeConfig:
         num_speculative_tokens: k >= 1, tokens the draft proposes per verification pass.
         prompt_lookup_min, prompt_lookup_max: n-gram sizes tried, longest first (ngram only).
         draft_model: the draft :class:`~minillm.model.Transformer` (draft_model only).
+        draft: method "custom" (minillm's, not vLLM's): your own :class:`Draft` instance, used as is.
 
     Raises ValueError naming the field and the fix.
     """
@@ -57,6 +59,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     draft_model: Transformer | None = None
+    draft: Draft | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -71,6 +74,9 @@ class SpeculativeConfig:
         if (self.method == "draft_model") != (self.draft_model is not None):
             raise ValueError("method='draft_model' needs draft_model=<a loaded Transformer>, and only it takes one; "
                              f"got method={self.method!r} with draft_model={type(self.draft_model).__name__}")
+        if (self.method == "custom") != (self.draft is not None) or not isinstance(self.draft, (Draft, type(None))):
+            raise ValueError("method='custom' needs draft=<an instance of a Draft subclass>, and only it takes one; "
+                             f"got method={self.method!r} with draft={type(self.draft).__name__}")
         if self.draft_model is not None and not isinstance(self.draft_model, Transformer):
             raise ValueError(f"draft_model must be a minillm Transformer (load_model(...)), "
                              f"got {type(self.draft_model).__name__}")
@@ -82,6 +88,8 @@ class Draft:
     A deterministic draft (prompt lookup) only proposes: its q is one-hot, so token d is
     accepted with probability p(d). A draft that samples also returns its distributions
     from :meth:`draft_probs`, so the verifier can use min(1, p/q) and max(0, p - q).
+    Run yours with ``generate(..., speculative=SpeculativeConfig("custom", k, draft=YourDraft()))``;
+    whatever it proposes, the output keeps the model's distribution (only the speed changes).
     """
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
@@ -160,11 +168,18 @@ def make_draft(config: SpeculativeConfig, model: Transformer, params: SamplingPa
     Raises ValueError when a draft model's vocabulary differs from the model's."""
     if config.method == "ngram":
         return NgramDraft(config.prompt_lookup_min, config.prompt_lookup_max)
-    draft_vocab, vocab = config.draft_model.config.vocab_size, model.config.vocab_size
+    if config.method == "custom":
+        return config.draft
+    draft = config.draft_model
+    draft_vocab, vocab = draft.config.vocab_size, model.config.vocab_size
     if draft_vocab != vocab:
         raise ValueError(f"the draft model's vocabulary has {draft_vocab} tokens but the model's has {vocab}; "
                          "a draft must share the model's tokenizer (e.g. a smaller model of the same family)")
-    return DraftModel(config.draft_model, params, generator, max_seq_len)
+    draft_device, device = next(draft.parameters()).device, next(model.parameters()).device
+    if draft_device != device:  # its draws use the request's seeded generator, which lives on the model's device
+        raise ValueError(f"the draft model is on {draft_device} but the model on {device}; "
+                         f"load it with load_model(..., device='{device}')")
+    return DraftModel(draft, params, generator, max_seq_len)
 
 
 def token_probs(logits: torch.Tensor, params: SamplingParams, prompt_ids=None, output_ids=None) -> torch.Tensor:
@@ -265,13 +280,13 @@ def _round(model, draft: Draft, config, params, generator, cache: KVCache, promp
     """One draft-verify-accept round. Returns ([(token, logprob)] to emit, (proposed, accepted))."""
     room = min(cache.max_seq_len - cache.length - 1, params.max_new_tokens - len(output) - 1)
     k = min(config.num_speculative_tokens, room)
-    drafted = draft.propose(prompt + output, k)[:k] if k > 0 else []
+    drafted = [int(t) for t in draft.propose(prompt + output, k)[:k]] if k > 0 else []
+    q = _checked_q(draft.draft_probs() if drafted else None, len(drafted), model.config.vocab_size)
     start = cache.length
     logits = verify(model, [output[-1]] + drafted, cache)
     history = output + drafted  # the target's p_i sees the drafts before it (penalties count them)
     p = torch.cat([token_probs(logits[i : i + 1], params, [prompt], [history[: len(output) + i]])
                    for i in range(len(drafted) + 1)])
-    q = draft.draft_probs()
     n_accepted, token = accept_or_resample(p, None if q is None else q.to(p.device), drafted, generator)
     cache.truncate(start + 1 + n_accepted)  # the last token and the accepted drafts; the new token is not in yet
     tokens = drafted[:n_accepted] + [token]
@@ -308,6 +323,16 @@ class SpeculativeStats:
     @property
     def mean_acceptance_length(self) -> float:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+def _checked_q(q: torch.Tensor | None, n_drafted: int, vocab: int) -> torch.Tensor | None:
+    """A draft's q as the verifier needs it, [n_drafted, vocab] (its first rows if it proposed more)."""
+    if q is None:
+        return None
+    if q.dim() != 2 or q.shape[0] < n_drafted or q.shape[1] != vocab:
+        raise ValueError(f"draft_probs() must be [n_proposed, vocab] = [{n_drafted}, {vocab}] (a row per proposed "
+                         f"token), got {list(q.shape)}; return None for a deterministic draft")
+    return q[:n_drafted].float()
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -11,7 +11,7 @@ import torch
 
 from minillm import KVCache, PrefixCache, SamplingParams, decode_step, generate, load_model, load_tokenizer, prefill
 from minillm.cli import main
-from minillm.speculative import NgramDraft, SpeculativeConfig, SpeculativeStats, accept_or_resample
+from minillm.speculative import Draft, NgramDraft, SpeculativeConfig, SpeculativeStats, accept_or_resample
 from tiny_models import LLAMA_BASE, build_hf, save_hf
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 9, 5, 6], [1, 2, 3, 4, 5, 6, 7, 8], [3, 3, 3, 3], [42]]
@@ -67,6 +67,28 @@ def test_greedy_output_is_plain_greedy(models, method, k):
         assert [(s.token_id, s.cache_length, s.phase) for s in steps] == plain
         assert steps[-1].finish_reason == "length"
         assert sum(s.proposed for s in steps if s.proposed) > 0  # speculation really happened
+
+
+class UniformDraft(Draft):
+    """A third draft, as a student would write one: k uniform guesses, q uniform."""
+
+    def __init__(self, vocab: int, q_rows: int = 0):
+        self.vocab, self.q_rows, self.gen = vocab, q_rows, torch.Generator().manual_seed(0)
+
+    def propose(self, token_ids, k):
+        self.k = k
+        return torch.randint(self.vocab, (k,), generator=self.gen).tolist()
+
+    def draft_probs(self):
+        return torch.full((self.q_rows or self.k, self.vocab), 1 / self.vocab)
+
+
+def test_a_custom_draft_keeps_greedy_output(models):
+    target, _ = models
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    plain = [s.token_id for s in generate(target, PROMPTS[1], params)]
+    spec = SpeculativeConfig("custom", 3, draft=UniformDraft(128))
+    assert [s.token_id for s in generate(target, PROMPTS[1], params, speculative=spec)] == plain
 
 
 def test_greedy_with_penalties_is_plain_greedy(models):
@@ -260,6 +282,8 @@ def test_stats_from_steps(models):
     (dict(prompt_lookup_min=4, prompt_lookup_max=2), "prompt_lookup_min (4) must be <= prompt_lookup_max (2)"),
     (dict(method="draft_model"), "needs draft_model=<a loaded Transformer>"),
     (dict(draft_model="gpt2", method="draft_model"), "must be a minillm Transformer"),
+    (dict(method="custom"), "method='custom' needs draft=<an instance of a Draft subclass>"),
+    (dict(draft=NgramDraft()), "method='custom' needs draft="),
 ])
 def test_bad_config_is_one_line(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)) as e:
@@ -277,6 +301,8 @@ def test_bad_use_is_one_line(models, tmp_path):
          "runs one sequence, got a KV cache for batch 2"),
         (dict(speculative=SpeculativeConfig(), prefix_cache=PrefixCache(target)), "does not take prefix_cache="),
         (dict(speculative={"method": "ngram"}), "must be a SpeculativeConfig"),
+        (dict(speculative=SpeculativeConfig("custom", 3, draft=UniformDraft(128, q_rows=1))),  # k=2: 4 tokens at most
+         re.escape("draft_probs() must be [n_proposed, vocab] = [2, 128] (a row per proposed token), got [1, 128]")),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message) as e:
