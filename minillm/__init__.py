@@ -10,6 +10,7 @@ The package layout is the course outline:
     phases.py     prefill and decode_step, the two phases of inference
     sampling.py   SamplingParams: penalties, greedy, temperature, min-p, top-k, top-p (vLLM's names)
     generate.py   generate: prefill, then decode in a loop
+    speculative.py  speculative decoding: a draft proposes k tokens, one pass verifies them (exact)
     stop_strings.py  stop strings on streamed text: held back while they could start, cut out when found
     generation_config.py  generation_config.json: the checkpoint's eos ids and sampling defaults
     block_hash.py chained sha256 block hashes, seeded by the model's identity, dtype, device
@@ -43,6 +44,7 @@ from .model import Transformer
 from .phases import decode_step, prefill
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, sample
+from .speculative import SpeculativeConfig
 from .serving import LLMEngine
 from .tokenizer import StreamDecoder, Tokenizer, load_tokenizer
 from .trace import Trace
@@ -63,6 +65,7 @@ __all__ = [
     "ModelNotFoundError",
     "PrefixCache",
     "SamplingParams",
+    "SpeculativeConfig",
     "StreamDecoder",
     "Tokenizer",
     "Trace",
