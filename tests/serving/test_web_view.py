@@ -124,6 +124,7 @@ def test_a_prompt_streams_and_the_pool_shows_its_blocks_while_it_runs(server, br
     with async_engine.lock:
         request = async_engine.engine.requests[request_id]
         assert request.finished and text() == request.text_stream.text  # what the engine produced, all of it
+        assert request.params.temperature == 0.2  # the page's default (not OpenAI's 1.0 for an omitted one)
         n_output = len(request.output_ids)
     row = wait_for(lambda: css(f'#finished tr[data-request-id="{request_id}"]'), "the finished request's row")[0]
     cells = [td.text for td in row.find_elements("css selector", "td")]
@@ -239,6 +240,15 @@ def test_bad_input_is_said_on_the_page(server, browser):
     browser.find_element("id", "prompt").clear()
     browser.find_element("id", "send").click()
     assert browser.find_element("id", "form-error").text == "type a prompt first" and not css(".answer")
+
+    browser.find_element("id", "prompt").send_keys("Hello")
+    browser.find_element("id", "temperature").clear()
+    browser.find_element("id", "temperature").send_keys("3")
+    browser.find_element("id", "send").click()
+    assert browser.find_element("id", "form-error").text == "temperature must be from 0 to 2" and not css(".answer")
+    browser.find_element("id", "temperature").clear()
+    browser.find_element("id", "temperature").send_keys("0")
+    browser.find_element("id", "prompt").clear()
 
     browser.find_element("id", "prompt").send_keys("Hello")
     browser.find_element("id", "max-tokens").clear()
