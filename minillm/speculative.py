@@ -245,7 +245,8 @@ def generate_speculative(model: Transformer, prompt_ids: torch.Tensor, params: S
     them in one pass and yields the accepted ones and the target's own token. k shrinks near
     ``max_new_tokens`` and the end of the cache, so no pass writes past them; a stop inside a
     round truncates the cache to where plain decoding would have it. The first step of each
-    round carries ``proposed`` / ``accepted``.
+    round carries ``proposed`` / ``accepted``; a round's steps share one ``time_s`` (they arrive
+    together, so their inter-token latency is 0).
     """
     if cache.batch_size != 1:
         raise ValueError(f"speculative decoding runs one sequence, got a KV cache for batch {cache.batch_size}; "
@@ -258,6 +259,7 @@ def generate_speculative(model: Transformer, prompt_ids: torch.Tensor, params: S
     token, logprob = sample(logits, params, generator, prompt_ids[None], [output])
     emitted, phase, counts = [(token.item(), logprob.item())], "prefill", (None, None)
     while True:
+        known_s = time.perf_counter()  # a round's tokens are all known at once, when its pass ends
         start_length = cache.length - (len(emitted) - 1)  # holds everything before emitted[0]
         for i, (token_id, logprob) in enumerate(emitted):
             output.append(token_id)
@@ -267,7 +269,7 @@ def generate_speculative(model: Transformer, prompt_ids: torch.Tensor, params: S
             if text and text.matched is not None:
                 reason, stop_reason = "stop", text.matched
             proposed, accepted = counts if i == 0 else (None, None)
-            yield GenerationStep(token_id, logprob, phase, length, time.perf_counter(), reason, prefill_tokens=len(prompt),
+            yield GenerationStep(token_id, logprob, phase, length, known_s, reason, prefill_tokens=len(prompt),
                                  text=piece, stop_reason=stop_reason, proposed=proposed, accepted=accepted)
             if reason:
                 cache.truncate(length)
