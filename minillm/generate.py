@@ -55,6 +55,7 @@ class GenerationStep:
         proposed, accepted: with ``speculative=``, on the first token of each verification pass:
             the draft tokens it checked and how many the model accepted (its later tokens carry
             None, so sums over the steps are the request's totals); None without speculation.
+            (``cache_length`` is then the length plain decoding would have at that token.)
     """
 
     token_id: int

@@ -91,6 +91,19 @@ def test_a_custom_draft_keeps_greedy_output(models):
     assert [s.token_id for s in generate(target, PROMPTS[1], params, speculative=spec)] == plain
 
 
+def test_continues_a_filled_cache_as_plain_generate_does(models):
+    """generate(cache=...) with a prefix already in the cache: the prompt goes on after it."""
+    target, draft = models
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    runs = []
+    for speculative in (None, _config("ngram", 4, draft), _config("draft_model", 4, draft)):
+        cache = KVCache.for_model(target, max_seq_len=64)
+        prefill(target, PROMPTS[1], cache)
+        steps = list(generate(target, PROMPTS[0], params, cache=cache, speculative=speculative))
+        runs.append(([(s.token_id, s.cache_length) for s in steps], cache.length))
+    assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
 def test_greedy_with_penalties_is_plain_greedy(models):
     """The target's p at draft i counts the drafts before it (presence, frequency, repetition)."""
     target, draft = models
