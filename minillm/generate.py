@@ -109,7 +109,8 @@ def generate(
         speculative: a :class:`~minillm.speculative.SpeculativeConfig`: a draft proposes
             tokens and the model verifies several per pass (minillm/speculative.py); the steps
             are the same tokens (greedy) or the same distribution (sampling). Not with
-            ``prefix_cache`` or ``trace`` yet. None (default): one token per decode step.
+            ``prefix_cache`` yet; a ``trace`` gets the prefill and one "verify" event per pass.
+            None (default): one token per decode step.
 
     The last yielded step carries the ``finish_reason``. For batched decoding call
     :func:`prefill` and :func:`decode_step` directly, with [B, T] ids.
@@ -176,9 +177,9 @@ def _speculative(model, prompt_ids, params, cache, eos, speculative, tokenizer, 
     if not isinstance(speculative, SpeculativeConfig):
         raise ValueError(f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}; "
                          "write SpeculativeConfig(method='ngram', num_speculative_tokens=5)")
-    if prefix_cache is not None or trace is not None:
-        raise ValueError("speculative decoding does not take prefix_cache= or trace= yet; drop one of them")
-    return generate_speculative(model, prompt_ids, params, cache, eos, speculative, tokenizer)
+    if prefix_cache is not None:
+        raise ValueError("speculative decoding does not take a prefix_cache yet; drop one of them")
+    return generate_speculative(model, prompt_ids, params, cache, eos, speculative, tokenizer, trace)
 
 
 def check_prompt(prompt_ids) -> torch.Tensor:

@@ -238,7 +238,7 @@ def verify(model: Transformer, token_ids: list[int], cache: KVCache) -> torch.Te
 
 
 def generate_speculative(model: Transformer, prompt_ids: torch.Tensor, params: SamplingParams, cache: KVCache,
-                         eos: set[int], config: SpeculativeConfig, tokenizer=None):
+                         eos: set[int], config: SpeculativeConfig, tokenizer=None, trace=None):
     """:func:`~minillm.generate.generate` with speculative decoding; called by it, same steps.
 
     The first token comes from the prefill as usual; then each round drafts k tokens, verifies
@@ -247,6 +247,12 @@ def generate_speculative(model: Transformer, prompt_ids: torch.Tensor, params: S
     round truncates the cache to where plain decoding would have it. The first step of each
     round carries ``proposed`` / ``accepted``; a round's steps share one ``time_s`` (they arrive
     together, so their inter-token latency is 0).
+
+    With a :class:`~minillm.trace.Trace`: the traced prefill, one "verify" event per round (its
+    time, the drafted tokens, how many were accepted, the model's own token and whether it was
+    resampled or the bonus, the cache length before the pass and after the truncation) and, at the
+    end, a "speculative" event with the request's :class:`SpeculativeStats`. (No per-token
+    sampling fields or "metrics" event: the steps' times give those.)
     """
     if cache.batch_size != 1:
         raise ValueError(f"speculative decoding runs one sequence, got a KV cache for batch {cache.batch_size}; "
@@ -255,9 +261,10 @@ def generate_speculative(model: Transformer, prompt_ids: torch.Tensor, params: S
     draft = make_draft(config, model, params, generator, cache.max_seq_len)
     text = TextStream(tokenizer, params.stop) if tokenizer is not None else None
     prompt, output = prompt_ids.tolist(), []
-    logits = prefill(model, prompt_ids, cache)
+    logits = prefill(model, prompt_ids, cache, trace=trace)
     token, logprob = sample(logits, params, generator, prompt_ids[None], [output])
     emitted, phase, counts = [(token.item(), logprob.item())], "prefill", (None, None)
+    rounds: list[tuple[int, int]] = []  # (proposed, accepted) of every round
     while True:
         known_s = time.perf_counter()  # a round's tokens are all known at once, when its pass ends
         start_length = cache.length - (len(emitted) - 1)  # holds everything before emitted[0]
@@ -273,25 +280,35 @@ def generate_speculative(model: Transformer, prompt_ids: torch.Tensor, params: S
                                  text=piece, stop_reason=stop_reason, proposed=proposed, accepted=accepted)
             if reason:
                 cache.truncate(length)
+                if trace is not None:
+                    trace.record("speculative", **_stats_fields(SpeculativeStats.from_rounds(rounds)))
                 return
         phase = "decode"
-        emitted, counts = _round(model, draft, config, params, generator, cache, prompt, output)
+        emitted, counts = _round(model, draft, config, params, generator, cache, prompt, output, trace)
+        rounds.append(counts)
 
 
-def _round(model, draft: Draft, config, params, generator, cache: KVCache, prompt: list[int], output: list[int]):
+def _round(model, draft: Draft, config, params, generator, cache: KVCache, prompt: list[int], output: list[int],
+           trace=None):
     """One draft-verify-accept round. Returns ([(token, logprob)] to emit, (proposed, accepted))."""
     room = min(cache.max_seq_len - cache.length - 1, params.max_new_tokens - len(output) - 1)
     k = min(config.num_speculative_tokens, room)
     drafted = [int(t) for t in draft.propose(prompt + output, k)[:k]] if k > 0 else []
     q = _checked_q(draft.draft_probs() if drafted else None, len(drafted), model.config.vocab_size)
     start = cache.length
-    logits = verify(model, [output[-1]] + drafted, cache)
+    if trace is None:
+        logits = verify(model, [output[-1]] + drafted, cache)
+    else:
+        with trace.span("verify") as event:
+            logits = verify(model, [output[-1]] + drafted, cache)
     history = output + drafted  # the target's p_i sees the drafts before it (penalties count them)
     p = torch.cat([token_probs(logits[i : i + 1], params, [prompt], [history[: len(output) + i]])
                    for i in range(len(drafted) + 1)])
     n_accepted, token = accept_or_resample(p, None if q is None else q.to(p.device), drafted, generator)
     cache.truncate(start + 1 + n_accepted)  # the last token and the accepted drafts; the new token is not in yet
     tokens = drafted[:n_accepted] + [token]
+    if trace is not None:
+        _record_verify(event, trace, output[-1], drafted, n_accepted, token, start, cache.length)
     logprobs = torch.log_softmax(logits[: len(tokens)], dim=-1)[torch.arange(len(tokens)), tokens]
     return list(zip(tokens, logprobs.tolist())), (len(drafted), n_accepted)
 
@@ -315,8 +332,14 @@ class SpeculativeStats:
 
     @classmethod
     def from_steps(cls, steps) -> "SpeculativeStats":
-        rounds = [s for s in steps if s.proposed]
-        return cls(len(rounds), sum(s.proposed for s in rounds), sum(s.accepted for s in rounds))
+        """From :class:`~minillm.generate.GenerationStep` objects (their ``proposed`` / ``accepted``)."""
+        return cls.from_rounds([(s.proposed, s.accepted) for s in steps if s.proposed is not None])
+
+    @classmethod
+    def from_rounds(cls, rounds) -> "SpeculativeStats":
+        """From (proposed, accepted) pairs, one per verification pass."""
+        drafts = [(p, a) for p, a in rounds if p]
+        return cls(len(drafts), sum(p for p, _ in drafts), sum(a for _, a in drafts))
 
     @property
     def acceptance_rate(self) -> float:
@@ -325,6 +348,23 @@ class SpeculativeStats:
     @property
     def mean_acceptance_length(self) -> float:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+def _record_verify(event, trace, last: int, drafted: list[int], n_accepted: int, token: int, start: int,
+                   length: int) -> None:
+    """Fill a trace's "verify" event: what was drafted, kept and added, and the cache around it."""
+    event.update(position=start, input_token_id=last, drafted=drafted, proposed=len(drafted), accepted=n_accepted,
+                 token_id=token, how="resampled" if n_accepted < len(drafted) else "bonus" if drafted else "decode",
+                 cache_length_before=start, cache_length_verified=start + 1 + len(drafted), cache_length_after=length)
+    if trace.tokenizer is not None:
+        event.update(drafted_text=trace.tokenizer.token_strings(drafted) if drafted else [],
+                     token_text=trace.tokenizer.token_strings([token])[0])
+
+
+def _stats_fields(stats: SpeculativeStats) -> dict:
+    return dict(num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens,
+                num_accepted_tokens=stats.num_accepted_tokens, acceptance_rate=stats.acceptance_rate,
+                mean_acceptance_length=stats.mean_acceptance_length)
 
 
 def _checked_q(q: torch.Tensor | None, n_drafted: int, vocab: int) -> torch.Tensor | None:

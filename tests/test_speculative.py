@@ -9,7 +9,8 @@ import re
 import pytest
 import torch
 
-from minillm import KVCache, PrefixCache, SamplingParams, decode_step, generate, load_model, load_tokenizer, prefill
+from minillm import (KVCache, PrefixCache, SamplingParams, Trace, decode_step, generate, load_model, load_tokenizer,
+                     prefill)
 from minillm.cli import main
 from minillm.speculative import Draft, NgramDraft, SpeculativeConfig, SpeculativeStats, accept_or_resample
 from tiny_models import LLAMA_BASE, build_hf, save_hf
@@ -257,6 +258,27 @@ def test_stops_where_plain_generate_stops(models, method, stop):
     assert runs[0][1] == {"eos": "eos", "stop_id": "stop", "max_new_tokens": "length"}.get(stop, "cache_full")
 
 
+def test_trace_shows_each_verification(models):
+    target, draft = models
+    trace = Trace()
+    steps = list(generate(target, PROMPTS[0], SamplingParams(max_new_tokens=20, ignore_eos=True), trace=trace,
+                          speculative=_config("draft_model", 3, draft)))
+    verifies, firsts = trace.of("verify"), [i for i, s in enumerate(steps) if s.proposed is not None]
+    assert len(verifies) == len(firsts) and trace.prefill["n_tokens"] == len(PROMPTS[0])
+    for event, first, end in zip(verifies, firsts, firsts[1:] + [len(steps)]):
+        round_steps = steps[first:end]  # this pass's accepted drafts, then the model's own token
+        assert (event["proposed"], event["accepted"]) == (round_steps[0].proposed, round_steps[0].accepted)
+        assert event["drafted"][: event["accepted"]] == [s.token_id for s in round_steps[:-1]]
+        assert event["token_id"] == round_steps[-1].token_id or end == len(steps)  # the last round may stop early
+        assert event["cache_length_after"] == event["cache_length_before"] + 1 + event["accepted"]
+        assert event["time_ms"] > 0
+    assert {"resampled", "bonus"} <= {e["how"] for e in verifies}  # and "decode" when k is cut to 0 at the end
+    stats = SpeculativeStats.from_steps(steps)
+    assert trace.first("speculative")["acceptance_rate"] == stats.acceptance_rate
+    assert trace.first("speculative")["mean_acceptance_length"] == stats.mean_acceptance_length
+    assert "<" in trace._repr_html_() and "prefill=1" in repr(trace)
+
+
 # -- the drafts ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("ids, k, lookup, proposal", [
@@ -312,7 +334,7 @@ def test_bad_use_is_one_line(models, tmp_path):
         (dict(speculative=SpeculativeConfig("draft_model", 2, draft_model=other)), "vocabulary has 64 tokens"),
         (dict(speculative=SpeculativeConfig(), cache=KVCache.for_model(target, batch_size=2, max_seq_len=32)),
          "runs one sequence, got a KV cache for batch 2"),
-        (dict(speculative=SpeculativeConfig(), prefix_cache=PrefixCache(target)), "does not take prefix_cache="),
+        (dict(speculative=SpeculativeConfig(), prefix_cache=PrefixCache(target)), "does not take a prefix_cache"),
         (dict(speculative={"method": "ngram"}), "must be a SpeculativeConfig"),
         (dict(speculative=SpeculativeConfig("custom", 3, draft=UniformDraft(128, q_rows=1))),  # k=2: 4 tokens at most
          re.escape("draft_probs() must be [n_proposed, vocab] = [2, 128] (a row per proposed token), got [1, 128]")),
