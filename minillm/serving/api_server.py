@@ -17,10 +17,14 @@ chunk never splits a UTF-8 character or shows part of a stop string.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
+import threading
+import time
 import uuid
 
+import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -142,6 +146,38 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
         return await _respond(outputs, body, reply, request)
 
     return app
+
+
+@contextlib.contextmanager
+def run_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0):
+    """Serve ``app`` with uvicorn in a background thread for a ``with`` block; yields the base URL.
+
+        with run_in_thread(create_app(async_engine, tok, "smollm2")) as url:   # "http://127.0.0.1:PORT"
+            OpenAI(base_url=f"{url}/v1", api_key="unused").completions.create(...)
+        async_engine.close()                                                   # the engine is the caller's
+
+    For notebooks and tests, where ``minillm serve`` would block the kernel. ``port=0`` lets the
+    OS pick a free port (read back from the bound socket, so there is no race with another
+    server). On exit the server stops: open streams get ``timeout_s`` to finish, then are cut.
+    Raises RuntimeError if the server has not started (a port in use, a bad host) within ``timeout_s``.
+    """
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                            timeout_graceful_shutdown=int(timeout_s))
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="minillm-uvicorn", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not server.started:  # uvicorn sets it once the socket listens
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server on {host}:{port} did not start within {timeout_s} s "
+                                   "(is the port in use?)")
+            time.sleep(0.02)
+        bound_port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://{host}:{bound_port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout_s)
 
 
 async def _respond(outputs, body, reply, request: Request):

@@ -1,4 +1,5 @@
-"""A real `minillm serve` app for tests: uvicorn in a thread on 127.0.0.1, a free port.
+"""A real `minillm serve` app for tests: uvicorn in a thread on 127.0.0.1, a free port
+(:func:`minillm.serving.api_server.run_in_thread`, which notebooks use too).
 
     with live_server(model, tokenizer, num_blocks=64) as url:      # "http://127.0.0.1:PORT"
         httpx.post(f"{url}/v1/completions", json={...})
@@ -13,12 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import threading
 import time
 
-import uvicorn
-
-from minillm.serving.api_server import create_app
+from minillm.serving.api_server import create_app, run_in_thread
 from minillm.serving.async_engine import AsyncEngine
 from minillm.serving.engine import LLMEngine
 
@@ -37,25 +35,15 @@ def live_server(model, tokenizer, model_name: str = "minillm-test", max_waiting_
                 api_key: str | None = None, **engine_kwargs):
     """Serve ``model`` on 127.0.0.1 for the ``with`` block; yields the base URL (no trailing slash)."""
     async_engine = AsyncEngine(LLMEngine(model, tokenizer, **engine_kwargs), max_waiting_requests)
-    app = create_app(async_engine, tokenizer, model_name, api_key=api_key)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="off"))
-    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the test server on port {port} did not start")
-            time.sleep(0.02)
-        _APPS[url] = app
-        yield url
+        app = create_app(async_engine, tokenizer, model_name, api_key=api_key)
+        with run_in_thread(app, "127.0.0.1", timeout_s=STARTUP_TIMEOUT_S) as url:
+            _APPS[url] = app
+            try:
+                yield url
+            finally:
+                _APPS.pop(url, None)
     finally:
-        _APPS.pop(url, None)
-        server.should_exit = True
-        thread.join(STARTUP_TIMEOUT_S)
         async_engine.close()
 
 
