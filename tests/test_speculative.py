@@ -174,19 +174,24 @@ def small_vocab(tmp_path_factory):
     return hf, target, load_model(save_hf(draft, root / "draft"), device="cpu")
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_sampled_tokens_follow_the_models_distribution(small_vocab, method):
+@pytest.mark.parametrize("method, temperature, top_k", [("ngram", 1.0, 0), ("draft_model", 1.0, 0),
+                                                        ("draft_model", 0.7, 3)])
+def test_sampled_tokens_follow_the_models_distribution(small_vocab, method, temperature, top_k):
     """Over 600 seeds, token 2 (the verified draft or the resampled token, k=1) and token 3 (the
     bonus, or the next round's) follow transformers' p(t2, t3) = sum over t1 of p(t1) p(t2|t1) p(t3|t1,t2).
     Resampling from p instead of max(0, p - q) gives p-values of 9e-8 (ngram) and 1e-9 (draft
-    model) on t2's marginal here (measured), so the test can fail."""
+    model) on t2's marginal here (measured), so the test can fail. With temperature and top-k, both
+    p and q are transformed; the oracle applies them by hand to transformers' logits."""
     hf, target, draft = small_vocab
     prompt = list(range(8)) * 2  # every token seen before: the ngram draft always proposes
     V, n = 8, 600
     with torch.no_grad():  # every continuation t1 t2 in one batch: [64, len(prompt) + 2]
         pairs = torch.cartesian_prod(torch.arange(V), torch.arange(V))
         ids = torch.cat([torch.tensor(prompt).expand(V * V, -1), pairs], dim=1)
-        probs = torch.softmax(hf(ids).logits.double(), dim=-1)
+        logits = hf(ids).logits.double() / temperature
+        if top_k:  # keep the k largest of each row
+            logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[..., -1:], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
     p1 = probs[0, len(prompt) - 1]  # [V]
     p2 = probs[::V, len(prompt)]  # [V (t1), V (t2)]
     p3 = probs[:, len(prompt) + 1].reshape(V, V, V)  # [t1, t2, t3]
@@ -194,7 +199,7 @@ def test_sampled_tokens_follow_the_models_distribution(small_vocab, method):
     counts, proposed, accepted = torch.zeros(V, V, dtype=torch.float64), 0, 0
     config = _config(method, 1, draft)
     for seed in range(n):
-        params = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=3, ignore_eos=True)
+        params = SamplingParams(temperature=temperature, top_k=top_k, seed=seed, max_new_tokens=3, ignore_eos=True)
         steps = list(generate(target, prompt, params, speculative=config))
         counts[steps[1].token_id, steps[2].token_id] += 1
         proposed, accepted = proposed + steps[1].proposed, accepted + steps[1].accepted
