@@ -96,6 +96,9 @@ class AsyncEngine:
         ``request_id``: default a fresh random one; ``logprobs``: as ``LLMEngine.add_request``.
         Leaving the loop early (a client that disconnects cancels the coroutine, or ``aclose()``)
         aborts the request: its blocks go back to the pool before the engine's next step.
+        The request's arrival is stamped here, not when the engine thread adds it, so TTFT,
+        e2e and queue time include its wait in the command queue (vLLM stamps arrival as it
+        takes a request in, before its engine core sees it).
 
         Raises ValueError as ``LLMEngine.add_request`` (a bad prompt), QueueFullError when
         the waiting queue is at ``max_waiting_requests``, EngineDeadError when a step failed.
@@ -106,7 +109,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already streaming; give a new one or leave it out")
         added = loop.create_future()  # the engine thread resolves it when it has added the request
         self._queues[request_id] = (loop, queue)
-        self._send(("add", request_id, prompt_ids, params, logprobs, added))
+        self._send(("add", request_id, prompt_ids, params, logprobs, time.perf_counter(), added))
         try:
             await added
         except asyncio.CancelledError:  # the client left while the add was queued: the abort follows it
@@ -187,7 +190,7 @@ class AsyncEngine:
             else:
                 self._abort_now(command[1])
 
-    def _add_now(self, request_id, prompt_ids, params, logprobs, added) -> None:
+    def _add_now(self, request_id, prompt_ids, params, logprobs, arrival_s, added) -> None:
         """Add a request, or refuse it (full queue, bad prompt, stopping); tell its client which."""
         error = None
         waiting = len(self.engine.scheduler.waiting)
@@ -198,7 +201,7 @@ class AsyncEngine:
                                    "--max-waiting-requests); retry later")
         else:
             try:
-                self.engine.add_request(prompt_ids, params, request_id, logprobs=logprobs)
+                self.engine.add_request(prompt_ids, params, request_id, arrival_s=arrival_s, logprobs=logprobs)
             except ValueError as bad:
                 error = bad
         loop = added.get_loop()

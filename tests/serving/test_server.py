@@ -6,6 +6,7 @@ model with SmolLM2's tokenizer (tests/serving/conftest.py: tiny_chat). The oracl
 import asyncio
 import json
 import threading
+import time
 
 import httpx
 import openai
@@ -297,3 +298,28 @@ def test_async_engine_forgets_old_finished_requests_and_refuses_a_live_id(tiny_c
         async_engine.close()
     assert [out.token_ids for out in last] == [last[0].token_ids] * 4 and last[0].finish_reason == "length"
     assert list(async_engine.engine.requests) == ["r3", "dup"]
+
+
+def test_a_requests_clock_starts_when_it_is_sent_not_when_the_engine_thread_adds_it(tiny_chat):
+    """While the engine thread is busy (here: its lock held for 0.3 s), a new request waits in the
+    command queue; its TTFT and queue time must include that wait, as a client sees it."""
+    model, tokenizer = tiny_chat
+    async_engine = AsyncEngine(LLMEngine(model, tokenizer, num_blocks=32))
+
+    async def held_then_answered():
+        async_engine.lock.acquire()
+        sent = time.perf_counter()
+        stream = async_engine.generate([5, 6, 7], minillm.SamplingParams(max_new_tokens=2), "late")
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.3)
+        async_engine.lock.release()
+        await first
+        return sent, [out async for out in stream]
+
+    try:
+        sent, _ = asyncio.run(held_then_answered())
+    finally:
+        async_engine.close()
+    request = async_engine.engine.requests["late"]
+    assert sent <= request.arrival_s < sent + 0.1  # stamped at generate(), before the 0.3 s wait
+    assert request.first_scheduled_s - request.arrival_s >= 0.3
