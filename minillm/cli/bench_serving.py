@@ -324,16 +324,16 @@ def _print_summaries(out, rows, n_requests: int, ttft_slo_ms: float, tpot_slo_ms
 def _print_ratios(out, result) -> None:
     from ..serving.bench import policy_ratios
 
-    ratios = policy_ratios(result.runs)
-    if not ratios:
-        return
+    ratios, ran = policy_ratios(result.runs), {run.policy for run in result.runs}
+    if not ratios or not ran & {"one-at-a-time", "static"}:
+        return  # nothing to compare with
     out.print("Ratios (targets: offline output tok/s >= 3x one-at-a-time and >= 1.3x static; "
               "goodput under load >= 2x one-at-a-time):")
     for r in ratios:
         parts = [f"{name} {_x(r[key])}" for name, key in (
             ("output tok/s vs one-at-a-time", "output_tok_s_vs_one_at_a_time"),
             ("vs static", "output_tok_s_vs_static"), ("goodput vs one-at-a-time", "goodput_vs_one_at_a_time"))
-            if r[key] is not None or key == "goodput_vs_one_at_a_time"]
+            if r[key] is not None or (key == "goodput_vs_one_at_a_time" and "one-at-a-time" in ran)]
         out.print(f"- {r['policy']} @ {_rate_text(r['rate_req_s'])}: " + ", ".join(parts))
 
 

@@ -197,6 +197,16 @@ def test_cli_runs_every_policy_and_writes_json_plots_and_trace(tiny_folder, tmp_
     assert f"wrote {tmp_path / 'r.json'}" in err
 
 
+def test_cli_prints_no_ratio_against_a_policy_it_did_not_run(tiny_folder, capsys):
+    args = ["bench-serving", "--model", str(tiny_folder), "--quick", "--num-prompts", "2", "--input-len", "4",
+            "--output-len", "2", "--long-prompt-len", "0", "--threads", "1", "--kv-cache-memory", "4MiB"]
+    assert main([*args, "--policies", "continuous", "static"]) == 0
+    out = capsys.readouterr().out
+    assert "- continuous @ inf: vs static x" in out and "goodput vs" not in out  # (was: 'goodput vs ... n/a')
+    assert main([*args, "--policies", "continuous+chunked"]) == 0
+    assert "Ratios" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("args, message", [
     (["--request-rate", "0"], "--request-rate: '0' is not a rate"),
     (["--request-rate", "fast"], "--request-rate: 'fast' is not a rate"),
