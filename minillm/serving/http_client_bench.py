@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .metrics_scrape import ServerSideNumbers, scrape_delta
-from .run_metrics import RunSummary, span_s, summarize_run
+from .run_metrics import RunSummary, request_metrics, span_s, summarize_run
 from .workload import WorkloadRequest
 
 ERRORS_SHOWN = 5  # distinct failure messages kept in a result
@@ -144,10 +144,12 @@ class HttpRunResult:
 
 
 def _request_dict(r: ClientRequest) -> dict:
-    ttft = (r.token_times_s[0] - r.arrival_s) * 1e3 if r.token_times_s else None
+    """Per-request numbers for JSON; latencies (ms, from arrival) only for a completed request."""
+    m = request_metrics(r) if r.error is None else None
     return {"request_id": r.request_id, "prompt_tokens": r.num_prompt_tokens, "output_tokens": len(r.token_times_s),
-            "finish_reason": r.finish_reason, "error": r.error, "ttft_ms": ttft, "num_chunks": r.num_chunks,
-            "usage_completion_tokens": r.usage_completion_tokens}
+            "finish_reason": r.finish_reason, "error": r.error, "num_chunks": r.num_chunks,
+            "usage_completion_tokens": r.usage_completion_tokens,
+            **{k: None if m is None else getattr(m, k) for k in ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms")}}
 
 
 # -- one request ------------------------------------------------------------------------------------

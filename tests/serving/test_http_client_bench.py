@@ -322,6 +322,10 @@ def test_cli_prints_the_tables_and_the_client_vs_server_comparison(stub_url, tmp
     for run in doc["runs"]:
         assert run["summary"]["total_output_tokens"] == 9 and run["n_failed"] == 0
         assert run["server"]["latencies_ms"]["ttft"]["mean"] == pytest.approx(TTFT_S * 1e3)
+        per_request = run["requests"]
+        assert [r["output_tokens"] for r in per_request] == [3, 3, 3]
+        assert sum(r["e2e_ms"] for r in per_request) / 3 == pytest.approx(run["summary"]["mean_e2e_ms"])
+        assert all(ITL_S * 1e3 - 5 <= r["tpot_ms"] < ITL_S * 1e3 + 100 for r in per_request)
 
 
 @pytest.mark.parametrize("extra, message", [
