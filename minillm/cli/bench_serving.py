@@ -79,6 +79,11 @@ def run_bench_serving(args) -> int:
         from .bench_serving_http import run_over_http
 
         return run_over_http(args, rates)
+    from .bench_serving_http import DEFAULT_TIMEOUT_S
+
+    for name, given in (("--tokenizer", args.tokenizer is not None), ("--timeout", args.timeout != DEFAULT_TIMEOUT_S)):
+        if given:
+            warn(f"{name} has no effect without --base-url (it is for a run against a server)")
     args.model = args.model or DEFAULT_MODEL  # None only tells run_over_http that --model was not given
     if args.threads:
         import torch
@@ -115,7 +120,7 @@ def _check_args(args) -> list[float]:
 
     for flag, value, least in (("--num-prompts", args.num_prompts, 1), ("--max-num-seqs", args.max_num_seqs, 1),
                                ("--block-size", args.block_size, 1), ("--long-prompt-len", args.long_prompt_len, 0),
-                               ("--threads", args.threads, 1)):
+                               ("--threads", args.threads, 1), ("--seed", args.seed, 0)):
         if value is not None and value < least:
             raise UsageError(f"{flag} must be >= {least}, got {value}")
     if args.max_num_batched_tokens < args.block_size:

@@ -29,6 +29,8 @@ def add_http_options(p) -> None:
                         "--max-num-batched-tokens, --kv-cache-memory, --block-size) are then the server's own")
     p.add_argument("--tokenizer", metavar="MODEL", help="with --base-url: the minillm model name or folder whose "
                                                         "tokenizer gives the prompts' ids (default: the served model)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), metavar="KEY",
+                   help="with --base-url: the server's API key (default: $OPENAI_API_KEY, as the openai client)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
                    help="with --base-url: each rate's run is cut after this many seconds (unfinished requests "
                         "count as failed)")
@@ -43,9 +45,9 @@ def run_over_http(args, rates: list[float]) -> int:
     from .bench_serving import _progress_bar, _workloads
 
     _check_http_args(args)
-    base_url = args.base_url.rstrip("/")
+    base_url = args.base_url.rstrip("/").removesuffix("/v1")  # the openai client's base_url works too
     try:
-        model = args.model or served_model(base_url)
+        model = args.model or served_model(base_url, api_key=args.api_key)
     except ValueError as e:
         raise UsageError(f"--base-url: {e}") from None
     tokenizer = _local_tokenizer(args, model)
@@ -61,7 +63,7 @@ def run_over_http(args, rates: list[float]) -> int:
 
             try:
                 runs.append((rate, run_http_bench(base_url, workload, model, args.ttft_slo_ms, args.tpot_slo_ms,
-                                                  args.timeout, progress)))
+                                                  args.timeout, progress, api_key=args.api_key)))
             except ValueError as e:  # the warm-up request failed: every request would
                 raise UsageError(f"--base-url: {e}") from None
     out = Console(highlight=False) if sys.stdout.isatty() else Console(width=160, highlight=False)
@@ -109,9 +111,9 @@ def _print_http(out, args, runs, n_requests: int) -> None:
             out.print(f"- {note}")
         if r.server is not None and r.server.latencies:
             out.print(_client_vs_server(r, rate))
-            out.print("gap = client - server: HTTP, JSON, detokenization and queueing outside the engine. The "
-                      "server's means are exact; its p50/p90/p99 are estimated from its /metrics buckets "
-                      "(Prometheus histogram_quantile), only as fine as the buckets.")
+            out.print("gap = client - server mean: HTTP, JSON, detokenization and queueing outside the engine. "
+                      "The server's means are exact; its p50/p90/p99 are estimated from its /metrics buckets "
+                      "(Prometheus histogram_quantile), only as fine as the buckets, so they get no gap.")
 
 
 def _notes(r) -> list[str]:
@@ -158,7 +160,8 @@ def _client_vs_server(r, rate):
         server = r.server.stats_ms(key)
         for stat in ("mean", "p50", "p90", "p99"):
             client, theirs = getattr(r.summary, f"{stat}_{key}_ms"), server.get(stat)
-            gap = None if client is None or theirs is None else client - theirs
+            # a gap only of means: the server's percentiles are bucket estimates (see the note below)
+            gap = None if client is None or theirs is None or stat != "mean" else client - theirs
             table.add_row(name if stat == "mean" else "", stat, _ms(client), _ms(theirs), _ms(gap))
     return table
 

@@ -92,6 +92,9 @@ def _check_args(args) -> None:
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise UsageError(f"--max-waiting-requests must be >= 1 (leave it out for no limit), "
                          f"got {args.max_waiting_requests}")
+    for flag, value in (("--served-model-name", args.served_model_name), ("--api-key", args.api_key)):
+        if value is not None and not value.strip():
+            raise UsageError(f"{flag} is empty; give a value or leave the option out")
     try:
         parse_memory(args.kv_cache_memory, available_bytes=1)
     except ValueError as e:
@@ -108,8 +111,11 @@ def _check_args(args) -> None:
 
 def _banner(host: str, port: int, name: str, engine) -> str:
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    from ..serving.api_server import max_model_len
+
     return (f"minillm serve: {name} at {url}  ({engine.cache.allocator.num_blocks} KV blocks of "
-            f"{engine.cache.block_size}; Ctrl-C stops)\n"
+            f"{engine.cache.block_size}, requests up to {max_model_len(engine)} tokens; Ctrl-C stops)\n"
             f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-            f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'\n"
-            f"  metrics: {url}/metrics   models: {url}/v1/models")
+            f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], "
+            f"\"temperature\": 0}}'\n"
+            f"  metrics: {url}/metrics   models: {url}/v1/models   live view: {url}/")

@@ -73,7 +73,8 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
     async_engine.on_finished = metrics.observe_finished
     app.include_router(web_view_router)  # GET / (the live engine view) and GET /engine/state
     model = async_engine.engine.model
-    defaults, context, created_s = generation_config_of(model).defaults, model.config.max_seq_len, protocol.now_s()
+    defaults, created_s = generation_config_of(model).defaults, protocol.now_s()
+    context = max_model_len(async_engine.engine)
 
     expected_auth = f"Bearer {api_key}".encode()
 
@@ -293,20 +294,34 @@ def _check_model(name: str | None, served: str) -> None:
                        "model", "model_not_found")
 
 
+def max_model_len(engine) -> int:
+    """The longest request (prompt + output tokens) this server takes: the model's context, or
+    fewer when the whole KV cache pool holds fewer positions. vLLM refuses to start then
+    ("max seq len is larger than the KV cache can store"); this server serves the shorter
+    requests, says so in ``GET /v1/models`` (``max_model_len``), and refuses the longer ones
+    up front instead of cutting them short."""
+    pool = engine.cache.allocator
+    return min(engine.model.config.max_seq_len, pool.num_blocks * pool.block_size)
+
+
 def _max_tokens(requested: int | None, prompt_len: int, context: int) -> int:
     """``requested``, or the rest of the context; APIError 400 when prompt and output exceed the
     context (OpenAI's and vLLM's rule, with their numbers in the message)."""
     if prompt_len >= context:
-        raise APIError(400, f"the prompt is {prompt_len} tokens but this model's maximum context length is "
-                            f"{context} tokens (prompt and output together); shorten the prompt",
+        raise APIError(400, f"the prompt is {prompt_len} tokens but this server's maximum context length is "
+                            f"{context} tokens (prompt and output together{_POOL_NOTE}); shorten the prompt",
                        "prompt", "context_length_exceeded")
     if requested is None:
         return context - prompt_len
     if prompt_len + requested > context:
-        raise APIError(400, f"this model's maximum context length is {context} tokens, but {prompt_len + requested} "
-                            f"were requested ({prompt_len} in the prompt, {requested} for the completion); "
-                            "lower max_tokens or shorten the prompt", "max_tokens", "context_length_exceeded")
+        raise APIError(400, f"this server's maximum context length is {context} tokens{_POOL_NOTE}, but "
+                            f"{prompt_len + requested} were requested ({prompt_len} in the prompt, {requested} for "
+                            "the completion); lower max_tokens or shorten the prompt", "max_tokens",
+                       "context_length_exceeded")
     return requested
+
+
+_POOL_NOTE = "; the model's context or the KV cache pool's positions, whichever is less: GET /v1/models"
 
 
 def _sampling_params(body, max_tokens: int, defaults: dict) -> SamplingParams:

@@ -76,7 +76,7 @@ class LLMEngine:
         model: a :class:`~minillm.model.Transformer` (``minillm.load_model(...)``).
         tokenizer: optional; outputs then carry ``text``, and ``SamplingParams.stop`` works.
         kv_cache_memory: the pool's budget: "512MiB", "2GiB", bytes, or a fraction of free
-            memory such as 0.3. Ignored when ``num_blocks`` is given.
+            memory such as 0.3; default 512MiB. Give it or ``num_blocks``, not both.
         num_blocks: the pool's size in blocks (vLLM's ``num_gpu_blocks_override``).
         block_size: positions per block (vLLM's ``block_size``).
         max_num_seqs, max_num_batched_tokens, enable_chunked_prefill: the scheduler's knobs,
@@ -91,12 +91,16 @@ class LLMEngine:
     Raises ValueError for a pool that holds no block, or bad knobs.
     """
 
-    def __init__(self, model, tokenizer=None, *, kv_cache_memory: str | int | float = "512MiB",
+    def __init__(self, model, tokenizer=None, *, kv_cache_memory: str | int | float | None = None,
                  num_blocks: int | None = None, block_size: int = 16, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 512, enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, eos_token_ids=None):
         self.model, self.tokenizer = model, tokenizer
-        self.cache = PagedKVCache.for_model(model, kv_cache_memory, block_size, num_blocks, enable_prefix_caching)
+        if kv_cache_memory is not None and num_blocks is not None:
+            raise ValueError(f"give kv_cache_memory ({kv_cache_memory!r}) or num_blocks ({num_blocks}), not both: "
+                             "num_blocks sets the pool's size exactly")
+        self.cache = PagedKVCache.for_model(model, kv_cache_memory or "512MiB", block_size, num_blocks,
+                                            enable_prefix_caching)
         self.scheduler = Scheduler(self.cache.allocator, max_num_seqs, max_num_batched_tokens,
                                    enable_chunked_prefill)
         self.eos_token_ids = eos_token_set(model, eos_token_ids)

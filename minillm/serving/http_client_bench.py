@@ -126,19 +126,21 @@ class HttpRunResult:
     server: ServerSideNumbers | None = None
     server_note: str = ""
 
-    def ttft_gap_ms(self, stat: str = "p50") -> float | None:
-        """Client minus server TTFT (ms), ``stat`` "mean" or "p50": HTTP, JSON, detokenization and
-        queueing outside the engine; None without both. The server's mean is exact, its p50 a
-        bucket estimate (metrics_scrape)."""
-        server = self.server.stats_ms("ttft").get(stat) if self.server else None
-        client = getattr(self.summary, f"{stat}_ttft_ms")
+    def ttft_gap_ms(self) -> float | None:
+        """Client minus server mean TTFT (ms): HTTP, JSON, detokenization and queueing outside the
+        engine; None without both. Means only: the server's mean is exact (_sum / _count), its
+        percentiles are bucket estimates (metrics_scrape), too coarse to subtract from exact
+        client percentiles (a p50 gap came out at -816 ms with every client TTFT under the
+        server's estimated p50)."""
+        server = self.server.stats_ms("ttft").get("mean") if self.server else None
+        client = self.summary.mean_ttft_ms
         return None if server is None or client is None else client - server
 
     def to_dict(self) -> dict:
         return {"base_url": self.base_url, "model": self.model, "summary": self.summary.to_dict(),
                 "n_failed": self.n_failed, "errors": self.errors, "n_count_mismatch": self.n_count_mismatch,
                 "n_without_usage": self.n_without_usage, "n_short": self.n_short,
-                "ttft_gap_p50_ms": self.ttft_gap_ms("p50"), "ttft_gap_mean_ms": self.ttft_gap_ms("mean"),
+                "ttft_gap_mean_ms": self.ttft_gap_ms(),
                 "server": None if self.server is None else self.server.to_dict(), "server_note": self.server_note,
                 "requests": [_request_dict(r) for r in self.requests]}
 
@@ -256,13 +258,18 @@ def _error_message(body: bytes) -> str:
 # -- a run ------------------------------------------------------------------------------------------
 
 
-def served_model(base_url: str, timeout_s: float = 10.0) -> str:
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """OpenAI's bearer-token header for a server started with an API key (``serve --api-key``)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def served_model(base_url: str, timeout_s: float = 10.0, api_key: str | None = None) -> str:
     """The first model id of ``GET /v1/models``. Raises ValueError (one line) when the server
     cannot be reached or lists no model."""
     import httpx
 
     try:
-        response = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=timeout_s)
+        response = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=timeout_s, headers=auth_headers(api_key))
         response.raise_for_status()
         return response.json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
@@ -283,7 +290,7 @@ async def _scrape(client, base_url: str) -> str | None:
 async def run_http_bench_async(base_url: str, workload: Sequence[WorkloadRequest], model: str,
                                ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None,
                                timeout_s: float = 600.0, progress: Callable[[int, int], None] | None = None,
-                               warm_up_first: bool = True) -> HttpRunResult:
+                               warm_up_first: bool = True, api_key: str | None = None) -> HttpRunResult:
     """Send ``workload`` to ``base_url`` in real time and measure it; see :func:`run_http_bench`."""
     import httpx
 
@@ -291,7 +298,8 @@ async def run_http_bench_async(base_url: str, workload: Sequence[WorkloadRequest
         raise ValueError("empty workload; make one with workload.make_workload(...)")
     base_url = base_url.rstrip("/")
     limits = httpx.Limits(max_connections=len(workload), max_keepalive_connections=len(workload))
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits,
+                                 headers=auth_headers(api_key)) as client:
         if warm_up_first:
             await warm_up(client, f"{base_url}/v1/completions", model, workload[0])
         before = await _scrape(client, base_url)
@@ -364,7 +372,8 @@ def _result(base_url, model, records, ttft_slo_ms, tpot_slo_ms, before, after) -
 
 def run_http_bench(base_url: str, workload: Sequence[WorkloadRequest], model: str | None = None,
                    ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None, timeout_s: float = 600.0,
-                   progress: Callable[[int, int], None] | None = None, warm_up_first: bool = True) -> HttpRunResult:
+                   progress: Callable[[int, int], None] | None = None, warm_up_first: bool = True,
+                   api_key: str | None = None) -> HttpRunResult:
     """Send ``workload`` to an OpenAI-compatible server in real time; client-side and server-side numbers.
 
     Args:
@@ -376,12 +385,13 @@ def run_http_bench(base_url: str, workload: Sequence[WorkloadRequest], model: st
             count as failed. Also each request's read timeout.
         progress: called as (n_done, n_requests) after each request ends.
         warm_up_first: send one short untimed request first (:func:`warm_up`).
+        api_key: sent as ``Authorization: Bearer KEY`` (a server started with ``--api-key``).
 
     Returns a :class:`HttpRunResult`; failed requests are counted in it, never raised.
     Raises ValueError for an empty workload, when no model is given and ``/v1/models``
     cannot be read (the server is not there), or when the untimed warm-up request
     (:func:`warm_up`) fails: then every request would.
     """
-    model = model or served_model(base_url)
+    model = model or served_model(base_url, api_key=api_key)
     return asyncio.run(run_http_bench_async(base_url, workload, model, ttft_slo_ms, tpot_slo_ms, timeout_s, progress,
-                                            warm_up_first))
+                                            warm_up_first, api_key))

@@ -220,11 +220,20 @@ def test_cli_prints_no_ratio_against_a_policy_it_did_not_run(tiny_folder, capsys
     (["--ttft-slo-ms", "-1"], "--ttft-slo-ms must be a number of milliseconds > 0"),
     (["--trace-out", "run.txt"], "--trace-out: run.txt must end in .json"),
     (["--dataset", "no-such.jsonl"], "--dataset: no file no-such.jsonl"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
 ])
 def test_bad_options_are_one_line_usage_errors(args, message, capsys):
     assert main(["bench-serving", *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
+
+
+def test_server_only_options_are_said_to_have_no_effect_in_process(tiny_folder, capsys):
+    args = ["bench-serving", "--model", str(tiny_folder), "--quick", "--num-prompts", "1", "--input-len", "4",
+            "--output-len", "2", "--long-prompt-len", "0", "--threads", "1", "--policies", "continuous"]
+    assert main([*args, "--timeout", "5", "--tokenizer", "x"]) == 0
+    err = capsys.readouterr().err
+    assert "--tokenizer has no effect without --base-url" in err and "--timeout has no effect without --base-url" in err
 
 
 def test_requests_beyond_the_context_are_a_usage_error(tiny_folder, capsys):

@@ -63,6 +63,8 @@ def test_serve_starts_answers_and_stops_on_ctrl_c(tiny_folder):
     (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
     (["--max-waiting-requests", "0"], "--max-waiting-requests must be >= 1"),
     (["--kv-cache-memory", "lots"], "--kv-cache-memory: KV cache memory must be a size"),
+    (["--served-model-name", ""], "--served-model-name is empty"),
+    (["--api-key", " "], "--api-key is empty"),
 ])
 def test_usage_errors(args, message, capsys):
     assert main(["serve", *args]) == 2

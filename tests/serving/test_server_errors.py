@@ -196,3 +196,19 @@ def test_a_body_over_the_limit_is_413(server, monkeypatch):
     assert "over 4,096 bytes" in r.json()["error"]["message"]
     short = httpx.post(f"{server}/v1/completions", json={"prompt": "word", "max_tokens": 2}, timeout=TIMEOUT_S)
     assert short.status_code == 200
+
+
+def test_a_pool_smaller_than_the_context_is_the_servers_limit_said_up_front(tiny_chat):
+    """11 blocks of 16 hold 176 positions, fewer than the model's 512: a request that could never
+    finish in the pool is refused before it runs (it used to end 'length' after a few tokens)."""
+    model, tokenizer = tiny_chat
+    with live_server(model, tokenizer, num_blocks=11) as url:
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"] == 11 * 16
+        prompt = list(range(100, 250))  # 150 tokens
+        too_long = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 100, "ignore_eos": True})
+        assert too_long.status_code == 400
+        error = too_long.json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+        assert "176 tokens" in error["message"] and "250 were requested" in error["message"]
+        fits = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 26, "ignore_eos": True})
+        assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 26

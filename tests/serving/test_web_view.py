@@ -260,3 +260,26 @@ def test_bad_input_is_said_on_the_page(server, browser):
     errors, failed_loads = console_errors(browser)
     assert errors == []  # a 400 answer is shown, not thrown
     assert [" 400 " in e["message"] for e in failed_loads] == [True]  # (the console log is really read)
+
+
+def test_a_server_with_an_api_key_is_used_from_the_page_with_its_key(tiny_chat, browser):
+    model, tokenizer = tiny_chat
+    with live_server(model, tokenizer, model_name="tiny-web", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                     api_key="s3cret") as url:
+        browser.get(f"{url}/")
+
+        def says_how_to_give_the_key():
+            browser.find_element("id", "send").click()  # refused on the page: no model name without the key
+            return "open this page as /?api_key=KEY" in browser.find_element("id", "form-error").text
+
+        wait_for(says_how_to_give_the_key, "the page saying the server wants its API key")
+        browser.get(f"{url}/?api_key=s3cret")
+        wait_for(lambda: browser.find_element("id", "model").text == "tiny-web", "the model's name, with the key")
+        css = lambda selector: browser.find_elements("css selector", selector)  # noqa: E731
+        browser.find_element("id", "max-tokens").clear()
+        browser.find_element("id", "max-tokens").send_keys("4")
+        browser.find_element("id", "send").click()
+        wait_for(lambda: "finish:" in css(".answer .meta")[0].text, "the keyed stream's finish reason")
+        assert not css(".answer.failed")
+        browser.get("about:blank")
+        assert console_errors(browser)[0] == []
