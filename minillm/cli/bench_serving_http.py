@@ -127,10 +127,10 @@ def _notes(r) -> list[str]:
         notes.append(f"requests sent p99 {_ms(s.p99_queue_ms)} ms after their arrival time (the client's own delay, "
                      "inside TTFT)")
     if r.n_count_mismatch:
-        notes.append(f"{r.n_count_mismatch} requests streamed a different token count than their usage "
+        notes.append(f"{_requests(r.n_count_mismatch)} streamed a different token count than the usage says "
                      "(text held back; the usage's count is used)")
     if r.n_short:
-        notes.append(f"{r.n_short} requests ended before their max_tokens (does the server ignore ignore_eos?)")
+        notes.append(f"{_requests(r.n_short)} ended before max_tokens (does the server ignore ignore_eos?)")
     if s.total_cached_tokens:
         notes.append(f"the server's prefix cache served {s.total_cached_tokens} of {s.total_input_tokens} prompt "
                      "tokens (prompts sent before, e.g. at an earlier rate; the in-process policies run without "
@@ -186,3 +186,7 @@ def _write_json(args, runs, workload: dict, model: str, loadavg_before) -> None:
                     for rate, r in runs]}  # policy, rate_req_s, summary: as the in-process runs
     Path(args.json).write_text(json.dumps(doc, indent=1))
     wrote(args.json)
+
+
+def _requests(n: int) -> str:
+    return f"{n} request" if n == 1 else f"{n} requests"
