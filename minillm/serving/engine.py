@@ -99,8 +99,8 @@ class LLMEngine:
         if kv_cache_memory is not None and num_blocks is not None:
             raise ValueError(f"give kv_cache_memory ({kv_cache_memory!r}) or num_blocks ({num_blocks}), not both: "
                              "num_blocks sets the pool's size exactly")
-        self.cache = PagedKVCache.for_model(model, kv_cache_memory or "512MiB", block_size, num_blocks,
-                                            enable_prefix_caching)
+        memory = "512MiB" if kv_cache_memory is None else kv_cache_memory
+        self.cache = PagedKVCache.for_model(model, memory, block_size, num_blocks, enable_prefix_caching)
         self.scheduler = Scheduler(self.cache.allocator, max_num_seqs, max_num_batched_tokens,
                                    enable_chunked_prefill)
         self.eos_token_ids = eos_token_set(model, eos_token_ids)

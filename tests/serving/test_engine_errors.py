@@ -51,6 +51,7 @@ def test_bad_prompts_are_value_errors(model, prompt, knobs, match):
     (dict(num_blocks=None, kv_cache_memory="1000TiB"), "more than the free memory"),
     (dict(num_blocks=None, kv_cache_memory=1.5), r"fraction of free memory must be in \(0, 1\]"),
     (dict(num_blocks=8, kv_cache_memory="64MiB"), "give kv_cache_memory .* or num_blocks .*, not both"),
+    (dict(num_blocks=None, kv_cache_memory=0), "KV cache memory must be > 0"),
 ])
 def test_bad_knobs_are_value_errors(model, knobs, match):
     with pytest.raises(ValueError, match=match):
