@@ -7,7 +7,6 @@ Skips (with the reason) only when no Chromium/chromedriver or selenium is instal
 ``.ci/run`` installs them.
 """
 
-import shutil
 
 import pytest
 
@@ -16,15 +15,10 @@ from minillm.trace import Trace
 
 from tiny_models import CONFIGS, build_hf, save_hf
 
-webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[dev]')")
+pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[dev]')")
+from headless_browser import headless_chrome, needs_browser  # noqa: E402
 
-BROWSER = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
-DRIVER = shutil.which("chromedriver")
-pytestmark = pytest.mark.skipif(
-    BROWSER is None or DRIVER is None,
-    reason="no headless browser: install Debian's chromium and chromium-driver (apt-get install -y chromium "
-           "chromium-driver)",
-)
+pytestmark = needs_browser
 N_NEW, PX = 6, 1.0  # tokens generated; bar widths are compared to 1 CSS pixel
 
 
@@ -43,14 +37,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    options = Options()
-    options.binary_location = BROWSER
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1100,1400"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(options=options, service=Service(DRIVER))
+    driver = headless_chrome("1100,1400")
     yield driver
     driver.quit()
 

@@ -12,7 +12,6 @@ Skips (with the reason) only when no Chromium/chromedriver or selenium is instal
 ``.ci/run`` installs them.
 """
 
-import shutil
 import time
 
 import pytest
@@ -20,17 +19,12 @@ import pytest
 from minillm import LLMEngine, SamplingParams
 from minillm.serving.web_view import engine_state
 
-webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[dev]')")
+pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[dev]')")
+from headless_browser import headless_chrome, needs_browser  # noqa: E402
 pytest.importorskip("fastapi", reason="the server extra is not installed (pip install -e '.[serve]')")
 from live_server import app_of, live_server  # noqa: E402  (needs fastapi and uvicorn)
 
-BROWSER = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
-DRIVER = shutil.which("chromedriver")
-pytestmark = pytest.mark.skipif(
-    BROWSER is None or DRIVER is None,
-    reason="no headless browser: install Debian's chromium and chromium-driver (apt-get install -y chromium "
-           "chromium-driver)",
-)
+pytestmark = needs_browser
 MAX_TOKENS, NUM_BLOCKS, BLOCK_SIZE = 300, 64, 16
 WAIT_S = 60  # every wait below is bounded by this
 
@@ -44,15 +38,7 @@ def server(tiny_chat):
 
 @pytest.fixture(scope="module")
 def browser():
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    options = Options()
-    options.binary_location = BROWSER
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,1000"):
-        options.add_argument(arg)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # to read the JS console
-    driver = webdriver.Chrome(options=options, service=Service(DRIVER))
+    driver = headless_chrome("1600,1000", console_log=True)
     yield driver
     driver.quit()
 
