@@ -1,12 +1,15 @@
 """ModelConfig: the handful of numbers that define a decoder-only transformer.
 
-Read from a Hugging Face ``config.json``. Two families are supported:
+Read from a Hugging Face ``config.json``. Two layer shapes, five families:
 
 - ``gpt2``: learned position embeddings, LayerNorm, GELU(tanh) MLP, biases everywhere.
 - ``llama`` and ``mistral`` (same shape): RoPE, RMSNorm, SwiGLU MLP, grouped-query attention.
+- ``qwen2`` (Qwen2, Qwen2.5): Llama's layer with biases on the q, k, v projections (not on o).
+- ``qwen3``: Llama's layer with QK-norm (RMSNorm on each head of q and k, before RoPE) and an
+  explicit ``head_dim``.
 
 Field names follow the HF configs (``n_embd`` for GPT-2, ``hidden_size`` for Llama, ...).
-Every field of transformers' GPT2Config, LlamaConfig and MistralConfig that changes the
+Every field of transformers' GPT2Config, LlamaConfig, MistralConfig, Qwen2Config and Qwen3Config that changes the
 logits is either implemented or refused by name (``NOT_IMPLEMENTED``); types and ranges are
 checked here, at the boundary, so a bad file fails with one line naming the field.
 """
@@ -15,12 +18,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # HF activation names (transformers' ACT2FN) -> ours. "gelu_new" / "gelu_pytorch_tanh" are GELU with
 # the tanh approximation, "gelu" the exact (erf) one. Llama's gated MLP is SwiGLU: silu only.
@@ -61,7 +64,8 @@ class ModelConfig:
     """Architecture hyper-parameters of one checkpoint.
 
     Attributes:
-        model_type: "gpt2" or "llama" (mistral is read as llama).
+        model_type: "gpt2", "llama" (mistral is read as llama), "qwen2" or "qwen3"; every type but
+            gpt2 has Llama's layer (RoPE, RMSNorm, SwiGLU), with the parts below switched on.
         n_layers, d_model, n_heads, n_kv_heads, head_dim, d_mlp, vocab_size: sizes.
             n_kv_heads < n_heads is grouped-query attention (GQA), 1 is multi-query (MQA).
         max_seq_len: longest context the model supports (``max_position_embeddings``,
@@ -71,7 +75,13 @@ class ModelConfig:
         rope_theta: RoPE base (None for GPT-2, which learns its positions).
         rope_scaling: long-context RoPE scaling, or None.
         tie_word_embeddings: the LM head reuses the token embedding matrix.
-        attention_bias, mlp_bias: whether those projections have biases.
+        qkv_bias: the q, k and v projections have biases (GPT-2; Qwen2 always, HF Qwen2Attention;
+            Llama and Qwen3 with ``attention_bias``).
+        o_bias: the output projection has a bias (GPT-2; Llama and Qwen3 with ``attention_bias``;
+            never Qwen2).
+        mlp_bias: the MLP projections have biases.
+        qk_norm: RMSNorm over head_dim on each head of q and k after their projections, before
+            RoPE (Qwen3; Dehghani et al. 2023, "Scaling Vision Transformers to 22B Parameters").
         bos_token_id, eos_token_ids: from config.json; eos may be several ids.
         scale_attn_weights: divide attention scores by √head_dim (GPT-2's flag; always on for Llama).
         scale_attn_by_inverse_layer_idx: also divide layer i's scores by i + 1 (GPT-2's flag,
@@ -92,7 +102,8 @@ class ModelConfig:
     norm_eps: float
     activation: str
     tie_word_embeddings: bool
-    attention_bias: bool
+    qkv_bias: bool
+    o_bias: bool
     mlp_bias: bool
     rope_theta: float | None = None
     rope_scaling: RopeScaling | None = None
@@ -100,6 +111,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     scale_attn_weights: bool = True
     scale_attn_by_inverse_layer_idx: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self):
         # A second guard for configs built in code (exercises, notebooks); from_hf has already
@@ -120,12 +132,12 @@ class ModelConfig:
 
     @property
     def uses_rope(self) -> bool:
-        return self.model_type == "llama"
+        return self.model_type != "gpt2"
 
     @property
     def gated_mlp(self) -> bool:
         """True for Llama's SwiGLU MLP (gate, up, down), False for GPT-2's (up, down)."""
-        return self.model_type == "llama"
+        return self.model_type != "gpt2"
 
     @property
     def n_rep(self) -> int:
@@ -184,7 +196,9 @@ class ModelConfig:
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         _refuse_not_implemented(hf)
-        return _from_gpt2(hf) if model_type == "gpt2" else _from_llama(hf)
+        if model_type == "gpt2":
+            return _from_gpt2(hf)
+        return _from_qwen(hf) if model_type in ("qwen2", "qwen3") else _from_llama(hf)
 
 
 # -- reading one field, checked ---------------------------------------------------------
@@ -275,7 +289,8 @@ def _from_gpt2(hf: dict) -> ModelConfig:
         norm_eps=_positive_float(hf, "layer_norm_epsilon", 1e-5),
         activation=_activation(hf, "activation_function", "gelu_new", GPT2_ACTIVATIONS),
         tie_word_embeddings=_bool(hf, "tie_word_embeddings", True),
-        attention_bias=True,
+        qkv_bias=True,
+        o_bias=True,
         mlp_bias=True,
         bos_token_id=bos[0] if bos else None,
         eos_token_ids=_token_id(hf, "eos_token_id"),
@@ -312,13 +327,34 @@ def _from_llama(hf: dict) -> ModelConfig:
         norm_eps=_positive_float(hf, "rms_norm_eps", 1e-6),
         activation=_activation(hf, "hidden_act", "silu", LLAMA_ACTIVATIONS),
         tie_word_embeddings=_bool(hf, "tie_word_embeddings", False),
-        attention_bias=has_bias_fields and _bool(hf, "attention_bias", False),
+        qkv_bias=has_bias_fields and _bool(hf, "attention_bias", False),
+        o_bias=has_bias_fields and _bool(hf, "attention_bias", False),
         mlp_bias=has_bias_fields and _bool(hf, "mlp_bias", False),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         bos_token_id=bos[0] if bos else None,
         eos_token_ids=_token_id(hf, "eos_token_id"),
     )
+
+
+def _from_qwen(hf: dict) -> ModelConfig:
+    """Qwen2/Qwen2.5 and Qwen3: Llama's config read as transformers' Qwen2Config/Qwen3Config reads it.
+
+    Qwen2: q, k, v biases always, none on o (HF Qwen2Attention has no bias field).
+    Qwen3: ``attention_bias`` (default false) on all four projections, QK-norm, and a
+    ``head_dim`` that defaults to 128 (Qwen3Config), not hidden_size / heads.
+    The window fields (``sliding_window``, ``max_window_layers``, ``layer_types``) take effect
+    only with ``use_sliding_window``, false in every released Qwen2.5 and Qwen3 config.
+    """
+    if _bool(hf, "use_sliding_window", False):
+        raise ConfigError("config.json: use_sliding_window=true is not supported yet (sliding-window attention "
+                          "on the layers from max_window_layers on); use a config with use_sliding_window=false")
+    llama = {k: v for k, v in hf.items() if k not in ("sliding_window", "max_window_layers", "layer_types")}
+    if hf["model_type"] == "qwen2":
+        return replace(_from_llama(llama), model_type="qwen2", qkv_bias=True, o_bias=False)
+    bias = _bool(hf, "attention_bias", False)
+    return replace(_from_llama({**llama, "head_dim": _int(hf, "head_dim", 128)}), model_type="qwen3",
+                   qkv_bias=bias, o_bias=bias, qk_norm=True)
 
 
 def _rope(hf: dict) -> tuple[float, RopeScaling | None]:

@@ -102,7 +102,8 @@ def weights_bytes(config: ModelConfig, dtype_bytes: int) -> int:
 
     Counts the token embedding (vocab·d_model), GPT-2's learned positions
     (max_seq_len·d_model), per layer the projections, their biases and two norms
-    (RMSNorm: weight; LayerNorm: weight and bias), the final norm, and the LM head
+    (RMSNorm: weight; LayerNorm: weight and bias) and Qwen3's QK-norm weights (2·head_dim),
+    the final norm, and the LM head
     only when it is not tied to the embedding.
     """
     return _n_params(config) * dtype_bytes
@@ -111,9 +112,10 @@ def weights_bytes(config: ModelConfig, dtype_bytes: int) -> int:
 def _n_params(config: ModelConfig) -> int:
     c = config
     norm = c.d_model if c.uses_rope else 2 * c.d_model  # RMSNorm weight | LayerNorm weight + bias
-    attn_bias = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.d_model if c.attention_bias else 0
+    attn_bias = ((c.n_heads + 2 * c.n_kv_heads) * c.head_dim if c.qkv_bias else 0) + (c.d_model if c.o_bias else 0)
+    qk_norm = 2 * c.head_dim if c.qk_norm else 0  # one RMSNorm weight for q's heads, one for k's
     mlp_bias = ((2 if c.gated_mlp else 1) * c.d_mlp + c.d_model) if c.mlp_bias else 0
-    layer = attention_params(c) + mlp_params(c) + attn_bias + mlp_bias + 2 * norm
+    layer = attention_params(c) + mlp_params(c) + attn_bias + mlp_bias + 2 * norm + qk_norm
     embed = c.vocab_size * c.d_model + (0 if c.uses_rope else c.max_seq_len * c.d_model)
     head = 0 if c.tie_word_embeddings else lm_head_params(c)
     return embed + c.n_layers * layer + norm + head

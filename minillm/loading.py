@@ -6,12 +6,12 @@ over, or of the wrong shape is an error: nothing is ever left at random initiali
 
 Tensor names are mapped from HF's to ours:
 
-    GPT-2 (``transformer.`` prefix optional)   Llama (``model.`` prefix)
+    GPT-2 (``transformer.`` prefix optional)   Llama, Mistral, Qwen2, Qwen3 (``model.`` prefix)
     wte / wpe                 -> embed / pos_embed      embed_tokens -> embed
     h.{i}.ln_1 / ln_2         -> blocks.{i}.ln1 / ln2   layers.{i}.input_layernorm / post_attention_layernorm
-    h.{i}.attn.c_attn  (q|k|v fused, Conv1D)            layers.{i}.self_attn.{q,k,v,o}_proj
-    h.{i}.attn.c_proj         -> attn.o_proj            layers.{i}.mlp.{gate,up,down}_proj
-    h.{i}.mlp.c_fc / c_proj   -> mlp.up_proj / down_proj
+    h.{i}.attn.c_attn  (q|k|v fused, Conv1D)            layers.{i}.self_attn.{q,k,v,o}_proj (.bias: Qwen2's q, k, v)
+    h.{i}.attn.c_proj         -> attn.o_proj            layers.{i}.self_attn.{q,k}_norm (Qwen3's QK-norm)
+    h.{i}.mlp.c_fc / c_proj   -> mlp.up_proj / down_proj layers.{i}.mlp.{gate,up,down}_proj
     ln_f                      -> ln_final               norm -> ln_final
 
 GPT-2's Conv1D stores weights as [in, out], the transpose of ``nn.Linear``'s [out, in].
@@ -38,7 +38,7 @@ IGNORED = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$"
 
 
 def load_model(name_or_path, device=None, dtype=None, attn_impl: str = "sdpa", weights_dir=None) -> Transformer:
-    """Load a GPT-2 or Llama-family checkpoint.
+    """Load a GPT-2, Llama, Mistral, Qwen2/Qwen2.5 or Qwen3 checkpoint.
 
     Args:
         name_or_path: a model folder (config.json + model.safetensors or a sharded

@@ -243,10 +243,13 @@ class Attention(nn.Module):
         self.layer, self.name = layer, f"blocks.{layer}.attn"
         self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
         self.scale = c.attn_scale(layer)  # 1/√head_dim unless the config says otherwise (GPT-2 flags)
-        self.q_proj = Linear(c.d_model, c.n_heads * c.head_dim, bias=c.attention_bias)
-        self.k_proj = Linear(c.d_model, c.n_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.v_proj = Linear(c.d_model, c.n_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.o_proj = Linear(c.n_heads * c.head_dim, c.d_model, bias=c.attention_bias)
+        self.q_proj = Linear(c.d_model, c.n_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = Linear(c.d_model, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = Linear(c.d_model, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = Linear(c.n_heads * c.head_dim, c.d_model, bias=c.o_bias)
+        # Qwen3's QK-norm: one RMSNorm over head_dim, shared by every head of q (and of k).
+        self.q_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
         # [(H + 2·Hkv)·D, d_model]: q, k, v stacked, set by Transformer.pack_weights (one matmul, not three).
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
@@ -262,6 +265,8 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:  # QK-norm: bounded q·k scores whatever the weights' scale, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
         if hook:
             for part, t in (("q", q), ("k", k), ("v", v)):
                 hook(f"{self.name}.hook_{part}", t)

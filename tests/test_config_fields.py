@@ -182,7 +182,7 @@ def test_null_fields_take_their_defaults():
 def test_config_built_in_code_is_checked(field, value):
     fields = dict(model_type="llama", n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, d_mlp=8,
                   vocab_size=8, max_seq_len=16, norm_eps=1e-5, activation="silu", tie_word_embeddings=False,
-                  attention_bias=False, mlp_bias=False, rope_theta=1e4)
+                  qkv_bias=False, o_bias=False, mlp_bias=False, rope_theta=1e4)
     with pytest.raises(ConfigError, match=field):
         ModelConfig(**{**fields, field: value})
 

@@ -1,7 +1,7 @@
 """Small random-weight Hugging Face models saved to disk: the oracle for logits tests.
 
 Each config exercises one feature (GQA, MQA, tied/untied embeddings, RoPE scaling,
-an explicit head_dim). Weights get extra noise so that norm weights and biases are
+an explicit head_dim, Qwen2's q/k/v biases, Qwen3's QK-norm). Weights get extra noise so that norm weights and biases are
 not their trivial init values (a loader that skipped them would then pass).
 """
 
@@ -27,6 +27,10 @@ CONFIGS = {
         "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
     "llama_head_dim": ("llama", dict(LLAMA_BASE, head_dim=24)),
     "mistral": ("mistral", dict(LLAMA_BASE, sliding_window=None)),
+    "qwen2": ("qwen2", dict(LLAMA_BASE)),  # biases on q, k, v
+    "qwen2_tied": ("qwen2", dict(LLAMA_BASE, num_key_value_heads=1, tie_word_embeddings=True)),
+    "qwen3": ("qwen3", dict(LLAMA_BASE, head_dim=24)),  # QK-norm, head_dim != hidden / heads
+    "qwen3_bias": ("qwen3", dict(LLAMA_BASE, head_dim=16, attention_bias=True)),
 }
 
 # GPT-2 small's real shape (124M parameters), random weights.
@@ -41,6 +45,8 @@ def build_hf(family: str, kwargs: dict, seed: int = 0):
         "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
     }
     config_cls, model_cls = classes[family]
     torch.manual_seed(seed)

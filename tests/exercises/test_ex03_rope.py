@@ -19,7 +19,7 @@ LAYOUT = ("rotate half: the pairs are channels (i, i + head_dim/2), rotated by p
 def config(head_dim: int) -> ModelConfig:
     return ModelConfig("llama", n_layers=1, d_model=head_dim, n_heads=1, n_kv_heads=1, head_dim=head_dim,
                        d_mlp=4, vocab_size=8, max_seq_len=64, norm_eps=1e-5, activation="silu",
-                       tie_word_embeddings=False, attention_bias=False, mlp_bias=False, rope_theta=10000.0)
+                       tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, rope_theta=10000.0)
 
 
 def test_tables_for_a_prompt(impl):
