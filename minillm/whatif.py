@@ -11,7 +11,7 @@ costs from :mod:`minillm.costs`). These are lower bounds: real systems reach per
 50-80% of them (datasheet peaks are optimistic; kernels, launches and scheduling add time).
 
 Example configs ship in ``minillm/configs/`` (the models' Hugging Face config.json):
-``llama-2-7b``, ``llama-3-8b``.
+``llama-2-7b``, ``llama-3-8b``, ``mistral-7b``, ``qwen2.5-0.5b``, ``qwen3-0.6b``.
 """
 
 from __future__ import annotations

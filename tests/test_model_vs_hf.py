@@ -1,11 +1,17 @@
 """minillm's logits and greedy tokens against Hugging Face transformers on the same weights."""
 
+import json
+from importlib import resources
+
 import pytest
 import torch
 from tiny_models import CONFIGS, GPT2_124M, build_hf, save_hf
 
 import minillm
 from minillm import KVCache, SamplingParams, decode_step, generate, load_model, prefill
+from minillm.loading import to_minillm_names
+from minillm.model import Transformer
+from minillm.whatif import example_configs, load_config
 
 pytest.importorskip("transformers")
 
@@ -45,6 +51,46 @@ def test_gpt2_124m_shape_matches_transformers(tmp_path):
     with torch.no_grad():
         diff = (model(ids) - hf(ids).logits).abs().max().item()
     assert diff <= TOL
+
+
+def _shipped_hf_fields(name: str) -> dict:
+    """A shipped example config (minillm/configs/NAME.json) as transformers' config kwargs."""
+    hf = json.loads((resources.files("minillm") / "configs" / f"{name}.json").read_text())
+    return {k: v for k, v in hf.items() if not k.startswith("_") and k not in ("architectures", "torch_dtype")}
+
+
+@pytest.mark.parametrize("name", example_configs())
+def test_real_config_builds_transformers_shapes(name):
+    """Each family at its published shape, on the meta device (no memory): transformers' model
+    from the same config.json has, after renaming, exactly minillm's tensor names and shapes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config, fields = load_config(name), _shipped_hf_fields(name)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields))
+        ours = Transformer(config)
+    theirs = {k: tuple(t.shape) for k, t in to_minillm_names(hf.state_dict(), config).items()}
+    expected = {k: tuple(t.shape) for k, t in ours.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    assert theirs == expected
+    assert ours.num_parameters() == hf.num_parameters()
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "qwen3-0.6b"])
+def test_real_shape_one_layer_matches_transformers(name, tmp_path):
+    """Qwen2.5-0.5B's and Qwen3-0.6B's real widths, heads, head_dim and 151,936-token vocabulary,
+    one layer of random weights: logits, and the KV cache's prefill + decode, as transformers'."""
+    fields = _shipped_hf_fields(name)
+    hf = build_hf(fields.pop("model_type"), dict(fields, num_hidden_layers=1))
+    model = load_model(save_hf(hf, tmp_path), device="cpu", dtype="float32")
+    ids = _ids(model.config.vocab_size, (1, 12))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        assert (model(ids) - expected).abs().max().item() <= TOL
+    cache = KVCache.for_model(model, max_seq_len=12)
+    prefill(model, ids[:, :11], cache)
+    assert (decode_step(model, ids[:, 11], cache) - expected[:, 11]).abs().max().item() <= TOL
 
 
 def test_sharded_checkpoint_loads(tmp_path):
