@@ -1,6 +1,6 @@
 """Every config.json field that changes the computation: computed like transformers, or refused by name.
 
-The table walks transformers' GPT2Config, LlamaConfig and MistralConfig (and fields of other
+The table walks transformers' GPT2Config, LlamaConfig, MistralConfig, Qwen2Config and Qwen3Config (and fields of other
 families that turn up in Llama-type configs). A "match" row builds a random-weight transformers
 model with that field set and compares its logits with minillm's on the same weights; a
 "refuse" row writes the field into config.json and expects a one-line ConfigError naming it.
@@ -22,6 +22,7 @@ TOL = 1e-4
 GPT2 = CONFIGS["gpt2"][1]
 LLAMA = CONFIGS["llama_gqa"][1]
 MISTRAL = CONFIGS["mistral"][1]
+QWEN2, QWEN3 = CONFIGS["qwen2"][1], CONFIGS["qwen3"][1]
 
 # (family, base kwargs, the field(s) set): transformers computes something different from the
 # base config, and minillm must compute the same.
@@ -36,6 +37,11 @@ MATCH = {
     "gpt2 n_inner": ("gpt2", GPT2, {"n_inner": 96}),
     "gpt2 untied": ("gpt2", GPT2, {"tie_word_embeddings": False}),
     "gpt2 layer_norm_epsilon": ("gpt2", GPT2, {"layer_norm_epsilon": 1e-2}),
+    "qwen2 rms_norm_eps": ("qwen2", QWEN2, {"rms_norm_eps": 1e-2}),
+    "qwen2 rope_theta": ("qwen2", QWEN2, {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}),
+    "qwen2 window fields without use_sliding_window": ("qwen2", QWEN2, {"sliding_window": 4, "max_window_layers": 0}),
+    "qwen3 attention_bias": ("qwen3", QWEN3, {"attention_bias": True}),
+    "qwen3 rms_norm_eps (also QK-norm's)": ("qwen3", QWEN3, {"rms_norm_eps": 1e-1}),
     "llama attention_bias": ("llama", LLAMA, {"attention_bias": True}),
     "llama mlp_bias": ("llama", LLAMA, {"mlp_bias": True}),
     "llama pretraining_tp": ("llama", LLAMA, {"pretraining_tp": 2}),
@@ -66,13 +72,20 @@ REFUSE = {
     "llama final_logit_softcapping": ("llama", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
     "llama query_pre_attn_scalar": ("llama", {"query_pre_attn_scalar": 16}, "query_pre_attn_scalar"),
     "llama logits_scaling": ("llama", {"logits_scaling": 8.0}, "logits_scaling"),
+    "qwen2 use_sliding_window": ("qwen2", {"use_sliding_window": True, "sliding_window": 16},
+                                 "use_sliding_window=true is not supported yet"),
+    "qwen3 use_sliding_window": ("qwen3", {"use_sliding_window": True, "sliding_window": 16,
+                                           "max_window_layers": 1}, "use_sliding_window=true is not supported yet"),
+    "qwen2 hidden_act gelu": ("qwen2", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    "qwen3 partial_rotary_factor": ("qwen3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    "qwen3 rope longrope": ("qwen3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "'longrope'"),
 }
 
 
 # Rows whose field changes nothing in transformers' float32 eval-mode logits (rounding, no-op fields),
 # or only names what the checkpoint's tensors already show (their shapes).
 SAME_AS_BASE = {"gpt2 reorder_and_upcast_attn", "gpt2 activation gelu_pytorch_tanh", "llama pretraining_tp",
-                "llama hidden_act swish", "llama tied",
+                "llama hidden_act swish", "llama tied", "qwen2 window fields without use_sliding_window",
                 "mistral attention_bias (not a Mistral field)", "mistral sliding_window"}
 AMPLIFY = 4  # the random matrices ×4: peaky attention, so a wrong scale moves the logits by ~0.2, not ~0.004
 
@@ -117,7 +130,7 @@ def saved(tmp_path_factory):
     """One saved base checkpoint per family, whose config.json the refuse rows edit."""
     return {
         family: save_hf(build_hf(family, kwargs), tmp_path_factory.mktemp(family))
-        for family, kwargs in (("gpt2", GPT2), ("llama", LLAMA))
+        for family, kwargs in (("gpt2", GPT2), ("llama", LLAMA), ("qwen2", QWEN2), ("qwen3", QWEN3))
     }
 
 
@@ -159,6 +172,9 @@ GPT2_JSON = dict(GPT2, model_type="gpt2")
         (LLAMA_JSON, {"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
         (LLAMA_JSON, {"eos_token_id": [2, "3"]}, "eos_token_id must be a token id"),
         (LLAMA_JSON, {"max_position_embeddings": 0}, "max_position_embeddings must be an integer >= 1"),
+        (dict(QWEN2, model_type="qwen2"), {"use_sliding_window": "no"}, "use_sliding_window must be true or false"),
+        (dict(QWEN3, model_type="qwen3"), {"attention_bias": 1}, "attention_bias must be true or false"),
+        (dict(QWEN3, model_type="qwen3"), {"head_dim": 0}, "head_dim must be an integer >= 1"),
         (GPT2_JSON, {"n_head": 3}, "n_embd (64) must be a multiple of n_head (3)"),
         (GPT2_JSON, {"n_inner": "128"}, "n_inner must be an integer"),
         (GPT2_JSON, {"scale_attn_weights": 1}, "scale_attn_weights must be true or false"),
@@ -175,6 +191,21 @@ def test_null_fields_take_their_defaults():
     llama = ModelConfig.from_hf({**LLAMA_JSON, "head_dim": None, "num_key_value_heads": None})
     assert (llama.head_dim, llama.n_kv_heads) == (64 // 4, 4)
     assert ModelConfig.from_hf({**GPT2_JSON, "n_inner": None}).d_mlp == 4 * 64
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_defaults_are_transformers_defaults(family):
+    """A config.json with the sizes only: head_dim (Qwen3: 128, not hidden / heads), eps, RoPE base
+    and tying as transformers' Qwen2Config / Qwen3Config default them."""
+    from transformers import AutoConfig
+
+    sizes = {k: v for k, v in CONFIGS[family][1].items() if k not in ("head_dim", "rms_norm_eps")}
+    ours = ModelConfig.from_hf({**sizes, "model_type": family})
+    theirs = AutoConfig.for_model(family, **sizes)
+    head_dim = getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads
+    assert (ours.head_dim, ours.norm_eps, ours.rope_theta, ours.tie_word_embeddings) == (
+        head_dim, theirs.rms_norm_eps, theirs.rope_parameters["rope_theta"], theirs.tie_word_embeddings)
+    assert ours.head_dim == (128 if family == "qwen3" else 16)
 
 
 @pytest.mark.parametrize(("field", "value"), [("n_heads", 0), ("d_model", "64"), ("n_kv_heads", 3),
