@@ -6,7 +6,7 @@ A GGUF file keeps everything in one place: the config as metadata keys
 quantized (Q4_1, Q8_0, ...). minillm reads plain folders, so we unpack once:
 
     model.gguf ──► out_dir/
-                    ├── model.safetensors       float32, HF Llama tensor names
+                    ├── model.safetensors       float32, HF tensor names (Llama, Qwen2, Qwen3)
                     ├── tokenizer.json          byte-level BPE for the `tokenizers` library
                     ├── tokenizer_config.json   chat template, special tokens
                     └── config.json             written last: it marks a complete folder
@@ -33,9 +33,12 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from .errors import ConfigError, ModelNotFoundError, OutputPathError, WeightsError, check_output_dir
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+# GGUF ``general.architecture`` -> the HF model_type and class its config.json names. The metadata
+# keys of each sit under its name (``qwen2.block_count``...); the layers differ only in extra tensors.
+HF_MODELS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = tuple(HF_MODELS)
 
-# GGUF tensor names -> HF Llama names. Per-layer names sit under blk.{i} / model.layers.{i}.
+# GGUF tensor names -> HF names. Per-layer names sit under blk.{i} / model.layers.{i}.
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -43,6 +46,8 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's QK-norm
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -63,6 +68,7 @@ _LLAMA3_SPLIT = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # Qwen2, Qwen2.5, Qwen3: every digit its own piece
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,7 @@ PRE_TOKENIZERS = {
     "llama-bpe": _LLAMA3,  # Llama-3 family
     "llama3": _LLAMA3,
     "llama-v3": _LLAMA3,
+    "qwen2": PreTokenizerRules((_QWEN2_SPLIT,)),  # Qwen2, 2.5, 3 (llama.cpp LLAMA_VOCAB_PRE_TYPE_QWEN2): no BOS
     "falcon3": _LLAMA3,
     "smollm": _DIGITS_THEN_GPT2,
     "starcoder": _DIGITS_THEN_GPT2,
@@ -92,7 +99,7 @@ PRE_TOKENIZERS = {
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
-    """Dequantize a Llama GGUF file to float32 and write an HF-style folder.
+    """Dequantize a Llama, Qwen2 or Qwen3 GGUF file to float32 and write an HF-style folder.
 
     Args:
         gguf_path: the ``.gguf`` file (any type ``gguf.quants.dequantize`` reads:
@@ -106,9 +113,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
     Raises:
         ModelNotFoundError: the file is missing or is not a readable GGUF.
         OutputPathError: ``out_dir`` is a file or cannot be written (checked before dequantizing).
-        ConfigError: an architecture other than llama, a tokenizer / RoPE variant or a
+        ConfigError: an architecture other than llama, qwen2, qwen3, a tokenizer / RoPE variant or a
             metadata key that changes the math and is not supported (``NOT_IMPLEMENTED_KEYS``),
-            or a size that is not a positive integer (``llama.attention.head_count`` 0, ...).
+            or a size that is not a positive integer (``qwen2.attention.head_count`` 0, ...).
         WeightsError: a tensor is unknown, missing, of the wrong shape or of a type
             gguf cannot dequantize (checked before dequantizing).
         OutputPathError: a file could not be written (a full disk); no ``.partial`` file is left.
@@ -186,13 +193,14 @@ def _check_supported(reader: gguf.GGUFReader) -> None:
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ConfigError("GGUF has rope_freqs.weight (Llama-3.1-style RoPE scaling), which is not supported")
     for key, off in NOT_IMPLEMENTED_KEYS.items():
-        value = _meta(reader, f"llama.{key}", off)
+        value = _meta(reader, f"{arch}.{key}", off)
         if value != off:
-            raise ConfigError(f"GGUF llama.{key} = {value!r} changes the computation and is not supported by minillm")
+            raise ConfigError(f"GGUF {arch}.{key} = {value!r} changes the computation and is not supported "
+                              "by minillm")
 
 
-# llama.* keys that change the math and that minillm does not compute, with the value that means
-# "off" (llama.cpp's default when the key is absent). A file that sets one otherwise is refused.
+# {arch}.* keys (llama.*, qwen2.*, qwen3.*) that change the math and that minillm does not compute, with the
+# value that means "off" (llama.cpp's default when the key is absent). A file that sets one otherwise is refused.
 NOT_IMPLEMENTED_KEYS = {
     "expert_count": 0,  # mixture of experts (Mixtral is a "llama" GGUF)
     "use_parallel_residual": False,  # attention and MLP from the same input (GPT-NeoX)
@@ -206,6 +214,7 @@ NOT_IMPLEMENTED_KEYS = {
     "embedding_scale": 1.0,
     "residual_scale": 1.0,
     "rope.scaling.attn_factor": 1.0,  # YaRN's attention temperature
+    "attention.sliding_window": 0,  # sliding-window attention (Mistral, Qwen2 with use_sliding_window)
 }
 
 
@@ -213,24 +222,25 @@ NOT_IMPLEMENTED_KEYS = {
 
 
 def _hf_config(reader: gguf.GGUFReader) -> dict:
-    """config.json for transformers' LlamaConfig, from the ``llama.*`` metadata keys."""
-    key = lambda name, default=_REQUIRED: _meta_int(reader, f"llama.{name}", default)  # noqa: E731
+    """config.json for transformers' LlamaConfig, Qwen2Config or Qwen3Config, from the ``{arch}.*`` keys."""
+    arch = _meta(reader, "general.architecture")
+    key = lambda name, default=_REQUIRED: _meta_int(reader, f"{arch}.{name}", default)  # noqa: E731
     d_model, n_heads = key("embedding_length"), key("attention.head_count")
     n_kv_heads = key("attention.head_count_kv", n_heads)
     if n_heads % n_kv_heads:
-        raise ConfigError(f"GGUF llama.attention.head_count ({n_heads}) must be a multiple of "
-                          f"llama.attention.head_count_kv ({n_kv_heads}); the file is damaged")
-    if "llama.attention.key_length" not in reader.fields and d_model % n_heads:
-        raise ConfigError(f"GGUF llama.embedding_length ({d_model}) must be a multiple of "
-                          f"llama.attention.head_count ({n_heads}) when llama.attention.key_length is absent")
+        raise ConfigError(f"GGUF {arch}.attention.head_count ({n_heads}) must be a multiple of "
+                          f"{arch}.attention.head_count_kv ({n_kv_heads}); the file is damaged")
+    if f"{arch}.attention.key_length" not in reader.fields and d_model % n_heads:
+        raise ConfigError(f"GGUF {arch}.embedding_length ({d_model}) must be a multiple of "
+                          f"{arch}.attention.head_count ({n_heads}) when {arch}.attention.key_length is absent")
     head_dim = key("attention.key_length", d_model // n_heads)
     if key("attention.value_length", head_dim) != head_dim:
-        raise ConfigError("GGUF llama.attention.value_length differs from key_length; not supported")
+        raise ConfigError(f"GGUF {arch}.attention.value_length differs from key_length; not supported")
     if key("rope.dimension_count", head_dim) != head_dim:
         raise ConfigError("GGUF rotates only part of each head (rope.dimension_count < head_dim); not supported")
     config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": arch,
+        "architectures": [HF_MODELS[arch]],
         "hidden_size": d_model,
         "intermediate_size": key("feed_forward_length"),
         "num_hidden_layers": key("block_count"),
@@ -238,8 +248,8 @@ def _hf_config(reader: gguf.GGUFReader) -> dict:
         "num_key_value_heads": n_kv_heads,
         "head_dim": head_dim,
         "max_position_embeddings": key("context_length"),
-        "rms_norm_eps": _meta_float(reader, "llama.attention.layer_norm_rms_epsilon"),
-        "rope_theta": _meta_float(reader, "llama.rope.freq_base", 10000.0),
+        "rms_norm_eps": _meta_float(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": _meta_float(reader, f"{arch}.rope.freq_base", 10000.0),
         "vocab_size": key("vocab_size", len(_meta(reader, "tokenizer.ggml.tokens"))),
         # llama.cpp writes output.weight only when it differs from the embedding
         "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
@@ -249,23 +259,23 @@ def _hf_config(reader: gguf.GGUFReader) -> dict:
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
-    rope_scaling = _rope_scaling(reader)
+    rope_scaling = _rope_scaling(reader, arch)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
     return config
 
 
-def _rope_scaling(reader: gguf.GGUFReader) -> dict | None:
-    """HF ``rope_scaling`` from ``llama.rope.scaling.*`` (linear), None when absent.
+def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict | None:
+    """HF ``rope_scaling`` from ``{arch}.rope.scaling.*`` (linear), None when absent.
 
     YaRN and LongRoPE are refused here, at convert time, as minillm's loader would refuse them.
     """
-    kind = _meta(reader, "llama.rope.scaling.type", "none")
+    kind = _meta(reader, f"{arch}.rope.scaling.type", "none")
     if kind == "none":
         return None
     if kind == "linear":
-        return {"rope_type": "linear", "factor": _meta_float(reader, "llama.rope.scaling.factor")}
-    raise ConfigError(f"GGUF llama.rope.scaling.type {kind!r} is not supported; supported: none, linear")
+        return {"rope_type": "linear", "factor": _meta_float(reader, f"{arch}.rope.scaling.factor")}
+    raise ConfigError(f"GGUF {arch}.rope.scaling.type {kind!r} is not supported; supported: none, linear")
 
 
 # ---------------------------------------------------------------- model.safetensors
@@ -274,14 +284,14 @@ def _rope_scaling(reader: gguf.GGUFReader) -> dict | None:
 def hf_tensor_name(gguf_name: str) -> str:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``.
 
-    Raises WeightsError for a name with no HF Llama counterpart.
+    Raises WeightsError for a name with no HF counterpart.
     """
     parts = gguf_name.split(".")
     if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    raise WeightsError(f"GGUF tensor {gguf_name!r} has no Llama counterpart")
+    raise WeightsError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart")
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -317,10 +327,16 @@ def _dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
 
 
 def _hf_tensors(reader: gguf.GGUFReader, config: dict, progress: bool) -> dict[str, torch.Tensor]:
-    """Every tensor, dequantized, renamed, Q/K un-permuted, checked against the config's shapes."""
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    """Every tensor, dequantized, renamed, Q/K un-permuted (Llama), checked against the config's shapes.
+
+    Only llama.cpp's Llama converter permutes Q and K: Qwen2 and Qwen3 run llama.cpp's NEOX RoPE,
+    which rotates the same (i, i + head_dim/2) pairs as HF, so their rows are stored as they are.
+    """
+    llama = config["model_type"] == "llama"
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]} if llama else {}
     expected = _expected_shapes(config)
-    _check_shapes({hf_tensor_name(t.name): tuple(reversed(t.shape.tolist())) for t in reader.tensors}, expected)
+    shapes = {hf_tensor_name(t.name): tuple(reversed(t.shape.tolist())) for t in reader.tensors}
+    _check_shapes(shapes, expected, config["model_type"])
     tensors = {}
     for tensor in track(reader.tensors, description="Dequantizing GGUF", disable=not progress,
                         console=Console(stderr=True)):
@@ -333,9 +349,11 @@ def _hf_tensors(reader: gguf.GGUFReader, config: dict, progress: bool) -> dict[s
 
 
 def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """HF Llama tensor name -> shape, for the whole model."""
+    """HF tensor name -> shape, for the whole model: Llama's layer, plus Qwen2's q, k, v biases or
+    Qwen3's QK-norm weights."""
     d, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    head_dim = config["head_dim"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
     layer = {
         "input_layernorm.weight": (d,),
         "self_attn.q_proj.weight": (q, d),
@@ -347,6 +365,10 @@ def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         "mlp.up_proj.weight": (f, d),
         "mlp.down_proj.weight": (d, f),
     }
+    if config["model_type"] == "qwen2":
+        layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+    if config["model_type"] == "qwen3":
+        layer.update({"self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,)})
     shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (v, d)
@@ -355,7 +377,7 @@ def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_shapes(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> None:
+def _check_shapes(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], arch: str) -> None:
     """Names and shapes (GGUF's, read before dequantizing) against what the metadata implies."""
     missing = sorted(expected.keys() - shapes.keys())
     extra = sorted(shapes.keys() - expected.keys())
@@ -364,7 +386,7 @@ def _check_shapes(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[
     for name, shape in expected.items():
         if shapes[name] != shape:
             raise WeightsError(
-                f"GGUF tensor for {name} has shape {list(shapes[name])}, but the llama.* metadata (heads, head "
+                f"GGUF tensor for {name} has shape {list(shapes[name])}, but the {arch}.* metadata (heads, head "
                 f"size, lengths) gives {list(shape)}; the file is damaged"
             )
 
@@ -469,7 +491,7 @@ def _tokenizer_config(reader: gguf.GGUFReader) -> dict:
         if token_id is not None:
             config[name] = tokens[token_id]
     config["add_bos_token"], config["add_eos_token"] = _adds(reader, "bos"), _adds(reader, "eos")
-    config["model_max_length"] = _meta(reader, "llama.context_length")
+    config["model_max_length"] = _meta(reader, f"{_meta(reader, 'general.architecture')}.context_length")
     chat_template = _chat_template(reader)
     if chat_template is not None:
         config["chat_template"] = chat_template

@@ -370,3 +370,93 @@ def test_named_chat_templates_survive_conversion(tmp_path, tools):
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=tools) == (
         "plain hi" if tools is None else "tools f"
     )
+
+
+# -- Qwen2 and Qwen3 GGUF files ---------------------------------------------------------
+
+# HF -> llama.cpp tensor names (llama.cpp gguf-py tensor_mapping.py), per layer and global.
+_LLAMA_CPP_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+_LLAMA_CPP_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def _llama_cpp_name(hf_name: str) -> str:
+    module, kind = hf_name.rsplit(".", 1)
+    if module in _LLAMA_CPP_GLOBAL:
+        return f"{_LLAMA_CPP_GLOBAL[module]}.{kind}"
+    _, _, layer, rest = module.split(".", 3)  # model.layers.{i}.{rest}
+    return f"blk.{layer}.{_LLAMA_CPP_LAYER[rest]}.{kind}"
+
+
+def _qwen_gguf(path, hf_model) -> None:
+    """``hf_model`` written as llama.cpp's converter writes a Qwen2/Qwen3 model: the {arch}.* keys,
+    Q/K rows as they are (NEOX RoPE, no permutation), F16 matrices, F32 norms and biases, output.weight
+    only when untied, and a byte-level BPE vocabulary with the qwen2 pre-tokenizer."""
+    c = hf_model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), c.model_type)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    words = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a", "b", "ab", "1", "2", "12"]
+    writer.add_token_list(words + [f"<unused{i}>" for i in range(len(words), c.vocab_size)])
+    writer.add_token_types([3, 3, 3] + [1] * (c.vocab_size - 3))
+    writer.add_token_merges(["a b", "1 2"])
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        writer.add_tensor(_llama_cpp_name(name), tensor.half().numpy() if tensor.ndim == 2 else tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _rounded_to_f16(hf_model):
+    """The matrices rounded through float16, so the GGUF's F16 copies hold exactly these weights."""
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            if p.ndim == 2:
+                p.copy_(p.half().float())
+    return hf_model
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen2_tied", "qwen3"])
+def test_qwen_gguf_converts_with_transformers_logits(name, tmp_path):
+    """A tiny Qwen2 (q, k, v biases) or Qwen3 (QK-norm; head_dim 128, the only one transformers'
+    GGUF reader knows: it ignores qwen3.attention.key_length) GGUF: minillm's conversion gives the
+    logits transformers computes from the same file, and those of the model it was written from."""
+    from tiny_models import CONFIGS, build_hf
+
+    from minillm import load_model
+
+    family, kwargs = CONFIGS[name]
+    hf = _rounded_to_f16(build_hf(family, dict(kwargs, head_dim=128) if family == "qwen3" else kwargs))
+    _qwen_gguf(tmp_path / "tiny.gguf", hf)
+    out = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out", progress=False)
+    model = load_model(out, device="cpu", dtype="float32")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32)
+    ids = torch.randint(0, kwargs["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, expected = model(ids), theirs.eval()(ids).logits
+        assert (got - expected).abs().max().item() <= 1e-4
+        assert (got - hf(ids).logits).abs().max().item() <= 1e-4
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["tie_word_embeddings"]) == (family, kwargs.get("tie_word_embeddings", False))
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert tok.encode("<|im_start|>ab12").ids == [1, 5, 6, 7]  # added token whole, no BOS, digits one by one

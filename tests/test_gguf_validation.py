@@ -39,18 +39,28 @@ _TYPES = {bool: gguf.GGUFValueType.BOOL, int: gguf.GGUFValueType.UINT32, float: 
           str: gguf.GGUFValueType.STRING, list: gguf.GGUFValueType.ARRAY}  # fmt: skip
 
 
-def tiny_gguf(path, metadata=None, shapes=None):
-    """A 1-layer random Llama GGUF (tied embeddings, F32), with metadata keys and tensor shapes
-    changed by ``metadata`` / ``shapes`` (a value of None drops that key)."""
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for key, value in {**METADATA, **(metadata or {})}.items():
+# What each architecture's layer adds to Llama's tensors (llama.cpp names).
+ARCH_SHAPES = {
+    "llama": {},
+    "qwen2": {"blk.0.attn_q.bias": (HEADS * HEAD_DIM,), "blk.0.attn_k.bias": (KV_HEADS * HEAD_DIM,),
+              "blk.0.attn_v.bias": (KV_HEADS * HEAD_DIM,)},
+    "qwen3": {"blk.0.attn_q_norm.weight": (HEAD_DIM,), "blk.0.attn_k_norm.weight": (HEAD_DIM,)},
+}  # fmt: skip
+
+
+def tiny_gguf(path, metadata=None, shapes=None, arch="llama"):
+    """A 1-layer random GGUF of ``arch`` (tied embeddings, F32), with metadata keys and tensor
+    shapes changed by ``metadata`` / ``shapes`` (a value of None drops that key)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    arch_metadata = {key.replace("llama.", f"{arch}.", 1): value for key, value in METADATA.items()}
+    for key, value in {**arch_metadata, **(metadata or {})}.items():
         if value is not None:
             writer.add_key_value(key, value, _TYPES[type(value)])
     writer.add_token_list(TOKENS)
     writer.add_token_types([3, 3, 1, 1, 1])
     writer.add_token_merges(["a b"])
     g = np.random.default_rng(0)
-    for name, shape in {**SHAPES, **(shapes or {})}.items():
+    for name, shape in {**SHAPES, **ARCH_SHAPES.get(arch, {}), **(shapes or {})}.items():
         writer.add_tensor(name, (1 + 0.5 * g.standard_normal(shape)).astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -59,9 +69,40 @@ def tiny_gguf(path, metadata=None, shapes=None):
     return path
 
 
-def test_the_tiny_gguf_converts_and_loads(tmp_path):
-    model = load_model(tiny_gguf(tmp_path / "tiny.gguf"), device="cpu", weights_dir=tmp_path / "w")
+@pytest.mark.parametrize("arch", sorted(ARCH_SHAPES))
+def test_the_tiny_gguf_converts_and_loads(tmp_path, arch):
+    model = load_model(tiny_gguf(tmp_path / "tiny.gguf", arch=arch), device="cpu", weights_dir=tmp_path / "w")
+    assert model.config.model_type == arch
     assert model(torch.tensor([[0, 2, 3]])).shape == (1, 3, 5)
+
+
+@pytest.mark.parametrize(
+    ("arch", "metadata", "says"),
+    [
+        ("qwen2moe", {}, "GGUF architecture 'qwen2moe' is not supported; supported: llama, qwen2, qwen3"),
+        ("gemma2", {}, "GGUF architecture 'gemma2' is not supported"),
+        ("qwen2", {"qwen2.attention.sliding_window": 4096}, "qwen2.attention.sliding_window = 4096"),
+        ("qwen2", {"qwen2.expert_count": 4}, "qwen2.expert_count = 4"),
+        ("qwen3", {"qwen3.rope.scaling.type": "yarn", "qwen3.rope.scaling.factor": 4.0},
+         "qwen3.rope.scaling.type 'yarn' is not supported"),
+        ("qwen3", {"qwen3.attention.head_count": 0}, "qwen3.attention.head_count must be a positive integer, got 0"),
+        ("qwen3", {"qwen3.attention.value_length": 8}, "qwen3.attention.value_length differs"),
+        ("qwen2", {"qwen2.rope.dimension_count": 2}, "rotates only part of each head"),
+        ("qwen2", {"tokenizer.ggml.pre": "qwen35"}, "GGUF pre-tokenizer 'qwen35' is not supported"),
+    ],
+)  # fmt: skip
+def test_unsupported_qwen_gguf_is_refused_by_name(tmp_path, arch, metadata, says):
+    with pytest.raises(ConfigError) as info:
+        convert_gguf(tiny_gguf(tmp_path / "bad.gguf", metadata, arch=arch), tmp_path / "out", progress=False)
+    assert says in str(info.value) and "\n" not in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_qwen3_gguf_with_qwen2_biases_is_one_line(tmp_path):
+    path = tiny_gguf(tmp_path / "bad.gguf", arch="qwen3", shapes=ARCH_SHAPES["qwen2"])  # qwen3 has no biases
+    with pytest.raises(WeightsError, match=r"unexpected \['model.layers.0.self_attn.k_proj.bias'") as info:
+        convert_gguf(path, tmp_path / "out", progress=False)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize(
