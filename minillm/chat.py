@@ -83,6 +83,8 @@ class ChatSession:
             and answers); default min(model context, 2048). When a turn's prompt plus
             ``params.max_new_tokens`` does not fit, the oldest user/assistant messages are
             dropped (the system message stays), and the turn reports how many.
+        chat_template_kwargs: extra chat template variables for every turn, e.g.
+            ``{"enable_thinking": False}`` (Qwen3 then answers without its <think> reasoning).
 
     Attributes:
         messages: ``[{"role", "content"}, ...]``, the conversation so far.
@@ -93,11 +95,12 @@ class ChatSession:
     """
 
     def __init__(self, model, tokenizer, system: str | None = None, params: SamplingParams | None = None,
-                 max_context: int | None = None):
+                 max_context: int | None = None, chat_template_kwargs: dict | None = None):
         if not tokenizer.has_chat_template:
             raise ValueError("this model has no chat template, so it cannot chat; use `minillm generate` instead")
         self.model = model
         self.tokenizer = tokenizer
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         gen = getattr(model, "generation_config", None)  # load_model's: generation_config.json's stop ids, defaults
         self.params = params or (gen.sampling_params() if gen else SamplingParams())
         self.eos_token_ids = set(tokenizer.eos_token_ids) | set((gen or model.config).eos_token_ids)
@@ -144,7 +147,8 @@ class ChatSession:
     def prompt_ids(self, messages: list[dict] | None = None) -> list[int]:
         """Token ids of ``messages`` (default: the conversation) rendered with the chat
         template and the assistant header: what the model sees before answering."""
-        text = self.tokenizer.apply_chat_template(self.messages if messages is None else messages)
+        text = self.tokenizer.apply_chat_template(self.messages if messages is None else messages,
+                                                  **self.chat_template_kwargs)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def send(self, text: str, trace=None) -> Iterator[GenerationStep]:

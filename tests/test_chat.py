@@ -4,6 +4,7 @@ rendered conversation would (greedy, token for token)."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -176,3 +177,17 @@ def test_an_empty_system_message_is_sent_not_dropped(model, tokenizer):
     text = tokenizer.apply_chat_template(chat.messages + [{"role": "user", "content": "Hi"}])
     assert "SmolLM" not in text
     assert text == tokenizer.apply_chat_template([{"role": "system", "content": ""}, {"role": "user", "content": "Hi"}])
+
+
+@pytest.mark.parametrize(("kwargs", "ending"), [
+    ({}, "<|im_start|>assistant\n"),
+    ({"enable_thinking": False}, "<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+])  # fmt: skip
+def test_chat_template_kwargs_reach_the_template(model, smollm2_dir, kwargs, ending):
+    """Qwen3's template (ChatML, as SmolLM2's) on SmolLM2's tokenizer: enable_thinking=False opens
+    the answer with an empty thought (the prompt `minillm chat --no-enable-thinking` sends)."""
+    tok = load_tokenizer(smollm2_dir)
+    tok.chat_template = (Path(__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
+    chat = ChatSession(model, tok, params=PARAMS, chat_template_kwargs=kwargs)
+    expected = tok.encode("<|im_start|>user\nHi<|im_end|>\n" + ending, add_special_tokens=False)
+    assert chat.prompt_ids([{"role": "user", "content": "Hi"}]) == expected

@@ -51,6 +51,14 @@ REASONING_CHAT = [
     {"role": "user", "content": "3+3?"},
     {"role": "assistant", "content": "6", "thinking": "Three and three."},
 ]
+QWEN3_THINKING_CHAT = [
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "<think>\nTwo and two.\n</think>\n\n4"},  # reasoning inline: dropped
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "reasoning_content": "Ask the tool.",
+     "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "content": "21 °C"},
+]  # fmt: skip
 
 # (template file, messages, keyword arguments of apply_chat_template, tokenizer_config changes)
 CASES = {
@@ -68,6 +76,12 @@ CASES = {
     "parts-namespace-generation": ("parts", PARTS_CHAT, {}, {}),
     "parts-extra-kwarg": ("parts", PARTS_CHAT[:1], {"enable_thinking": False}, {}),
     "reasoning-aliases": ("reasoning", REASONING_CHAT, {}, {}),
+    # Qwen3-0.6B's template (as llama.cpp keeps it: models/templates/Qwen-Qwen3-0.6B.jinja)
+    "qwen3-thinking-default": ("qwen3", SYSTEM_CHAT, {}, {}),
+    "qwen3-enable-thinking-false": ("qwen3", SYSTEM_CHAT, {"enable_thinking": False}, {}),
+    "qwen3-enable-thinking-true": ("qwen3", SYSTEM_CHAT[1:2], {"enable_thinking": True}, {}),
+    "qwen3-reasoning-and-tools": ("qwen3", QWEN3_THINKING_CHAT, {"tools": [WEATHER_TOOL]}, {}),
+    "qwen3-history-no-prompt": ("qwen3", QWEN3_THINKING_CHAT[:2], {"add_generation_prompt": False}, {}),
 }  # fmt: skip
 
 
@@ -112,6 +126,18 @@ def test_renders_like_transformers(tokenizer_json, tmp_path, case):
     ours, theirs = _render_both(folder, messages, kwargs)
     assert ours == theirs
     assert "None" not in ours
+
+
+@pytest.mark.parametrize(("enable_thinking", "ending"), [
+    (None, "<|im_start|>assistant\n"), (True, "<|im_start|>assistant\n"),
+    (False, "<|im_start|>assistant\n<think>\n\n</think>\n\n"),  # an empty thought: the model answers at once
+])  # fmt: skip
+def test_qwen3_enable_thinking_opens_the_answer(tokenizer_json, tmp_path, enable_thinking, ending):
+    template = (TEMPLATES / "qwen3.jinja").read_text()
+    tok = load_tokenizer(_model_folder(tmp_path / "model", tokenizer_json, template, {}))
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    prompt = tok.apply_chat_template(SYSTEM_CHAT[1:2], **kwargs)
+    assert prompt == "<|im_start|>user\nWhat is 2+2? <b>&</b><|im_end|>\n" + ending
 
 
 def test_strftime_now_writes_todays_date(tokenizer_json, tmp_path):

@@ -91,6 +91,8 @@ def test_two_different_models_are_a_usage_error(command, capsys):
     [
         (["generate", "hi", "--no-chat", "--system", "Be brief."],
          "--system needs chat mode: drop --no-chat, or put the text in the prompt"),
+        (["generate", "hi", "--no-chat", "--no-enable-thinking"],
+         "--enable-thinking/--no-enable-thinking is a chat template variable: drop --no-chat"),
         (["generate", "hi", "--plots", "{file}"], "--plots: {file} exists and is not a folder"),
         (["generate", "hi", "--trace-out", "/proc/self/trace.jsonl"], "cannot write in /proc/"),
         (["bench", "--json", "/proc/self/bench.json"], "cannot write in /proc/"),

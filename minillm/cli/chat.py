@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from .common import UsageError, ensure_model, model_options
+from .common import UsageError, chat_template_kwargs, ensure_model, model_options, thinking_option
 from .generate import _sampling_options, _sampling_params
 
 COMMANDS = {
@@ -26,6 +26,7 @@ def add_chat(sub) -> None:
     p = sub.add_parser("chat", help="chat in turns; the KV cache is kept, so each turn prefills only its new tokens")
     model_options(p)
     p.add_argument("--system", help="system message (default: none)")
+    thinking_option(p)
     p.add_argument("--max-context", type=int, help="KV cache positions for the whole conversation "
                                                    "(default: min(model context, 2048)); full: old turns are dropped")
     _sampling_options(p)
@@ -48,7 +49,8 @@ def run_chat(args) -> int:
         raise UsageError(f"--max-context must be at most {model.config.max_seq_len} (the model's context), "
                          f"got {args.max_context}")
     params = _sampling_params(args, model.generation_config)  # unset flags: the checkpoint's defaults
-    session = ChatSession(model, load_tokenizer(folder), args.system, params, args.max_context)
+    session = ChatSession(model, load_tokenizer(folder), args.system, params, args.max_context,
+                          chat_template_kwargs(args))
     interactive = sys.stdin.isatty()
     status = Console(stderr=True, highlight=False, soft_wrap=True)  # a stats line stays one line in a log
     if interactive:

@@ -58,6 +58,19 @@ def model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
 
 
+def thinking_option(p: argparse.ArgumentParser) -> None:
+    """``--enable-thinking / --no-enable-thinking``: the chat template variable of reasoning models
+    (Qwen3: off writes an empty <think></think>, so the model answers at once)."""
+    p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction,
+                   help="pass enable_thinking to the chat template (Qwen3: --no-enable-thinking skips the "
+                        "reasoning; default: not passed, the template's own default)")
+
+
+def chat_template_kwargs(args) -> dict:
+    """The extra chat template variables the flags set: {} or {"enable_thinking": bool}."""
+    return {} if args.enable_thinking is None else {"enable_thinking": args.enable_thinking}
+
+
 def model_argument(p: argparse.ArgumentParser, help: str) -> None:
     """``--model`` / ``-m`` as every command spells it, and the older positional MODEL, still accepted."""
     p.add_argument("model_positional", nargs="?", metavar="MODEL", help="same as --model (the older spelling)")

@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 from ..units import fmt_bytes
-from .common import UsageError, check_out_dir, check_out_file, ensure_model, model_options, warn, wrote
+from .common import (UsageError, chat_template_kwargs, check_out_dir, check_out_file, ensure_model, model_options,
+                     thinking_option, warn, wrote)
 
 
 def add_generate(sub) -> None:
@@ -24,6 +25,7 @@ def add_generate(sub) -> None:
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="send the prompt as raw text")
     p.add_argument("--system", help="system message (chat mode); --system \"\" sends an empty one "
                                      "(default: none, so the template may add its own, e.g. SmolLM2's persona)")
+    thinking_option(p)
     p.add_argument("--trace", nargs="?", const="steps", choices=["steps", "layers"],
                    help="show every phase: prompt tokens, prefill, each step, summary, roofline verdicts "
                         "(layers: also per-layer shapes and times; default: off, steps when given alone)")
@@ -112,6 +114,8 @@ def _check_generate_args(args) -> None:
     """Contradicting or ignored flags and unwritable outputs: said now, before the model loads."""
     if args.system is not None and args.chat is False:  # dropping it would change the answer unseen
         raise UsageError("--system needs chat mode: drop --no-chat, or put the text in the prompt")
+    if args.enable_thinking is not None and args.chat is False:
+        raise UsageError("--enable-thinking/--no-enable-thinking is a chat template variable: drop --no-chat")
     if args.block_size is not None and not args.prefix_cache:
         warn("--block-size has no effect without --prefix-cache")
     args.block_size = 16 if args.block_size is None else args.block_size
@@ -165,9 +169,9 @@ def _generate_one(args, model, tokenizer, prompt: str, params, prefix_cache, war
     from ..sweep import warm_up
 
     if warmup:
-        warm_up(model, len(_encode_prompt(tokenizer, prompt, args.chat, args.system)))
+        warm_up(model, len(_encode_prompt(tokenizer, prompt, args)))
     start = time.perf_counter()  # TTFT includes tokenizing, as a server's counts from the request's arrival
-    prompt_ids = _encode_prompt(tokenizer, prompt, args.chat, args.system)
+    prompt_ids = _encode_prompt(tokenizer, prompt, args)
     steps = []
     for step in generate(model, prompt_ids, params, eos_token_ids=_eos_ids(model, tokenizer),
                          prefix_cache=prefix_cache, tokenizer=tokenizer, speculative=args.speculative_config):
@@ -240,14 +244,17 @@ def _read_prompt(prompt: str | None) -> str:
     return prompt
 
 
-def _encode_prompt(tokenizer, prompt: str, chat: bool | None, system: str | None) -> list[int]:
-    if chat is None:
-        chat = tokenizer.has_chat_template
+def _encode_prompt(tokenizer, prompt: str, args) -> list[int]:
+    """The prompt's ids: raw, or (--chat, the default with a template) wrapped in the chat template
+    with --system and --enable-thinking."""
+    chat = tokenizer.has_chat_template if args.chat is None else args.chat
     if not chat:
         return tokenizer.encode(prompt)
     # system "" is a message too: leaving it out lets templates insert their default persona
-    messages = ([] if system is None else [{"role": "system", "content": system}]) + [{"role": "user", "content": prompt}]
-    return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    system = [] if args.system is None else [{"role": "system", "content": args.system}]
+    text = tokenizer.apply_chat_template(system + [{"role": "user", "content": prompt}],
+                                         **chat_template_kwargs(args))
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _summary(m, steps, cold: bool) -> str:
@@ -290,12 +297,12 @@ def run_generate_traced(args, model, tokenizer, prompt: str, params, prefix_cach
     param = next(model.parameters())
     hw = get_hardware(param.device, param.dtype)  # measured once per machine, then cached
     console = Console(stderr=True)
-    warmup_ms = warm_up(model, len(_encode_prompt(tokenizer, prompt, args.chat, args.system))) if warmup else None
+    warmup_ms = warm_up(model, len(_encode_prompt(tokenizer, prompt, args))) if warmup else None
     trace = Trace(args.trace or "steps", tokenizer=tokenizer, hardware=hw)
     if warmup_ms is not None:
         trace.record("warmup", time_ms=warmup_ms)
     with trace.span("tokenize", text=prompt) as event:
-        prompt_ids = _encode_prompt(tokenizer, prompt, args.chat, args.system)
+        prompt_ids = _encode_prompt(tokenizer, prompt, args)
     event.update(n_tokens=len(prompt_ids), token_ids=prompt_ids, token_strings=tokenizer.token_strings(prompt_ids))
     if args.trace and prefix_cache is None:  # with a prefix cache: shown after, with the cached tokens marked
         console.print(prompt_panel(trace, plain=console.color_system is None))

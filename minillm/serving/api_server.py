@@ -136,7 +136,7 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
     async def chat_completions(request: Request):
         body = await _parse(request, protocol.ChatCompletionRequest)
         _check_model(body.model, model_name)
-        prompt_ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, body.messages)
+        prompt_ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, body.messages, body.chat_template_kwargs)
         max_tokens = _max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids), context)
         params = _sampling_params(body, max_tokens, defaults)
         if body.top_logprobs is not None and not body.logprobs:
@@ -257,12 +257,12 @@ async def _until_disconnect(coroutine, request: Request):
         raise
 
 
-def _chat_prompt_ids(tokenizer, messages) -> list[int]:
-    """The chat template applied (with the assistant's turn opened), then encoded; APIError 400
-    when the template refuses the chat."""
+def _chat_prompt_ids(tokenizer, messages, template_kwargs: dict | None = None) -> list[int]:
+    """The chat template applied (with the assistant's turn opened, and the request's
+    ``chat_template_kwargs``), then encoded; APIError 400 when the template refuses the chat."""
     chat = [m.as_template_message() for m in messages]
     try:
-        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, **(template_kwargs or {}))
     except ValueError as error:
         raise APIError(400, str(error), "messages") from None
     return tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens

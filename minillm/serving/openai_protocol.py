@@ -140,6 +140,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # vLLM's: extra chat template variables, e.g. {"enable_thinking": false} for Qwen3
+    chat_template_kwargs: dict[str, bool | int | float | str] | None = None
 
 
 # -- responses -------------------------------------------------------------------------------

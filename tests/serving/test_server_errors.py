@@ -57,6 +57,8 @@ CASES = {
     "messages missing": ("chat/completions", {"max_tokens": 3}, 400, "messages", "required"),
     "empty messages": ("chat/completions", {"messages": []}, 400, "messages", "at least 1"),
     "messages not a list": ("chat/completions", {"messages": "Hi"}, 400, "messages", "array"),
+    "chat_template_kwargs not an object": ("chat/completions", {"messages": USER, "chat_template_kwargs": "x"}, 400,
+                                           "chat_template_kwargs", "object"),
     "unknown role": ("chat/completions", {"messages": [{"role": "robot", "content": "Hi"}]}, 400,
                      "messages.0.role", "'robot'"),
     "user message without content": ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages",
