@@ -52,3 +52,26 @@ def test_info_names_the_quantisation_of_the_default_weights(smollm2_dir, smollm2
     printed_mib = float(re.search(r"dequantised to float32 \(([\d.]+) MiB\)", out).group(1))
     assert abs(printed_mib - float32_bytes / 2**20) < 0.1  # the file: the tensors plus a small JSON header
     assert "logits equal transformers loading this GGUF, not the original bf16 checkpoint's" in out
+
+
+@pytest.mark.parametrize(("name", "rows"), [
+    ("gpt2", {"positions": "learned", "biases": "q, k, v, o, MLP", "QK-norm": "no"}),
+    ("llama3_scaling", {"positions": "RoPE theta=500000, llama3 scaling x8", "biases": "none", "QK-norm": "no"}),
+    ("qwen2", {"positions": "RoPE theta=10000", "biases": "q, k, v", "QK-norm": "no"}),
+    ("qwen3", {"biases": "none", "QK-norm": "RMSNorm on each q and k head, before RoPE"}),
+    ("qwen3_bias", {"biases": "q, k, v, o", "QK-norm": "RMSNorm on each q and k head, before RoPE"}),
+])  # fmt: skip
+def test_info_shows_the_family_features(name, rows, tmp_path, capsys):
+    """transformers' module list of the same config is the oracle for the biases and the norms."""
+    from tiny_models import CONFIGS, build_hf, save_hf
+
+    hf = build_hf(*CONFIGS[name])
+    assert main(["info", "--model", str(save_hf(hf, tmp_path))]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for key, value in rows.items():
+        assert f"│ {key} │ {value} " in out, key
+    attn = hf.model.layers[0].self_attn if name != "gpt2" else None
+    if attn is not None:  # what transformers built: biases and QK-norm modules
+        assert (attn.q_proj.bias is not None, attn.o_proj.bias is not None) == (
+            "q, k, v" in rows["biases"], "o" in rows["biases"].split(", "))
+        assert hasattr(attn, "q_norm") == (rows["QK-norm"] != "no")

@@ -57,7 +57,7 @@ def run_info(args) -> int:
         ("model_type", c.model_type), ("layers", c.n_layers), ("d_model", c.d_model),
         ("heads / KV heads", f"{c.n_heads} / {c.n_kv_heads} (GQA x{c.n_rep})" if c.n_rep > 1 else c.n_heads),
         ("head_dim", c.head_dim), ("d_mlp", c.d_mlp), ("vocab", c.vocab_size), ("context", c.max_seq_len),
-        ("positions", f"RoPE theta={c.rope_theta:g}" if c.uses_rope else "learned"),
+        *family_rows(c),
         ("tied embeddings", c.tie_word_embeddings),
         ("parameters", f"{model.num_parameters():,}"),
         ("weights bytes", f"{model.weights_bytes():,} ({fmt_bytes(model.weights_bytes())})"),
@@ -72,6 +72,20 @@ def run_info(args) -> int:
         Console().print(gguf_table)
     Console().print(_generation_table(model.generation_config))
     return 0
+
+
+def family_rows(c) -> list[tuple[str, str]]:
+    """What the family adds to the plain transformer layer: positions (RoPE variant), biases,
+    QK-norm and the attention window, as (name, value) rows."""
+    rope = ("learned" if not c.uses_rope else f"RoPE theta={c.rope_theta:g}" + (
+        f", {c.rope_scaling.rope_type} scaling x{c.rope_scaling.factor:g}" if c.rope_scaling else ""))
+    biased = [name for name, on in (("q, k, v", c.qkv_bias), ("o", c.o_bias), ("MLP", c.mlp_bias)) if on]
+    return [
+        ("positions", rope),
+        ("biases", ", ".join(biased) if biased else "none"),
+        ("QK-norm", "RMSNorm on each q and k head, before RoPE" if c.qk_norm else "no"),
+        ("attention window", "full: each query sees every earlier position"),
+    ]
 
 
 def _generation_table(generation_config):
