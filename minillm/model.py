@@ -1,19 +1,21 @@
-"""One decoder-only transformer for both GPT-2 and Llama, built from small swappable parts.
+"""One decoder-only transformer for GPT-2, Llama, Mistral, Qwen2 and Qwen3, built from small swappable parts.
 
     token ids [B, T]
       -> embed (+ learned pos_embed for GPT-2)          x: [B, T, d_model]
       -> n_layers × Block:
-             x = x + Attention(ln1(x))   (RoPE on q, k for Llama; K/V go to the KV cache)
-             x = x + MLP(ln2(x))         (GELU MLP for GPT-2, SwiGLU for Llama)
+             x = x + Attention(ln1(x))   (q, k, v projections; Qwen3: RMSNorm on each q and k head;
+                                          RoPE on q, k for all but GPT-2; K/V go to the KV cache)
+             x = x + MLP(ln2(x))         (GELU MLP for GPT-2, SwiGLU for the others)
       -> ln_final -> lm_head                              logits: [B, T, vocab]
 
-| part      | GPT-2                    | Llama / Mistral              |
-|-----------|--------------------------|------------------------------|
-| positions | learned ``pos_embed``    | rotary (RoPE) on q and k     |
-| norm      | LayerNorm (with bias)    | RMSNorm                      |
-| MLP       | up -> GELU(tanh) -> down | down(silu(gate) * up)        |
-| attn scale| 1/√head_dim (optional /(layer+1)) | 1/√head_dim         |
-| attention | n_kv_heads = n_heads     | grouped-query (n_kv_heads <= n_heads) |
+| family         | positions         | norm               | MLP                      | attention                    | biases             |
+|----------------|-------------------|--------------------|--------------------------|------------------------------|--------------------|
+| GPT-2          | learned pos_embed | LayerNorm          | up -> GELU(tanh) -> down | n_kv_heads = n_heads         | everywhere         |
+| Llama, Mistral | RoPE on q and k   | RMSNorm            | down(silu(gate) * up)    | grouped-query (GQA)          | none (Llama: opt.) |
+| Qwen2, Qwen2.5 | RoPE on q and k   | RMSNorm            | down(silu(gate) * up)    | GQA                          | q, k, v (not o)    |
+| Qwen3          | RoPE on q and k   | RMSNorm + QK-norm  | down(silu(gate) * up)    | GQA, head_dim of its own     | none (opt.: all 4) |
+
+Attention scores are scaled by 1/√head_dim (GPT-2's flags may drop it or divide by layer + 1).
 
 Per-layer activations can be observed through ``hook(name, tensor)``; the names follow
 TransformerLens (``blocks.3.attn.hook_q``, ...). With ``hook=None`` nothing is recorded.
