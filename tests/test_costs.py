@@ -79,7 +79,7 @@ def _real_shape(name: str) -> ModelConfig:
     return load_config(name)
 
 
-@pytest.mark.parametrize("name", ["gpt2-124m", "llama-2-7b", "llama-3-8b"])
+@pytest.mark.parametrize("name", ["gpt2-124m", "llama-2-7b", "llama-3-8b", "mistral-7b", "qwen2.5-0.5b", "qwen3-0.6b"])
 def test_flops_within_5_percent_on_real_shapes(name):
     """Real model shapes on the meta device (no memory, no arithmetic; FlopCounterMode
     still sees every matmul's shape): prefill 32 tokens, then one decode step at context 64."""
