@@ -9,9 +9,9 @@ Read from a Hugging Face ``config.json``. Two layer shapes, five families:
   explicit ``head_dim``.
 
 Field names follow the HF configs (``n_embd`` for GPT-2, ``hidden_size`` for Llama, ...).
-Every field of transformers' GPT2Config, LlamaConfig, MistralConfig, Qwen2Config and Qwen3Config that changes the
-logits is either implemented or refused by name (``NOT_IMPLEMENTED``); types and ranges are
-checked here, at the boundary, so a bad file fails with one line naming the field.
+Every field of transformers' GPT2Config, LlamaConfig, MistralConfig, Qwen2Config and Qwen3Config
+that changes the logits is either implemented or refused by name (``NOT_IMPLEMENTED``); types and
+ranges are checked here, at the boundary, so a bad file fails with one line naming the field.
 """
 
 from __future__ import annotations
@@ -344,7 +344,7 @@ def _from_qwen(hf: dict) -> ModelConfig:
     Qwen3: ``attention_bias`` (default false) on all four projections, QK-norm, and a
     ``head_dim`` that defaults to 128 (Qwen3Config), not hidden_size / heads.
     The window fields (``sliding_window``, ``max_window_layers``, ``layer_types``) take effect
-    only with ``use_sliding_window``, false in every released Qwen2.5 and Qwen3 config.
+    only with ``use_sliding_window``, false in the released Qwen2.5 and Qwen3 configs.
     """
     if _bool(hf, "use_sliding_window", False):
         raise ConfigError("config.json: use_sliding_window=true is not supported yet (sliding-window attention "

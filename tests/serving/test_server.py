@@ -323,3 +323,20 @@ def test_a_requests_clock_starts_when_it_is_sent_not_when_the_engine_thread_adds
     request = async_engine.engine.requests["late"]
     assert sent <= request.arrival_s < sent + 0.1  # stamped at generate(), before the 0.3 s wait
     assert request.first_scheduled_s - request.arrival_s >= 0.3
+
+
+def test_chat_template_kwargs_reach_the_template():
+    """vLLM's ``chat_template_kwargs``: {"enable_thinking": false} with Qwen3's template (ChatML, as
+    SmolLM2's tokenizer is) opens the answer with an empty thought."""
+    from pathlib import Path
+
+    from minillm.serving.api_server import _chat_prompt_ids
+    from minillm.serving.openai_protocol import ChatCompletionRequest
+
+    tokenizer = minillm.load_tokenizer("smollm2-135m-instruct")
+    tokenizer.chat_template = (Path(__file__).parent.parent / "chat_templates" / "qwen3.jinja").read_text()
+    body = ChatCompletionRequest.model_validate_json(
+        '{"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"enable_thinking": false}}')
+    expected = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert _chat_prompt_ids(tokenizer, body.messages, body.chat_template_kwargs) == tokenizer.encode(
+        expected, add_special_tokens=False)
