@@ -392,10 +392,14 @@ def _llama_cpp_name(hf_name: str) -> str:
     return f"blk.{layer}.{_LLAMA_CPP_LAYER[rest]}.{kind}"
 
 
-def _qwen_gguf(path, hf_model) -> None:
+QWEN_WORDS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a", "b", "ab", "1", "2", "12"]
+
+
+def _qwen_gguf(path, hf_model, words=QWEN_WORDS, merges=("a b", "1 2")) -> None:
     """``hf_model`` written as llama.cpp's converter writes a Qwen2/Qwen3 model: the {arch}.* keys,
     Q/K rows as they are (NEOX RoPE, no permutation), F16 matrices, F32 norms and biases, output.weight
-    only when untied, and a byte-level BPE vocabulary with the qwen2 pre-tokenizer."""
+    only when untied, and a byte-level BPE vocabulary (``words`` padded to the model's vocabulary,
+    the first three special) with the qwen2 pre-tokenizer."""
     c = hf_model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     writer = gguf.GGUFWriter(str(path), c.model_type)
@@ -411,10 +415,9 @@ def _qwen_gguf(path, hf_model) -> None:
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
-    words = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a", "b", "ab", "1", "2", "12"]
     writer.add_token_list(words + [f"<unused{i}>" for i in range(len(words), c.vocab_size)])
     writer.add_token_types([3, 3, 3] + [1] * (c.vocab_size - 3))
-    writer.add_token_merges(["a b", "1 2"])
+    writer.add_token_merges(list(merges))
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(False)
     for name, tensor in hf_model.state_dict().items():
@@ -460,3 +463,20 @@ def test_qwen_gguf_converts_with_transformers_logits(name, tmp_path):
     assert (config["model_type"], config["tie_word_embeddings"]) == (family, kwargs.get("tie_word_embeddings", False))
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     assert tok.encode("<|im_start|>ab12").ids == [1, 5, 6, 7]  # added token whole, no BOS, digits one by one
+
+
+def test_qwen2_pre_tokenizer_splits_like_transformers(tmp_path):
+    """The qwen2 pre-tokenizer's regex (digits one by one, letters with one leading non-letter,
+    newlines apart) against transformers' own tokenizer from the same GGUF, on a byte-level
+    vocabulary whose merges would join what a wrong split leaves together."""
+    from tiny_models import LLAMA_BASE, build_hf
+    from tokenizers import pre_tokenizers
+
+    merged = {"Ġ t": "Ġt", "h e": "he", "Ġt he": "Ġthe", "1 2": "12", "' s": "'s", "Ċ Ċ": "ĊĊ", "! !": "!!"}
+    words = QWEN_WORDS[:3] + sorted(pre_tokenizers.ByteLevel.alphabet()) + list(merged.values())
+    hf = build_hf("qwen2", dict(LLAMA_BASE, vocab_size=len(words)))
+    _qwen_gguf(tmp_path / "tok.gguf", hf, words, merged)
+    ours = load_tokenizer(convert_gguf(tmp_path / "tok.gguf", tmp_path / "out", progress=False))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="tok.gguf")
+    for text in ["the 12345 cat's\n\n  dogs!!\tthe\r\nthe", "<|im_start|>he'S 2024, THE the!!!"]:
+        assert ours.encode(text) == theirs.encode(text), text
