@@ -37,6 +37,7 @@ from .phases import _as_batch, _check_state, decode_step, prefill
 from .sampling import SamplingParams, _ids, apply_penalties, filter_logits, sample
 
 METHODS = ("ngram", "draft_model", "custom")
+SCHEDULES = ("heuristic", "constant")
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,11 @@ class SpeculativeConfig:
     Attributes:
         method: "ngram" (prompt lookup: propose what followed the last n-gram earlier in the
             prompt + output) or "draft_model" (a small model with the same vocabulary).
-        num_speculative_tokens: k >= 1, tokens the draft proposes per verification pass.
+        num_speculative_tokens: k >= 1, the most tokens the draft proposes per verification pass.
+        num_speculative_tokens_schedule: "heuristic" (default): k starts at num_speculative_tokens,
+            grows by 2 after a pass that accepted every draft and shrinks by 1 (to 1 at least) after
+            one that rejected some, so rejected guesses cost fewer wasted rows; "constant": always
+            num_speculative_tokens. (transformers' ``num_assistant_tokens_schedule``; minillm's name.)
         prompt_lookup_min, prompt_lookup_max: n-gram sizes tried, longest first (ngram only).
         draft_model: the draft :class:`~minillm.model.Transformer` (draft_model only).
         draft: method "custom" (minillm's, not vLLM's): your own :class:`Draft` instance, used as is.
@@ -56,10 +61,24 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 5
+    num_speculative_tokens_schedule: str = "heuristic"
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     draft_model: Transformer | None = None
     draft: Draft | None = None
+
+    def next_k(self, k: int, proposed: int, accepted: int) -> int:
+        """The k of the next pass after one that checked ``proposed`` drafts and kept ``accepted``.
+
+        "heuristic" (transformers' assisted generation): every draft kept -> k + 2 (the draft is
+        on a run: guess further); some rejected -> k - 1 (each rejected row cost a verify row for
+        nothing). A pass with no proposal (no n-gram matched) leaves k as it was.
+        """
+        if self.num_speculative_tokens_schedule == "constant" or proposed == 0:
+            return k
+        if accepted == proposed:
+            return min(k + 2, self.num_speculative_tokens)
+        return max(k - 1, 1)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -68,6 +87,9 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.num_speculative_tokens_schedule not in SCHEDULES:
+            raise ValueError(f"num_speculative_tokens_schedule must be one of {', '.join(SCHEDULES)}, "
+                             f"got {self.num_speculative_tokens_schedule!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
@@ -223,6 +245,21 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor | None, draft_ids: list[
     return len(draft_ids), torch.multinomial(p[-1], 1, generator=generator).item()
 
 
+def accept_greedy(logits: torch.Tensor, draft_ids: list[int]) -> tuple[int, int]:
+    """:func:`accept_or_resample` when p is greedy's one-hot: keep drafts while each is the argmax.
+
+    logits: [k+1, vocab] from :func:`verify`. With p one-hot on argmax_i, p_i(d_i) is 1 or 0, so d_i
+    is accepted exactly when it equals argmax_i, and the first mismatch's residual (or the bonus)
+    is argmax_i itself. One argmax over the k+1 rows: no softmax over the vocabulary.
+    Returns (n_accepted, token) as accept_or_resample does.
+    """
+    best = logits.argmax(dim=-1).tolist()
+    n_accepted = 0
+    while n_accepted < len(draft_ids) and draft_ids[n_accepted] == best[n_accepted]:
+        n_accepted += 1
+    return n_accepted, best[n_accepted]
+
+
 def verify(model: Transformer, token_ids: list[int], cache: KVCache) -> torch.Tensor:
     """The verification pass: [last, d1..dk] onto the filled cache, the logits of every position.
 
@@ -265,6 +302,7 @@ def generate_speculative(model: Transformer, prompt_ids: torch.Tensor, params: S
     token, logprob = sample(logits, params, generator, prompt_ids[None], [output])
     emitted, phase, counts = [(token.item(), logprob.item())], "prefill", (None, None)
     rounds: list[tuple[int, int]] = []  # (proposed, accepted) of every round
+    k = config.num_speculative_tokens  # the schedule moves it between rounds
     while True:
         known_s = time.perf_counter()  # a round's tokens are all known at once, when its pass ends
         start_length = cache.length - (len(emitted) - 1)  # holds everything before emitted[0]
@@ -284,15 +322,17 @@ def generate_speculative(model: Transformer, prompt_ids: torch.Tensor, params: S
                     trace.record("speculative", **_stats_fields(SpeculativeStats.from_rounds(rounds)))
                 return
         phase = "decode"
-        emitted, counts = _round(model, draft, config, params, generator, cache, prompt, output, trace)
+        emitted, counts = _round(model, draft, k, params, generator, cache, prompt, output, trace)
         rounds.append(counts)
+        k = config.next_k(k, *counts)
 
 
-def _round(model, draft: Draft, config, params, generator, cache: KVCache, prompt: list[int], output: list[int],
+def _round(model, draft: Draft, k: int, params, generator, cache: KVCache, prompt: list[int], output: list[int],
            trace=None):
-    """One draft-verify-accept round. Returns ([(token, logprob)] to emit, (proposed, accepted))."""
+    """One draft-verify-accept round of at most ``k`` drafts. Returns ([(token, logprob)] to emit,
+    (proposed, accepted)). With no proposal the pass is a plain decode step (one row)."""
     room = min(cache.max_seq_len - cache.length - 1, params.max_new_tokens - len(output) - 1)
-    k = min(config.num_speculative_tokens, room)
+    k = min(k, room)
     drafted = [int(t) for t in draft.propose(prompt + output, k)[:k]] if k > 0 else []
     q = _checked_q(draft.draft_probs() if drafted else None, len(drafted), model.config.vocab_size)
     start = cache.length
@@ -301,10 +341,13 @@ def _round(model, draft: Draft, config, params, generator, cache: KVCache, promp
     else:
         with trace.span("verify") as event:
             logits = verify(model, [output[-1]] + drafted, cache)
-    history = output + drafted  # the target's p_i sees the drafts before it (penalties count them)
-    p = torch.cat([token_probs(logits[i : i + 1], params, [prompt], [history[: len(output) + i]])
-                   for i in range(len(drafted) + 1)])
-    n_accepted, token = accept_or_resample(p, None if q is None else q.to(p.device), drafted, generator)
+    if params.greedy and not params.has_penalties:
+        n_accepted, token = accept_greedy(logits, drafted)
+    else:
+        history = output + drafted  # the target's p_i sees the drafts before it (penalties count them)
+        p = torch.cat([token_probs(logits[i : i + 1], params, [prompt], [history[: len(output) + i]])
+                       for i in range(len(drafted) + 1)])
+        n_accepted, token = accept_or_resample(p, None if q is None else q.to(p.device), drafted, generator)
     cache.truncate(start + 1 + n_accepted)  # the last token and the accepted drafts; the new token is not in yet
     tokens = drafted[:n_accepted] + [token]
     if trace is not None:

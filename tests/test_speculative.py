@@ -12,7 +12,8 @@ import torch
 from minillm import (KVCache, PrefixCache, SamplingParams, Trace, decode_step, generate, load_model, load_tokenizer,
                      prefill)
 from minillm.cli import main
-from minillm.speculative import Draft, NgramDraft, SpeculativeConfig, SpeculativeStats, accept_or_resample
+from minillm.speculative import (Draft, NgramDraft, SpeculativeConfig, SpeculativeStats, accept_greedy,
+                                 accept_or_resample)
 from tiny_models import LLAMA_BASE, build_hf, save_hf
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 9, 5, 6], [1, 2, 3, 4, 5, 6, 7, 8], [3, 3, 3, 3], [42]]
@@ -68,6 +69,37 @@ def test_greedy_output_is_plain_greedy(models, method, k):
         assert [(s.token_id, s.cache_length, s.phase) for s in steps] == plain
         assert steps[-1].finish_reason == "length"
         assert sum(s.proposed for s in steps if s.proposed) > 0  # speculation really happened
+
+
+@pytest.mark.parametrize("schedule", ["constant", "heuristic"])
+def test_both_schedules_are_plain_greedy(models, schedule):
+    target, draft = models
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    for method in ("ngram", "draft_model"):
+        spec = SpeculativeConfig(method, 4, num_speculative_tokens_schedule=schedule,
+                                 draft_model=draft if method == "draft_model" else None)
+        steps = list(generate(target, PROMPTS[0], params, speculative=spec))
+        assert [s.token_id for s in steps] == [s.token_id for s in generate(target, PROMPTS[0], params)]
+        if method == "draft_model":  # it always proposes k: each pass's k follows the schedule (or the room left)
+            k = 4
+            for step_index, step in enumerate(steps):
+                if step.proposed is not None:
+                    assert step.proposed == min(k, params.max_new_tokens - step_index - 1)
+                    k = spec.next_k(k, step.proposed, step.accepted)
+
+
+@pytest.mark.parametrize("schedule, k, proposed, accepted, expected", [
+    ("heuristic", 3, 3, 3, 5),  # all kept: guess 2 further
+    ("heuristic", 4, 4, 4, 5),  # ... up to num_speculative_tokens
+    ("heuristic", 3, 3, 1, 2),  # some rejected: one fewer
+    ("heuristic", 1, 1, 0, 1),  # ... never below 1
+    ("heuristic", 3, 0, 0, 3),  # nothing proposed: unchanged
+    ("constant", 2, 2, 2, 2),
+    ("constant", 5, 5, 0, 5),
+])
+def test_schedule_moves_k(schedule, k, proposed, accepted, expected):
+    config = SpeculativeConfig("ngram", 5, num_speculative_tokens_schedule=schedule)
+    assert config.next_k(k, proposed, accepted) == expected
 
 
 class UniformDraft(Draft):
@@ -147,6 +179,18 @@ def test_rule_bonus_and_one_hot_cases():
     assert accept_or_resample(p, None, [1, 2]) == (2, 0)  # all accepted: bonus from the last row
     assert accept_or_resample(p, None, [1, 0]) == (1, 2)  # second rejected: the argmax there
     assert accept_or_resample(p[:1], None, []) == (0, 1)  # no drafts: a plain decode step
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_rule_is_the_rule_with_one_hot_p(seed):
+    """accept_greedy (argmax only) against accept_or_resample on p = one_hot(argmax), random drafts."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, 5, generator=gen)
+    best = logits.argmax(-1)
+    for _ in range(20):
+        drafts = torch.where(torch.rand(5, generator=gen) < 0.7, best[:5], torch.randint(5, (5,), generator=gen))
+        p = torch.nn.functional.one_hot(best, 5).float()
+        assert accept_greedy(logits, drafts.tolist()) == accept_or_resample(p, None, drafts.tolist())
 
 
 def _chi2_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
@@ -319,6 +363,8 @@ def test_stats_from_steps(models):
     (dict(num_speculative_tokens=0), "num_speculative_tokens must be an integer >= 1"),
     (dict(num_speculative_tokens=2.0), "num_speculative_tokens must be an integer >= 1"),
     (dict(method="medusa"), "must be one of ngram, draft_model"),
+    (dict(num_speculative_tokens_schedule="dynamic"), "num_speculative_tokens_schedule must be one of heuristic, "
+                                                      "constant, got 'dynamic'"),
     (dict(prompt_lookup_min=4, prompt_lookup_max=2), "prompt_lookup_min (4) must be <= prompt_lookup_max (2)"),
     (dict(method="draft_model"), "needs draft_model=<a loaded Transformer>"),
     (dict(draft_model="gpt2", method="draft_model"), "must be a minillm Transformer"),
