@@ -5,6 +5,9 @@
     prefill panel    tokens, positions, K/V written, cache, time, FLOPs, bytes, intensity
     layers table     (level "layers") per layer: shapes in and out, K/V cache, time
     steps table      one row per generated token: id, text, top-5, cache, KV bytes, ms, GB/s
+    verify table     (speculative decoding) one block per verification pass: the drafted tokens,
+                     which were kept, the model's own token (resampled or bonus), the KV cache
+                     before / verified / after truncation; the request's acceptance rate
     summary panel    TTFT, TPOT, ITL, end-to-end, throughput, MBU
     roofline panel   the bound verdict of each phase, and why
 
@@ -36,7 +39,7 @@ def print_trace(trace: Trace, console: Console | None = None, prompt: bool = Tru
     parts += [prefill_panel(trace)]
     if trace.layers():
         parts += [layers_table(trace, step) for step in sorted({e["step"] for e in trace.layers()})[:2]]
-    parts += [steps_panel(trace), summary_panel(trace), roofline_panel(trace)]
+    parts += [steps_panel(trace), verify_panel(trace), summary_panel(trace), roofline_panel(trace)]
     for part in parts:
         if part is not None:
             console.print(part)
@@ -149,6 +152,45 @@ def steps_panel(trace: Trace) -> Panel | None:
         lines += [Text(" " * 12 + line, style="dim") for line in _packed("top-5: ", _candidate_items(e), 64)]
     return Panel(Group(*lines), title="Steps: #1 from the prefill, then one decode step each",
                  title_align="left", subtitle="ms: forward pass; GB/s: bytes moved per second")
+
+
+VERIFY_HEADER = f"{'#':>4} {'pos':>6} {'kept':>5}  {'+ model token':<14} {'how':<9} {'cache':>15} {'ms':>8}"
+REJECTED = "✗"  # marks a draft the model did not keep (also readable without colour)
+
+
+def verify_panel(trace: Trace) -> Panel | None:
+    """Speculative decoding: one block per verification pass (its "verify" event).
+
+           #    pos  kept  + model token  how                 cache       ms
+           1     39   3/5  ' the'         resampled   39->45->43      61.2
+                 drafted: ' over'  ' the'  ' lazy'  ✗' cat'  ✗'.'
+
+    pos: position of the pass's first token (the last one emitted); kept: drafts accepted of those
+    proposed; + model token: the token the model adds (resampled at the first rejection, the bonus
+    when all were kept, plain "decode" when nothing was proposed); cache: positions before the
+    pass -> after it wrote every row -> after truncating the rejected ones; ms: the pass.
+    The subtitle: the request's acceptance rate and mean acceptance length (the "speculative" event).
+    """
+    passes = trace.of("verify")
+    if not passes:
+        return None
+    lines = [Text(VERIFY_HEADER, style="bold")]
+    for n, e in enumerate(passes, start=1):
+        cache = f"{e['cache_length_before']}->{e['cache_length_verified']}->{e['cache_length_after']}"
+        lines.append(Text(f"{n:>4} {e['position']:>6} {e['accepted']:>2}/{e['proposed']:<2}  "
+                          f"{_token(e.get('token_text'), e['token_id']):<14} {e['how']:<9} {cache:>15} "
+                          f"{_num(e['time_ms'], '.1f'):>8}"))
+        texts = e.get("drafted_text") or [None] * len(e["drafted"])
+        items = [("" if i < e["accepted"] else REJECTED) + _token(text, token_id)
+                 for i, (text, token_id) in enumerate(zip(texts, e["drafted"]))]
+        if items:
+            lines += [Text(" " * 12 + line, style="dim") for line in _packed("drafted: ", items, 66)]
+    stats = trace.first("speculative")
+    subtitle = (f"acceptance {100 * stats['acceptance_rate']:.1f}% ({stats['num_accepted_tokens']}/"
+                f"{stats['num_draft_tokens']}), mean acceptance length {stats['mean_acceptance_length']:.2f}"
+                if stats is not None else None)
+    return Panel(Group(*lines), title=f"Verification passes: {len(passes)} (speculative decoding)",
+                 title_align="left", subtitle=subtitle)
 
 
 def summary_panel(trace: Trace) -> Panel | None:
@@ -318,5 +360,5 @@ def _n_layers(trace: Trace) -> int:
 
 __all__ = [
     "fmt_bytes", "layers_table", "prefill_panel", "print_trace", "prompt_panel", "roofline_panel", "steps_panel",
-    "summary_panel", "visible",
+    "summary_panel", "verify_panel", "visible",
 ]

@@ -328,6 +328,33 @@ def test_trace_shows_each_verification(models):
     assert "<" in trace._repr_html_() and "prefill=1" in repr(trace)
 
 
+def test_trace_renders_each_verification(models):
+    """The verify panel: a line per pass with its kept/proposed, token and cache lengths; rejected drafts marked."""
+    from rich.console import Console
+
+    from minillm.render import REJECTED, verify_panel
+
+    target, draft = models
+    trace = Trace()
+    list(generate(target, PROMPTS[0], SamplingParams(max_new_tokens=20, ignore_eos=True), trace=trace,
+                  speculative=_config("draft_model", 3, draft)))
+    console = Console(width=80, no_color=True, record=True, file=open("/dev/null", "w"))
+    console.print(verify_panel(trace))
+    text = console.export_text()
+    assert all(len(line) <= 80 for line in text.splitlines())
+    rows = [line.split() for line in text.splitlines() if re.match(r"^│\s+\d+\s+\d+\s+\d+/\d+", line)]
+    events = trace.of("verify")
+    assert [row[1:6] for row in rows] == [
+        [str(n), str(e["position"]), f"{e['accepted']}/{e['proposed']}", "id", str(e["token_id"])]
+        for n, e in enumerate(events, start=1)]
+    for row, e in zip(rows, events):
+        cache = f"{e['cache_length_before']}->{e['cache_length_verified']}->{e['cache_length_after']}"
+        assert row[6:8] == [e["how"], cache]
+    assert text.count(REJECTED) == sum(e["proposed"] - e["accepted"] for e in events) > 0
+    stats = trace.first("speculative")
+    assert f"acceptance {100 * stats['acceptance_rate']:.1f}%" in text
+
+
 # -- the drafts ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("ids, k, lookup, proposal", [
@@ -451,6 +478,18 @@ def test_cli_speculative_prints_the_answer_and_the_acceptance(smollm2_runs, caps
         f"[speculative ngram k=5 | accepted {stats.num_accepted_tokens}/{stats.num_draft_tokens} drafted "
         f"({100 * stats.acceptance_rate:.1f}%) | mean acceptance length {stats.mean_acceptance_length:.2f} | "
         f"{len(spec)} tok in {passes} passes of the model]")
+
+
+def test_cli_speculative_trace_shows_the_passes(smollm2_runs, capsys):
+    plain, spec = smollm2_runs
+    code = main(["generate", "--speculative", "ngram", "--max-new-tokens", "40", "--trace", "steps", REPEAT])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out == "".join(s.text for s in plain) + "\n"
+    passes = 1 + sum(1 for s in spec if s.proposed is not None)
+    assert f"Verification passes: {passes - 1} (speculative decoding)" in err  # the prefill is the first pass
+    assert "drafted: ' brown'  ' fox'" in err and "bonus" in err and "resampled" in err
+    assert err.splitlines()[-1].startswith("[speculative ngram k=5 | accepted ")
 
 
 @pytest.mark.parametrize("args, message", [

@@ -140,8 +140,8 @@ def _check_speculative_args(args) -> None:
         raise UsageError("--speculative draft_model needs --draft-model MODEL, and only it takes one")
     if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:
         raise UsageError(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
-    if args.prefix_cache or args.trace or args.trace_out or args.plots:
-        raise UsageError("--speculative does not go with --prefix-cache, --trace, --trace-out or --plots yet; drop one")
+    if args.prefix_cache or args.plots:
+        raise UsageError("--speculative does not go with --prefix-cache or --plots yet; drop one")
 
 
 def _speculative_config(args):
@@ -308,7 +308,7 @@ def run_generate_traced(args, model, tokenizer, prompt: str, params, prefix_cach
         console.print(prompt_panel(trace, plain=console.color_system is None))
     steps = []
     for step in generate(model, prompt_ids, params, eos_token_ids=_eos_ids(model, tokenizer), trace=trace,
-                         prefix_cache=prefix_cache, tokenizer=tokenizer):  # records "detokenize" at the end
+                         prefix_cache=prefix_cache, tokenizer=tokenizer, speculative=args.speculative_config):
         steps.append(step)
         if not args.json:
             print(step.text, end="", flush=True)
@@ -320,8 +320,13 @@ def run_generate_traced(args, model, tokenizer, prompt: str, params, prefix_cach
         if prefix_cache is not None:
             console.print(_cached_prompt_panel(trace, prefix_cache))
         print_trace(trace, console, prompt=False)  # its summary panel stands for the summary line
+        if args.speculative_config is not None:  # no per-token events under speculation: the lines instead
+            print(_summary(metrics, steps, cold), file=sys.stderr)
+            print(_speculative_summary(args.speculative_config, steps), file=sys.stderr)
     else:
         _finish_request(args, prompt, prompt_ids, steps, trace.start_s, cold)
+        if args.speculative_config is not None:
+            print(_speculative_summary(args.speculative_config, steps), file=sys.stderr)
     if args.trace_out:
         chrome = _trace_format(args.trace_out) == "chrome"
         wrote(trace.to_chrome_trace(args.trace_out) if chrome else trace.to_jsonl(args.trace_out))
