@@ -238,11 +238,22 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor | None, draft_ids: list[
         ratio = p[i, d] / q_i[d]
         if ratio >= 1 or torch.rand((), generator=generator, device=p.device) < ratio:
             continue
-        residual = (p[i] - q_i).clamp(min=0)
-        if residual.sum() <= 0:  # p == q up to rounding: the rejection had probability ~0
-            residual = p[i]
-        return i, torch.multinomial(residual / residual.sum(), 1, generator=generator).item()
+        return i, torch.multinomial(residual_distribution(p[i], q_i), 1, generator=generator).item()
     return len(draft_ids), torch.multinomial(p[-1], 1, generator=generator).item()
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Where a rejected draft's replacement is drawn from: normalize(max(0, p - q)).
+
+    p, q: [vocab] the target's and the draft's distributions at one position. Returns [vocab]
+    float, summing to 1: the mass p has beyond q. Rejecting d with probability 1 - min(1, p(d)/q(d))
+    takes away exactly q's excess, so drawing the replacement from here gives back p (Leviathan
+    et al. 2023, Theorem 1; Chen et al. 2023). When p == q (up to rounding) nothing is left
+    and a rejection had probability ~0: p itself is returned.
+    """
+    residual = (p - q).clamp(min=0)
+    total = residual.sum()
+    return p if total <= 0 else residual / total
 
 
 def accept_greedy(logits: torch.Tensor, draft_ids: list[int]) -> tuple[int, int]:

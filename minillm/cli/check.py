@@ -100,7 +100,7 @@ def _print_exercise_results(console, results, where: str) -> None:
 
 
 def _class_table(results: dict):
-    """One row per student, one narrow column per exercise (its number): 16 exercises fit in 80 columns."""
+    """One row per student, one narrow column per exercise (its number): 18 exercises fit in 80 columns."""
     from rich import box
     from rich.table import Table
 

@@ -1179,3 +1179,90 @@ def preempted_blocks_not_freed(self):
 def prefix_hits_recomputed(self):
     """Never asks find_cached_prefix: a prompt whose first blocks are cached is prefilled in full."""
     return _schedule(self, use_hits=False)  # MISTAKE
+
+
+# -- ex17 speculative verification rule -------------------------------------------------------------
+
+
+def _residual(p, q):
+    residual = (p - q).clamp(min=0)
+    return residual / residual.sum() if residual.sum() > 0 else p
+
+
+def _verify(p, q, draft_ids, generator, keep_prob=None, residual=_residual, bonus_row=-1, stop=True,
+            q_none_is_sure=False):
+    """The rule written plainly, with the knobs each mistake turns."""
+    n_accepted, first_rejected = 0, None
+    for i, d in enumerate(draft_ids):
+        q_i = q[i] if q is not None else torch.nn.functional.one_hot(torch.tensor(d), p.shape[-1]).to(p)
+        prob = (keep_prob or (lambda pd, qd: min(1.0, pd / qd)))(p[i, d].item(), q_i[d].item())
+        if q is None and q_none_is_sure:
+            prob = 1.0
+        kept = torch.rand((), generator=generator).item() < prob
+        if kept and first_rejected is None:
+            n_accepted += 1
+        elif not kept and first_rejected is None:
+            first_rejected = (i, residual(p[i], q_i))
+            if stop:
+                break
+    if first_rejected is not None:
+        return n_accepted, torch.multinomial(first_rejected[1], 1, generator=generator).item()
+    return n_accepted, torch.multinomial(p[bonus_row], 1, generator=generator).item()
+
+
+@mistake("ex17", "accept_or_resample")
+def no_bonus_token(p, q, draft_ids, generator=None):
+    """When every draft is kept, returns no token: the pass's free token from p_k is lost."""
+    n_accepted, token = _verify(p, q, draft_ids, generator)
+    return n_accepted, (None if n_accepted == len(draft_ids) and draft_ids else token)  # MISTAKE
+
+
+@mistake("ex17", "accept_or_resample")
+def bonus_from_the_last_drafts_row(p, q, draft_ids, generator=None):
+    """Draws the bonus token from p_{k-1} (the row that checked the last draft), not p_k."""
+    return _verify(p, q, draft_ids, generator, bonus_row=max(len(draft_ids) - 1, 0))  # MISTAKE
+
+
+@mistake("ex17", "residual_distribution")
+def residual_not_normalised(p, q):
+    """Returns max(0, p - q) without dividing by its sum: not a distribution."""
+    return (p - q).clamp(min=0)  # MISTAKE
+
+
+@mistake("ex17", "residual_distribution")
+def residual_without_the_max(p, q):
+    """Normalises p - q itself: tokens the draft over-proposed get negative weight."""
+    return (p - q) / (p - q).sum() if (p - q).sum() > 0 else p  # MISTAKE
+
+
+@mistake("ex17", "accept_or_resample")
+def accepts_when_p_greater_than_q(p, q, draft_ids, generator=None):
+    """Keeps a draft only when p(d) > q(d), deterministically, instead of with probability p(d)/q(d)."""
+    return _verify(p, q, draft_ids, generator, keep_prob=lambda pd, qd: 1.0 if pd > qd else 0.0)  # MISTAKE
+
+
+@mistake("ex17", "accept_or_resample")
+def accepts_with_q_over_p(p, q, draft_ids, generator=None):
+    """The ratio upside down: keeps d with probability min(1, q(d)/p(d))."""
+    return _verify(p, q, draft_ids, generator, keep_prob=lambda pd, qd: min(1.0, qd / pd) if pd else 1.0)  # MISTAKE
+
+
+@mistake("ex17", "accept_or_resample")
+def resamples_from_p_not_the_residual(p, q, draft_ids, generator=None):
+    """At a rejection draws the replacement from p_i: the rejected draft's mass is counted twice."""
+    return _verify(p, q, draft_ids, generator, residual=lambda p_i, q_i: p_i)  # MISTAKE
+
+
+@mistake("ex17", "accept_or_resample")
+def keeps_checking_after_a_rejection(p, q, draft_ids, generator=None):
+    """Goes on testing the drafts after the first rejection and counts the later ones it keeps."""
+    n_accepted, token = _verify(p, q, draft_ids, generator, stop=False)
+    later = sum(1 for i, d in enumerate(draft_ids[n_accepted + 1:], start=n_accepted + 1)
+                if i < len(p) - 1 and p[i].argmax().item() == d)
+    return n_accepted + later, token  # MISTAKE
+
+
+@mistake("ex17", "accept_or_resample")
+def deterministic_draft_always_accepted(p, q, draft_ids, generator=None):
+    """With q None (prompt lookup) keeps every draft, as if a sure guess needed no check."""
+    return _verify(p, q, draft_ids, generator, q_none_is_sure=True)  # MISTAKE

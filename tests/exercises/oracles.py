@@ -46,3 +46,26 @@ def filter_row(logits: list[float], temperature: float, top_k: int = 0, top_p: f
         nucleus.append(i)
         mass += math.exp(scaled[i]) / z
     return [scaled[i] if i in nucleus else -math.inf for i in range(len(scaled))]
+
+
+def speculative_outcomes(p: list[list[float]], q: list[list[float]] | None, draft_ids: list[int]) -> dict:
+    """The exact probability of each result (n_accepted, token) of the verification rule, with floats.
+
+    Draft i is kept with probability a_i = min(1, p_i(d_i) / q_i(d_i)) (q one-hot when None: a_i =
+    p_i(d_i)), in order; the first rejection i (probability kept-so-far · (1 - a_i)) draws its token
+    from max(0, p_i - q_i) / its sum; all kept: the bonus token from p_k (Leviathan et al. 2023).
+    """
+    outcomes, reach = {}, 1.0  # reach: the probability of getting to draft i
+    for i, d in enumerate(draft_ids):
+        q_i = q[i] if q is not None else [1.0 if t == d else 0.0 for t in range(len(p[i]))]
+        keep = min(1.0, p[i][d] / q_i[d])
+        residual = [max(0.0, a - b) for a, b in zip(p[i], q_i)]
+        total = sum(residual)
+        for t, r in enumerate(residual):
+            if r > 0:
+                outcomes[(i, t)] = reach * (1 - keep) * r / total
+        reach *= keep
+    for t, prob in enumerate(p[len(draft_ids)]):
+        if prob > 0:
+            outcomes[(len(draft_ids), t)] = outcomes.get((len(draft_ids), t), 0.0) + reach * prob
+    return outcomes

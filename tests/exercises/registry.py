@@ -101,6 +101,10 @@ EXERCISES = {ex.id: ex for ex in [
               "BlockAllocator.free")),
     Exercise("ex16", "scheduler step", "ex16_scheduler", "lessons/11-serving.md#continuous-batching",
              {"Scheduler": "minillm.serving.scheduler"}, ("Scheduler.schedule",)),
+    Exercise("ex17", "speculative verification", "ex17_speculative",
+             "lessons/09-optimisations.md#speculative-decoding-one-step-at-a-time",
+             {"residual_distribution": "minillm.speculative", "accept_or_resample": "minillm.speculative"},
+             ("residual_distribution", "accept_or_resample")),
 ]}
 
 

@@ -80,11 +80,11 @@ def test_class_table_has_a_row_per_student(tmp_path):
     text = console.export_text()
     assert "alice" in text and "bob" in text and "1/2" in text and " 02 " in text
 
-    sixteen = {tmp_path / name: results(*"+x." * 5, "+") for name in ("alice", "bartholomew")}
+    eighteen = {tmp_path / name: results(*"+x." * 6) for name in ("alice", "bartholomew")}
     console = Console(width=80, record=True)
-    console.print(_class_table(sixteen))
+    console.print(_class_table(eighteen))
     rows = {line.split()[0]: line for line in console.export_text().splitlines() if line.strip()}
-    assert rows["bartholomew"].split()[1:] == [*"+x." * 5, "+", "6/16"], "16 exercises must fit in 80 columns"
+    assert rows["bartholomew"].split()[1:] == [*"+x." * 6, "6/18"], "18 exercises must fit in 80 columns"
 
 
 def test_a_hang_or_a_crash_stops_only_its_own_exercise(tmp_path):

@@ -57,6 +57,16 @@ REQUIRED = {
     "max_num_seqs_ignored": "ex16",
     "preempts_the_oldest": "ex16",
     "preempted_blocks_not_freed": "ex16",
+    # issue #16: speculative decoding
+    "no_bonus_token": "ex17",
+    "bonus_from_the_last_drafts_row": "ex17",
+    "residual_not_normalised": "ex17",
+    "residual_without_the_max": "ex17",
+    "accepts_when_p_greater_than_q": "ex17",
+    "accepts_with_q_over_p": "ex17",
+    "resamples_from_p_not_the_residual": "ex17",
+    "keeps_checking_after_a_rejection": "ex17",
+    "deterministic_draft_always_accepted": "ex17",
 }
 
 
