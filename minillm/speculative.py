@@ -53,6 +53,8 @@ class SpeculativeConfig:
             one that rejected some, so rejected guesses cost fewer wasted rows; "constant": always
             num_speculative_tokens. (transformers' ``num_assistant_tokens_schedule``; minillm's name.)
         prompt_lookup_min, prompt_lookup_max: n-gram sizes tried, longest first (ngram only).
+            Default 2..3: a one-token match proposes mostly wrong guesses in free text (on
+            SmolLM2, 1..3 kept 10-20 % of the drafts of a story, 2..3 35 %; BENCHMARKS.md).
         draft_model: the draft :class:`~minillm.model.Transformer` (draft_model only).
         draft: method "custom" (minillm's, not vLLM's): your own :class:`Draft` instance, used as is.
 
@@ -62,7 +64,7 @@ class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 5
     num_speculative_tokens_schedule: str = "heuristic"
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int = 2
     prompt_lookup_max: int = 3
     draft_model: Transformer | None = None
     draft: Draft | None = None

@@ -241,7 +241,8 @@ def test_sampled_tokens_follow_the_models_distribution(small_vocab, method, temp
     p3 = probs[:, len(prompt) + 1].reshape(V, V, V)  # [t1, t2, t3]
     expected = torch.einsum("a,ab,abc->bc", p1, p2, p3) * n  # [t2, t3]
     counts, proposed, accepted = torch.zeros(V, V, dtype=torch.float64), 0, 0
-    config = _config(method, 1, draft)
+    config = (SpeculativeConfig("ngram", 1, prompt_lookup_min=1) if method == "ngram"  # a 1-token match: t1 was
+              else _config(method, 1, draft))                                         # seen, so always a draft
     for seed in range(n):
         params = SamplingParams(temperature=temperature, top_k=top_k, seed=seed, max_new_tokens=3, ignore_eos=True)
         steps = list(generate(target, prompt, params, speculative=config))
@@ -488,7 +489,8 @@ def test_cli_speculative_trace_shows_the_passes(smollm2_runs, capsys):
     assert out == "".join(s.text for s in plain) + "\n"
     passes = 1 + sum(1 for s in spec if s.proposed is not None)
     assert f"Verification passes: {passes - 1} (speculative decoding)" in err  # the prefill is the first pass
-    assert "drafted: ' brown'  ' fox'" in err and "bonus" in err and "resampled" in err
+    assert err.count("drafted: ") == sum(1 for s in spec if s.proposed)  # a list of drafts per pass that had some
+    assert "' fox'  ' jumps'" in err and "bonus" in err
     assert err.splitlines()[-1].startswith("[speculative ngram k=5 | accepted ")
 
 
