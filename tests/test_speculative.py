@@ -483,7 +483,8 @@ def test_cli_speculative_prints_the_answer_and_the_acceptance(smollm2_runs, caps
 
 def test_cli_speculative_trace_shows_the_passes(smollm2_runs, capsys):
     plain, spec = smollm2_runs
-    code = main(["generate", "--speculative", "ngram", "--max-new-tokens", "40", "--trace", "steps", REPEAT])
+    code = main(["generate", "--speculative", "ngram", "--max-new-tokens", "40", "--trace", "steps",
+                 "--prompt-lookup-min", "2", "--prompt-lookup-max", "3", REPEAT])  # the defaults, as flags
     out, err = capsys.readouterr()
     assert code == 0, err
     assert out == "".join(s.text for s in plain) + "\n"
@@ -497,7 +498,12 @@ def test_cli_speculative_trace_shows_the_passes(smollm2_runs, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--speculative", "ngram", "--prefix-cache"], "--speculative does not go with --prefix-cache"),
     (["--speculative", "ngram", "--num-speculative-tokens", "0"], "--num-speculative-tokens must be >= 1, got 0"),
-    (["--num-speculative-tokens", "3"], "--num-speculative-tokens and --draft-model need --speculative"),
+    (["--num-speculative-tokens", "3"], "--num-speculative-tokens, --draft-model and --prompt-lookup-min/max need"),
+    (["--prompt-lookup-min", "1"], "--num-speculative-tokens, --draft-model and --prompt-lookup-min/max need"),
+    (["--speculative", "draft_model", "--draft-model", "x", "--prompt-lookup-max", "4"],
+     "--prompt-lookup-min/max are for --speculative ngram"),
+    (["--speculative", "ngram", "--prompt-lookup-min", "4"], "--prompt-lookup-min (4) must be <= --prompt-lookup-max (3)"),
+    (["--speculative", "ngram", "--prompt-lookup-max", "0"], "--prompt-lookup-max must be an integer >= 1, got 0"),
     (["--speculative", "draft_model"], "--speculative draft_model needs --draft-model MODEL"),
     (["--speculative", "ngram", "--draft-model", "x"], "--speculative draft_model needs --draft-model MODEL"),
 ])

@@ -57,6 +57,8 @@ def _speculative_options(p) -> None:
     g.add_argument("--num-speculative-tokens", type=int, help="tokens proposed per verification pass (default: 5)")
     g.add_argument("--draft-model", metavar="MODEL", help="the draft for --speculative draft_model: a smaller "
                                                           "model with the same tokenizer (default: none)")
+    g.add_argument("--prompt-lookup-min", type=int, help="shortest n-gram match that proposes drafts (ngram; default: 2)")
+    g.add_argument("--prompt-lookup-max", type=int, help="longest n-gram tried first (ngram; default: 3)")
 
 
 def _sampling_options(p) -> None:
@@ -132,10 +134,20 @@ def _check_generate_args(args) -> None:
 
 
 def _check_speculative_args(args) -> None:
+    from ..speculative import SpeculativeConfig
+
+    lookup = (args.prompt_lookup_min, args.prompt_lookup_max)
     if args.speculative is None:
-        if args.num_speculative_tokens is not None or args.draft_model is not None:
-            raise UsageError("--num-speculative-tokens and --draft-model need --speculative ngram|draft_model")
+        if args.num_speculative_tokens is not None or args.draft_model is not None or lookup != (None, None):
+            raise UsageError("--num-speculative-tokens, --draft-model and --prompt-lookup-min/max need "
+                             "--speculative ngram|draft_model")
         return
+    if args.speculative != "ngram" and lookup != (None, None):
+        raise UsageError("--prompt-lookup-min/max are for --speculative ngram")
+    try:  # bad sizes are said now, before the model loads
+        SpeculativeConfig("ngram", **_lookup_flags(args))
+    except ValueError as e:  # "prompt_lookup_min (4) must be <= ..." -> the flags' names
+        raise UsageError(str(e).replace("prompt_lookup_", "--prompt-lookup-")) from None
     if (args.speculative == "draft_model") != (args.draft_model is not None):
         raise UsageError("--speculative draft_model needs --draft-model MODEL, and only it takes one")
     if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:
@@ -155,7 +167,12 @@ def _speculative_config(args):
     if args.draft_model is not None:
         draft = load_model(ensure_model(args.draft_model, args.weights_dir), device=args.device, dtype=args.dtype)
     k = 5 if args.num_speculative_tokens is None else args.num_speculative_tokens
-    return SpeculativeConfig(args.speculative, k, draft_model=draft)
+    return SpeculativeConfig(args.speculative, k, draft_model=draft, **_lookup_flags(args))
+
+
+def _lookup_flags(args) -> dict:
+    return {name: getattr(args, name) for name in ("prompt_lookup_min", "prompt_lookup_max")
+            if getattr(args, name) is not None}
 
 
 def _trace_format(path: str) -> str | None:
