@@ -257,7 +257,7 @@ def test_a_beaten_floor_is_noted_and_not_judged(result):
     m.floor_fraction = 3.0
     check = {t.name: t for t in check_targets(bad)}["decode ctx 8: fraction of floor"]
     assert check.met is None and "recalibrate" in check.detail
-    from minillm.bench import _beaten_floor_notes
+    from minillm.bench import beaten_floor_notes
 
-    assert "understates" in _beaten_floor_notes(bad.measurements, bad.hardware)[0]
-    assert _beaten_floor_notes(result.measurements, result.hardware) == []
+    assert "understates" in beaten_floor_notes(bad.measurements, bad.hardware)[0]
+    assert beaten_floor_notes(result.measurements, result.hardware) == []
