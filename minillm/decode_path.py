@@ -47,6 +47,7 @@ from typing import Callable
 
 import torch
 
+from .config import ModelConfig
 from .model import Transformer, use_split_products
 
 ENV_VAR = "MINILLM_DECODE_PATH"
@@ -135,7 +136,7 @@ def use_best_decode_path(model: Transformer, measure: Callable | None = None) ->
     elif (forced := os.environ.get(ENV_VAR, "auto")) != "auto":
         _candidate(forced, f"{ENV_VAR}={forced!r}")
         choice = DecodeChoice(forced, "forced", {})
-    elif (cached := load_decode_choice(model)) is not None:
+    elif (cached := load_decode_choice(model.config)) is not None:
         choice = cached
     else:
         choice = calibrate_decode_path(model, EAGER, measure)
@@ -157,29 +158,27 @@ def calibrate_decode_path(model: Transformer, names=tuple(CANDIDATES), measure: 
     choice = DecodeChoice(choose(timings), "measured", dict(timings))
     from .hardware import save_measurement
 
-    save_measurement(decode_key(model), "cpu", {"chosen": choice.name, "timings_ms": choice.timings_ms})
+    save_measurement(decode_key(model.config), "cpu", {"chosen": choice.name, "timings_ms": choice.timings_ms})
     apply_decode_path(model, choice.name)
     return choice
 
 
-def load_decode_choice(model: Transformer) -> DecodeChoice | None:
-    """The choice cached for this model's shape on this machine, or None."""
+def load_decode_choice(config: ModelConfig) -> DecodeChoice | None:
+    """The choice cached on this machine for a model of this config (CPU, float32), or None."""
     from .hardware import load_measurement
 
-    entry = load_measurement(decode_key(model), "cpu")
+    entry = load_measurement(decode_key(config), "cpu")
     if entry is None or entry.get("chosen") not in CANDIDATES:
         return None
     return DecodeChoice(entry["chosen"], "cached", entry.get("timings_ms", {}))
 
 
-def decode_key(model: Transformer) -> str:
-    """calibration.json's key of a choice: device, dtype, torch threads and the model's shape
+def decode_key(config: ModelConfig) -> str:
+    """calibration.json's key of a choice: CPU float32, torch's thread count and the model's shape
     (what decides which path wins; the CPU's name is checked separately)."""
-    c, param = model.config, next(model.parameters())
-    shape = (f"{c.model_type}-L{c.n_layers}-d{c.d_model}-h{c.n_heads}-kv{c.n_kv_heads}"
-             f"-mlp{c.d_mlp}-V{c.vocab_size}")
-    return f"decode_path/{param.device}/{str(param.dtype).removeprefix('torch.')}/" \
-           f"threads{torch.get_num_threads()}/{shape}"
+    c = config
+    shape = f"{c.model_type}-L{c.n_layers}-d{c.d_model}-h{c.n_heads}-kv{c.n_kv_heads}-mlp{c.d_mlp}-V{c.vocab_size}"
+    return f"decode_path/cpu/float32/threads{torch.get_num_threads()}/{shape}"
 
 
 def measure_decode_paths(model: Transformer, names, rounds: int = 2, steps: int = 16, context: int = 64,

@@ -61,7 +61,7 @@ def test_first_load_measures_the_eager_paths_then_the_cache_answers(folder, weig
     choice = dp.calibrate_decode_path(model, dp.EAGER, measure=timer)
     assert choice.name == "row-major" and model.decode_path == "row-major"
     assert not model.blocks[0].mlp.down_proj.weight.stride(0) == 1  # row-major: rows contiguous
-    stored = json.loads((weights_dir / "calibration.json").read_text())[dp.decode_key(model)]
+    stored = json.loads((weights_dir / "calibration.json").read_text())[dp.decode_key(model.config)]
     assert stored["chosen"] == "row-major" and stored["timings_ms"] == timer.ms
     again = dp.use_best_decode_path(model, measure=timer)
     assert (again.name, again.source, timer.calls) == ("row-major", "cached", [list(dp.EAGER)])
@@ -79,8 +79,8 @@ def test_another_model_shape_is_measured_on_its_own(folder, weights_dir, tmp_pat
     model = load_model(folder, device="cpu")
     family, kwargs = CONFIGS["llama_gqa"]
     other = load_model(save_hf(build_hf(family, {**kwargs, "num_hidden_layers": 1}), tmp_path / "one_layer"), device="cpu")
-    assert dp.decode_key(model) != dp.decode_key(other)
-    assert {dp.decode_key(model), dp.decode_key(other)} <= json.loads((weights_dir / "calibration.json").read_text()).keys()
+    assert dp.decode_key(model.config) != dp.decode_key(other.config)
+    assert {dp.decode_key(model.config), dp.decode_key(other.config)} <= json.loads((weights_dir / "calibration.json").read_text()).keys()
 
 
 def test_the_environment_forces_a_path_without_measuring(folder, weights_dir, monkeypatch):
@@ -122,3 +122,12 @@ def test_every_candidate_gives_the_plain_paths_logits(folder, name):
         torch.set_num_threads(threads)
     assert model.decode_path == name
     assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_calibrate_shows_the_cached_choice(folder, weights_dir, monkeypatch, capsys):
+    from minillm.cli import main
+
+    choice = load_model(folder, device="cpu").decode_choice  # (auto: measured at this first load)
+    monkeypatch.setenv("COLUMNS", "400")  # one line, unwrapped
+    assert main(["calibrate", "--quick", "--model", str(folder)]) == 0
+    assert f"decode path of {folder} on cpu float32: {choice.name} (cached; decode ms/step: " in capsys.readouterr().out
