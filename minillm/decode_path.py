@@ -34,7 +34,8 @@ How :func:`use_best_decode_path` (called by ``load_model``) picks one:
 
 Only CPU float32 has candidates; other devices and dtypes keep ``pack_weights``' default
 (path "default"). The split product is a process-wide switch (like torch's thread count),
-so the last model loaded sets it. A compiled step compiles once per KV-cache size.
+so the last model loaded sets it. A compiled step compiles once per KV-cache size. The choice
+is measured at batch 1 (the issue's case); a serving engine's batch of decodes may prefer another.
 """
 
 from __future__ import annotations

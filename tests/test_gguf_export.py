@@ -59,3 +59,16 @@ def test_refuses_what_it_cannot_write(model, smollm2_gguf, tmp_path):
     gpt2 = load_model(save_hf(build_hf(family, kwargs), tmp_path / "gpt2"), device="cpu")
     with pytest.raises(ValueError, match="only Llama-family models"):
         write_f32_gguf(gpt2, smollm2_gguf, tmp_path / "y.gguf")
+
+
+def test_llama_cpp_decodes_it_to_minillms_greedy_tokens(model, written):
+    pytest.importorskip("llama_cpp")  # an optional extra: not in CI
+    from minillm.bench import make_engines
+    from minillm.bench.llama_cpp import LlamaCppEngine
+
+    ids = torch.randint(0, 49152, (1, 10), generator=torch.Generator().manual_seed(2))
+    theirs = LlamaCppEngine(written, n_ctx=32)
+    mine = make_engines(model, ["minillm-sdpa"])[0][0]
+    assert theirs.ttft(ids).tokens == mine.ttft(ids).tokens
+    assert (theirs.decode(ids, theirs.prepare_decode(ids, 6), 6).tokens
+            == mine.decode(ids, mine.prepare_decode(ids, 6), 6).tokens)

@@ -200,12 +200,15 @@ def load_transformers(model: Transformer):
     return hf.to(param.device).eval().requires_grad_(False)
 
 
-def make_engines(model: Transformer, names=ENGINES, hf_model=None, compile_mode: str | None = None):
+def make_engines(model: Transformer, names=ENGINES, hf_model=None, compile_mode: str | None = None,
+                 n_ctx: int | None = None):
     """Build the named engines; returns (engines, notes) where notes say what was skipped and why.
 
     ``hf_model``: a transformers model to use as the "transformers" engine (default:
     :func:`load_transformers`). ``compile_mode``: also build "minillm-compile"
-    (``torch.compile`` mode, e.g. "default" or "reduce-overhead").
+    (``torch.compile`` mode, e.g. "default" or "reduce-overhead"). "llama.cpp" needs
+    llama-cpp-python (skipped with a note without it) and gets a context of ``n_ctx`` positions
+    (default the model's).
     """
     names = list(names)
     if compile_mode is not None and "minillm-compile" not in names:
@@ -215,7 +218,7 @@ def make_engines(model: Transformer, names=ENGINES, hf_model=None, compile_mode:
         if name in ("minillm-sdpa", "minillm-eager"):
             engines.append(MiniLLMEngine(model, name.removeprefix("minillm-")))
         elif name == "minillm-compile":
-            from .compile import compile_decode_step
+            from ..compile import compile_decode_step
 
             step = compile_decode_step(mode=compile_mode or "default")
             engines.append(MiniLLMEngine(model, "sdpa", name="minillm-compile", step=step))
@@ -226,6 +229,12 @@ def make_engines(model: Transformer, names=ENGINES, hf_model=None, compile_mode:
                 engines.append(TransformersEngine(hf_model if hf_model is not None else load_transformers(model)))
             except ImportError:
                 notes.append("transformers is not installed: its engine was skipped (pip install transformers)")
+        elif name == "llama.cpp":
+            from .llama_cpp import make_llama_cpp_engine
+
+            engine, why_not = make_llama_cpp_engine(model, n_ctx or model.config.max_seq_len)
+            engines += [engine] if engine else []
+            notes += [why_not] if why_not else []
         else:
-            raise ValueError(f"unknown engine {name!r}; known: {', '.join(ENGINES)}, minillm-compile")
+            raise ValueError(f"unknown engine {name!r}; known: {', '.join(ENGINES + OPTIONAL_ENGINES)}")
     return engines, notes

@@ -63,7 +63,8 @@ def run_bench(
             would re-run more than 2·NO_CACHE_POSITIONS positions.
         repeats: runs per case and engine (medians are reported).
         decode_tokens: tokens generated per decode run (>= 2); the no-cache engine makes fewer.
-        engines: names from ENGINES; ``compile_mode`` adds "minillm-compile".
+        engines: names from ENGINES and OPTIONAL_ENGINES ("llama.cpp" runs batch 1 only);
+            ``compile_mode`` adds "minillm-compile".
         hardware: the peaks for the floors; default the calibration of the model's
             device and dtype (measured now if missing, a few seconds).
         hf_model: the transformers model (default: loaded from ``model.source``).
@@ -84,7 +85,8 @@ def run_bench(
         say(f"calibrating {device} in {str(dtype).removeprefix('torch.')} (first run; cached for the next)")
     hw = hardware or get_hardware(device, dtype)
     say("loading engines")
-    built, notes = make_engines(model, engines, hf_model, compile_mode)
+    n_ctx = max([*prompt_lengths, *(n + decode_tokens for n in context_lengths)]) + 1
+    built, notes = make_engines(model, engines, hf_model, compile_mode, n_ctx=n_ctx)
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
 
@@ -111,6 +113,8 @@ def run_bench(
                 tokens[id(measurements[-1])] = clocks[0].tokens
     _add_comparisons(measurements, tokens)
     notes += _no_cache_notes(built, context_lengths, decode_tokens)
+    if getattr(model, "decode_choice", None) is not None:  # set by load_model (minillm/decode_path.py)
+        notes.append(f"minillm's decode path: {model.decode_choice}")
     notes += beaten_floor_notes(measurements, hw)
 
     memory = None
@@ -181,6 +185,9 @@ def _decode_case(engines, ids: torch.Tensor, repeats: int, decode_tokens: int, n
     batch, length = ids.shape
     active, plan = [], {}
     for e in engines:
+        if batch > getattr(e, "max_batch_size", batch):
+            notes.append(f"{e.name} decode skipped at batch {batch}: it runs batch {e.max_batch_size} here")
+            continue
         n_new = _no_cache_tokens(batch, length, decode_tokens) if e.name == "no-cache" else decode_tokens
         if n_new is None:
             notes.append(f"no-cache decode skipped at batch {batch}, context {length}: each token "

@@ -32,6 +32,11 @@ def check_targets(result: BenchResult, engine: str = "minillm-sdpa") -> list[Tar
         detail = ", ".join(f"ctx {n}: {slow[n]:.1f}x" for n in lengths)
         checks.append(TargetCheck("no-cache slowdown grows with context", slow[lengths[-1]], slow[lengths[0]],
                                   grows, detail))
+    for m in decodes:  # issue 16: batch-1 float32 decode >= 0.9x llama.cpp's F32 on the same weights
+        peer = result.find("llama.cpp", "decode", m.length, 1)
+        if peer is not None:
+            checks.append(_check(f"decode ctx {m.length}: x llama.cpp", m.tokens_per_s / peer.tokens_per_s, 0.9,
+                                 f"tok/s ratio, same run: {m.time_ms:.1f} vs {peer.time_ms:.1f} ms/step"))
     # The decode target again for the compiled step (3x on a CUDA GPU, 1.5x elsewhere).
     on_cuda = result.device.startswith("cuda")
     for m in result.measurements:
