@@ -131,3 +131,18 @@ def test_calibrate_shows_the_cached_choice(folder, weights_dir, monkeypatch, cap
     monkeypatch.setenv("COLUMNS", "400")  # one line, unwrapped
     assert main(["calibrate", "--quick", "--model", str(folder)]) == 0
     assert f"decode path of {folder} on cpu float32: {choice.name} (cached; decode ms/step: " in capsys.readouterr().out
+
+
+def test_the_trace_names_the_decode_path(folder, weights_dir, monkeypatch):
+    from rich.console import Console
+
+    from minillm import SamplingParams, Trace, generate
+    from minillm.render import summary_panel
+
+    monkeypatch.setenv(dp.ENV_VAR, "row-major+split")
+    model, trace = load_model(folder, device="cpu"), Trace()
+    list(generate(model, [1, 2, 3], SamplingParams(max_new_tokens=3), trace=trace, eos_token_ids=[]))
+    assert trace.first("model")["decode_path"] == "row-major+split"
+    console = Console(record=True, width=200)
+    console.print(summary_panel(trace))
+    assert "decode path  row-major+split" in console.export_text()
