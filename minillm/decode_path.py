@@ -83,17 +83,21 @@ class DecodeChoice:
         name: a key of CANDIDATES, or "default" (not CPU float32: nothing to choose).
         source: "forced" (MINILLM_DECODE_PATH), "cached", "measured" or "default".
         timings_ms: decode ms/step of each measured candidate (empty when none was measured here).
+        load_average_1m: the machine's load when they were measured (a busy machine slows the
+            two-thread split product most: re-measure quietly with ``minillm calibrate --decode-path``).
     """
 
     name: str
     source: str
     timings_ms: dict[str, float]
+    load_average_1m: float | None = None
 
     def __str__(self) -> str:
         if not self.timings_ms:
             return f"{self.name} ({self.source})"
         times = ", ".join(f"{n} {ms:.1f}" for n, ms in sorted(self.timings_ms.items(), key=lambda kv: kv[1]))
-        return f"{self.name} ({self.source}; decode ms/step: {times})"
+        load = "" if self.load_average_1m is None else f"; load average {self.load_average_1m:.1f} when measured"
+        return f"{self.name} ({self.source}; decode ms/step: {times}{load})"
 
 
 def choose(timings_ms: dict[str, float]) -> str:
@@ -156,10 +160,12 @@ def calibrate_decode_path(model: Transformer, names=tuple(CANDIDATES), measure: 
     """
     measure = measure or (lambda m, n: measure_decode_paths(m, n, progress=progress))
     timings = measure(model, list(names))
-    choice = DecodeChoice(choose(timings), "measured", dict(timings))
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    choice = DecodeChoice(choose(timings), "measured", dict(timings), load)
     from .hardware import save_measurement
 
-    save_measurement(decode_key(model.config), "cpu", {"chosen": choice.name, "timings_ms": choice.timings_ms})
+    save_measurement(decode_key(model.config), "cpu",
+                     {"chosen": choice.name, "timings_ms": choice.timings_ms, "load_average_1m": load})
     apply_decode_path(model, choice.name)
     return choice
 
@@ -171,7 +177,7 @@ def load_decode_choice(config: ModelConfig) -> DecodeChoice | None:
     entry = load_measurement(decode_key(config), "cpu")
     if entry is None or entry.get("chosen") not in CANDIDATES:
         return None
-    return DecodeChoice(entry["chosen"], "cached", entry.get("timings_ms", {}))
+    return DecodeChoice(entry["chosen"], "cached", entry.get("timings_ms", {}), entry.get("load_average_1m"))
 
 
 def decode_key(config: ModelConfig) -> str:
