@@ -43,12 +43,13 @@ def _decode_path(args, console) -> str:
     from ..decode_path import ENV_VAR, calibrate_decode_path, load_decode_choice
     from ..loading import load_model
 
-    folder = ensure_model(args.model, None)
     if not args.decode_path:
-        choice = load_decode_choice(ModelConfig.from_json(folder))
+        if weights.is_model_name(args.model) and not weights.is_downloaded(args.model):
+            return "not measured yet (the model is not downloaded)"  # showing it is no reason to fetch it
+        choice = load_decode_choice(ModelConfig.from_json(weights.resolve_model(args.model)))
         return str(choice) if choice else "not measured yet (measured at its first load; --decode-path: now, all)"
     os.environ[ENV_VAR] = "row-major"  # load without the first-load measurement: all are measured next
-    model = load_model(folder, device="cpu", dtype="float32")
+    model = load_model(ensure_model(args.model, None), device="cpu", dtype="float32")
     with console.status("measuring decode paths") as status:
         choice = calibrate_decode_path(model, progress=lambda line: status.update(f"measuring {line}"))
     return str(choice)
