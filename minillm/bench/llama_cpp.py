@@ -84,12 +84,11 @@ class LlamaCppEngine:
     def _eval(self, tokens: list[int]) -> torch.Tensor:
         """Run tokens through llama.cpp; the greedy next token [1] from the last position's logits."""
         import llama_cpp
+        import numpy as np
 
         self.llm.eval(tokens)
-        logits = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)  # a pointer to n_vocab floats
-        row = torch.frombuffer((llama_cpp.ctypes.c_float * self.llm.n_vocab()).from_address(
-            llama_cpp.ctypes.addressof(logits.contents)), dtype=torch.float32)
-        return row.argmax().reshape(1)
+        logits = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)  # a pointer to n_vocab floats, no copy
+        return torch.from_numpy(np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),))).argmax().reshape(1)
 
 
 def export_for_llama_cpp(model: Transformer) -> Path:
