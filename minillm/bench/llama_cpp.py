@@ -3,7 +3,7 @@
 llama.cpp is the peer a user knows for CPU inference; issue 16 sets minillm's batch-1 float32
 decode at >= 0.9x llama.cpp's F32 on the same machine. For a fair comparison it runs exactly
 minillm's float32 weights (:func:`minillm.gguf_export.write_f32_gguf`, written once into
-``<weights_dir>/_llama_cpp/``), greedy, batch 1, with torch's thread count.
+``<weights_dir>/_llama_cpp/``) and a float32 KV cache, greedy, batch 1, with torch's thread count.
 
     ttft(ids)              reset, eval(prompt), argmax of the last logits
     prepare_decode(ids)    reset, eval(first L-1 tokens)                    (untimed)
@@ -53,11 +53,12 @@ class LlamaCppEngine:
     max_batch_size = 1
 
     def __init__(self, gguf_path: str | Path, n_ctx: int, threads: int | None = None):
-        from llama_cpp import Llama
+        from llama_cpp import GGML_TYPE_F32, Llama
 
         threads = threads or torch.get_num_threads()
         self.llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=min(n_ctx, 2048), n_threads=threads,
-                         n_threads_batch=threads, logits_all=False, verbose=False)
+                         n_threads_batch=threads, logits_all=False, verbose=False,
+                         type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)  # a float32 KV cache, as minillm's (default f16)
 
     def ttft(self, ids: torch.Tensor) -> Clock:
         _check_batch(ids)
