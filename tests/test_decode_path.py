@@ -145,4 +145,4 @@ def test_the_trace_names_the_decode_path(folder, weights_dir, monkeypatch):
     assert trace.first("model")["decode_path"] == "row-major+split"
     console = Console(record=True, width=200)
     console.print(summary_panel(trace))
-    assert "decode path  row-major+split" in console.export_text()
+    assert "path        row-major+split  decode path (minillm/decode_path.py)" in console.export_text()
