@@ -130,9 +130,9 @@ def _add_hyperparameters(writer: gguf.GGUFWriter, model: Transformer) -> None:
 
 def _check_exportable(model: Transformer) -> None:
     c, param = model.config, next(model.parameters())
-    if not (c.uses_rope and c.gated_mlp) or c.attention_bias or c.mlp_bias:
-        raise ValueError(f"only Llama-family models (RoPE, SwiGLU, no biases) are written as GGUF here, "
-                         f"got {c.model_type}")
+    if c.model_type != "llama" or c.qkv_bias or c.o_bias or c.mlp_bias or c.qk_norm:
+        raise ValueError(f"only Llama-family models (RoPE, SwiGLU, no biases, no QK-norm) are written as GGUF "
+                         f"here, got {c.model_type}")
     if c.rope_scaling is not None:
         raise ValueError("RoPE scaling is not written to GGUF here; use llama.cpp's convert_hf_to_gguf.py")
     if param.dtype != torch.float32:
