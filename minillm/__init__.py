@@ -29,7 +29,9 @@ The package layout is the course outline:
     sweep.py      TTFT vs prompt length, TPOT vs context length, measured
     baseline.py   generate_no_cache: the nanoGPT-style sampler that re-runs the whole sequence
     compile.py    torch.compile of decode_step over a static view of the cache (CUDA graphs)
-    bench.py      minillm vs transformers vs no cache vs the roofline floors, interleaved
+    decode_path.py  which decode path (layout, split product, compiled) is fastest here: measured, cached
+    gguf_export.py  a model as an F32 GGUF file, for llama.cpp
+    bench/        minillm vs transformers vs llama.cpp vs no cache vs the roofline floors, interleaved
     serving/      many users at once: paged KV cache, block allocator, scheduler, LLMEngine
 """
 

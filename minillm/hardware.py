@@ -218,11 +218,8 @@ def calibrate(device="cpu", dtype=torch.float32, quick: bool = False) -> Hardwar
 def load_calibration(device="cpu", dtype=torch.float32) -> HardwareProfile | None:
     """The cached calibration of device + dtype, or None (never measured, or measured
     on different hardware sharing the same weights dir)."""
-    dev = _device(device)
-    entry = _read_cache().get(_key(dev, _dtype(dtype)))
-    if not entry or entry.get("device_name") != _device_name(dev):
-        return None
-    return HardwareProfile(**entry["profile"])
+    entry = load_measurement(_key(_device(device), _dtype(dtype)), device)
+    return None if entry is None else HardwareProfile(**entry["profile"])
 
 
 def get_hardware(device="cpu", dtype=torch.float32, calibrate_if_missing: bool = True) -> HardwareProfile:
@@ -338,13 +335,28 @@ def _read_cache() -> dict:
 
 
 def _save(dev: torch.device, dtype: torch.dtype, profile: HardwareProfile) -> None:
+    save_measurement(_key(dev, dtype), dev, {"profile": asdict(profile)})
+
+
+def load_measurement(key: str, device="cpu") -> dict | None:
+    """The entry stored under ``key`` in calibration.json, or None (never measured, or measured
+    on other hardware sharing the same weights dir). :mod:`minillm.decode_path` keeps its choice here too."""
+    entry = _read_cache().get(key)
+    if not entry or entry.get("device_name") != _device_name(_device(device)):
+        return None
+    return entry
+
+
+def save_measurement(key: str, device, fields: dict) -> None:
+    """Store ``fields`` under ``key`` in calibration.json, stamped with the hardware, torch and the time."""
+    dev = _device(device)
     path = calibration_path()
     cache = _read_cache()
-    cache[_key(dev, dtype)] = {
+    cache[key] = {
         "device_name": _device_name(dev),
         "torch": torch.__version__,
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "profile": asdict(profile),
+        **fields,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")

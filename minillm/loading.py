@@ -52,7 +52,9 @@ def load_model(name_or_path, device=None, dtype=None, attn_impl: str = "sdpa", w
 
     Returns the model in eval mode, with ``model.config`` (:class:`ModelConfig`),
     ``model.source`` (the folder it came from) and ``model.generation_config``
-    (:class:`~minillm.generation_config.GenerationConfig`: generation_config.json's eos ids and defaults).
+    (:class:`~minillm.generation_config.GenerationConfig`: generation_config.json's eos ids and defaults),
+    and ``model.decode_path``: the decode path chosen for this machine (:mod:`minillm.decode_path`: forced
+    by MINILLM_DECODE_PATH, cached, or measured now on a CPU's first load of this model shape).
 
     Raises ModelNotFoundError (no such model), ConfigError (unsupported config.json),
     WeightsError (missing, unexpected or mis-shaped tensors), ValueError (bad dtype/device).
@@ -73,7 +75,10 @@ def load_model(name_or_path, device=None, dtype=None, attn_impl: str = "sdpa", w
     model.source = folder
     model.generation_config = GenerationConfig.from_folder(folder, config.eos_token_ids)  # stop ids, sampling defaults
     model = model.to(device).eval().requires_grad_(False)
-    return model.pack_weights()  # q|k|v and gate|up stacked, laid out for 1-row matmuls: faster decode, same logits
+    from .decode_path import use_best_decode_path
+
+    use_best_decode_path(model)  # weights packed (q|k|v, gate|up) and laid out as this machine decodes fastest
+    return model
 
 
 @contextmanager

@@ -66,6 +66,16 @@ class LayerNorm(nn.Module):
 
 
 SPLIT_MAX_ROWS = 64  # decode rows (one per sequence); above, MKL's own threading of a product wins
+_split_products = True  # process-wide, like torch.set_num_threads; minillm.decode_path sets it per machine
+
+
+def use_split_products(enabled: bool) -> None:
+    """Turn :func:`linear`'s split product on or off for this process (default on).
+
+    :mod:`minillm.decode_path` measures both on this machine and keeps the faster.
+    """
+    global _split_products
+    _split_products = bool(enabled)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,9 +96,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     torch.compile'd step and 16-bit floats use ``F.linear``: MKL already spreads a big
     product over every core, cuBLAS a product over the GPU, inductor turns the batched
     product into a slower kernel, and CPU bmm is slower than F.linear in bfloat16 and
-    float16 (measured). Same values as ``F.linear`` up to float rounding.
+    float16 (measured). It does not help every CPU: on an Intel Xeon (AVX-512) plain F.linear
+    was as fast (issue 16), so :mod:`minillm.decode_path` measures it against F.linear on each
+    machine and :func:`use_split_products` turns it off where it loses. Same values as
+    ``F.linear`` up to float rounding.
     """
-    if torch.compiler.is_compiling():
+    if not _split_products or torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
     n, out = torch.get_num_threads(), weight.shape[0]
     rows = x.numel() // x.shape[-1]

@@ -25,7 +25,8 @@ event has ``kind`` and ``t_ms`` (when it was recorded); times are ms since
 
     trace      schema_version, level, keep, n_candidates
     model      n_layers, d_model, n_heads, n_kv_heads, head_dim, vocab_size, max_seq_len,
-               dtype, device, weights_bytes, kv_bytes_per_token, attn_impl
+               dtype, device, weights_bytes, kv_bytes_per_token, attn_impl, decode_path
+               (minillm.decode_path: the layout, split product or compiled step chosen for this machine)
     tokenize   start_ms, end_ms, time_ms, text, n_tokens, token_ids, token_strings
     prefill    step, start_ms, time_ms (the forward pass), end_ms, batch_size, n_tokens,
                token_ids, position_first, position_last, cached_tokens,
@@ -451,7 +452,7 @@ class Trace:
                     head_dim=c.head_dim, vocab_size=c.vocab_size, max_seq_len=c.max_seq_len,
                     dtype=str(param.dtype).removeprefix("torch."), device=str(param.device),
                     weights_bytes=model.weights_bytes(), kv_bytes_per_token=cache.bytes_per_token,
-                    attn_impl=model.attn_impl)
+                    attn_impl=model.attn_impl, decode_path=getattr(model, "decode_path", None))
         self._model_recorded = True
 
     def _record_pass(self, phase, step, model, token_ids, cache, length_before, start, end, impl) -> Event:

@@ -1,11 +1,17 @@
 """Shared fixtures. The real SmolLM2 model is fetched once per machine into the
 weights directory (``MINILLM_WEIGHTS`` in CI, a per-user cache), never per test run."""
 
+import os
 from pathlib import Path
 
 import pytest
 
 from minillm import weights
+
+# Tests never measure the decode path (seconds per model shape, and timings are not what they check):
+# every load_model runs the path that was the fixed default before minillm/decode_path.py. Set before
+# any test runs, so subprocesses (the CLI tests) inherit it. tests/test_decode_path.py checks the choosing.
+os.environ.setdefault("MINILLM_DECODE_PATH", "long-rows+split")
 
 
 def pytest_addoption(parser):

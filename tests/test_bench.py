@@ -257,7 +257,29 @@ def test_a_beaten_floor_is_noted_and_not_judged(result):
     m.floor_fraction = 3.0
     check = {t.name: t for t in check_targets(bad)}["decode ctx 8: fraction of floor"]
     assert check.met is None and "recalibrate" in check.detail
-    from minillm.bench import _beaten_floor_notes
+    from minillm.bench import beaten_floor_notes
 
-    assert "understates" in _beaten_floor_notes(bad.measurements, bad.hardware)[0]
-    assert _beaten_floor_notes(result.measurements, result.hardware) == []
+    assert "understates" in beaten_floor_notes(bad.measurements, bad.hardware)[0]
+    assert beaten_floor_notes(result.measurements, result.hardware) == []
+
+
+def test_llama_cpp_engine_without_the_package_is_a_note(model, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp now fails, installed or not
+    engines, notes = make_engines(model, ["minillm-sdpa", "llama.cpp"])
+    assert [e.name for e in engines] == ["minillm-sdpa"]
+    assert notes == ['llama-cpp-python is not installed: the llama.cpp engine was skipped (pip install '
+                     '"minillm[llamacpp]"; it compiles llama.cpp, minutes)']
+
+
+def test_llama_cpp_ratio_is_a_target_when_measured(result):
+    import dataclasses
+
+    sdpa = result.find("minillm-sdpa", "decode", 8, 1)
+    peer = dataclasses.replace(sdpa, engine="llama.cpp", time_ms=sdpa.time_ms * 0.8,
+                               tokens_per_s=sdpa.tokens_per_s / 0.8)
+    with_peer = dataclasses.replace(result, measurements=result.measurements + [peer])
+    check = {t.name: t for t in check_targets(with_peer)}["decode ctx 8: x llama.cpp"]
+    assert check.measured == pytest.approx(0.8) and check.met is False and check.target == 0.9
+    assert "decode ctx 8: x llama.cpp" not in {t.name for t in check_targets(result)}

@@ -8,7 +8,7 @@ from .common import UsageError, check_out_file, ensure_model, model_options, wri
 
 
 def add_bench(sub) -> None:
-    from ..bench import ENGINES
+    from ..bench import ENGINES, OPTIONAL_ENGINES
 
     p = sub.add_parser("bench", help="prefill and decode speed: minillm vs transformers, no cache, the floors")
     model_options(p)
@@ -19,9 +19,10 @@ def add_bench(sub) -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", metavar="B", help="decode (default 1 8)")
     p.add_argument("--repeats", type=int, help="runs per case and engine, medians reported (default 3)")
     p.add_argument("--decode-tokens", type=int, help="tokens per decode run (default 16)")
-    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES) + ["minillm-compile"],
+    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES + OPTIONAL_ENGINES),
                    metavar="ENGINE", help=f"which engines to run, each once (default: {' '.join(ENGINES)}; "
-                                          "also minillm-compile)")
+                                          "also minillm-compile, and llama.cpp with llama-cpp-python installed: "
+                                          "the same weights as an F32 GGUF, batch 1)")
     p.add_argument("--compile", nargs="?", const="auto", metavar="MODE",
                    help="add minillm-compile: torch.compile of decode_step (mode default on cpu, "
                         "reduce-overhead = CUDA graphs on cuda)")

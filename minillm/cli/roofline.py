@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
+from .. import weights
 from ..units import fmt_bytes, fmt_num
-from .common import UsageError, warn
+from .common import UsageError, ensure_model, warn
 
 
 def add_calibrate(sub) -> None:
@@ -14,6 +16,11 @@ def add_calibrate(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="the dtype of the measured matmuls")
     p.add_argument("--quick", action="store_true", help="smaller, faster measurement (less accurate)")
+    p.add_argument("--decode-path", action="store_true",
+                   help="also measure each decode path of --model on the cpu in float32 (layout, split product, "
+                        "torch.compile: a minute or more) and keep the fastest (minillm/decode_path.py)")
+    p.add_argument("--model", "-m", default=weights.DEFAULT_MODEL,
+                   help=f"the model whose decode path is shown or measured (default: {weights.DEFAULT_MODEL})")
     p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     p.set_defaults(run=run_calibrate)
 
@@ -24,8 +31,28 @@ def run_calibrate(args) -> int:
     from ..hardware import calibrate, calibration_path
 
     hw = calibrate(args.device, args.dtype, quick=args.quick)
-    Console().print(_hardware_table(hw, f"calibrated {args.device} {args.dtype} (saved to {calibration_path()})"))
+    console = Console()
+    console.print(_hardware_table(hw, f"calibrated {args.device} {args.dtype} (saved to {calibration_path()})"))
+    console.print(f"decode path of {args.model} on cpu float32: {_decode_path(args, console)}")
     return 0
+
+
+def _decode_path(args, console) -> str:
+    """The cached (or, with --decode-path, measured now) decode path of --model, as one line."""
+    from ..config import ModelConfig
+    from ..decode_path import ENV_VAR, calibrate_decode_path, load_decode_choice
+    from ..loading import load_model
+
+    if not args.decode_path:
+        if weights.is_model_name(args.model) and not weights.is_downloaded(args.model):
+            return "not measured yet (the model is not downloaded)"  # showing it is no reason to fetch it
+        choice = load_decode_choice(ModelConfig.from_json(weights.resolve_model(args.model)))
+        return str(choice) if choice else "not measured yet (measured at its first load; --decode-path: now, all)"
+    os.environ[ENV_VAR] = "row-major"  # load without the first-load measurement: all are measured next
+    model = load_model(ensure_model(args.model, None), device="cpu", dtype="float32")
+    with console.status("measuring decode paths") as status:
+        choice = calibrate_decode_path(model, progress=lambda line: status.update(f"measuring {line}"))
+    return str(choice)
 
 
 def _hardware_table(hw, title: str):

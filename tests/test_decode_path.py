@@ -1,0 +1,148 @@
+"""Choosing the decode path (minillm/decode_path.py) from fake timings, and every candidate's
+logits against the plain path's. No timing is measured here: the choosing logic gets its ms."""
+
+import json
+
+import pytest
+import torch
+from tiny_models import CONFIGS, build_hf, save_hf
+
+from minillm import KVCache, decode_step, load_model, prefill
+from minillm import decode_path as dp
+from minillm import model as model_module
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    family, kwargs = CONFIGS["llama_gqa"]
+    return save_hf(build_hf(family, kwargs), tmp_path_factory.mktemp("decode_path"))
+
+
+@pytest.fixture
+def weights_dir(tmp_path, monkeypatch):
+    """An empty calibration.json's folder, and no forced path."""
+    monkeypatch.setenv("MINILLM_WEIGHTS", str(tmp_path))
+    monkeypatch.setenv(dp.ENV_VAR, "auto")
+    yield tmp_path
+    model_module.use_split_products(True)  # the process-wide switch back to the default
+
+
+class FakeTimer:
+    """measure(model, names) -> fixed ms per candidate; counts its calls."""
+
+    def __init__(self, ms: dict[str, float]):
+        self.ms, self.calls = ms, []
+
+    def __call__(self, model, names):
+        self.calls.append(list(names))
+        return {name: self.ms[name] for name in names}
+
+
+@pytest.mark.parametrize("timings, expected", [
+    ({"long-rows+split": 36.0, "long-rows": 40.0, "row-major+split": 38.0, "row-major": 43.0}, "long-rows+split"),
+    ({"long-rows+split": 44.0, "long-rows": 43.0, "row-major+split": 45.0, "row-major": 41.0}, "row-major"),
+    ({"row-major": 41.0, "compile": 27.5}, "compile"),
+    ({"row-major": 40.0, "long-rows": 40.0}, "long-rows"),  # a tie: the first listed in CANDIDATES
+])
+def test_choose_takes_the_fastest(timings, expected):
+    assert dp.choose(timings) == expected
+
+
+@pytest.mark.parametrize("timings, message", [({}, "no decode timings"), ({"fast": 1.0}, "unknown decode paths")])
+def test_choose_refuses_bad_timings(timings, message):
+    with pytest.raises(ValueError, match=message):
+        dp.choose(timings)
+
+
+def test_first_load_measures_the_eager_paths_then_the_cache_answers(folder, weights_dir):
+    model = load_model(folder, device="cpu")  # (auto: the real measurement of a tiny model, fast)
+    assert model.decode_choice.source == "measured" and set(model.decode_choice.timings_ms) == set(dp.EAGER)
+    timer = FakeTimer({"long-rows+split": 9.0, "long-rows": 8.0, "row-major+split": 7.0, "row-major": 6.0})
+    choice = dp.calibrate_decode_path(model, dp.EAGER, measure=timer)
+    assert choice.name == "row-major" and model.decode_path == "row-major"
+    assert not model.blocks[0].mlp.down_proj.weight.stride(0) == 1  # row-major: rows contiguous
+    stored = json.loads((weights_dir / "calibration.json").read_text())[dp.decode_key(model.config)]
+    assert stored["chosen"] == "row-major" and stored["timings_ms"] == timer.ms
+    again = dp.use_best_decode_path(model, measure=timer)
+    assert (again.name, again.source, timer.calls) == ("row-major", "cached", [list(dp.EAGER)])
+
+
+def test_a_split_win_turns_the_split_product_on_and_a_loss_off(folder, weights_dir):
+    model = load_model(folder, device="cpu")
+    dp.calibrate_decode_path(model, dp.EAGER, measure=FakeTimer(dict.fromkeys(dp.EAGER, 5.0) | {"long-rows": 1.0}))
+    assert model_module._split_products is False and model.lm_head.weight.stride() == (1, model.config.vocab_size)
+    dp.calibrate_decode_path(model, dp.EAGER, measure=FakeTimer(dict.fromkeys(dp.EAGER, 5.0) | {"row-major+split": 1.0}))
+    assert model_module._split_products is True and model.lm_head.weight.stride() == (model.config.d_model, 1)
+
+
+def test_another_model_shape_is_measured_on_its_own(folder, weights_dir, tmp_path):
+    model = load_model(folder, device="cpu")
+    family, kwargs = CONFIGS["llama_gqa"]
+    other = load_model(save_hf(build_hf(family, {**kwargs, "num_hidden_layers": 1}), tmp_path / "one_layer"), device="cpu")
+    assert dp.decode_key(model.config) != dp.decode_key(other.config)
+    assert {dp.decode_key(model.config), dp.decode_key(other.config)} <= json.loads((weights_dir / "calibration.json").read_text()).keys()
+
+
+def test_the_environment_forces_a_path_without_measuring(folder, weights_dir, monkeypatch):
+    monkeypatch.setenv(dp.ENV_VAR, "long-rows")
+    model = load_model(folder, device="cpu")
+    assert (model.decode_choice.name, model.decode_choice.source, model.decode_path) == ("long-rows", "forced",
+                                                                                        "long-rows")
+    assert not (weights_dir / "calibration.json").exists()
+    monkeypatch.setenv(dp.ENV_VAR, "fastest")
+    with pytest.raises(ValueError, match="MINILLM_DECODE_PATH='fastest' is not a decode path; use one of"):
+        load_model(folder, device="cpu")
+
+
+def test_not_cpu_float32_keeps_the_default(folder, weights_dir):
+    model = load_model(folder, device="cpu", dtype="bfloat16")
+    assert (model.decode_path, model.decode_choice.source) == ("default", "default")
+    assert not (weights_dir / "calibration.json").exists()
+
+
+def _decode_logits(model, ids, n_steps=4):
+    cache = KVCache.for_model(model, max_seq_len=ids.shape[1] + n_steps)
+    logits = [prefill(model, ids, cache)]
+    for _ in range(n_steps):
+        logits.append(decode_step(model, logits[-1].argmax(-1), cache))
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("name", [n for n in dp.CANDIDATES if n != dp.PLAIN])
+def test_every_candidate_gives_the_plain_paths_logits(folder, name):
+    model = load_model(folder, device="cpu")
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the split product cuts a matrix into one block per thread
+    try:
+        expected = _decode_logits(dp.apply_decode_path(model, dp.PLAIN), ids)
+        got = _decode_logits(dp.apply_decode_path(model, name), ids)
+    finally:
+        model_module.use_split_products(True)
+        torch.set_num_threads(threads)
+    assert model.decode_path == name
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_calibrate_shows_the_cached_choice(folder, weights_dir, monkeypatch, capsys):
+    from minillm.cli import main
+
+    choice = load_model(folder, device="cpu").decode_choice  # (auto: measured at this first load)
+    monkeypatch.setenv("COLUMNS", "400")  # one line, unwrapped
+    assert main(["calibrate", "--quick", "--model", str(folder)]) == 0
+    assert f"decode path of {folder} on cpu float32: {choice.name} (cached; decode ms/step: " in capsys.readouterr().out
+
+
+def test_the_trace_names_the_decode_path(folder, weights_dir, monkeypatch):
+    from rich.console import Console
+
+    from minillm import SamplingParams, Trace, generate
+    from minillm.render import summary_panel
+
+    monkeypatch.setenv(dp.ENV_VAR, "row-major+split")
+    model, trace = load_model(folder, device="cpu"), Trace()
+    list(generate(model, [1, 2, 3], SamplingParams(max_new_tokens=3), trace=trace, eos_token_ids=[]))
+    assert trace.first("model")["decode_path"] == "row-major+split"
+    console = Console(record=True, width=200)
+    console.print(summary_panel(trace))
+    assert "path        row-major+split  decode path (minillm/decode_path.py)" in console.export_text()
