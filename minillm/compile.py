@@ -68,6 +68,20 @@ def decode_forward_static(model: Transformer, token_ids: torch.Tensor, pos: torc
     return model.lm_head(model.ln_final(x))[:, -1].float()
 
 
+def _check_static(model: Transformer, cache: KVCache) -> None:
+    """ValueError for what the static view cannot do: sliding windows (its mask is causal only,
+    and it indexes positions, not a rolling buffer's slots) and dynamic NTK RoPE (which
+    recomputes its frequencies from each step's length)."""
+    cfg = model.config
+    windows = [cfg.window(layer) for layer in range(cfg.n_layers) if cfg.window(layer) is not None]
+    if any(w < cache.max_seq_len for w in windows):
+        raise ValueError(f"compile_decode_step does not support sliding-window attention (window {windows[0]} < "
+                         f"the cache's {cache.max_seq_len} positions); use decode_step")
+    if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "dynamic":
+        raise ValueError("compile_decode_step does not support dynamic NTK RoPE scaling (its frequencies change "
+                         "with the length at every step); use decode_step")
+
+
 def compile_decode_step(mode: str = "default"):
     """A drop-in replacement for :func:`~minillm.phases.decode_step`, compiled with ``torch.compile``.
 
@@ -76,7 +90,8 @@ def compile_decode_step(mode: str = "default"):
             (plus CUDA graphs: one launch per step on a GPU), "max-autotune".
 
     Returns ``step(model, token_id, cache) -> logits [B, vocab]`` (float32), with
-    decode_step's arguments (no hook, no trace). The first call compiles (seconds to a
+    decode_step's arguments (no hook, no trace); ``step`` raises ValueError for a
+    sliding-window model or dynamic RoPE scaling. The first call compiles (seconds to a
     minute); later calls reuse the graph for every cache length. The cache buffers are
     marked as static addresses so CUDA graphs may write them in place.
     """
@@ -84,6 +99,7 @@ def compile_decode_step(mode: str = "default"):
     marked = set()
 
     def step(model: Transformer, token_id, cache: KVCache) -> torch.Tensor:
+        _check_static(model, cache)
         cache.check_room(1)
         device = cache.k.device
         token_ids = torch.as_tensor(token_id, device=device).reshape(-1, 1)

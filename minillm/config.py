@@ -3,7 +3,8 @@
 Read from a Hugging Face ``config.json``. Two layer shapes, five families:
 
 - ``gpt2``: learned position embeddings, LayerNorm, GELU(tanh) MLP, biases everywhere.
-- ``llama`` and ``mistral`` (same shape): RoPE, RMSNorm, SwiGLU MLP, grouped-query attention.
+- ``llama`` and ``mistral`` (same shape): RoPE, RMSNorm, SwiGLU MLP, grouped-query attention;
+  Mistral's ``sliding_window`` limits each query to the last W keys.
 - ``qwen2`` (Qwen2, Qwen2.5): Llama's layer with biases on the q, k, v projections (not on o).
 - ``qwen3``: Llama's layer with QK-norm (RMSNorm on each head of q and k, before RoPE) and an
   explicit ``head_dim``.
@@ -24,7 +25,7 @@ from pathlib import Path
 from .errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 # HF activation names (transformers' ACT2FN) -> ours. "gelu_new" / "gelu_pytorch_tanh" are GELU with
 # the tanh approximation, "gelu" the exact (erf) one. Llama's gated MLP is SwiGLU: silu only.
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
@@ -50,6 +51,14 @@ class RopeScaling:
     ``linear``: every frequency divided by ``factor`` (positions interpolated).
     ``llama3``: Llama 3.1's scheme: low frequencies divided by ``factor``, high ones
     kept, a smooth blend between (see ``rope.py``).
+    ``yarn``: YaRN's blend by rotations per original context (``beta_fast``, ``beta_slow``),
+    and cos/sin multiplied by ``attention_factor`` (from ``factor``, ``mscale`` and
+    ``mscale_all_dim`` when not given).
+    ``dynamic``: NTK-aware base growth once the sequence is longer than
+    ``original_max_position_embeddings`` (transformers takes ``max_position_embeddings`` for it).
+
+    ``original_max_position_embeddings`` defaults to the config's ``max_position_embeddings``,
+    as transformers' ``standardize_rope_params`` fills it in.
     """
 
     rope_type: str
@@ -57,6 +66,12 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    attention_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -68,8 +83,9 @@ class ModelConfig:
             gpt2 has Llama's layer (RoPE, RMSNorm, SwiGLU), with the parts below switched on.
         n_layers, d_model, n_heads, n_kv_heads, head_dim, d_mlp, vocab_size: sizes.
             n_kv_heads < n_heads is grouped-query attention (GQA), 1 is multi-query (MQA).
-        max_seq_len: longest context the model supports (``max_position_embeddings``,
-            capped by Mistral's ``sliding_window`` so full attention stays exact).
+        max_seq_len: longest context the model supports: ``max_position_embeddings``, or
+            longer where the RoPE scaling names a longer one (``yarn``: factor · original
+            context; ``dynamic``: factor · max_position_embeddings).
         norm_eps: epsilon of LayerNorm / RMSNorm.
         activation: "gelu_tanh", "gelu" or "relu" (GPT-2 MLP), "silu" (SwiGLU MLP).
         rope_theta: RoPE base (None for GPT-2, which learns its positions).
@@ -86,6 +102,10 @@ class ModelConfig:
         scale_attn_weights: divide attention scores by √head_dim (GPT-2's flag; always on for Llama).
         scale_attn_by_inverse_layer_idx: also divide layer i's scores by i + 1 (GPT-2's flag,
             from Mistral-GPT2 / Megatron stability tricks).
+        sliding_window: W, or None: a windowed layer's query at position i attends only to
+            keys j with i - W < j <= i (Mistral's ``sliding_window``; Beltagy et al. 2020).
+        sliding_window_layers: the layers that have the window; None: every layer
+            (Mistral). See :meth:`window`.
 
     Raises ConfigError when a size is not a positive int, or heads do not divide evenly.
     """
@@ -112,6 +132,8 @@ class ModelConfig:
     scale_attn_weights: bool = True
     scale_attn_by_inverse_layer_idx: bool = False
     qk_norm: bool = False
+    sliding_window: int | None = None
+    sliding_window_layers: tuple[int, ...] | None = None
 
     def __post_init__(self):
         # A second guard for configs built in code (exercises, notebooks); from_hf has already
@@ -129,6 +151,26 @@ class ModelConfig:
             raise ConfigError(
                 f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
             )
+
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
+                                                or not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ConfigError(f"ModelConfig.sliding_window must be a positive integer or None, got {self.sliding_window!r}")
+        if any(not 0 <= layer < self.n_layers for layer in self.sliding_window_layers or ()):
+            raise ConfigError(f"ModelConfig.sliding_window_layers must be layers in [0, {self.n_layers}), "
+                              f"got {self.sliding_window_layers}")
+
+    def window(self, layer: int) -> int | None:
+        """W for a sliding-window layer (its queries see the last W positions), None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_window_layers is None or layer in self.sliding_window_layers:
+            return self.sliding_window
+        return None
+
+    @property
+    def has_sliding_window(self) -> bool:
+        """True when some layer's window is shorter than the context (so it changes the attention)."""
+        return any((self.window(layer) or self.max_seq_len) < self.max_seq_len for layer in range(self.n_layers))
 
     @property
     def uses_rope(self) -> bool:
@@ -305,12 +347,10 @@ def _from_llama(hf: dict) -> ModelConfig:
     _divides({**hf, "num_key_value_heads": n_kv_heads}, "num_attention_heads", "num_key_value_heads")
     if "head_dim" not in hf or hf["head_dim"] is None:
         _divides(hf, "hidden_size", "num_attention_heads")
-    max_seq_len = _int(hf, "max_position_embeddings")
-    if hf.get("sliding_window") is not None:
-        max_seq_len = min(max_seq_len, _int(hf, "sliding_window"))
+    max_position_embeddings = _int(hf, "max_position_embeddings")
     # MistralConfig has no bias fields: transformers' Mistral layers never have biases.
     has_bias_fields = hf["model_type"] == "llama"
-    rope_theta, rope_scaling = _rope(hf)
+    rope_theta, rope_scaling = _rope(hf, max_position_embeddings)
     bos = _token_id(hf, "bos_token_id")
     # pretraining_tp is not read: transformers 5 ignores it, and 4.x only split the same products
     # into slices (Llama 2's tensor-parallel layout), which changes rounding, not the math.
@@ -323,7 +363,7 @@ def _from_llama(hf: dict) -> ModelConfig:
         head_dim=_int(hf, "head_dim", d_model // n_heads),
         d_mlp=_int(hf, "intermediate_size"),
         vocab_size=_int(hf, "vocab_size"),
-        max_seq_len=max_seq_len,
+        max_seq_len=_context_length(max_position_embeddings, rope_scaling),
         norm_eps=_positive_float(hf, "rms_norm_eps", 1e-6),
         activation=_activation(hf, "hidden_act", "silu", LLAMA_ACTIVATIONS),
         tie_word_embeddings=_bool(hf, "tie_word_embeddings", False),
@@ -334,6 +374,7 @@ def _from_llama(hf: dict) -> ModelConfig:
         rope_scaling=rope_scaling,
         bos_token_id=bos[0] if bos else None,
         eos_token_ids=_token_id(hf, "eos_token_id"),
+        sliding_window=_sliding_window(hf),
     )
 
 
@@ -357,7 +398,31 @@ def _from_qwen(hf: dict) -> ModelConfig:
                    qkv_bias=bias, o_bias=bias, qk_norm=True)
 
 
-def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
+def _sliding_window(hf: dict) -> int | None:
+    """Mistral's W; absent means transformers' MistralConfig default, 4096, and null means none.
+
+    (LlamaConfig has no such field: transformers ignores one in a Llama config, and so do we.)
+    """
+    if hf["model_type"] != "mistral" or ("sliding_window" in hf and hf["sliding_window"] is None):
+        return None
+    return _int(hf, "sliding_window", 4096)
+
+
+def _context_length(max_position_embeddings: int, scaling: RopeScaling | None) -> int:
+    """The longest context: ``max_position_embeddings``, or what the RoPE scaling was made for.
+
+    transformers sets no limit at all; minillm refuses positions beyond this one. YaRN configs
+    often keep the original length in ``max_position_embeddings`` (Qwen2.5's instructions add
+    only ``rope_scaling``) and mean factor · original; dynamic NTK keeps growing its base with
+    the length, and its ``factor`` names how far (transformers' docs: "max_position_embeddings
+    · factor").
+    """
+    if scaling is None or scaling.rope_type not in ("yarn", "dynamic"):
+        return max_position_embeddings
+    return max(max_position_embeddings, int(scaling.factor * scaling.original_max_position_embeddings))
+
+
+def _rope(hf: dict, max_position_embeddings: int) -> tuple[float, RopeScaling | None]:
     """RoPE base and scaling, from either spelling found in the wild.
 
     The hub's configs keep ``rope_theta`` and ``rope_scaling`` at top level;
@@ -377,9 +442,20 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
         )
     if rope_type == "default":
         return theta, None
+    if rope_type in ("yarn", "dynamic") and scaling.get("factor") is None:
+        raise ConfigError(f"config.json: rope_scaling of type {rope_type!r} needs a factor; add rope_scaling.factor")
     fields = {"factor": _positive_float, "low_freq_factor": _positive_float, "high_freq_factor": _positive_float,
-              "original_max_position_embeddings": _int}
-    scaling = {key: read(scaling, key) for key, read in fields.items() if key in scaling}
-    if rope_type == "llama3" and scaling.get("high_freq_factor", 4.0) <= scaling.get("low_freq_factor", 1.0):
+              "original_max_position_embeddings": _int, "attention_factor": _positive_float,
+              "beta_fast": _positive_float, "beta_slow": _positive_float, "mscale": _positive_float,
+              "mscale_all_dim": _positive_float, "truncate": lambda d, key: _bool(d, key, True)}
+    values = {key: read(scaling, key) for key, read in fields.items() if scaling.get(key) is not None}
+    # transformers' standardize_rope_params: the pre-scaling context defaults to max_position_embeddings;
+    # dynamic NTK always takes max_position_embeddings as that context (_compute_dynamic_ntk_parameters).
+    if rope_type == "dynamic" or "original_max_position_embeddings" not in values:
+        values["original_max_position_embeddings"] = max_position_embeddings
+    if rope_type == "llama3" and values.get("high_freq_factor", 4.0) <= values.get("low_freq_factor", 1.0):
         raise ConfigError("config.json: rope_scaling high_freq_factor must be greater than low_freq_factor")
-    return theta, RopeScaling(rope_type, **scaling)
+    if rope_type == "yarn" and values.get("beta_fast", 32.0) < values.get("beta_slow", 1.0):
+        raise ConfigError("config.json: rope_scaling beta_fast must be >= beta_slow (YaRN's ramp runs from beta_slow "
+                          "to beta_fast rotations)")
+    return theta, RopeScaling(rope_type, **values)

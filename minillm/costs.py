@@ -12,6 +12,8 @@ Pure arithmetic on a :class:`ModelConfig`; no model, no tensors. Two numbers per
 
       bytes = weights bytes          every distinct parameter read once per forward pass
             + KV read                every cache position after this pass's write, once
+                                     (a sliding-window layer: only the positions some query
+                                     of the pass sees, min(cached + n, n + W - 1))
             + KV written             the new tokens' K and V
 
   Not counted: activations (a few · d_model values per token per layer, kB for
@@ -25,7 +27,8 @@ Two conventions to know:
   only its rows, so its bytes are overstated by up to vocab·d_model·dtype_bytes
   (about 6% for Llama-3-8B; GPT-2's learned positions add max_seq_len·d_model).
 - **Attention FLOPs are the causal ones**: token i of a prefill attends to
-  cached_tokens + i + 1 keys (what a causal kernel such as FlashAttention computes).
+  cached_tokens + i + 1 keys (what a causal kernel such as FlashAttention computes),
+  at most W of them in a sliding-window layer (Mistral's ``sliding_window``).
   The ``eager`` attention of ``model.py`` multiplies the whole masked rectangle
   and throws half away; ``attention_flops(..., causal=False)`` counts that.
   (FlopCounterMode sees eager attention's matmuls; in torch 2.13 it counts nothing
@@ -126,6 +129,30 @@ def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
     return config.kv_bytes_per_token(dtype_bytes)
 
 
+def kv_positions_read(config: ModelConfig, n_tokens: int, cached_tokens: int = 0) -> int:
+    """Cache positions a pass of n_tokens after cached_tokens reads, summed over layers.
+
+    A full-attention layer reads all cached_tokens + n_tokens. A sliding-window layer (W)
+    reads only what its first query still sees onward: min(cached_tokens + n_tokens, n_tokens + W - 1),
+    for a decode step min(context, W). Equals what ``model.py`` hands to attention.
+    """
+    total = cached_tokens + n_tokens
+
+    def read(window: int | None) -> int:
+        return total if window is None else min(total, n_tokens + window - 1)
+
+    return sum(read(config.window(layer)) for layer in range(config.n_layers))
+
+
+def _attended_pairs(n_tokens: int, cached_tokens: int, window: int | None) -> float:
+    """Query-key pairs of a causal pass: sum over queries of min(keys before and at it, W)."""
+    first, last = cached_tokens + 1, cached_tokens + n_tokens  # keys the first and last query see
+    if window is None or last <= window:
+        return n_tokens * cached_tokens + n_tokens * (n_tokens + 1) / 2
+    unclipped = max(0, window - first + 1)  # queries that see fewer than W keys: first .. W
+    return unclipped * (first + window) / 2 + (n_tokens - unclipped) * window
+
+
 # -- FLOPs ---------------------------------------------------------------------------
 
 
@@ -135,27 +162,30 @@ def flops_per_token(config: ModelConfig, context_len: int) -> float:
         2 · matmul_params                                  every weight: one multiply-add
       + 4 · n_layers · n_heads · head_dim · context_len    q·kᵀ and pattern·v (2 each)
 
-    (Kaplan et al. 2020, Table 1, with the attention term per query head.)
+    (Kaplan et al. 2020, Table 1, with the attention term per query head; a sliding-window
+    layer counts min(context_len, W) keys.)
     """
     c = config
-    return 2.0 * matmul_params(c) + 4.0 * c.n_layers * c.n_heads * c.head_dim * context_len
+    keys = sum(min(context_len, c.window(layer) or context_len) for layer in range(c.n_layers))
+    return 2.0 * matmul_params(c) + 4.0 * c.n_heads * c.head_dim * keys
 
 
 def attention_flops(config: ModelConfig, n_tokens: int, cached_tokens: int = 0, causal: bool = True) -> float:
     """FLOPs of q·kᵀ and pattern·v for n_tokens new queries after cached_tokens.
 
     causal: query i sees cached_tokens + i + 1 keys; summed over i:
-        n_tokens·cached_tokens + n_tokens·(n_tokens + 1)/2 query-key pairs.
-    causal=False: the whole rectangle, n_tokens · (cached_tokens + n_tokens) pairs,
-    what eager attention multiplies before masking.
-    Each pair costs 4 · n_layers · n_heads · head_dim FLOPs.
+        n_tokens·cached_tokens + n_tokens·(n_tokens + 1)/2 query-key pairs
+    (a sliding-window layer: each query at most W keys).
+    causal=False: the whole rectangle, n_tokens · (keys read), what eager attention
+    multiplies before masking (keys read: :func:`kv_positions_read`).
+    Each pair costs 4 · n_heads · head_dim FLOPs, in each layer.
     """
     c = config
     if causal:
-        pairs = n_tokens * cached_tokens + n_tokens * (n_tokens + 1) / 2
+        pairs = sum(_attended_pairs(n_tokens, cached_tokens, c.window(layer)) for layer in range(c.n_layers))
     else:
-        pairs = n_tokens * (cached_tokens + n_tokens)
-    return 4.0 * c.n_layers * c.n_heads * c.head_dim * pairs
+        pairs = n_tokens * kv_positions_read(c, n_tokens, cached_tokens)
+    return 4.0 * c.n_heads * c.head_dim * pairs
 
 
 def _linear_flops(config: ModelConfig, n_tokens: int, lm_head_tokens: int) -> float:
@@ -183,7 +213,8 @@ def prefill_cost(
     bytes:
         weights once (shared by the batch)
       + KV read:    (cached_tokens + n_tokens) positions · kv_bytes_per_token · batch_size
-                    (attention reads the whole filled cache, the new entries included)
+                    (attention reads the whole filled cache, the new entries included;
+                    a sliding-window layer reads fewer: :func:`kv_positions_read`)
       + KV written: n_tokens · kv_bytes_per_token · batch_size
 
     Raises ValueError for n_tokens < 1, cached_tokens < 0 or batch_size < 1.
@@ -194,8 +225,8 @@ def prefill_cost(
     head_tokens = 1 if last_only else n_tokens
     flops = _linear_flops(config, n_tokens, head_tokens) + attention_flops(config, n_tokens, cached_tokens)
     kv = kv_bytes_per_token(config, dtype_bytes) * batch_size
-    return _cost(batch_size * flops, weights_bytes(config, dtype_bytes),
-                 kv * (cached_tokens + n_tokens), kv * n_tokens)
+    kv_read = kv // config.n_layers * kv_positions_read(config, n_tokens, cached_tokens)
+    return _cost(batch_size * flops, weights_bytes(config, dtype_bytes), kv_read, kv * n_tokens)
 
 
 def decode_cost(config: ModelConfig, context_len: int, dtype_bytes: int, batch_size: int = 1) -> PhaseCost:
@@ -205,7 +236,8 @@ def decode_cost(config: ModelConfig, context_len: int, dtype_bytes: int, batch_s
     so the first decode step after a prompt of P tokens has context_len = P + 1.
 
     FLOPs: flops_per_token(context_len) · batch_size.
-    bytes: weights once + KV read of all context_len positions + KV written for 1 position,
+    bytes: weights once + KV read of all context_len positions (min(context_len, W) in a
+    sliding-window layer) + KV written for 1 position,
     both · batch_size. The same as ``prefill_cost(config, 1, dtype_bytes, context_len - 1)``.
 
     Raises ValueError for context_len < 1 or batch_size < 1.

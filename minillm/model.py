@@ -16,6 +16,7 @@
 | Qwen3          | RoPE on q and k   | RMSNorm + QK-norm  | down(silu(gate) * up)    | GQA, head_dim of its own     | none (opt.: all 4) |
 
 Attention scores are scaled by 1/√head_dim (GPT-2's flags may drop it or divide by layer + 1).
+Mistral's ``sliding_window`` W: each query of a window layer sees only the last W keys.
 
 Per-layer activations can be observed through ``hook(name, tensor)``; the names follow
 TransformerLens (``blocks.3.attn.hook_q``, ...). With ``hook=None`` nothing is recorded.
@@ -193,7 +194,7 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-def causal_mask(n_queries: int, n_keys: int, device=None) -> torch.Tensor:
+def causal_mask(n_queries: int, n_keys: int, device=None, window: int | None = None) -> torch.Tensor:
     """Which keys each query may attend to, [n_queries, n_keys] bool.
 
     The queries are the *last* n_queries positions of the n_keys (the earlier keys
@@ -202,14 +203,27 @@ def causal_mask(n_queries: int, n_keys: int, device=None) -> torch.Tensor:
 
         n_queries=2, n_keys=5:   1 1 1 1 0
                                  1 1 1 1 1
+
+    With a sliding ``window`` W, it sees only the last W of them, keys j with
+    position - W < j <= position (transformers' ``sliding_window_overlay`` and causal mask):
+
+        n_queries=4, n_keys=4, window=2:   1 0 0 0
+                                           1 1 0 0
+                                           0 1 1 0
+                                           0 0 1 1
     """
-    return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril(diagonal=n_keys - n_queries)
+    mask = torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril(diagonal=n_keys - n_queries)
+    if window is not None:
+        mask = mask.triu(diagonal=n_keys - n_queries - window + 1)
+    return mask
 
 
-def eager_attention(q, k, v, hook: Hook | None = None, name: str = "", scale: float | None = None) -> torch.Tensor:
+def eager_attention(q, k, v, hook: Hook | None = None, name: str = "", scale: float | None = None,
+                    window: int | None = None) -> torch.Tensor:
     """softmax(q·kᵀ / √head_dim + causal mask) · v, written out (Vaswani et al. 2017).
 
-    ``scale`` replaces 1/√head_dim when given (see ``ModelConfig.attn_scale``).
+    ``scale`` replaces 1/√head_dim when given (see ``ModelConfig.attn_scale``); ``window``
+    makes the mask a sliding window (:func:`causal_mask`).
 
     q: [B, n_heads, T, head_dim]; k, v: [B, n_kv_heads, S, head_dim] with S >= T.
     Grouped-query attention: each K/V head serves n_heads / n_kv_heads query heads,
@@ -221,32 +235,36 @@ def eager_attention(q, k, v, hook: Hook | None = None, name: str = "", scale: fl
     q = q.view(B, n_kv_heads, n_heads // n_kv_heads, T, head_dim)
     scale = 1 / math.sqrt(head_dim) if scale is None else scale
     scores = q @ k.unsqueeze(2).transpose(-1, -2) * scale  # [B, kv, rep, T, S]
-    scores = scores.masked_fill(~causal_mask(T, S, q.device), float("-inf"))
+    scores = scores.masked_fill(~causal_mask(T, S, q.device, window), float("-inf"))
     pattern = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     if hook:
         hook(f"{name}.hook_pattern", pattern.view(B, n_heads, T, S))
     return (pattern @ v.unsqueeze(2)).view(B, n_heads, T, head_dim)
 
 
-def sdpa_attention(q, k, v, mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+def sdpa_attention(q, k, v, mask: torch.Tensor | None = None, scale: float | None = None,
+                   window: int | None = None) -> torch.Tensor:
     """The same attention through ``F.scaled_dot_product_attention`` (fused kernels).
 
-    ``scale`` replaces 1/√head_dim when given, as in ``eager_attention``.
+    ``scale`` and ``window`` as in ``eager_attention``.
 
-    One new query (decode) sees every key: no mask. A square prefill from an empty
-    cache is plain causal. A suffix prefilled onto a filled cache needs the explicit
-    rectangular mask. ``mask`` [T, S] bool (True = may attend) overrides all that: a
-    static cache (:mod:`minillm.compile`) hands over its whole buffer and masks the unfilled end.
+    One new query (decode) sees every key (or, with a window, every key when there are at
+    most W): no mask. A square prefill from an empty cache is plain causal (while no query
+    is more than W - 1 positions past the first key). Otherwise (a suffix prefilled onto a
+    filled cache, a window that cuts) the explicit mask. ``mask`` [T, S] bool (True = may
+    attend) overrides all that: a static cache (:mod:`minillm.compile`) hands over its whole
+    buffer and masks the unfilled end.
     """
     T, S = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if mask is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
-    if T == 1:
+    if T == 1 and (window is None or S <= window):
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, scale=scale)
-    if T == S:
+    if T == S and (window is None or S <= window):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(T, S, q.device), enable_gqa=gqa, scale=scale)
+    mask = causal_mask(T, S, q.device, window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
 
 
 class Attention(nn.Module):
@@ -258,6 +276,7 @@ class Attention(nn.Module):
         self.layer, self.name = layer, f"blocks.{layer}.attn"
         self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
         self.scale = c.attn_scale(layer)  # 1/√head_dim unless the config says otherwise (GPT-2 flags)
+        self.window = c.window(layer)  # W: sliding-window attention (Mistral), None: full
         self.q_proj = Linear(c.d_model, c.n_heads * c.head_dim, bias=c.qkv_bias)
         self.k_proj = Linear(c.d_model, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
         self.v_proj = Linear(c.d_model, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
@@ -291,14 +310,18 @@ class Attention(nn.Module):
             out = cache.attend(self.layer, q, k, v, self.scale)
             return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         if cache is not None:
-            k, v = cache.write(self.layer, k, v)  # now every position so far: [B, Hkv, S, D]
+            k, v = cache.write(self.layer, k, v)  # every position so far (a rolling layer: the last W): [B, Hkv, S, D]
             if hook:
                 hook(f"{self.name}.hook_k_cache", k)
                 hook(f"{self.name}.hook_v_cache", v)
+        mask = cache.attn_mask if cache is not None else None
+        if self.window is not None and mask is None:
+            # The first query sees back to W - 1 positions before itself: older keys are not read.
+            k, v = k[:, :, -(T + self.window - 1):], v[:, :, -(T + self.window - 1):]
         if impl == "eager":
-            out = eager_attention(q, k, v, hook, self.name, self.scale)
+            out = eager_attention(q, k, v, hook, self.name, self.scale, self.window)
         else:
-            out = sdpa_attention(q, k, v, cache.attn_mask if cache is not None else None, self.scale)
+            out = sdpa_attention(q, k, v, mask, self.scale, self.window)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 

@@ -274,6 +274,7 @@ class PrefixCache:
         Stops early on a collision or when no block can be evicted to make room.
         Returns the hashes of this prompt's blocks that are now cached, root first.
         """
+        _check_not_rolling(cache)
         ids = _as_ints(token_ids)[: cache.length]
         B = self.block_size
         hashes = block_hashes(ids, B, model_seed(model), extra_keys, self.hash_fn)
@@ -332,6 +333,7 @@ class PrefixCache:
         if cache.length != 0 or cache.batch_size != 1:
             raise ValueError(f"load needs an empty batch-1 KVCache, got length {cache.length}, "
                              f"batch {cache.batch_size}")
+        _check_not_rolling(cache)
         B = self.block_size
         cache.check_room(len(hashes) * B)
         for i, h in enumerate(hashes):
@@ -467,3 +469,10 @@ def _as_ints(token_ids) -> list[int]:
 
 def _preview(tokens: tuple[int, ...], n: int = 6) -> str:
     return " ".join(map(str, tokens[:n])) + (" ..." if len(tokens) > n else "")
+
+
+def _check_not_rolling(cache: KVCache) -> None:
+    """Blocks are copied by position; a rolling buffer (sliding-window layers) keeps slots, not positions."""
+    if cache.rolling_layers:
+        raise ValueError("the prefix cache copies K/V by position, and this KVCache's sliding-window layers are "
+                         "rolling buffers; build it with KVCache.for_model(model, rolling=False)")

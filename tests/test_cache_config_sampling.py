@@ -114,7 +114,8 @@ def test_hub_and_transformers5_rope_spellings_agree():
     "change, match",
     [
         ({"model_type": "bert"}, "model_type 'bert' is not supported; supported: gpt2, llama, mistral"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_scaling type 'longrope'"),
+        ({"rope_scaling": {"rope_type": "yarn"}}, "rope_scaling of type 'yarn' needs a factor"),
         ({"hidden_act": "relu"}, "hidden_act 'relu'"),
         ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
     ],

@@ -52,7 +52,12 @@ MATCH = {
     "llama rope_theta": ("llama", LLAMA, {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}),
     "llama rope linear": ("llama", LLAMA, {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4,
                                                                "factor": 4.0}}),
+    "llama rope yarn": ("llama", LLAMA, {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                             "original_max_position_embeddings": 32}}),
+    "llama rope dynamic": ("llama", LLAMA, {"max_position_embeddings": 32, "rope_parameters": {
+        "rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}),  # 40 positions: past the 32 it grows from
     "mistral sliding_window": ("mistral", MISTRAL, {"sliding_window": 64}),
+    "mistral sliding_window 8": ("mistral", MISTRAL, {"sliding_window": 8}),
     "mistral attention_bias (not a Mistral field)": ("mistral", MISTRAL, {"attention_bias": True, "mlp_bias": True}),
 }
 
@@ -65,8 +70,6 @@ REFUSE = {
     "llama partial_rotary_factor in rope_parameters": (
         "llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
         "partial_rotary_factor"),
-    "llama rope yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
-    "llama rope dynamic": ("llama", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic'"),
     "llama rope longrope": ("llama", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "'longrope'"),
     "llama attn_logit_softcapping": ("llama", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
     "llama final_logit_softcapping": ("llama", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),

@@ -1,0 +1,245 @@
+"""Sliding-window attention (Mistral's ``sliding_window``) against transformers on the same weights.
+
+A query at position i sees keys j with i - W < j <= i. Checked: the mask against transformers'
+own mask function, logits for prompts around the window, prefill + decode across it (a cache
+that keeps every position, and a rolling buffer of W), greedy generation, and what the KV cache
+and the cost model count.
+"""
+
+import pytest
+import torch
+from tiny_models import LLAMA_BASE, build_hf, save_hf
+
+from minillm import KVCache, PrefixCache, SamplingParams, decode_step, generate, load_model, prefill
+from minillm.costs import decode_cost, kv_bytes_per_token, prefill_cost
+from minillm.model import causal_mask
+from minillm.trace import Trace
+
+pytest.importorskip("transformers")
+
+TOL = 1e-4
+W = 8
+MISTRAL_W = dict(LLAMA_BASE, sliding_window=W)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(hf_model, minillm_model): a random-weight Mistral with a window of 8 (context 128)."""
+    hf = build_hf("mistral", MISTRAL_W)
+    return hf, load_model(save_hf(hf, tmp_path_factory.mktemp("mistral_w8")), device="cpu", dtype="float32")
+
+
+def _ids(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, LLAMA_BASE["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _cache(model, rolling: bool, max_seq_len: int = 64) -> KVCache:
+    return KVCache.for_model(model, max_seq_len=max_seq_len, rolling=rolling)
+
+
+@pytest.mark.parametrize("n_queries, n_keys", [(5, 5), (1, 12), (3, 12), (12, 12)])
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_mask_is_transformers_sliding_window_mask(n_queries, n_keys, window):
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    allowed = sliding_window_causal_mask_function(window)
+    offset = n_keys - n_queries  # the queries are the last positions
+    q_idx = torch.arange(n_queries)[:, None] + offset
+    kv_idx = torch.arange(n_keys)[None, :]
+    expected = allowed(torch.tensor(0), torch.tensor(0), q_idx, kv_idx)
+    assert torch.equal(causal_mask(n_queries, n_keys, window=window), expected)
+
+
+def test_config_keeps_the_full_context(pair):
+    _, model = pair
+    assert model.config.max_seq_len == LLAMA_BASE["max_position_embeddings"]
+    assert [model.config.window(layer) for layer in range(2)] == [W, W]
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("n", [W - 1, W, W + 1, 3 * W])
+def test_logits_match_transformers(pair, impl, n):
+    hf, model = pair
+    model.attn_impl = impl
+    ids = _ids(n)
+    with torch.no_grad():
+        expected = hf(ids).logits
+        got = model(ids)
+    assert (got - expected).abs().max().item() <= TOL
+
+
+def test_window_changes_the_logits(pair):
+    """The check above can fail: the same weights with full attention differ past the window."""
+    hf, model = pair
+    ids = _ids(3 * W)
+    with torch.no_grad():
+        windowed = model(ids)
+        hf.config.sliding_window = None
+        full = hf(ids).logits
+        hf.config.sliding_window = W
+    assert (windowed[:, :W] - full[:, :W]).abs().max().item() <= TOL  # the same inside the window
+    assert (windowed[:, W:] - full[:, W:]).abs().max().item() > 1e-2
+
+
+def test_issue_example_20_tokens_on_a_window_of_16(tmp_path):
+    """Issue 17: a 20-token prompt on a window of 16 was refused as longer than the context."""
+    hf = build_hf("mistral", dict(LLAMA_BASE, sliding_window=16), seed=2)
+    model = load_model(save_hf(hf, tmp_path), device="cpu", dtype="float32")
+    ids = _ids(20, seed=4)
+    with torch.no_grad():
+        expected = hf(ids).logits[:, -1]
+    got = prefill(model, ids, KVCache.for_model(model, max_seq_len=20))
+    assert (got - expected).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("rolling", [False, True], ids=["full-cache", "rolling"])
+@pytest.mark.parametrize("prompt", [3, W + 3])
+def test_prefill_and_decode_across_the_window(pair, impl, rolling, prompt):
+    """Decode from inside to far past the window equals the no-cache forward and transformers."""
+    hf, model = pair
+    model.attn_impl = impl
+    ids = _ids(3 * W)
+    with torch.no_grad():
+        reference = model(ids)
+        expected = hf(ids).logits
+    cache = _cache(model, rolling)
+    logits = [prefill(model, ids[:, :prompt], cache)]
+    logits += [decode_step(model, ids[:, i], cache) for i in range(prompt, 3 * W - 1)]
+    got = torch.stack(logits, dim=1)
+    assert (got - reference[:, prompt - 1 : -1]).abs().max().item() <= TOL
+    assert (got - expected[:, prompt - 1 : -1]).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("chunks", [(5, 13, 6), (W, W, W), (2, 19, 3)])
+def test_chunked_prefill_into_a_rolling_buffer(pair, chunks):
+    """A chunk onto a wrapped buffer reads the held keys before its own overwrite them."""
+    _, model = pair
+    model.attn_impl = "sdpa"
+    ids = _ids(sum(chunks))
+    with torch.no_grad():
+        reference = model(ids)
+    cache, start = _cache(model, rolling=True), 0
+    for n in chunks:
+        got = prefill(model, ids[:, start : start + n], cache)
+        start += n
+        assert (got - reference[:, start - 1]).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("rolling", [False, True], ids=["full-cache", "rolling"])
+def test_greedy_generate_matches_transformers(pair, rolling):
+    hf, model = pair
+    prompt = _ids(W + 2, seed=3)
+    with torch.no_grad():
+        hf_out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    cache = _cache(model, rolling)
+    steps = list(generate(model, prompt[0], SamplingParams(max_new_tokens=32), cache=cache, eos_token_ids=()))
+    assert [s.token_id for s in steps] == hf_out[0, W + 2 :].tolist()
+
+
+# -- the rolling buffer: memory, repr, what it refuses ------------------------------------
+
+
+def test_rolling_cache_bytes_and_repr(pair):
+    _, model = pair
+    c = model.config
+    per_layer_position = 2 * c.n_kv_heads * c.head_dim * 4  # K and V, float32
+    cache = _cache(model, rolling=True, max_seq_len=64)
+    assert cache.rolling_layers == (0, 1)
+    assert cache.bytes_capacity == c.n_layers * W * per_layer_position
+    prefill(model, _ids(5), cache)
+    assert cache.bytes_used == c.n_layers * 5 * per_layer_position
+    prefill(model, _ids(20), cache)
+    assert cache.bytes_used == c.n_layers * W * per_layer_position  # never more than W positions
+    assert "rolling='layers 0,1 roll (window 8)'" in repr(cache) and "length=25/64" in repr(cache)
+    full = _cache(model, rolling=False, max_seq_len=64)
+    assert full.bytes_capacity == c.n_layers * 64 * per_layer_position and "rolling" not in repr(full)
+
+
+def test_rolling_keys_are_the_last_window_in_position_order(pair):
+    _, model = pair
+    ids = _ids(21)
+    full, rolling = _cache(model, rolling=False), _cache(model, rolling=True)
+    prefill(model, ids[:, :13], full)
+    prefill(model, ids[:, :13], rolling)
+    for i in range(13, 21):
+        decode_step(model, ids[:, i], full)
+        decode_step(model, ids[:, i], rolling)
+    # Layer 0's K/V come from the embeddings alone: equal to the bit. Layer 1's went through
+    # attention over the keys in slot order: equal up to float rounding.
+    for layer, atol in ((0, 0.0), (1, 1e-6)):
+        assert torch.allclose(rolling.keys(layer), full.keys(layer)[:, :, -W:], rtol=0, atol=atol)
+        assert torch.allclose(rolling.values(layer), full.values(layer)[:, :, -W:], rtol=0, atol=atol)
+
+
+def test_rolling_truncate_refuses_what_it_no_longer_holds(pair):
+    _, model = pair
+    cache = _cache(model, rolling=True)
+    prefill(model, _ids(W - 2), cache)
+    cache.truncate(3)  # nothing overwritten yet: allowed
+    prefill(model, _ids(W + 4), cache)
+    with pytest.raises(ValueError, match=r"rolling layers hold only positions 7\.\.14 \(window 8\).*rolling=False"):
+        cache.truncate(14)
+    cache.truncate(0)
+    assert cache.length == 0
+
+
+def test_a_full_cache_truncates_and_decodes_on(pair):
+    """Speculative decoding's and chat's truncate keeps working with the default cache."""
+    _, model = pair
+    ids = _ids(30)
+    with torch.no_grad():
+        reference = model(ids)
+    cache = _cache(model, rolling=False)
+    prefill(model, ids[:, :25], cache)
+    cache.truncate(20)
+    got = prefill(model, ids[:, 20:30], cache)
+    assert (got - reference[:, 29]).abs().max().item() <= TOL
+
+
+def test_prefix_cache_and_serving_engine_refuse_what_they_cannot_do(pair):
+    from minillm import LLMEngine
+
+    _, model = pair
+    rolling = _cache(model, rolling=True)
+    prefill(model, _ids(20), rolling)
+    with pytest.raises(ValueError, match="rolling buffers; build it with KVCache.for_model\\(model, rolling=False\\)"):
+        PrefixCache(model, block_size=4).insert(model, _ids(20)[0].tolist(), rolling)
+    with pytest.raises(ValueError, match="serving engine does not mask sliding-window attention"):
+        LLMEngine(model)
+
+
+# -- what is counted: K/V read is min(W, context) per layer --------------------------------
+
+
+@pytest.mark.parametrize("context", [3, W, W + 1, 100])
+def test_decode_kv_read_is_min_of_window_and_context(pair, context):
+    _, model = pair
+    c = model.config
+    per_token = kv_bytes_per_token(c, 4)  # all layers
+    cost = decode_cost(c, context, 4)
+    assert cost.kv_read_bytes == per_token * min(W, context)
+    assert cost.kv_written_bytes == per_token
+
+
+def test_prefill_kv_read_counts_the_band(pair):
+    """A chunk of 10 after 30 cached: its first query sees from position 30 - 7 on: 17 positions;
+    each of its queries sees W keys (80 pairs a layer), against 1 + 2 + ... + 8 + 8 + 8 = 52 from empty."""
+    _, model = pair
+    c = model.config
+    assert prefill_cost(c, 10, 4, cached_tokens=30).kv_read_bytes == kv_bytes_per_token(c, 4) * (10 + W - 1)
+    per_pair = 4 * c.n_heads * c.head_dim * c.n_layers  # q·k and pattern·v, every layer
+    extra = prefill_cost(c, 10, 4, cached_tokens=30).flops - prefill_cost(c, 10, 4, cached_tokens=0).flops
+    assert extra == per_pair * (80 - 52)
+
+
+def test_trace_counts_the_window(pair):
+    _, model = pair
+    trace = Trace()
+    cache = _cache(model, rolling=True)
+    prefill(model, _ids(20), cache, trace=trace)
+    decode_step(model, 5, cache, trace=trace)
+    decode = trace.events[-1]
+    assert decode["kind"] == "decode" and decode["kv_read_bytes"] == kv_bytes_per_token(model.config, 4) * W
+    assert decode["kv_bytes"] == cache.bytes_used == kv_bytes_per_token(model.config, 4) * W
