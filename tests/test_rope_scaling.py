@@ -164,3 +164,11 @@ def test_unsupported_rope_type_is_refused_by_name():
                                           "linear, llama3, yarn, dynamic"):
         ModelConfig.from_hf(dict(REAL_SHAPE, model_type="llama", max_position_embeddings=4096,
                                  rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}))
+
+
+def test_compiled_decode_refuses_dynamic_scaling(tmp_path):
+    from minillm.compile import compile_decode_step
+
+    _, model = _pair(tmp_path, {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
+    with pytest.raises(ValueError, match="does not support dynamic NTK RoPE scaling"):
+        compile_decode_step()(model, 1, KVCache.for_model(model, max_seq_len=8))

@@ -243,3 +243,12 @@ def test_trace_counts_the_window(pair):
     decode = trace.events[-1]
     assert decode["kind"] == "decode" and decode["kv_read_bytes"] == kv_bytes_per_token(model.config, 4) * W
     assert decode["kv_bytes"] == cache.bytes_used == kv_bytes_per_token(model.config, 4) * W
+
+
+def test_compiled_decode_refuses_a_window(pair):
+    """The static view of torch.compile'd decode masks causally only: refused, not wrong."""
+    from minillm.compile import compile_decode_step
+
+    _, model = pair
+    with pytest.raises(ValueError, match="compile_decode_step does not support sliding-window attention"):
+        compile_decode_step()(model, 1, _cache(model, rolling=False))
