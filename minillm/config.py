@@ -152,9 +152,9 @@ class ModelConfig:
                 f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
             )
 
-        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
-                                                or not isinstance(self.sliding_window, int) or self.sliding_window < 1):
-            raise ConfigError(f"ModelConfig.sliding_window must be a positive integer or None, got {self.sliding_window!r}")
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ConfigError(f"ModelConfig.sliding_window must be a positive integer or None, got {w!r}")
         if any(not 0 <= layer < self.n_layers for layer in self.sliding_window_layers or ()):
             raise ConfigError(f"ModelConfig.sliding_window_layers must be layers in [0, {self.n_layers}), "
                               f"got {self.sliding_window_layers}")

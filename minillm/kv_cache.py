@@ -68,7 +68,7 @@ class KVCache:
         self.window = window if self.rolling_layers else None
         full = [layer for layer in range(n_layers) if layer not in self.rolling_layers]
         # model layer -> its row in k/v (full attention) or in k_roll/v_roll (rolling buffer)
-        self._row = {layer: i for i, layer in enumerate(full)} | {layer: i for i, layer in enumerate(self.rolling_layers)}
+        self._row = {layer: i for rows in (full, self.rolling_layers) for i, layer in enumerate(rows)}
         self._n_layers = n_layers
         self.k = torch.zeros((len(full), *shape[1:]), dtype=dtype, device=device)
         self.v = torch.zeros((len(full), *shape[1:]), dtype=dtype, device=device)
@@ -96,7 +96,8 @@ class KVCache:
         if not isinstance(rolling, bool):
             raise ValueError(f"rolling must be True or False, got {rolling!r}")
         param = next(model.parameters())
-        rolling_layers = [layer for layer in range(cfg.n_layers) if rolling and (cfg.window(layer) or max_seq_len) < max_seq_len]
+        windows = [cfg.window(layer) for layer in range(cfg.n_layers)]
+        rolling_layers = [layer for layer, w in enumerate(windows) if rolling and w is not None and w < max_seq_len]
         return cls(cfg.n_layers, batch_size, cfg.n_kv_heads, max_seq_len, cfg.head_dim, param.dtype, param.device,
                    cfg.sliding_window, rolling_layers)
 

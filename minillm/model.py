@@ -310,7 +310,7 @@ class Attention(nn.Module):
             out = cache.attend(self.layer, q, k, v, self.scale)
             return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         if cache is not None:
-            k, v = cache.write(self.layer, k, v)  # every position so far (a rolling layer: the last W): [B, Hkv, S, D]
+            k, v = cache.write(self.layer, k, v)  # all positions so far (rolling: what the window needs)
             if hook:
                 hook(f"{self.name}.hook_k_cache", k)
                 hook(f"{self.name}.hook_v_cache", v)
@@ -394,7 +394,8 @@ class Transformer(nn.Module):
 
         Without a cache: the reference full-sequence pass from position 0.
         With a cache: positions start at ``cache.length``; each layer writes its new
-        K/V there and attends over the whole filled cache; ``cache.length`` then grows by T.
+        K/V there and attends over the whole filled cache (a sliding-window layer: the
+        positions its window still sees); ``cache.length`` then grows by T.
 
         Returns logits [B, T, vocab] in the model's dtype, or [B, 1, vocab] with ``last_only``
         (prefill needs only the last position: the LM head is the largest matmul).

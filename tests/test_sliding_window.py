@@ -252,3 +252,26 @@ def test_compiled_decode_refuses_a_window(pair):
     _, model = pair
     with pytest.raises(ValueError, match="compile_decode_step does not support sliding-window attention"):
         compile_decode_step()(model, 1, _cache(model, rolling=False))
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_window_on_some_layers_only(pair, impl):
+    """Per-layer windows (Qwen2's max_window_layers will need them): layer 1 windowed, layer 0 full.
+    A rolling cache then holds layer 0 in k/v and layer 1 in k_roll/v_roll; cached decode equals the
+    no-cache forward (which differs from windowing both layers)."""
+    from dataclasses import replace
+
+    from minillm.model import Transformer
+
+    _, windowed = pair
+    mixed = Transformer(replace(windowed.config, sliding_window_layers=(1,)), attn_impl=impl)
+    mixed.load_state_dict(windowed.state_dict(), strict=False)
+    ids = _ids(3 * W)
+    with torch.no_grad():
+        reference = mixed(ids)
+        assert (reference - windowed(ids)).abs().max().item() > 1e-3
+    cache = _cache(mixed, rolling=True)
+    assert cache.rolling_layers == (1,) and cache.k.shape[0] == 1 and cache.k_roll.shape[0] == 1
+    logits = [prefill(mixed, ids[:, : W + 3], cache)]
+    logits += [decode_step(mixed, ids[:, i], cache) for i in range(W + 3, 3 * W)]
+    assert (torch.stack(logits, dim=1) - reference[:, W + 2 :]).abs().max().item() <= TOL
