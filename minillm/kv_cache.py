@@ -230,7 +230,10 @@ class KVCache:
         return self.k[self._row[layer], :, :, : self.length]
 
     def values(self, layer: int) -> torch.Tensor:
-        """Filled values of one layer, as :meth:`keys`."""
+        """Filled values of one layer, [B, n_kv_heads, length, head_dim] (a view, no copy).
+
+        A rolling layer: the last min(length, W) positions, oldest first (a copy once it wrapped).
+        """
         if layer in self.rolling_layers:
             return self._in_position_order(self.v_roll[self._row[layer]])
         return self.v[self._row[layer], :, :, : self.length]

@@ -4,7 +4,8 @@ Write ``eager_attention(q, k, v)``: softmax(q·kᵀ / √head_dim + causal mask)
 query head has its own K/V head (n_kv_heads = n_heads); exercise 4 adds grouped-query
 attention. Build the mask with ``causal_mask`` (below, minillm's; or paste your exercise 1)
 and put -inf where it is False before the softmax. ``hook`` and ``name`` can be ignored;
-``scale`` cannot (a model may set its own, see the docstring).
+``scale`` cannot (a model may set its own, see the docstring). ``window`` (sliding-window
+models, lesson 03) is not checked: pass it on to ``causal_mask`` once that takes it.
 
 Check:      minillm check ex02   (or: pytest tests/exercises -m ex02 --impl student)
 Lesson:     lessons/01-what-is-inference.md#attention
@@ -21,10 +22,12 @@ import torch
 from minillm.model import Hook, causal_mask  # noqa: F401
 
 
-def eager_attention(q, k, v, hook: Hook | None = None, name: str = "", scale: float | None = None) -> torch.Tensor:
+def eager_attention(q, k, v, hook: Hook | None = None, name: str = "", scale: float | None = None,
+                    window: int | None = None) -> torch.Tensor:
     """softmax(q·kᵀ / √head_dim + causal mask) · v, written out (Vaswani et al. 2017).
 
-    ``scale`` replaces 1/√head_dim when given (see ``ModelConfig.attn_scale``).
+    ``scale`` replaces 1/√head_dim when given (see ``ModelConfig.attn_scale``); ``window``
+    makes the mask a sliding window (:func:`causal_mask`).
 
     q: [B, n_heads, T, head_dim]; k, v: [B, n_kv_heads, S, head_dim] with S >= T.
     Grouped-query attention: each K/V head serves n_heads / n_kv_heads query heads,

@@ -25,7 +25,9 @@ class RotaryEmbedding(rope.RotaryEmbedding):
     """minillm's RotaryEmbedding (``__init__`` sets ``self.inv_freq``); forward is yours."""
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for the given positions ([T] int64): two [T, head_dim] tensors of ``dtype``."""
+        """cos and sin for the given positions ([T] int64): two [T, head_dim] tensors of ``dtype``,
+        both multiplied by the attention factor (YaRN's; 1 otherwise).
+        """
         raise NotImplementedError(
             "Exercise 3 (RoPE) is not written yet: see lessons/01-what-is-inference.md#positions-rope"
         )

@@ -21,10 +21,12 @@ import torch
 from minillm.model import Hook, causal_mask  # noqa: F401
 
 
-def eager_attention(q, k, v, hook: Hook | None = None, name: str = "", scale: float | None = None) -> torch.Tensor:
+def eager_attention(q, k, v, hook: Hook | None = None, name: str = "", scale: float | None = None,
+                    window: int | None = None) -> torch.Tensor:
     """softmax(q·kᵀ / √head_dim + causal mask) · v, written out (Vaswani et al. 2017).
 
-    ``scale`` replaces 1/√head_dim when given (see ``ModelConfig.attn_scale``).
+    ``scale`` replaces 1/√head_dim when given (see ``ModelConfig.attn_scale``); ``window``
+    makes the mask a sliding window (:func:`causal_mask`).
 
     q: [B, n_heads, T, head_dim]; k, v: [B, n_kv_heads, S, head_dim] with S >= T.
     Grouped-query attention: each K/V head serves n_heads / n_kv_heads query heads,

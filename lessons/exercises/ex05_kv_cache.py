@@ -8,6 +8,9 @@ The class inherits minillm's KVCache: ``__init__`` preallocates ``self.k`` and `
     self.k[layer]: [batch, n_kv_heads, max_seq_len, head_dim]
                                       |<- length ->|<- T new ->|<-- free -->|
 
+(The docstrings mention rolling layers, an option for sliding-window models in lesson 03: this
+cache has none, so ``self.k[layer]`` is layer ``layer``.)
+
 Check:      minillm check ex05   (or: pytest tests/exercises -m ex05 --impl student)
 Lesson:     lessons/03-kv-cache.md#writing-and-reading
 Reference:  minillm.kv_cache.KVCache
@@ -29,20 +32,27 @@ class KVCache(kv_cache.KVCache):
 
         Returns the filled views of this layer including the new entries,
         [B, n_kv_heads, length+T, head_dim]. ``length`` itself moves on only in
-        :meth:`advance`, once every layer has written.
+        :meth:`advance`, once every layer has written. A rolling layer returns less: see
+        :meth:`_write_rolling`.
         """
         raise NotImplementedError(
             "Exercise 5 (KV cache) is not written yet: see lessons/03-kv-cache.md#writing-and-reading"
         )
 
     def keys(self, layer: int) -> torch.Tensor:
-        """Filled keys of one layer, [B, n_kv_heads, length, head_dim] (a view, no copy)."""
+        """Filled keys of one layer, [B, n_kv_heads, length, head_dim] (a view, no copy).
+
+        A rolling layer: the last min(length, W) positions, oldest first (a copy once it wrapped).
+        """
         raise NotImplementedError(
             "Exercise 5 (KV cache) is not written yet: see lessons/03-kv-cache.md#writing-and-reading"
         )
 
     def values(self, layer: int) -> torch.Tensor:
-        """Filled values of one layer, [B, n_kv_heads, length, head_dim] (a view, no copy)."""
+        """Filled values of one layer, [B, n_kv_heads, length, head_dim] (a view, no copy).
+
+        A rolling layer: the last min(length, W) positions, oldest first (a copy once it wrapped).
+        """
         raise NotImplementedError(
             "Exercise 5 (KV cache) is not written yet: see lessons/03-kv-cache.md#writing-and-reading"
         )

@@ -33,7 +33,8 @@ def decode_cost(config: ModelConfig, context_len: int, dtype_bytes: int, batch_s
     so the first decode step after a prompt of P tokens has context_len = P + 1.
 
     FLOPs: flops_per_token(context_len) · batch_size.
-    bytes: weights once + KV read of all context_len positions + KV written for 1 position,
+    bytes: weights once + KV read of all context_len positions (min(context_len, W) in a
+    sliding-window layer) + KV written for 1 position,
     both · batch_size. The same as ``prefill_cost(config, 1, dtype_bytes, context_len - 1)``.
 
     Raises ValueError for context_len < 1 or batch_size < 1.

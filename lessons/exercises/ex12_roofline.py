@@ -40,7 +40,8 @@ def prefill_cost(
     bytes:
         weights once (shared by the batch)
       + KV read:    (cached_tokens + n_tokens) positions · kv_bytes_per_token · batch_size
-                    (attention reads the whole filled cache, the new entries included)
+                    (attention reads the whole filled cache, the new entries included;
+                    a sliding-window layer reads fewer: :func:`kv_positions_read`)
       + KV written: n_tokens · kv_bytes_per_token · batch_size
 
     Raises ValueError for n_tokens < 1, cached_tokens < 0 or batch_size < 1.
