@@ -307,7 +307,7 @@ class Attention(nn.Module):
         if rope_cos_sin is not None:
             q, k = apply_rope(q, *rope_cos_sin), apply_rope(k, *rope_cos_sin)
         if getattr(cache, "paged", False):  # a serving batch (minillm/serving): each request reads its own blocks
-            out = cache.attend(self.layer, q, k, v, self.scale)
+            out = cache.attend(self.layer, q, k, v, self.scale, self.window)
             return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         if cache is not None:
             k, v = cache.write(self.layer, k, v)  # all positions so far (rolling: what the window needs)

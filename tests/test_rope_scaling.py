@@ -172,3 +172,11 @@ def test_compiled_decode_refuses_dynamic_scaling(tmp_path):
     _, model = _pair(tmp_path, {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
     with pytest.raises(ValueError, match="does not support dynamic NTK RoPE scaling"):
         compile_decode_step()(model, 1, KVCache.for_model(model, max_seq_len=8))
+
+
+def test_serving_engine_refuses_dynamic_scaling(tmp_path):
+    from minillm import LLMEngine
+
+    _, model = _pair(tmp_path, {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
+    with pytest.raises(ValueError, match="serving engine does not support dynamic NTK RoPE scaling"):
+        LLMEngine(model, num_blocks=8)

@@ -198,16 +198,27 @@ def test_a_full_cache_truncates_and_decodes_on(pair):
     assert (got - reference[:, 29]).abs().max().item() <= TOL
 
 
-def test_prefix_cache_and_serving_engine_refuse_what_they_cannot_do(pair):
-    from minillm import LLMEngine
-
+def test_prefix_cache_refuses_a_rolling_cache(pair):
     _, model = pair
     rolling = _cache(model, rolling=True)
     prefill(model, _ids(20), rolling)
     with pytest.raises(ValueError, match="rolling buffers; build it with KVCache.for_model\\(model, rolling=False\\)"):
         PrefixCache(model, block_size=4).insert(model, _ids(20)[0].tolist(), rolling)
-    with pytest.raises(ValueError, match="serving engine does not mask sliding-window attention"):
-        LLMEngine(model)
+
+
+def test_serving_engine_masks_the_window(pair):
+    """The paged engine (blocks of 4, chunks of at most 8 tokens, decodes batched) gives each
+    request the greedy tokens generate gives it alone, which equal transformers' (above)."""
+    from minillm import LLMEngine
+
+    _, model = pair
+    model.attn_impl = "sdpa"
+    prompts = [_ids(n, seed=n)[0].tolist() for n in (3, W + 1, 2 * W + 1, 30)]
+    params = SamplingParams(max_new_tokens=12)
+    alone = [[s.token_id for s in generate(model, p, params, eos_token_ids=())] for p in prompts]
+    engine = LLMEngine(model, block_size=4, num_blocks=64, max_num_batched_tokens=8, eos_token_ids=())
+    outputs = sorted(engine.generate(prompts, params), key=lambda out: int(out.request_id))
+    assert [out.token_ids for out in outputs] == alone
 
 
 # -- what is counted: K/V read is min(W, context) per layer --------------------------------

@@ -20,6 +20,10 @@ view, then scaled dot-product attention with the mask that hides what it must no
 - each prefill chunk on its own: its queries against its K/V with the causal mask offset
   by the positions already in the cache (the same rectangular mask as a prefix-cache hit).
 
+A sliding-window layer (W) masks more: a decode sees only its last W positions, a chunk's
+queries the band of :func:`~minillm.model.causal_mask`. The pool still holds every position
+(the blocks do not roll), so the window saves compute here, not memory.
+
 A production kernel (vLLM's paged_attention, FlashInfer) reads the blocks in place
 without the gather copy; on a CPU the gather costs one extra read and write of the K/V.
 """
@@ -75,12 +79,22 @@ class PagedBatch:
         self.prefills, self.logits_rows = prefills, logits_rows
         keys = torch.arange(decode_block_tables.shape[1] * cache.block_size, device=token_ids.device)
         self.decode_mask = (keys[None, :] < decode_context_lens[:, None])[:, None, None, :]  # [B_dec, 1, 1, S]
+        self.decode_keys, self.decode_context_lens = keys, decode_context_lens
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def _decode_mask(self, window: int | None) -> torch.Tensor:
+        """[B_dec, 1, 1, S] bool: each decode's filled positions, only the last ``window`` of them if set."""
+        if window is None:
+            return self.decode_mask
+        recent = self.decode_keys[None, :] >= self.decode_context_lens[:, None] - window
+        return self.decode_mask & recent[:, None, None, :]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: int | None = None) -> torch.Tensor:
         """Write this step's K/V into the pool, then attention of every request over its own K/V.
 
-        q [1, n_heads, N, head_dim]; k, v [1, n_kv_heads, N, head_dim] (RoPE applied).
-        Returns [1, n_heads, N, head_dim], each token's output from its own request's keys.
+        q [1, n_heads, N, head_dim]; k, v [1, n_kv_heads, N, head_dim] (RoPE applied);
+        ``window``: the layer's sliding window W, or None. Returns [1, n_heads, N, head_dim],
+        each token's output from its own request's keys.
         """
         self.cache.write(layer, k[0].transpose(0, 1), v[0].transpose(0, 1), self.slots)
         out = torch.empty_like(q)
@@ -88,14 +102,14 @@ class PagedBatch:
         if len(self.decode_rows):
             keys, values = self.cache.gather(layer, self.decode_block_tables)  # [B_dec, n_kv_heads, S, head_dim]
             q_dec = q[0, :, self.decode_rows].transpose(0, 1).unsqueeze(2)  # [B_dec, n_heads, 1, head_dim]
-            o = F.scaled_dot_product_attention(q_dec, keys, values, attn_mask=self.decode_mask, scale=scale,
+            o = F.scaled_dot_product_attention(q_dec, keys, values, attn_mask=self._decode_mask(window), scale=scale,
                                                enable_gqa=gqa)
             out[0, :, self.decode_rows] = o.squeeze(2).transpose(0, 1)
         for chunk in self.prefills:
             keys, values = self.cache.gather(layer, chunk.block_table[None])
             keys, values = keys[:, :, : chunk.context_len], values[:, :, : chunk.context_len]
             q_chunk = q[:, :, chunk.start : chunk.end]
-            mask = causal_mask(chunk.end - chunk.start, chunk.context_len, q.device)
+            mask = causal_mask(chunk.end - chunk.start, chunk.context_len, q.device, window)
             out[:, :, chunk.start : chunk.end] = F.scaled_dot_product_attention(
                 q_chunk, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
         return out

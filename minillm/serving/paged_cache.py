@@ -107,14 +107,14 @@ class PagedKVCache:
         """A pool for ``model`` (its dtype and device) of ``num_blocks``, or as many as ``memory`` holds.
 
         Raises ValueError when the budget holds no block, for a bad size (see :func:`parse_memory`),
-        or for a sliding-window model (its paged attention would read keys the window hides).
+        or for dynamic NTK RoPE scaling (one step's positions come from several requests).
         """
         from ..block_hash import model_seed
 
         cfg, param = model.config, next(model.parameters())
-        if cfg.has_sliding_window:
-            raise ValueError(f"the serving engine does not mask sliding-window attention yet (this model's layers see "
-                             f"only the last {cfg.sliding_window} positions); run it with generate() and a KVCache")
+        if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "dynamic":
+            raise ValueError("the serving engine does not support dynamic NTK RoPE scaling (its base depends on each "
+                             "request's length, and a step batches several); run it with generate() and a KVCache")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         per_block = bytes_per_block(cfg, block_size, param.element_size())
