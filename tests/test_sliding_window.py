@@ -51,9 +51,13 @@ def test_mask_is_transformers_sliding_window_mask(n_queries, n_keys, window):
 
 
 def test_config_keeps_the_full_context(pair):
-    _, model = pair
+    from minillm.cli.models import family_rows
+
+    hf, model = pair
     assert model.config.max_seq_len == LLAMA_BASE["max_position_embeddings"]
-    assert [model.config.window(layer) for layer in range(2)] == [W, W]
+    assert [model.config.window(layer) for layer in range(2)] == [hf.config.sliding_window] * 2
+    assert ("attention window", "sliding window of 8: each query sees the last 8 positions (every layer)") in (
+        family_rows(model.config))  # minillm info's row
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])

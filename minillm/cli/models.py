@@ -84,8 +84,17 @@ def family_rows(c) -> list[tuple[str, str]]:
         ("positions", rope),
         ("biases", ", ".join(biased) if biased else "none"),
         ("QK-norm", "RMSNorm on each q and k head, before RoPE" if c.qk_norm else "no"),
-        ("attention window", "full: each query sees every earlier position"),
+        ("attention window", _window_text(c)),
     ]
+
+
+def _window_text(c) -> str:
+    """Which layers see only the last W positions (sliding window), or "full"."""
+    layers = [layer for layer in range(c.n_layers) if c.window(layer) is not None]
+    if not layers:
+        return "full: each query sees every earlier position"
+    which = "every layer" if len(layers) == c.n_layers else f"layers {', '.join(map(str, layers))}"
+    return f"sliding window of {c.sliding_window}: each query sees the last {c.sliding_window} positions ({which})"
 
 
 def _generation_table(generation_config):
