@@ -68,18 +68,27 @@ def decode_forward_static(model: Transformer, token_ids: torch.Tensor, pos: torc
     return model.lm_head(model.ln_final(x))[:, -1].float()
 
 
-def _check_static(model: Transformer, cache: KVCache) -> None:
-    """ValueError for what the static view cannot do: sliding windows (its mask is causal only,
-    and it indexes positions, not a rolling buffer's slots) and dynamic NTK RoPE (which
-    recomputes its frequencies from each step's length)."""
+def static_view_limit(model: Transformer, cache: KVCache) -> str | None:
+    """Why the static view cannot run ``model`` over ``cache``, or None when it can.
+
+    Sliding windows shorter than the cache (its mask is causal only, and it indexes positions,
+    not a rolling buffer's slots) and dynamic NTK RoPE (its frequencies change with the length
+    at every step) are beyond it.
+    """
     cfg = model.config
     windows = [cfg.window(layer) for layer in range(cfg.n_layers) if cfg.window(layer) is not None]
     if any(w < cache.max_seq_len for w in windows):
-        raise ValueError(f"compile_decode_step does not support sliding-window attention (window {windows[0]} < "
-                         f"the cache's {cache.max_seq_len} positions); use decode_step")
+        return (f"compile_decode_step does not support sliding-window attention (window {windows[0]} < "
+                f"the cache's {cache.max_seq_len} positions); use decode_step")
     if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "dynamic":
-        raise ValueError("compile_decode_step does not support dynamic NTK RoPE scaling (its frequencies change "
-                         "with the length at every step); use decode_step")
+        return ("compile_decode_step does not support dynamic NTK RoPE scaling (its frequencies change "
+                "with the length at every step); use decode_step")
+    return None
+
+
+def _check_static(model: Transformer, cache: KVCache) -> None:
+    if (reason := static_view_limit(model, cache)) is not None:
+        raise ValueError(reason)
 
 
 def compile_decode_step(mode: str = "default"):

@@ -45,7 +45,7 @@ def write_f32_gguf(model: Transformer, metadata_gguf: str | Path, out_path: str 
             converted from): its tokenizer and general.* keys are copied.
         out_path: the file to write (replaced if present).
 
-    Raises ValueError (not a Llama-family float32 model, RoPE scaling, a tokenizer whose size
+    Raises ValueError (not a Llama-family float32 model, RoPE scaling, a sliding window, a tokenizer whose size
     differs from the model's vocabulary), ModelNotFoundError (metadata_gguf unreadable).
     """
     c = model.config
@@ -135,6 +135,9 @@ def _check_exportable(model: Transformer) -> None:
                          f"here, got {c.model_type}")
     if c.rope_scaling is not None:
         raise ValueError("RoPE scaling is not written to GGUF here; use llama.cpp's convert_hf_to_gguf.py")
+    if c.has_sliding_window:
+        raise ValueError(f"a sliding window (W={c.sliding_window}) is not written to GGUF here: llama.cpp would "
+                         "attend to every position; use llama.cpp's convert_hf_to_gguf.py")
     if param.dtype != torch.float32:
         raise ValueError(f"the model is {param.dtype}; load it in float32 to write an F32 GGUF")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .compile import static_view_limit
 from .kv_cache import KVCache
 from .model import Hook, Transformer
 from .trace import Trace
@@ -73,7 +74,8 @@ def decode_step(model: Transformer, token_id, cache: KVCache, hook: Hook | None 
     token_ids = _as_batch(model, token_id, cache, what="token_id").reshape(-1, 1)
     cache.check_room(1)
     compiled = getattr(model, "compiled_decode", None)  # the "compile" path of minillm/decode_path.py
-    if compiled is not None and hook is None and trace is None and type(cache) is KVCache:
+    if (compiled is not None and hook is None and trace is None and type(cache) is KVCache
+            and static_view_limit(model, cache) is None):  # (a window or dynamic RoPE: the eager step)
         return compiled(model, token_ids, cache)  # (a hook or a trace needs the eager step's layers)
     with torch.inference_mode():
         if trace is None:

@@ -290,3 +290,32 @@ def test_window_on_some_layers_only(pair, impl):
     logits = [prefill(mixed, ids[:, : W + 3], cache)]
     logits += [decode_step(mixed, ids[:, i], cache) for i in range(W + 3, 3 * W)]
     assert (torch.stack(logits, dim=1) - reference[:, W + 2 :]).abs().max().item() <= TOL
+
+
+def test_gguf_export_refuses_a_window(pair, tmp_path):
+    """llama.cpp's llama architecture would attend to every position: refused, not written wrong."""
+    from minillm.gguf_export import write_f32_gguf
+
+    _, model = pair
+    with pytest.raises(ValueError, match=r"a sliding window \(W=8\) is not written to GGUF here"):
+        write_f32_gguf(model, tmp_path / "unused.gguf", tmp_path / "out.gguf")
+
+
+def test_the_compile_decode_path_falls_back_to_the_eager_step(pair):
+    """On the "compile" decode path (minillm.decode_path) a window model decodes eagerly, not refused."""
+    _, model = pair
+    ids = _ids(W + 4)
+    with torch.no_grad():
+        reference = model(ids)
+
+    def compiled(*args):
+        raise AssertionError("the static view was used for a window model")
+
+    model.compiled_decode = compiled
+    try:
+        cache = _cache(model, rolling=False)
+        prefill(model, ids[:, : W + 3], cache)
+        got = decode_step(model, ids[:, W + 3], cache)
+    finally:
+        del model.compiled_decode
+    assert (got - reference[:, -1]).abs().max().item() <= TOL
