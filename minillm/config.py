@@ -384,18 +384,37 @@ def _from_qwen(hf: dict) -> ModelConfig:
     Qwen2: q, k, v biases always, none on o (HF Qwen2Attention has no bias field).
     Qwen3: ``attention_bias`` (default false) on all four projections, QK-norm, and a
     ``head_dim`` that defaults to 128 (Qwen3Config), not hidden_size / heads.
-    The window fields (``sliding_window``, ``max_window_layers``, ``layer_types``) take effect
-    only with ``use_sliding_window``, false in the released Qwen2.5 and Qwen3 configs.
+    With ``use_sliding_window`` (false in the released Qwen2.5 and Qwen3 configs), the layers
+    from ``max_window_layers`` on, or those ``layer_types`` names "sliding_attention", attend
+    to the last ``sliding_window`` positions, as transformers builds ``layer_types``; without
+    it, the window fields are ignored.
     """
-    if _bool(hf, "use_sliding_window", False):
-        raise ConfigError("config.json: use_sliding_window=true is not supported yet (sliding-window attention "
-                          "on the layers from max_window_layers on); use a config with use_sliding_window=false")
     llama = {k: v for k, v in hf.items() if k not in ("sliding_window", "max_window_layers", "layer_types")}
     if hf["model_type"] == "qwen2":
-        return replace(_from_llama(llama), model_type="qwen2", qkv_bias=True, o_bias=False)
-    bias = _bool(hf, "attention_bias", False)
-    return replace(_from_llama({**llama, "head_dim": _int(hf, "head_dim", 128)}), model_type="qwen3",
-                   qkv_bias=bias, o_bias=bias, qk_norm=True)
+        config = replace(_from_llama(llama), model_type="qwen2", qkv_bias=True, o_bias=False)
+    else:
+        bias = _bool(hf, "attention_bias", False)
+        config = replace(_from_llama({**llama, "head_dim": _int(hf, "head_dim", 128)}), model_type="qwen3",
+                         qkv_bias=bias, o_bias=bias, qk_norm=True)
+    return replace(config, **_qwen_window(hf, config.n_layers))
+
+
+def _qwen_window(hf: dict, n_layers: int) -> dict:
+    """``sliding_window`` and ``sliding_window_layers`` of a Qwen config (Qwen2Config's ``layer_types``)."""
+    if not _bool(hf, "use_sliding_window", False) or hf.get("sliding_window", 4096) is None:
+        return {"sliding_window": None, "sliding_window_layers": None}
+    window = _int(hf, "sliding_window", 4096)
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        first = _int(hf, "max_window_layers", 28, minimum=0)
+        layers = tuple(range(first, n_layers))
+    elif (not isinstance(layer_types, list) or len(layer_types) != n_layers
+          or not set(layer_types) <= {"sliding_attention", "full_attention"}):
+        raise ConfigError(f"config.json: layer_types must list 'sliding_attention' or 'full_attention' for each of "
+                          f"the {n_layers} layers, got {layer_types!r}; fix the config")
+    else:
+        layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+    return {"sliding_window": window if layers else None, "sliding_window_layers": layers or None}
 
 
 def _sliding_window(hf: dict) -> int | None:

@@ -40,6 +40,13 @@ MATCH = {
     "qwen2 rms_norm_eps": ("qwen2", QWEN2, {"rms_norm_eps": 1e-2}),
     "qwen2 rope_theta": ("qwen2", QWEN2, {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}),
     "qwen2 window fields without use_sliding_window": ("qwen2", QWEN2, {"sliding_window": 4, "max_window_layers": 0}),
+    "qwen2 use_sliding_window (layers from max_window_layers on)": (
+        "qwen2", QWEN2, {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    "qwen2 use_sliding_window (layer_types)": (
+        "qwen2", QWEN2, {"use_sliding_window": True, "sliding_window": 8,
+                         "layer_types": ["sliding_attention", "full_attention"]}),
+    "qwen3 use_sliding_window (every layer)": (
+        "qwen3", QWEN3, {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}),
     "qwen3 attention_bias": ("qwen3", QWEN3, {"attention_bias": True}),
     "qwen3 rms_norm_eps (also QK-norm's)": ("qwen3", QWEN3, {"rms_norm_eps": 1e-1}),
     "llama attention_bias": ("llama", LLAMA, {"attention_bias": True}),
@@ -75,10 +82,8 @@ REFUSE = {
     "llama final_logit_softcapping": ("llama", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
     "llama query_pre_attn_scalar": ("llama", {"query_pre_attn_scalar": 16}, "query_pre_attn_scalar"),
     "llama logits_scaling": ("llama", {"logits_scaling": 8.0}, "logits_scaling"),
-    "qwen2 use_sliding_window": ("qwen2", {"use_sliding_window": True, "sliding_window": 16},
-                                 "use_sliding_window=true is not supported yet"),
-    "qwen3 use_sliding_window": ("qwen3", {"use_sliding_window": True, "sliding_window": 16,
-                                           "max_window_layers": 1}, "use_sliding_window=true is not supported yet"),
+    "qwen2 layer_types not a layer each": ("qwen2", {"use_sliding_window": True, "sliding_window": 8,
+                                                     "layer_types": ["sliding_attention"]}, "layer_types must list"),
     "qwen2 hidden_act gelu": ("qwen2", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     "qwen3 partial_rotary_factor": ("qwen3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     "qwen3 rope longrope": ("qwen3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "'longrope'"),
