@@ -246,6 +246,13 @@ def decode_cost(config: ModelConfig, context_len: int, dtype_bytes: int, batch_s
     return prefill_cost(config, 1, dtype_bytes, cached_tokens=context_len - 1, batch_size=batch_size)
 
 
+def with_weights_bytes(cost: PhaseCost, weights_bytes_read: float) -> PhaseCost:
+    """The same cost with its weights term replaced, e.g. by ``model.weights_bytes()`` of a model
+    quantised by :mod:`minillm.quantize`: its matrices are 1 or ½ byte a weight plus scales, not
+    dtype_bytes (which still sizes the float KV cache). The roofline floor moves with it."""
+    return _cost(cost.flops, weights_bytes_read, cost.kv_read_bytes, cost.kv_written_bytes)
+
+
 def _cost(flops: float, w_bytes: float, kv_read: float, kv_written: float) -> PhaseCost:
     return PhaseCost(float(flops), float(w_bytes + kv_read + kv_written),
                      float(w_bytes), float(kv_read), float(kv_written))

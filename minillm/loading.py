@@ -37,7 +37,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 IGNORED = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
 
 
-def load_model(name_or_path, device=None, dtype=None, attn_impl: str = "sdpa", weights_dir=None) -> Transformer:
+def load_model(name_or_path, device=None, dtype=None, attn_impl: str = "sdpa", weights_dir=None,
+               quantize: str | None = None) -> Transformer:
     """Load a GPT-2, Llama, Mistral, Qwen2/Qwen2.5 or Qwen3 checkpoint.
 
     Args:
@@ -49,6 +50,8 @@ def load_model(name_or_path, device=None, dtype=None, attn_impl: str = "sdpa", w
             (bfloat16 on cuda).
         attn_impl: "sdpa" (fused) or "eager" (the math written out).
         weights_dir: where named models are stored (default: see :func:`minillm.weights.weights_dir`).
+        quantize: None (float weights), "int8" or "int4": the matrices are quantised from the
+            float weights after loading (:mod:`minillm.quantize`); embedding and norms stay float.
 
     Returns the model in eval mode, with ``model.config`` (:class:`ModelConfig`),
     ``model.source`` (the folder it came from) and ``model.generation_config``
@@ -57,9 +60,13 @@ def load_model(name_or_path, device=None, dtype=None, attn_impl: str = "sdpa", w
     by MINILLM_DECODE_PATH, cached, or measured now on a CPU's first load of this model shape).
 
     Raises ModelNotFoundError (no such model), ConfigError (unsupported config.json),
-    WeightsError (missing, unexpected or mis-shaped tensors), ValueError (bad dtype/device).
+    WeightsError (missing, unexpected or mis-shaped tensors), ValueError (bad dtype/device),
+    QuantizationError (an unknown quantize format, or one this dtype/device cannot run).
     """
+    from .quantize import check_quantize_args, quantize_model
     from .weights import resolve_model
+
+    check_quantize_args(quantize, device, dtype)  # before the (slow) load
 
     folder = resolve_model(name_or_path, weights_dir, download=True)
     config = ModelConfig.from_json(folder)
@@ -78,7 +85,7 @@ def load_model(name_or_path, device=None, dtype=None, attn_impl: str = "sdpa", w
     from .decode_path import use_best_decode_path
 
     use_best_decode_path(model)  # weights packed (q|k|v, gate|up) and laid out as this machine decodes fastest
-    return model
+    return quantize_model(model, quantize) if quantize else model  # after: the float layout is chosen first
 
 
 @contextmanager

@@ -472,5 +472,16 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def weights_bytes(self) -> int:
-        """Bytes of all distinct parameters, i.e. what one decode step must read."""
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        """Bytes of all distinct parameters, i.e. what one decode step must read.
+
+        A quantised model (:mod:`minillm.quantize`) counts its int8/int4 codes, scales and zeros.
+        Its tied LM head reads a quantised copy while the lookup reads one row of the float
+        embedding: the copy is counted, the float table is not (it is memory, not traffic).
+        """
+        from .quantize import QuantizedLinear
+
+        params = sum(p.numel() * p.element_size() for p in self.parameters())
+        quantized = sum(m.weights_bytes() for m in self.modules() if isinstance(m, QuantizedLinear))
+        if isinstance(self.lm_head, QuantizedLinear) and self.config.tie_word_embeddings:
+            params -= self.embed.weight.numel() * self.embed.weight.element_size()
+        return params + quantized

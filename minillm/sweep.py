@@ -28,7 +28,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from .costs import decode_cost, prefill_cost
+from .costs import decode_cost, prefill_cost, with_weights_bytes
 from .kv_cache import KVCache
 from .phases import decode_step, prefill
 from .trace import _sync
@@ -161,7 +161,8 @@ def sweep(
     if hw is not None:
         b = param.element_size()
         floor = lambda cost: max(cost.flops / hw.peak_flops, cost.bytes / hw.mem_bandwidth) * 1e3  # noqa: E731
-        result.ttft_floor_ms = [floor(prefill_cost(model.config, n, b)) for n in prompt_lengths]
-        result.tpot_floor_ms = [floor(decode_cost(model.config, c, b)) for c in context_lengths]
+        w = model.weights_bytes()  # a quantised model's int8/int4 bytes
+        result.ttft_floor_ms = [floor(with_weights_bytes(prefill_cost(model.config, n, b), w)) for n in prompt_lengths]
+        result.tpot_floor_ms = [floor(with_weights_bytes(decode_cost(model.config, c, b), w)) for c in context_lengths]
         result.hardware = hw.name
     return result

@@ -456,11 +456,12 @@ class Trace:
         self._model_recorded = True
 
     def _record_pass(self, phase, step, model, token_ids, cache, length_before, start, end, impl) -> Event:
-        from .costs import prefill_cost
+        from .costs import prefill_cost, with_weights_bytes
 
         B, T = token_ids.shape
         dtype_bytes = next(model.parameters()).element_size()
         cost = prefill_cost(model.config, T, dtype_bytes, cached_tokens=length_before, batch_size=B)
+        cost = with_weights_bytes(cost, model.weights_bytes())  # quantised weights move the floor
         time_s = end - start
         n_kv_heads, head_dim = cache.k.shape[2], cache.k.shape[4]
         ids = token_ids.tolist()

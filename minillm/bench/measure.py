@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from ..costs import decode_cost, prefill_cost
+from ..costs import decode_cost, prefill_cost, with_weights_bytes
 from ..hardware import HardwareProfile, get_hardware, load_calibration, roofline
 from ..model import Transformer
 from .engines import ENGINES, Clock, make_engines
@@ -225,7 +225,8 @@ def _no_cache_tokens(batch: int, length: int, decode_tokens: int) -> int | None:
 def _prefill_measurement(model, hw, engine: str, length: int, clocks: list[Clock]) -> Measurement:
     times = [c.ttft_s for c in clocks]
     t = statistics.median(times)
-    cost = prefill_cost(model.config, length, next(model.parameters()).element_size())
+    cost = with_weights_bytes(prefill_cost(model.config, length, next(model.parameters()).element_size()),
+                              model.weights_bytes())  # a quantised model's bytes
     verdict = roofline(cost, t, hw)
     return Measurement(engine, "prefill", length, 1, t * 1e3, [x * 1e3 for x in times], length / t, 1,
                        verdict.floor_s * 1e3, verdict.roofline_fraction, verdict.bound)
@@ -236,7 +237,8 @@ def _decode_measurement(model, hw, engine: str, length: int, batch: int, clocks:
     t = statistics.median(times)
     n_new = len(clocks[0].times)
     # The timed steps attend to length+1 .. length+n_new-1 keys: cost at the middle one.
-    cost = decode_cost(model.config, length + n_new // 2, next(model.parameters()).element_size(), batch)
+    cost = with_weights_bytes(decode_cost(model.config, length + n_new // 2, next(model.parameters()).element_size(),
+                                          batch), model.weights_bytes())
     verdict = roofline(cost, t, hw)
     return Measurement(engine, "decode", length, batch, t * 1e3, [x * 1e3 for x in times], batch / t, n_new,
                        verdict.floor_s * 1e3, verdict.roofline_fraction, verdict.bound)

@@ -90,7 +90,7 @@ def run_bench_serving(args) -> int:
 
         torch.set_num_threads(args.threads)
     folder = ensure_model(args.model, args.weights_dir)
-    model = load_model(folder, device=args.device, dtype=args.dtype)
+    model = load_model(folder, device=args.device, dtype=args.dtype, quantize=args.quantize)
     tokenizer = _tokenizer(folder, required=bool(args.dataset))
     workloads = _workloads(args, rates, model.config.vocab_size, tokenizer)
     _check_fits(args, model, next(iter(workloads.values())))

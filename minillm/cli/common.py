@@ -55,6 +55,7 @@ def model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights-dir", help="where models are stored (default: $MINILLM_WEIGHTS, ./weights, ~/.cache/minillm)")
     p.add_argument("--device", help="cpu, cuda or mps (default: cuda if available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default float32 (bfloat16 on cuda)")
+    quantize_option(p)
     p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
 
 
@@ -69,6 +70,11 @@ def thinking_option(p: argparse.ArgumentParser) -> None:
 def chat_template_kwargs(args) -> dict:
     """The extra chat template variables the flags set: {} or {"enable_thinking": bool}."""
     return {} if args.enable_thinking is None else {"enable_thinking": args.enable_thinking}
+
+
+def quantize_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantize", choices=["int8", "int4"],
+                   help="weight-only quantisation of the matrices at load (minillm/quantize.py); default: float")
 
 
 def model_argument(p: argparse.ArgumentParser, help: str) -> None:

@@ -94,7 +94,7 @@ def run_generate(args) -> int:
     _check_generate_args(args)
     prompts = [_read_prompt(p) for p in args.prompt] or [_read_prompt(None)]
     folder = ensure_model(args.model, args.weights_dir)
-    model = load_model(folder, device=args.device, dtype=args.dtype)
+    model = load_model(folder, device=args.device, dtype=args.dtype, quantize=args.quantize)
     tokenizer = load_tokenizer(folder)
     if args.system is not None and args.chat is None and not tokenizer.has_chat_template:
         raise UsageError(f"--system needs a chat template and {args.model} has none; put the text in the prompt")

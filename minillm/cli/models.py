@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .. import weights
 from ..units import fmt_bytes
-from .common import check_out_dir, chosen_model, ensure_model, model_argument
+from .common import check_out_dir, chosen_model, ensure_model, model_argument, quantize_option
 
 
 def add_download(sub) -> None:
@@ -38,6 +38,7 @@ def add_info(sub) -> None:
                                          "~/.cache/minillm)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="the dtype the bytes are counted in")
+    quantize_option(p)
     p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     p.set_defaults(run=run_info)
 
@@ -49,7 +50,7 @@ def run_info(args) -> int:
     from ..loading import load_model
 
     args.model = chosen_model(args)
-    model = load_model(ensure_model(args.model, args.weights_dir), device="cpu", dtype=args.dtype)
+    model = load_model(ensure_model(args.model, args.weights_dir), device="cpu", dtype=args.dtype, quantize=args.quantize)
     c = model.config
     dtype_bytes = next(model.parameters()).element_size()
     table = Table(title=f"{args.model} ({args.dtype})", show_header=False)
@@ -61,6 +62,7 @@ def run_info(args) -> int:
         ("tied embeddings", c.tie_word_embeddings),
         ("parameters", f"{model.num_parameters():,}"),
         ("weights bytes", f"{model.weights_bytes():,} ({fmt_bytes(model.weights_bytes())})"),
+        *_quantization_rows(model),
         ("KV bytes per token", f"{c.kv_bytes_per_token(dtype_bytes):,} (2 x {c.n_layers} x {c.n_kv_heads} x "
                                f"{c.head_dim} x {dtype_bytes})"),
     ]
@@ -95,6 +97,17 @@ def _window_text(c) -> str:
         return "full: each query sees every earlier position"
     which = "every layer" if len(layers) == c.n_layers else f"layers {', '.join(map(str, layers))}"
     return f"sliding window of {c.sliding_window}: each query sees the last {c.sliding_window} positions ({which})"
+
+
+def _quantization_rows(model) -> list[tuple[str, str]]:
+    """What --quantize changed: the format, and the float embedding a tied head keeps beside its copy."""
+    if not getattr(model, "quantization", None):
+        return []
+    rows = [("quantization", f"{model.quantization} matrices, float embedding")]
+    if model.config.tie_word_embeddings:  # the head reads its quantised copy; the lookup, one row of the table
+        embed = model.embed.weight
+        rows.append(("+ float embedding", f"{fmt_bytes(embed.numel() * embed.element_size())} (lookup only)"))
+    return rows
 
 
 def _generation_table(generation_config):

@@ -29,6 +29,7 @@ from minillm.kv_cache import KVCache
 from minillm.metrics import RequestMetrics, percentile
 from minillm.model import causal_mask
 from minillm.phases import decode_step, prefill
+from minillm.quantize import dequantize_int4, pack_int4, quantize_int4
 from minillm.rope import RotaryEmbedding
 from minillm.sampling import filter_logits, sample
 from minillm.serving.request import RUNNING, WAITING
@@ -1266,3 +1267,60 @@ def keeps_checking_after_a_rejection(p, q, draft_ids, generator=None):
 def deterministic_draft_always_accepted(p, q, draft_ids, generator=None):
     """With q None (prompt lookup) keeps every draft, as if a sure guess needed no check."""
     return _verify(p, q, draft_ids, generator, q_none_is_sure=True)  # MISTAKE
+
+
+# -- ex18 int4 group quantisation ------------------------------------------------------------------
+
+
+def _int4_groups(w, group_size):
+    pad = -w.shape[1] % group_size
+    return torch.nn.functional.pad(w.float(), (0, pad)).view(w.shape[0], -1, group_size)
+
+
+def _int4_codes(w, group_size, scale, zero):
+    groups = _int4_groups(w, group_size)
+    q = (torch.round(groups / scale[..., None]) + zero[..., None]).clamp(0, 15).to(torch.uint8)
+    return pack_int4(q.view(w.shape[0], -1)[:, :w.shape[1]])
+
+
+@mistake("ex18", "quantize_int4")
+def int4_symmetric(w, group_size=64):
+    """Symmetric int4 (scale = max|w| / 7, zero fixed at 8): half the codes wasted on a one-sided group."""
+    groups = _int4_groups(w, group_size)
+    scale = groups.abs().amax(-1) / 7  # MISTAKE: (hi - lo) / 15 with a zero point
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = torch.full_like(scale, 8)
+    return _int4_codes(w, group_size, scale, zero), scale, zero.to(torch.uint8)
+
+
+@mistake("ex18", "quantize_int4")
+def int4_scale_from_max(w, group_size=64):
+    """scale = max / 15, not (max - min) / 15: the negative part of the range is clipped to code 0."""
+    groups = _int4_groups(w, group_size)
+    lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+    scale = hi / 15  # MISTAKE: (hi - lo) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = torch.round(-lo / scale).clamp(0, 15)
+    return _int4_codes(w, group_size, scale, zero), scale, zero.to(torch.uint8)
+
+
+@mistake("ex18", "quantize_int4")
+def int4_nibble_order_swapped(w, group_size=64):
+    """The earlier element in the high nibble: q[2j] << 4 | q[2j+1], unreadable by every int4 kernel."""
+    packed, scale, zero = quantize_int4(w, group_size)
+    return (packed << 4) | (packed >> 4), scale, zero  # MISTAKE: swaps the two nibbles of each byte
+
+
+@mistake("ex18", "quantize_int4")
+def int4_forgets_the_short_group(w, group_size=64):
+    """n_groups = in // group_size: the last weights of a row that does not divide evenly get no group."""
+    full = w.shape[1] // group_size * group_size  # MISTAKE: ceil, the short group counts
+    packed, scale, zero = quantize_int4(w[:, :full], group_size)
+    return torch.cat([packed, torch.zeros(w.shape[0], -(-w.shape[1] // 2) - packed.shape[1], dtype=torch.uint8)], 1), \
+        scale, zero
+
+
+@mistake("ex18", "dequantize_int4")
+def int4_dequantize_forgets_the_zero(packed, scale, zero, in_features, group_size=64):
+    """ŵ = q · scale: the zero point is not subtracted, every weight shifted by zero · scale."""
+    return dequantize_int4(packed, scale, torch.zeros_like(zero), in_features, group_size)  # MISTAKE: (q - zero)

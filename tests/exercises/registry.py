@@ -105,6 +105,9 @@ EXERCISES = {ex.id: ex for ex in [
              "lessons/09-optimisations.md#speculative-decoding-one-step-at-a-time",
              {"residual_distribution": "minillm.speculative", "accept_or_resample": "minillm.speculative"},
              ("residual_distribution", "accept_or_resample")),
+    Exercise("ex18", "int4 group quantisation", "ex18_int4_quant", "lessons/09-optimisations.md#weight-only-quantisation",
+             {"quantize_int4": "minillm.quantize", "dequantize_int4": "minillm.quantize"},
+             ("quantize_int4", "dequantize_int4")),
 ]}
 
 

@@ -67,6 +67,11 @@ REQUIRED = {
     "resamples_from_p_not_the_residual": "ex17",
     "keeps_checking_after_a_rejection": "ex17",
     "deterministic_draft_always_accepted": "ex17",
+    # issue 16: int4 group quantisation
+    "int4_symmetric": "ex18",
+    "int4_scale_from_max": "ex18",
+    "int4_nibble_order_swapped": "ex18",
+    "int4_forgets_the_short_group": "ex18",
 }
 
 

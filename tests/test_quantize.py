@@ -1,0 +1,186 @@
+"""Weight-only quantisation (minillm/quantize.py): the formats' error bounds, hand-computed codes,
+the fast kernels against the reference path, the bytes against the formula, and bad input.
+
+Oracles: the rounding bound |w - ŵ| <= scale/2 of each format, small cases worked by hand, the
+float model's logits, and the byte formula written out here from the format's definition.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import CONFIGS, build_hf, save_hf
+
+from minillm import KVCache, decode_step, load_model, prefill
+from minillm.costs import decode_cost, with_weights_bytes
+from minillm.quantize import (
+    QuantizationError,
+    QuantizedLinear,
+    dequantize_int4,
+    dequantize_int8,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+    unpack_int4,
+)
+
+EPS = 1e-6  # float32 rounding of w / scale
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    """Tiny random Llamas: untied (GQA) and tied (MQA), d_model 64, d_mlp 128."""
+    root = tmp_path_factory.mktemp("quant")
+    return {name: save_hf(build_hf(*CONFIGS[name]), root / name) for name in ("llama_gqa", "llama_mqa_tied")}
+
+
+def test_int8_codes_by_hand():
+    w = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0]])
+    q, scale = quantize_int8(w)
+    assert scale.tolist() == pytest.approx([2 / 127, 1.0])  # an all-zero row gets scale 1, not 0
+    assert q.tolist() == [[64, -127, 32], [0, 0, 0]]  # 63.5 rounds to even, 31.75 to 32
+
+
+@pytest.mark.parametrize("shape", [(5, 40), (3, 576)])
+def test_int8_round_trip_within_half_a_step(shape):
+    torch.manual_seed(0)
+    w = torch.randn(shape) * torch.rand(shape[0], 1) * 3
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    error = (w - dequantize_int8(q, scale)).abs()
+    assert (error <= scale[:, None] / 2 * (1 + EPS)).all()
+
+
+def test_int4_codes_by_hand():
+    # one group [-1, 0.5]: lo -1, hi 0.5, scale 0.1, zero round(10) = 10, q = round(w/0.1) + 10 = [0, 15]
+    packed, scale, zero = quantize_int4(torch.tensor([[-1.0, 0.5]]), group_size=2)
+    assert scale.item() == pytest.approx(0.1) and zero.item() == 10
+    assert packed.tolist() == [[0 | 15 << 4]]
+
+
+@pytest.mark.parametrize("values, zero, scale", [
+    ([0.5, 1.5, 3.0, 0.1], 0, 3.0 / 15),  # all positive: the range starts at 0
+    ([-0.5, -1.5, -3.0, -0.1], 15, 3.0 / 15),  # all negative: the range ends at 0
+    ([2.0, 2.0, 2.0, 2.0], 0, 2.0 / 15),  # constant: exact (code 15)
+    ([-2.0, -2.0, -2.0, -2.0], 15, 2.0 / 15),  # constant negative: exact (code 0)
+    ([0.0, 0.0, 0.0, 0.0], 0, 1.0),  # all zero: scale 1, not a division by 0
+])
+def test_int4_zero_points(values, zero, scale):
+    w = torch.tensor([values])
+    packed, s, z = quantize_int4(w, group_size=4)
+    assert z.item() == zero and s.item() == pytest.approx(scale)
+    w_hat = dequantize_int4(packed, s, z, 4, group_size=4)
+    assert (w - w_hat).abs().max() <= s.item() / 2 * (1 + EPS)
+    if len(set(values)) == 1:
+        torch.testing.assert_close(w_hat, w)
+
+
+@pytest.mark.parametrize("in_features, group_size", [(64, 32), (128, 64), (70, 32), (33, 64)])
+def test_int4_round_trip_within_half_a_step_including_a_short_last_group(in_features, group_size):
+    torch.manual_seed(in_features)
+    w = torch.randn(6, in_features) + 0.3
+    packed, scale, zero = quantize_int4(w, group_size)
+    n_groups = -(-in_features // group_size)
+    assert packed.shape == (6, -(-in_features // 2)) and scale.shape == zero.shape == (6, n_groups)
+    assert zero.max() <= 15
+    w_hat = dequantize_int4(packed, scale, zero, in_features, group_size)
+    step = scale.repeat_interleave(group_size, dim=1)[:, :in_features]  # each weight's own group's scale
+    assert ((w - w_hat).abs() <= step / 2 * (1 + EPS)).all()
+    last = w[:, (n_groups - 1) * group_size:]  # the short group's scale comes from its own values
+    expected = (last.amax(1).clamp(min=0) - last.amin(1).clamp(max=0)) / 15
+    torch.testing.assert_close(scale[:, -1], expected)
+
+
+def test_pack_puts_the_earlier_element_in_the_low_nibble_and_round_trips():
+    assert pack_int4(torch.tensor([[1, 2, 15]], dtype=torch.uint8)).tolist() == [[0x21, 0x0F]]
+    q = torch.randint(0, 16, (3, 7), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(unpack_int4(pack_int4(q), 7), q)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_fast_kernels_give_the_reference_logits(tiny_dirs, fmt):
+    """A decode step (1 row: the compiled kernels) against the same model dequantising explicitly."""
+    model = load_model(tiny_dirs["llama_gqa"], device="cpu", quantize=fmt)
+    ids = torch.tensor([[3, 14, 15, 92, 65]])
+    logits = {}
+    for fast in (True, False):
+        for m in model.modules():
+            if isinstance(m, QuantizedLinear):
+                m.fast = fast
+        cache = KVCache.for_model(model, max_seq_len=8)
+        prefill(model, ids, cache)
+        logits[fast] = decode_step(model, torch.tensor([7]), cache)
+    from minillm import quantize
+    assert fmt in quantize._compiled  # the compiled kernel ran
+    error = (logits[True] - logits[False]).abs().max() / logits[False].abs().max()
+    assert error <= 1e-4
+
+
+@pytest.mark.parametrize("fmt, bound", [("int8", 0.02), ("int4", 0.3)])
+def test_quantised_logits_stay_near_the_float_model(tiny_dirs, fmt, bound):
+    """Max |logit difference| relative to max |logit|: measured 0.008 (int8) and 0.126 (int4); bounds ~2.5x."""
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38]])
+    reference = load_model(tiny_dirs["llama_mqa_tied"], device="cpu")(ids)
+    quantised = load_model(tiny_dirs["llama_mqa_tied"], device="cpu", quantize=fmt)(ids)  # 10 rows: reference path
+    error = (quantised - reference).abs().max() / reference.abs().max()
+    assert 0 < error <= bound
+
+
+def _int8_bytes(out, n_in):
+    return out * n_in + 4 * out  # int8 codes + a float32 scale per row
+
+
+def _int4_bytes(out, n_in, group=64):
+    return out * ((n_in + 1) // 2) + out * ((n_in + group - 1) // group) * (4 + 1)  # nibbles + scale, zero
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa_tied"])
+@pytest.mark.parametrize("fmt, matrix_bytes", [("int8", _int8_bytes), ("int4", _int4_bytes)])
+def test_weights_bytes_equal_the_formula(tiny_dirs, name, fmt, matrix_bytes):
+    model = load_model(tiny_dirs[name], device="cpu", quantize=fmt)
+    c = model.config
+    kv = c.n_kv_heads * c.head_dim
+    layer = (matrix_bytes(c.d_model, c.d_model) + 2 * matrix_bytes(kv, c.d_model) + matrix_bytes(c.d_model, c.d_model)
+             + 2 * matrix_bytes(c.d_mlp, c.d_model) + matrix_bytes(c.d_model, c.d_mlp) + 2 * c.d_model * 4)  # norms
+    head = matrix_bytes(c.vocab_size, c.d_model)
+    embed = 0 if c.tie_word_embeddings else c.vocab_size * c.d_model * 4  # tied: the head's copy is what is read
+    expected = c.n_layers * layer + c.d_model * 4 + head + embed
+    assert model.weights_bytes() == expected
+    cost = with_weights_bytes(decode_cost(c, 10, 4), model.weights_bytes())
+    assert cost.weights_bytes == expected  # the roofline floor moves with the bytes
+
+
+def test_bad_input_is_one_line(tiny_dirs):
+    with pytest.raises(QuantizationError, match="quantize must be one of int8, int4, got 'int3'"):
+        load_model("/no/such/model", quantize="int3")  # refused before looking for the model
+    with pytest.raises(QuantizationError, match="needs dtype float32 on cpu"):
+        load_model(tiny_dirs["llama_gqa"], device="cpu", dtype="float16", quantize="int8")
+    model = load_model(tiny_dirs["llama_gqa"], device="cpu", quantize="int8")
+    with pytest.raises(QuantizationError, match="already quantised"):
+        quantize_model(model, "int4")
+    with pytest.raises(QuantizationError, match="group_size must be >= 2"):
+        quantize_int4(torch.ones(2, 4), group_size=1)
+    bf16 = load_model(tiny_dirs["llama_gqa"], device="cpu", dtype="bfloat16")
+    with pytest.raises(QuantizationError, match="needs float32 weights on cpu"):
+        quantize_model(bf16, "int8")
+
+
+def test_info_counts_the_quantised_bytes_and_names_the_float_embedding(tiny_dirs, capsys):
+    from minillm.cli import main
+
+    folder = tiny_dirs["llama_mqa_tied"]
+    assert main(["info", "--model", str(folder), "--quantize", "int4"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    expected = load_model(folder, device="cpu", quantize="int4").weights_bytes()
+    assert f"weights bytes │ {expected:,}" in out
+    assert "│ quantization │ int4 matrices, float embedding │" in out
+    assert "│ + float embedding │ 32.0 KiB (lookup only) │" in out  # 128 x 64 float32, memory not read per step
+
+
+def test_cli_refuses_an_unknown_format(tiny_dirs, capsys):
+    from minillm.cli import main
+
+    assert main(["generate", "hi", "--model", str(tiny_dirs["llama_gqa"]), "--quantize", "int3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--quantize: invalid choice: 'int3'" in err
