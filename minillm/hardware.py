@@ -219,7 +219,18 @@ def load_calibration(device="cpu", dtype=torch.float32) -> HardwareProfile | Non
     """The cached calibration of device + dtype, or None (never measured, or measured
     on different hardware sharing the same weights dir)."""
     entry = load_measurement(_key(_device(device), _dtype(dtype)), device)
-    return None if entry is None else HardwareProfile(**entry["profile"])
+    profile = None if entry is None else entry.get("profile")
+    # A hand-edited or half-written entry is not trusted: it reads as never measured, so it is measured again.
+    if not isinstance(profile, dict) or not all(_positive_number(profile.get(f)) for f in ("peak_flops", "mem_bandwidth")):
+        return None
+    try:
+        return HardwareProfile(**profile)
+    except TypeError:  # a field missing or unknown
+        return None
+
+
+def _positive_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def get_hardware(device="cpu", dtype=torch.float32, calibrate_if_missing: bool = True) -> HardwareProfile:
@@ -329,9 +340,11 @@ def _memory_bytes(dev: torch.device) -> float | None:
 def _read_cache() -> dict:
     path = calibration_path()
     try:
-        return json.loads(path.read_text())
+        cache = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return {}
+    # Only an object of entries is a cache; anything else (a list, a number) is measured again and replaced.
+    return cache if isinstance(cache, dict) else {}
 
 
 def _save(dev: torch.device, dtype: torch.dtype, profile: HardwareProfile) -> None:
@@ -342,7 +355,7 @@ def load_measurement(key: str, device="cpu") -> dict | None:
     """The entry stored under ``key`` in calibration.json, or None (never measured, or measured
     on other hardware sharing the same weights dir). :mod:`minillm.decode_path` keeps its choice here too."""
     entry = _read_cache().get(key)
-    if not entry or entry.get("device_name") != _device_name(_device(device)):
+    if not isinstance(entry, dict) or entry.get("device_name") != _device_name(_device(device)):
         return None
     return entry
 

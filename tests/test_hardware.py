@@ -88,3 +88,21 @@ def test_calibration_from_other_hardware_is_ignored(tmp_path, monkeypatch):
     entry = {"device_name": "some other CPU", "profile": {"name": "x", "peak_flops": 1.0, "mem_bandwidth": 1.0}}
     (tmp_path / "calibration.json").write_text(json.dumps({"cpu/float32": entry}))
     assert load_calibration("cpu", torch.float32) is None
+
+
+@pytest.mark.parametrize("cache", [
+    [],                                                          # not an object at all
+    {"cpu/float32": 7},                                          # an entry that is not an object
+    {"cpu/float32": {"device_name": "HERE", "profile": 3}},      # a profile that is not an object
+    {"cpu/float32": {"device_name": "HERE", "profile": {"name": "x", "peak_flops": "fast", "mem_bandwidth": 1.0}}},
+    {"cpu/float32": {"device_name": "HERE", "profile": {"peak_flops": 1.0, "mem_bandwidth": 1.0}}},  # no name
+])
+def test_malformed_calibration_reads_as_never_measured(cache, tmp_path, monkeypatch):
+    """A hand-edited calibration.json is measured again, as a missing one is, never an AttributeError."""
+    from minillm.hardware import _device, _device_name, load_measurement
+
+    monkeypatch.setenv("MINILLM_WEIGHTS", str(tmp_path))
+    text = json.dumps(cache).replace("HERE", _device_name(_device("cpu")))
+    (tmp_path / "calibration.json").write_text(text)
+    assert load_calibration("cpu", torch.float32) is None
+    assert load_measurement("decode_path/some-model", "cpu") is None
