@@ -147,6 +147,10 @@ class ModelConfig:
         if self.activation not in allowed.values():
             raise ConfigError(f"ModelConfig.activation must be one of {sorted(set(allowed.values()))} for "
                               f"model_type {self.model_type!r}, got {self.activation!r}")
+        if self.uses_rope and self.head_dim % 2:
+            # RoPE rotates pairs of dimensions (cos/sin tables of head_dim / 2 frequencies, twice).
+            raise ConfigError(f"ModelConfig.head_dim must be even for RoPE (it rotates pairs of dimensions), got "
+                              f"{self.head_dim}; fix head_dim (or hidden_size / num_attention_heads) in config.json")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"

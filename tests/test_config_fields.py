@@ -183,6 +183,8 @@ GPT2_JSON = dict(GPT2, model_type="gpt2")
         (dict(QWEN2, model_type="qwen2"), {"use_sliding_window": "no"}, "use_sliding_window must be true or false"),
         (dict(QWEN3, model_type="qwen3"), {"attention_bias": 1}, "attention_bias must be true or false"),
         (dict(QWEN3, model_type="qwen3"), {"head_dim": 0}, "head_dim must be an integer >= 1"),
+        (dict(QWEN3, model_type="qwen3"), {"head_dim": 31}, "head_dim must be even for RoPE"),
+        (LLAMA_JSON, {"hidden_size": 60}, "head_dim must be even for RoPE (it rotates pairs of dimensions), got 15"),
         (GPT2_JSON, {"n_head": 3}, "n_embd (64) must be a multiple of n_head (3)"),
         (GPT2_JSON, {"n_inner": "128"}, "n_inner must be an integer"),
         (GPT2_JSON, {"scale_attn_weights": 1}, "scale_attn_weights must be true or false"),
