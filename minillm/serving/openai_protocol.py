@@ -143,6 +143,18 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's: extra chat template variables, e.g. {"enable_thinking": false} for Qwen3
     chat_template_kwargs: dict[str, bool | int | float | str] | None = None
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_the_renderers_own_arguments(cls, kwargs):
+        # These are apply_chat_template's parameters, set by the server: passed again they would
+        # collide with them (a TypeError, once a 500).
+        taken = sorted(set(kwargs or {}) & {"messages", "add_generation_prompt", "tools", "documents",
+                                            "template", "special_tokens"})
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets it from the "
+                             "request; remove it")
+        return kwargs
+
 
 # -- responses -------------------------------------------------------------------------------
 

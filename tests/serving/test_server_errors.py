@@ -59,6 +59,10 @@ CASES = {
     "messages not a list": ("chat/completions", {"messages": "Hi"}, 400, "messages", "array"),
     "chat_template_kwargs not an object": ("chat/completions", {"messages": USER, "chat_template_kwargs": "x"}, 400,
                                            "chat_template_kwargs", "object"),
+    "chat_template_kwargs sets messages": ("chat/completions", {"messages": USER, "chat_template_kwargs": {
+        "messages": "x"}}, 400, "chat_template_kwargs", "may not set messages"),
+    "chat_template_kwargs sets add_generation_prompt": ("chat/completions", {"messages": USER, "chat_template_kwargs": {
+        "add_generation_prompt": False}}, 400, "chat_template_kwargs", "may not set add_generation_prompt"),
     "unknown role": ("chat/completions", {"messages": [{"role": "robot", "content": "Hi"}]}, 400,
                      "messages.0.role", "'robot'"),
     "user message without content": ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages",
