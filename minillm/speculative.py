@@ -307,6 +307,11 @@ def generate_speculative(model: Transformer, prompt_ids: torch.Tensor, params: S
     if cache.batch_size != 1:
         raise ValueError(f"speculative decoding runs one sequence, got a KV cache for batch {cache.batch_size}; "
                          "pass a batch-1 cache or none")
+    if cache.rolling_layers:
+        # A rejected draft is taken back with truncate, and a rolling buffer has already overwritten
+        # the positions the window needs then (refused here, not at the first rejection).
+        raise ValueError("speculative decoding takes rejected drafts back out of the KV cache, which a cache with "
+                         "rolling buffers cannot do; build it with KVCache.for_model(model, rolling=False)")
     generator = params.make_generator(cache.k.device)
     draft = make_draft(config, model, params, generator, cache.max_seq_len)
     text = TextStream(tokenizer, params.stop) if tokenizer is not None else None

@@ -260,6 +260,22 @@ def test_trace_counts_the_window(pair):
     assert decode["kv_bytes"] == cache.bytes_used == kv_bytes_per_token(model.config, 4) * W
 
 
+def test_speculative_refuses_a_rolling_cache_before_the_first_token(pair):
+    """A rejected draft is truncated away, which a rolling buffer cannot undo: refused up front,
+    not at the first rejection (a draft that is always wrong would hit it mid-answer)."""
+    from minillm.speculative import Draft, SpeculativeConfig
+
+    class AlwaysWrong(Draft):
+        def propose(self, token_ids, k):
+            return [7] * k
+
+    _, model = pair
+    steps = generate(model, _ids(20)[0], SamplingParams(max_new_tokens=8, temperature=0), cache=_cache(model, True),
+                     speculative=SpeculativeConfig("custom", 3, draft=AlwaysWrong()))
+    with pytest.raises(ValueError, match=r"rolling buffers.*KVCache.for_model\(model, rolling=False\)"):
+        next(steps)
+
+
 def test_compiled_decode_refuses_a_window(pair):
     """The static view of torch.compile'd decode masks causally only: refused, not wrong."""
     from minillm.compile import compile_decode_step
