@@ -273,6 +273,20 @@ def test_llama_cpp_engine_without_the_package_is_a_note(model, monkeypatch):
                      '"minillm[llamacpp]"; it compiles llama.cpp, minutes)']
 
 
+def test_cli_prints_the_install_hint_as_written():
+    """The hint names the extra in brackets; the terminal must show them (rich markup once ate them)."""
+    import io
+
+    from rich.console import Console
+
+    from minillm.bench.llama_cpp import INSTALL_HINT
+    from minillm.cli.bench import print_notes
+
+    out = io.StringIO()
+    print_notes(Console(file=out, width=300), [INSTALL_HINT])
+    assert out.getvalue() == f"- {INSTALL_HINT}\n" and '"minillm[llamacpp]"' in out.getvalue()
+
+
 def test_llama_cpp_ratio_is_a_target_when_measured(result):
     import dataclasses
 

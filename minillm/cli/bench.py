@@ -70,13 +70,12 @@ def run_bench_cmd(args) -> int:
     console = Console(stderr=True)
     result = run_bench(model, args.prompt_lengths, args.context_lengths, args.batch_sizes, args.repeats,
                        args.decode_tokens, args.engines, compile_mode, memory_tokens=args.memory_tokens,
-                       model_name=str(args.model), progress=lambda line: console.print(f"[dim]bench: {line}[/dim]"))
+                       model_name=str(args.model), progress=lambda line: console.print(f"bench: {line}", style="dim", markup=False))
     out = Console() if sys.stdout.isatty() else Console(width=180)  # piped: don't wrap the 11 columns
     out.print(rich_table(result))
     if targets := targets_rich_table(result):
         out.print(targets)
-    for note in result.notes + ([_memory_note(result.memory)] if result.memory else []):
-        out.print(f"- {note}")
+    print_notes(out, result.notes + ([_memory_note(result.memory)] if result.memory else []))
     for flag, write in (("json", result.to_json), ("markdown", lambda path: write_text(path, to_markdown(result)))):
         if getattr(args, flag):
             wrote(write(getattr(args, flag)))
@@ -112,3 +111,10 @@ def _memory_note(memory) -> str:
     from ..bench import memory_line
 
     return memory_line(memory)
+
+
+def print_notes(out: Console, notes: list[str]) -> None:
+    """The notes as a list, printed as written: with rich's markup on, an extra's name in brackets
+    ("minillm[llamacpp]") was taken for a style tag and vanished."""
+    for note in notes:
+        out.print(f"- {note}", markup=False)
