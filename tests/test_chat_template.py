@@ -140,6 +140,22 @@ def test_qwen3_enable_thinking_opens_the_answer(tokenizer_json, tmp_path, enable
     assert prompt == "<|im_start|>user\nWhat is 2+2? <b>&</b><|im_end|>\n" + ending
 
 
+@pytest.mark.parametrize("template_name", ["qwen3", "llama3"])
+def test_thinking_flag_warns_where_the_template_ignores_it(tokenizer_json, tmp_path, template_name, capsys):
+    """The CLI's --no-enable-thinking warns exactly when it would not change the prompt (the oracle:
+    the template rendered with and without enable_thinking=False)."""
+    from types import SimpleNamespace
+
+    from minillm.cli.common import warn_if_template_ignores_thinking
+
+    template = (TEMPLATES / f"{template_name}.jinja").read_text()
+    tok = load_tokenizer(_model_folder(tmp_path / "model", tokenizer_json, template, {}))
+    unchanged = tok.apply_chat_template(SYSTEM_CHAT[1:2]) == tok.apply_chat_template(SYSTEM_CHAT[1:2],
+                                                                                       enable_thinking=False)
+    warn_if_template_ignores_thinking(SimpleNamespace(enable_thinking=False), tok)
+    assert ("has no effect" in capsys.readouterr().err) == unchanged
+
+
 def test_strftime_now_writes_todays_date(tokenizer_json, tmp_path):
     template = (TEMPLATES / "llama3.jinja").read_text()
     tok = load_tokenizer(_model_folder(tmp_path / "model", tokenizer_json, template, {}))

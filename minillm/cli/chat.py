@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import sys
 
-from .common import UsageError, chat_template_kwargs, ensure_model, model_options, thinking_option
+from .common import (UsageError, chat_template_kwargs, ensure_model, model_options, thinking_option,
+                     warn_if_template_ignores_thinking)
 from .generate import _sampling_options, _sampling_params
 
 COMMANDS = {
@@ -49,7 +50,9 @@ def run_chat(args) -> int:
         raise UsageError(f"--max-context must be at most {model.config.max_seq_len} (the model's context), "
                          f"got {args.max_context}")
     params = _sampling_params(args, model.generation_config)  # unset flags: the checkpoint's defaults
-    session = ChatSession(model, load_tokenizer(folder), args.system, params, args.max_context,
+    tokenizer = load_tokenizer(folder)
+    warn_if_template_ignores_thinking(args, tokenizer)
+    session = ChatSession(model, tokenizer, args.system, params, args.max_context,
                           chat_template_kwargs(args))
     interactive = sys.stdin.isatty()
     status = Console(stderr=True, highlight=False, soft_wrap=True)  # a stats line stays one line in a log

@@ -72,6 +72,14 @@ def chat_template_kwargs(args) -> dict:
     return {} if args.enable_thinking is None else {"enable_thinking": args.enable_thinking}
 
 
+def warn_if_template_ignores_thinking(args, tokenizer) -> None:
+    """--enable-thinking on a template that never reads the variable (SmolLM2's) changes nothing: say so."""
+    if (args.enable_thinking is not None and tokenizer.has_chat_template
+            and "enable_thinking" not in str(tokenizer.chat_template)):
+        warn("--enable-thinking/--no-enable-thinking has no effect: this model's chat template does not read "
+             "enable_thinking (Qwen3's does)")
+
+
 def quantize_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=["int8", "int4"],
                    help="weight-only quantisation of the matrices at load (minillm/quantize.py); default: float")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..units import fmt_bytes
 from .common import (UsageError, chat_template_kwargs, check_out_dir, check_out_file, ensure_model, model_options,
-                     thinking_option, warn, wrote)
+                     thinking_option, warn, warn_if_template_ignores_thinking, wrote)
 
 
 def add_generate(sub) -> None:
@@ -96,6 +96,7 @@ def run_generate(args) -> int:
     folder = ensure_model(args.model, args.weights_dir)
     model = load_model(folder, device=args.device, dtype=args.dtype, quantize=args.quantize)
     tokenizer = load_tokenizer(folder)
+    warn_if_template_ignores_thinking(args, tokenizer)
     if args.system is not None and args.chat is None and not tokenizer.has_chat_template:
         raise UsageError(f"--system needs a chat template and {args.model} has none; put the text in the prompt")
     params = _sampling_params(args, model.generation_config)
