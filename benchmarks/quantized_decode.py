@@ -2,8 +2,8 @@
 
     python benchmarks/quantized_decode.py [--model NAME] [--steps 32] [--repeats 5] [--threads N]
 
-Loads the model three times (float32, quantize="int8", quantize="int4"), compiles the int8/int4
-kernels (first call, timed apart), then interleaves the three models repeat by repeat so that a
+Loads the model three times (float32, quantize="int8", quantize="int4"), builds the C kernels
+(first call, timed apart: minillm/quantize_kernels.py), then interleaves the three models repeat by repeat so that a
 change of machine load hits them alike. Prints, per format: weights bytes a decode step reads,
 decode ms/step and tok/s (median over steps and repeats), its ratio to float32, the share of its
 own bandwidth floor (weights bytes / calibrated copy bandwidth: ``minillm calibrate``), and the
@@ -58,10 +58,11 @@ def main() -> None:
     models = {fmt or "float32": load_model(args.model, device="cpu", dtype="float32", quantize=fmt) for fmt in FORMATS}
     vocab = models["float32"].config.vocab_size
     prompt = torch.randint(0, vocab, (1, PROMPT_TOKENS))
-    for name, model in models.items():  # first use: inductor compiles the kernels (cached on disk after)
+    for name, model in models.items():  # first use builds the C kernels
         start = time.perf_counter()
         time_decode_ms(model, prompt[:, :8], 2)
-        print(f"{name}: first decode steps (compiles the kernels) {time.perf_counter() - start:.1f} s")
+        print(f"{name}: first decode steps (decode path {model.decode_path}; builds the kernels) "
+              f"{time.perf_counter() - start:.1f} s")
     decode = {name: [] for name in models}
     prefill_ms = {name: [] for name in models}
     for _ in range(args.repeats):

@@ -26,9 +26,10 @@ Two ways to multiply x [.., in] by a quantised matrix [out, in], same values up 
 - :meth:`QuantizedLinear.forward_reference`: ``F.linear(x, dequantize(...))``, the arithmetic
   written out. It writes a float matrix as large as the original, so it saves no bytes; prefill
   (many rows, compute-bound) uses it.
-- a decode step (at most ``FAST_MAX_ROWS`` rows) on a CPU runs a ``torch.compile``'d fused
-  dequantise-multiply-reduce (:func:`int8_matvec`, :func:`int4_matvec`) that reads only the
-  packed bytes. On CUDA an int8 matrix uses ``torch._weight_int8pack_mm``; int4 the reference.
+- a decode step (at most ``FAST_MAX_ROWS`` rows) on a CPU runs a fused dequantise-multiply-reduce
+  that reads only the packed bytes: a short C loop (:mod:`minillm.quantize_kernels`, which says
+  why not PyTorch: measured). On CUDA an int8 matrix uses ``torch._weight_int8pack_mm``; int4 the
+  reference.
 
 Only the transformer's matrices are quantised; the embedding and the norms stay float. A tied
 LM head (SmolLM2) gets its own quantised copy, the lookup keeps reading the float table: the
@@ -37,16 +38,15 @@ copy costs memory (int8: 28 MB for SmolLM2's 49152×576 head) but a decode step 
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import quantize_kernels
 from .errors import MiniLLMError
 
 FORMATS = ("int8", "int4")
-GROUP_SIZE = 64  # int4 weights per scale and zero; 64 = 8 int32 words = one AVX2 vector in int4_matvec
+GROUP_SIZE = 64  # int4 weights per scale and zero (GPTQ's and AWQ's usual; the C kernel needs a multiple of 16)
 FAST_MAX_ROWS = 8  # decode rows (sequences); prefill's many rows are compute-bound and dequantise
 
 
@@ -162,68 +162,6 @@ def _check_format(fmt) -> None:
         raise QuantizationError(f"quantize must be one of {', '.join(FORMATS)}, got {fmt!r}")
 
 
-# -- the fused kernels (decode) -------------------------------------------------------
-
-
-def int8_matvec(x_words: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """y = (x @ qᵀ) · scale reading q as int32 words of 4 int8 codes: compiled, no float matrix.
-
-    q [out, in] int8 is viewed as words [out, in/4] int32; byte k of word j is element 4j + k
-    (little-endian). x_words [rows, 4, in/4] float32 is x [rows, in] with x_words[:, k, j] = x[4j + k]
-    (:func:`_words_layout`), so each of the 4 sums below runs over contiguous memory:
-
-        y[r, o] = scale[o] · Σ_k Σ_j x_words[r, k, j] · byte_k(word[o, j])
-
-    byte_k is a shift left then an arithmetic shift right (sign extension). Returns [rows, out].
-    """
-    words = q.view(torch.int32)
-    acc = 0
-    for k in range(4):
-        byte = (words << (24 - 8 * k)) >> 24
-        acc = acc + (x_words[:, None, k, :] * byte.to(torch.float32)).sum(-1)
-    return acc * scale
-
-
-def int4_matvec(x_words: torch.Tensor, x_group_sums: torch.Tensor, packed: torch.Tensor,
-                scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """y = x @ ŵᵀ with ŵ = (q - zero) · scale per group, reading only the packed bytes: compiled.
-
-    packed [out, in/2] uint8 is viewed as words [out, n_groups, G/8] int32 (G = group size):
-    nibble k of word w of group g is element g·G + 8w + k. x_words [rows, n_groups, 8, G/8]
-    holds x in that order (x_words[r, g, k, w] = x[r, g·G + 8w + k]); x_group_sums [rows, n_groups].
-    Per group the zero comes out of the sum, as in GPTQ's kernels:
-
-        Σ_i x_i (q_i - zero) scale  =  scale · (Σ_i x_i q_i  -  zero · Σ_i x_i)
-
-    Returns [rows, out].
-    """
-    rows, n_groups = x_group_sums.shape
-    words = packed.view(torch.int32).view(packed.shape[0], n_groups, -1)
-    dot = 0
-    for k in range(8):
-        nibble = (words >> (4 * k)) & 15
-        dot = dot + (x_words[:, None, :, k, :] * nibble.to(torch.float32)).sum(-1)  # [rows, out, n_groups]
-    return ((dot - zero.to(torch.float32) * x_group_sums[:, None, :]) * scale).sum(-1)
-
-
-_compiled: dict[str, object] = {}
-
-
-def _kernel(name: str):
-    """The compiled kernel, built at first use (inductor writes and compiles C++: seconds, then
-    cached on disk); dynamo recompiles it once for a new shape, then treats the sizes as dynamic."""
-    if name not in _compiled:
-        _compiled[name] = torch.compile({"int8": int8_matvec, "int4": int4_matvec}[name])
-    return _compiled[name]
-
-
-def _words_layout(x: torch.Tensor, n_groups: int, word_elems: int) -> torch.Tensor:
-    """x [rows, in] -> [rows, n_groups, word_elems, in/(n_groups·word_elems)] with element
-    g·G + word_elems·w + k at [g, k, w]: the order in which the kernels read the packed words."""
-    rows = x.shape[0]
-    return x.view(rows, n_groups, -1, word_elems).transpose(-1, -2).contiguous()
-
-
 # -- the module --------------------------------------------------------------------------
 
 
@@ -232,7 +170,7 @@ class QuantizedLinear(nn.Module):
 
     Buffers: ``qweight`` (int8 [out, in] or uint8 [out, ceil(in/2)]), ``scale`` (float32 [out] or
     [out, n_groups]), ``zero`` (uint8 [out, n_groups], int4 only), ``bias`` (float, or None).
-    ``fast``: use the compiled kernels for decode on a CPU (False: always the reference path).
+    ``fast``: use the C kernels for decode on a CPU (False: always the reference path).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, group_size: int = GROUP_SIZE):
@@ -241,6 +179,7 @@ class QuantizedLinear(nn.Module):
         self.fmt, self.group_size = fmt, group_size
         self.out_features, self.in_features = weight.shape
         self.fast = True
+        self.kernel_fits_shape = fmt == "int8" or (group_size % 16 == 0 and self.in_features % group_size == 0)
         if fmt == "int8":
             q, scale = quantize_int8(weight)
             zero = None
@@ -272,29 +211,26 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] float -> [..., out] in x's dtype, by the fastest exact path for this call."""
         rows = x.numel() // x.shape[-1]
-        if x.device.type == "cuda" and self.fmt == "int8":
+        if x.is_cuda and self.fmt == "int8":
             y = torch._weight_int8pack_mm(x.reshape(rows, -1), self.qweight, self.scale.to(x.dtype))
         elif self._fits_kernel(x, rows):
-            y = self._forward_fast(x.reshape(rows, -1).float()).to(x.dtype)
+            y = self._forward_fast(x.reshape(rows, -1))
         else:
             return self.forward_reference(x)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def _fits_kernel(self, x: torch.Tensor, rows: int) -> bool:
-        """The compiled kernels need a CPU, few rows, whole words and whole groups."""
-        if not (self.fast and x.device.type == "cpu" and 0 < rows <= FAST_MAX_ROWS and sys.byteorder == "little"):
-            return False
-        if self.fmt == "int8":
-            return self.in_features % 4 == 0  # 4 codes a word
-        return self.group_size % 8 == 0 and self.in_features % self.group_size == 0  # 8 a word, whole groups
+        """The C kernels need float32 on a CPU, few rows, (int4) whole groups of a multiple of 16,
+        and a C compiler."""
+        return (self.fast and self.kernel_fits_shape and x.is_cpu and x.dtype == torch.float32
+                and 0 < rows <= FAST_MAX_ROWS and quantize_kernels.kernels() is not None)
 
     def _forward_fast(self, x: torch.Tensor) -> torch.Tensor:
+        lib = quantize_kernels.kernels()
         if self.fmt == "int8":
-            return _kernel("int8")(_words_layout(x, 1, 4)[:, 0], self.qweight, self.scale)
-        n_groups = self.scale.shape[1]
-        x_words = _words_layout(x, n_groups, 8)
-        return _kernel("int4")(x_words, x.view(x.shape[0], n_groups, -1).sum(-1), self.qweight, self.scale, self.zero)
+            return quantize_kernels.int8_matvec(lib, x, self.qweight, self.scale)
+        return quantize_kernels.int4_matvec(lib, x, self.qweight, self.scale, self.zero, self.group_size)
 
 
 # -- a whole model ----------------------------------------------------------------------

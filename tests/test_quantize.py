@@ -11,7 +11,7 @@ import pytest
 import torch
 from tiny_models import CONFIGS, build_hf, save_hf
 
-from minillm import KVCache, decode_step, load_model, prefill
+from minillm import KVCache, decode_step, load_model, prefill, quantize_kernels
 from minillm.costs import decode_cost, with_weights_bytes
 from minillm.quantize import (
     QuantizationError,
@@ -99,8 +99,11 @@ def test_pack_puts_the_earlier_element_in_the_low_nibble_and_round_trips():
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_fast_kernels_give_the_reference_logits(tiny_dirs, fmt):
-    """A decode step (1 row: the compiled kernels) against the same model dequantising explicitly."""
+def test_fast_kernels_give_the_reference_logits(tiny_dirs, fmt, monkeypatch):
+    """A decode step (1 row: the C kernels) against the same model dequantising explicitly."""
+    calls = []
+    kernel = getattr(quantize_kernels, f"{fmt}_matvec")
+    monkeypatch.setattr(quantize_kernels, f"{fmt}_matvec", lambda *a: calls.append(1) or kernel(*a))
     model = load_model(tiny_dirs["llama_gqa"], device="cpu", quantize=fmt)
     ids = torch.tensor([[3, 14, 15, 92, 65]])
     logits = {}
@@ -111,10 +114,34 @@ def test_fast_kernels_give_the_reference_logits(tiny_dirs, fmt):
         cache = KVCache.for_model(model, max_seq_len=8)
         prefill(model, ids, cache)
         logits[fast] = decode_step(model, torch.tensor([7]), cache)
-    from minillm import quantize
-    assert fmt in quantize._compiled  # the compiled kernel ran
+    assert calls  # the C kernel ran
     error = (logits[True] - logits[False]).abs().max() / logits[False].abs().max()
     assert error <= 1e-4
+
+
+@pytest.mark.parametrize("fmt, out_features, in_features, group_size", [
+    ("int8", 5, 37, None), ("int8", 576, 576, None), ("int4", 7, 128, 64), ("int4", 33, 96, 32), ("int4", 3, 48, 16)])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_c_kernel_equals_dequantise_then_linear(fmt, out_features, in_features, group_size, rows):
+    """The C kernel against F.linear on the explicitly dequantised matrix: odd sizes, several rows."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(out_features, in_features, generator=g)
+    x = torch.randn(rows, in_features, generator=g)
+    layer = QuantizedLinear(w, None, fmt, **({"group_size": group_size} if group_size else {}))
+    assert layer._fits_kernel(x, rows)
+    fast, reference = layer._forward_fast(x), layer.forward_reference(x)
+    assert (fast - reference).abs().max() <= 1e-5 * reference.abs().max()
+
+
+def test_no_c_compiler_falls_back_to_the_reference_path_and_says_why(monkeypatch):
+    monkeypatch.setattr(quantize_kernels, "_state", {})
+    monkeypatch.setenv("CC", "no-such-compiler-minillm")
+    layer = QuantizedLinear(torch.randn(4, 64), None, "int4")
+    x = torch.randn(1, 64)
+    with pytest.warns(RuntimeWarning, match="no C compiler 'no-such-compiler-minillm'.*reference path"):
+        y = layer(x)
+    assert quantize_kernels.unavailable_reason() == "no C compiler 'no-such-compiler-minillm' on PATH"
+    assert torch.equal(y, layer.forward_reference(x))
 
 
 @pytest.mark.parametrize("fmt, bound", [("int8", 0.02), ("int4", 0.3)])

@@ -1,0 +1,104 @@
+/* Decode's quantised products: y = x @ ŵᵀ for a few rows of x, reading only the packed codes.
+ *
+ * Built at first use by minillm/quantize_kernels.py (cc -O3 -march=native -fopenmp, under a second)
+ * and called through ctypes. The arithmetic is minillm/quantize.py's reference path, reordered:
+ *
+ *   int8  y[r, o] = scale[o] · Σ_i x[r, i] · q[o, i]
+ *   int4  y[r, o] = Σ_g scale[o, g] · (Σ_{i in g} x[r, i] · q[o, i]  -  zero[o, g] · Σ_{i in g} x[r, i])
+ *
+ * (the zero point comes out of each group's sum, as in GPTQ's kernels). Each output o is one
+ * thread's work (OpenMP, `threads` of them); its row of codes is read once for all rows of x.
+ *
+ * Layouts (row-major, as QuantizedLinear stores them):
+ *   x      float32 [rows, in]           y      float32 [rows, out]
+ *   q      int8    [out, in]            scale  float32 [out]                        (int8)
+ *   packed uint8   [out, in/2]          scale  float32 [out, in/group]
+ *          byte j = q[2j] | q[2j+1] << 4                    zero   uint8   [out, in/group]   (int4)
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+void int8_matvec(const float *x, const int8_t *q, const float *scale, float *y,
+                 int rows, int out, int in, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int o = 0; o < out; o++) {
+        const int8_t *qo = q + (int64_t)o * in;
+        for (int r = 0; r < rows; r++) {
+            const float *xr = x + (int64_t)r * in;
+            float acc = 0.0f;
+            #pragma omp simd reduction(+:acc)  /* the compiler vectorises: widen int8 -> float, fma */
+            for (int i = 0; i < in; i++) acc += xr[i] * (float)qo[i];
+            y[(int64_t)r * out + o] = acc * scale[o];
+        }
+    }
+}
+
+/* One output of int4: Σ_g scale[g] · (Σ_j xe[j]·low(b[j]) + xo[j]·high(b[j])  -  zero[g] · xsum[g]),
+ * j over the group's bytes, with xe, xo the even and odd elements of x (the low and high nibbles'
+ * partners). AVX2: 8 bytes widened to 8 int32 lanes, the two nibbles split by a mask and a shift,
+ * 16 multiply-adds into 8 lanes that are summed once per output. The compiler's vectorisation of
+ * the portable loop took SmolLM2's 49152x576 head from 1.9 to 10.3 ms on the developers' AMD EPYC. */
+static float int4_dot(const uint8_t *b, const float *scale, const uint8_t *zero, const float *xe,
+                      const float *xo, const float *xsum, int groups, int half_group) {
+    float zero_term = 0.0f;
+    for (int g = 0; g < groups; g++) zero_term += scale[g] * zero[g] * xsum[g];
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        __m256 dot = _mm256_setzero_ps();
+        for (int j = g * half_group; j < (g + 1) * half_group; j += 8) {
+            __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + j)));
+            __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
+            __m256 high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+            dot = _mm256_fmadd_ps(_mm256_loadu_ps(xe + j), low, dot);
+            dot = _mm256_fmadd_ps(_mm256_loadu_ps(xo + j), high, dot);
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(scale[g]), dot, acc);
+    }
+    float lanes[8], sum = 0.0f;
+    _mm256_storeu_ps(lanes, acc);
+    for (int l = 0; l < 8; l++) sum += lanes[l];
+#else
+    float sum = 0.0f;
+    for (int g = 0; g < groups; g++) {
+        float dot = 0.0f;
+        for (int j = g * half_group; j < (g + 1) * half_group; j++)
+            dot += xe[j] * (float)(b[j] & 15) + xo[j] * (float)(b[j] >> 4);
+        sum += scale[g] * dot;
+    }
+#endif
+    return sum - zero_term;
+}
+
+/* group must be a multiple of 16 (8 bytes a step of int4_dot) and divide in. Returns 0, or 1 when
+ * the scratch copy of x cannot be allocated. */
+int int4_matvec(const float *x, const uint8_t *packed, const float *scale, const uint8_t *zero,
+                 float *y, int rows, int out, int in, int group, int threads) {
+    int half = in / 2, groups = in / group;
+    /* x split once into even and odd elements, and its sum over each group */
+    float *xe = malloc(sizeof(float) * (size_t)rows * (in + groups));
+    if (xe == NULL) return 1;
+    float *xo = xe + (size_t)rows * half, *xsum = xo + (size_t)rows * half;
+    for (int r = 0; r < rows; r++) {
+        for (int j = 0; j < half; j++) {
+            xe[r * half + j] = x[(int64_t)r * in + 2 * j];
+            xo[r * half + j] = x[(int64_t)r * in + 2 * j + 1];
+        }
+        for (int g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int i = g * group; i < (g + 1) * group; i++) s += x[(int64_t)r * in + i];
+            xsum[r * groups + g] = s;
+        }
+    }
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int o = 0; o < out; o++)
+        for (int r = 0; r < rows; r++)
+            y[(int64_t)r * out + o] = int4_dot(packed + (int64_t)o * half, scale + (int64_t)o * groups,
+                                               zero + (int64_t)o * groups, xe + r * half, xo + r * half,
+                                               xsum + r * groups, groups, group / 2);
+    free(xe);
+    return 0;
+}

@@ -1,0 +1,103 @@
+"""The decode kernels of quantised matrices (quantize_kernels.c): built at first use, called through ctypes.
+
+Why C and not PyTorch: a decode step's product is one row by a matrix, so its floor is reading the
+codes; the kernel must widen them to float as fast as it reads them. Measured on the developers'
+2-core AMD EPYC (AVX2), SmolLM2-135M's 49152x576 LM head, float32 ``F.linear`` 10.6 ms:
+
+    int8 torch._weight_int8pack_mm                     22.7 ms   (no AVX2 kernel: slower than float32)
+    int4 torch._weight_int4pack_mm_for_cpu             30.9 ms
+    int8 torch.compile'd dequantise-multiply-reduce     6.4 ms   (inductor's loop is compute-bound;
+                                                                  ~170 us a call on small matrices)
+    int8 this file                                      2.7 ms   (and ~10 us a call)
+    int4 this file                                      1.9 ms
+
+The C compiler is the one ``torch.compile`` also needs (``cc``, or ``$CC``); the build takes under a
+second, once per process, into a temporary directory (``-march=native``: for this CPU only). With
+no compiler, :func:`kernels` returns None and QuantizedLinear runs its reference path (slower than
+float32), saying so once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("quantize_kernels.c")
+# first OpenMP (threads), then without it (macOS clang has no -fopenmp: one thread), then portable
+FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
+
+_state: dict[str, object] = {}  # "lib": the loaded library or None, "why": the reason it is None
+
+
+def kernels() -> ctypes.CDLL | None:
+    """The built library, or None when no flag set compiles (the reason: :func:`unavailable_reason`)."""
+    if "lib" not in _state:
+        _state["lib"], _state["why"] = _build()
+        if _state["lib"] is None:
+            warnings.warn(f"minillm's quantised decode kernels are not available ({_state['why']}); "
+                          "quantised decode runs the reference path (dequantise, then F.linear), slower "
+                          "than float32. Install a C compiler (cc) to get them", RuntimeWarning, stacklevel=3)
+    return _state["lib"]
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`kernels` is None (None when they are built or not yet tried)."""
+    return _state.get("why")
+
+
+def _build() -> tuple[ctypes.CDLL | None, str | None]:
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        return None, f"no C compiler {compiler!r} on PATH"
+    with tempfile.TemporaryDirectory(prefix="minillm-kernels-") as tmp:
+        out = Path(tmp) / "quantize_kernels.so"
+        error = ""
+        for flags in FLAG_SETS:
+            run = subprocess.run([compiler, *flags, "-shared", "-fPIC", str(SOURCE), "-o", str(out)],
+                                 capture_output=True, text=True)
+            if run.returncode == 0:
+                lib = ctypes.CDLL(str(out))  # loaded: the file may go with the directory
+                return _declare(lib), None
+            error = (run.stderr.strip().splitlines() or ["failed"])[-1]
+    return None, f"{compiler} could not build {SOURCE.name}: {error}"
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.int8_matvec.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i32, i32]
+    lib.int8_matvec.restype = None
+    lib.int4_matvec.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32]
+    lib.int4_matvec.restype = i32
+    return lib
+
+
+def int8_matvec(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] float32, q [out, in] int8, scale [out] float32 -> (x @ qᵀ) · scale [rows, out] float32."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], q.shape[0])
+    lib.int8_matvec(x.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(),
+                    x.shape[0], q.shape[0], q.shape[1], torch.get_num_threads())
+    return y
+
+
+def int4_matvec(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x [rows, in] float32, packed [out, in/2] uint8, scale [out, in/G] float32, zero [out, in/G]
+    uint8 -> x @ ŵᵀ [rows, out] float32, ŵ = (q - zero) · scale per group of G = group_size.
+
+    Needs G a multiple of 16 dividing in. Raises MemoryError when its scratch copy of x cannot be
+    allocated."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], packed.shape[0])
+    status = lib.int4_matvec(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), y.data_ptr(),
+                             x.shape[0], packed.shape[0], x.shape[1], group_size, torch.get_num_threads())
+    if status:
+        raise MemoryError(f"int4_matvec could not allocate {x.numel() * 8:,} bytes for a copy of x")
+    return y
