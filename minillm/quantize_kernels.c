@@ -19,28 +19,48 @@
 #include <stdlib.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+
+static float hsum(__m256 v) {  /* the sum of 8 lanes */
+    float lanes[8], sum = 0.0f;
+    _mm256_storeu_ps(lanes, v);
+    for (int l = 0; l < 8; l++) sum += lanes[l];
+    return sum;
+}
 #endif
+
+/* Σ_i x[i]·q[i]. AVX2: 8 codes widened to 8 floats, times 8 of x, into one of four vector sums,
+ * so that four multiply-adds are in flight (one running sum waits out each one's latency: the
+ * compiler's vectorised loop took SmolLM2's 49152x576 head 2.3 ms against 1.3, developers' EPYC). */
+static float int8_dot(const int8_t *q, const float *x, int n) {
+    float sum = 0.0f;
+    int i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (; i + 32 <= n; i += 32)
+        for (int k = 0; k < 4; k++) {
+            __m256i codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + i + 8 * k)));
+            acc[k] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8 * k), _mm256_cvtepi32_ps(codes), acc[k]);
+        }
+    sum = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+#endif
+    for (; i < n; i++) sum += x[i] * (float)q[i];
+    return sum;
+}
 
 void int8_matvec(const float *x, const int8_t *q, const float *scale, float *y,
                  int rows, int out, int in, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int o = 0; o < out; o++) {
-        const int8_t *qo = q + (int64_t)o * in;
-        for (int r = 0; r < rows; r++) {
-            const float *xr = x + (int64_t)r * in;
-            float acc = 0.0f;
-            #pragma omp simd reduction(+:acc)  /* the compiler vectorises: widen int8 -> float, fma */
-            for (int i = 0; i < in; i++) acc += xr[i] * (float)qo[i];
-            y[(int64_t)r * out + o] = acc * scale[o];
-        }
-    }
+    for (int o = 0; o < out; o++)
+        for (int r = 0; r < rows; r++)
+            y[(int64_t)r * out + o] = scale[o] * int8_dot(q + (int64_t)o * in, x + (int64_t)r * in, in);
 }
 
 /* One output of int4: Σ_g scale[g] · (Σ_j xe[j]·low(b[j]) + xo[j]·high(b[j])  -  zero[g] · xsum[g]),
  * j over the group's bytes, with xe, xo the even and odd elements of x (the low and high nibbles'
  * partners). AVX2: 8 bytes widened to 8 int32 lanes, the two nibbles split by a mask and a shift,
- * 16 multiply-adds into 8 lanes that are summed once per output. The compiler's vectorisation of
- * the portable loop took SmolLM2's 49152x576 head from 1.9 to 10.3 ms on the developers' AMD EPYC. */
+ * each multiplied into its own vector sum (two multiply-adds in flight), the lanes summed once per
+ * output. The compiler's vectorisation of the portable loop took SmolLM2's 49152x576 head 10.3 ms
+ * against 1.4 (developers' AMD EPYC). */
 static float int4_dot(const uint8_t *b, const float *scale, const uint8_t *zero, const float *xe,
                       const float *xo, const float *xsum, int groups, int half_group) {
     float zero_term = 0.0f;
@@ -48,19 +68,17 @@ static float int4_dot(const uint8_t *b, const float *scale, const uint8_t *zero,
 #if defined(__AVX2__) && defined(__FMA__)
     __m256 acc = _mm256_setzero_ps();
     for (int g = 0; g < groups; g++) {
-        __m256 dot = _mm256_setzero_ps();
+        __m256 dot_low = _mm256_setzero_ps(), dot_high = _mm256_setzero_ps();
         for (int j = g * half_group; j < (g + 1) * half_group; j += 8) {
             __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + j)));
             __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
             __m256 high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-            dot = _mm256_fmadd_ps(_mm256_loadu_ps(xe + j), low, dot);
-            dot = _mm256_fmadd_ps(_mm256_loadu_ps(xo + j), high, dot);
+            dot_low = _mm256_fmadd_ps(_mm256_loadu_ps(xe + j), low, dot_low);
+            dot_high = _mm256_fmadd_ps(_mm256_loadu_ps(xo + j), high, dot_high);
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(scale[g]), dot, acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(scale[g]), _mm256_add_ps(dot_low, dot_high), acc);
     }
-    float lanes[8], sum = 0.0f;
-    _mm256_storeu_ps(lanes, acc);
-    for (int l = 0; l < 8; l++) sum += lanes[l];
+    float sum = hsum(acc);
 #else
     float sum = 0.0f;
     for (int g = 0; g < groups; g++) {

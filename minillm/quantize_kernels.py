@@ -52,14 +52,15 @@ def unavailable_reason() -> str | None:
     return _state.get("why")
 
 
-def _build() -> tuple[ctypes.CDLL | None, str | None]:
+def _build(flag_sets=FLAG_SETS) -> tuple[ctypes.CDLL | None, str | None]:
+    """(the library built with the first flag set that compiles, None), or (None, why not)."""
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         return None, f"no C compiler {compiler!r} on PATH"
     with tempfile.TemporaryDirectory(prefix="minillm-kernels-") as tmp:
         out = Path(tmp) / "quantize_kernels.so"
         error = ""
-        for flags in FLAG_SETS:
+        for flags in flag_sets:
             run = subprocess.run([compiler, *flags, "-shared", "-fPIC", str(SOURCE), "-o", str(out)],
                                  capture_output=True, text=True)
             if run.returncode == 0:
