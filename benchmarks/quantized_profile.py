@@ -1,64 +1,81 @@
-"""Where a quantised decode step's time goes: torch.profiler over a few batch-1 decode steps.
+"""Where a quantised decode step's time goes: the products against everything else.
 
-    python benchmarks/quantized_profile.py [--quantize int8|int4|none] [--steps 8] [--threads N]
+    python benchmarks/quantized_profile.py [--quantize int8|int4|none] [--steps 32] [--threads N]
 
-Prints the profiler's table (self CPU time per op, top 12) of ``--steps`` decode steps after the
-C kernels are built, and the time inside the kernels (labelled ``quantize_kernels.int8_matvec`` /
-``int4_matvec``: the profiler does not see into ctypes calls, so this script wraps them in a
-``record_function``) against the whole steps.
+Times ``--steps`` batch-1 decode steps (median ms) twice, taking turns for 3 rounds: as they run,
+and with every quantised product replaced by an empty output of its shape (``torch.empty``: no
+arithmetic, no weight read). The difference is the products' time; with the bytes they read it
+gives their GB/s. Then torch.profiler's table of the ops of a few steps (self CPU time, top 12:
+what "everything else" is; the kernels' ctypes calls do not appear in it).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
 from minillm import KVCache, decode_step, load_model, prefill, quantize_kernels
 from minillm.weights import DEFAULT_MODEL
 
 
-def label_kernels() -> None:
-    """Wrap each kernel call in a record_function named after it, so the profiler counts it."""
-    for name in ("int8_matvec", "int4_matvec"):
-        kernel = getattr(quantize_kernels, name)
+def decode_ms(model, steps: int) -> float:
+    cache = KVCache.for_model(model, max_seq_len=8 + steps + 1)
+    token = prefill(model, torch.arange(8) + 100, cache).argmax(-1)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        token = decode_step(model, token, cache).argmax(-1)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
-        def labelled(*args, kernel=kernel, label=f"quantize_kernels.{name}"):
-            with record_function(label):
-                return kernel(*args)
 
-        setattr(quantize_kernels, name, labelled)
+def without_products():
+    """Swap the kernels for empty outputs; returns a function that puts them back."""
+    real = quantize_kernels.int8_matvec, quantize_kernels.int4_matvec
+    quantize_kernels.int8_matvec = lambda lib, x, q, scale: torch.empty(x.shape[0], q.shape[0])
+    quantize_kernels.int4_matvec = lambda lib, x, packed, *rest: torch.empty(x.shape[0], packed.shape[0])
+
+    def restore():
+        quantize_kernels.int8_matvec, quantize_kernels.int4_matvec = real
+
+    return restore
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--quantize", choices=["int8", "int4", "none"], default="int8")
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=32)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    label_kernels()
-    model = load_model(args.model, device="cpu", dtype="float32", quantize=None if args.quantize == "none" else args.quantize)
-    prompt = torch.arange(8)[None] + 100
+    fmt = None if args.quantize == "none" else args.quantize
+    model = load_model(args.model, device="cpu", dtype="float32", quantize=fmt)
+    decode_ms(model, 2)  # builds the kernels
+    whole, rest = [], []
+    for _ in range(3):
+        whole.append(decode_ms(model, args.steps))
+        restore = without_products()
+        rest.append(decode_ms(model, args.steps))
+        restore()
+    step, other = min(whole), min(rest)
+    print(f"{args.model}, {args.quantize}, batch 1, {args.threads} threads, best of 3 x median of {args.steps} steps")
+    if fmt:
+        products = step - other
+        print(f"decode step {step:.2f} ms = products {products:.2f} ms ({model.weights_bytes() / 1e6:.1f} MB: "
+              f"{model.weights_bytes() / products / 1e6:.1f} GB/s) + everything else {other:.2f} ms")
+    else:
+        print(f"decode step {step:.2f} ms (float32: no quantised products to take out)")
     cache = KVCache.for_model(model, max_seq_len=64)
-    token = prefill(model, prompt, cache).argmax(-1)
-    token = decode_step(model, token, cache).argmax(-1)  # builds the kernels
-    start = time.perf_counter()
+    token = prefill(model, torch.arange(8) + 100, cache).argmax(-1)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(args.steps):
+        for _ in range(4):
             token = decode_step(model, token, cache).argmax(-1)
-    total_ms = (time.perf_counter() - start) * 1e3
-    events = prof.key_averages()
-    print(events.table(sort_by="self_cpu_time_total", row_limit=12))
-    kernel = [e for e in events if e.key.startswith("quantize_kernels.")]
-    kernel_ms = sum(e.cpu_time_total for e in kernel) / 1e3
-    calls = sum(e.count for e in kernel)
-    print(f"{args.steps} decode steps, {total_ms:.1f} ms profiled ({total_ms / args.steps:.1f} ms a step): "
-          f"{calls} kernel calls took {kernel_ms:.1f} ms ({100 * kernel_ms / total_ms:.0f} %), "
-          f"the rest {total_ms - kernel_ms:.1f} ms")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
 if __name__ == "__main__":

@@ -24,11 +24,11 @@ from its own values. Rounding to the nearest code bounds the error: |w - ŵ| <= 
 Two ways to multiply x [.., in] by a quantised matrix [out, in], same values up to float rounding:
 
 - :meth:`QuantizedLinear.forward_reference`: ``F.linear(x, dequantize(...))``, the arithmetic
-  written out. It writes a float matrix as large as the original, so it saves no bytes; prefill
-  (many rows, compute-bound) uses it.
-- a decode step (at most ``FAST_MAX_ROWS`` rows) on a CPU runs a fused dequantise-multiply-reduce
-  that reads only the packed bytes: a short C loop (:mod:`minillm.quantize_kernels`, which says
-  why not PyTorch: measured). On CUDA an int8 matrix uses ``torch._weight_int8pack_mm``; int4 the
+  written out. It writes a float matrix as large as the original, so it saves no bytes.
+- on a CPU, short C loops (:mod:`minillm.quantize_kernels`, which says why not PyTorch: measured):
+  a decode step (at most ``FAST_MAX_ROWS`` rows) runs a fused dequantise-multiply-reduce that reads
+  only the packed bytes; prefill (many rows, compute-bound) unpacks the float matrix in one pass
+  and runs one float product. On CUDA an int8 matrix uses ``torch._weight_int8pack_mm``; int4 the
   reference.
 
 Only the transformer's matrices are quantised; the embedding and the norms stay float. A tied
@@ -209,28 +209,37 @@ class QuantizedLinear(nn.Module):
         return F.linear(x, self.dequantize().to(x.dtype), self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] float -> [..., out] in x's dtype, by the fastest exact path for this call."""
+        """x [..., in] float -> [..., out] in x's dtype, by the fastest exact path for this call:
+        on a CPU, decode (few rows) multiplies the codes directly; prefill unpacks a float matrix
+        and runs one float product (its many rows would re-read the codes row by row)."""
         rows = x.numel() // x.shape[-1]
         if x.is_cuda and self.fmt == "int8":
             y = torch._weight_int8pack_mm(x.reshape(rows, -1), self.qweight, self.scale.to(x.dtype))
-        elif self._fits_kernel(x, rows):
+        elif not self._kernels_apply(x):
+            return self.forward_reference(x)
+        elif 0 < rows <= FAST_MAX_ROWS:
             y = self._forward_fast(x.reshape(rows, -1))
         else:
-            return self.forward_reference(x)
+            return F.linear(x, self._dequantize_fast(), self.bias)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
-    def _fits_kernel(self, x: torch.Tensor, rows: int) -> bool:
-        """The C kernels need float32 on a CPU, few rows, (int4) whole groups of a multiple of 16,
-        and a C compiler."""
+    def _kernels_apply(self, x: torch.Tensor) -> bool:
+        """The C kernels need float32 on a CPU, (int4) whole groups of a multiple of 16, and a C compiler."""
         return (self.fast and self.kernel_fits_shape and x.is_cpu and x.dtype == torch.float32
-                and 0 < rows <= FAST_MAX_ROWS and quantize_kernels.kernels() is not None)
+                and quantize_kernels.kernels() is not None)
 
     def _forward_fast(self, x: torch.Tensor) -> torch.Tensor:
         lib = quantize_kernels.kernels()
         if self.fmt == "int8":
             return quantize_kernels.int8_matvec(lib, x, self.qweight, self.scale)
         return quantize_kernels.int4_matvec(lib, x, self.qweight, self.scale, self.zero, self.group_size)
+
+    def _dequantize_fast(self) -> torch.Tensor:
+        lib = quantize_kernels.kernels()
+        if self.fmt == "int8":
+            return quantize_kernels.int8_dequantize(lib, self.qweight, self.scale)
+        return quantize_kernels.int4_dequantize(lib, self.qweight, self.scale, self.zero, self.group_size)
 
 
 # -- a whole model ----------------------------------------------------------------------

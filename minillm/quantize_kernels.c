@@ -120,3 +120,28 @@ int int4_matvec(const float *x, const uint8_t *packed, const float *scale, const
     free(xe);
     return 0;
 }
+
+/* ŵ[o, i] = (q[o, i] - zero[o, g]) · scale[o, g] for every weight: the float matrix prefill
+ * multiplies (many rows: a float product beats re-reading codes row by row). w: float32 [out, in]. */
+void int4_dequantize(const uint8_t *packed, const float *scale, const uint8_t *zero, float *w,
+                     int out, int in, int group, int threads) {
+    int half = in / 2, groups = in / group;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int o = 0; o < out; o++)
+        for (int g = 0; g < groups; g++) {
+            float s = scale[(int64_t)o * groups + g], offset = -s * zero[(int64_t)o * groups + g];
+            const uint8_t *b = packed + (int64_t)o * half + g * (group / 2);
+            float *wg = w + (int64_t)o * in + g * group;
+            for (int j = 0; j < group / 2; j++) {
+                wg[2 * j] = s * (float)(b[j] & 15) + offset;
+                wg[2 * j + 1] = s * (float)(b[j] >> 4) + offset;
+            }
+        }
+}
+
+/* ŵ[o, i] = q[o, i] · scale[o]: int8's float matrix for prefill. w: float32 [out, in]. */
+void int8_dequantize(const int8_t *q, const float *scale, float *w, int out, int in, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int o = 0; o < out; o++)
+        for (int i = 0; i < in; i++) w[(int64_t)o * in + i] = scale[o] * (float)q[(int64_t)o * in + i];
+}

@@ -76,6 +76,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.int8_matvec.restype = None
     lib.int4_matvec.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32]
     lib.int4_matvec.restype = i32
+    lib.int4_dequantize.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i32, i32]
+    lib.int4_dequantize.restype = None
+    lib.int8_dequantize.argtypes = [ptr, ptr, ptr, i32, i32, i32]
+    lib.int8_dequantize.restype = None
     return lib
 
 
@@ -102,3 +106,22 @@ def int4_matvec(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scale: 
     if status:
         raise MemoryError(f"int4_matvec could not allocate {x.numel() * 8:,} bytes for a copy of x")
     return y
+
+
+def int8_dequantize(lib: ctypes.CDLL, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 matrix [out, in] of int8 codes q [out, in]: q · scale[o] (dequantize_int8's values)."""
+    w = torch.empty(q.shape)
+    lib.int8_dequantize(q.data_ptr(), scale.data_ptr(), w.data_ptr(), q.shape[0], q.shape[1], torch.get_num_threads())
+    return w
+
+
+def int4_dequantize(lib: ctypes.CDLL, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    group_size: int) -> torch.Tensor:
+    """The float32 matrix [out, in] of packed [out, in/2] uint8 codes: (q - zero) · scale per group
+    (minillm.quantize.dequantize_int4's values, up to float rounding). Needs G a multiple of 16
+    dividing in."""
+    out, in_features = packed.shape[0], packed.shape[1] * 2
+    w = torch.empty(out, in_features)
+    lib.int4_dequantize(packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), w.data_ptr(),
+                        out, in_features, group_size, torch.get_num_threads())
+    return w

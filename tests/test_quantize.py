@@ -128,9 +128,10 @@ def test_c_kernel_equals_dequantise_then_linear(fmt, out_features, in_features, 
     w = torch.randn(out_features, in_features, generator=g)
     x = torch.randn(rows, in_features, generator=g)
     layer = QuantizedLinear(w, None, fmt, **({"group_size": group_size} if group_size else {}))
-    assert layer._fits_kernel(x, rows)
+    assert layer._kernels_apply(x)
     fast, reference = layer._forward_fast(x), layer.forward_reference(x)
     assert (fast - reference).abs().max() <= 1e-5 * reference.abs().max()
+    assert (layer._dequantize_fast() - layer.dequantize()).abs().max() <= 1e-6 * layer.dequantize().abs().max()
 
 
 def test_portable_c_loops_equal_the_reference():
@@ -145,6 +146,8 @@ def test_portable_c_loops_equal_the_reference():
         y = getattr(quantize_kernels, f"{fmt}_matvec")(lib, x, *args)
         reference = layer.forward_reference(x)
         assert (y - reference).abs().max() <= 1e-5 * reference.abs().max()
+        w = getattr(quantize_kernels, f"{fmt}_dequantize")(lib, *args)
+        assert (w - layer.dequantize()).abs().max() <= 1e-6 * w.abs().max()
 
 
 def test_no_c_compiler_falls_back_to_the_reference_path_and_says_why(monkeypatch):
