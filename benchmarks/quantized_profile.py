@@ -36,8 +36,8 @@ def decode_ms(model, steps: int) -> float:
 def without_products():
     """Swap the kernels for empty outputs; returns a function that puts them back."""
     real = quantize_kernels.int8_matvec, quantize_kernels.int4_matvec
-    quantize_kernels.int8_matvec = lambda lib, x, q, scale: torch.empty(x.shape[0], q.shape[0])
-    quantize_kernels.int4_matvec = lambda lib, x, packed, *rest: torch.empty(x.shape[0], packed.shape[0])
+    quantize_kernels.int8_matvec = lambda x, q, scale: torch.empty(x.shape[0], q.shape[0])
+    quantize_kernels.int4_matvec = lambda x, packed, *rest: torch.empty(x.shape[0], packed.shape[0])
 
     def restore():
         quantize_kernels.int8_matvec, quantize_kernels.int4_matvec = real

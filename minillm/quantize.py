@@ -227,19 +227,25 @@ class QuantizedLinear(nn.Module):
     def _kernels_apply(self, x: torch.Tensor) -> bool:
         """The C kernels need float32 on a CPU, (int4) whole groups of a multiple of 16, and a C compiler."""
         return (self.fast and self.kernel_fits_shape and x.is_cpu and x.dtype == torch.float32
-                and quantize_kernels.kernels() is not None)
+                and quantize_kernels.available())
 
     def _forward_fast(self, x: torch.Tensor) -> torch.Tensor:
-        lib = quantize_kernels.kernels()
+        kernels = _kernels()
         if self.fmt == "int8":
-            return quantize_kernels.int8_matvec(lib, x, self.qweight, self.scale)
-        return quantize_kernels.int4_matvec(lib, x, self.qweight, self.scale, self.zero, self.group_size)
+            return kernels.int8_matvec(x, self.qweight, self.scale)
+        return kernels.int4_matvec(x, self.qweight, self.scale, self.zero, self.group_size)
 
     def _dequantize_fast(self) -> torch.Tensor:
-        lib = quantize_kernels.kernels()
+        kernels = _kernels()
         if self.fmt == "int8":
-            return quantize_kernels.int8_dequantize(lib, self.qweight, self.scale)
-        return quantize_kernels.int4_dequantize(lib, self.qweight, self.scale, self.zero, self.group_size)
+            return kernels.int8_dequantize(self.qweight, self.scale)
+        return kernels.int4_dequantize(self.qweight, self.scale, self.zero, self.group_size)
+
+
+def _kernels():
+    """The C kernels as plain functions, or as torch ops while torch.compile traces (it cannot
+    trace into their ctypes calls)."""
+    return torch.ops.minillm if torch.compiler.is_compiling() else quantize_kernels
 
 
 # -- a whole model ----------------------------------------------------------------------

@@ -13,8 +13,12 @@ codes; the kernel must widen them to float as fast as it reads them. Measured on
 
 The C compiler is the one ``torch.compile`` also needs (``cc``, or ``$CC``); the build takes under a
 second, once per process, into a temporary directory (``-march=native``: for this CPU only). With
-no compiler, :func:`kernels` returns None and QuantizedLinear runs its reference path (slower than
+no compiler, :func:`available` is False and QuantizedLinear runs its reference path (slower than
 float32), saying so once.
+
+Each kernel is also a torch custom op (``torch.ops.minillm.int8_matvec``, ...), which is how a
+``torch.compile``'d decode step (the "compile" decode path) calls it: dynamo cannot trace into
+ctypes, and an op is opaque to it by design.
 """
 
 from __future__ import annotations
@@ -83,8 +87,58 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def int8_matvec(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+@torch.compiler.assume_constant_result
+def available() -> bool:
+    """Whether the kernels are built (building them at the first call); a constant to torch.compile."""
+    return kernels() is not None
+
+
+# -- the kernels: x and the results float32, row-major (contiguous) ------------------------------
+
+
+def int8_matvec(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [rows, in] float32, q [out, in] int8, scale [out] float32 -> (x @ qᵀ) · scale [rows, out] float32."""
+    return _int8_matvec(kernels(), x, q, scale)
+
+
+def int4_matvec(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                group_size: int) -> torch.Tensor:
+    """x [rows, in] float32, packed [out, in/2] uint8, scale [out, in/G] float32, zero [out, in/G]
+    uint8 -> x @ ŵᵀ [rows, out] float32, ŵ = (q - zero) · scale per group of G = group_size.
+
+    Needs G a multiple of 16 dividing in. Raises MemoryError when its scratch copy of x cannot be
+    allocated."""
+    return _int4_matvec(kernels(), x, packed, scale, zero, group_size)
+
+
+def int8_dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 matrix [out, in] of int8 codes q [out, in]: q · scale[o] (dequantize_int8's values)."""
+    return _int8_dequantize(kernels(), q, scale)
+
+
+def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The float32 matrix [out, in] of packed [out, in/2] uint8 codes: (q - zero) · scale per group
+    (minillm.quantize.dequantize_int4's values, up to float rounding). Needs G a multiple of 16
+    dividing in."""
+    return _int4_dequantize(kernels(), packed, scale, zero, group_size)
+
+
+# The same four as torch ops (torch.ops.minillm.int8_matvec, ...) for compiled code; eager code calls
+# the functions above: an op's dispatch costs ~20 us a call, 4 ms of a SmolLM2 decode step.
+_FAKES = {  # the output's shape and dtype, for tracing
+    int8_matvec: lambda x, q, scale: x.new_empty(x.shape[0], q.shape[0]),
+    int4_matvec: lambda x, packed, scale, zero, group_size: x.new_empty(x.shape[0], packed.shape[0]),
+    int8_dequantize: lambda q, scale: scale.new_empty(q.shape),
+    int4_dequantize: lambda packed, scale, zero, group_size: scale.new_empty(packed.shape[0], packed.shape[1] * 2),
+}
+for _kernel, _fake in _FAKES.items():
+    torch.library.custom_op(f"minillm::{_kernel.__name__}", _kernel, mutates_args=()).register_fake(_fake)
+
+
+# -- the ctypes calls, on a given library (tests build a portable one too) -----------------------
+
+
+def _int8_matvec(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty(x.shape[0], q.shape[0])
     lib.int8_matvec(x.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(),
@@ -92,13 +146,8 @@ def int8_matvec(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scale: torch
     return y
 
 
-def int4_matvec(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                zero: torch.Tensor, group_size: int) -> torch.Tensor:
-    """x [rows, in] float32, packed [out, in/2] uint8, scale [out, in/G] float32, zero [out, in/G]
-    uint8 -> x @ ŵᵀ [rows, out] float32, ŵ = (q - zero) · scale per group of G = group_size.
-
-    Needs G a multiple of 16 dividing in. Raises MemoryError when its scratch copy of x cannot be
-    allocated."""
+def _int4_matvec(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                 zero: torch.Tensor, group_size: int) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty(x.shape[0], packed.shape[0])
     status = lib.int4_matvec(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), y.data_ptr(),
@@ -108,18 +157,14 @@ def int4_matvec(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scale: 
     return y
 
 
-def int8_dequantize(lib: ctypes.CDLL, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The float32 matrix [out, in] of int8 codes q [out, in]: q · scale[o] (dequantize_int8's values)."""
+def _int8_dequantize(lib: ctypes.CDLL, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     w = torch.empty(q.shape)
     lib.int8_dequantize(q.data_ptr(), scale.data_ptr(), w.data_ptr(), q.shape[0], q.shape[1], torch.get_num_threads())
     return w
 
 
-def int4_dequantize(lib: ctypes.CDLL, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                    group_size: int) -> torch.Tensor:
-    """The float32 matrix [out, in] of packed [out, in/2] uint8 codes: (q - zero) · scale per group
-    (minillm.quantize.dequantize_int4's values, up to float rounding). Needs G a multiple of 16
-    dividing in."""
+def _int4_dequantize(lib: ctypes.CDLL, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                     group_size: int) -> torch.Tensor:
     out, in_features = packed.shape[0], packed.shape[1] * 2
     w = torch.empty(out, in_features)
     lib.int4_dequantize(packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), w.data_ptr(),

@@ -119,6 +119,22 @@ def test_fast_kernels_give_the_reference_logits(tiny_dirs, fmt, monkeypatch):
     assert error <= 1e-4
 
 
+def test_compiled_decode_step_calls_the_kernels_as_ops(tiny_dirs):
+    """The "compile" decode path on an int4 model: dynamo cannot trace ctypes, so the kernels are
+    torch custom ops; the compiled step's logits equal the eager step's (one compile, seconds)."""
+    from minillm.compile import compile_decode_step
+
+    model = load_model(tiny_dirs["llama_gqa"], device="cpu", quantize="int4")
+    ids = torch.tensor([[3, 14, 15, 92, 65]])
+    eager, static = (KVCache.for_model(model, max_seq_len=12) for _ in range(2))
+    a, b = prefill(model, ids, eager).argmax(-1), prefill(model, ids, static).argmax(-1)
+    step = compile_decode_step("default")
+    for _ in range(3):
+        la, lb = decode_step(model, a, eager), step(model, b, static)
+        assert (la - lb).abs().max() <= 1e-4 * la.abs().max()
+        a, b = la.argmax(-1), lb.argmax(-1)
+
+
 @pytest.mark.parametrize("fmt, out_features, in_features, group_size", [
     ("int8", 5, 37, None), ("int8", 576, 576, None), ("int4", 7, 128, 64), ("int4", 33, 96, 32), ("int4", 3, 48, 16)])
 @pytest.mark.parametrize("rows", [1, 3, 8])
@@ -143,10 +159,10 @@ def test_portable_c_loops_equal_the_reference():
     for fmt in ("int8", "int4"):
         layer = QuantizedLinear(w, None, fmt)
         args = (layer.qweight, layer.scale) if fmt == "int8" else (layer.qweight, layer.scale, layer.zero, 64)
-        y = getattr(quantize_kernels, f"{fmt}_matvec")(lib, x, *args)
+        y = getattr(quantize_kernels, f"_{fmt}_matvec")(lib, x, *args)
         reference = layer.forward_reference(x)
         assert (y - reference).abs().max() <= 1e-5 * reference.abs().max()
-        w = getattr(quantize_kernels, f"{fmt}_dequantize")(lib, *args)
+        w = getattr(quantize_kernels, f"_{fmt}_dequantize")(lib, *args)
         assert (w - layer.dequantize()).abs().max() <= 1e-6 * w.abs().max()
 
 
