@@ -6,7 +6,8 @@
 #
 # Needs the default model in the weights dir (minillm download; MINILLM_WEIGHTS to point
 # elsewhere) and transformers for the comparison. Writes OUT_DIR/{env.txt, tests.txt,
-# calibrate.txt, bench.txt, bench.json, bench.md, bench.png, serving.txt, serving.json, serving_*.png}.
+# calibrate.txt, bench.txt, bench.json, bench.md, bench.png, serving.txt, serving.json, serving_*.png,
+# quantized.txt}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-benchmarks/gpu-results}"
@@ -33,3 +34,6 @@ COLUMNS=200 "$PY" -m minillm bench --device cuda --dtype bfloat16 --compile \
 
 echo "== bench-serving cuda (the GPU row of BENCHMARKS.md's Serving section)" | tee "$OUT/serving.txt"
 COLUMNS=200 "$PY" -m minillm bench-serving --device cuda --request-rate 4 16 inf --json "$OUT/serving.json" --plots "$OUT" 2>&1 | tee -a "$OUT/serving.txt"
+
+echo "== quantised decode cuda: bfloat16 vs int8 vs int4, CUDA graphs (BENCHMARKS.md, Weight-only quantisation)" | tee "$OUT/quantized.txt"
+"$PY" benchmarks/quantized_decode.py --device cuda --compile 2>&1 | tee -a "$OUT/quantized.txt"
