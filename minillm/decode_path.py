@@ -25,7 +25,7 @@ The candidates (every one gives the plain path's logits up to float rounding):
 How :func:`use_best_decode_path` (called by ``load_model``) picks one:
 
 1. the environment variable MINILLM_DECODE_PATH names a candidate: that one, nothing
-   measured (how a user or a test forces a path; "auto" or unset: go on);
+   measured (how a user or a test forces a path; "auto", empty or unset: go on);
 2. the choice cached in ``<weights_dir>/calibration.json`` for this CPU, thread count,
    dtype and model shape;
 3. else the eager candidates are measured now (decode ms/step, a few seconds for
@@ -138,7 +138,7 @@ def use_best_decode_path(model: Transformer, measure: Callable | None = None) ->
         model.pack_weights()
         model.compiled_decode, model.decode_path = None, "default"
         choice = DecodeChoice("default", "default", {})
-    elif (forced := os.environ.get(ENV_VAR, "auto")) != "auto":
+    elif (forced := os.environ.get(ENV_VAR) or "auto") != "auto":  # set but empty: as unset, like other tools
         _candidate(forced, f"{ENV_VAR}={forced!r}")
         choice = DecodeChoice(forced, "forced", {})
     elif (cached := load_decode_choice(model.config)) is not None:

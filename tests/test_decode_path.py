@@ -94,6 +94,15 @@ def test_the_environment_forces_a_path_without_measuring(folder, weights_dir, mo
         load_model(folder, device="cpu")
 
 
+def test_an_empty_environment_variable_reads_as_unset(folder, weights_dir, monkeypatch):
+    model = load_model(folder, device="cpu")
+    monkeypatch.setenv(dp.ENV_VAR, "")  # `MINILLM_DECODE_PATH= minillm ...` (was: "'' is not a decode path")
+    timer = FakeTimer(dict.fromkeys(dp.EAGER, 5.0) | {"row-major": 1.0})
+    (weights_dir / "calibration.json").unlink()
+    choice = dp.use_best_decode_path(model, measure=timer)
+    assert (choice.name, choice.source, timer.calls) == ("row-major", "measured", [list(dp.EAGER)])
+
+
 def test_not_cpu_float32_keeps_the_default(folder, weights_dir):
     model = load_model(folder, device="cpu", dtype="bfloat16")
     assert (model.decode_path, model.decode_choice.source) == ("default", "default")
