@@ -468,8 +468,18 @@ class Transformer(nn.Module):
         return self
 
     def num_parameters(self) -> int:
-        """Distinct parameters (a tied LM head is counted once)."""
-        return sum(p.numel() for p in self.parameters())
+        """Distinct parameters (a tied LM head is counted once). A quantised matrix
+        (:mod:`minillm.quantize`) counts the weights its codes stand for, so the count does not
+        change with the format; the quantised copy of a tied head is not counted again."""
+        from .quantize import QuantizedLinear
+
+        n = sum(p.numel() for p in self.parameters())
+        for m in self.modules():
+            if isinstance(m, QuantizedLinear):
+                n += m.out_features * m.in_features + (0 if m.bias is None else m.bias.numel())
+        if isinstance(self.lm_head, QuantizedLinear) and self.config.tie_word_embeddings:
+            n -= self.lm_head.out_features * self.lm_head.in_features
+        return n
 
     def weights_bytes(self) -> int:
         """Bytes of all distinct parameters, i.e. what one decode step must read.

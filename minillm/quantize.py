@@ -206,7 +206,7 @@ class QuantizedLinear(nn.Module):
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]: dequantise the whole matrix, then ``F.linear``."""
-        return F.linear(x, self.dequantize().to(x.dtype), self.bias)
+        return F.linear(x, self.dequantize().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] float -> [..., out] in x's dtype, by the fastest exact path for this call:

@@ -244,3 +244,73 @@ def test_cli_refuses_an_unknown_format(tiny_dirs, capsys):
     assert main(["generate", "hi", "--model", str(tiny_dirs["llama_gqa"]), "--quantize", "int3"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--quantize: invalid choice: 'int3'" in err
+
+
+# -- what a fresh user's trial found (each a defect once) --------------------------------------
+
+
+def test_parameters_count_the_weights_whatever_the_format(tiny_dirs):
+    """num_parameters counted only float parameters: `minillm info --quantize int4` said 28 M for SmolLM2's 135 M."""
+    for name in ("llama_gqa", "llama_mqa_tied"):
+        float_count = load_model(tiny_dirs[name], device="cpu").num_parameters()
+        for fmt in ("int8", "int4"):
+            assert load_model(tiny_dirs[name], device="cpu", quantize=fmt).num_parameters() == float_count
+
+
+def test_reference_path_takes_float64_input_with_a_bias():
+    layer = QuantizedLinear(torch.randn(7, 64), torch.randn(7), "int8")
+    x = torch.randn(2, 64, dtype=torch.float64)
+    y = layer(x)  # was: "self and mat2 must have the same dtype" (a float32 bias)
+    assert y.dtype == torch.float64
+    assert torch.allclose(y, x @ layer.dequantize().double().T + layer.bias.double())
+
+
+def test_a_compiler_named_with_flags_builds(monkeypatch):
+    monkeypatch.setenv("CC", "cc -w")  # was: "no C compiler 'cc -w' on PATH"
+    lib, why = quantize_kernels._build(flag_sets=(["-O2"],))
+    assert lib is not None, why
+
+
+def test_kernels_that_cannot_be_loaded_fall_back_with_the_reason(monkeypatch):
+    """A TMPDIR mounted noexec: the build succeeds, loading fails (was: the command died)."""
+    def refuse(path):
+        raise OSError(f"{path}: failed to map segment from shared object")
+
+    monkeypatch.setattr(quantize_kernels.ctypes, "CDLL", refuse)
+    lib, why = quantize_kernels._build(flag_sets=(["-O2"],))
+    assert lib is None and "could not load" in why and "TMPDIR" in why
+
+
+def test_the_cli_prints_minillm_warnings_on_one_line(capsys):
+    from minillm import cli
+
+    cli._show_warning(RuntimeWarning("the kernels are away"), RuntimeWarning, quantize_kernels.__file__, 48)
+    assert capsys.readouterr().err == "minillm: warning: the kernels are away\n"
+
+
+def test_the_draft_model_is_quantised_like_the_target(tiny_dirs):
+    """--quantize applied to the target only; `--draft-model` ran in float32."""
+    import argparse
+
+    from minillm.cli.generate import _speculative_config
+
+    args = argparse.Namespace(speculative="draft_model", draft_model=str(tiny_dirs["llama_gqa"]), weights_dir=None,
+                              device="cpu", dtype=None, quantize="int4", num_speculative_tokens=3,
+                              prompt_lookup_min=None, prompt_lookup_max=None)
+    assert _speculative_config(args).draft_model.quantization == "int4"
+
+
+def test_the_peak_memory_child_loads_the_same_quantisation(tiny_dirs, monkeypatch):
+    """`minillm bench --quantize int8` measured the float model's memory in its child process."""
+    from minillm.bench import memory
+
+    seen = {}
+
+    def run(cmd, **kwargs):
+        seen["code"] = cmd[-1]
+        raise SystemExit  # the command is what this test reads
+
+    monkeypatch.setattr(memory.subprocess, "run", run)
+    with pytest.raises(SystemExit):
+        memory.measure_peak_memory(load_model(tiny_dirs["llama_gqa"], device="cpu", quantize="int8"))
+    assert "'quantize': 'int8'" in seen["code"]

@@ -21,11 +21,13 @@ def measure_peak_memory(model: Transformer, n_tokens: int = 1024, prompt_tokens:
     """Peak RSS of generating n_tokens greedily with ``generate``, in a fresh Python process.
 
     A fresh process, so that nothing this one loaded (transformers, other engines)
-    is counted. Raises RuntimeError if the child fails.
+    is counted; the child loads the model as ``model`` was (device, dtype, quantisation).
+    Raises RuntimeError if the child fails.
     """
     param = next(model.parameters())
     args = dict(source=str(model.source), n_tokens=n_tokens, prompt_tokens=prompt_tokens,
-                device=str(param.device), dtype=str(param.dtype).removeprefix("torch."), threads=threads)
+                device=str(param.device), dtype=str(param.dtype).removeprefix("torch."), threads=threads,
+                quantize=getattr(model, "quantization", None))
     code = f"from minillm.bench.memory import _peak_memory_child; _peak_memory_child(**{args!r})"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3600)
     if r.returncode != 0:
@@ -33,7 +35,7 @@ def measure_peak_memory(model: Transformer, n_tokens: int = 1024, prompt_tokens:
     return MemoryReport(**json.loads(r.stdout.strip().splitlines()[-1]))
 
 
-def _peak_memory_child(source, n_tokens, prompt_tokens, device, dtype, threads=None) -> None:
+def _peak_memory_child(source, n_tokens, prompt_tokens, device, dtype, threads=None, quantize=None) -> None:
     """Runs in the child process: load, reset the peak counter, generate, print a JSON MemoryReport."""
     from ..generate import generate
     from ..loading import load_model
@@ -42,7 +44,7 @@ def _peak_memory_child(source, n_tokens, prompt_tokens, device, dtype, threads=N
     if threads:
         torch.set_num_threads(threads)
     import_rss = _rss_bytes("VmRSS")
-    model = load_model(source, device=device, dtype=dtype)
+    model = load_model(source, device=device, dtype=dtype, quantize=quantize)
     cache = KVCache.for_model(model, max_seq_len=prompt_tokens + n_tokens)
     load_peak = _rss_bytes("VmHWM")  # (not ru_maxrss: Linux carries that over from the parent across fork + exec)
     reset = _reset_peak_rss()

@@ -32,6 +32,8 @@ import argparse
 import os
 import signal
 import sys
+import warnings
+from pathlib import Path
 
 from .. import __version__
 from ..errors import MiniLLMError
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
+    warnings.showwarning = _show_warning
     try:
         args = build_parser().parse_args(argv)
         return args.run(args) or 0
@@ -74,6 +77,17 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"minillm: error: {_one_line(e)}", file=sys.stderr)
         return 1
+
+
+_PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """minillm's own warnings as one line, like its errors; other libraries' as Python prints them."""
+    if Path(filename).resolve().is_relative_to(_PACKAGE):
+        print(f"minillm: warning: {message}", file=sys.stderr)
+    else:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
 def _one_line(error: Exception) -> str:

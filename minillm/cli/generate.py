@@ -166,7 +166,8 @@ def _speculative_config(args):
         return None
     draft = None
     if args.draft_model is not None:
-        draft = load_model(ensure_model(args.draft_model, args.weights_dir), device=args.device, dtype=args.dtype)
+        draft = load_model(ensure_model(args.draft_model, args.weights_dir), device=args.device, dtype=args.dtype,
+                           quantize=args.quantize)  # --quantize applies to every model the command loads
     k = 5 if args.num_speculative_tokens is None else args.num_speculative_tokens
     return SpeculativeConfig(args.speculative, k, draft_model=draft, **_lookup_flags(args))
 
