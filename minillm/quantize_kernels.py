@@ -2,19 +2,23 @@
 
 Why C and not PyTorch: a decode step's product is one row by a matrix, so its floor is reading the
 codes; the kernel must widen them to float as fast as it reads them. Measured on the developers'
-2-core AMD EPYC (AVX2), SmolLM2-135M's 49152x576 LM head, float32 ``F.linear`` 10.6 ms:
+2-core AMD EPYC (AVX2), SmolLM2-135M's 49152x576 LM head, float32 ``F.linear`` 6.9-10.6 ms (layout):
 
     int8 torch._weight_int8pack_mm                     22.7 ms   (no AVX2 kernel: slower than float32)
     int4 torch._weight_int4pack_mm_for_cpu             30.9 ms
     int8 torch.compile'd dequantise-multiply-reduce     6.4 ms   (inductor's loop is compute-bound;
                                                                   ~170 us a call on small matrices)
-    int8 this file                                      2.7 ms   (and ~10 us a call)
-    int4 this file                                      1.9 ms
+    int8 this file                                  1.3-1.9 ms   (and ~10 us a call)
+    int4 this file                                  1.3-2.2 ms
+
+(BENCHMARKS.md, "Weight-only quantisation", has the runs.) Prefill's many rows are compute-bound:
+there the C loops only unpack each matrix to float (int4: 31 ms for SmolLM2's blocks, 204 ms in
+PyTorch) for one float product.
 
 The C compiler is the one ``torch.compile`` also needs (``cc``, or ``$CC``); the build takes under a
 second, once per process, into a temporary directory (``-march=native``: for this CPU only). With
-no compiler, :func:`available` is False and QuantizedLinear runs its reference path (slower than
-float32), saying so once.
+no compiler, :func:`available` is False and QuantizedLinear runs its reference path (4-9x slower
+than float32), saying so once.
 
 Each kernel is also a torch custom op (``torch.ops.minillm.int8_matvec``, ...), which is how a
 ``torch.compile``'d decode step (the "compile" decode path) calls it: dynamo cannot trace into
