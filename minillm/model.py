@@ -477,7 +477,7 @@ class Transformer(nn.Module):
         for m in self.modules():
             if isinstance(m, QuantizedLinear):
                 n += m.out_features * m.in_features + (0 if m.bias is None else m.bias.numel())
-        if isinstance(self.lm_head, QuantizedLinear) and self.config.tie_word_embeddings:
+        if self._head_is_quantised_copy():
             n -= self.lm_head.out_features * self.lm_head.in_features
         return n
 
@@ -492,6 +492,12 @@ class Transformer(nn.Module):
 
         params = sum(p.numel() * p.element_size() for p in self.parameters())
         quantized = sum(m.weights_bytes() for m in self.modules() if isinstance(m, QuantizedLinear))
-        if isinstance(self.lm_head, QuantizedLinear) and self.config.tie_word_embeddings:
+        if self._head_is_quantised_copy():
             params -= self.embed.weight.numel() * self.embed.weight.element_size()
         return params + quantized
+
+    def _head_is_quantised_copy(self) -> bool:
+        """A tied LM head that quantize_model replaced by a quantised copy of the float embedding."""
+        from .quantize import QuantizedLinear
+
+        return isinstance(self.lm_head, QuantizedLinear) and self.config.tie_word_embeddings
