@@ -18,7 +18,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from minillm import KVCache, decode_step, load_model, prefill, quantize_kernels
+from minillm import KVCache, decode_step, load_model, prefill, matvec_kernels
 from minillm.weights import DEFAULT_MODEL
 
 
@@ -35,12 +35,12 @@ def decode_ms(model, steps: int) -> float:
 
 def without_products():
     """Swap the kernels for empty outputs; returns a function that puts them back."""
-    real = quantize_kernels.int8_matvec, quantize_kernels.int4_matvec
-    quantize_kernels.int8_matvec = lambda x, q, scale: torch.empty(x.shape[0], q.shape[0])
-    quantize_kernels.int4_matvec = lambda x, packed, *rest: torch.empty(x.shape[0], packed.shape[0])
+    real = matvec_kernels.int8_matvec, matvec_kernels.int4_matvec
+    matvec_kernels.int8_matvec = lambda x, q, scale: torch.empty(x.shape[0], q.shape[0])
+    matvec_kernels.int4_matvec = lambda x, packed, *rest: torch.empty(x.shape[0], packed.shape[0])
 
     def restore():
-        quantize_kernels.int8_matvec, quantize_kernels.int4_matvec = real
+        matvec_kernels.int8_matvec, matvec_kernels.int4_matvec = real
 
     return restore
 

@@ -12,7 +12,7 @@ The package layout is the course outline:
     generate.py   generate: prefill, then decode in a loop
     speculative.py  speculative decoding: a draft proposes k tokens, one pass verifies them (exact)
     quantize.py   weight-only int8 / int4 matrices: the formats, the reference arithmetic
-    quantize_kernels.py  their decode and prefill loops in C (.c beside it), built at first use
+    matvec_kernels.py  their decode and prefill loops in C (.c beside it), built at first use
     stop_strings.py  stop strings on streamed text: held back while they could start, cut out when found
     generation_config.py  generation_config.json: the checkpoint's eos ids and sampling defaults
     block_hash.py chained sha256 block hashes, seeded by the model's identity, dtype, device

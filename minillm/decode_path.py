@@ -14,13 +14,18 @@ from CPU to CPU (issue 16):
 
 The candidates (every one gives the plain path's logits up to float rounding):
 
-    name               pack_weights layout   linear()'s split product   decode step
-    long-rows+split    long_rows=True        on                         eager
-    long-rows          long_rows=True        off                        eager
-    row-major+split    long_rows=False       on                         eager
-    row-major          long_rows=False       off                        eager: plain F.linear
-    compile            long_rows=False       (F.linear in the graph)    torch.compile of the whole step
-                                                                        over the static KV cache
+    name               pack_weights layout   linear()'s products        decode step
+    long-rows+split    long_rows=True        split                      eager
+    long-rows          long_rows=True        F.linear                   eager
+    row-major+split    long_rows=False       split                      eager
+    row-major          long_rows=False       F.linear                   eager: the plain path
+    matvec             long_rows=False       the C kernel               eager
+    compile            long_rows=False       F.linear                   torch.compile of the whole step
+    compile+matvec     long_rows=False       the C kernel (an op)       over the static KV cache
+
+(linear()'s products: :func:`minillm.model.linear`. The compiled steps fuse the ~1,400 small ops
+around the products into a few loops; on the developers' AMD EPYC compile+matvec took a step
+from 54-60 to 33-36 ms. The "matvec" ones need a C compiler: without one they are not measured.)
 
 How :func:`use_best_decode_path` (called by ``load_model``) picks one:
 
@@ -30,11 +35,11 @@ How :func:`use_best_decode_path` (called by ``load_model``) picks one:
    dtype and model shape;
 3. else the eager candidates are measured now (decode ms/step, a few seconds for
    SmolLM2-135M) and the fastest is cached. ``minillm calibrate --decode-path`` measures
-   them all, ``compile`` included (compiling takes from seconds to minutes).
+   them all, the compiled ones included (compiling takes from seconds to minutes).
 
 Only CPU float32 has candidates; other devices and dtypes keep ``pack_weights``' default
-(path "default"). The split product is a process-wide switch (like torch's thread count),
-so the last model loaded sets it. A compiled step compiles once per KV-cache size. The choice
+(path "default"). linear()'s products are a process-wide switch (like torch's thread count),
+so the last model loaded sets them. A compiled step compiles once per KV-cache size. The choice
 is measured at batch 1 (the issue's case); a serving engine's batch of decodes may prefer another.
 """
 
@@ -49,27 +54,30 @@ from typing import Callable
 import torch
 
 from .config import ModelConfig
-from .model import Transformer, use_split_products
+from . import matvec_kernels
+from .model import Transformer, use_products
 
 ENV_VAR = "MINILLM_DECODE_PATH"
 
 
 @dataclass(frozen=True)
 class DecodePath:
-    """One way to run decode steps: the weight layout, the split product, compiled or eager."""
+    """One way to run decode steps: the weight layout, linear()'s products, compiled or eager."""
 
     name: str
     long_rows: bool
-    split: bool
+    products: str  # one of minillm.model.PRODUCTS
     compiled: bool = False
 
 
 CANDIDATES = {p.name: p for p in (
-    DecodePath("long-rows+split", long_rows=True, split=True),
-    DecodePath("long-rows", long_rows=True, split=False),
-    DecodePath("row-major+split", long_rows=False, split=True),
-    DecodePath("row-major", long_rows=False, split=False),
-    DecodePath("compile", long_rows=False, split=False, compiled=True),
+    DecodePath("long-rows+split", long_rows=True, products="split"),
+    DecodePath("long-rows", long_rows=True, products="linear"),
+    DecodePath("row-major+split", long_rows=False, products="split"),
+    DecodePath("row-major", long_rows=False, products="linear"),
+    DecodePath("matvec", long_rows=False, products="matvec"),
+    DecodePath("compile", long_rows=False, products="linear", compiled=True),
+    DecodePath("compile+matvec", long_rows=False, products="matvec", compiled=True),
 )}
 PLAIN = "row-major"  # plain F.linear on nn.Linear's layout: the reference every candidate must equal
 EAGER = tuple(name for name, p in CANDIDATES.items() if not p.compiled)  # measured at first use
@@ -115,12 +123,12 @@ def choose(timings_ms: dict[str, float]) -> str:
 
 
 def apply_decode_path(model: Transformer, name: str) -> Transformer:
-    """Run ``model``'s decode steps on the named candidate: repack its weights, set the split
-    product, and (for "compile") give :func:`~minillm.phases.decode_step` a compiled step.
+    """Run ``model``'s decode steps on the named candidate: repack its weights, set linear()'s
+    products, and (for a compiled one) give :func:`~minillm.phases.decode_step` a compiled step.
     Sets ``model.decode_path``. Returns the model. Raises ValueError for an unknown name."""
     path = _candidate(name)
     model.pack_weights(long_rows=path.long_rows)
-    use_split_products(path.split)
+    use_products(path.products)
     model.compiled_decode = _compiled_step() if path.compiled else None
     model.decode_path = path.name
     return model
@@ -156,10 +164,12 @@ def calibrate_decode_path(model: Transformer, names=tuple(CANDIDATES), measure: 
     """Measure the named candidates on ``model``, cache the fastest in calibration.json, apply it.
 
     ``measure(model, names) -> {name: ms}`` replaces :func:`measure_decode_paths` (tests).
-    Returns the :class:`DecodeChoice` with every measured ms/step.
+    Returns the :class:`DecodeChoice` with every measured ms/step. The "matvec" candidates are
+    left out when the C kernels cannot be built (no compiler).
     """
     measure = measure or (lambda m, n: measure_decode_paths(m, n, progress=progress))
-    timings = measure(model, list(names))
+    names = [n for n in names if CANDIDATES[n].products != "matvec" or matvec_kernels.available()]
+    timings = measure(model, names)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     choice = DecodeChoice(choose(timings), "measured", dict(timings), load)
     from .hardware import save_measurement

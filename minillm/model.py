@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import matvec_kernels
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .rope import RotaryEmbedding, apply_rope
@@ -67,16 +68,22 @@ class LayerNorm(nn.Module):
 
 
 SPLIT_MAX_ROWS = 64  # decode rows (one per sequence); above, MKL's own threading of a product wins
-_split_products = True  # process-wide, like torch.set_num_threads; minillm.decode_path sets it per machine
+MATVEC_MAX_ROWS = 16  # a decode step's or a speculative verify pass's rows; above, MKL's blocked product wins
+PRODUCTS = ("linear", "split", "matvec")
+_products = "split"  # process-wide, like torch.set_num_threads; minillm.decode_path sets it per machine
 
 
-def use_split_products(enabled: bool) -> None:
-    """Turn :func:`linear`'s split product on or off for this process (default on).
+def use_products(name: str) -> None:
+    """How :func:`linear` multiplies a few float32 rows on a CPU, for this process (default "split").
 
-    :mod:`minillm.decode_path` measures both on this machine and keeps the faster.
+    "linear": ``F.linear``; "split": the matrix cut into a block per thread; "matvec": the C
+    kernel of :mod:`minillm.matvec_kernels`. :mod:`minillm.decode_path` measures them on each
+    machine and keeps the fastest. Raises ValueError for another name.
     """
-    global _split_products
-    _split_products = bool(enabled)
+    global _products
+    if name not in PRODUCTS:
+        raise ValueError(f"{name!r} is not a product; use one of {', '.join(PRODUCTS)}")
+    _products = name
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -84,29 +91,40 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     A decode step multiplies one row per sequence by every matrix: the time goes into
     reading the matrix from memory, and MKL reads it with one CPU core, which cannot
-    stream memory as fast as all the cores together. So on a CPU with n threads, a
-    product of at most SPLIT_MAX_ROWS rows is cut into n column blocks of the matrix,
-    run as one batched matmul (a block per thread):
+    stream memory as fast as all the cores together. Two ways around it, for CPU float32:
 
-        x @ Wᵀ  =  [ x @ Wᵀ[:, block 0] | x @ Wᵀ[:, block 1] | ... ]      (views, no copies)
+    - "split": a product of at most SPLIT_MAX_ROWS rows is cut into n column blocks of the
+      matrix (n threads), run as one batched matmul (a block per thread):
 
-    On 2 cores this took a SmolLM2-135M decode step from 43.1 to 36.2 ms at batch 1 and
-    from 103 to 71 ms at batch 8 (BENCHMARKS.md). Up to 64 rows (a serving engine's batch
-    of decodes) MKL threads a small-row product poorly too: a step of 30 decodes on the
-    paged engine took 271 -> 222 ms (fastest of 8, 2 threads). Prefill's many rows, a GPU, a
-    torch.compile'd step and 16-bit floats use ``F.linear``: MKL already spreads a big
-    product over every core, cuBLAS a product over the GPU, inductor turns the batched
-    product into a slower kernel, and CPU bmm is slower than F.linear in bfloat16 and
-    float16 (measured). It does not help every CPU: on an Intel Xeon (AVX-512) plain F.linear
-    was as fast (issue 16), so :mod:`minillm.decode_path` measures it against F.linear on each
-    machine and :func:`use_split_products` turns it off where it loses. Same values as
-    ``F.linear`` up to float rounding.
+          x @ Wᵀ  =  [ x @ Wᵀ[:, block 0] | x @ Wᵀ[:, block 1] | ... ]      (views, no copies)
+
+      On 2 cores this took a SmolLM2-135M decode step from 43.1 to 36.2 ms at batch 1 and
+      from 103 to 71 ms at batch 8 (BENCHMARKS.md). Up to 64 rows (a serving engine's batch
+      of decodes) MKL threads a small-row product poorly too: a step of 30 decodes on the
+      paged engine took 271 -> 222 ms (fastest of 8, 2 threads).
+    - "matvec": up to MATVEC_MAX_ROWS rows, a C loop (:mod:`minillm.matvec_kernels`) gives each
+      thread a share of the matrix's rows and reads each weight once for all of x's rows; it is
+      also an op a ``torch.compile``'d step calls (inductor's own code for the product is slower).
+      Row-major weights only.
+
+    Prefill's many rows, a GPU and 16-bit floats use ``F.linear``: MKL already spreads a big
+    product over every core, cuBLAS a product over the GPU, and CPU bmm is slower than F.linear
+    in bfloat16 and float16 (measured); so does a compiled step on "split" (inductor turns the
+    batched product into a slower kernel). Which one wins differs between CPUs (on an Intel
+    Xeon with AVX-512 plain F.linear was as fast as split, issue 16), so :mod:`minillm.decode_path`
+    measures them and :func:`use_products` sets the winner. Same values as ``F.linear`` up to
+    float rounding.
     """
-    if not _split_products or torch.compiler.is_compiling():
+    if _products == "linear" or x.device.type != "cpu" or x.dtype != torch.float32:
+        return F.linear(x, weight, bias)
+    rows = x.numel() // x.shape[-1]
+    if _products == "matvec" and 0 < rows <= MATVEC_MAX_ROWS and weight.is_contiguous() and matvec_kernels.available():
+        y = matvec_kernels.functions().f32_matvec(x.reshape(rows, -1), weight).view(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias
+    if _products != "split" or torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
     n, out = torch.get_num_threads(), weight.shape[0]
-    rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu" or x.dtype != torch.float32 or n == 1 or out % n or not 0 < rows <= SPLIT_MAX_ROWS:
+    if n == 1 or out % n or not 0 < rows <= SPLIT_MAX_ROWS:
         return F.linear(x, weight, bias)
     blocks = weight.t().unflatten(1, (n, out // n)).transpose(0, 1)  # [n, in, out/n]
     y = torch.bmm(x.reshape(1, rows, -1).expand(n, -1, -1), blocks)  # [n, rows, out/n]

@@ -25,7 +25,7 @@ Two ways to multiply x [.., in] by a quantised matrix [out, in], same values up 
 
 - :meth:`QuantizedLinear.forward_reference`: ``F.linear(x, dequantize(...))``, the arithmetic
   written out. It writes a float matrix as large as the original, so it saves no bytes.
-- on a CPU, short C loops (:mod:`minillm.quantize_kernels`, which says why not PyTorch: measured):
+- on a CPU, short C loops (:mod:`minillm.matvec_kernels`, which says why not PyTorch: measured):
   a decode step (at most ``FAST_MAX_ROWS`` rows) runs a fused dequantise-multiply-reduce that reads
   only the packed bytes; prefill (many rows, compute-bound) unpacks the float matrix in one pass
   and runs one float product. On CUDA an int8 matrix uses ``torch._weight_int8pack_mm``; int4 the
@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import quantize_kernels
+from . import matvec_kernels
 from .errors import MiniLLMError
 
 FORMATS = ("int8", "int4")
@@ -227,25 +227,19 @@ class QuantizedLinear(nn.Module):
     def _kernels_apply(self, x: torch.Tensor) -> bool:
         """The C kernels need float32 on a CPU, (int4) whole groups of a multiple of 16, and a C compiler."""
         return (self.fast and self.kernel_fits_shape and x.is_cpu and x.dtype == torch.float32
-                and quantize_kernels.available())
+                and matvec_kernels.available())
 
     def _forward_fast(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = _kernels()
+        kernels = matvec_kernels.functions()
         if self.fmt == "int8":
             return kernels.int8_matvec(x, self.qweight, self.scale)
         return kernels.int4_matvec(x, self.qweight, self.scale, self.zero, self.group_size)
 
     def _dequantize_fast(self) -> torch.Tensor:
-        kernels = _kernels()
+        kernels = matvec_kernels.functions()
         if self.fmt == "int8":
             return kernels.int8_dequantize(self.qweight, self.scale)
         return kernels.int4_dequantize(self.qweight, self.scale, self.zero, self.group_size)
-
-
-def _kernels():
-    """The C kernels as plain functions, or as torch ops while torch.compile traces (it cannot
-    trace into their ctypes calls)."""
-    return torch.ops.minillm if torch.compiler.is_compiling() else quantize_kernels
 
 
 # -- a whole model ----------------------------------------------------------------------

@@ -24,7 +24,7 @@ def weights_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("MINILLM_WEIGHTS", str(tmp_path))
     monkeypatch.setenv(dp.ENV_VAR, "auto")
     yield tmp_path
-    model_module.use_split_products(True)  # the process-wide switch back to the default
+    model_module.use_products("split")  # the process-wide switch back to the default
 
 
 class FakeTimer:
@@ -57,7 +57,8 @@ def test_choose_refuses_bad_timings(timings, message):
 def test_first_load_measures_the_eager_paths_then_the_cache_answers(folder, weights_dir):
     model = load_model(folder, device="cpu")  # (auto: the real measurement of a tiny model, fast)
     assert model.decode_choice.source == "measured" and set(model.decode_choice.timings_ms) == set(dp.EAGER)
-    timer = FakeTimer({"long-rows+split": 9.0, "long-rows": 8.0, "row-major+split": 7.0, "row-major": 6.0})
+    timer = FakeTimer({"long-rows+split": 9.0, "long-rows": 8.0, "row-major+split": 7.0, "row-major": 6.0,
+                       "matvec": 6.5})
     choice = dp.calibrate_decode_path(model, dp.EAGER, measure=timer)
     assert choice.name == "row-major" and model.decode_path == "row-major"
     assert not model.blocks[0].mlp.down_proj.weight.stride(0) == 1  # row-major: rows contiguous
@@ -67,12 +68,23 @@ def test_first_load_measures_the_eager_paths_then_the_cache_answers(folder, weig
     assert (again.name, again.source, timer.calls) == ("row-major", "cached", [list(dp.EAGER)])
 
 
-def test_a_split_win_turns_the_split_product_on_and_a_loss_off(folder, weights_dir):
+@pytest.mark.parametrize("winner, products, head_strides", [
+    ("long-rows", "linear", lambda c: (1, c.vocab_size)),
+    ("row-major+split", "split", lambda c: (c.d_model, 1)),
+    ("matvec", "matvec", lambda c: (c.d_model, 1)),
+])
+def test_the_winner_sets_the_products_and_the_layout(folder, weights_dir, winner, products, head_strides):
     model = load_model(folder, device="cpu")
-    dp.calibrate_decode_path(model, dp.EAGER, measure=FakeTimer(dict.fromkeys(dp.EAGER, 5.0) | {"long-rows": 1.0}))
-    assert model_module._split_products is False and model.lm_head.weight.stride() == (1, model.config.vocab_size)
-    dp.calibrate_decode_path(model, dp.EAGER, measure=FakeTimer(dict.fromkeys(dp.EAGER, 5.0) | {"row-major+split": 1.0}))
-    assert model_module._split_products is True and model.lm_head.weight.stride() == (model.config.d_model, 1)
+    dp.calibrate_decode_path(model, dp.EAGER, measure=FakeTimer(dict.fromkeys(dp.EAGER, 5.0) | {winner: 1.0}))
+    assert model_module._products == products and model.lm_head.weight.stride() == head_strides(model.config)
+
+
+def test_without_a_compiler_the_matvec_paths_are_not_measured(folder, weights_dir, monkeypatch):
+    model = load_model(folder, device="cpu")
+    monkeypatch.setattr(dp.matvec_kernels, "available", lambda: False)
+    timer = FakeTimer(dict.fromkeys(dp.CANDIDATES, 5.0))
+    choice = dp.calibrate_decode_path(model, measure=timer)
+    assert timer.calls == [[n for n in dp.CANDIDATES if "matvec" not in n]] and "matvec" not in choice.name
 
 
 def test_another_model_shape_is_measured_on_its_own(folder, weights_dir, tmp_path):
@@ -127,7 +139,7 @@ def test_every_candidate_gives_the_plain_paths_logits(folder, name):
         expected = _decode_logits(dp.apply_decode_path(model, dp.PLAIN), ids)
         got = _decode_logits(dp.apply_decode_path(model, name), ids)
     finally:
-        model_module.use_split_products(True)
+        model_module.use_products("split")
         torch.set_num_threads(threads)
     assert model.decode_path == name
     assert (got - expected).abs().max().item() < 1e-4

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tiny_models import CONFIGS, build_hf, save_hf
 
-from minillm import KVCache, decode_step, load_model, prefill, quantize_kernels
+from minillm import KVCache, decode_step, load_model, prefill, matvec_kernels
 from minillm.costs import decode_cost, with_weights_bytes
 from minillm.quantize import (
     QuantizationError,
@@ -102,8 +102,8 @@ def test_pack_puts_the_earlier_element_in_the_low_nibble_and_round_trips():
 def test_fast_kernels_give_the_reference_logits(tiny_dirs, fmt, monkeypatch):
     """A decode step (1 row: the C kernels) against the same model dequantising explicitly."""
     calls = []
-    kernel = getattr(quantize_kernels, f"{fmt}_matvec")
-    monkeypatch.setattr(quantize_kernels, f"{fmt}_matvec", lambda *a: calls.append(1) or kernel(*a))
+    kernel = getattr(matvec_kernels, f"{fmt}_matvec")
+    monkeypatch.setattr(matvec_kernels, f"{fmt}_matvec", lambda *a: calls.append(1) or kernel(*a))
     model = load_model(tiny_dirs["llama_gqa"], device="cpu", quantize=fmt)
     ids = torch.tensor([[3, 14, 15, 92, 65]])
     logits = {}
@@ -152,28 +152,28 @@ def test_c_kernel_equals_dequantise_then_linear(fmt, out_features, in_features, 
 
 def test_portable_c_loops_equal_the_reference():
     """The kernels built without -march=native (no AVX2 branch: what another CPU compiles) agree too."""
-    lib, why = quantize_kernels._build(flag_sets=(["-O2"],))
+    lib, why = matvec_kernels._build(flag_sets=(["-O2"],))
     assert lib is not None, why
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(40, 192, generator=g), torch.randn(2, 192, generator=g)
     for fmt in ("int8", "int4"):
         layer = QuantizedLinear(w, None, fmt)
         args = (layer.qweight, layer.scale) if fmt == "int8" else (layer.qweight, layer.scale, layer.zero, 64)
-        y = getattr(quantize_kernels, f"_{fmt}_matvec")(lib, x, *args)
+        y = getattr(matvec_kernels, f"_{fmt}_matvec")(lib, x, *args)
         reference = layer.forward_reference(x)
         assert (y - reference).abs().max() <= 1e-5 * reference.abs().max()
-        w = getattr(quantize_kernels, f"_{fmt}_dequantize")(lib, *args)
+        w = getattr(matvec_kernels, f"_{fmt}_dequantize")(lib, *args)
         assert (w - layer.dequantize()).abs().max() <= 1e-6 * w.abs().max()
 
 
 def test_no_c_compiler_falls_back_to_the_reference_path_and_says_why(monkeypatch):
-    monkeypatch.setattr(quantize_kernels, "_state", {})
+    monkeypatch.setattr(matvec_kernels, "_state", {})
     monkeypatch.setenv("CC", "no-such-compiler-minillm")
     layer = QuantizedLinear(torch.randn(4, 64), None, "int4")
     x = torch.randn(1, 64)
     with pytest.warns(RuntimeWarning, match="no C compiler 'no-such-compiler-minillm'.*reference path"):
         y = layer(x)
-    assert quantize_kernels.unavailable_reason() == "no C compiler 'no-such-compiler-minillm' on PATH"
+    assert matvec_kernels.unavailable_reason() == "no C compiler 'no-such-compiler-minillm' on PATH"
     assert torch.equal(y, layer.forward_reference(x))
 
 
@@ -267,7 +267,7 @@ def test_reference_path_takes_float64_input_with_a_bias():
 
 def test_a_compiler_named_with_flags_builds(monkeypatch):
     monkeypatch.setenv("CC", "cc -w")  # was: "no C compiler 'cc -w' on PATH"
-    lib, why = quantize_kernels._build(flag_sets=(["-O2"],))
+    lib, why = matvec_kernels._build(flag_sets=(["-O2"],))
     assert lib is not None, why
 
 
@@ -276,15 +276,15 @@ def test_kernels_that_cannot_be_loaded_fall_back_with_the_reason(monkeypatch):
     def refuse(path):
         raise OSError(f"{path}: failed to map segment from shared object")
 
-    monkeypatch.setattr(quantize_kernels.ctypes, "CDLL", refuse)
-    lib, why = quantize_kernels._build(flag_sets=(["-O2"],))
+    monkeypatch.setattr(matvec_kernels.ctypes, "CDLL", refuse)
+    lib, why = matvec_kernels._build(flag_sets=(["-O2"],))
     assert lib is None and "could not load" in why and "TMPDIR" in why
 
 
 def test_the_cli_prints_minillm_warnings_on_one_line(capsys):
     from minillm import cli
 
-    cli._show_warning(RuntimeWarning("the kernels are away"), RuntimeWarning, quantize_kernels.__file__, 48)
+    cli._show_warning(RuntimeWarning("the kernels are away"), RuntimeWarning, matvec_kernels.__file__, 48)
     assert capsys.readouterr().err == "minillm: warning: the kernels are away\n"
 
 

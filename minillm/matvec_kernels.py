@@ -1,7 +1,9 @@
-"""The decode kernels of quantised matrices (quantize_kernels.c): built at first use, called through ctypes.
+"""Decode's products in C (matvec_kernels.c): float32, int8 and int4 matrices; built at first use,
+called through ctypes.
 
 Why C and not PyTorch: a decode step's product is one row by a matrix, so its floor is reading the
-codes; the kernel must widen them to float as fast as it reads them. Measured on the developers'
+weights; MKL reads a one-row float32 product with one core (minillm.model.linear), and a quantised
+kernel must widen the codes to float as fast as it reads them. Measured on the developers'
 2-core AMD EPYC (AVX2), SmolLM2-135M's 49152x576 LM head, float32 ``F.linear`` 6.9-10.6 ms (layout):
 
     int8 torch._weight_int8pack_mm                     22.7 ms   (no AVX2 kernel: slower than float32)
@@ -11,7 +13,10 @@ codes; the kernel must widen them to float as fast as it reads them. Measured on
     int8 this file                                  1.3-1.9 ms   (and ~10 us a call)
     int4 this file                                  1.3-2.2 ms
 
-(BENCHMARKS.md, "Weight-only quantisation", has the runs.) Prefill's many rows are compute-bound:
+(BENCHMARKS.md, "Weight-only quantisation", has the runs.) float32: SmolLM2-135M's 121 decode
+products took 32-35 ms here (16 GB/s) against 40-42 ms for linear()'s split MKL product (13 GB/s)
+and 59-66 ms for one-core ``F.linear`` (same session); the "matvec" decode paths use it
+(minillm.decode_path). Prefill's many rows are compute-bound:
 there the C loops only unpack each matrix to float (int4: 31 ms for SmolLM2's blocks, 204 ms in
 PyTorch) for one float product.
 
@@ -32,13 +37,14 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("quantize_kernels.c")
+SOURCE = Path(__file__).with_name("matvec_kernels.c")
 # first OpenMP (threads), then without it (macOS clang has no -fopenmp: one thread), then portable
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
 
@@ -50,9 +56,9 @@ def kernels() -> ctypes.CDLL | None:
     if "lib" not in _state:
         _state["lib"], _state["why"] = _build()
         if _state["lib"] is None:
-            warnings.warn(f"the quantised kernels are not available ({_state['why']}): quantised models run "
-                          "the reference path (dequantise, then F.linear), 4-9x slower than float32 (measured); "
-                          "install a C compiler (cc) or set CC", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"the C matvec kernels are not available ({_state['why']}): quantised models run "
+                          "the reference path (dequantise, then F.linear), 4-9x slower than float32 (measured), "
+                          "and float32 keeps MKL's products; install a C compiler (cc) or set CC", RuntimeWarning, stacklevel=3)
     return _state["lib"]
 
 
@@ -67,7 +73,7 @@ def _build(flag_sets=FLAG_SETS) -> tuple[ctypes.CDLL | None, str | None]:
     if not compiler or shutil.which(compiler[0]) is None:
         return None, f"no C compiler {os.environ.get('CC') or 'cc'!r} on PATH"
     with tempfile.TemporaryDirectory(prefix="minillm-kernels-") as tmp:
-        out = Path(tmp) / "quantize_kernels.so"
+        out = Path(tmp) / "matvec_kernels.so"
         error = ""
         for flags in flag_sets:
             run = subprocess.run([*compiler, *flags, "-shared", "-fPIC", str(SOURCE), "-o", str(out)],
@@ -84,6 +90,8 @@ def _build(flag_sets=FLAG_SETS) -> tuple[ctypes.CDLL | None, str | None]:
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.f32_matvec.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32]
+    lib.f32_matvec.restype = None
     lib.int8_matvec.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i32, i32]
     lib.int8_matvec.restype = None
     lib.int4_matvec.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32]
@@ -101,7 +109,18 @@ def available() -> bool:
     return kernels() is not None
 
 
+def functions():
+    """The kernels as this module's plain functions, or as torch ops while torch.compile traces (it
+    cannot trace into their ctypes calls; an op's dispatch costs eager code ~20 us a call)."""
+    return torch.ops.minillm if torch.compiler.is_compiling() else sys.modules[__name__]
+
+
 # -- the kernels: x and the results float32, row-major (contiguous) ------------------------------
+
+
+def f32_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] float32, weight [out, in] float32 (row-major) -> x @ weightᵀ [rows, out] float32."""
+    return _f32_matvec(kernels(), x, weight)
 
 
 def int8_matvec(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -131,9 +150,10 @@ def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     return _int4_dequantize(kernels(), packed, scale, zero, group_size)
 
 
-# The same four as torch ops (torch.ops.minillm.int8_matvec, ...) for compiled code; eager code calls
+# The same five as torch ops (torch.ops.minillm.f32_matvec, ...) for compiled code; eager code calls
 # the functions above: an op's dispatch costs ~20 us a call, 4 ms of a SmolLM2 decode step.
 _FAKES = {  # the output's shape and dtype, for tracing
+    f32_matvec: lambda x, weight: x.new_empty(x.shape[0], weight.shape[0]),
     int8_matvec: lambda x, q, scale: x.new_empty(x.shape[0], q.shape[0]),
     int4_matvec: lambda x, packed, scale, zero, group_size: x.new_empty(x.shape[0], packed.shape[0]),
     int8_dequantize: lambda q, scale: scale.new_empty(q.shape),
@@ -144,6 +164,14 @@ for _kernel, _fake in _FAKES.items():
 
 
 # -- the ctypes calls, on a given library (tests build a portable one too) -----------------------
+
+
+def _f32_matvec(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0])
+    lib.f32_matvec(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1],
+                   torch.get_num_threads())
+    return y
 
 
 def _int8_matvec(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,11 @@
-/* Decode's quantised products: y = x @ ŵᵀ for a few rows of x, reading only the packed codes.
+/* Decode's products: y = x @ wᵀ for a few rows of x, reading each weight once; quantised matrices
+ * are read as their packed codes.
  *
- * Built at first use by minillm/quantize_kernels.py (cc -O3 -march=native -fopenmp, under a second)
- * and called through ctypes. The arithmetic is minillm/quantize.py's reference path, reordered:
+ * Built at first use by minillm/matvec_kernels.py (cc -O3 -march=native -fopenmp, under a second)
+ * and called through ctypes. The quantised arithmetic is minillm/quantize.py's reference path,
+ * reordered:
  *
+ *   f32   y[r, o] = Σ_i x[r, i] · w[o, i]
  *   int8  y[r, o] = scale[o] · Σ_i x[r, i] · q[o, i]
  *   int4  y[r, o] = Σ_g scale[o, g] · (Σ_{i in g} x[r, i] · q[o, i]  -  zero[o, g] · Σ_{i in g} x[r, i])
  *
@@ -11,6 +14,7 @@
  *
  * Layouts (row-major, as QuantizedLinear stores them):
  *   x      float32 [rows, in]           y      float32 [rows, out]
+ *   w      float32 [out, in]                                                            (f32)
  *   q      int8    [out, in]            scale  float32 [out]                        (int8)
  *   packed uint8   [out, in/2]          scale  float32 [out, in/group]
  *          byte j = q[2j] | q[2j+1] << 4                    zero   uint8   [out, in/group]   (int4)
@@ -27,6 +31,31 @@ static float hsum(__m256 v) {  /* the sum of 8 lanes */
     return sum;
 }
 #endif
+
+/* Σ_i x[i]·w[i] in float32. AVX2: four vector sums of 8 lanes, so that four multiply-adds are in
+ * flight; the loop reads w as fast as the memory delivers it (int8_dot below says why four). */
+static float f32_dot(const float *w, const float *x, int n) {
+    float sum = 0.0f;
+    int i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (; i + 32 <= n; i += 32)
+        for (int k = 0; k < 4; k++)
+            acc[k] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8 * k), _mm256_loadu_ps(w + i + 8 * k), acc[k]);
+    sum = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+#endif
+    for (; i < n; i++) sum += x[i] * w[i];
+    return sum;
+}
+
+/* The float32 product of a decode step (or a short verify pass): MKL's product of one row runs on
+ * one core, which cannot stream memory as fast as all of them (minillm.model.linear says more). */
+void f32_matvec(const float *x, const float *w, float *y, int rows, int out, int in, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int o = 0; o < out; o++)
+        for (int r = 0; r < rows; r++)
+            y[(int64_t)r * out + o] = f32_dot(w + (int64_t)o * in, x + (int64_t)r * in, in);
+}
 
 /* Σ_i x[i]·q[i]. AVX2: 8 codes widened to 8 floats, times 8 of x, into one of four vector sums,
  * so that four multiply-adds are in flight (one running sum waits out each one's latency: the

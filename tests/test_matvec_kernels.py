@@ -1,0 +1,74 @@
+"""The float32 C product (minillm/matvec_kernels.c) and linear()'s choice of product, against
+float64 F.linear. (The quantised kernels are checked in test_quantize.py.)"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minillm import matvec_kernels
+from minillm import model as model_module
+
+
+@pytest.fixture
+def products():
+    """Set linear()'s products for one test, then back to the default."""
+    yield model_module.use_products
+    model_module.use_products("split")
+
+
+def _oracle(x, w, b=None):
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+@pytest.mark.parametrize("out_features, in_features", [(5, 37), (576, 576), (49, 1), (3, 32), (7, 40)])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_f32_matvec_equals_float64_linear(out_features, in_features, rows):
+    """Sizes that are and are not multiples of the kernel's 32- and 8-wide steps, several rows."""
+    g = torch.Generator().manual_seed(rows + in_features)
+    w, x = torch.randn(out_features, in_features, generator=g), torch.randn(rows, in_features, generator=g)
+    y = matvec_kernels.f32_matvec(x, w)
+    assert y.shape == (rows, out_features) and y.dtype == torch.float32
+    assert (y.double() - _oracle(x, w)).abs().max() <= 1e-5 * max(1.0, _oracle(x, w).abs().max())
+
+
+def test_portable_f32_loop_equals_float64_linear():
+    """Built without -march=native (no AVX2 branch: what another CPU compiles)."""
+    lib, why = matvec_kernels._build(flag_sets=(["-O2"],))
+    assert lib is not None, why
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(40, 100, generator=g), torch.randn(2, 100, generator=g)
+    y = matvec_kernels._f32_matvec(lib, x, w)
+    assert (y.double() - _oracle(x, w)).abs().max() <= 1e-5 * _oracle(x, w).abs().max()
+
+
+@pytest.mark.parametrize("name", model_module.PRODUCTS)
+@pytest.mark.parametrize("rows", [1, 5, model_module.MATVEC_MAX_ROWS, model_module.MATVEC_MAX_ROWS + 1, 70])
+def test_every_product_gives_linear_with_bias(products, name, rows):
+    """Each product, across its row limits (past them linear() hands over to F.linear), a bias,
+    a [B, T, in] input and a matrix that is a row slice of a packed one (q of q|k|v)."""
+    g = torch.Generator().manual_seed(rows)
+    packed, b = torch.randn(96, 64, generator=g), torch.randn(32, generator=g)
+    w, x = packed[32:64], torch.randn(1, rows, 64, generator=g)
+    products(name)
+    y = model_module.linear(x, w, b)
+    assert y.shape == (1, rows, 32)
+    assert (y.double() - _oracle(x, w, b)).abs().max() <= 1e-5 * _oracle(x, w, b).abs().max()
+
+
+def test_matvec_on_column_major_weights_or_without_a_compiler_is_f_linear(products, monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(64, 48, generator=g), torch.randn(1, 48, generator=g)
+    products("matvec")
+    calls = []
+    monkeypatch.setattr(matvec_kernels, "f32_matvec", lambda *a: calls.append(a) or F.linear(*a))
+    column_major = w.t().contiguous().t()  # the "long rows" layout: the kernel reads rows, so not this one
+    assert torch.allclose(model_module.linear(x, column_major), x @ w.t(), atol=1e-5) and calls == []
+    model_module.linear(x, w)
+    assert len(calls) == 1
+    monkeypatch.setattr(matvec_kernels, "available", lambda: False)
+    assert torch.allclose(model_module.linear(x, w), x @ w.t(), atol=1e-5) and len(calls) == 1
+
+
+def test_an_unknown_product_is_refused(products):
+    with pytest.raises(ValueError, match="'mkl' is not a product; use one of linear, split, matvec"):
+        products("mkl")
