@@ -279,7 +279,11 @@ def verify(model: Transformer, token_ids: list[int], cache: KVCache) -> torch.Te
     A prefill that keeps all k+1 rows of logits (prefill keeps only the last): row i is the
     model's next-token logits after token i. Returns float32 [k+1, vocab]; cache.length grows by
     k+1 (the caller truncates the rejected drafts). Raises as :func:`~minillm.phases.prefill`.
+    With nothing drafted (k = 0) the pass is :func:`~minillm.phases.decode_step`, so a decode path
+    with a compiled step (:mod:`minillm.decode_path`) runs it: free-form text has many such rounds.
     """
+    if len(token_ids) == 1:
+        return decode_step(model, token_ids[0], cache)
     _check_state(model, cache, None)
     ids = _as_batch(model, token_ids, cache, what="token_ids")
     cache.check_room(ids.shape[1])

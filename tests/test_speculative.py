@@ -124,6 +124,31 @@ def test_a_custom_draft_keeps_greedy_output(models):
     assert [s.token_id for s in generate(target, PROMPTS[1], params, speculative=spec)] == plain
 
 
+class SilentDraft(Draft):
+    """A draft that never finds anything to propose (free-form text, to prompt lookup)."""
+
+    def propose(self, token_ids, k):
+        return []
+
+
+def test_a_round_with_nothing_drafted_runs_the_decode_paths_step(models):
+    """On a decode path with a compiled step, a round without drafts is that step (it was the eager
+    forward: x0.78 plain on free-form text where the compiled step ran x1.0), greedy output unchanged."""
+    from minillm.compile import compile_decode_step
+
+    target, _ = models
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    plain = [s.token_id for s in generate(target, PROMPTS[1], params)]
+    step, calls, before = compile_decode_step(), [], target.compiled_decode
+    target.compiled_decode = lambda *args: calls.append(1) or step(*args)
+    try:
+        got = [s.token_id for s in generate(target, PROMPTS[1], params,
+                                            speculative=SpeculativeConfig("custom", 3, draft=SilentDraft()))]
+    finally:
+        target.compiled_decode = before
+    assert got == plain and len(calls) == 7  # every token after the prefill's
+
+
 def test_continues_a_filled_cache_as_plain_generate_does(models):
     """generate(cache=...) with a prefix already in the cache: the prompt goes on after it."""
     target, draft = models
