@@ -20,8 +20,9 @@ and 59-66 ms for one-core ``F.linear`` (same session); the "matvec" decode paths
 there the C loops only unpack each matrix to float (int4: 31 ms for SmolLM2's blocks, 204 ms in
 PyTorch) for one float product.
 
-The C compiler is the one ``torch.compile`` also needs (``cc``, or ``$CC``); the build takes under a
-second, once per process, into a temporary directory (``-march=native``: for this CPU only). With
+The C compiler is the one ``torch.compile`` also needs (``cc``, or ``$CC``); the build takes about a
+second, once per machine: it is kept in ``<weights_dir>/kernels/`` (``-march=native``: for this CPU
+only, so the CPU's name is part of its file name). With
 no compiler, :func:`available` is False and QuantizedLinear runs its reference path (4-9x slower
 than float32), saying so once.
 
@@ -33,6 +34,7 @@ ctypes, and an op is opaque to it by design.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import shlex
 import shutil
@@ -67,25 +69,65 @@ def unavailable_reason() -> str | None:
     return _state.get("why")
 
 
-def _build(flag_sets=FLAG_SETS) -> tuple[ctypes.CDLL | None, str | None]:
-    """(the library built with the first flag set that compiles, None), or (None, why not)."""
+def _build(flag_sets=FLAG_SETS, cache_dir: Path | None = None) -> tuple[ctypes.CDLL | None, str | None]:
+    """(the library built with the first flag set that compiles, None), or (None, why not).
+
+    A build is kept in ``cache_dir`` (default: :func:`cache_folder`) under a name made of the
+    source, the compiler, the flags and the CPU's name, so later processes load it instead of
+    compiling again (~1 s a process); where the folder cannot be written, the build stays temporary.
+    """
     compiler = shlex.split(os.environ.get("CC") or "cc")  # CC may carry flags: "gcc -std=c11"
     if not compiler or shutil.which(compiler[0]) is None:
         return None, f"no C compiler {os.environ.get('CC') or 'cc'!r} on PATH"
+    cache_dir = cache_folder() if cache_dir is None else cache_dir
     with tempfile.TemporaryDirectory(prefix="minillm-kernels-") as tmp:
-        out = Path(tmp) / "matvec_kernels.so"
         error = ""
         for flags in flag_sets:
+            kept = cache_dir / f"matvec_kernels-{_build_key(compiler, flags)}.so"
+            if kept.is_file():
+                return _load(kept)
+            out = Path(tmp) / "matvec_kernels.so"
             run = subprocess.run([*compiler, *flags, "-shared", "-fPIC", str(SOURCE), "-o", str(out)],
                                  capture_output=True, text=True)
             if run.returncode == 0:
-                try:
-                    lib = ctypes.CDLL(str(out))  # loaded: the file may go with the directory
-                except OSError as e:  # e.g. a temporary directory mounted noexec
-                    return None, f"built but could not load {out} ({e}); set TMPDIR to a directory that may hold programs"
-                return _declare(lib), None
+                return _load(_keep(out, kept))
             error = (run.stderr.strip().splitlines() or ["failed"])[-1]
     return None, f"{' '.join(compiler)} could not build {SOURCE.name}: {error}"
+
+
+def cache_folder() -> Path:
+    """``<weights_dir>/kernels``: the built libraries, beside calibration.json."""
+    from .weights import weights_dir
+
+    return weights_dir() / "kernels"
+
+
+def _build_key(compiler: list[str], flags: list[str]) -> str:
+    """What decides the binary: the source, the compiler and its flags, and (-march=native) the CPU."""
+    from .hardware import _device_name
+
+    parts = [SOURCE.read_bytes(), " ".join(compiler + flags).encode(), _device_name(torch.device("cpu")).encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _keep(built: Path, kept: Path) -> Path:
+    """Move a fresh build to its cache name (atomically: another process may be loading it), or leave it."""
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        staged = kept.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copyfile(built, staged)
+        os.replace(staged, kept)
+        return kept
+    except OSError:  # a read-only weights folder: this process uses its temporary build
+        return built
+
+
+def _load(path: Path) -> tuple[ctypes.CDLL | None, str | None]:
+    try:
+        return _declare(ctypes.CDLL(str(path))), None  # loaded: a temporary file may go with its directory
+    except OSError as e:  # e.g. a temporary directory mounted noexec
+        return None, (f"built but could not load {path} ({e}); set MINILLM_WEIGHTS and TMPDIR to folders "
+                      "that may hold programs")
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:

@@ -31,9 +31,9 @@ def test_f32_matvec_equals_float64_linear(out_features, in_features, rows):
     assert (y.double() - _oracle(x, w)).abs().max() <= 1e-5 * max(1.0, _oracle(x, w).abs().max())
 
 
-def test_portable_f32_loop_equals_float64_linear():
+def test_portable_f32_loop_equals_float64_linear(tmp_path):
     """Built without -march=native (no AVX2 branch: what another CPU compiles)."""
-    lib, why = matvec_kernels._build(flag_sets=(["-O2"],))
+    lib, why = matvec_kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
     assert lib is not None, why
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(40, 100, generator=g), torch.randn(2, 100, generator=g)
@@ -72,3 +72,20 @@ def test_matvec_on_column_major_weights_or_without_a_compiler_is_f_linear(produc
 def test_an_unknown_product_is_refused(products):
     with pytest.raises(ValueError, match="'mkl' is not a product; use one of linear, split, matvec"):
         products("mkl")
+
+
+def test_a_build_is_kept_and_loaded_by_the_next_process(tmp_path, monkeypatch):
+    """The second build finds the first one's library (no compiler run), under a name that changes
+    with the flags; a folder that cannot be written leaves the build temporary, still loaded."""
+    lib, why = matvec_kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
+    kept = list(tmp_path.glob("matvec_kernels-*.so"))
+    assert lib is not None and len(kept) == 1, why
+    monkeypatch.setattr(matvec_kernels.subprocess, "run", lambda *a, **k: pytest.fail("compiled again"))
+    again, _ = matvec_kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
+    assert again is not None and again._name == str(kept[0])
+    assert matvec_kernels._build_key(["cc"], ["-O2"]) != matvec_kernels._build_key(["cc"], ["-O3"])
+    monkeypatch.undo()
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the folder should be: mkdir fails
+    lib, why = matvec_kernels._build(flag_sets=(["-O1"],), cache_dir=blocked / "kernels")
+    assert lib is not None and not lib._name.startswith(str(blocked)), why

@@ -150,9 +150,9 @@ def test_c_kernel_equals_dequantise_then_linear(fmt, out_features, in_features, 
     assert (layer._dequantize_fast() - layer.dequantize()).abs().max() <= 1e-6 * layer.dequantize().abs().max()
 
 
-def test_portable_c_loops_equal_the_reference():
+def test_portable_c_loops_equal_the_reference(tmp_path):
     """The kernels built without -march=native (no AVX2 branch: what another CPU compiles) agree too."""
-    lib, why = matvec_kernels._build(flag_sets=(["-O2"],))
+    lib, why = matvec_kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
     assert lib is not None, why
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(40, 192, generator=g), torch.randn(2, 192, generator=g)
@@ -265,19 +265,19 @@ def test_reference_path_takes_float64_input_with_a_bias():
     assert torch.allclose(y, x @ layer.dequantize().double().T + layer.bias.double())
 
 
-def test_a_compiler_named_with_flags_builds(monkeypatch):
+def test_a_compiler_named_with_flags_builds(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "cc -w")  # was: "no C compiler 'cc -w' on PATH"
-    lib, why = matvec_kernels._build(flag_sets=(["-O2"],))
+    lib, why = matvec_kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
     assert lib is not None, why
 
 
-def test_kernels_that_cannot_be_loaded_fall_back_with_the_reason(monkeypatch):
+def test_kernels_that_cannot_be_loaded_fall_back_with_the_reason(monkeypatch, tmp_path):
     """A TMPDIR mounted noexec: the build succeeds, loading fails (was: the command died)."""
     def refuse(path):
         raise OSError(f"{path}: failed to map segment from shared object")
 
     monkeypatch.setattr(matvec_kernels.ctypes, "CDLL", refuse)
-    lib, why = matvec_kernels._build(flag_sets=(["-O2"],))
+    lib, why = matvec_kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
     assert lib is None and "could not load" in why and "TMPDIR" in why
 
 

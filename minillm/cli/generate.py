@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from ..units import fmt_bytes
@@ -103,6 +104,10 @@ def run_generate(args) -> int:
     prefix_cache = PrefixCache(model, block_size=args.block_size) if args.prefix_cache else None
     args.speculative_config = _speculative_config(args)
     traced = bool(args.trace or args.trace_out or args.plots)
+    if not traced and getattr(model, "compiled_decode", None) is not None:  # (a trace runs the eager step)
+        warnings.warn(f"decode path {model.decode_path} (kept by minillm calibrate --decode-path): this process "
+                      "compiles its first decode step, about a minute (~10 s with torch's compile cache warm), "
+                      "and that step's time counts it; MINILLM_DECODE_PATH=matvec runs eager", RuntimeWarning)
     warmup = traced if args.warmup is None else args.warmup
     for i, prompt in enumerate(prompts):  # one request after another; with --prefix-cache they share cached prefixes
         cold = not warmup and i == 0  # later requests run in a process the first one warmed
