@@ -84,8 +84,8 @@ def _build(flag_sets=FLAG_SETS, cache_dir: Path | None = None) -> tuple[ctypes.C
         error = ""
         for flags in flag_sets:
             kept = cache_dir / f"matvec_kernels-{_build_key(compiler, flags)}.so"
-            if kept.is_file():
-                return _load(kept)
+            if kept.is_file() and (loaded := _load(kept))[0] is not None:
+                return loaded  # (a kept file that does not load, e.g. truncated, is built again and replaced)
             out = Path(tmp) / "matvec_kernels.so"
             run = subprocess.run([*compiler, *flags, "-shared", "-fPIC", str(SOURCE), "-o", str(out)],
                                  capture_output=True, text=True)

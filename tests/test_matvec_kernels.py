@@ -1,6 +1,8 @@
 """The float32 C product (minillm/matvec_kernels.c) and linear()'s choice of product, against
 float64 F.linear. (The quantised kernels are checked in test_quantize.py.)"""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,3 +91,11 @@ def test_a_build_is_kept_and_loaded_by_the_next_process(tmp_path, monkeypatch):
     blocked.write_text("")  # a file where the folder should be: mkdir fails
     lib, why = matvec_kernels._build(flag_sets=(["-O1"],), cache_dir=blocked / "kernels")
     assert lib is not None and not lib._name.startswith(str(blocked)), why
+
+
+def test_a_kept_library_that_does_not_load_is_built_again(tmp_path, monkeypatch):
+    monkeypatch.delenv("CC", raising=False)
+    kept = tmp_path / f"matvec_kernels-{matvec_kernels._build_key(['cc'], ['-O2'])}.so"
+    kept.write_bytes(b"not a library")  # a half-written or damaged file
+    lib, why = matvec_kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
+    assert lib is not None and lib._name == str(kept) and kept.read_bytes()[:4] == b"\x7fELF", why
