@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from . import matvec_kernels
 from .kv_cache import KVCache
 from .model import Transformer
 
@@ -104,6 +105,7 @@ def compile_decode_step(mode: str = "default"):
     minute); later calls reuse the graph for every cache length. The cache buffers are
     marked as static addresses so CUDA graphs may write them in place.
     """
+    matvec_kernels.prepare_for_compile()  # (the C products of the "matvec" and quantised paths, as ops)
     compiled = torch.compile(decode_forward_static, mode=mode, fullgraph=True, dynamic=False)
     marked = set()
 
