@@ -90,7 +90,8 @@ def _build(flag_sets=FLAG_SETS, cache_dir: Path | None = None) -> tuple[ctypes.C
             run = subprocess.run([*compiler, *flags, "-shared", "-fPIC", str(SOURCE), "-o", str(out)],
                                  capture_output=True, text=True)
             if run.returncode == 0:
-                return _load(_keep(out, kept))
+                _keep(out, kept)
+                return _load(out)  # (not kept: a process that tried a bad file there has that path's handle)
             error = (run.stderr.strip().splitlines() or ["failed"])[-1]
     return None, f"{' '.join(compiler)} could not build {SOURCE.name}: {error}"
 
@@ -110,21 +111,23 @@ def _build_key(compiler: list[str], flags: list[str]) -> str:
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
-def _keep(built: Path, kept: Path) -> Path:
-    """Move a fresh build to its cache name (atomically: another process may be loading it), or leave it."""
+def _keep(built: Path, kept: Path) -> None:
+    """Copy a fresh build to its cache name (atomically: another process may be loading it); where the
+    folder cannot be written, nothing is kept and each process builds its own."""
     try:
         kept.parent.mkdir(parents=True, exist_ok=True)
         staged = kept.with_suffix(f".{os.getpid()}.tmp")
         shutil.copyfile(built, staged)
         os.replace(staged, kept)
-        return kept
-    except OSError:  # a read-only weights folder: this process uses its temporary build
-        return built
+    except OSError:
+        pass
 
 
 def _load(path: Path) -> tuple[ctypes.CDLL | None, str | None]:
     try:
         return _declare(ctypes.CDLL(str(path))), None  # loaded: a temporary file may go with its directory
+    except AttributeError as e:  # a library of that name without the kernels (a stray file)
+        return None, f"{path} is not minillm's kernels ({e}); delete it"
     except OSError as e:  # e.g. a temporary directory mounted noexec
         return None, (f"built but could not load {path} ({e}); set MINILLM_WEIGHTS and TMPDIR to folders "
                       "that may hold programs")
@@ -216,6 +219,12 @@ for _kernel, _fake in _FAKES.items():
 
 
 def _f32_matvec(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"f32_matvec takes float32 CPU tensors, got x {x.dtype} on {x.device.type} and weight "
+                         f"{weight.dtype}; use F.linear")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or not weight.is_contiguous():
+        raise ValueError(f"f32_matvec multiplies x [rows, in] by a contiguous weight [out, in], got x "
+                         f"{list(x.shape)} and weight {list(weight.shape)} (contiguous: {weight.is_contiguous()})")
     x = x.contiguous()
     y = torch.empty(x.shape[0], weight.shape[0])
     lib.f32_matvec(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1],

@@ -115,8 +115,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     measures them and :func:`use_products` sets the winner. Same values as ``F.linear`` up to
     float rounding.
     """
-    if _products == "linear" or x.device.type != "cpu" or x.dtype != torch.float32:
-        return F.linear(x, weight, bias)
+    if (_products == "linear" or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != x.dtype
+            or weight.dim() != 2 or weight.shape[1] != x.shape[-1] or x.shape[-1] == 0
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return F.linear(x, weight, bias)  # (and F.linear's own errors for a bad dtype or shape; autograd)
     rows = x.numel() // x.shape[-1]
     if _products == "matvec" and 0 < rows <= MATVEC_MAX_ROWS and weight.is_contiguous() and matvec_kernels.available():
         y = matvec_kernels.functions().f32_matvec(x.reshape(rows, -1), weight).view(*x.shape[:-1], weight.shape[0])

@@ -185,5 +185,17 @@ def test_generate_on_a_compiled_path_says_its_first_step_compiles(tmp_path, smol
         monkeypatch.setenv(dp.ENV_VAR, path)
         assert main(["generate", "--model", str(tiny), "--max-new-tokens", "1", "hi"]) == 0
         err = capsys.readouterr().err
-        assert ("minillm: warning: decode path compile+matvec (kept by minillm calibrate --decode-path): this "
-                "process compiles its first decode step" in err) is warned
+        assert ("minillm: warning: decode path compile+matvec (forced by MINILLM_DECODE_PATH): this process "
+                "compiles its first decode step" in err) is warned
+
+
+def test_calibrate_says_how_to_skip_a_kept_compiled_path(folder, weights_dir, monkeypatch, capsys):
+    from minillm.cli import main
+
+    fake = dict.fromkeys(dp.CANDIDATES, 9.0) | {"compile+matvec": 4.0, "row-major+split": 6.0}
+    monkeypatch.setattr(dp, "measure_decode_paths", lambda model, names, **kw: {n: fake[n] for n in names})
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main(["calibrate", "--quick", "--decode-path", "--model", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "compile+matvec (measured; decode ms/step: compile+matvec 4.0, row-major+split 6.0" in out
+    assert "for one-shot commands MINILLM_DECODE_PATH=row-major+split runs the fastest eager path" in out

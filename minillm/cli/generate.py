@@ -105,9 +105,11 @@ def run_generate(args) -> int:
     args.speculative_config = _speculative_config(args)
     traced = bool(args.trace or args.trace_out or args.plots)
     if not traced and getattr(model, "compiled_decode", None) is not None:  # (a trace runs the eager step)
-        warnings.warn(f"decode path {model.decode_path} (kept by minillm calibrate --decode-path): this process "
-                      "compiles its first decode step, about a minute (~10 s with torch's compile cache warm), "
-                      "and that step's time counts it; MINILLM_DECODE_PATH=matvec runs eager", RuntimeWarning)
+        why = "forced by MINILLM_DECODE_PATH" if model.decode_choice.source == "forced" else \
+            "kept by minillm calibrate --decode-path"
+        warnings.warn(f"decode path {model.decode_path} ({why}): this process compiles its first decode step, "
+                      "a minute or more (~10 s with torch's compile cache warm), and that step's time and TPOT "
+                      "count it; MINILLM_DECODE_PATH=matvec runs eager", RuntimeWarning)
     warmup = traced if args.warmup is None else args.warmup
     for i, prompt in enumerate(prompts):  # one request after another; with --prefix-cache they share cached prefixes
         cold = not warmup and i == 0  # later requests run in a process the first one warmed

@@ -40,7 +40,7 @@ def run_calibrate(args) -> int:
 def _decode_path(args, console) -> str:
     """The cached (or, with --decode-path, measured now) decode path of --model, as one line."""
     from ..config import ModelConfig
-    from ..decode_path import ENV_VAR, calibrate_decode_path, load_decode_choice
+    from ..decode_path import CANDIDATES, ENV_VAR, calibrate_decode_path, load_decode_choice
     from ..loading import load_model
 
     if not args.decode_path:
@@ -52,6 +52,10 @@ def _decode_path(args, console) -> str:
     model = load_model(ensure_model(args.model, None), device="cpu", dtype="float32")
     with console.status("measuring decode paths") as status:
         choice = calibrate_decode_path(model, progress=lambda line: status.update(f"measuring {line}"))
+    if CANDIDATES[choice.name].compiled:
+        fastest_eager = min((n for n in choice.timings_ms if not CANDIDATES[n].compiled), key=choice.timings_ms.get)
+        return (f"{choice}\n(a compiled path: every process compiles its first decode step, a minute or more cold; "
+                f"for one-shot commands MINILLM_DECODE_PATH={fastest_eager} runs the fastest eager path)")
     return str(choice)
 
 
