@@ -48,11 +48,12 @@ static float f32_dot(const float *w, const float *x, int n) {
     return sum;
 }
 
-/* y[r·y_stride] = Σ_i w[i]·x[r·x_stride + i] for R <= 4 rows of x: each 8 weights are loaded once for
- * R multiply-adds, two vector sums a row (inlined with R a constant: its loops unroll). A speculative verify pass multiplies 1 + k rows: one
- * row at a time, 9 rows took 1.3x longer than this on SmolLM2's matrices (developers' EPYC). */
-static inline __attribute__((always_inline)) void f32_dots(const float *w, const float *x, int64_t x_stride, int n, int R, float *y,
-                            int64_t y_stride) {
+/* y[r·y_stride] = Σ_i w[i]·x[r·n + i] for R <= 4 rows of x [R, n]: each 8 weights are loaded once
+ * for R multiply-adds, two vector sums a row (inlined with R a constant: its loops unroll). A
+ * speculative verify pass multiplies 1 + k rows: one row at a time, 9 rows took 1.3x longer than
+ * this on SmolLM2's matrices (developers' EPYC). One row keeps f32_dot's four sums in flight. */
+static inline __attribute__((always_inline)) void f32_dots(const float *w, const float *x, int n, int R,
+                                                           float *y, int64_t y_stride) {
     int i = 0;
     float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #if defined(__AVX2__) && defined(__FMA__)
@@ -61,14 +62,14 @@ static inline __attribute__((always_inline)) void f32_dots(const float *w, const
     for (; i + 16 <= n; i += 16) {
         __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
         for (int r = 0; r < R; r++) {
-            acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * x_stride + i), acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * x_stride + i + 8), acc[r][1]);
+            acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * n + i), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * n + i + 8), acc[r][1]);
         }
     }
     for (int r = 0; r < R; r++) sum[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 #endif
     for (int r = 0; r < R; r++) {
-        for (int j = i; j < n; j++) sum[r] += w[j] * x[r * x_stride + j];
+        for (int j = i; j < n; j++) sum[r] += w[j] * x[r * n + j];
         y[r * y_stride] = sum[r];
     }
 }
@@ -83,12 +84,15 @@ void f32_matvec(const float *x, const float *w, float *y, int rows, int out, int
             y[o] = f32_dot(wo, x, in);
             continue;
         }
-        int r = 0;
-        for (; r + 4 <= rows; r += 4) f32_dots(wo, x + (int64_t)r * in, in, in, 4, y + (int64_t)r * out + o, out);
-        switch (rows - r) {  /* R a constant in each call: the compiler unrolls the loops over rows */
-            case 3: f32_dots(wo, x + (int64_t)r * in, in, in, 3, y + (int64_t)r * out + o, out); break;
-            case 2: f32_dots(wo, x + (int64_t)r * in, in, in, 2, y + (int64_t)r * out + o, out); break;
-            case 1: f32_dots(wo, x + (int64_t)r * in, in, in, 1, y + (int64_t)r * out + o, out); break;
+        for (int r = 0; r < rows; r += 4) {
+            const float *xr = x + (int64_t)r * in;
+            float *yr = y + (int64_t)r * out + o;
+            switch (rows - r < 4 ? rows - r : 4) {  /* R a constant in each call: its loops unroll */
+                case 4: f32_dots(wo, xr, in, 4, yr, out); break;
+                case 3: f32_dots(wo, xr, in, 3, yr, out); break;
+                case 2: f32_dots(wo, xr, in, 2, yr, out); break;
+                default: f32_dots(wo, xr, in, 1, yr, out);
+            }
         }
     }
 }

@@ -26,8 +26,8 @@ only, so the CPU's name is part of its file name). With
 no compiler, :func:`available` is False and QuantizedLinear runs its reference path (4-9x slower
 than float32), saying so once.
 
-Each kernel is also a torch custom op (``torch.ops.minillm.int8_matvec``, ...), which is how a
-``torch.compile``'d decode step (the "compile" decode path) calls it: dynamo cannot trace into
+Each kernel is also a torch custom op (``torch.ops.minillm.f32_matvec``, ...), which is how a
+``torch.compile``'d decode step (the compiled decode paths) calls it: dynamo cannot trace into
 ctypes, and an op is opaque to it by design.
 """
 
@@ -60,7 +60,8 @@ def kernels() -> ctypes.CDLL | None:
         if _state["lib"] is None:
             warnings.warn(f"the C matvec kernels are not available ({_state['why']}): quantised models run "
                           "the reference path (dequantise, then F.linear), 4-9x slower than float32 (measured), "
-                          "and float32 keeps MKL's products; install a C compiler (cc) or set CC", RuntimeWarning, stacklevel=3)
+                          "and float32 keeps MKL's products; install a C compiler (cc) or set CC",
+                          RuntimeWarning, stacklevel=3)
     return _state["lib"]
 
 
