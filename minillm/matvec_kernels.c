@@ -166,7 +166,7 @@ int int4_matvec(const float *x, const uint8_t *packed, const float *scale, const
                  float *y, int rows, int out, int in, int group, int threads) {
     int half = in / 2, groups = in / group;
     /* x split once into even and odd elements, and its sum over each group */
-    float *xe = malloc(sizeof(float) * (size_t)rows * (in + groups));
+    float *xe = (float *)malloc(sizeof(float) * (size_t)rows * (in + groups));  /* (a cast C++ needs: matvec_ops.cpp) */
     if (xe == NULL) return 1;
     float *xo = xe + (size_t)rows * half, *xsum = xo + (size_t)rows * half;
     for (int r = 0; r < rows; r++) {

@@ -26,9 +26,12 @@ only, so the CPU's name is part of its file name). With
 no compiler, :func:`available` is False and QuantizedLinear runs its reference path (4-9x slower
 than float32), saying so once.
 
-Each kernel is also a torch custom op (``torch.ops.minillm.f32_matvec``, ...), which is how a
+Each kernel is also a torch op (``torch.ops.minillm.f32_matvec``, ...), which is how a
 ``torch.compile``'d decode step (the compiled decode paths) calls it: dynamo cannot trace into
-ctypes, and an op is opaque to it by design.
+ctypes, and an op is opaque to it by design. The ops' implementations are matvec_ops.cpp, built
+at the first compile with ``c++`` (``$CXX``) against torch's headers, ~12 s once a machine: an op
+implemented in Python cost the graph ~30 us a call, ~1.2 ms of a SmolLM2 step (measured, A/B over
+five process pairs). Without a C++ compiler the ops call this module's functions.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("matvec_kernels.c")
+OPS_SOURCE = Path(__file__).with_name("matvec_ops.cpp")  # the same kernels as torch ops, for compiled code
 # first OpenMP (threads), then without it (macOS clang has no -fopenmp: one thread), then portable
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
 
@@ -84,7 +88,7 @@ def _build(flag_sets=FLAG_SETS, cache_dir: Path | None = None) -> tuple[ctypes.C
     with tempfile.TemporaryDirectory(prefix="minillm-kernels-") as tmp:
         error = ""
         for flags in flag_sets:
-            kept = cache_dir / f"matvec_kernels-{_build_key(compiler, flags)}.so"
+            kept = cache_dir / f"matvec_kernels-{_build_key(compiler, flags, [SOURCE])}.so"
             if kept.is_file() and (loaded := _load(kept))[0] is not None:
                 return loaded  # (a kept file that does not load, e.g. truncated, is built again and replaced)
             out = Path(tmp) / "matvec_kernels.so"
@@ -104,11 +108,13 @@ def cache_folder() -> Path:
     return weights_dir() / "kernels"
 
 
-def _build_key(compiler: list[str], flags: list[str]) -> str:
-    """What decides the binary: the source, the compiler and its flags, and (-march=native) the CPU."""
+def _build_key(compiler: list[str], flags: list[str], sources: list[Path]) -> str:
+    """What decides the binary: the sources, the compiler and its flags, (-march=native) the CPU, and
+    (the ops' C++) torch's version."""
     from .hardware import _device_name
 
-    parts = [SOURCE.read_bytes(), " ".join(compiler + flags).encode(), _device_name(torch.device("cpu")).encode()]
+    parts = [*(source.read_bytes() for source in sources), " ".join(compiler + flags).encode(),
+             _device_name(torch.device("cpu")).encode(), torch.__version__.encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -155,10 +161,12 @@ def available() -> bool:
 
 
 def prepare_for_compile() -> None:
-    """Before torch.compile traces code that calls the kernels: build them, and make :func:`available`
-    a constant to the tracer (it cannot trace the build). Done here, not at import: marking it imports
-    torch._dynamo, ~70 MB of RSS that a process which never compiles need not hold."""
-    kernels()
+    """Before torch.compile traces code that calls the kernels: build them and their torch ops, and
+    make :func:`available` a constant to the tracer (it cannot trace the build). Done here, not at
+    import: marking it imports torch._dynamo, ~70 MB of RSS that a process which never compiles need
+    not hold, and building the ops takes ~12 s once a machine."""
+    if kernels() is not None:
+        _register_ops()
     torch.compiler.assume_constant_result(available)
 
 
@@ -204,16 +212,75 @@ def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
 
 
 # The same five as torch ops (torch.ops.minillm.f32_matvec, ...) for compiled code; eager code calls
-# the functions above: an op's dispatch costs ~20 us a call, 4 ms of a SmolLM2 decode step.
-_FAKES = {  # the output's shape and dtype, for tracing
-    f32_matvec: lambda x, weight: x.new_empty(x.shape[0], weight.shape[0]),
-    int8_matvec: lambda x, q, scale: x.new_empty(x.shape[0], q.shape[0]),
-    int4_matvec: lambda x, packed, scale, zero, group_size: x.new_empty(x.shape[0], packed.shape[0]),
-    int8_dequantize: lambda q, scale: scale.new_empty(q.shape),
-    int4_dequantize: lambda packed, scale, zero, group_size: scale.new_empty(packed.shape[0], packed.shape[1] * 2),
+# the functions above (an op's dispatch costs eager code ~20 us a call, 4 ms of a SmolLM2 decode
+# step). Here: their schemas and fakes (the output's shape and dtype, for tracing); their CPU
+# implementations come with prepare_for_compile.
+_OPS = {
+    "f32_matvec": ("(Tensor x, Tensor weight) -> Tensor",
+                   lambda x, weight: x.new_empty(x.shape[0], weight.shape[0])),
+    "int8_matvec": ("(Tensor x, Tensor q, Tensor scale) -> Tensor",
+                    lambda x, q, scale: x.new_empty(x.shape[0], q.shape[0])),
+    "int4_matvec": ("(Tensor x, Tensor packed, Tensor scale, Tensor zero, int group_size) -> Tensor",
+                    lambda x, packed, scale, zero, group_size: x.new_empty(x.shape[0], packed.shape[0])),
+    "int8_dequantize": ("(Tensor q, Tensor scale) -> Tensor", lambda q, scale: scale.new_empty(q.shape)),
+    "int4_dequantize": ("(Tensor packed, Tensor scale, Tensor zero, int group_size) -> Tensor",
+                        lambda packed, scale, zero, group_size: scale.new_empty(packed.shape[0], packed.shape[1] * 2)),
 }
-for _kernel, _fake in _FAKES.items():
-    torch.library.custom_op(f"minillm::{_kernel.__name__}", _kernel, mutates_args=()).register_fake(_fake)
+_LIBRARY = torch.library.Library("minillm", "FRAGMENT")
+for _name, (_schema, _fake) in _OPS.items():
+    _LIBRARY.define(_name + _schema)
+    torch.library.register_fake(f"minillm::{_name}", _fake, lib=_LIBRARY)
+
+
+def _register_ops() -> None:
+    """The ops' CPU implementations, once a process: matvec_ops.cpp's, built against this torch (a
+    compiled graph calls them without going back to Python: ~9 against ~30 us a call, measured), or,
+    where it does not build, this module's functions. :func:`ops_implementation` says which."""
+    if "ops" in _state:
+        return
+    loaded, why = _build_ops()
+    if not loaded:
+        for name in _OPS:
+            _LIBRARY.impl(name, getattr(sys.modules[__name__], name), "CPU")
+    _state["ops"], _state["ops_why"] = ("C++" if loaded else "Python"), why
+
+
+def ops_implementation() -> tuple[str | None, str | None]:
+    """("C++" or "Python", why not C++), or (None, None) before any compiled step registered them."""
+    return _state.get("ops"), _state.get("ops_why")
+
+
+def _build_ops(cache_dir: Path | None = None) -> tuple[bool, str | None]:
+    """Build (or find kept) matvec_ops.cpp and load it into torch: (True, None), or (False, why not)."""
+    compiler = shlex.split(os.environ.get("CXX") or "c++")
+    if not compiler or shutil.which(compiler[0]) is None:
+        return False, f"no C++ compiler {os.environ.get('CXX') or 'c++'!r} on PATH"
+    torch_dir = Path(torch.__file__).parent
+    cache_dir = cache_folder() if cache_dir is None else cache_dir
+    error = ""
+    with tempfile.TemporaryDirectory(prefix="minillm-ops-") as tmp:
+        for flags in FLAG_SETS[:2]:
+            flags = [*flags, "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"]
+            kept = cache_dir / f"matvec_ops-{_build_key(compiler, flags, [OPS_SOURCE, SOURCE])}.so"
+            if kept.is_file() and _load_ops(kept):
+                return True, None
+            out = Path(tmp) / "matvec_ops.so"
+            run = subprocess.run([*compiler, *flags, "-shared", "-fPIC", "-w", f"-I{torch_dir / 'include'}",
+                                  str(OPS_SOURCE), "-o", str(out), f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10",
+                                  f"-Wl,-rpath,{torch_dir / 'lib'}"], capture_output=True, text=True)
+            if run.returncode == 0 and _load_ops(out):
+                _keep(out, kept)
+                return True, None
+            error = (run.stderr.strip().splitlines() or ["built, but did not load"])[-1]
+    return False, f"{' '.join(compiler)} could not build {OPS_SOURCE.name}: {error}"
+
+
+def _load_ops(path: Path) -> bool:
+    try:
+        torch.ops.load_library(str(path))
+        return True
+    except (OSError, RuntimeError):  # a truncated file; a library built against another torch
+        return False
 
 
 # -- the ctypes calls, on a given library (tests build a portable one too) -----------------------

@@ -202,12 +202,16 @@ class SwiGLU(nn.Module):
         self.gate_proj = Linear(config.d_model, config.d_mlp, bias=config.mlp_bias)
         self.up_proj = Linear(config.d_model, config.d_mlp, bias=config.mlp_bias)
         self.down_proj = Linear(config.d_mlp, config.d_model, bias=config.mlp_bias)
-        # [2·d_mlp, d_model]: gate and up stacked, set by Transformer.pack_weights (one matmul, not two).
+        # [2·d_mlp, d_model]: gate and up stacked, set by Transformer.pack_weights (one matmul, not two);
+        # a quantised model (minillm.quantize) stacks them into one quantised matrix instead.
         self.register_buffer("gate_up_weight", None, persistent=False)
         self.register_buffer("gate_up_bias", None, persistent=False)
+        self.register_module("gate_up_proj", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight is not None:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        elif self.gate_up_weight is not None:
             gate, up = linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
@@ -304,18 +308,25 @@ class Attention(nn.Module):
         # Qwen3's QK-norm: one RMSNorm over head_dim, shared by every head of q (and of k).
         self.q_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
-        # [(H + 2·Hkv)·D, d_model]: q, k, v stacked, set by Transformer.pack_weights (one matmul, not three).
+        # [(H + 2·Hkv)·D, d_model]: q, k, v stacked, set by Transformer.pack_weights (one matmul, not three);
+        # a quantised model (minillm.quantize) stacks them into one quantised matrix instead.
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
+        self.register_module("qkv_proj", None)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, d_model] -> q [B, T, H·D], k and v [B, T, Hkv·D]: one product of the stacked
+        matrix when there is one (packed float weights, or a quantised model's), else three."""
+        if self.qkv_proj is None and self.qkv_weight is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        qkv = self.qkv_proj(x) if self.qkv_proj is not None else linear(x, self.qkv_weight, self.qkv_bias)
+        sizes = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim)
+        return qkv.split(sizes, dim=-1)
 
     def forward(self, x, rope_cos_sin, cache: KVCache | None, impl: str, hook: Hook | None) -> torch.Tensor:
         """x [B, T, d_model] -> [B, T, d_model]; writes this layer's new K/V into ``cache``."""
         B, T, _ = x.shape
-        if self.qkv_weight is not None:
-            sizes = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim)
-            q, k, v = linear(x, self.qkv_weight, self.qkv_bias).split(sizes, dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.project_qkv(x)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)

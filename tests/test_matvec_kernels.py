@@ -86,7 +86,7 @@ def test_a_build_is_kept_and_loaded_by_the_next_process(tmp_path, monkeypatch):
     monkeypatch.setattr(matvec_kernels.subprocess, "run", lambda *a, **k: pytest.fail("compiled again"))
     again, _ = matvec_kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
     assert again is not None and again._name == str(kept[0])
-    assert matvec_kernels._build_key(["cc"], ["-O2"]) != matvec_kernels._build_key(["cc"], ["-O3"])
+    assert matvec_kernels._build_key(["cc"], ["-O2"], [matvec_kernels.SOURCE]) != matvec_kernels._build_key(["cc"], ["-O3"], [matvec_kernels.SOURCE])
     monkeypatch.undo()
     blocked = tmp_path / "file"
     blocked.write_text("")  # a file where the folder should be: mkdir fails
@@ -96,7 +96,7 @@ def test_a_build_is_kept_and_loaded_by_the_next_process(tmp_path, monkeypatch):
 
 def test_a_kept_library_that_does_not_load_is_built_again(tmp_path, monkeypatch):
     monkeypatch.delenv("CC", raising=False)
-    kept = tmp_path / f"matvec_kernels-{matvec_kernels._build_key(['cc'], ['-O2'])}.so"
+    kept = tmp_path / f"matvec_kernels-{matvec_kernels._build_key(['cc'], ['-O2'], [matvec_kernels.SOURCE])}.so"
     kept.write_bytes(b"not a library")  # a half-written or damaged file
     lib, why = matvec_kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
     assert lib is not None and kept.read_bytes()[:4] == b"\x7fELF", why
@@ -131,7 +131,7 @@ def test_a_stray_library_of_the_kept_name_is_built_over(tmp_path, monkeypatch):
     monkeypatch.delenv("CC", raising=False)
     stray = tmp_path / "stray.c"
     stray.write_text("int nothing(void) { return 0; }\n")
-    kept = tmp_path / f"matvec_kernels-{matvec_kernels._build_key(['cc'], ['-O2'])}.so"
+    kept = tmp_path / f"matvec_kernels-{matvec_kernels._build_key(['cc'], ['-O2'], [matvec_kernels.SOURCE])}.so"
     matvec_kernels.subprocess.run(["cc", "-shared", "-fPIC", str(stray), "-o", str(kept)], check=True)
     assert "is not minillm's kernels" in matvec_kernels._load(kept)[1]
     lib, why = matvec_kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
@@ -139,3 +139,43 @@ def test_a_stray_library_of_the_kept_name_is_built_over(tmp_path, monkeypatch):
     # this process keeps the stray's handle for that path; a new process loads the rebuilt kernels
     check = f"import ctypes; ctypes.CDLL({str(kept)!r}).f32_matvec"
     assert matvec_kernels.subprocess.run([sys.executable, "-c", check]).returncode == 0
+
+
+@pytest.mark.skipif(not matvec_kernels.available() or matvec_kernels.shutil.which("c++") is None,
+                    reason="needs the C kernels and a C++ compiler")
+def test_the_ops_a_compiled_step_calls_are_the_cpp_build_and_equal_the_ctypes_kernels():
+    """torch.ops.minillm.* run matvec_ops.cpp (no call back into Python); each equals the function
+    eager code calls (same C loops, so the same values), and refuses a wrong input with a message."""
+    from minillm.quantize import QuantizedLinear
+
+    matvec_kernels.prepare_for_compile()
+    assert matvec_kernels.ops_implementation() == ("C++", None)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 128, generator=g), torch.randn(40, 128, generator=g)
+    ops, functions = torch.ops.minillm, matvec_kernels
+    assert torch.equal(ops.f32_matvec(x, w), functions.f32_matvec(x, w))
+    q8, q4 = QuantizedLinear(w, None, "int8"), QuantizedLinear(w, None, "int4")
+    assert torch.equal(ops.int8_matvec(x, q8.qweight, q8.scale), functions.int8_matvec(x, q8.qweight, q8.scale))
+    assert torch.equal(ops.int8_dequantize(q8.qweight, q8.scale), functions.int8_dequantize(q8.qweight, q8.scale))
+    int4 = (q4.qweight, q4.scale, q4.zero, 64)
+    assert torch.equal(ops.int4_matvec(x, *int4), functions.int4_matvec(x, *int4))
+    assert torch.equal(ops.int4_dequantize(*int4), functions.int4_dequantize(*int4))
+    with pytest.raises(RuntimeError, match=r"f32_matvec takes x float32 \[rows, 128\], got Double \[3, 128\]"):
+        ops.f32_matvec(x.double(), w)
+
+
+def test_without_a_cpp_compiler_the_ops_are_not_built_and_say_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "no-such-compiler-minillm")
+    assert matvec_kernels._build_ops(cache_dir=tmp_path) == (False, "no C++ compiler 'no-such-compiler-minillm' on PATH")
+
+
+@pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
+def test_without_the_cpp_build_the_ops_run_the_python_functions(monkeypatch):
+    """In a fresh process (an op's implementation is registered once a process)."""
+    monkeypatch.setenv("CXX", "no-such-compiler-minillm")
+    check = ("import torch; from minillm import matvec_kernels as k; k.prepare_for_compile(); "
+             "x, w = torch.randn(2, 64), torch.randn(9, 64); "
+             "assert k.ops_implementation() == ('Python', \"no C++ compiler 'no-such-compiler-minillm' on PATH\"); "
+             "assert torch.equal(torch.ops.minillm.f32_matvec(x, w), k.f32_matvec(x, w))")
+    run = matvec_kernels.subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -187,6 +187,45 @@ def test_quantised_logits_stay_near_the_float_model(tiny_dirs, fmt, bound):
     assert 0 < error <= bound
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["qwen2", "gpt2"])
+def test_projections_sharing_an_input_are_one_stacked_matrix_with_their_own_codes(tmp_path, name, fmt):
+    """q|k|v (and gate|up) are quantised as one matrix: per-row (int8) and per-row-group (int4) scales
+    make its codes, scales, zeros and biases those of each projection quantised alone (the oracle);
+    the decode step's logits stay those of the reference path."""
+    folder = save_hf(build_hf(*CONFIGS[name]), tmp_path / name)
+    float_model, model = load_model(folder, device="cpu"), load_model(folder, device="cpu", quantize=fmt)
+    quantize = quantize_int8 if fmt == "int8" else quantize_int4
+    stacks = {"qkv_proj": ("attn", ("q_proj", "k_proj", "v_proj"))}
+    if name == "qwen2":
+        stacks["gate_up_proj"] = ("mlp", ("gate_proj", "up_proj"))
+    for float_block, block in zip(float_model.blocks, model.blocks):
+        for stacked, (part, names) in stacks.items():
+            matrix, start = getattr(getattr(block, part), stacked), 0
+            for proj in names:
+                linear = getattr(getattr(float_block, part), proj)
+                assert not hasattr(getattr(block, part), proj)  # removed: the stack is what runs
+                rows = slice(start, start + linear.out_features)
+                codes = quantize(linear.weight)
+                for buffer, expected in zip((matrix.qweight, matrix.scale, matrix.zero), codes):
+                    assert torch.equal(buffer[rows], expected)
+                if linear.bias is not None:
+                    assert torch.equal(matrix.bias[rows], linear.bias)
+                start += linear.out_features
+            assert start == matrix.out_features
+    ids = torch.tensor([[3, 14, 15, 92, 65]])
+    cache = KVCache.for_model(model, max_seq_len=8)
+    prefill(model, ids, cache)
+    fast = decode_step(model, torch.tensor([7]), cache)
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            m.fast = False
+    cache = KVCache.for_model(model, max_seq_len=8)
+    prefill(model, ids, cache)
+    reference = decode_step(model, torch.tensor([7]), cache)
+    assert (fast - reference).abs().max() <= 1e-4 * reference.abs().max()
+
+
 def _int8_bytes(out, n_in):
     return out * n_in + 4 * out  # int8 codes + a float32 scale per row
 

@@ -1,0 +1,87 @@
+/* The kernels of matvec_kernels.c as torch ops (torch.ops.minillm.f32_matvec, ...): how a
+ * torch.compile'd decode step calls them.
+ *
+ * A compiled graph cannot call ctypes, so it calls an op. An op whose implementation is Python
+ * costs the graph ~26-34 us a call (the dispatcher calling back into Python), this one ~9 us
+ * including a small product (developers' EPYC): SmolLM2's 121 products a step saved ~2-3 ms.
+ * minillm/matvec_kernels.py defines the ops' schemas, builds this file at the first compile
+ * (c++ against torch's headers, ~12 s, kept beside the C library) and falls back to Python
+ * implementations where it cannot.
+ */
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <stdint.h>  /* the C file's headers, included first as C++: within extern "C" they are then skipped */
+#include <stdlib.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+extern "C" {
+#include "matvec_kernels.c"
+}
+
+namespace {
+
+/* y [rows of x, out] float32, for a product that writes every element */
+at::Tensor output(const at::Tensor &x, int64_t out) { return at::empty({x.size(0), out}, x.options()); }
+
+void check_x(const at::Tensor &x, int64_t in, const char *op) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == in, op,
+                " takes x float32 [rows, ", in, "], got ", x.scalar_type(), " ", x.sizes());
+}
+
+at::Tensor f32_matvec_op(const at::Tensor &x, const at::Tensor &weight) {
+    TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2 && weight.is_contiguous(),
+                "f32_matvec takes a contiguous float32 weight [out, in]");
+    check_x(x, weight.size(1), "f32_matvec");
+    at::Tensor xc = x.contiguous(), y = output(xc, weight.size(0));
+    f32_matvec(xc.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), xc.size(0), weight.size(0),
+               weight.size(1), at::get_num_threads());
+    return y;
+}
+
+at::Tensor int8_matvec_op(const at::Tensor &x, const at::Tensor &q, const at::Tensor &scale) {
+    check_x(x, q.size(1), "int8_matvec");
+    at::Tensor xc = x.contiguous(), y = output(xc, q.size(0));
+    int8_matvec(xc.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), y.data_ptr<float>(),
+                xc.size(0), q.size(0), q.size(1), at::get_num_threads());
+    return y;
+}
+
+at::Tensor int4_matvec_op(const at::Tensor &x, const at::Tensor &packed, const at::Tensor &scale,
+                          const at::Tensor &zero, int64_t group_size) {
+    check_x(x, packed.size(1) * 2, "int4_matvec");
+    at::Tensor xc = x.contiguous(), y = output(xc, packed.size(0));
+    int status = int4_matvec(xc.data_ptr<float>(), packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                             zero.data_ptr<uint8_t>(), y.data_ptr<float>(), xc.size(0), packed.size(0), xc.size(1),
+                             group_size, at::get_num_threads());
+    TORCH_CHECK(status == 0, "int4_matvec could not allocate its copy of x");
+    return y;
+}
+
+at::Tensor int8_dequantize_op(const at::Tensor &q, const at::Tensor &scale) {
+    at::Tensor w = at::empty(q.sizes(), scale.options());
+    int8_dequantize(q.data_ptr<int8_t>(), scale.data_ptr<float>(), w.data_ptr<float>(), q.size(0), q.size(1),
+                    at::get_num_threads());
+    return w;
+}
+
+at::Tensor int4_dequantize_op(const at::Tensor &packed, const at::Tensor &scale, const at::Tensor &zero,
+                              int64_t group_size) {
+    at::Tensor w = at::empty({packed.size(0), packed.size(1) * 2}, scale.options());
+    int4_dequantize(packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero.data_ptr<uint8_t>(), w.data_ptr<float>(),
+                    packed.size(0), packed.size(1) * 2, group_size, at::get_num_threads());
+    return w;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(minillm, CPU, m) {
+    m.impl("f32_matvec", &f32_matvec_op);
+    m.impl("int8_matvec", &int8_matvec_op);
+    m.impl("int4_matvec", &int4_matvec_op);
+    m.impl("int8_dequantize", &int8_dequantize_op);
+    m.impl("int4_dequantize", &int4_dequantize_op);
+}
