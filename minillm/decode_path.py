@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -151,7 +152,9 @@ def use_best_decode_path(model: Transformer, measure: Callable | None = None) ->
         choice = DecodeChoice(forced, "forced", {})
     elif (cached := load_decode_choice(model.config)) is not None:
         choice = cached
-    else:
+    else:  # seconds on a quiet machine, minutes on a busy one: say why the first load waits
+        print("minillm: measuring the eager decode paths for this model on this machine (once; kept in "
+              "calibration.json, `minillm calibrate --decode-path` measures again)", file=sys.stderr)
         choice = calibrate_decode_path(model, EAGER, measure)
     if choice.name != "default":
         apply_decode_path(model, choice.name)
