@@ -47,8 +47,8 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -153,8 +153,8 @@ def use_best_decode_path(model: Transformer, measure: Callable | None = None) ->
     elif (cached := load_decode_choice(model.config)) is not None:
         choice = cached
     else:  # seconds on a quiet machine, minutes on a busy one: say why the first load waits
-        print("minillm: measuring the eager decode paths for this model on this machine (once; kept in "
-              "calibration.json, `minillm calibrate --decode-path` measures again)", file=sys.stderr)
+        warnings.warn("measuring the eager decode paths for this model on this machine (once; kept in "
+                      "calibration.json, `minillm calibrate --decode-path` measures again)", stacklevel=2)
         choice = calibrate_decode_path(model, EAGER, measure)
     if choice.name != "default":
         apply_decode_path(model, choice.name)
