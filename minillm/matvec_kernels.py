@@ -278,9 +278,10 @@ def _build_ops(cache_dir: Path | None = None) -> tuple[bool, str | None]:
 def _load_ops(path: Path) -> bool:
     try:
         torch.ops.load_library(str(path))
-        return True
     except (OSError, RuntimeError):  # a truncated file; a library built against another torch
         return False
+    # a library that loads but is not these ops (a stray file of the kept name) registers nothing
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"minillm::{name}", "CPU") for name in _OPS)
 
 
 # -- the ctypes calls, on a given library (tests build a portable one too) -----------------------
@@ -300,7 +301,34 @@ def _f32_matvec(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torc
     return y
 
 
+def _check_codes(op: str, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
+                 group_size: int | None = None, x: torch.Tensor | None = None) -> None:
+    """Refuse, in one line, what the C loops would read out of bounds or wrongly (they trust shapes)."""
+    int4 = zero is not None
+    in_features = codes.shape[-1] * (2 if int4 else 1)
+    groups = in_features // group_size if int4 and group_size and group_size > 0 else 1
+    expected = (codes.shape[0], groups) if int4 else (codes.shape[0],)
+    problems = [
+        (codes.dim() != 2 or not codes.is_contiguous() or codes.dtype != (torch.uint8 if int4 else torch.int8),
+         f"codes must be a contiguous 2-D {'uint8' if int4 else 'int8'} tensor, got {codes.dtype} {list(codes.shape)}"),
+        (int4 and (not group_size or group_size < 0 or group_size % 16 or in_features % group_size),
+         f"group_size must be a positive multiple of 16 dividing {in_features}, got {group_size}"),
+        (scale.dtype != torch.float32 or not scale.is_contiguous() or tuple(scale.shape) != expected,
+         f"scale must be contiguous float32 {list(expected)}, got {scale.dtype} {list(scale.shape)}"),
+        (int4 and (zero.dtype != torch.uint8 or not zero.is_contiguous() or tuple(zero.shape) != expected),
+         f"zero must be contiguous uint8 {list(expected)}, got {zero.dtype if int4 else ''} "
+         f"{list(zero.shape) if int4 else ''}"),
+        (x is not None and (x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != in_features),
+         f"x must be float32 [rows, {in_features}], got {x.dtype if x is not None else ''} "
+         f"{list(x.shape) if x is not None else ''}"),
+    ]
+    for bad, why in problems:
+        if bad:
+            raise ValueError(f"{op}: {why}")
+
+
 def _int8_matvec(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    _check_codes("int8_matvec", q, scale, x=x)
     x = x.contiguous()
     y = torch.empty(x.shape[0], q.shape[0])
     lib.int8_matvec(x.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(),
@@ -310,6 +338,7 @@ def _int8_matvec(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scale: torc
 
 def _int4_matvec(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                  zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    _check_codes("int4_matvec", packed, scale, zero, group_size, x)
     x = x.contiguous()
     y = torch.empty(x.shape[0], packed.shape[0])
     status = lib.int4_matvec(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), y.data_ptr(),
@@ -320,6 +349,7 @@ def _int4_matvec(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scale:
 
 
 def _int8_dequantize(lib: ctypes.CDLL, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    _check_codes("int8_dequantize", q, scale)
     w = torch.empty(q.shape)
     lib.int8_dequantize(q.data_ptr(), scale.data_ptr(), w.data_ptr(), q.shape[0], q.shape[1], torch.get_num_threads())
     return w
@@ -327,6 +357,7 @@ def _int8_dequantize(lib: ctypes.CDLL, q: torch.Tensor, scale: torch.Tensor) -> 
 
 def _int4_dequantize(lib: ctypes.CDLL, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                      group_size: int) -> torch.Tensor:
+    _check_codes("int4_dequantize", packed, scale, zero, group_size)
     out, in_features = packed.shape[0], packed.shape[1] * 2
     w = torch.empty(out, in_features)
     lib.int4_dequantize(packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), w.data_ptr(),

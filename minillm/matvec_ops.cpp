@@ -13,6 +13,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include <stdint.h>  /* the C file's headers, included first as C++: within extern "C" they are then skipped */
 #include <stdlib.h>
 #if defined(__AVX2__) && defined(__FMA__)
@@ -32,6 +34,29 @@ void check_x(const at::Tensor &x, int64_t in, const char *op) {
                 " takes x float32 [rows, ", in, "], got ", x.scalar_type(), " ", x.sizes());
 }
 
+/* What the C loops would read out of bounds or wrongly (they trust shapes); int4 when zero is given. */
+void check_codes(const at::Tensor &codes, const at::Tensor &scale, const at::Tensor *zero, int64_t group_size,
+                 const char *op) {
+    bool int4 = zero != nullptr;
+    TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == (int4 ? at::kByte : at::kChar),
+                op, ": codes must be a contiguous 2-D ", int4 ? "uint8" : "int8", " tensor, got ",
+                codes.scalar_type(), " ", codes.sizes());
+    int64_t in = codes.size(1) * (int4 ? 2 : 1), groups = 1;
+    if (int4) {
+        TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && in % group_size == 0, op,
+                    ": group_size must be a positive multiple of 16 dividing ", in, ", got ", group_size);
+        groups = in / group_size;
+    }
+    std::vector<int64_t> expected = int4 ? std::vector<int64_t>{codes.size(0), groups} : std::vector<int64_t>{codes.size(0)};
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.sizes() == expected, op,
+                ": scale must be contiguous float32 ", at::IntArrayRef(expected), ", got ", scale.scalar_type(), " ",
+                scale.sizes());
+    if (int4)
+        TORCH_CHECK(zero->scalar_type() == at::kByte && zero->is_contiguous() && zero->sizes() == expected, op,
+                    ": zero must be contiguous uint8 ", at::IntArrayRef(expected), ", got ", zero->scalar_type(), " ",
+                    zero->sizes());
+}
+
 at::Tensor f32_matvec_op(const at::Tensor &x, const at::Tensor &weight) {
     TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2 && weight.is_contiguous(),
                 "f32_matvec takes a contiguous float32 weight [out, in]");
@@ -43,6 +68,7 @@ at::Tensor f32_matvec_op(const at::Tensor &x, const at::Tensor &weight) {
 }
 
 at::Tensor int8_matvec_op(const at::Tensor &x, const at::Tensor &q, const at::Tensor &scale) {
+    check_codes(q, scale, nullptr, 0, "int8_matvec");
     check_x(x, q.size(1), "int8_matvec");
     at::Tensor xc = x.contiguous(), y = output(xc, q.size(0));
     int8_matvec(xc.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), y.data_ptr<float>(),
@@ -52,6 +78,7 @@ at::Tensor int8_matvec_op(const at::Tensor &x, const at::Tensor &q, const at::Te
 
 at::Tensor int4_matvec_op(const at::Tensor &x, const at::Tensor &packed, const at::Tensor &scale,
                           const at::Tensor &zero, int64_t group_size) {
+    check_codes(packed, scale, &zero, group_size, "int4_matvec");
     check_x(x, packed.size(1) * 2, "int4_matvec");
     at::Tensor xc = x.contiguous(), y = output(xc, packed.size(0));
     int status = int4_matvec(xc.data_ptr<float>(), packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
@@ -62,6 +89,7 @@ at::Tensor int4_matvec_op(const at::Tensor &x, const at::Tensor &packed, const a
 }
 
 at::Tensor int8_dequantize_op(const at::Tensor &q, const at::Tensor &scale) {
+    check_codes(q, scale, nullptr, 0, "int8_dequantize");
     at::Tensor w = at::empty(q.sizes(), scale.options());
     int8_dequantize(q.data_ptr<int8_t>(), scale.data_ptr<float>(), w.data_ptr<float>(), q.size(0), q.size(1),
                     at::get_num_threads());
@@ -70,6 +98,7 @@ at::Tensor int8_dequantize_op(const at::Tensor &q, const at::Tensor &scale) {
 
 at::Tensor int4_dequantize_op(const at::Tensor &packed, const at::Tensor &scale, const at::Tensor &zero,
                               int64_t group_size) {
+    check_codes(packed, scale, &zero, group_size, "int4_dequantize");
     at::Tensor w = at::empty({packed.size(0), packed.size(1) * 2}, scale.options());
     int4_dequantize(packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero.data_ptr<uint8_t>(), w.data_ptr<float>(),
                     packed.size(0), packed.size(1) * 2, group_size, at::get_num_threads());

@@ -179,3 +179,38 @@ def test_without_the_cpp_build_the_ops_run_the_python_functions(monkeypatch):
              "assert torch.equal(torch.ops.minillm.f32_matvec(x, w), k.f32_matvec(x, w))")
     run = matvec_kernels.subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+@pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
+@pytest.mark.parametrize("call, message", [
+    (lambda f, x, q4, q8: f.int4_matvec(x, q4.qweight, q4.scale, q4.zero, 0), "group_size must be a positive multiple of 16 dividing 128, got 0"),
+    (lambda f, x, q4, q8: f.int4_matvec(x, q4.qweight, q4.scale, q4.zero, 8), "group_size must be a positive multiple of 16"),
+    (lambda f, x, q4, q8: f.int4_dequantize(q4.qweight, q4.scale, q4.zero, -64), "group_size must be a positive multiple"),
+    (lambda f, x, q4, q8: f.int4_matvec(x, q4.qweight, q4.scale[:1], q4.zero, 64), r"scale must be contiguous float32 \[40, 2\]"),
+    (lambda f, x, q4, q8: f.int8_matvec(x, q8.qweight, torch.ones(1)), r"scale must be contiguous float32 \[40\]"),
+    (lambda f, x, q4, q8: f.int8_matvec(x, q8.qweight.t().contiguous().t(), q8.scale), "codes must be a contiguous 2-D int8"),
+    (lambda f, x, q4, q8: f.int8_dequantize(q8.qweight, torch.ones(3)), r"scale must be contiguous float32 \[40\]"),
+])
+@pytest.mark.parametrize("where", ["functions", "ops"])
+def test_quantised_kernels_refuse_codes_they_would_misread(call, message, where):
+    """Was: SIGFPE (group_size 0), silent garbage (group 8, a non-contiguous q) or out-of-bounds reads
+    (a short scale) from a direct call; the model's own calls were never affected."""
+    from minillm.quantize import QuantizedLinear
+
+    matvec_kernels.prepare_for_compile()
+    w, x = torch.randn(40, 128), torch.randn(2, 128)
+    q4, q8 = QuantizedLinear(w, None, "int4"), QuantizedLinear(w, None, "int8")
+    kernels = torch.ops.minillm if where == "ops" else matvec_kernels
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        call(kernels, x, q4, q8)
+
+
+def test_a_kept_ops_file_that_is_not_the_ops_is_not_taken_for_them(tmp_path, monkeypatch):
+    """A stray library of the ops' kept name loads but registers nothing: not "C++"."""
+    stray = tmp_path / "stray.c"
+    stray.write_text("int nothing(void) { return 0; }\n")
+    out = tmp_path / "stray.so"
+    matvec_kernels.subprocess.run(["cc", "-shared", "-fPIC", str(stray), "-o", str(out)], check=True)
+    check = f"from pathlib import Path; from minillm import matvec_kernels as k; assert k._load_ops(Path({str(out)!r})) is False"
+    run = matvec_kernels.subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)  # (a fresh
+    assert run.returncode == 0, run.stderr[-2000:]  # process: this one may have registered the ops already)
