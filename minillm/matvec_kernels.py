@@ -29,7 +29,7 @@ than float32), saying so once.
 Each kernel is also a torch op (``torch.ops.minillm.f32_matvec``, ...), which is how a
 ``torch.compile``'d decode step (the compiled decode paths) calls it: dynamo cannot trace into
 ctypes, and an op is opaque to it by design. The ops' implementations are matvec_ops.cpp, built
-at the first compile with ``c++`` (``$CXX``) against torch's headers, ~12 s once a machine: an op
+at the first compile with ``c++`` (``$CXX``) against torch's headers, 12-19 s once a machine: an op
 implemented in Python cost the graph ~30 us a call, ~1.2 ms of a SmolLM2 step (measured, A/B over
 five process pairs). Without a C++ compiler the ops call this module's functions.
 """
@@ -164,7 +164,7 @@ def prepare_for_compile() -> None:
     """Before torch.compile traces code that calls the kernels: build them and their torch ops, and
     make :func:`available` a constant to the tracer (it cannot trace the build). Done here, not at
     import: marking it imports torch._dynamo, ~70 MB of RSS that a process which never compiles need
-    not hold, and building the ops takes ~12 s once a machine."""
+    not hold, and building the ops takes 12-19 s once a machine."""
     if kernels() is not None:
         _register_ops()
     torch.compiler.assume_constant_result(available)
