@@ -4,6 +4,7 @@ Oracles: plain greedy generate (token for token), transformers' softmax on the s
 (the sampled distribution, chi-square), teacher-forced decode_step (the KV cache), hand cases.
 """
 
+import json
 import re
 
 import pytest
@@ -536,3 +537,17 @@ def test_cli_speculative_usage_errors(args, message, capsys):
     assert main(["generate", *args, "hi"]) == 2  # said before the model loads
     err = capsys.readouterr().err
     assert err == f"minillm: error: {message}" + err.split(message, 1)[1] and err.count("\n") == 1
+
+
+def test_cli_speculative_json_carries_the_counts(smollm2_runs, capsys):
+    plain, spec = smollm2_runs
+    code = main(["generate", "--speculative", "ngram", "--max-new-tokens", "40", "--json", REPEAT])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    record, stats = json.loads(out), SpeculativeStats.from_steps(spec)
+    assert record["text"] == "".join(s.text for s in plain)
+    assert record["speculative"] == {
+        "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+        "num_accepted_tokens": stats.num_accepted_tokens, "acceptance_rate": stats.acceptance_rate,
+        "mean_acceptance_length": stats.mean_acceptance_length}
+    assert stats.num_accepted_tokens > 0  # the repeat prompt: prompt lookup finds its copies

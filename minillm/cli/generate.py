@@ -226,7 +226,7 @@ def _finish_request(args, prompt: str, prompt_ids, steps, start_s: float, cold: 
 
     metrics = RequestMetrics.from_timestamps(start_s, [s.time_s for s in steps], len(prompt_ids))
     if args.json:
-        print(json.dumps(_json_record(prompt, steps, metrics, cold)), flush=True)
+        print(json.dumps(_json_record(prompt, steps, metrics, cold, args.speculative_config is not None)), flush=True)
     else:
         print(flush=True)
     print(_summary(metrics, steps, cold), file=sys.stderr)
@@ -293,9 +293,10 @@ def _summary(m, steps, cold: bool) -> str:
             f"output {m.output_throughput_tok_s:.1f} tok/s | stop: {steps[-1].finish_reason}]")
 
 
-def _json_record(prompt: str, steps, m, cold: bool) -> dict:
-    """One request as JSON: usage named as OpenAI's API and vLLM name it, times in ms, rates in tok/s."""
-    return {
+def _json_record(prompt: str, steps, m, cold: bool, speculative: bool = False) -> dict:
+    """One request as JSON: usage named as OpenAI's API and vLLM name it, times in ms, rates in tok/s;
+    with ``speculative``, also the request's "speculative" counts (vLLM's spec-decode metrics)."""
+    record = {
         "prompt": prompt,
         "text": "".join(s.text or "" for s in steps),
         "finish_reason": steps[-1].finish_reason,
@@ -306,6 +307,15 @@ def _json_record(prompt: str, steps, m, cold: bool) -> dict:
                     "output_tok_s": m.output_throughput_tok_s, "prefill_tok_s": m.prefill_throughput_tok_s,
                     "itl_p50_ms": m.itl_p50_ms, "itl_p99_ms": m.itl_p99_ms, "cold": cold},
     }
+    if speculative:
+        from ..speculative import SpeculativeStats
+
+        st = SpeculativeStats.from_steps(steps)
+        record["speculative"] = {"num_drafts": st.num_drafts, "num_draft_tokens": st.num_draft_tokens,
+                                 "num_accepted_tokens": st.num_accepted_tokens,
+                                 "acceptance_rate": st.acceptance_rate,
+                                 "mean_acceptance_length": st.mean_acceptance_length}
+    return record
 
 
 def run_generate_traced(args, model, tokenizer, prompt: str, params, prefix_cache=None, warmup: bool = True,
@@ -342,7 +352,8 @@ def run_generate_traced(args, model, tokenizer, prompt: str, params, prefix_cach
         from ..metrics import RequestMetrics
 
         metrics = RequestMetrics.from_timestamps(trace.start_s, [s.time_s for s in steps], len(prompt_ids))
-        print(json.dumps(_json_record(prompt, steps, metrics, cold)) if args.json else "", flush=True)
+        record = _json_record(prompt, steps, metrics, cold, args.speculative_config is not None)
+        print(json.dumps(record) if args.json else "", flush=True)
         if prefix_cache is not None:
             console.print(_cached_prompt_panel(trace, prefix_cache))
         print_trace(trace, console, prompt=False)  # its summary panel stands for the summary line
