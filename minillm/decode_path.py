@@ -140,7 +140,8 @@ def use_best_decode_path(model: Transformer, measure: Callable | None = None) ->
     docstring for the order. ``measure(model, names) -> {name: ms}`` replaces the timing (tests).
 
     Returns the :class:`DecodeChoice` (also kept as ``model.decode_choice``). Raises ValueError
-    when MINILLM_DECODE_PATH names no candidate.
+    when MINILLM_DECODE_PATH names no candidate, or a compiled one where torch.compile finds no C++
+    compiler (a cached compiled choice is then measured again, among the eager paths).
     """
     param = next(model.parameters())
     if param.device.type != "cpu" or param.dtype != torch.float32:
@@ -148,9 +149,12 @@ def use_best_decode_path(model: Transformer, measure: Callable | None = None) ->
         model.compiled_decode, model.decode_path = None, "default"
         choice = DecodeChoice("default", "default", {})
     elif (forced := os.environ.get(ENV_VAR) or "auto") != "auto":  # set but empty: as unset, like other tools
-        _candidate(forced, f"{ENV_VAR}={forced!r}")
+        if _candidate(forced, f"{ENV_VAR}={forced!r}").compiled and (why := compile_unavailable()):
+            raise ValueError(f"{ENV_VAR}={forced} cannot run here: {why}; install one (g++) or choose an eager "
+                             f"path ({', '.join(EAGER)})")
         choice = DecodeChoice(forced, "forced", {})
-    elif (cached := load_decode_choice(model.config)) is not None:
+    elif (cached := load_decode_choice(model.config)) is not None and not (
+            CANDIDATES[cached.name].compiled and compile_unavailable()):  # (a compiler since removed: measure)
         choice = cached
     else:  # seconds on a quiet machine, minutes on a busy one: say why the first load waits
         warnings.warn("measuring the eager decode paths for this model on this machine (once; kept in "
@@ -168,10 +172,12 @@ def calibrate_decode_path(model: Transformer, names=tuple(CANDIDATES), measure: 
 
     ``measure(model, names) -> {name: ms}`` replaces :func:`measure_decode_paths` (tests).
     Returns the :class:`DecodeChoice` with every measured ms/step. The "matvec" candidates are
-    left out when the C kernels cannot be built (no compiler).
+    left out when the C kernels cannot be built, the compiled ones when torch.compile has no C++
+    compiler (:func:`compile_unavailable`).
     """
     measure = measure or (lambda m, n: measure_decode_paths(m, n, progress=progress))
-    names = [n for n in names if CANDIDATES[n].products != "matvec" or matvec_kernels.available()]
+    names = [n for n in names if (CANDIDATES[n].products != "matvec" or matvec_kernels.available())
+             and not (CANDIDATES[n].compiled and compile_unavailable())]
     timings = measure(model, names)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     choice = DecodeChoice(choose(timings), "measured", dict(timings), load)
@@ -181,6 +187,18 @@ def calibrate_decode_path(model: Transformer, names=tuple(CANDIDATES), measure: 
                      {"chosen": choice.name, "timings_ms": choice.timings_ms, "load_average_1m": load})
     apply_decode_path(model, choice.name)
     return choice
+
+
+def compile_unavailable() -> str | None:
+    """Why ``torch.compile`` cannot build a CPU decode step here, or None: its inductor backend
+    compiles the fused loops as C++ and needs a compiler (``$CXX``, else g++)."""
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except RuntimeError as error:  # torch._inductor.exc.InvalidCxxCompiler
+        return f"torch.compile finds no C++ compiler ({str(error).splitlines()[0]})"
+    return None
 
 
 def load_decode_choice(config: ModelConfig) -> DecodeChoice | None:

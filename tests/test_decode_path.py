@@ -91,6 +91,41 @@ def test_without_a_compiler_the_matvec_paths_are_not_measured(folder, weights_di
     assert timer.calls == [[n for n in dp.CANDIDATES if "matvec" not in n]] and "matvec" not in choice.name
 
 
+@pytest.fixture
+def no_cxx():
+    """torch.compile's inductor finds no C++ compiler (as where none is installed)."""
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch({"cpp.cxx": (None, "no-such-compiler-minillm")}):
+        yield
+
+
+def test_without_a_cxx_compiler_the_compiled_paths_are_not_measured(folder, weights_dir, no_cxx):
+    assert dp.compile_unavailable().startswith("torch.compile finds no C++ compiler (No working C++ compiler found")
+    model = load_model(folder, device="cpu")
+    timer = FakeTimer(dict.fromkeys(dp.CANDIDATES, 5.0))
+    dp.calibrate_decode_path(model, measure=timer)  # (was: inductor's error from the first compiled step)
+    assert timer.calls == [[n for n in dp.CANDIDATES if not dp.CANDIDATES[n].compiled]]
+
+
+def test_without_a_cxx_compiler_a_compiled_path_is_refused_or_measured_again(folder, weights_dir, monkeypatch,
+                                                                              no_cxx):
+    monkeypatch.setenv(dp.ENV_VAR, "compile+matvec")
+    with pytest.raises(ValueError, match=r"^MINILLM_DECODE_PATH=compile\+matvec cannot run here: torch.compile "
+                                         r"finds no C\+\+ compiler .*; install one \(g\+\+\) or choose an eager path"):
+        load_model(folder, device="cpu")
+    monkeypatch.setenv(dp.ENV_VAR, "auto")
+    model = load_model(folder, device="cpu")
+    dp.calibrate_decode_path(model, measure=FakeTimer(dict.fromkeys(dp.EAGER, 5.0)))
+    stored = json.loads((weights_dir / "calibration.json").read_text())
+    stored[dp.decode_key(model.config)]["chosen"] = "compile"  # kept where a compiler was, since removed
+    (weights_dir / "calibration.json").write_text(json.dumps(stored))
+    timer = FakeTimer(dict.fromkeys(dp.EAGER, 5.0) | {"matvec": 1.0})
+    with pytest.warns(UserWarning, match="measuring the eager decode paths"):
+        choice = dp.use_best_decode_path(model, measure=timer)
+    assert (choice.name, choice.source, timer.calls) == ("matvec", "measured", [list(dp.EAGER)])
+
+
 def test_another_model_shape_is_measured_on_its_own(folder, weights_dir, tmp_path):
     model = load_model(folder, device="cpu")
     family, kwargs = CONFIGS["llama_gqa"]
