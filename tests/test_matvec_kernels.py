@@ -169,6 +169,24 @@ def test_without_a_cpp_compiler_the_ops_are_not_built_and_say_why(monkeypatch, t
     assert matvec_kernels._build_ops(cache_dir=tmp_path) == (False, "no C++ compiler 'no-such-compiler-minillm' on PATH")
 
 
+def test_a_failed_ops_build_is_kept_and_not_tried_again(monkeypatch, tmp_path):
+    """A compiler that fails (here: `false`) is tried once; the next process reads why from the
+    kept marker instead of spending 20-40 s on the same error."""
+    monkeypatch.setenv("CXX", "false")
+    calls = []
+    real_run = matvec_kernels.subprocess.run
+    monkeypatch.setattr(matvec_kernels.subprocess, "run", lambda *a, **kw: calls.append(a) or real_run(*a, **kw))
+    loaded, why = matvec_kernels._build_ops(cache_dir=tmp_path)
+    assert (loaded, why, len(calls)) == (False, "false could not build matvec_ops.cpp: exit status 1", 2)
+    (marker,) = tmp_path.glob("matvec_ops-*.failed")
+    assert matvec_kernels._build_ops(cache_dir=tmp_path) == (
+        False, f"{why} (kept from an earlier try: delete {marker} to build again)")
+    assert len(calls) == 2  # not built again
+    marker.unlink()
+    matvec_kernels._build_ops(cache_dir=tmp_path)
+    assert len(calls) == 4
+
+
 @pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
 def test_without_the_cpp_build_the_ops_run_the_python_functions(monkeypatch):
     """In a fresh process (an op's implementation is registered once a process)."""
