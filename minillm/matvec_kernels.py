@@ -31,7 +31,9 @@ Each kernel is also a torch op (``torch.ops.minillm.f32_matvec``, ...), which is
 ctypes, and an op is opaque to it by design. The ops' implementations are matvec_ops.cpp, built
 at the first compile with ``c++`` (``$CXX``) against torch's headers, 12-19 s once a machine: an op
 implemented in Python cost the graph ~30 us a call, ~1.2 ms of a SmolLM2 step (measured, A/B over
-five process pairs). Without a C++ compiler the ops call this module's functions.
+five process pairs). Without a C++ compiler, or where the build fails (kept as a ``.failed`` file
+beside the kernels, so the next process does not spend the build again), the ops call this
+module's functions, with a one-line warning.
 """
 
 from __future__ import annotations
