@@ -39,7 +39,8 @@ How :func:`use_best_decode_path` (called by ``load_model``) picks one:
 
 Only CPU float32 has candidates; other devices and dtypes keep ``pack_weights``' default
 (path "default"). linear()'s products are a process-wide switch (like torch's thread count),
-so the last model loaded sets them. A compiled step compiles once per KV-cache size. The choice
+so the last model loaded sets them. A compiled step compiles once a process (inductor keeps the
+code on disk, so a later process compiles faster). The choice
 is measured at batch 1 (the issue's case); a serving engine's batch of decodes may prefer another.
 """
 
