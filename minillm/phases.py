@@ -64,8 +64,9 @@ def decode_step(model: Transformer, token_id, cache: KVCache, hook: Hook | None 
 
     Returns float32 logits for the following position, [B, vocab].
 
-    On the "compile" decode path (:mod:`minillm.decode_path`), a step without hook or trace
-    runs the compiled graph of :mod:`minillm.compile` instead: the same logits.
+    On the "compile" decode paths (:mod:`minillm.decode_path`), a step without hook, or with
+    a trace at level "steps", runs the compiled graph of :mod:`minillm.compile` instead: the
+    same logits.
 
     Raises ValueError (bad shape or id, several tokens for one sequence, a cache or trace
     that does not fit), CacheFullError (no room for one more token).
@@ -74,14 +75,15 @@ def decode_step(model: Transformer, token_id, cache: KVCache, hook: Hook | None 
     token_ids = _as_batch(model, token_id, cache, what="token_id").reshape(-1, 1)
     cache.check_room(1)
     compiled = getattr(model, "compiled_decode", None)  # the "compile" path of minillm/decode_path.py
-    if (compiled is not None and hook is None and trace is None and type(cache) is KVCache
-            and static_view_limit(model, cache) is None):  # (a window or dynamic RoPE: the eager step)
-        return compiled(model, token_ids, cache)  # (a hook or a trace needs the eager step's layers)
+    if compiled is not None and (type(cache) is not KVCache or static_view_limit(model, cache) is not None):
+        compiled = None  # (a window or dynamic RoPE: the eager step)
+    if compiled is not None and hook is None and trace is None:
+        return compiled(model, token_ids, cache)  # (a hook, or a trace of the layers, needs the eager step)
     with torch.inference_mode():
         if trace is None:
             logits = model(token_ids, cache=cache, hook=hook)
         else:
-            logits = trace.forward("decode", model, token_ids, cache, hook)
+            logits = trace.forward("decode", model, token_ids, cache, hook, compiled=compiled)
     return logits[:, -1].float()
 
 

@@ -199,11 +199,15 @@ class Trace:
         event["time_ms"] = event["end_ms"] - event["start_ms"]
         self.events.append(event)
 
-    def forward(self, phase: str, model, token_ids: torch.Tensor, cache, hook=None, last_only: bool = False):
+    def forward(self, phase: str, model, token_ids: torch.Tensor, cache, hook=None, last_only: bool = False,
+                compiled=None):
         """Run ``model(token_ids, cache)`` as one traced pass and record a prefill or decode event.
 
         Called by :func:`~minillm.phases.prefill` and :func:`~minillm.phases.decode_step`;
-        ``token_ids`` is [B, T] int64, ``hook`` an extra observer. Returns the logits.
+        ``token_ids`` is [B, T] int64, ``hook`` an extra observer. ``compiled``: the model's
+        compiled decode step (:mod:`minillm.compile`), timed instead of the eager layers when
+        nothing inside them is observed (level "steps", no hook, no kept activation but logits),
+        so the trace measures the step the model runs untraced. Returns the logits [B, T, vocab].
         Raises ValueError when the pass would start a second request in this trace.
         """
         self._check_same_request(phase)
@@ -219,7 +223,10 @@ class Trace:
         try:
             _sync(cache.k.device)
             start, cpu_start = time.perf_counter(), time.process_time()
-            logits = model(token_ids, cache=cache, hook=observer, last_only=last_only)
+            if compiled is not None and observer is None:
+                logits = compiled(model, token_ids, cache)[:, None]  # [B, vocab] -> [B, 1, vocab]
+            else:
+                logits = model(token_ids, cache=cache, hook=observer, last_only=last_only)
             _sync(cache.k.device)
             end, cpu_time_s = time.perf_counter(), time.process_time() - cpu_start
             impl = model.attn_impl

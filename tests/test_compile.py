@@ -79,3 +79,32 @@ def test_packed_weights_keep_names_shapes_values_and_bytes(tmp_path, long_rows):
     assert (got - expected).abs().max().item() < 1e-5
     assert plain.weights_bytes() == weights_bytes  # views of the packed matrices: nothing doubled
     assert (plain.lm_head.weight is plain.embed.weight) == tied
+
+
+def test_a_trace_of_steps_times_the_compiled_step_and_one_of_layers_the_eager_one(model):
+    """The trace measures the step a model on a compiled path runs (it used to time the eager
+    layers instead); a layers-level trace needs them, and gets them. Logits equal decode_step's."""
+    from minillm import Trace
+
+    calls = []
+    step = compile_decode_step("default")
+    model.compiled_decode = lambda *args: calls.append(1) or step(*args)
+    try:
+        ids = _prompt(model, batch=1, n=6)
+        for level, compiled_calls in (("steps", 3), ("layers", 0)):
+            calls.clear()
+            traced, plain = (KVCache.for_model(model, max_seq_len=12) for _ in range(2))
+            trace = Trace(level)
+            a = prefill(model, ids, traced, trace=trace).argmax(-1)
+            b = prefill(model, ids, plain).argmax(-1)
+            for _ in range(3):
+                la = decode_step(model, a, traced, trace=trace)
+                with torch.inference_mode():
+                    lb = model(b.view(1, 1), cache=plain)[:, -1]  # the eager layers
+                assert (la - lb).abs().max().item() < 1e-4
+                a, b = la.argmax(-1), lb.argmax(-1)
+            decodes = [e for e in trace.events if e["kind"] == "decode"]
+            assert (len(calls), len(decodes), traced.length) == (compiled_calls, 3, 9)
+            assert all(e["time_ms"] > 0 for e in decodes)
+    finally:
+        model.compiled_decode = None
