@@ -117,14 +117,14 @@ def compile_decode_step(mode: str = "default"):
         _check_static(model, cache)
         cache.check_room(1)
         device = cache.k.device
-        token_ids = torch.as_tensor(token_id, device=device).reshape(-1, 1)
         if id(cache) not in marked:
             for buffer in (cache.k, cache.v):  # [n_layers, B, n_kv_heads, max_seq_len, head_dim]
                 torch._dynamo.mark_static_address(buffer)
                 torch._dynamo.maybe_mark_dynamic(buffer, 3)
             marked.add(id(cache))
-        pos = torch.tensor([cache.length], device=device)
-        with torch.inference_mode():
+        with torch.inference_mode():  # inputs made here are inference tensors whoever calls: no recompile for that
+            token_ids = torch.as_tensor(token_id, device=device).reshape(-1, 1).clone()
+            pos = torch.tensor([cache.length], device=device)
             logits = compiled(model, token_ids, pos, cache)
         cache.advance(1)
         return logits.clone() if mode == "reduce-overhead" else logits  # a CUDA graph reuses its output buffer
