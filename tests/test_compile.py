@@ -52,16 +52,17 @@ def test_one_graph_serves_every_cache_size(model):
     inference mode (a traced step; its inputs failed the guards); logits equal decode_step's."""
     step = compile_decode_step("default")
     ids = _prompt(model, batch=1, n=5)
+    first = True
     for size in (9, 16, 31):
         plain, static = (KVCache.for_model(model, max_seq_len=size) for _ in range(2))
         a, b = prefill(model, ids, plain).argmax(-1), prefill(model, ids, static).argmax(-1)
-        with torch._dynamo.config.patch(error_on_recompile=size != 9):  # the first size compiles, no other
-            for i in range(3):
-                la = decode_step(model, a, plain)
-                with torch.inference_mode(i % 2 == 1):  # called inside inference mode or not (a trace: inside)
-                    lb = step(model, b, static)
-                assert (la - lb).abs().max().item() < 1e-4
-                a, b = la.argmax(-1), lb.argmax(-1)
+        for i in range(3):
+            la = decode_step(model, a, plain)
+            with torch._dynamo.config.patch(error_on_recompile=not first), torch.inference_mode(i % 2 == 1):
+                lb = step(model, b, static)  # inside inference mode or not (a traced step: inside)
+            first = False  # the first call compiles, no other
+            assert (la - lb).abs().max().item() < 1e-4
+            a, b = la.argmax(-1), lb.argmax(-1)
 
 
 @pytest.mark.parametrize("long_rows", [True, False])
