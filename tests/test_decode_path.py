@@ -211,7 +211,7 @@ def test_the_trace_names_the_decode_path(folder, weights_dir, monkeypatch):
 def test_generate_on_a_compiled_path_says_its_first_step_compiles(tmp_path, smollm2_dir, weights_dir, monkeypatch,
                                                                    capsys):
     """One line on stderr before the answer (TPOT once read 12.6 s with no word why); none on an
-    eager path. (One new token: the prefill's, so nothing compiles here.)"""
+    eager path or with --warmup. (One new token: the prefill's, so only the warm-up compiles.)"""
     import shutil
 
     from minillm.cli import main
@@ -220,9 +220,10 @@ def test_generate_on_a_compiled_path_says_its_first_step_compiles(tmp_path, smol
     tiny = save_hf(build_hf(family, {**kwargs, "vocab_size": 49152}), tmp_path / "tiny")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(smollm2_dir / name, tiny / name)
-    for path, warned in (("compile+matvec", True), ("matvec", False)):
+    for path, flags, warned in (("compile+matvec", [], True), ("matvec", [], False),
+                                ("compile+matvec", ["--warmup"], False)):  # (the warm-up compiles it)
         monkeypatch.setenv(dp.ENV_VAR, path)
-        assert main(["generate", "--model", str(tiny), "--max-new-tokens", "1", "hi"]) == 0
+        assert main(["generate", "--model", str(tiny), "--max-new-tokens", "1", *flags, "hi"]) == 0
         err = capsys.readouterr().err
         assert ("minillm: warning: decode path compile+matvec (forced by MINILLM_DECODE_PATH): this process "
                 "compiles its first decode step" in err) is warned

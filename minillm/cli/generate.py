@@ -104,13 +104,14 @@ def run_generate(args) -> int:
     prefix_cache = PrefixCache(model, block_size=args.block_size) if args.prefix_cache else None
     args.speculative_config = _speculative_config(args)
     traced = bool(args.trace or args.trace_out or args.plots)
-    if not traced and getattr(model, "compiled_decode", None) is not None:  # (a trace runs the eager step)
+    warmup = traced if args.warmup is None else args.warmup
+    if not warmup and getattr(model, "compiled_decode", None) is not None:
         why = "forced by MINILLM_DECODE_PATH" if model.decode_choice.source == "forced" else \
             "kept by minillm calibrate --decode-path"
         warnings.warn(f"decode path {model.decode_path} ({why}): this process compiles its first decode step, "
                       "a minute or more (~10 s with torch's compile cache warm), and that step's time and TPOT "
-                      "count it; MINILLM_DECODE_PATH=matvec runs eager", RuntimeWarning)
-    warmup = traced if args.warmup is None else args.warmup
+                      "count it (--warmup compiles it first); MINILLM_DECODE_PATH=matvec runs eager",
+                      RuntimeWarning)
     for i, prompt in enumerate(prompts):  # one request after another; with --prefix-cache they share cached prefixes
         cold = not warmup and i == 0  # later requests run in a process the first one warmed
         if traced:
