@@ -273,6 +273,7 @@ def test_info_counts_the_quantised_bytes_and_names_the_float_embedding(tiny_dirs
     out = " ".join(capsys.readouterr().out.split())
     expected = load_model(folder, device="cpu", quantize="int4").weights_bytes()
     assert f"weights bytes │ {expected:,}" in out
+    assert f"{folder} (float32, int4 weights)" in out  # the title (was "(float32)")
     assert "│ quantization │ int4 matrices, float embedding │" in out
     assert "│ + float embedding │ 32.0 KiB (lookup only) │" in out  # 128 x 64 float32, memory not read per step
 

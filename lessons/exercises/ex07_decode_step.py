@@ -35,8 +35,9 @@ def decode_step(model: Transformer, token_id, cache: KVCache, hook: Hook | None 
 
     Returns float32 logits for the following position, [B, vocab].
 
-    On the "compile" decode path (:mod:`minillm.decode_path`), a step without hook or trace
-    runs the compiled graph of :mod:`minillm.compile` instead: the same logits.
+    On the "compile" decode paths (:mod:`minillm.decode_path`), a step without hook, or with
+    a trace at level "steps", runs the compiled graph of :mod:`minillm.compile` instead: the
+    same logits.
 
     Raises ValueError (bad shape or id, several tokens for one sequence, a cache or trace
     that does not fit), CacheFullError (no room for one more token).

@@ -53,7 +53,8 @@ def run_info(args) -> int:
     model = load_model(ensure_model(args.model, args.weights_dir), device="cpu", dtype=args.dtype, quantize=args.quantize)
     c = model.config
     dtype_bytes = next(model.parameters()).element_size()
-    table = Table(title=f"{args.model} ({args.dtype})", show_header=False)
+    weights = f", {args.quantize} weights" if args.quantize else ""
+    table = Table(title=f"{args.model} ({args.dtype}{weights})", show_header=False)
     rows = [
         ("model_type", c.model_type), ("layers", c.n_layers), ("d_model", c.d_model),
         ("heads / KV heads", f"{c.n_heads} / {c.n_kv_heads} (GQA x{c.n_rep})" if c.n_rep > 1 else c.n_heads),
