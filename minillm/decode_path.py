@@ -158,8 +158,9 @@ def use_best_decode_path(model: Transformer, measure: Callable | None = None) ->
             CANDIDATES[cached.name].compiled and compile_unavailable()):  # (a compiler since removed: measure)
         choice = cached
     else:  # seconds on a quiet machine, minutes on a busy one: say why the first load waits
-        warnings.warn("measuring the eager decode paths for this model on this machine (once; kept in "
-                      "calibration.json, `minillm calibrate --decode-path` measures again)", stacklevel=2)
+        warnings.warn("measuring the eager decode paths for this model on this machine (once, seconds when the "
+                      "machine is quiet, minutes when busy; kept in calibration.json, `minillm calibrate "
+                      "--decode-path` measures again)", stacklevel=2)
         choice = calibrate_decode_path(model, EAGER, measure)
     if choice.name != "default":
         apply_decode_path(model, choice.name)
