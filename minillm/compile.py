@@ -23,6 +23,8 @@ Prefill stays eager (one call per request, its length varies anyway).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from . import matvec_kernels
@@ -111,17 +113,17 @@ def compile_decode_step(mode: str = "default"):
     """
     matvec_kernels.prepare_for_compile()  # (the C products of the "matvec" and quantised paths, as ops)
     compiled = torch.compile(decode_forward_static, mode=mode, fullgraph=True)
-    marked = set()
+    marked = weakref.WeakSet()  # caches already checked and marked (an id could be reused by a later cache)
 
     def step(model: Transformer, token_id, cache: KVCache) -> torch.Tensor:
-        _check_static(model, cache)
-        cache.check_room(1)
-        device = cache.k.device
-        if id(cache) not in marked:
+        if cache not in marked:  # once a cache, not every step: its size and the model's config do not change
+            _check_static(model, cache)
             for buffer in (cache.k, cache.v):  # [n_layers, B, n_kv_heads, max_seq_len, head_dim]
                 torch._dynamo.mark_static_address(buffer)
                 torch._dynamo.maybe_mark_dynamic(buffer, 3)
-            marked.add(id(cache))
+            marked.add(cache)
+        cache.check_room(1)
+        device = cache.k.device
         with torch.inference_mode():  # inputs made here are inference tensors whoever calls: no recompile for that
             token_ids = torch.as_tensor(token_id, device=device).reshape(-1, 1).clone()
             pos = torch.tensor([cache.length], device=device)
