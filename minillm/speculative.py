@@ -341,7 +341,7 @@ def generate_speculative(model: Transformer, prompt_ids: torch.Tensor, params: S
             if reason:
                 cache.truncate(length)
                 if trace is not None:
-                    trace.record("speculative", **_stats_fields(SpeculativeStats.from_rounds(rounds)))
+                    trace.record("speculative", **SpeculativeStats.from_rounds(rounds).to_dict())
                 return
         phase = "decode"
         emitted, counts = _round(model, draft, k, params, generator, cache, prompt, output, trace)
@@ -414,6 +414,12 @@ class SpeculativeStats:
     def mean_acceptance_length(self) -> float:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
+    def to_dict(self) -> dict:
+        """The counts and the two rates, as the trace's "speculative" event and ``--json`` carry them."""
+        return dict(num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
+                    num_accepted_tokens=self.num_accepted_tokens, acceptance_rate=self.acceptance_rate,
+                    mean_acceptance_length=self.mean_acceptance_length)
+
 
 def _record_verify(event, trace, last: int, drafted: list[int], n_accepted: int, token: int, start: int,
                    length: int) -> None:
@@ -424,12 +430,6 @@ def _record_verify(event, trace, last: int, drafted: list[int], n_accepted: int,
     if trace.tokenizer is not None:
         event.update(drafted_text=trace.tokenizer.token_strings(drafted) if drafted else [],
                      token_text=trace.tokenizer.token_strings([token])[0])
-
-
-def _stats_fields(stats: SpeculativeStats) -> dict:
-    return dict(num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens,
-                num_accepted_tokens=stats.num_accepted_tokens, acceptance_rate=stats.acceptance_rate,
-                mean_acceptance_length=stats.mean_acceptance_length)
 
 
 def _checked_q(q: torch.Tensor | None, n_drafted: int, vocab: int) -> torch.Tensor | None:

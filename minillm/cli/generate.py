@@ -311,11 +311,7 @@ def _json_record(prompt: str, steps, m, cold: bool, speculative: bool = False) -
     if speculative:
         from ..speculative import SpeculativeStats
 
-        st = SpeculativeStats.from_steps(steps)
-        record["speculative"] = {"num_drafts": st.num_drafts, "num_draft_tokens": st.num_draft_tokens,
-                                 "num_accepted_tokens": st.num_accepted_tokens,
-                                 "acceptance_rate": st.acceptance_rate,
-                                 "mean_acceptance_length": st.mean_acceptance_length}
+        record["speculative"] = SpeculativeStats.from_steps(steps).to_dict()
     return record
 
 
