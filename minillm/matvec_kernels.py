@@ -319,28 +319,27 @@ def _f32_matvec(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torc
 
 def _check_codes(op: str, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
                  group_size: int | None = None, x: torch.Tensor | None = None) -> None:
-    """Refuse, in one line, what the C loops would read out of bounds or wrongly (they trust shapes)."""
+    """Refuse, in one line, what the C loops would read out of bounds or wrongly (they trust shapes).
+    Each message is formatted only on failure: this runs on every product of a decode step."""
     int4 = zero is not None
-    in_features = codes.shape[-1] * (2 if int4 else 1)
-    groups = in_features // group_size if int4 and group_size and group_size > 0 else 1
-    expected = (codes.shape[0], groups) if int4 else (codes.shape[0],)
-    problems = [
-        (codes.dim() != 2 or not codes.is_contiguous() or codes.dtype != (torch.uint8 if int4 else torch.int8),
-         f"codes must be a contiguous 2-D {'uint8' if int4 else 'int8'} tensor, got {codes.dtype} {list(codes.shape)}"),
-        (int4 and (not group_size or group_size < 0 or group_size % 16 or in_features % group_size),
-         f"group_size must be a positive multiple of 16 dividing {in_features}, got {group_size}"),
-        (scale.dtype != torch.float32 or not scale.is_contiguous() or tuple(scale.shape) != expected,
-         f"scale must be contiguous float32 {list(expected)}, got {scale.dtype} {list(scale.shape)}"),
-        (int4 and (zero.dtype != torch.uint8 or not zero.is_contiguous() or tuple(zero.shape) != expected),
-         f"zero must be contiguous uint8 {list(expected)}, got {zero.dtype if int4 else ''} "
-         f"{list(zero.shape) if int4 else ''}"),
-        (x is not None and (x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != in_features),
-         f"x must be float32 [rows, {in_features}], got {x.dtype if x is not None else ''} "
-         f"{list(x.shape) if x is not None else ''}"),
-    ]
-    for bad, why in problems:
-        if bad:
-            raise ValueError(f"{op}: {why}")
+    code_dtype = torch.uint8 if int4 else torch.int8
+    if codes.dim() != 2 or not codes.is_contiguous() or codes.dtype != code_dtype:
+        raise ValueError(f"{op}: codes must be a contiguous 2-D {_name(code_dtype)} tensor, got {codes.dtype} "
+                         f"{list(codes.shape)}")
+    in_features = codes.shape[1] * (2 if int4 else 1)
+    if int4 and (not group_size or group_size < 0 or group_size % 16 or in_features % group_size):
+        raise ValueError(f"{op}: group_size must be a positive multiple of 16 dividing {in_features}, got {group_size}")
+    expected = (codes.shape[0], in_features // group_size) if int4 else (codes.shape[0],)
+    for name, t, dtype in (("scale", scale, torch.float32), ("zero", zero, torch.uint8)):
+        if t is not None and (t.dtype != dtype or not t.is_contiguous() or tuple(t.shape) != expected):
+            raise ValueError(f"{op}: {name} must be contiguous {_name(dtype)} {list(expected)}, got {t.dtype} "
+                             f"{list(t.shape)}")
+    if x is not None and (x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != in_features):
+        raise ValueError(f"{op}: x must be float32 [rows, {in_features}], got {x.dtype} {list(x.shape)}")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _int8_matvec(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
