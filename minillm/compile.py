@@ -35,7 +35,8 @@ from .model import Transformer
 class StaticKVView:
     """A KVCache seen with fixed shapes: writes at ``pos`` [1] (a tensor), reads whole buffers.
 
-    It offers what :class:`~minillm.model.Attention` uses of a cache: ``write`` and ``attn_mask``.
+    It offers what :class:`~minillm.model.Attention` uses of a cache: ``write``, ``attn_mask`` and
+    ``n_keys``.
     """
 
     def __init__(self, cache: KVCache, pos: torch.Tensor):
@@ -43,6 +44,7 @@ class StaticKVView:
         _, B, n_kv_heads, max_seq_len, _ = cache.k.shape
         keys = torch.arange(max_seq_len, device=pos.device)
         self.attn_mask = (keys <= pos)[None, :]  # [T=1, max_seq_len] bool
+        self.n_keys = pos + 1  # [1]: the keys the mask shows, for decode attention in C (minillm.model)
         # (batch, head, position) indices of the entries one decode step writes, each [B, n_kv_heads, 1]
         self.batch = torch.arange(B, device=pos.device).view(B, 1, 1)
         self.heads = torch.arange(n_kv_heads, device=pos.device).view(1, n_kv_heads, 1)

@@ -23,7 +23,8 @@ The candidates (every one gives the plain path's logits up to float rounding):
     compile            long_rows=False       F.linear                   torch.compile of the whole step
     compile+matvec     long_rows=False       the C kernel (an op)       over the static KV cache
 
-(linear()'s products: :func:`minillm.model.linear`. The compiled steps fuse the ~1,400 small ops
+(linear()'s products: :func:`minillm.model.linear`; on the "matvec" paths decode's attention runs in
+C too, :func:`minillm.model.decode_attention_in_c`. The compiled steps fuse the ~1,400 small ops
 around the products into a few loops; on the developers' AMD EPYC compile+matvec took a step
 from 54-60 to 33-36 ms. The "matvec" ones need a C compiler: without one they are not measured.)
 

@@ -1,5 +1,5 @@
 /* Decode's products: y = x @ wᵀ for a few rows of x, reading each weight once; quantised matrices
- * are read as their packed codes.
+ * are read as their packed codes. And decode's attention (at the end of this file).
  *
  * Built at first use by minillm/matvec_kernels.py (cc -O3 -march=native -fopenmp, under a second)
  * and called through ctypes. The quantised arithmetic is minillm/quantize.py's reference path,
@@ -19,16 +19,16 @@
  *   packed uint8   [out, in/2]          scale  float32 [out, in/group]
  *          byte j = q[2j] | q[2j+1] << 4                    zero   uint8   [out, in/group]   (int4)
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-static float hsum(__m256 v) {  /* the sum of 8 lanes */
-    float lanes[8], sum = 0.0f;
-    _mm256_storeu_ps(lanes, v);
-    for (int l = 0; l < 8; l++) sum += lanes[l];
-    return sum;
+static float hsum(__m256 v) {  /* the sum of 8 lanes: halves added, then pairs */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 #endif
 
@@ -213,4 +213,156 @@ void int8_dequantize(const int8_t *q, const float *scale, float *w, int out, int
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int o = 0; o < out; o++)
         for (int i = 0; i < in; i++) w[(int64_t)o * in + i] = scale[o] * (float)q[(int64_t)o * in + i];
+}
+
+/* Decode attention: each sequence's one new query against its first n_keys cached keys,
+ *
+ *   out[b, h] = Σ_j softmax_j(scale · q[b, h]·k[b, h/G, j]) · v[b, h/G, j],   j < n_keys,
+ *
+ * G = heads / kv_heads query heads sharing a K/V head (GQA). Split-K, as flash-decoding does
+ * (Dao et al. 2023): the keys are cut into chunks of KEYS_PER_TASK; each (b, kv head, chunk) is one
+ * thread's task and keeps, per query head, a partial softmax over its keys
+ *
+ *   m = max_j s_j,   l = Σ_j exp(s_j - m),   acc = Σ_j exp(s_j - m) · v_j
+ *
+ * (its chunk of K and V, 16 KiB at head_dim 64, comes from memory once and from cache for the other
+ * G - 1 heads); the partials then merge with M = max_c m_c:
+ *
+ *   out = Σ_c exp(m_c - M) · acc_c  /  Σ_c exp(m_c - M) · l_c.
+ */
+#define KEYS_PER_TASK 32
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp of 8 lanes, x <= 0 (a score minus the maximum): x = n·ln2 + r with |r| <= ln2/2, exp(r) by
+ * Cephes' degree-6 polynomial (~1 ulp, as expf), 2^n put into the exponent bits. Below -87 (where
+ * exp underflows float32) it gives ~1e-38 instead of 0: nothing next to the maximum's exp(0) = 1. */
+static __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  /* ln2 in two parts: n·ln2's high part exact */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+/* the lane sums of a[0..7], as one vector: pairs added within 128-bit halves, then the halves */
+static __m256 hsum8(const __m256 *a) {
+    __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+#endif
+
+/* s[j] = scale · q·k_j for n <= KEYS_PER_TASK rows of k (D apart); returns max_j s[j]. AVX2: 8 keys
+ * at a time, each its own vector sum, the 8 reduced together. */
+static float scores(const float *q, const float *k, int n, int D, float scale, float *s) {
+    int j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; j + 8 <= n; j += 8) {
+        __m256 acc[8];
+        for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+        for (int d = 0; d < D; d += 8) {
+            __m256 qd = _mm256_loadu_ps(q + d);
+            for (int u = 0; u < 8; u++)
+                acc[u] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + (int64_t)(j + u) * D + d), acc[u]);
+        }
+        _mm256_storeu_ps(s + j, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+    }
+#endif
+    for (; j < n; j++) {
+        float sum = 0.0f;
+        for (int d = 0; d < D; d++) sum += q[d] * k[(int64_t)j * D + d];
+        s[j] = scale * sum;
+    }
+    float m = -INFINITY;
+    for (j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+    return m;
+}
+
+/* s[j] = exp(s[j] - m); returns Σ_j s[j] */
+static float exps(float *s, int n, float m) {
+    float l = 0.0f;
+    int j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; j + 8 <= n; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m)));
+        _mm256_storeu_ps(s + j, e);
+        l += hsum(e);
+    }
+#endif
+    for (; j < n; j++) {
+        s[j] = expf(s[j] - m);
+        l += s[j];
+    }
+    return l;
+}
+
+/* acc[0:D] = Σ_j p[j] · v_j over n rows of v (D apart). AVX2: 64 columns at a time, in 8 vector sums. */
+static void weighted_sum(const float *p, const float *v, int n, int D, float *acc) {
+    int d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; d + 64 <= D; d += 64) {
+        __m256 sum[8];
+        for (int u = 0; u < 8; u++) sum[u] = _mm256_setzero_ps();
+        for (int j = 0; j < n; j++) {
+            __m256 pj = _mm256_set1_ps(p[j]);
+            for (int u = 0; u < 8; u++)
+                sum[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + (int64_t)j * D + d + 8 * u), sum[u]);
+        }
+        for (int u = 0; u < 8; u++) _mm256_storeu_ps(acc + d + 8 * u, sum[u]);
+    }
+#endif
+    for (; d < D; d++) {
+        acc[d] = 0.0f;
+        for (int j = 0; j < n; j++) acc[d] += p[j] * v[(int64_t)j * D + d];
+    }
+}
+
+/* Layouts: q, out float32 [batch, heads, head_dim]; k, v float32 with each head's rows contiguous
+ * (row j at j·head_dim), heads and sequences at the given strides (a cache's [B, kv_heads,
+ * max_seq_len, head_dim] buffer, or a view of its first positions). Returns 0, or 1 when the
+ * partials cannot be allocated. */
+int decode_attention(const float *q, const float *k, const float *v, float *out, int batch, int heads,
+                     int kv_heads, int n_keys, int head_dim, int64_t k_batch_stride, int64_t k_head_stride,
+                     int64_t v_batch_stride, int64_t v_head_stride, float scale, int threads) {
+    int G = heads / kv_heads, chunks = (n_keys + KEYS_PER_TASK - 1) / KEYS_PER_TASK, D = head_dim;
+    int64_t part = D + 2 + KEYS_PER_TASK;  /* a partial: acc[D], m, l; then room for its scores */
+    float *partials = (float *)malloc(sizeof(float) * (size_t)batch * heads * chunks * part);
+    if (partials == NULL) return 1;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int task = 0; task < batch * kv_heads * chunks; task++) {
+        int b = task / (kv_heads * chunks), kvh = task / chunks % kv_heads, c = task % chunks;
+        int first = c * KEYS_PER_TASK, n = n_keys - first < KEYS_PER_TASK ? n_keys - first : KEYS_PER_TASK;
+        const float *kc = k + b * k_batch_stride + kvh * k_head_stride + (int64_t)first * D;
+        const float *vc = v + b * v_batch_stride + kvh * v_head_stride + (int64_t)first * D;
+        for (int g = 0; g < G; g++) {
+            int64_t bh = (int64_t)b * heads + kvh * G + g;
+            float *acc = partials + (bh * chunks + c) * part, *s = acc + D + 2;
+            float m = scores(q + bh * D, kc, n, D, scale, s), l = exps(s, n, m);
+            weighted_sum(s, vc, n, D, acc);
+            acc[D] = m;
+            acc[D + 1] = l;
+        }
+    }
+    for (int bh = 0; bh < batch * heads; bh++) {  /* the merge: D + 2 numbers a chunk */
+        const float *p = partials + (int64_t)bh * chunks * part;
+        float M = -INFINITY, L = 0.0f, *o = out + (int64_t)bh * D;
+        for (int c = 0; c < chunks; c++) M = p[c * part + D] > M ? p[c * part + D] : M;
+        for (int d = 0; d < D; d++) o[d] = 0.0f;
+        for (int c = 0; c < chunks; c++) {
+            float w = expf(p[c * part + D] - M);
+            L += w * p[c * part + D + 1];
+            for (int d = 0; d < D; d++) o[d] += w * p[c * part + d];
+        }
+        for (int d = 0; d < D; d++) o[d] /= L;
+    }
+    free(partials);
+    return 0;
 }

@@ -1,5 +1,5 @@
-"""Decode's products in C (matvec_kernels.c): float32, int8 and int4 matrices; built at first use,
-called through ctypes.
+"""Decode's products in C (matvec_kernels.c): float32, int8 and int4 matrices, and decode's attention;
+built at first use, called through ctypes.
 
 Why C and not PyTorch: a decode step's product is one row by a matrix, so its floor is reading the
 weights; MKL reads a one-row float32 product with one core (minillm.model.linear), and a quantised
@@ -19,6 +19,11 @@ and 59-66 ms for one-core ``F.linear`` (same session); the "matvec" decode paths
 (minillm.decode_path). Prefill's many rows are compute-bound:
 there the C loops only unpack each matrix to float (int4: 31 ms for SmolLM2's blocks, 204 ms in
 PyTorch) for one float product.
+
+Decode's attention is here too (:func:`decode_attention`, on the "matvec" decode paths): one query
+a sequence against the cache reads each layer's K and V once for a few FLOPs a byte, and SDPA's CPU
+kernel spends its time elsewhere: on the developers' EPYC this loop took a compiled SmolLM2 step
+2-4 ms below SDPA's at 128 positions and 7-8 ms below at 1,000 (BENCHMARKS.md).
 
 The C compiler is the one ``torch.compile`` also needs (``cc``, or ``$CC``); the build takes about a
 second, once per machine: it is kept in ``<weights_dir>/kernels/`` (``-march=native``: for this CPU
@@ -94,7 +99,7 @@ def _build(flag_sets=FLAG_SETS, cache_dir: Path | None = None) -> tuple[ctypes.C
             if kept.is_file() and (loaded := _load(kept))[0] is not None:
                 return loaded  # (a kept file that does not load, e.g. truncated, is built again and replaced)
             out = Path(tmp) / "matvec_kernels.so"
-            run = subprocess.run([*compiler, *flags, "-shared", "-fPIC", str(SOURCE), "-o", str(out)],
+            run = subprocess.run([*compiler, *flags, "-shared", "-fPIC", str(SOURCE), "-lm", "-o", str(out)],
                                  capture_output=True, text=True)
             if run.returncode == 0:
                 _keep(out, kept)
@@ -154,6 +159,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.int4_dequantize.restype = None
     lib.int8_dequantize.argtypes = [ptr, ptr, ptr, i32, i32, i32]
     lib.int8_dequantize.restype = None
+    i64 = ctypes.c_int64
+    lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i64, i64, i64, i64,
+                                     ctypes.c_float, i32]
+    lib.decode_attention.restype = i32
     return lib
 
 
@@ -213,7 +222,21 @@ def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     return _int4_dequantize(kernels(), packed, scale, zero, group_size)
 
 
-# The same five as torch ops (torch.ops.minillm.f32_matvec, ...) for compiled code; eager code calls
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: int | torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Decode's attention: softmax(scale · q·kᵀ) · v over the first ``n_keys`` keys.
+
+    q [B, n_heads, 1, head_dim] float32 (one new query a sequence); k, v [B, n_kv_heads, S, head_dim]
+    float32 with contiguous rows (a KV cache's buffer or a view of its first positions), n_heads a
+    multiple of n_kv_heads (GQA), head_dim a multiple of 8; ``n_keys`` (an int or a one-element
+    tensor, 1 <= n_keys <= S) how many keys the query sees. Returns [B, n_heads, 1, head_dim]
+    float32, ``F.scaled_dot_product_attention``'s values up to float rounding. Raises ValueError for
+    inputs the C loop would misread, MemoryError when its scratch cannot be allocated.
+    """
+    return _decode_attention(kernels(), q, k, v, n_keys, scale)
+
+
+# The same six as torch ops (torch.ops.minillm.f32_matvec, ...) for compiled code; eager code calls
 # the functions above (an op's dispatch costs eager code ~20 us a call, 4 ms of a SmolLM2 decode
 # step). Here: their schemas and fakes (the output's shape and dtype, for tracing); their CPU
 # implementations come with prepare_for_compile.
@@ -227,6 +250,9 @@ _OPS = {
     "int8_dequantize": ("(Tensor q, Tensor scale) -> Tensor", lambda q, scale: scale.new_empty(q.shape)),
     "int4_dequantize": ("(Tensor packed, Tensor scale, Tensor zero, int group_size) -> Tensor",
                         lambda packed, scale, zero, group_size: scale.new_empty(packed.shape[0], packed.shape[1] * 2)),
+    # n_keys a tensor: in a compiled step it is the position, data that changes every step
+    "decode_attention": ("(Tensor q, Tensor k, Tensor v, Tensor n_keys, float scale) -> Tensor",
+                         lambda q, k, v, n_keys, scale: q.new_empty(q.shape)),
 }
 _LIBRARY = torch.library.Library("minillm", "FRAGMENT")
 for _name, (_schema, _fake) in _OPS.items():
@@ -378,3 +404,25 @@ def _int4_dequantize(lib: ctypes.CDLL, packed: torch.Tensor, scale: torch.Tensor
     lib.int4_dequantize(packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), w.data_ptr(),
                         out, in_features, group_size, torch.get_num_threads())
     return w
+
+
+def _decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      n_keys: int | torch.Tensor, scale: float) -> torch.Tensor:
+    B, n_heads, T, head_dim = q.shape if q.dim() == 4 else (0, 0, 0, 0)
+    n_keys = int(n_keys)
+    ok = (T == 1 and head_dim % 8 == 0 and head_dim > 0 and k.dim() == 4 and k.shape == v.shape
+          and k.shape[0] == B and k.shape[3] == head_dim and n_heads % k.shape[1] == 0
+          and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v))
+          and k.stride(3) == v.stride(3) == 1 and k.stride(2) == v.stride(2) == head_dim)
+    if not ok or not 1 <= n_keys <= k.shape[2]:
+        raise ValueError(f"decode_attention takes float32 CPU q [B, heads, 1, D] (D a multiple of 8) and k, v "
+                         f"[B, kv_heads, S, D] with contiguous rows, heads a multiple of kv_heads, 1 <= n_keys <= S; "
+                         f"got q {q.dtype} {list(q.shape)}, k {k.dtype} {list(k.shape)} strides {list(k.stride())}, "
+                         f"v {list(v.shape)}, n_keys {n_keys}")
+    q, out = q.contiguous(), torch.empty(q.shape)
+    status = lib.decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), B, n_heads, k.shape[1],
+                                  n_keys, head_dim, k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale,
+                                  torch.get_num_threads())
+    if status:
+        raise MemoryError("decode_attention could not allocate its partial results")
+    return out

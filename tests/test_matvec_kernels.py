@@ -160,6 +160,9 @@ def test_the_ops_a_compiled_step_calls_are_the_cpp_build_and_equal_the_ctypes_ke
     int4 = (q4.qweight, q4.scale, q4.zero, 64)
     assert torch.equal(ops.int4_matvec(x, *int4), functions.int4_matvec(x, *int4))
     assert torch.equal(ops.int4_dequantize(*int4), functions.int4_dequantize(*int4))
+    q, (k, v) = torch.randn(1, 6, 1, 64, generator=g), torch.randn(2, 1, 2, 50, 64, generator=g)
+    assert torch.equal(ops.decode_attention(q, k, v, torch.tensor([45]), 0.125),
+                       functions.decode_attention(q, k, v, 45, 0.125))
     with pytest.raises(RuntimeError, match=r"f32_matvec takes x float32 \[rows, 128\], got Double \[3, 128\]"):
         ops.f32_matvec(x.double(), w)
 
@@ -232,3 +235,93 @@ def test_a_kept_ops_file_that_is_not_the_ops_is_not_taken_for_them(tmp_path, mon
     check = f"from pathlib import Path; from minillm import matvec_kernels as k; assert k._load_ops(Path({str(out)!r})) is False"
     run = matvec_kernels.subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)  # (a fresh
     assert run.returncode == 0, run.stderr[-2000:]  # process: this one may have registered the ops already)
+
+
+def _attention_oracle(q, k, v, n_keys, scale):
+    """softmax(scale · q·kᵀ) · v over the first n_keys keys, in float64, GQA by repeating K/V heads."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = (t[:, :, :n_keys].double().repeat_interleave(rep, dim=1) for t in (k, v))
+    scores = (q.double() @ k.transpose(-1, -2)) * scale
+    return torch.softmax(scores, dim=-1) @ v
+
+
+@pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
+@pytest.mark.parametrize("batch, heads, kv_heads, head_dim", [(1, 9, 3, 64), (2, 12, 12, 64), (1, 8, 2, 128), (3, 4, 1, 72)])
+@pytest.mark.parametrize("n_keys", [1, 31, 32, 33, 65, 200])
+def test_decode_attention_equals_float64_softmax(batch, heads, kv_heads, head_dim, n_keys):
+    """Over the first n_keys of a longer cache buffer (key counts around the 32-key tasks and the
+    8-key steps; a head_dim whose columns are not a multiple of 64 takes the portable tail)."""
+    g = torch.Generator().manual_seed(n_keys + head_dim)
+    q = torch.randn(batch, heads, 1, head_dim, generator=g)
+    k, v = torch.randn(2, batch, kv_heads, n_keys + 7, head_dim, generator=g)
+    out = matvec_kernels.decode_attention(q, k, v, n_keys, 0.3)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    assert (out.double() - _attention_oracle(q, k, v, n_keys, 0.3)).abs().max() <= 1e-5
+
+
+@pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
+def test_decode_attention_reads_a_cache_view_and_far_apart_scores():
+    """A view of a cache's first positions (heads max_seq_len rows apart, sequences further), as
+    eager decode hands over; and scores 500 apart, where exp underflows (softmax ~one-hot)."""
+    g = torch.Generator().manual_seed(0)
+    buffer = torch.randn(2, 2, 3, 100, 64, generator=g)  # [k|v, B, kv_heads, max_seq_len, D]
+    k, v = buffer[0, :, :, :40], buffer[1, :, :, :40]
+    q = torch.randn(2, 6, 1, 64, generator=g)
+    assert not k.is_contiguous()
+    out = matvec_kernels.decode_attention(q, k, v, torch.tensor([40]), 0.125)
+    assert (out.double() - _attention_oracle(q, k, v, 40, 0.125)).abs().max() <= 1e-5
+    loud = matvec_kernels.decode_attention(q * 100, k, v, 40, 1.0)
+    assert (loud.double() - _attention_oracle(q * 100, k, v, 40, 1.0)).abs().max() <= 1e-5
+
+
+def test_portable_decode_attention_equals_float64_softmax(tmp_path):
+    """Built without -march=native: the scalar loops (expf, no 8-key steps)."""
+    lib, why = matvec_kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
+    assert lib is not None, why
+    g = torch.Generator().manual_seed(1)
+    q, (k, v) = torch.randn(1, 4, 1, 32, generator=g), torch.randn(2, 1, 2, 50, 32, generator=g)
+    out = matvec_kernels._decode_attention(lib, q, k, v, 45, 0.2)
+    assert (out.double() - _attention_oracle(q, k, v, 45, 0.2)).abs().max() <= 1e-5
+
+
+@pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
+@pytest.mark.parametrize("change, message", [
+    (lambda q, k, n: (q[..., :60], k[..., :60], n), r"D a multiple of 8.*got q (torch.float32|Float) \[1, 4, 1, 60\]"),
+    (lambda q, k, n: (q.expand(1, 4, 2, 64), k, n), r"q \[B, heads, 1, D\]"),
+    (lambda q, k, n: (q, k, 0), "n_keys 0"),
+    (lambda q, k, n: (q, k, 11), "n_keys 11"),
+    (lambda q, k, n: (q.double(), k, n), "got q (torch.float64|Double)"),
+    (lambda q, k, n: (q[:, :3], k, n), "heads a multiple of kv_heads"),
+    (lambda q, k, n: (q, k.transpose(2, 3).contiguous().transpose(2, 3), n), "contiguous rows"),
+])
+@pytest.mark.parametrize("where", ["functions", "ops"])
+def test_decode_attention_refuses_what_it_would_misread(change, message, where):
+    matvec_kernels.prepare_for_compile()
+    q, k = torch.randn(1, 4, 1, 64), torch.randn(1, 2, 10, 64)
+    q, k, n_keys = change(q, k, 5)
+    kernels = torch.ops.minillm if where == "ops" else matvec_kernels
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        kernels.decode_attention(q, k, k.clone(), torch.tensor([n_keys]) if where == "ops" else n_keys, 0.1)
+
+
+@pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
+@pytest.mark.parametrize("name, in_c", [("matvec", True), ("split", False), ("linear", False)])
+def test_decode_runs_attention_in_c_on_the_matvec_products_only(products, name, in_c, monkeypatch, tmp_path):
+    """A decode step's logits are the same either way (up to float rounding); prefill (many
+    queries) keeps SDPA."""
+    from tiny_models import CONFIGS, build_hf, save_hf
+
+    from minillm import KVCache, decode_step, load_model, prefill
+
+    model = load_model(save_hf(build_hf(*CONFIGS["llama_gqa"]), tmp_path), device="cpu")
+    calls = []
+    real = matvec_kernels.decode_attention
+    monkeypatch.setattr(matvec_kernels, "decode_attention", lambda *a: calls.append(a[3]) or real(*a))
+    logits = {}
+    for products_now in ("split", name):
+        products(products_now)
+        cache = KVCache.for_model(model, max_seq_len=20)
+        prefill(model, torch.arange(9), cache)
+        logits[products_now] = decode_step(model, torch.tensor([3]), cache)
+    assert (logits[name] - logits["split"]).abs().max() <= 1e-5
+    assert calls == ([10] * model.config.n_layers if in_c else [])

@@ -10,6 +10,7 @@ from tiny_models import CONFIGS, GPT2_124M, build_hf, save_hf
 import minillm
 from minillm import KVCache, SamplingParams, decode_step, generate, load_model, prefill
 from minillm.loading import to_minillm_names
+from minillm import model as model_module
 from minillm.model import Transformer
 from minillm.whatif import example_configs, load_config
 
@@ -122,6 +123,23 @@ def test_prefill_then_decode_equals_full_forward(pair, impl, batch):
     got = torch.stack(step_logits, dim=1)  # logits predicting positions T..T+N-1
     assert cache.length == T + N - 1
     assert (got - reference[:, T - 1 : T + N - 1]).abs().max().item() <= TOL
+
+
+def test_decode_on_the_c_kernels_matches_transformers(pair):
+    """The "matvec" products: decode's products and attention in C (minillm.matvec_kernels), against
+    transformers' full forward. (head_dim 16 and 24 configs: attention stays SDPA, the products C.)"""
+    hf, model = pair
+    ids = _ids(model.config.vocab_size, (2, 15))
+    cache = KVCache.for_model(model, batch_size=2, max_seq_len=15)
+    model_module.use_products("matvec")
+    try:
+        step_logits = [prefill(model, ids[:, :10], cache)]
+        step_logits += [decode_step(model, ids[:, i], cache) for i in range(10, 14)]
+    finally:
+        model_module.use_products("split")
+    with torch.no_grad():
+        expected = hf(ids).logits[:, 9:14]
+    assert (torch.stack(step_logits, dim=1) - expected).abs().max().item() <= TOL
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
