@@ -219,8 +219,8 @@ void int8_dequantize(const int8_t *q, const float *scale, float *w, int out, int
  *
  *   out[b, h] = Σ_j softmax_j(scale · q[b, h]·k[b, h/G, j]) · v[b, h/G, j],   j < n_keys,
  *
- * G = heads / kv_heads query heads sharing a K/V head (GQA). Split-K, as flash-decoding does
- * (Dao et al. 2023): the keys are cut into chunks of KEYS_PER_TASK; each (b, kv head, chunk) is one
+ * G = heads / kv_heads query heads sharing a K/V head (GQA). Split-K, as flash-decoding does (Dao,
+ * Haziza, Massa, Sizov 2023, "Flash-Decoding for long-context inference"): the keys are cut into chunks of KEYS_PER_TASK; each (b, kv head, chunk) is one
  * thread's task and keeps, per query head, a partial softmax over its keys
  *
  *   m = max_j s_j,   l = Σ_j exp(s_j - m),   acc = Σ_j exp(s_j - m) · v_j
