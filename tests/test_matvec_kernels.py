@@ -306,14 +306,15 @@ def test_decode_attention_refuses_what_it_would_misread(change, message, where):
 
 @pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
 @pytest.mark.parametrize("name, in_c", [("matvec", True), ("split", False), ("linear", False)])
-def test_decode_runs_attention_in_c_on_the_matvec_products_only(products, name, in_c, monkeypatch, tmp_path):
-    """A decode step's logits are the same either way (up to float rounding); prefill (many
-    queries) keeps SDPA."""
-    from tiny_models import CONFIGS, build_hf, save_hf
+@pytest.mark.parametrize("window", [None, 4])
+def test_decode_runs_attention_in_c_on_the_matvec_products_only(products, name, in_c, window, monkeypatch, tmp_path):
+    """A decode step's logits are the same either way (up to float rounding), a sliding window
+    (the last 4 keys of 10) too; prefill (many queries) keeps SDPA."""
+    from tiny_models import LLAMA_BASE, build_hf, save_hf
 
     from minillm import KVCache, decode_step, load_model, prefill
 
-    model = load_model(save_hf(build_hf(*CONFIGS["llama_gqa"]), tmp_path), device="cpu")
+    model = load_model(save_hf(build_hf("mistral", dict(LLAMA_BASE, sliding_window=window)), tmp_path), device="cpu")
     calls = []
     real = matvec_kernels.decode_attention
     monkeypatch.setattr(matvec_kernels, "decode_attention", lambda *a: calls.append(a[3]) or real(*a))
@@ -324,4 +325,4 @@ def test_decode_runs_attention_in_c_on_the_matvec_products_only(products, name, 
         prefill(model, torch.arange(9), cache)
         logits[products_now] = decode_step(model, torch.tensor([3]), cache)
     assert (logits[name] - logits["split"]).abs().max() <= 1e-5
-    assert calls == ([10] * model.config.n_layers if in_c else [])
+    assert calls == ([window or 10] * model.config.n_layers if in_c else [])
