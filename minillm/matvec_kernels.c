@@ -235,9 +235,11 @@ void int8_dequantize(const int8_t *q, const float *scale, float *w, int out, int
 #if defined(__AVX2__) && defined(__FMA__)
 /* exp of 8 lanes, x <= 0 (a score minus the maximum): x = n·ln2 + r with |r| <= ln2/2, exp(r) by
  * Cephes' degree-6 polynomial (~1 ulp, as expf), 2^n put into the exponent bits. Below -87 (where
- * exp underflows float32) it gives ~1e-38 instead of 0: nothing next to the maximum's exp(0) = 1. */
+ * exp underflows float32) it gives ~1e-38 instead of 0: nothing next to the maximum's exp(0) = 1.
+ * A NaN stays NaN (max_ps returns its second operand when one is NaN), as in SDPA: a NaN or an
+ * infinite key makes its heads' output NaN, not a plausible number. */
 static __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  /* ln2 in two parts: n·ln2's high part exact */
     r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);

@@ -252,8 +252,16 @@ _OPS = {
                         lambda packed, scale, zero, group_size: scale.new_empty(packed.shape[0], packed.shape[1] * 2)),
     # n_keys a tensor: in a compiled step it is the position, data that changes every step
     "decode_attention": ("(Tensor q, Tensor k, Tensor v, Tensor n_keys, float scale) -> Tensor",
-                         lambda q, k, v, n_keys, scale: q.new_empty(q.shape)),
+                         lambda q, k, v, n_keys, scale: _decode_attention_fake(q, k, v, n_keys)),
 }
+
+
+def _decode_attention_fake(q, k, v, n_keys):
+    # (also what runs, on the Meta dispatch key, when one input is a meta tensor and the rest are not)
+    if len({t.device for t in (q, k, v, n_keys)}) > 1:
+        raise ValueError(f"decode_attention takes its tensors on one device, got q on {q.device}, k on {k.device}, "
+                         f"v on {v.device}, n_keys on {n_keys.device}")
+    return q.new_empty(q.shape)
 _LIBRARY = torch.library.Library("minillm", "FRAGMENT")
 for _name, (_schema, _fake) in _OPS.items():
     _LIBRARY.define(_name + _schema)
@@ -337,7 +345,7 @@ def _f32_matvec(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torc
         raise ValueError(f"f32_matvec multiplies x [rows, in] by a contiguous weight [out, in], got x "
                          f"{list(x.shape)} and weight {list(weight.shape)} (contiguous: {weight.is_contiguous()})")
     x = x.contiguous()
-    y = torch.empty(x.shape[0], weight.shape[0])
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)  # (whatever torch's default dtype)
     lib.f32_matvec(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1],
                    torch.get_num_threads())
     return y
@@ -371,7 +379,7 @@ def _name(dtype: torch.dtype) -> str:
 def _int8_matvec(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     _check_codes("int8_matvec", q, scale, x=x)
     x = x.contiguous()
-    y = torch.empty(x.shape[0], q.shape[0])
+    y = torch.empty(x.shape[0], q.shape[0], dtype=torch.float32)
     lib.int8_matvec(x.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(),
                     x.shape[0], q.shape[0], q.shape[1], torch.get_num_threads())
     return y
@@ -381,7 +389,7 @@ def _int4_matvec(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scale:
                  zero: torch.Tensor, group_size: int) -> torch.Tensor:
     _check_codes("int4_matvec", packed, scale, zero, group_size, x)
     x = x.contiguous()
-    y = torch.empty(x.shape[0], packed.shape[0])
+    y = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32)
     status = lib.int4_matvec(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), y.data_ptr(),
                              x.shape[0], packed.shape[0], x.shape[1], group_size, torch.get_num_threads())
     if status:
@@ -391,7 +399,7 @@ def _int4_matvec(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scale:
 
 def _int8_dequantize(lib: ctypes.CDLL, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     _check_codes("int8_dequantize", q, scale)
-    w = torch.empty(q.shape)
+    w = torch.empty(q.shape, dtype=torch.float32)
     lib.int8_dequantize(q.data_ptr(), scale.data_ptr(), w.data_ptr(), q.shape[0], q.shape[1], torch.get_num_threads())
     return w
 
@@ -400,7 +408,7 @@ def _int4_dequantize(lib: ctypes.CDLL, packed: torch.Tensor, scale: torch.Tensor
                      group_size: int) -> torch.Tensor:
     _check_codes("int4_dequantize", packed, scale, zero, group_size)
     out, in_features = packed.shape[0], packed.shape[1] * 2
-    w = torch.empty(out, in_features)
+    w = torch.empty(out, in_features, dtype=torch.float32)
     lib.int4_dequantize(packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), w.data_ptr(),
                         out, in_features, group_size, torch.get_num_threads())
     return w
@@ -408,10 +416,15 @@ def _int4_dequantize(lib: ctypes.CDLL, packed: torch.Tensor, scale: torch.Tensor
 
 def _decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       n_keys: int | torch.Tensor, scale: float) -> torch.Tensor:
+    if isinstance(n_keys, torch.Tensor) and n_keys.numel() == 1 and n_keys.device.type == "cpu" \
+            and not n_keys.is_floating_point() and not n_keys.is_complex():
+        n_keys = int(n_keys)
+    if not isinstance(n_keys, int) or isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"decode_attention takes n_keys an int (or a one-element integer CPU tensor) and scale a "
+                         f"number, got n_keys {n_keys!r} and scale {scale!r}")
     B, n_heads, T, head_dim = q.shape if q.dim() == 4 else (0, 0, 0, 0)
-    n_keys = int(n_keys)
     ok = (T == 1 and head_dim % 8 == 0 and head_dim > 0 and k.dim() == 4 and k.shape == v.shape
-          and k.shape[0] == B and k.shape[3] == head_dim and n_heads % k.shape[1] == 0
+          and k.shape[0] == B and k.shape[1] > 0 and k.shape[3] == head_dim and n_heads % k.shape[1] == 0
           and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v))
           and k.stride(3) == v.stride(3) == 1 and k.stride(2) == v.stride(2) == head_dim)
     if not ok or not 1 <= n_keys <= k.shape[2]:
@@ -419,7 +432,7 @@ def _decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: tor
                          f"[B, kv_heads, S, D] with contiguous rows, heads a multiple of kv_heads, 1 <= n_keys <= S; "
                          f"got q {q.dtype} {list(q.shape)}, k {k.dtype} {list(k.shape)} strides {list(k.stride())}, "
                          f"v {list(v.shape)}, n_keys {n_keys}")
-    q, out = q.contiguous(), torch.empty(q.shape)
+    q, out = q.contiguous(), torch.empty(q.shape, dtype=torch.float32)
     status = lib.decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), B, n_heads, k.shape[1],
                                   n_keys, head_dim, k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale,
                                   torch.get_num_threads())

@@ -108,9 +108,12 @@ at::Tensor int4_dequantize_op(const at::Tensor &packed, const at::Tensor &scale,
 
 at::Tensor decode_attention_op(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &n_keys,
                                double scale) {
-    int64_t D = q.dim() == 4 ? q.size(3) : 0, n = n_keys.numel() == 1 ? n_keys.item<int64_t>() : 0;
+    TORCH_CHECK(n_keys.numel() == 1 && n_keys.device().is_cpu() && !n_keys.is_floating_point() && q.device().is_cpu() &&
+                k.device().is_cpu() && v.device().is_cpu(), "decode_attention takes CPU tensors and n_keys a one-element "
+                "integer tensor, got n_keys ", n_keys.scalar_type(), " ", n_keys.sizes(), " on ", n_keys.device());
+    int64_t D = q.dim() == 4 ? q.size(3) : 0, n = n_keys.item<int64_t>();
     bool ok = q.dim() == 4 && q.size(2) == 1 && D > 0 && D % 8 == 0 && k.dim() == 4 && k.sizes() == v.sizes() &&
-              k.size(0) == q.size(0) && k.size(3) == D && q.size(1) % k.size(1) == 0 &&
+              k.size(0) == q.size(0) && k.size(3) == D && k.size(1) > 0 && q.size(1) % k.size(1) == 0 &&
               q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
               k.stride(3) == 1 && v.stride(3) == 1 && k.stride(2) == D && v.stride(2) == D && 1 <= n && n <= k.size(2);
     TORCH_CHECK(ok, "decode_attention takes float32 q [B, heads, 1, D] (D a multiple of 8) and k, v [B, kv_heads, S, D] "

@@ -302,10 +302,16 @@ def decode_attention_in_c(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor |
     45.8-50.7 against 52.8-59.1 ms at 1,000 (BENCHMARKS.md). Compiled code takes it over a static
     view only (its position is a tensor the op reads). Same values as SDPA up to float rounding.
     """
-    return (_products == "matvec" and q.shape[2] == 1 and q.device.type == "cpu" and q.dtype == torch.float32
-            and k.dtype == q.dtype and q.shape[-1] % 8 == 0 and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
-            and not (torch.is_grad_enabled() and q.requires_grad)
-            and (mask is not None or not torch.compiler.is_compiling()) and matvec_kernels.available())
+    return (q.shape[2] == 1 and attention_in_c(q.dtype, q.device, q.shape[-1]) and k.dtype == q.dtype
+            and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and not (torch.is_grad_enabled() and q.requires_grad)
+            and (mask is not None or not torch.compiler.is_compiling()))
+
+
+def attention_in_c(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    """Whether a decode step of a model with this dtype, device and head_dim runs its attention in C
+    (:func:`decode_attention_in_c` without the tensors: what a trace labels its decode passes)."""
+    return (_products == "matvec" and torch.device(device).type == "cpu" and dtype == torch.float32
+            and head_dim % 8 == 0 and matvec_kernels.available())
 
 
 class Attention(nn.Module):

@@ -40,7 +40,8 @@ event has ``kind`` and ``t_ms`` (when it was recorded); times are ms since
                position, cache_length_before, cache_length_after, kv_cache_shape, kv_bytes,
                flops, bytes, weights_bytes, kv_read_bytes,
                arithmetic_intensity_flop_per_byte, attained_flop_per_s,
-               attained_bytes_per_s, attn_impl, cpu_time_ms + the sampling fields
+               attained_bytes_per_s, attn_impl ("c" where minillm.model.decode_attention_in_c
+               ran it), cpu_time_ms + the sampling fields
       sampling fields: next_token_id(, next_token_text), next_token_prob, next_token_logprob,
                next_token_rank (0 = the most likely), candidates (the top n_candidates of the
                model's distribution: [{token_id(, text), prob}], softmax of the raw logits),
@@ -83,6 +84,7 @@ from pathlib import Path
 
 import torch
 
+from .model import attention_in_c
 from .units import fmt_num
 
 SCHEMA_VERSION = 1
@@ -230,6 +232,9 @@ class Trace:
             _sync(cache.k.device)
             end, cpu_time_s = time.perf_counter(), time.process_time() - cpu_start
             impl = model.attn_impl
+            if impl == "sdpa" and token_ids.shape[1] == 1 and attention_in_c(cache.k.dtype, cache.k.device,
+                                                                                model.config.head_dim):
+                impl = "c"  # minillm.model.decode_attention_in_c: the "matvec" decode paths
         finally:
             model.attn_impl = previous_impl
         event = self._record_pass(phase, step, model, token_ids, cache, length_before, start, end, impl)

@@ -293,6 +293,7 @@ def test_portable_decode_attention_equals_float64_softmax(tmp_path):
     (lambda q, k, n: (q.double(), k, n), "got q (torch.float64|Double)"),
     (lambda q, k, n: (q[:, :3], k, n), "heads a multiple of kv_heads"),
     (lambda q, k, n: (q, k.transpose(2, 3).contiguous().transpose(2, 3), n), "contiguous rows"),
+    (lambda q, k, n: (q, k[:, :0], n), "heads a multiple of kv_heads"),  # (was: SIGFPE in the op)
 ])
 @pytest.mark.parametrize("where", ["functions", "ops"])
 def test_decode_attention_refuses_what_it_would_misread(change, message, where):
@@ -326,3 +327,59 @@ def test_decode_runs_attention_in_c_on_the_matvec_products_only(products, name, 
         logits[products_now] = decode_step(model, torch.tensor([3]), cache)
     assert (logits[name] - logits["split"]).abs().max() <= 1e-5
     assert calls == ([window or 10] * model.config.n_layers if in_c else [])
+
+
+@pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
+@pytest.mark.parametrize("where", ["functions", "ops"])
+def test_decode_attention_keeps_a_nan_or_infinite_key_visible(where):
+    """As SDPA: the query heads that read a NaN or +inf key get NaN, the others stay finite (was:
+    the vector exp's clamp turned the NaN into ~0, a plausible wrong output)."""
+    matvec_kernels.prepare_for_compile()
+    g = torch.Generator().manual_seed(3)
+    q, (k, v) = torch.randn(1, 6, 1, 64, generator=g), torch.randn(2, 1, 2, 40, 64, generator=g)
+    k[0, 0, 5, 0] = float("nan")
+    k[0, 1, 17] = float("inf")
+    kernels, n_keys = (torch.ops.minillm, torch.tensor([40])) if where == "ops" else (matvec_kernels, 40)
+    out = kernels.decode_attention(q, k, v, n_keys, 0.125)
+    expected = _attention_oracle(q, k, v, 40, 0.125)
+    assert out[0, :, 0].isnan().any(-1).tolist() == expected[0, :, 0].isnan().any(-1).tolist() == [True] * 6
+
+
+@pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
+def test_the_kernels_return_float32_whatever_the_default_dtype():
+    """Was: outputs made with torch's default dtype, so float64 after set_default_dtype, filled with
+    float32 bits (garbage, 1e5 off) by the C loops."""
+    from minillm.quantize import QuantizedLinear
+
+    g = torch.Generator().manual_seed(2)
+    q, (k, v) = torch.randn(1, 4, 1, 64, generator=g), torch.randn(2, 1, 2, 9, 64, generator=g)
+    x, w = torch.randn(2, 64, generator=g), torch.randn(8, 64, generator=g)
+    q8, q4 = QuantizedLinear(w, None, "int8"), QuantizedLinear(w, None, "int4")
+    expected = (matvec_kernels.decode_attention(q, k, v, 9, 0.2), matvec_kernels.f32_matvec(x, w),
+                matvec_kernels.int8_matvec(x, q8.qweight, q8.scale), matvec_kernels.int4_matvec(x, q4.qweight, q4.scale, q4.zero, 64))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = (matvec_kernels.decode_attention(q, k, v, 9, 0.2), matvec_kernels.f32_matvec(x, w),
+               matvec_kernels.int8_matvec(x, q8.qweight, q8.scale), matvec_kernels.int4_matvec(x, q4.qweight, q4.scale, q4.zero, 64))
+    finally:
+        torch.set_default_dtype(default)
+    for a, b in zip(got, expected):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
+@pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
+@pytest.mark.parametrize("n_keys, scale, where, message", [
+    (3.7, 0.1, "functions", "n_keys an int"),
+    (torch.tensor(3.7), 0.1, "functions", "n_keys an int"),
+    (5, None, "functions", "scale a number"),
+    (torch.tensor(3.7), 0.1, "ops", "n_keys a one-element integer tensor"),
+    (torch.tensor([5], device="meta"), 0.1, "ops", "on meta"),  # (was: an uninitialised output)
+    (torch.tensor([5, 6]), 0.1, "ops", "one-element"),
+])
+def test_decode_attention_refuses_an_n_keys_or_scale_it_would_misread(n_keys, scale, where, message):
+    matvec_kernels.prepare_for_compile()
+    q, k = torch.randn(1, 4, 1, 64), torch.randn(1, 2, 10, 64)
+    kernels = torch.ops.minillm if where == "ops" else matvec_kernels
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        kernels.decode_attention(q, k, k, n_keys, scale)

@@ -333,3 +333,22 @@ def test_the_clock_starts_with_the_request_not_the_trace(model):
 def test_bad_trace_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Trace(**kwargs)
+
+
+@pytest.mark.parametrize("products, decode_impl", [("matvec", "c"), ("split", "sdpa")])
+def test_a_decode_pass_names_the_attention_it_ran(model, products, decode_impl):
+    """On the "matvec" products a decode step's attention is minillm.matvec_kernels' C loop (was
+    labelled "sdpa"); prefill stays SDPA."""
+    from minillm import matvec_kernels
+    from minillm import model as model_module
+
+    if products == "matvec" and not matvec_kernels.available():
+        pytest.skip("needs the C kernels")
+    model_module.use_products(products)
+    try:
+        trace = Trace()
+        run(model, trace, max_new_tokens=3)
+    finally:
+        model_module.use_products("split")
+    assert trace.prefill["attn_impl"] == "sdpa"
+    assert [e["attn_impl"] for e in trace.decode_steps] == [decode_impl] * 2
