@@ -236,6 +236,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: 
     return _decode_attention(kernels(), q, k, v, n_keys, scale)
 
 
+def _decode_attention_fake(q, k, v, n_keys):
+    # (also what runs, on the Meta dispatch key, when one input is a meta tensor and the rest are not)
+    if len({t.device for t in (q, k, v, n_keys)}) > 1:
+        raise ValueError(f"decode_attention takes its tensors on one device, got q on {q.device}, k on {k.device}, "
+                         f"v on {v.device}, n_keys on {n_keys.device}")
+    return q.new_empty(q.shape)
+
+
 # The same six as torch ops (torch.ops.minillm.f32_matvec, ...) for compiled code; eager code calls
 # the functions above (an op's dispatch costs eager code ~20 us a call, 4 ms of a SmolLM2 decode
 # step). Here: their schemas and fakes (the output's shape and dtype, for tracing); their CPU
@@ -254,14 +262,6 @@ _OPS = {
     "decode_attention": ("(Tensor q, Tensor k, Tensor v, Tensor n_keys, float scale) -> Tensor",
                          lambda q, k, v, n_keys, scale: _decode_attention_fake(q, k, v, n_keys)),
 }
-
-
-def _decode_attention_fake(q, k, v, n_keys):
-    # (also what runs, on the Meta dispatch key, when one input is a meta tensor and the rest are not)
-    if len({t.device for t in (q, k, v, n_keys)}) > 1:
-        raise ValueError(f"decode_attention takes its tensors on one device, got q on {q.device}, k on {k.device}, "
-                         f"v on {v.device}, n_keys on {n_keys.device}")
-    return q.new_empty(q.shape)
 _LIBRARY = torch.library.Library("minillm", "FRAGMENT")
 for _name, (_schema, _fake) in _OPS.items():
     _LIBRARY.define(_name + _schema)
@@ -345,10 +345,16 @@ def _f32_matvec(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torc
         raise ValueError(f"f32_matvec multiplies x [rows, in] by a contiguous weight [out, in], got x "
                          f"{list(x.shape)} and weight {list(weight.shape)} (contiguous: {weight.is_contiguous()})")
     x = x.contiguous()
-    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)  # (whatever torch's default dtype)
+    y = _output(x.shape[0], weight.shape[0])
     lib.f32_matvec(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1],
                    torch.get_num_threads())
     return y
+
+
+def _output(*shape: int) -> torch.Tensor:
+    """An uninitialised float32 CPU tensor for a C loop to fill: float32 whatever torch's default dtype
+    (the loops write float32 bits)."""
+    return torch.empty(*shape, dtype=torch.float32)
 
 
 def _check_codes(op: str, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
@@ -379,7 +385,7 @@ def _name(dtype: torch.dtype) -> str:
 def _int8_matvec(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     _check_codes("int8_matvec", q, scale, x=x)
     x = x.contiguous()
-    y = torch.empty(x.shape[0], q.shape[0], dtype=torch.float32)
+    y = _output(x.shape[0], q.shape[0])
     lib.int8_matvec(x.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(),
                     x.shape[0], q.shape[0], q.shape[1], torch.get_num_threads())
     return y
@@ -389,7 +395,7 @@ def _int4_matvec(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scale:
                  zero: torch.Tensor, group_size: int) -> torch.Tensor:
     _check_codes("int4_matvec", packed, scale, zero, group_size, x)
     x = x.contiguous()
-    y = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32)
+    y = _output(x.shape[0], packed.shape[0])
     status = lib.int4_matvec(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), y.data_ptr(),
                              x.shape[0], packed.shape[0], x.shape[1], group_size, torch.get_num_threads())
     if status:
@@ -399,7 +405,7 @@ def _int4_matvec(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scale:
 
 def _int8_dequantize(lib: ctypes.CDLL, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     _check_codes("int8_dequantize", q, scale)
-    w = torch.empty(q.shape, dtype=torch.float32)
+    w = _output(*q.shape)
     lib.int8_dequantize(q.data_ptr(), scale.data_ptr(), w.data_ptr(), q.shape[0], q.shape[1], torch.get_num_threads())
     return w
 
@@ -408,7 +414,7 @@ def _int4_dequantize(lib: ctypes.CDLL, packed: torch.Tensor, scale: torch.Tensor
                      group_size: int) -> torch.Tensor:
     _check_codes("int4_dequantize", packed, scale, zero, group_size)
     out, in_features = packed.shape[0], packed.shape[1] * 2
-    w = torch.empty(out, in_features, dtype=torch.float32)
+    w = _output(out, in_features)
     lib.int4_dequantize(packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), w.data_ptr(),
                         out, in_features, group_size, torch.get_num_threads())
     return w
@@ -432,7 +438,7 @@ def _decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: tor
                          f"[B, kv_heads, S, D] with contiguous rows, heads a multiple of kv_heads, 1 <= n_keys <= S; "
                          f"got q {q.dtype} {list(q.shape)}, k {k.dtype} {list(k.shape)} strides {list(k.stride())}, "
                          f"v {list(v.shape)}, n_keys {n_keys}")
-    q, out = q.contiguous(), torch.empty(q.shape, dtype=torch.float32)
+    q, out = q.contiguous(), _output(*q.shape)
     status = lib.decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), B, n_heads, k.shape[1],
                                   n_keys, head_dim, k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale,
                                   torch.get_num_threads())
