@@ -100,24 +100,12 @@ def _check_static(model: Transformer, cache: KVCache) -> None:
         raise ValueError(reason)
 
 
-# Inductor's options for mode "default". A decode step is ~150 small calls around the products,
-# and on a CPU nothing hides what each call costs in Python:
-#   freezing     the weights are the graph's constants, not ~300 inputs taken, checked and passed
-#                at every call (inference only: the step runs under inference_mode);
-#   cpp_wrapper  the graph's calls are made from compiled C++, not from a generated Python function
-#                (built apart from the kernels: half the compile time of one C++ file).
-# Measured together (developers' 2-core EPYC, BENCHMARKS.md): an int4 step 19.2 -> 16.2 ms, a
-# float32 step 42.9 -> 40.1 ms; the first compile of a process takes longer (SmolLM2: ~40 s with
-# the compile cache warm, against ~17 s).
-DEFAULT_OPTIONS = {"freezing": True, "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
-
-
 def compile_decode_step(mode: str = "default"):
     """A drop-in replacement for :func:`~minillm.phases.decode_step`, compiled with ``torch.compile``.
 
     Args:
-        mode: torch.compile's mode: "default" (fused kernels, with :data:`DEFAULT_OPTIONS`; CPU),
-            "reduce-overhead" (plus CUDA graphs: one launch per step on a GPU), "max-autotune".
+        mode: torch.compile's mode: "default" (fused kernels; CPU), "reduce-overhead"
+            (plus CUDA graphs: one launch per step on a GPU), "max-autotune".
 
     Returns ``step(model, token_id, cache) -> logits [B, vocab]`` (float32), with
     decode_step's arguments (no hook, no trace); ``step`` raises ValueError for a
@@ -126,8 +114,7 @@ def compile_decode_step(mode: str = "default"):
     cache buffers are marked as static addresses so CUDA graphs may write them in place.
     """
     matvec_kernels.prepare_for_compile()  # (the C products of the "matvec" and quantised paths, as ops)
-    how = {"options": DEFAULT_OPTIONS} if mode == "default" else {"mode": mode}
-    compiled = torch.compile(decode_forward_static, fullgraph=True, **how)
+    compiled = torch.compile(decode_forward_static, mode=mode, fullgraph=True)
     marked = weakref.WeakSet()  # caches already checked and marked (an id could be reused by a later cache)
 
     def step(model: Transformer, token_id, cache: KVCache) -> torch.Tensor:
