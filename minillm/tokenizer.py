@@ -113,10 +113,19 @@ class Tokenizer:
         """Token ids of ``text``. Special tokens written in the text (``<|im_start|>``) become
         their single ids; ``add_special_tokens`` adds the BOS/EOS the tokenizer is set up for.
 
-        Raises ValueError when ``text`` is not a str (the tokenizers library's own message
-        names none of the arguments)."""
+        Raises ValueError when ``text`` is not a str, or holds what UTF-8 cannot encode: the
+        bytes Python could not decode (a Latin-1 file, a terminal's argv: ``surrogateescape``
+        keeps byte 0xe9 as U+DCE9) or a lone surrogate. The tokenizers library's own messages
+        name neither ("TextInputSequence must be str")."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}; decode ids with tok.decode")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            code = ord(text[e.start])
+            what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+            raise ValueError(f"the text is not valid UTF-8: {what} at character {e.start}; give it as UTF-8 "
+                             "(e.g. iconv -f latin1 -t utf-8)") from None
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -54,6 +54,18 @@ def test_usage_errors_exit_2_with_one_line(args, message):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("where", ["argv", "stdin"])
+def test_a_prompt_that_is_not_utf8_exits_1_with_one_line(where):
+    """A Latin-1 byte (0xe9) in the prompt: was "TypeError: TextInputSequence must be str"."""
+    prompt = b"caf\xe9 au lait"
+    args = [sys.executable, "-m", "minillm", "generate", "--max-new-tokens", "2"]
+    r = subprocess.run(args + ([prompt] if where == "argv" else ["-"]), capture_output=True, timeout=600,
+                       input=prompt if where == "stdin" else None)
+    stderr = r.stderr.decode()
+    assert r.returncode == 1 and stderr.count("\n") == 1, stderr
+    assert "not valid UTF-8: byte 0xe9" in stderr and "Traceback" not in stderr
+
+
 def test_missing_model_path_exits_1_with_one_line(tmp_path):
     r = minillm("generate", "hi", "--model", str(tmp_path / "nope"))
     assert r.returncode == 1

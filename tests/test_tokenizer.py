@@ -1,5 +1,7 @@
 """Tokenizer built from the SmolLM2 GGUF, checked against transformers' tokenizer for the same file."""
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -242,6 +244,14 @@ def test_stream_equals_decode_for_random_byte_level_ids(tok, data, skip):
     ids = data.draw(st.lists(st.one_of(st.integers(0, tok.vocab_size - 1), byte_ids), max_size=24))
     pieces, rest = _stream(tok, ids, skip_special_tokens=skip)
     assert "".join(pieces) + rest == tok.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("text, what", [("caf\udce9", "byte 0xe9 at character 3"),  # b"caf\xe9" read as argv
+                                        ("a\ud800b", "lone surrogate U+D800 at character 1")])
+def test_encode_refuses_what_utf8_cannot_encode(tok, text, what):
+    """Was: "TypeError: TextInputSequence must be str" from the tokenizers library."""
+    with pytest.raises(ValueError, match=re.escape(f"the text is not valid UTF-8: {what}; give it as UTF-8")):
+        tok.encode(text)
 
 
 @pytest.mark.parametrize("text", [None, 5, ["a"], b"bytes"])
