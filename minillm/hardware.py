@@ -291,7 +291,7 @@ def _sync(dev: torch.device) -> None:
 
 
 def _device(device) -> torch.device:
-    from .loading import resolve_device  # one place decides which devices exist
+    from .device import resolve_device  # one place decides which devices exist
 
     dev = resolve_device(device)
     if dev.type == "cuda" and dev.index is None:

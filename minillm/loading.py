@@ -27,12 +27,12 @@ import torch
 from safetensors import safe_open
 
 from .config import ModelConfig
+from .device import resolve_device, resolve_dtype
 from .errors import ModelNotFoundError, WeightsError
 from .generation_config import GenerationConfig
 from .model import Transformer
 from .weights import shard_names
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Buffers some checkpoints carry that are not weights (causal masks, RoPE tables): recomputed, so skipped.
 IGNORED = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
 
@@ -98,32 +98,6 @@ def _no_random_init():
         yield
     finally:
         torch.nn.init.normal_ = normal_
-
-
-def resolve_device(device) -> torch.device:
-    """cuda when available, else cpu; an explicit device that is not available raises ValueError."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be cpu, cuda, cuda:N or mps, got {device!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' is not available on this machine; use --device cpu")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError("device 'mps' is not available on this machine; use --device cpu")
-    return device
-
-
-def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
-    """Default float32 (bfloat16 on cuda); names are "float32", "bfloat16", "float16"."""
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
-        return dtype
-    if dtype in DTYPES:
-        return DTYPES[dtype]
-    raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -138,7 +138,7 @@ def _whatif_dtype(hardware: str, device: str) -> str:
     """The default --dtype: what load_model picks on this machine's device, bfloat16 on a datasheet GPU."""
     if hardware != "this":
         return "bfloat16"
-    from ..loading import resolve_device, resolve_dtype
+    from ..device import resolve_device, resolve_dtype
 
     return str(resolve_dtype(None, resolve_device(device))).removeprefix("torch.")
 
