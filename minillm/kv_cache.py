@@ -46,12 +46,7 @@ class KVCache:
         k_roll, v_roll: [n_rolling, batch, n_kv_heads, window, head_dim], the rolling layers.
         length: positions filled (the next write goes there); max_seq_len bounds it for
             rolling layers too.
-        attn_mask: None: :meth:`write` returns exactly the filled positions, and attention
-            masks causally by position. (The static view of :mod:`minillm.compile` returns
-            the whole buffer instead, and sets a mask hiding the unfilled end.)
     """
-
-    attn_mask = None
 
     def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=torch.float32, device="cpu",
                  window: int | None = None, rolling_layers=()):
@@ -175,6 +170,18 @@ class KVCache:
         self.k[row, :, :, self.length : end] = k
         self.v[row, :, :, self.length : end] = v
         return self.k[row, :, :, :end], self.v[row, :, :, :end]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention,
+               window: int | None = None) -> torch.Tensor:
+        """Store this pass's k, v [B, n_kv_heads, T, head_dim] (:meth:`write`), then return
+        ``attention(q, keys, values, None)`` over every position held so far: the queries are the
+        last T of them, so the causal mask (and the sliding ``window``'s) follows from the positions.
+
+        This is what :class:`~minillm.model.Attention` asks of a cache; another cache (a serving
+        batch, the compiled step's static view) stores and masks in its own way.
+        """
+        keys, values = self.write(layer, k, v)
+        return attention(q, keys, values, None)
 
     def _write_rolling(self, row: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write into rolling buffer ``row``; return the keys and values the new queries may need.

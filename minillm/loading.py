@@ -29,16 +29,18 @@ from safetensors import safe_open
 from .config import ModelConfig
 from .device import resolve_device, resolve_dtype
 from .errors import ModelNotFoundError, WeightsError
+from .fast.choose import choose_decode_path
+from .formats.weights import resolve_model, shard_names
 from .generation_config import GenerationConfig
 from .model import Transformer
-from .weights import shard_names
+from .quantize import check_quantize_args, quantize_model
 
 # Buffers some checkpoints carry that are not weights (causal masks, RoPE tables): recomputed, so skipped.
 IGNORED = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
 
 
 def load_model(name_or_path, device=None, dtype=None, attn_impl: str = "sdpa", weights_dir=None,
-               quantize: str | None = None) -> Transformer:
+               quantize: str | None = None, fast: bool = True) -> Transformer:
     """Load a GPT-2, Llama, Mistral, Qwen2/Qwen2.5 or Qwen3 checkpoint.
 
     Args:
@@ -46,26 +48,29 @@ def load_model(name_or_path, device=None, dtype=None, attn_impl: str = "sdpa", w
             model.safetensors.index.json), a .gguf file, or a model name known to
             :mod:`minillm.weights` (e.g. "smollm2-135m-instruct"), downloaded if absent.
         device: "cpu", "cuda", "mps" or a torch.device; default cuda when available, else cpu.
-        dtype: "float32", "bfloat16", "float16" or a torch.dtype; default float32
+        dtype: "float32", "bfloat16", "float16", "float64" or a torch.dtype; default float32
             (bfloat16 on cuda).
         attn_impl: "sdpa" (fused) or "eager" (the math written out).
         weights_dir: where named models are stored (default: see :func:`minillm.weights.weights_dir`).
         quantize: None (float weights), "int8" or "int4": the matrices are quantised from the
             float weights after loading (:mod:`minillm.quantize`); embedding and norms stay float.
+        fast: True (default): the speed layer swaps in faster modules with the same parameters
+            (:mod:`minillm.fast`: stacked and C products, attention in C, a compiled decode step),
+            chosen by rule for this machine, never by timing; False: the lesson's plain PyTorch.
 
     Returns the model in eval mode, with ``model.config`` (:class:`ModelConfig`),
     ``model.source`` (the folder it came from) and ``model.generation_config``
     (:class:`~minillm.generation_config.GenerationConfig`: generation_config.json's eos ids and defaults),
-    and ``model.decode_path``: the decode path chosen for this machine (:mod:`minillm.decode_path`: forced
-    by MINILLM_DECODE_PATH, cached, or measured now on a CPU's first load of this model shape).
+    and, with ``fast``, ``model.decode_path``: the decode path chosen for this machine
+    (:mod:`minillm.fast.choose`: forced by MINILLM_DECODE_PATH, cached by ``minillm calibrate
+    --decode-path``, or the rule); None without.
 
     Raises ModelNotFoundError (no such model), ConfigError (unsupported config.json),
     WeightsError (missing, unexpected or mis-shaped tensors), ValueError (bad dtype/device),
     QuantizationError (an unknown quantize format, or one this dtype/device cannot run).
     """
-    from .quantize import check_quantize_args, quantize_model
-    from .weights import resolve_model
-
+    if not isinstance(fast, bool):
+        raise ValueError(f"fast must be True or False, got {fast!r}")
     check_quantize_args(quantize, device, dtype)  # before the (slow) load
 
     folder = resolve_model(name_or_path, weights_dir, download=True)
@@ -82,10 +87,12 @@ def load_model(name_or_path, device=None, dtype=None, attn_impl: str = "sdpa", w
     model.source = folder
     model.generation_config = GenerationConfig.from_folder(folder, config.eos_token_ids)  # stop ids, sampling defaults
     model = model.to(device).eval().requires_grad_(False)
-    from .decode_path import use_best_decode_path
-
-    use_best_decode_path(model)  # weights packed (q|k|v, gate|up) and laid out as this machine decodes fastest
-    return quantize_model(model, quantize) if quantize else model  # after: the float layout is chosen first
+    model.decode_path = None
+    if quantize:
+        quantize_model(model, quantize)
+    if fast:
+        choose_decode_path(model)  # the same weights, faster modules swapped in (minillm/fast: skip at first)
+    return model
 
 
 @contextmanager

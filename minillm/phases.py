@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from .compile import static_view_limit
 from .kv_cache import KVCache
 from .model import Hook, Transformer
 from .trace import Trace
@@ -64,9 +63,9 @@ def decode_step(model: Transformer, token_id, cache: KVCache, hook: Hook | None 
 
     Returns float32 logits for the following position, [B, vocab].
 
-    On the "compile" decode paths (:mod:`minillm.decode_path`), a step without hook, or with
-    a trace at level "steps", runs the compiled graph of :mod:`minillm.compile` instead: the
-    same logits.
+    The speed layer may give the model a compiled step (``model.compiled_decode``, the "compile"
+    paths of :mod:`minillm.fast.choose`): a step without hook, or with a trace at level "steps",
+    then runs it instead, where it says it applies: the same logits, from one fused graph.
 
     Raises ValueError (bad shape or id, several tokens for one sequence, a cache or trace
     that does not fit), CacheFullError (no room for one more token).
@@ -74,9 +73,9 @@ def decode_step(model: Transformer, token_id, cache: KVCache, hook: Hook | None 
     _check_state(model, cache, trace)
     token_ids = _as_batch(model, token_id, cache, what="token_id").reshape(-1, 1)
     cache.check_room(1)
-    compiled = getattr(model, "compiled_decode", None)  # the "compile" path of minillm/decode_path.py
-    if compiled is not None and (type(cache) is not KVCache or static_view_limit(model, cache) is not None):
-        compiled = None  # (a window or dynamic RoPE: the eager step)
+    compiled = getattr(model, "compiled_decode", None)  # the hook for minillm/fast: skip on a first reading
+    if compiled is not None and not compiled.applies(model, cache):
+        compiled = None
     if compiled is not None and hook is None and trace is None:
         return compiled(model, token_ids, cache)  # (a hook, or a trace of the layers, needs the eager step)
     with torch.inference_mode():
@@ -128,3 +127,38 @@ def _as_batch(model: Transformer, ids, cache: KVCache, what: str) -> torch.Tenso
 
 _ONE_TOKEN_HINT = ("; decode_step takes one token per sequence (to process several tokens in one pass, "
                    "call prefill: it continues from cache.length)")
+
+
+def verify(model: Transformer, token_ids, cache: KVCache) -> torch.Tensor:
+    """Score k guessed tokens in one pass: speculative decoding's verification (minillm/speculative.py).
+
+    A draft guessed d1..dk to follow the last token. Verify runs [last d1 .. dk] onto the filled
+    cache as a short prefill does, but keeps every position's logits, not only the last: row i is
+    the model's next-token logits after token i. So one pass (one read of the weights, about a
+    decode step's cost) checks all k guesses and gives the token after the last one kept.
+
+        cache [t0 t1 t2 t3] + [t4 d1 d2 d3]  --verify-->  logits after t4, d1, d2, d3 (k+1 = 4 rows)
+                                                           cache length 8; the caller truncates
+                                                           it after the last accepted draft
+
+    Args:
+        model: the transformer.
+        token_ids: [k+1] int64 (or a list of ints): the last token, then the k drafts; batch 1.
+        cache: the batch-1 KV cache holding everything before them; its length grows by k+1
+            (``cache.truncate`` then takes the rejected drafts back out).
+
+    Returns float32 logits [k+1, vocab].
+
+    With nothing drafted (k = 0) the pass is :func:`decode_step`, so a decode path with a
+    compiled step (:mod:`minillm.decode_path`) runs it: free-form text has many such rounds.
+
+    Raises ValueError (as :func:`prefill`: empty ids, ids out of vocab range, a cache for another
+    batch or model), CacheFullError (no room for k+1 tokens).
+    """
+    if len(token_ids) == 1:
+        return decode_step(model, token_ids[0], cache)
+    _check_state(model, cache, None)
+    ids = _as_batch(model, token_ids, cache, what="token_ids")
+    cache.check_room(ids.shape[1])
+    with torch.inference_mode():
+        return model(ids, cache=cache)[0].float()  # all k+1 rows: [1, k+1, vocab] -> [k+1, vocab]

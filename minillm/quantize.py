@@ -21,15 +21,11 @@ all-positive group gets zero = 0, an all-negative one zero = 15. Two int4 codes 
 The last group of a row is shorter when in_features % group_size != 0; its scale and zero come
 from its own values. Rounding to the nearest code bounds the error: |w - ŵ| <= scale / 2.
 
-Two ways to multiply x [.., in] by a quantised matrix [out, in], same values up to float rounding:
-
-- :meth:`QuantizedLinear.forward_reference`: ``F.linear(x, dequantize(...))``, the arithmetic
-  written out. It writes a float matrix as large as the original, so it saves no bytes.
-- on a CPU, short C loops (:mod:`minillm.matvec_kernels`, which says why not PyTorch: measured):
-  a decode step (at most ``FAST_MAX_ROWS`` rows) runs a fused dequantise-multiply-reduce that reads
-  only the packed bytes; prefill (many rows, compute-bound) unpacks the float matrix in one pass
-  and runs one float product. On CUDA an int8 matrix uses ``torch._weight_int8pack_mm``; int4 the
-  reference.
+:meth:`QuantizedLinear.forward` multiplies x [.., in] by a quantised matrix [out, in] as the
+arithmetic is written: ``F.linear(x, dequantize(...))``. It writes a float matrix as large as the
+original every call, so on its own it saves no bytes: the speed layer (:mod:`minillm.fast.products`,
+``FastQuantizedLinear``) swaps in C loops that read only the packed bytes, same values up to float
+rounding.
 
 Only the transformer's matrices are quantised; the embedding and the norms stay float. A tied
 LM head (SmolLM2) gets its own quantised copy, the lookup keeps reading the float table: the
@@ -42,12 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import matvec_kernels
 from .errors import MiniLLMError
 
 FORMATS = ("int8", "int4")
 GROUP_SIZE = 64  # int4 weights per scale and zero (GPTQ's and AWQ's usual; the C kernel needs a multiple of 16)
-FAST_MAX_ROWS = 8  # decode rows (sequences); prefill's many rows are compute-bound and dequantise
 
 
 class QuantizationError(MiniLLMError, ValueError):
@@ -63,7 +57,7 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale[o] = max|w[o]| / 127 (1 for an all-zero row); q = round(w / scale) in [-127, 127].
     Dequantise with :func:`dequantize_int8`; |w - ŵ| <= scale[o] / 2.
     """
-    w = w.float().contiguous()  # row-major codes, whatever the float layout (pack_weights may transpose)
+    w = w.float().contiguous()  # row-major codes, whatever the float layout (minillm.fast may transpose)
     scale = w.abs().amax(dim=1) / 127
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
@@ -170,7 +164,6 @@ class QuantizedLinear(nn.Module):
 
     Buffers: ``qweight`` (int8 [out, in] or uint8 [out, ceil(in/2)]), ``scale`` (float32 [out] or
     [out, n_groups]), ``zero`` (uint8 [out, n_groups], int4 only), ``bias`` (float, or None).
-    ``fast``: use the C kernels for decode on a CPU (False: always the reference path).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, group_size: int = GROUP_SIZE):
@@ -178,8 +171,6 @@ class QuantizedLinear(nn.Module):
         _check_format(fmt)
         self.fmt, self.group_size = fmt, group_size
         self.out_features, self.in_features = weight.shape
-        self.fast = True
-        self.kernel_fits_shape = fmt == "int8" or (group_size % 16 == 0 and self.in_features % group_size == 0)
         if fmt == "int8":
             q, scale = quantize_int8(weight)
             zero = None
@@ -204,42 +195,15 @@ class QuantizedLinear(nn.Module):
         """Bytes a product reads: codes, scales, zeros and bias (equals :func:`quantized_bytes` + bias)."""
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
+    def num_parameters(self) -> int:
+        """The weights (and biases) these codes stand for: out · in (+ out)."""
+        return self.out_features * self.in_features + (0 if self.bias is None else self.bias.numel())
+
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] -> [..., out]: dequantise the whole matrix, then ``F.linear``."""
+        """x [..., in] -> [..., out] in x's dtype: dequantise the whole matrix, then ``F.linear``."""
         return F.linear(x, self.dequantize().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] float -> [..., out] in x's dtype, by the fastest exact path for this call:
-        on a CPU, decode (few rows) multiplies the codes directly; prefill unpacks a float matrix
-        and runs one float product (its many rows would re-read the codes row by row)."""
-        rows = x.numel() // x.shape[-1]
-        if x.is_cuda and self.fmt == "int8":
-            y = torch._weight_int8pack_mm(x.reshape(rows, -1), self.qweight, self.scale.to(x.dtype))
-        elif not self._kernels_apply(x):
-            return self.forward_reference(x)
-        elif 0 < rows <= FAST_MAX_ROWS:
-            y = self._forward_fast(x.reshape(rows, -1))
-        else:
-            return F.linear(x, self._dequantize_fast(), self.bias)
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
-
-    def _kernels_apply(self, x: torch.Tensor) -> bool:
-        """The C kernels need float32 on a CPU, (int4) whole groups of a multiple of 16, and a C compiler."""
-        return (self.fast and self.kernel_fits_shape and x.is_cpu and x.dtype == torch.float32
-                and matvec_kernels.available())
-
-    def _forward_fast(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = matvec_kernels.functions()
-        if self.fmt == "int8":
-            return kernels.int8_matvec(x, self.qweight, self.scale)
-        return kernels.int4_matvec(x, self.qweight, self.scale, self.zero, self.group_size)
-
-    def _dequantize_fast(self) -> torch.Tensor:
-        kernels = matvec_kernels.functions()
-        if self.fmt == "int8":
-            return kernels.int8_dequantize(self.qweight, self.scale)
-        return kernels.int4_dequantize(self.qweight, self.scale, self.zero, self.group_size)
+    forward = forward_reference
 
 
 # -- a whole model ----------------------------------------------------------------------
@@ -248,16 +212,14 @@ class QuantizedLinear(nn.Module):
 def quantize_model(model: nn.Module, fmt: str, group_size: int = GROUP_SIZE) -> nn.Module:
     """Replace every matrix of the blocks and the LM head by a :class:`QuantizedLinear`, in place.
 
-    The embedding and norms stay float. Matrices that read the same input are quantised stacked,
-    as ``pack_weights`` stacks the float ones: q|k|v becomes ``attn.qkv_proj`` and gate|up
-    ``mlp.gate_up_proj`` (their separate modules are removed). Each output row keeps its own
-    scales, so the codes are the ones each projection would get alone; one product instead of
-    three (two) is fewer kernel calls: an int4 SmolLM2 step went 30.3 -> 24.1 ms eager, 23.6 ->
-    20.4 compiled (developers' EPYC, 2 threads). A tied LM head is quantised as a copy.
+    The embedding and norms stay float; a tied LM head is quantised as a copy. The speed layer
+    (:mod:`minillm.fast`) then stacks q|k|v and gate|up as it does float matrices (the codes are per
+    output row, so stacking changes none of them) and swaps in the C products.
     Sets ``model.quantization`` to fmt. Returns the model.
 
-    Raises QuantizationError for an unknown format, or a model whose weights are not float32 on
-    a CPU (the kernels read float32 activations; on CUDA bfloat16 and float16 are accepted too).
+    Raises QuantizationError for an unknown format, a model already quantised, or one whose weights
+    are not float32 on a CPU (the kernels read float32 activations; on CUDA bfloat16 and float16 are
+    accepted too).
     """
     _check_format(fmt)
     weight = model.embed.weight
@@ -266,30 +228,9 @@ def quantize_model(model: nn.Module, fmt: str, group_size: int = GROUP_SIZE) -> 
                                 f"(got {str(weight.dtype).removeprefix('torch.')}); load with dtype='float32'")
     if getattr(model, "quantization", None):
         raise QuantizationError(f"the model is already quantised ({model.quantization}); load it again to change")
-    for block in model.blocks:
-        for parent in (block.attn, block.mlp):
-            for stacked, names in STACKED.items():
-                if all(isinstance(getattr(parent, name, None), nn.Linear) for name in names):
-                    setattr(parent, stacked, _quantize_stacked(parent, names, fmt, group_size))
-                    setattr(parent, stacked.replace("proj", "weight"), None)  # the float stack, if packed
-                    setattr(parent, stacked.replace("proj", "bias"), None)
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(parent, name, QuantizedLinear(child.weight, child.bias, fmt, group_size))
-    head = model.lm_head
-    model.lm_head = QuantizedLinear(head.weight, head.bias, fmt, group_size)
+    for parent in [m for block in model.blocks for m in (block.attn, block.mlp)] + [model]:
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, QuantizedLinear(child.weight, child.bias, fmt, group_size))
     model.quantization = fmt
     return model
-
-
-STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-def _quantize_stacked(parent: nn.Module, names: tuple[str, ...], fmt: str, group_size: int) -> QuantizedLinear:
-    """One QuantizedLinear of the named linears' weights stacked [sum(out), in]; the linears are removed."""
-    linears = [getattr(parent, name) for name in names]
-    bias = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
-    stacked = QuantizedLinear(torch.cat([lin.weight for lin in linears]), bias, fmt, group_size)
-    for name in names:
-        delattr(parent, name)
-    return stacked

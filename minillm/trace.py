@@ -18,8 +18,8 @@ Levels:
 Timings: ``time.perf_counter()``; on a GPU the device is synchronised before each clock
 read, but only when tracing (at level "layers", after every layer, which slows it).
 
-Event schema (``trace.to_records()``, one JSON object a line in ``to_jsonl``; ``to_chrome_trace``
-draws them on a timeline for Perfetto, see :mod:`minillm.chrome_trace`). Every
+Event schema (``trace.to_records()``, one JSON object a line in ``to_jsonl``;
+:func:`minillm.views.chrome_trace.write_trace` draws them on a timeline for Perfetto). Every
 event has ``kind`` and ``t_ms`` (when it was recorded); times are ms since
 ``trace.start_s`` (the request start), bytes are bytes, FLOPs are FLOP.
 
@@ -40,7 +40,7 @@ event has ``kind`` and ``t_ms`` (when it was recorded); times are ms since
                position, cache_length_before, cache_length_after, kv_cache_shape, kv_bytes,
                flops, bytes, weights_bytes, kv_read_bytes,
                arithmetic_intensity_flop_per_byte, attained_flop_per_s,
-               attained_bytes_per_s, attn_impl ("c" where minillm.model.decode_attention_in_c
+               attained_bytes_per_s, attn_impl ("c" where minillm.fast.attention
                ran it), cpu_time_ms + the sampling fields
       sampling fields: next_token_id(, next_token_text), next_token_prob, next_token_logprob,
                next_token_rank (0 = the most likely), candidates (the top n_candidates of the
@@ -84,7 +84,6 @@ from pathlib import Path
 
 import torch
 
-from .model import attention_in_c
 from .units import fmt_num
 
 SCHEMA_VERSION = 1
@@ -207,7 +206,7 @@ class Trace:
 
         Called by :func:`~minillm.phases.prefill` and :func:`~minillm.phases.decode_step`;
         ``token_ids`` is [B, T] int64, ``hook`` an extra observer. ``compiled``: the model's
-        compiled decode step (:mod:`minillm.compile`), timed instead of the eager layers when
+        compiled decode step (:mod:`minillm.fast.compile`), timed instead of the eager layers when
         nothing inside them is observed (level "steps", no hook, no kept activation but logits),
         so the trace measures the step the model runs untraced. Returns the logits [B, T, vocab].
         Raises ValueError when the pass would start a second request in this trace.
@@ -231,10 +230,7 @@ class Trace:
                 logits = model(token_ids, cache=cache, hook=observer, last_only=last_only)
             _sync(cache.k.device)
             end, cpu_time_s = time.perf_counter(), time.process_time() - cpu_start
-            impl = model.attn_impl
-            if impl == "sdpa" and token_ids.shape[1] == 1 and attention_in_c(cache.k.dtype, cache.k.device,
-                                                                                model.config.head_dim):
-                impl = "c"  # minillm.model.decode_attention_in_c: the "matvec" decode paths
+            impl = model.blocks[0].attn.impl_name(token_ids.shape[1], model.attn_impl)  # "c": minillm.fast
         finally:
             model.attn_impl = previous_impl
         event = self._record_pass(phase, step, model, token_ids, cache, length_before, start, end, impl)
@@ -391,15 +387,6 @@ class Trace:
                 f.write(json.dumps(record) + "\n")
         return path
 
-    def to_chrome_trace(self, path) -> Path:
-        """Write the trace as a Chrome trace (JSON, times in microseconds): open it in
-        https://ui.perfetto.dev or chrome://tracing to see the request on a timeline, one track
-        per kind of work (see :mod:`minillm.chrome_trace`). Raises ValueError when the folder
-        of ``path`` does not exist."""
-        from . import chrome_trace
-
-        return chrome_trace.write(path, chrome_trace.trace_to_chrome_events(self), chrome_trace.trace_metadata(self))
-
     @classmethod
     def from_records(cls, records) -> "Trace":
         """A trace rebuilt from records (activation tensors are not part of them)."""
@@ -422,11 +409,6 @@ class Trace:
         summary = f", ttft={m['ttft_ms']:.1f} ms" if m else ""
         return (f"Trace(level={self.level!r}, events={len(self.events)}, prefill={len(self.of('prefill'))}, "
                 f"decode={len(self.decode_steps)}{summary})")
-
-    def _repr_html_(self) -> str:
-        from .render_html import trace_html
-
-        return trace_html(self)
 
     # -- internals ------------------------------------------------------------------------
 

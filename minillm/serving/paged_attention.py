@@ -33,7 +33,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..model import Transformer, causal_mask
 from .paged_cache import PagedKVCache
@@ -69,8 +68,6 @@ class PagedBatch:
             when that token completes its known tokens and so samples the next one).
     """
 
-    paged = True  # the model's attention calls attend() on it instead of a KVCache's write()
-
     def __init__(self, cache: PagedKVCache, token_ids, positions, slots, decode_rows, decode_block_tables,
                  decode_context_lens, prefills: list[PrefillChunk], logits_rows):
         self.cache = cache
@@ -88,46 +85,36 @@ class PagedBatch:
         recent = self.decode_keys[None, :] >= self.decode_context_lens[:, None] - window
         return self.decode_mask & recent[:, None, None, :]
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention,
                window: int | None = None) -> torch.Tensor:
-        """Write this step's K/V into the pool, then attention of every request over its own K/V.
+        """Write this step's K/V into the pool, then ``attention(q, keys, values, mask)`` of every request
+        over its own K/V (what :class:`~minillm.model.Attention` asks of a cache).
 
-        q [1, n_heads, N, head_dim]; k, v [1, n_kv_heads, N, head_dim] (RoPE applied);
-        ``window``: the layer's sliding window W, or None. Returns [1, n_heads, N, head_dim],
-        each token's output from its own request's keys.
+        q [1, n_heads, N, head_dim]; k, v [1, n_kv_heads, N, head_dim] (RoPE applied); ``window``: the
+        layer's sliding window W (the masks hide what it cuts), or None. Returns
+        [1, n_heads, N, head_dim], each token's output from its own request's keys.
         """
         self.cache.write(layer, k[0].transpose(0, 1), v[0].transpose(0, 1), self.slots)
         out = torch.empty_like(q)
-        gqa = q.shape[1] != k.shape[1]
         if len(self.decode_rows):
             keys, values = self.cache.gather(layer, self.decode_block_tables)  # [B_dec, n_kv_heads, S, head_dim]
             q_dec = q[0, :, self.decode_rows].transpose(0, 1).unsqueeze(2)  # [B_dec, n_heads, 1, head_dim]
-            o = F.scaled_dot_product_attention(q_dec, keys, values, attn_mask=self._decode_mask(window), scale=scale,
-                                               enable_gqa=gqa)
+            o = attention(q_dec, keys, values, self._decode_mask(window))
             out[0, :, self.decode_rows] = o.squeeze(2).transpose(0, 1)
         for chunk in self.prefills:
             keys, values = self.cache.gather(layer, chunk.block_table[None])
             keys, values = keys[:, :, : chunk.context_len], values[:, :, : chunk.context_len]
-            q_chunk = q[:, :, chunk.start : chunk.end]
             mask = causal_mask(chunk.end - chunk.start, chunk.context_len, q.device, window)
-            out[:, :, chunk.start : chunk.end] = F.scaled_dot_product_attention(
-                q_chunk, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            out[:, :, chunk.start : chunk.end] = attention(q[:, :, chunk.start : chunk.end], keys, values, mask)
         return out
 
 
 def forward_batch(model: Transformer, batch: PagedBatch) -> torch.Tensor:
     """Run the model over one flat batch; returns float32 logits [R, vocab] of ``batch.logits_rows``.
 
-    The same parts as :meth:`Transformer.forward` (embedding, blocks, final norm, LM head),
-    with per-token positions and paged attention. Only the rows that sample go through the
-    LM head, the largest matmul of a small model.
+    :meth:`Transformer.forward` itself, with per-token positions and this batch as the cache (paged
+    attention). Only the rows that sample go through the LM head, the largest matmul of a small model.
     """
     with torch.inference_mode():
-        x = model.embed(batch.token_ids[None])  # [1, N, d_model]
-        if model.pos_embed is not None:
-            x = x + model.pos_embed(batch.positions)
-        rope_cos_sin = model.rope(batch.positions, x.dtype) if model.rope is not None else None
-        for block in model.blocks:
-            x = block(x, rope_cos_sin, batch, model.attn_impl, None)
-        x = x[:, batch.logits_rows]
-        return model.lm_head(model.ln_final(x))[0].float()
+        logits = model(batch.token_ids[None], cache=batch, positions=batch.positions, logits_rows=batch.logits_rows)
+        return logits[0].float()

@@ -1,48 +1,33 @@
-"""Which decode path runs fastest on this machine: measured at first use, cached beside the calibration.
-
-Why measure instead of choosing once: a batch-1 decode step multiplies one row vector by
-every weight matrix, so its floor is reading the weights; but SmolLM2-135M's step also runs
-~1,400 small PyTorch ops, each paying dispatch, and which kernels and layouts win differs
-from CPU to CPU (issue 16):
-
-- on the developers' 2-core AMD EPYC, linear()'s split product and the column-major
-  "long rows" layout took a step from 43 to 36 ms;
-- on an Intel Xeon (AVX-512, AMX) all four combinations took 41-45 ms, plain row-major
-  ``F.linear`` as fast as any, while llama.cpp's F32 build of the same weights decoded in
-  24-28 ms: there the gap is the dispatch of small ops, which ``torch.compile`` of the whole
-  step (fused kernels, minillm/compile.py) attacks.
+"""Which decode path a model runs: chosen by rule when it loads, measured only when a user asks.
 
 The candidates (every one gives the plain path's logits up to float rounding):
 
-    name               pack_weights layout   linear()'s products        decode step
-    long-rows+split    long_rows=True        split                      eager
-    long-rows          long_rows=True        F.linear                   eager
-    row-major+split    long_rows=False       split                      eager
-    row-major          long_rows=False       F.linear                   eager: the plain path
-    matvec             long_rows=False       the C kernel               eager
-    compile            long_rows=False       F.linear                   torch.compile of the whole step
-    compile+matvec     long_rows=False       the C kernel (an op)       over the static KV cache
+    name               weights layout        products (minillm.fast.products)   decode step
+    long-rows+split    long_rows=True        SplitLinear                        eager
+    long-rows          long_rows=True        nn.Linear (F.linear)               eager
+    row-major+split    long_rows=False       SplitLinear                        eager
+    row-major          long_rows=False       nn.Linear                          eager
+    matvec             long_rows=False       MatvecLinear (C), attention in C   eager
+    compile            long_rows=False       nn.Linear                          torch.compile of the whole step
+    compile+matvec     long_rows=False       MatvecLinear (C), attention in C   over the static KV cache
 
-(linear()'s products: :func:`minillm.model.linear`; on the "matvec" paths decode's attention runs in
-C too, :func:`minillm.model.decode_attention_in_c`. The compiled steps fuse the ~1,400 small ops
-around the products into a few loops; on the developers' AMD EPYC compile+matvec took a step
-from 54-60 to 33-36 ms. The "matvec" ones need a C compiler: without one they are not measured.)
+Every path stacks q|k|v and gate|up (:mod:`minillm.fast.packing`). Why several: a batch-1 decode
+step's floor is reading the weights, but SmolLM2-135M's step also runs ~1,400 small PyTorch ops,
+and which kernels and layouts win differs from CPU to CPU (issue 16): on the developers' 2-core AMD
+EPYC the C products took a step from 101.7 (row-major) to 64.4 ms, the compiled C step to 38.8 ms;
+on an Intel Xeon (AVX-512) plain row-major ``F.linear`` was as fast as any eager path.
 
-How :func:`use_best_decode_path` (called by ``load_model``) picks one:
+How :func:`choose_decode_path` (called by ``load_model``) picks one, without timing anything:
 
-1. the environment variable MINILLM_DECODE_PATH names a candidate: that one, nothing
-   measured (how a user or a test forces a path; "auto", empty or unset: go on);
-2. the choice cached in ``<weights_dir>/calibration.json`` for this CPU, thread count,
-   dtype and model shape;
-3. else the eager candidates are measured now (decode ms/step, a few seconds for
-   SmolLM2-135M) and the fastest is cached. ``minillm calibrate --decode-path`` measures
-   them all, the compiled ones included (compiling takes from seconds to minutes).
+1. the environment variable MINILLM_DECODE_PATH names a candidate: that one (how a user or a
+   test forces a path; "auto", empty or unset: go on);
+2. the choice ``minillm calibrate --decode-path`` measured and cached in
+   ``<weights_dir>/calibration.json`` for this CPU, thread count, dtype and model shape;
+3. the rule: "matvec" where the C kernels build (a C compiler), else "row-major+split".
 
-Only CPU float32 has candidates; other devices and dtypes keep ``pack_weights``' default
-(path "default"). linear()'s products are a process-wide switch (like torch's thread count),
-so the last model loaded sets them. A compiled step compiles once a process (inductor keeps the
-code on disk, so a later process compiles faster). The choice
-is measured at batch 1 (the issue's case); a serving engine's batch of decodes may prefer another.
+Only CPU float32 has candidates; other devices and dtypes get the stacked products and the
+default layout (path "default"). A compiled step compiles in the first decode step of a
+process (inductor keeps the code on disk, so a later process compiles faster).
 """
 
 from __future__ import annotations
@@ -50,26 +35,32 @@ from __future__ import annotations
 import os
 import statistics
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from .config import ModelConfig
-from . import matvec_kernels
-from .model import Transformer, use_products
+from ..config import ModelConfig
+from ..hardware import load_measurement, save_measurement
+from ..kv_cache import KVCache
+from ..model import SwiGLU, Transformer
+from ..phases import decode_step, prefill
+from . import kernels
+from .attention import FastAttention, c_decode_fits
+from .compile import compile_decode_step
+from .packing import PackedSwiGLU, Stack, relayout
+from .products import LINEARS, swap_class
 
 ENV_VAR = "MINILLM_DECODE_PATH"
 
 
 @dataclass(frozen=True)
 class DecodePath:
-    """One way to run decode steps: the weight layout, linear()'s products, compiled or eager."""
+    """One way to run decode steps: the weight layout, the products, compiled or eager."""
 
     name: str
     long_rows: bool
-    products: str  # one of minillm.model.PRODUCTS
+    products: str  # a key of minillm.fast.products.LINEARS
     compiled: bool = False
 
 
@@ -83,7 +74,7 @@ CANDIDATES = {p.name: p for p in (
     DecodePath("compile+matvec", long_rows=False, products="matvec", compiled=True),
 )}
 PLAIN = "row-major"  # plain F.linear on nn.Linear's layout: the reference every candidate must equal
-EAGER = tuple(name for name, p in CANDIDATES.items() if not p.compiled)  # measured at first use
+EAGER = tuple(name for name, p in CANDIDATES.items() if not p.compiled)
 
 
 @dataclass(frozen=True)
@@ -92,7 +83,8 @@ class DecodeChoice:
 
     Attributes:
         name: a key of CANDIDATES, or "default" (not CPU float32: nothing to choose).
-        source: "forced" (MINILLM_DECODE_PATH), "cached", "measured" or "default".
+        source: "forced" (MINILLM_DECODE_PATH), "cached" (measured earlier by calibrate), "rule",
+            "measured" (now, by calibrate) or "default".
         timings_ms: decode ms/step of each measured candidate (empty when none was measured here).
         load_average_1m: the machine's load when they were measured (a busy machine slows the
             two-thread split product most: re-measure quietly with ``minillm calibrate --decode-path``).
@@ -126,45 +118,56 @@ def choose(timings_ms: dict[str, float]) -> str:
 
 
 def apply_decode_path(model: Transformer, name: str) -> Transformer:
-    """Run ``model``'s decode steps on the named candidate: repack its weights, set linear()'s
-    products, and (for a compiled one) give :func:`~minillm.phases.decode_step` a compiled step.
-    Sets ``model.decode_path``. Returns the model. Raises ValueError for an unknown name."""
-    path = _candidate(name)
-    model.pack_weights(long_rows=path.long_rows)
-    use_products(path.products)
+    """Run ``model``'s decode steps on the named candidate (or "default"): swap in the faster modules
+    (same parameters), lay the weights out, and (for a compiled one) give
+    :func:`~minillm.phases.decode_step` a compiled step. Sets ``model.decode_path``. Returns the model.
+    Raises ValueError for an unknown name."""
+    path = _default_path(model) if name == "default" else _candidate(name)
+    linear_cls = LINEARS[path.products]
+    c_decode = path.products == "matvec" and c_decode_fits(model)
+    tied = model.lm_head.weight is model.embed.weight if hasattr(model.lm_head, "weight") else False
+    originals = {id(p): p for p in model.parameters()}  # (holding them keeps their ids unique)
+    for block in model.blocks:
+        attn, mlp = swap_class(block.attn, FastAttention), block.mlp
+        attn.qkv, attn.c_decode = Stack(attn, ("q_proj", "k_proj", "v_proj"), linear_cls, path.long_rows), c_decode
+        relayout(attn.o_proj, linear_cls, path.long_rows)
+        if isinstance(mlp, SwiGLU):
+            swap_class(mlp, PackedSwiGLU).gate_up = Stack(mlp, ("gate_proj", "up_proj"), linear_cls, path.long_rows)
+        else:
+            relayout(mlp.up_proj, linear_cls, path.long_rows)
+        relayout(mlp.down_proj, linear_cls, path.long_rows)
+    relayout(model.lm_head, linear_cls, path.long_rows)  # the LM head is the largest matrix of a small model
+    if tied:
+        model.embed.weight = model.lm_head.weight  # looking up rows of a column-major table works alike
+    for module in model.modules():  # the rest (norms, an untied embedding) gets its own memory too, so
+        for param_name, p in list(module.named_parameters(recurse=False)):  # nothing pins a mapped file
+            if id(p) in originals:
+                setattr(module, param_name, torch.nn.Parameter(p.detach().clone(), requires_grad=False))
     model.compiled_decode = _compiled_step() if path.compiled else None
     model.decode_path = path.name
     return model
 
 
-def use_best_decode_path(model: Transformer, measure: Callable | None = None) -> DecodeChoice:
-    """Apply the forced, cached or (measured now) fastest decode path to ``model``; see the module
-    docstring for the order. ``measure(model, names) -> {name: ms}`` replaces the timing (tests).
+def choose_decode_path(model: Transformer) -> DecodeChoice:
+    """Apply the forced, cached or rule's decode path to ``model`` (see the module docstring); times nothing.
 
     Returns the :class:`DecodeChoice` (also kept as ``model.decode_choice``). Raises ValueError
     when MINILLM_DECODE_PATH names no candidate, or a compiled one where torch.compile finds no C++
-    compiler (a cached compiled choice is then measured again, among the eager paths).
+    compiler.
     """
-    param = next(model.parameters())
+    param = model.embed.weight
     if param.device.type != "cpu" or param.dtype != torch.float32:
-        model.pack_weights()
-        model.compiled_decode, model.decode_path = None, "default"
         choice = DecodeChoice("default", "default", {})
     elif (forced := os.environ.get(ENV_VAR) or "auto") != "auto":  # set but empty: as unset, like other tools
         if _candidate(forced, f"{ENV_VAR}={forced!r}").compiled and (why := compile_unavailable()):
             raise ValueError(f"{ENV_VAR}={forced} cannot run here: {why}; install one (g++) or choose an eager "
                              f"path ({', '.join(EAGER)})")
         choice = DecodeChoice(forced, "forced", {})
-    elif (cached := load_decode_choice(model.config)) is not None and not (
-            CANDIDATES[cached.name].compiled and compile_unavailable()):  # (a compiler since removed: measure)
+    elif (cached := load_decode_choice(model.config)) is not None and _runs_here(cached.name):
         choice = cached
-    else:  # seconds on a quiet machine, minutes on a busy one: say why the first load waits
-        warnings.warn("measuring the eager decode paths for this model on this machine (once, seconds when the "
-                      "machine is quiet, minutes when busy; kept in calibration.json, `minillm calibrate "
-                      "--decode-path` measures again)", stacklevel=2)
-        choice = calibrate_decode_path(model, EAGER, measure)
-    if choice.name != "default":
-        apply_decode_path(model, choice.name)
+    else:
+        choice = DecodeChoice("matvec" if kernels.available() else "row-major+split", "rule", {})
+    apply_decode_path(model, choice.name)
     model.decode_choice = choice
     return choice
 
@@ -179,13 +182,11 @@ def calibrate_decode_path(model: Transformer, names=tuple(CANDIDATES), measure: 
     compiler (:func:`compile_unavailable`).
     """
     measure = measure or (lambda m, n: measure_decode_paths(m, n, progress=progress))
-    names = [n for n in names if (CANDIDATES[n].products != "matvec" or matvec_kernels.available())
+    names = [n for n in names if (CANDIDATES[n].products != "matvec" or kernels.available())
              and not (CANDIDATES[n].compiled and compile_unavailable())]
     timings = measure(model, names)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     choice = DecodeChoice(choose(timings), "measured", dict(timings), load)
-    from .hardware import save_measurement
-
     save_measurement(decode_key(model.config), "cpu",
                      {"chosen": choice.name, "timings_ms": choice.timings_ms, "load_average_1m": load})
     apply_decode_path(model, choice.name)
@@ -206,8 +207,6 @@ def compile_unavailable() -> str | None:
 
 def load_decode_choice(config: ModelConfig) -> DecodeChoice | None:
     """The choice cached on this machine for a model of this config (CPU, float32), or None."""
-    from .hardware import load_measurement
-
     entry = load_measurement(decode_key(config), "cpu")
     if entry is None or entry.get("chosen") not in CANDIDATES:
         return None
@@ -230,9 +229,6 @@ def measure_decode_paths(model: Transformer, names, rounds: int = 2, steps: int 
     round's number is the median of ``steps`` timed steps after 3 untimed ones (a compiled
     step compiles in its first); a candidate's result is its best round.
     """
-    from .kv_cache import KVCache
-    from .phases import decode_step, prefill
-
     ids = torch.arange(context) % model.config.vocab_size
     best = {name: float("inf") for name in names}
     for _ in range(rounds):
@@ -257,13 +253,24 @@ def _candidate(name: str, what: str = "decode path") -> DecodePath:
     return CANDIDATES[name]
 
 
-_compiled = None  # one compiled step per process: its graphs serve every model (dynamo guards on the inputs)
+def _runs_here(name: str) -> bool:
+    """A cached choice still runs here (the C kernels build; torch.compile finds its compiler)."""
+    path = CANDIDATES[name]
+    return (path.products != "matvec" or kernels.available()) and not (path.compiled and compile_unavailable())
+
+
+def _default_path(model: Transformer) -> DecodePath:
+    """Not CPU float32: F.linear, stacked; long rows on a CPU except in float16 (its CPU products with
+    transposed weights fall to a slow kernel: 241 against 14 ms for a 64-row prefill through gate|up)."""
+    weight = model.embed.weight
+    return DecodePath("default", long_rows=weight.device.type == "cpu" and weight.dtype != torch.float16,
+                      products="linear")
+
+
+_compiled = []  # one compiled step per process: its graphs serve every model (dynamo guards on the inputs)
 
 
 def _compiled_step():
-    global _compiled
-    if _compiled is None:
-        from .compile import compile_decode_step
-
-        _compiled = compile_decode_step("default")
-    return _compiled
+    if not _compiled:
+        _compiled.append(compile_decode_step("default"))
+    return _compiled[0]

@@ -18,7 +18,8 @@ requests, and a graph per size recompiled every new request (75-115 s each on th
 2-core EPYC); one graph with a symbolic size serves them all, as fast (int4 step 17.6 against
 18.8 ms, same machine).
 
-Prefill stays eager (one call per request, its length varies anyway).
+Prefill stays eager (one call per request, its length varies anyway). The step runs
+:meth:`Transformer.forward` itself: there is one loop over the layers.
 """
 
 from __future__ import annotations
@@ -27,16 +28,16 @@ import weakref
 
 import torch
 
-from . import matvec_kernels
-from .kv_cache import KVCache
-from .model import Transformer
+from ..kv_cache import KVCache
+from ..model import Transformer
+from . import kernels
 
 
 class StaticKVView:
     """A KVCache seen with fixed shapes: writes at ``pos`` [1] (a tensor), reads whole buffers.
 
-    It offers what :class:`~minillm.model.Attention` uses of a cache: ``write``, ``attn_mask`` and
-    ``n_keys``.
+    It is a cache to :class:`~minillm.model.Attention` (``attend``): the queries see the whole
+    buffer, with a mask hiding the unfilled end.
     """
 
     def __init__(self, cache: KVCache, pos: torch.Tensor):
@@ -44,37 +45,31 @@ class StaticKVView:
         _, B, n_kv_heads, max_seq_len, _ = cache.k.shape
         keys = torch.arange(max_seq_len, device=pos.device)
         self.attn_mask = (keys <= pos)[None, :]  # [T=1, max_seq_len] bool
-        self.n_keys = pos + 1  # [1]: the keys the mask shows, for decode attention in C (minillm.model)
         # (batch, head, position) indices of the entries one decode step writes, each [B, n_kv_heads, 1]
         self.batch = torch.arange(B, device=pos.device).view(B, 1, 1)
         self.heads = torch.arange(n_kv_heads, device=pos.device).view(1, n_kv_heads, 1)
         self.pos = pos.view(1, 1, 1)
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, n_kv_heads, 1, head_dim] at ``pos``; return the whole buffers of this layer."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention,
+               window: int | None = None) -> torch.Tensor:
+        """Store k, v [B, n_kv_heads, 1, head_dim] at ``pos``; attend over this layer's whole buffers
+        (no sliding window: :func:`static_view_limit` keeps such models off the static view)."""
         # index_put_ into the whole [n_layers, ...] buffer, an input the graph updates in place. Writing
         # into the view k[layer] instead makes torch.compile copy that layer's whole buffer every step
         # (3.4x slower decode at 1024 positions, BENCHMARKS.md).
         index = (torch.full_like(self.pos, layer), self.batch, self.heads, self.pos)
         self.k.index_put_(index, k)
         self.v.index_put_(index, v)
-        return self.k[layer], self.v[layer]
+        return attention(q, self.k[layer], self.v[layer], self.attn_mask)
 
 
 def decode_forward_static(model: Transformer, token_ids: torch.Tensor, pos: torch.Tensor, cache: KVCache):
     """One decode forward pass with fixed shapes: token_ids [B, 1] at position ``pos`` [1].
 
-    The same blocks as :meth:`Transformer.forward`, run over a :class:`StaticKVView`.
-    Does not move ``cache.length`` (the caller does). Returns float32 logits [B, vocab].
+    :meth:`Transformer.forward` itself, over a :class:`StaticKVView`. Does not move
+    ``cache.length`` (the caller does). Returns float32 logits [B, vocab].
     """
-    x = model.embed(token_ids)
-    if model.pos_embed is not None:
-        x = x + model.pos_embed(pos)
-    rope_cos_sin = model.rope(pos, x.dtype) if model.rope is not None else None
-    view = StaticKVView(cache, pos)
-    for block in model.blocks:
-        x = block(x, rope_cos_sin, view, "sdpa", None)
-    return model.lm_head(model.ln_final(x))[:, -1].float()
+    return model(token_ids, cache=StaticKVView(cache, pos), positions=pos)[:, -1].float()
 
 
 def static_view_limit(model: Transformer, cache: KVCache) -> str | None:
@@ -100,37 +95,48 @@ def _check_static(model: Transformer, cache: KVCache) -> None:
         raise ValueError(reason)
 
 
-def compile_decode_step(mode: str = "default"):
+class CompiledDecodeStep:
     """A drop-in replacement for :func:`~minillm.phases.decode_step`, compiled with ``torch.compile``.
 
     Args:
         mode: torch.compile's mode: "default" (fused kernels; CPU), "reduce-overhead"
             (plus CUDA graphs: one launch per step on a GPU), "max-autotune".
 
-    Returns ``step(model, token_id, cache) -> logits [B, vocab]`` (float32), with
-    decode_step's arguments (no hook, no trace); ``step`` raises ValueError for a
-    sliding-window model or dynamic RoPE scaling. The first call compiles (seconds to two
-    minutes); later calls reuse the graph for every cache length and every cache size. The
-    cache buffers are marked as static addresses so CUDA graphs may write them in place.
+    ``step(model, token_id, cache) -> logits [B, vocab]`` (float32) takes decode_step's arguments
+    (no hook, no trace) and raises ValueError for a sliding-window model or dynamic RoPE scaling;
+    ``step.applies(model, cache)`` says beforehand whether it can run (decode_step asks, and runs
+    eagerly otherwise). The first call compiles (seconds to two minutes); later calls reuse the
+    graph for every cache length and every cache size. The cache buffers are marked as static
+    addresses so CUDA graphs may write them in place.
     """
-    matvec_kernels.prepare_for_compile()  # (the C products of the "matvec" and quantised paths, as ops)
-    compiled = torch.compile(decode_forward_static, mode=mode, fullgraph=True)
-    marked = weakref.WeakSet()  # caches already checked and marked (an id could be reused by a later cache)
 
-    def step(model: Transformer, token_id, cache: KVCache) -> torch.Tensor:
-        if cache not in marked:  # once a cache, not every step: its size and the model's config do not change
+    def __init__(self, mode: str = "default"):
+        kernels.prepare_for_compile()  # (the C products and attention, as ops)
+        self.mode = mode
+        self.compiled = torch.compile(decode_forward_static, mode=mode, fullgraph=True)
+        self.marked = weakref.WeakSet()  # caches already checked and marked (an id could be reused later)
+
+    def applies(self, model: Transformer, cache) -> bool:
+        """A plain KVCache the static view can run (:func:`static_view_limit`)."""
+        return type(cache) is KVCache and static_view_limit(model, cache) is None
+
+    def __call__(self, model: Transformer, token_id, cache: KVCache) -> torch.Tensor:
+        if cache not in self.marked:  # once a cache, not every step: its size and the model's config do not change
             _check_static(model, cache)
             for buffer in (cache.k, cache.v):  # [n_layers, B, n_kv_heads, max_seq_len, head_dim]
                 torch._dynamo.mark_static_address(buffer)
                 torch._dynamo.maybe_mark_dynamic(buffer, 3)
-            marked.add(cache)
+            self.marked.add(cache)
         cache.check_room(1)
         device = cache.k.device
         with torch.inference_mode():  # inputs made here are inference tensors whoever calls: no recompile for that
             token_ids = torch.as_tensor(token_id, device=device).reshape(-1, 1).clone()
             pos = torch.tensor([cache.length], device=device)
-            logits = compiled(model, token_ids, pos, cache)
+            logits = self.compiled(model, token_ids, pos, cache)
         cache.advance(1)
-        return logits.clone() if mode == "reduce-overhead" else logits  # a CUDA graph reuses its output buffer
+        return logits.clone() if self.mode == "reduce-overhead" else logits  # a CUDA graph reuses its output buffer
 
-    return step
+
+def compile_decode_step(mode: str = "default") -> CompiledDecodeStep:
+    """A compiled decode step (:class:`CompiledDecodeStep`) for any model: one per process is enough."""
+    return CompiledDecodeStep(mode)

@@ -110,7 +110,7 @@ def _build(flag_sets=FLAG_SETS, cache_dir: Path | None = None) -> tuple[ctypes.C
 
 def cache_folder() -> Path:
     """``<weights_dir>/kernels``: the built libraries, beside calibration.json."""
-    from .weights import weights_dir
+    from ..formats.weights import weights_dir
 
     return weights_dir() / "kernels"
 
@@ -118,7 +118,7 @@ def cache_folder() -> Path:
 def _build_key(compiler: list[str], flags: list[str], sources: list[Path]) -> str:
     """What decides the binary: the sources, the compiler and its flags, (-march=native) the CPU, and
     (the ops' C++) torch's version."""
-    from .hardware import _device_name
+    from ..hardware import _device_name
 
     parts = [*(source.read_bytes() for source in sources), " ".join(compiler + flags).encode(),
              _device_name(torch.device("cpu")).encode(), torch.__version__.encode()]

@@ -1,0 +1,60 @@
+"""Attention, faster: q|k|v in one product, and decode's attention in C.
+
+Decode's attention reads each layer's K and V once for a few FLOPs a byte, and SDPA's CPU kernel
+spends its time elsewhere: a compiled SmolLM2-135M float32 step on the developers' 2-core EPYC took
+40.0-42.6 ms with the C loop (:func:`minillm.fast.kernels.decode_attention`, flash-decoding's split
+of the keys) against 44.3-44.7 ms with SDPA at 128 positions, and 45.8-50.7 against 52.8-59.1 ms at
+1,000 (BENCHMARKS.md). It runs for one float32 CPU query a sequence (T = 1) over a cache with
+contiguous rows, head_dim a multiple of 8, and no mask but a static buffer's (its unfilled end);
+everything else is :class:`~minillm.model.Attention`'s own. Same values as SDPA up to float rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..model import Attention
+from . import kernels
+from .packing import Stack
+
+
+class FastAttention(Attention):
+    """:class:`~minillm.model.Attention` with the same parameters, q|k|v stacked (``qkv``) and, with
+    ``c_decode`` (set where :func:`c_decode_fits`), decode's attention in C."""
+
+    qkv: Stack | None = None
+    c_decode: bool = False
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv is None or not self.qkv.fresh(self):
+            return super().project_qkv(x)
+        kv_size = self.n_kv_heads * self.head_dim
+        return self.qkv.module(x).split((self.n_heads * self.head_dim, kv_size, kv_size), dim=-1)
+
+    def attend(self, q, k, v, mask, impl, hook):
+        if not (impl == "sdpa" and self._in_c(q, k, mask)):
+            return super().attend(q, k, v, mask, impl, hook)
+        if self.window is not None and mask is None:  # as Attention.attend: the keys the window still sees
+            k, v = k[:, :, -self.window:], v[:, :, -self.window:]
+        n_keys = k.shape[2] if mask is None else mask.sum(-1)  # a static buffer masks its unfilled end
+        scale = 1 / math.sqrt(self.head_dim) if self.scale is None else self.scale
+        return kernels.functions().decode_attention(q, k, v, n_keys, scale)
+
+    def impl_name(self, n_queries: int, impl: str) -> str:
+        return "c" if self.c_decode and impl == "sdpa" and n_queries == 1 else impl
+
+    def _in_c(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:
+        return (self.c_decode and q.shape[2] == 1 and q.device.type == "cpu" and q.dtype == torch.float32
+                and k.dtype == q.dtype and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
+                and not (torch.is_grad_enabled() and q.requires_grad)
+                and (mask.dim() == 2 if mask is not None else not torch.compiler.is_compiling()))
+
+
+def c_decode_fits(model) -> bool:
+    """Whether decode's attention can run in C for this model: float32 on a CPU, head_dim a multiple
+    of 8, and the kernels built."""
+    weight = model.embed.weight
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and model.config.head_dim % 8 == 0
+            and kernels.available())

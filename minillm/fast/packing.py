@@ -1,0 +1,131 @@
+"""Matrices that read the same input, stacked into one: q|k|v, and gate|up.
+
+A Llama layer runs seven products; three of them (q, k, v) read the same x, and two (gate,
+up) read the same x too. Stacked along the output dimension they are two products::
+
+    [ W_q ]                    x @ [W_q | W_k | W_v]ᵀ  =  [ q | k | v ]      (one read of x,
+    [ W_k ]  [H·D + 2·Hkv·D, d_model]                                          one call)
+    [ W_v ]
+
+so a layer runs 4 products instead of 7: fewer calls, and each longer. The stack is built once;
+each member's weight becomes a view of its rows, so parameter names, shapes and values stay
+(memory is not doubled) and an edit in place is seen by both. Quantised members
+(:class:`~minillm.quantize.QuantizedLinear`) are stacked the same way: their codes, scales and
+zeros are per output row, so the stacked rows are exactly each member's.
+
+``long_rows``: a decode step multiplies one row vector by each matrix, and MKL streams a matrix
+fastest along long contiguous rows; nn.Linear keeps [out, in] rows of length in, so a matrix with
+out >= in (q|k|v, gate|up, o, the LM head) can be stored transposed instead, strides (1, out)
+(BENCHMARKS.md has the numbers; CPU float16 products with transposed weights fall to a slow kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..model import SwiGLU
+from ..quantize import QuantizedLinear
+from .products import FastQuantizedLinear, swap_class
+
+
+def stack(members: list[nn.Module], linear_cls: type, long_rows: bool) -> nn.Module:
+    """One module computing ``cat([m(x) for m in members], -1)`` with one product.
+
+    Float members become ``linear_cls`` (an nn.Linear subclass: how the product runs) and views of
+    the stacked matrix; quantised ones become FastQuantizedLinear and views of the stacked codes.
+    """
+    if isinstance(members[0], QuantizedLinear):
+        return _stack_quantized(members)
+    first = members[0].weight
+    shape = (sum(m.out_features for m in members), first.shape[1])
+    weight = _empty(shape, first, long_rows)
+    bias = torch.cat([m.bias for m in members]) if members[0].bias is not None else None
+    start = 0
+    for m in members:
+        end = start + m.out_features
+        weight[start:end].copy_(m.weight)
+        m.weight = nn.Parameter(weight[start:end], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[start:end], requires_grad=False)
+        swap_class(m, linear_cls)
+        start = end
+    with torch.device("meta"):
+        stacked = linear_cls(shape[1], shape[0], bias=bias is not None)
+    stacked.weight = nn.Parameter(weight, requires_grad=False)
+    stacked.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+    return stacked
+
+
+def relayout(linear: nn.Module, linear_cls: type, long_rows: bool) -> None:
+    """A matrix on its own: its own memory (nothing pins a memory-mapped checkpoint), in the
+    ``long_rows`` layout, computed by ``linear_cls`` (FastQuantizedLinear when quantised)."""
+    if isinstance(linear, QuantizedLinear):
+        swap_class(linear, FastQuantizedLinear)
+        return
+    weight = _empty(linear.weight.shape, linear.weight, long_rows)
+    weight.copy_(linear.weight)
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+    swap_class(linear, linear_cls)
+
+
+class Stack:
+    """Members stacked by :func:`stack`, kept outside the module tree (a plain attribute, not a child):
+    its tensors are the members' own, so state_dict, parameters() and byte counts see each weight once.
+
+    ``fresh(parent)`` is False once a member was replaced (a module swapped in, a weight assigned):
+    the stack would be stale, so its owner falls back to the members themselves.
+    """
+
+    def __init__(self, parent: nn.Module, names: tuple[str, ...], linear_cls: type, long_rows: bool):
+        self.names = names
+        self.module = stack([getattr(parent, n) for n in names], linear_cls, long_rows)
+        self.members = [(getattr(parent, n), _tensor(getattr(parent, n))) for n in names]
+
+    def fresh(self, parent: nn.Module) -> bool:
+        return all(getattr(parent, n) is m and _tensor(m) is t for n, (m, t) in zip(self.names, self.members))
+
+
+class PackedSwiGLU(SwiGLU):
+    """:class:`~minillm.model.SwiGLU` with gate|up computed by one product (see the module docstring)."""
+
+    gate_up: Stack | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is None or not self.gate_up.fresh(self):
+            return super().forward(x)
+        gate, up = self.gate_up.module(x).chunk(2, dim=-1)
+        return self.down_proj(torch.nn.functional.silu(gate) * up)
+
+
+def _tensor(m: nn.Module) -> torch.Tensor:
+    return m.qweight if isinstance(m, QuantizedLinear) else m.weight
+
+
+def _empty(shape, like: torch.Tensor, long_rows: bool) -> torch.Tensor:
+    """An uninitialised [out, in] matrix; with long_rows and out >= in, stored transposed."""
+    if long_rows and shape[0] >= shape[1]:
+        return torch.empty(shape[::-1], dtype=like.dtype, device=like.device).t()
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def _stack_quantized(members: list[QuantizedLinear]) -> FastQuantizedLinear:
+    first = members[0]
+    stacked = FastQuantizedLinear.__new__(FastQuantizedLinear)
+    nn.Module.__init__(stacked)
+    stacked.fmt, stacked.group_size, stacked.in_features = first.fmt, first.group_size, first.in_features
+    stacked.out_features = sum(m.out_features for m in members)
+    for name in ("qweight", "scale", "zero", "bias"):
+        parts = [getattr(m, name) for m in members]
+        whole = None if parts[0] is None else torch.cat(parts)
+        stacked.register_buffer(name, whole)
+        start = 0
+        for m, part in zip(members, parts):  # each member's rows become a view of the stack
+            if whole is not None:
+                setattr(m, name, whole[start:start + part.shape[0]])
+                start += part.shape[0]
+    for m in members:
+        swap_class(m, FastQuantizedLinear)
+    return stacked

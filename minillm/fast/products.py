@@ -1,0 +1,139 @@
+"""Decode's matrix products, faster: ``nn.Linear`` subclasses with the same parameters.
+
+A decode step multiplies one row per sequence by every matrix: the time goes into reading
+the matrix from memory, and MKL reads a few-row product with one CPU core, which cannot
+stream memory as fast as all the cores together. Two ways around it, for CPU float32:
+
+- :class:`SplitLinear`: a product of at most SPLIT_MAX_ROWS rows is cut into n column blocks
+  of the matrix (n threads), run as one batched matmul (a block per thread)::
+
+      x @ Wᵀ  =  [ x @ Wᵀ[:, block 0] | x @ Wᵀ[:, block 1] | ... ]      (views, no copies)
+
+  On 2 cores this took a SmolLM2-135M decode step from 43.1 to 36.2 ms at batch 1 and from
+  103 to 71 ms at batch 8 (BENCHMARKS.md); a step of 30 decodes on the paged engine took
+  271 -> 222 ms.
+- :class:`MatvecLinear`: up to MATVEC_MAX_ROWS rows, a C loop (:mod:`minillm.fast.kernels`) gives
+  each thread a share of the matrix's rows and reads each weight once for all of x's rows; it is
+  also an op a compiled step calls (inductor's own code for the product is slower). Row-major
+  weights only.
+
+:class:`FastQuantizedLinear` does the same for :class:`~minillm.quantize.QuantizedLinear`: decode
+multiplies the int8/int4 codes directly in C, prefill unpacks a float matrix in C for one float
+product; on CUDA int8 runs ``torch._weight_int8pack_mm``.
+
+Everything else (prefill's many rows, a GPU, 16-bit floats, autograd) runs ``F.linear``, which
+already spreads a big product over every core. Same values as ``F.linear`` up to float rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..quantize import QuantizedLinear
+from . import kernels
+
+SPLIT_MAX_ROWS = 64  # decode rows (one per sequence); above, MKL's own threading of a product wins
+MATVEC_MAX_ROWS = 16  # a decode step's or a speculative verify pass's rows; above, MKL's blocked product wins
+QUANTIZED_MAX_ROWS = 8  # above, the codes are unpacked once to float for one float product
+PRODUCTS = ("linear", "split", "matvec")
+
+
+def _few_float32_rows(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> int | None:
+    """The rows of x when a faster product applies to x @ weightᵀ (CPU float32, no autograd), else None."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != x.dtype or weight.dim() != 2
+            or weight.shape[1] != x.shape[-1] or x.shape[-1] == 0
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return None  # (and F.linear's own errors for a bad dtype or shape)
+    rows = x.numel() // x.shape[-1]
+    return rows if 0 < rows <= max_rows else None
+
+
+def split_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weightᵀ + bias with the matrix cut into one column block per thread (see the module docstring)."""
+    rows = _few_float32_rows(x, weight, SPLIT_MAX_ROWS)
+    n, out = torch.get_num_threads(), weight.shape[0]
+    if rows is None or n == 1 or out % n or torch.compiler.is_compiling():  # (inductor's bmm is slower)
+        return F.linear(x, weight, bias)
+    blocks = weight.t().unflatten(1, (n, out // n)).transpose(0, 1)  # [n, in, out/n]
+    y = torch.bmm(x.reshape(1, rows, -1).expand(n, -1, -1), blocks)  # [n, rows, out/n]
+    y = y.transpose(0, 1).reshape(*x.shape[:-1], out)
+    return y if bias is None else y + bias
+
+
+def matvec_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weightᵀ + bias by the C loop for up to MATVEC_MAX_ROWS rows of a row-major matrix, else F.linear."""
+    rows = _few_float32_rows(x, weight, MATVEC_MAX_ROWS)
+    if rows is None or not weight.is_contiguous() or not kernels.available():
+        return F.linear(x, weight, bias)
+    y = kernels.functions().f32_matvec(x.reshape(rows, -1), weight).view(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
+
+
+class SplitLinear(nn.Linear):
+    """``nn.Linear`` (same parameters, same state-dict names) computed by :func:`split_product`."""
+
+    product = staticmethod(split_product)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return split_product(x, self.weight, self.bias)
+
+
+class MatvecLinear(nn.Linear):
+    """``nn.Linear`` (same parameters, same state-dict names) computed by :func:`matvec_product`."""
+
+    product = staticmethod(matvec_product)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return matvec_product(x, self.weight, self.bias)
+
+
+LINEARS = {"linear": nn.Linear, "split": SplitLinear, "matvec": MatvecLinear}
+
+
+class FastQuantizedLinear(QuantizedLinear):
+    """:class:`~minillm.quantize.QuantizedLinear` (same buffers) with its products in C on a CPU.
+
+    Decode (at most QUANTIZED_MAX_ROWS rows) runs a fused dequantise-multiply-reduce that reads only
+    the packed bytes; prefill (many rows, compute-bound) unpacks the float matrix in one pass and runs
+    one float product. The C kernels need float32 on a CPU and (int4) whole groups of a multiple of 16;
+    elsewhere the reference path runs.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if x.is_cuda and self.fmt == "int8":
+            y = torch._weight_int8pack_mm(x.reshape(rows, -1), self.qweight, self.scale.to(x.dtype))
+        elif not self._kernels_apply(x):
+            return self.forward_reference(x)
+        elif 0 < rows <= QUANTIZED_MAX_ROWS:
+            y = self._product(x.reshape(rows, -1))
+        else:
+            return F.linear(x, self._unpacked(), self.bias)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def _kernels_apply(self, x: torch.Tensor) -> bool:
+        fits = self.fmt == "int8" or (self.group_size % 16 == 0 and self.in_features % self.group_size == 0)
+        return fits and x.is_cpu and x.dtype == torch.float32 and kernels.available()
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        k = kernels.functions()
+        if self.fmt == "int8":
+            return k.int8_matvec(x, self.qweight, self.scale)
+        return k.int4_matvec(x, self.qweight, self.scale, self.zero, self.group_size)
+
+    def _unpacked(self) -> torch.Tensor:
+        k = kernels.functions()
+        if self.fmt == "int8":
+            return k.int8_dequantize(self.qweight, self.scale)
+        return k.int4_dequantize(self.qweight, self.scale, self.zero, self.group_size)
+
+
+def swap_class(module: nn.Module, cls: type) -> nn.Module:
+    """Make ``module`` an instance of ``cls``, a subclass of its course class with only new methods:
+    its parameters, buffers, children and names stay the very same objects (checkpoints, prefix-cache
+    fingerprints and in-place edits see no difference). Returns the module."""
+    module.__class__ = cls
+    return module
