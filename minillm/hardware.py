@@ -248,7 +248,7 @@ def get_hardware(device="cpu", dtype=torch.float32, calibrate_if_missing: bool =
 
 def calibration_path() -> Path:
     """``<weights_dir>/calibration.json``: measured peaks, keyed by "<device>/<dtype>"."""
-    from .weights import weights_dir
+    from .paths import weights_dir
 
     return weights_dir() / "calibration.json"
 
@@ -353,7 +353,7 @@ def _save(dev: torch.device, dtype: torch.dtype, profile: HardwareProfile) -> No
 
 def load_measurement(key: str, device="cpu") -> dict | None:
     """The entry stored under ``key`` in calibration.json, or None (never measured, or measured
-    on other hardware sharing the same weights dir). :mod:`minillm.decode_path` keeps its choice here too."""
+    on other hardware sharing the same weights dir). :mod:`minillm.fast.choose` keeps its measured choice here too."""
     entry = _read_cache().get(key)
     if not isinstance(entry, dict) or entry.get("device_name") != _device_name(_device(device)):
         return None

@@ -13,7 +13,8 @@ import pytest
 from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 from huggingface_hub.utils import filter_repo_objects
 
-from minillm import weights
+from minillm import paths
+from minillm.formats import weights
 from minillm.errors import ModelNotFoundError
 
 # A hub repo as it really looks: the files minillm needs plus copies it must not fetch.
@@ -70,7 +71,7 @@ def hub(tmp_path, monkeypatch):
 
 @pytest.fixture
 def converter(monkeypatch):
-    """A fake minillm.gguf_convert whose convert_gguf writes a stand-in model and records calls."""
+    """A fake minillm.formats.gguf_convert whose convert_gguf writes a stand-in model and records calls."""
     calls = []
 
     def convert_gguf(gguf_path, out_dir, progress=True):
@@ -78,9 +79,9 @@ def converter(monkeypatch):
         Path(out_dir).mkdir(parents=True)
         return write_model(Path(out_dir), ("config.json", "model.safetensors", "tokenizer.json"))
 
-    module = types.ModuleType("minillm.gguf_convert")
+    module = types.ModuleType("minillm.formats.gguf_convert")
     module.convert_gguf = convert_gguf
-    monkeypatch.setitem(sys.modules, "minillm.gguf_convert", module)
+    monkeypatch.setitem(sys.modules, "minillm.formats.gguf_convert", module)
     return calls
 
 
@@ -98,7 +99,7 @@ def places(tmp_path, monkeypatch):
     checkout = tmp_path / "checkout"
     (checkout / "weights").mkdir(parents=True)
     (checkout / "pyproject.toml").write_text("")
-    monkeypatch.setattr(weights, "SOURCE_ROOT", checkout)
+    monkeypatch.setattr(paths, "SOURCE_ROOT", checkout)
     monkeypatch.setenv("MINILLM_WEIGHTS", str(tmp_path / "env"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -129,7 +130,7 @@ def test_weights_dir_needs_a_real_checkout(places, monkeypatch, missing):
 def test_weights_dir_falls_back_to_home_cache(places, monkeypatch):
     monkeypatch.delenv("MINILLM_WEIGHTS")
     monkeypatch.delenv("XDG_CACHE_HOME")
-    monkeypatch.setattr(weights, "SOURCE_ROOT", places / "installed")
+    monkeypatch.setattr(paths, "SOURCE_ROOT", places / "installed")
     assert weights.weights_dir() == places / "home" / ".cache" / "minillm"
 
 
@@ -321,9 +322,9 @@ def test_interrupted_conversion_leaves_no_model(root, pypi, monkeypatch):
         write_model(Path(out_dir), ["config.json"])
         raise RuntimeError("disk full")
 
-    module = types.ModuleType("minillm.gguf_convert")
+    module = types.ModuleType("minillm.formats.gguf_convert")
     module.convert_gguf = crash
-    monkeypatch.setitem(sys.modules, "minillm.gguf_convert", module)
+    monkeypatch.setitem(sys.modules, "minillm.formats.gguf_convert", module)
     with pytest.raises(RuntimeError, match="disk full"):
         weights.download(weights.DEFAULT_MODEL, root)
     assert not (root / "smollm2-135m-instruct").exists()
@@ -332,7 +333,7 @@ def test_interrupted_conversion_leaves_no_model(root, pypi, monkeypatch):
 
 def test_real_gguf_converts_to_a_model_folder(smollm2_gguf, tmp_path):
     """End to end on the real SmolLM2 GGUF with the real converter."""
-    pytest.importorskip("minillm.gguf_convert")
+    pytest.importorskip("minillm.formats.gguf_convert")
     from safetensors import safe_open
 
     folder = weights.resolve_model(smollm2_gguf, tmp_path, progress=False)

@@ -110,7 +110,7 @@ def _build(flag_sets=FLAG_SETS, cache_dir: Path | None = None) -> tuple[ctypes.C
 
 def cache_folder() -> Path:
     """``<weights_dir>/kernels``: the built libraries, beside calibration.json."""
-    from ..formats.weights import weights_dir
+    from ..paths import weights_dir
 
     return weights_dir() / "kernels"
 
