@@ -13,7 +13,7 @@ The package layout is the course outline:
     speculative.py  speculative decoding: a draft proposes k tokens, one pass verifies them (exact)
     quantize.py   weight-only int8 / int4 matrices: the formats, the reference arithmetic
     matvec_kernels.py  their decode and prefill loops in C (.c beside it), built at first use
-    stop_strings.py  stop strings on streamed text: held back while they could start, cut out when found
+    stopping.py   when a request ends and why (eos, stop, length), stop strings held back and cut out
     generation_config.py  generation_config.json: the checkpoint's eos ids and sampling defaults
     block_hash.py chained sha256 block hashes, seeded by the model's identity, dtype, device
     prefix_cache.py  PrefixCache: K/V of cached prompt prefixes, so their prefill is skipped

@@ -7,15 +7,15 @@
 
 It is a Python generator, so a CLI can print each token as it comes and a
 notebook can step through a request with ``next()``. Given a tokenizer, each step
-also carries the text it adds, with stop strings cut out (minillm/stop_strings.py).
+also carries the text it adds, with stop strings cut out. When to stop and the text
+shown are minillm/stopping.py's, shared with speculative decoding and the serving engine.
 """
 
 from __future__ import annotations
 
 import numbers
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 
@@ -26,50 +26,8 @@ from .model import Transformer
 from .phases import decode_step, prefill
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, sample
-from .stop_strings import StopStringMatcher
-
-if TYPE_CHECKING:
-    from .speculative import SpeculativeConfig
-
-
-@dataclass(frozen=True)
-class GenerationStep:
-    """One generated token.
-
-    Attributes:
-        token_id: the token.
-        logprob: its log-probability under the model (natural log).
-        phase: "prefill" for the first token (from the prompt's logits), "decode" after.
-        cache_length: positions in the KV cache after the forward pass that produced it.
-        time_s: ``time.perf_counter()`` when the token was known (seconds).
-        finish_reason: None while generating; on the last step "eos", "stop"
-            (a stop id or a stop string), "length" (max_new_tokens) or "cache_full".
-        cached_tokens: prompt tokens whose K/V came from the prefix cache (0 without
-            one); the same on every step of a request.
-        prefill_tokens: prompt tokens the prefill computed (the prompt minus cached_tokens).
-        text: with a tokenizer, the text this step adds to the answer: "" while a character
-            is incomplete or the text could be the start of a stop string (held back, then
-            released by a later step); a matched stop string and what follows are never
-            included. The steps' texts joined are the answer. None without a tokenizer.
-        stop_reason: the stop string or stop id that ended generation (vLLM's name), else None.
-        proposed, accepted: with ``speculative=``, on the first token of each verification pass:
-            the draft tokens it checked and how many the model accepted (its later tokens carry
-            None, so sums over the steps are the request's totals); None without speculation.
-            (``cache_length`` is then the length plain decoding would have at that token.)
-    """
-
-    token_id: int
-    logprob: float
-    phase: str
-    cache_length: int
-    time_s: float
-    finish_reason: str | None = None
-    cached_tokens: int = 0
-    prefill_tokens: int = 0
-    text: str | None = None
-    stop_reason: int | str | None = None
-    proposed: int | None = None
-    accepted: int | None = None
+from .speculative import SpeculativeConfig, generate_speculative
+from .stopping import GenerationStep, TextStream, check_stop  # GenerationStep: minillm.generate's public name too
 
 
 def generate(
@@ -148,10 +106,7 @@ def generate(
             token_id = token.item()  # waits for the device: the token is now really known
             output_ids.append(token_id)
             now = time.perf_counter()
-            reason, stop_reason = _finish_reason(token_id, n, eos, params, cache.length >= cache.max_seq_len)
-            piece = text.push(token_id, last=reason is not None) if text else None
-            if text and text.matched is not None:
-                reason, stop_reason = "stop", text.matched
+            reason, stop_reason, piece = check_stop(token_id, n, eos, params, cache.length >= cache.max_seq_len, text)
             if trace is not None:
                 trace.record_sample(logits, token_id, params, now, reason)
                 if reason:
@@ -171,9 +126,7 @@ def generate(
 
 
 def _speculative(model, prompt_ids, params, cache, eos, speculative, tokenizer, prefix_cache, trace):
-    """Checks, then :func:`minillm.speculative.generate_speculative` (imported here: it imports this module)."""
-    from .speculative import SpeculativeConfig, generate_speculative
-
+    """Checks, then :func:`minillm.speculative.generate_speculative`."""
     if not isinstance(speculative, SpeculativeConfig):
         raise ValueError(f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}; "
                          "write SpeculativeConfig(method='ngram', num_speculative_tokens=5)")
@@ -223,46 +176,3 @@ def eos_token_set(model: Transformer, eos_token_ids) -> set[int]:
     if isinstance(ids, (str, bytes)) or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
         raise ValueError(f"eos_token_ids must be a token id or a list of them, got {eos_token_ids!r}")
     return {int(i) for i in ids}
-
-
-def _finish_reason(token_id: int, n_generated: int, eos: set, params: SamplingParams, cache_full: bool):
-    """(finish_reason, stop_reason) after ``token_id``; (None, None) to go on. ``cache_full``: the
-    KV cache has no room to decode this token."""
-    if token_id in eos and not params.ignore_eos:
-        return "eos", None
-    if token_id in params.stop_token_ids:
-        return "stop", token_id
-    if n_generated >= params.max_new_tokens:
-        return "length", None
-    if cache_full:
-        return "cache_full", None
-    return None, None
-
-
-class TextStream:
-    """Token ids -> the text each adds: UTF-8-safe streaming decode, then stop-string hold-back.
-    Keeps the text shown so far and the seconds spent (a trace's "detokenize" event)."""
-
-    def __init__(self, tokenizer, stop: tuple[str, ...]):
-        from .tokenizer import StreamDecoder
-
-        self.decoder = StreamDecoder(tokenizer)
-        self.stop = StopStringMatcher(stop)
-        self.text = ""
-        self.time_s = 0.0
-
-    @property
-    def matched(self) -> str | None:
-        return self.stop.matched
-
-    def push(self, token_id: int, last: bool) -> str:
-        """The text ``token_id`` releases; ``last``: generation ends here, so release everything."""
-        start = time.perf_counter()
-        piece = self.stop.push(self.decoder.push(token_id))
-        if last and self.matched is None:
-            piece += self.stop.push(self.decoder.flush())
-        if last and self.matched is None:
-            piece += self.stop.flush()
-        self.text += piece
-        self.time_s += time.perf_counter() - start
-        return piece

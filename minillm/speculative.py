@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .generate import GenerationStep, TextStream, _finish_reason
 from .kv_cache import KVCache
 from .model import Transformer
 from .phases import _as_batch, _check_state, decode_step, prefill
 from .sampling import SamplingParams, _ids, apply_penalties, filter_logits, sample
+from .stopping import GenerationStep, TextStream, check_stop
 
 METHODS = ("ngram", "draft_model", "custom")
 SCHEDULES = ("heuristic", "constant")
@@ -331,10 +331,8 @@ def generate_speculative(model: Transformer, prompt_ids: torch.Tensor, params: S
         for i, (token_id, logprob) in enumerate(emitted):
             output.append(token_id)
             length = start_length + i  # the cache length plain decoding would have now
-            reason, stop_reason = _finish_reason(token_id, len(output), eos, params, length >= cache.max_seq_len)
-            piece = text.push(token_id, last=reason is not None) if text else None
-            if text and text.matched is not None:
-                reason, stop_reason = "stop", text.matched
+            reason, stop_reason, piece = check_stop(token_id, len(output), eos, params, length >= cache.max_seq_len,
+                                                    text)
             proposed, accepted = counts if i == 0 else (None, None)
             yield GenerationStep(token_id, logprob, phase, length, known_s, reason, prefill_tokens=len(prompt),
                                  text=piece, stop_reason=stop_reason, proposed=proposed, accepted=accepted)

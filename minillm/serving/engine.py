@@ -25,8 +25,9 @@ from typing import Sequence
 
 import torch
 
-from ..generate import TextStream, check_params, check_prompt, eos_token_set
+from ..generate import check_params, check_prompt, eos_token_set
 from ..sampling import SamplingParams
+from ..stopping import TextStream, check_stop
 from .block_allocator import blocks_needed
 from .model_runner import run_model, sample_rows
 from .paged_cache import PagedKVCache
@@ -212,23 +213,17 @@ class LLMEngine:
         return [self._output(r, new_tokens.get(r.request_id)) for r in changed]
 
     def _append_token(self, request: Request, token: int, now: float) -> None:
-        """Add a sampled token; finish the request on EOS, a stop id or string, max tokens, or the context."""
+        """Add a sampled token; finish the request on EOS, a stop id or string, max tokens, or the context
+        (minillm/stopping.py's rules, as generate's)."""
         request.output_ids.append(token)
         request.token_times_s.append(now)
-        params, n = request.params, len(request.output_ids)
-        reason, stop_reason, message = None, None, None
-        if token in self.eos_token_ids and not params.ignore_eos:
-            reason = "eos"
-        elif token in params.stop_token_ids:
-            reason, stop_reason = "stop", token
-        elif n >= params.max_new_tokens:
-            reason = "length"
-        elif request.num_tokens > self.model.config.max_seq_len:  # no position left to decode this token
-            reason, message = "length", f"reached the model's context of {self.model.config.max_seq_len} tokens"
-        if request.text_stream is not None:
-            request.text_stream.push(token, last=reason is not None)
-            if request.text_stream.matched is not None:
-                reason, stop_reason = "stop", request.text_stream.matched
+        context = self.model.config.max_seq_len
+        no_room = request.num_tokens > context  # no position left to decode this token
+        reason, stop_reason, _ = check_stop(token, len(request.output_ids), self.eos_token_ids, request.params,
+                                            no_room, request.text_stream)
+        message = None
+        if reason == "cache_full":  # here the room ends at the model's context, which vLLM reports as "length"
+            reason, message = "length", f"reached the model's context of {context} tokens"
         if reason:
             self.scheduler.finish(request, reason, stop_reason, message)
 

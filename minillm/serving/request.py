@@ -64,7 +64,7 @@ class Request:
     num_preemptions: int = 0
     preempted_s: list[float] = field(default_factory=list)
     generator: torch.Generator | None = None
-    text_stream: object = None  # generate's TextStream when the engine has a tokenizer
+    text_stream: object = None  # a minillm.stopping.TextStream when the engine has a tokenizer
     num_logprobs: int | None = None
     output_logprobs: list = field(default_factory=list)
 

@@ -1,5 +1,6 @@
-"""Stop strings (held back while they could still start, cut out when found) and generate()'s
-checks of its arguments. Oracle: str.find on the whole text; tokenizer.decode of all the ids."""
+"""minillm/stopping.py: the finish reasons, stop strings (held back while they could still start, cut
+out when found) and the text stream, then generate()'s checks of its arguments. Oracles: hand cases
+(a four-word tokenizer), str.find on the whole text, tokenizer.decode of all the ids."""
 
 import itertools
 
@@ -10,7 +11,70 @@ from hypothesis import strategies as st
 from tiny_models import CONFIGS, build_hf, save_hf
 
 from minillm import SamplingParams, generate, load_model, load_tokenizer
-from minillm.stop_strings import StopStringMatcher
+from minillm.stopping import StopStringMatcher, TextStream, check_stop, finish_reason
+
+
+# -- the finish reasons: the table of minillm/stopping.py, case by case ------------------------------
+
+EOS = {0}
+
+
+@pytest.mark.parametrize("token, n, params, cache_full, expected", [
+    (5, 1, SamplingParams(max_new_tokens=4), False, (None, None)),
+    (0, 1, SamplingParams(max_new_tokens=4), False, ("eos", None)),
+    (0, 1, SamplingParams(max_new_tokens=4, ignore_eos=True), False, (None, None)),
+    (7, 1, SamplingParams(max_new_tokens=4, stop_token_ids=[7]), False, ("stop", 7)),
+    (0, 1, SamplingParams(max_new_tokens=4, stop_token_ids=[0]), False, ("eos", None)),  # eos first
+    (0, 1, SamplingParams(max_new_tokens=4, stop_token_ids=[0], ignore_eos=True), False, ("stop", 0)),
+    (5, 4, SamplingParams(max_new_tokens=4), False, ("length", None)),
+    (5, 4, SamplingParams(max_new_tokens=4), True, ("length", None)),  # length before cache_full
+    (5, 3, SamplingParams(max_new_tokens=4), True, ("cache_full", None)),
+    (7, 4, SamplingParams(max_new_tokens=4, stop_token_ids=[7]), True, ("stop", 7)),
+])
+def test_finish_reason_is_the_first_rule_that_applies(token, n, params, cache_full, expected):
+    assert finish_reason(token, n, EOS, params, cache_full) == expected
+    assert check_stop(token, n, EOS, params, cache_full, None) == (*expected, None)  # no text: no piece
+
+
+class WordTokenizer:
+    """A four-word vocabulary whose text is its tokens joined: what StreamDecoder needs, nothing more."""
+
+    vocab = ["Paris", ".", "\n", "User:"]
+    special_ids = frozenset()
+    byte_fallback_ids = frozenset()
+
+    def check_ids(self, ids):
+        return list(ids)
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.vocab[i] for i in ids)
+
+
+def _stream(tokens, params, eos=frozenset()):
+    """check_stop token by token until a reason: [(reason, stop_reason, piece)], and the stream."""
+    text, out = TextStream(WordTokenizer(), params.stop), []
+    for n, token in enumerate(tokens, 1):
+        out.append(check_stop(token, n, eos, params, False, text))
+        if out[-1][0]:
+            break
+    return out, text
+
+
+def test_a_stop_string_over_three_tokens_ends_with_stop_and_is_never_shown():
+    out, text = _stream([0, 1, 2, 2, 3, 0], SamplingParams(max_new_tokens=10, stop="\n\nUser:"))
+    assert out == [(None, None, "Paris"), (None, None, "."), (None, None, ""), (None, None, ""),
+                   ("stop", "\n\nUser:", "")]
+    assert text.text == "Paris." and text.matched == "\n\nUser:"
+
+
+def test_the_last_token_releases_the_held_text():
+    out, text = _stream([0, 1, 2], SamplingParams(max_new_tokens=3, stop="\n\nUser:"))
+    assert out[-1] == ("length", None, "\n") and text.text == "Paris.\n"  # "\n" was held, length ends it
+
+
+def test_a_stop_string_wins_over_the_token_rule_of_the_same_token():
+    out, text = _stream([0, 1], SamplingParams(max_new_tokens=10, stop="."), eos={1})
+    assert out[-1] == ("stop", ".", "") and text.text == "Paris"  # "." is an EOS id and the stop string
 
 
 def _run(pieces, stop):

@@ -1,0 +1,199 @@
+"""Stopping: when a request ends, why, and the text it shows until then.
+
+One copy of the rules, used by :func:`~minillm.generate.generate`, speculative decoding
+(minillm/speculative.py) and the serving engine (minillm/serving/engine.py). After each
+sampled token the first rule that applies ends the request (vLLM's names):
+
+    finish_reason  stop_reason  when
+    "eos"          None         the token is an EOS id (unless params.ignore_eos)
+    "stop"         the id       the token is one of params.stop_token_ids
+    "length"       None         max_new_tokens tokens generated
+    "cache_full"   None         no room left to decode the token (the engine calls it "length":
+                                its limit is the model's context, as vLLM's max_model_len)
+    "stop"         the string   the text now holds one of params.stop; checked on text, after
+                                the token rules, and it wins over them (the text ends before it)
+
+(The engine adds "abort", for :meth:`~minillm.serving.engine.LLMEngine.abort_request`.)
+
+Stop strings are matched on text that arrives in pieces (one per token, from
+:class:`~minillm.tokenizer.StreamDecoder`), and a stop string can be split across pieces.
+:class:`StopStringMatcher` holds back the longest end of the text that is the start of some
+stop string, so the text shown never holds one:
+
+    stop = ["\\n\\nUser:"]
+    push("Paris.")      -> "Paris."      nothing could start the stop string
+    push("\\n")          -> ""            "\\n" could: held back
+    push("\\nUser")      -> ""            "\\n\\nUser" still could
+    push(":")           -> "" , matched  the stop string itself is never emitted
+
+As vLLM with ``include_stop_str_in_output=False``: generation stops at the first piece
+after which the text holds a whole stop string, and the output ends just before the
+earliest stop string in that text (a longer one still incomplete then never completes).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from .sampling import SamplingParams
+from .tokenizer import StreamDecoder
+
+
+@dataclass(frozen=True)
+class GenerationStep:
+    """One generated token, as :func:`~minillm.generate.generate` yields it.
+
+    Attributes:
+        token_id: the token.
+        logprob: its log-probability under the model (natural log).
+        phase: "prefill" for the first token (from the prompt's logits), "decode" after.
+        cache_length: positions in the KV cache after the forward pass that produced it.
+        time_s: ``time.perf_counter()`` when the token was known (seconds).
+        finish_reason: None while generating; on the last step "eos", "stop"
+            (a stop id or a stop string), "length" (max_new_tokens) or "cache_full".
+        cached_tokens: prompt tokens whose K/V came from the prefix cache (0 without
+            one); the same on every step of a request.
+        prefill_tokens: prompt tokens the prefill computed (the prompt minus cached_tokens).
+        text: with a tokenizer, the text this step adds to the answer: "" while a character
+            is incomplete or the text could be the start of a stop string (held back, then
+            released by a later step); a matched stop string and what follows are never
+            included. The steps' texts joined are the answer. None without a tokenizer.
+        stop_reason: the stop string or stop id that ended generation (vLLM's name), else None.
+        proposed, accepted: with ``speculative=``, on the first token of each verification pass:
+            the draft tokens it checked and how many the model accepted (its later tokens carry
+            None, so sums over the steps are the request's totals); None without speculation.
+            (``cache_length`` is then the length plain decoding would have at that token.)
+    """
+
+    token_id: int
+    logprob: float
+    phase: str
+    cache_length: int
+    time_s: float
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    prefill_tokens: int = 0
+    text: str | None = None
+    stop_reason: int | str | None = None
+    proposed: int | None = None
+    accepted: int | None = None
+
+
+def finish_reason(token_id: int, n_generated: int, eos: set[int], params: SamplingParams,
+                  cache_full: bool) -> tuple[str | None, int | None]:
+    """The token rules of the table above: (finish_reason, stop_reason) after ``token_id``.
+
+    ``n_generated`` counts ``token_id``; ``cache_full``: no room is left to decode this token.
+    Returns (None, None) to go on. Stop strings are :func:`check_stop`'s (they need the text).
+    """
+    if token_id in eos and not params.ignore_eos:
+        return "eos", None
+    if token_id in params.stop_token_ids:
+        return "stop", token_id
+    if n_generated >= params.max_new_tokens:
+        return "length", None
+    if cache_full:
+        return "cache_full", None
+    return None, None
+
+
+def check_stop(token_id: int, n_generated: int, eos: set[int], params: SamplingParams, cache_full: bool,
+               text: TextStream | None) -> tuple[str | None, int | str | None, str | None]:
+    """Every rule of the table, after one sampled token: (finish_reason, stop_reason, piece).
+
+    :func:`finish_reason` first; then, with a :class:`TextStream`, the token's text is pushed
+    (all of it released if a token rule ended the request) and a stop string found in it
+    makes the reason "stop", its stop_reason the string. ``piece``: the text this token adds
+    (None without ``text``). What generate, speculative decoding and the engine call per token.
+    """
+    reason, stop_reason = finish_reason(token_id, n_generated, eos, params, cache_full)
+    if text is None:
+        return reason, stop_reason, None
+    piece = text.push(token_id, last=reason is not None)
+    if text.matched is not None:
+        reason, stop_reason = "stop", text.matched
+    return reason, stop_reason, piece
+
+
+class TextStream:
+    """Token ids -> the text each adds: UTF-8-safe streaming decode, then stop-string hold-back.
+
+    Attributes:
+        decoder: the :class:`~minillm.tokenizer.StreamDecoder` (never splits a character).
+        stop: the :class:`StopStringMatcher` over ``params.stop``.
+        text: the text released so far (the answer, without its stop string).
+        time_s: seconds spent decoding and matching (a trace's "detokenize" event).
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        self.decoder = StreamDecoder(tokenizer)
+        self.stop = StopStringMatcher(stop)
+        self.text = ""
+        self.time_s = 0.0
+
+    def __repr__(self) -> str:
+        return f"TextStream(text={self.text!r}, held={self.stop.held!r}, matched={self.matched!r})"
+
+    @property
+    def matched(self) -> str | None:
+        """The stop string found, or None."""
+        return self.stop.matched
+
+    def push(self, token_id: int, last: bool) -> str:
+        """The text ``token_id`` releases; ``last``: generation ends here, so release everything."""
+        start = time.perf_counter()
+        piece = self.stop.push(self.decoder.push(token_id))
+        if last and self.matched is None:
+            piece += self.stop.push(self.decoder.flush())
+        if last and self.matched is None:
+            piece += self.stop.flush()
+        self.text += piece
+        self.time_s += time.perf_counter() - start
+        return piece
+
+
+class StopStringMatcher:
+    """Finds the first stop string in text that arrives piece by piece.
+
+    Attributes:
+        stop: the stop strings (non-empty).
+        held: text received but not emitted yet (a possible start of a stop string).
+        matched: the stop string found, or None.
+    """
+
+    def __init__(self, stop: tuple[str, ...]):
+        self.stop = tuple(stop)
+        self.held = ""
+        self.matched: str | None = None
+
+    def __repr__(self) -> str:
+        return f"StopStringMatcher(stop={self.stop!r}, held={self.held!r}, matched={self.matched!r})"
+
+    def push(self, piece: str) -> str:
+        """Add ``piece``; return the text now safe to show (never part of a stop string).
+
+        Once a stop string is found, ``matched`` is set, the text before it is returned,
+        and everything after it is dropped.
+        """
+        if self.matched is not None:
+            return ""
+        text = self.held + piece
+        hits = [(text.find(s), n, s) for n, s in enumerate(self.stop) if s in text]
+        if hits:
+            start, _, self.matched = min(hits)  # the earliest; on a tie, the first listed
+            self.held = ""
+            return text[:start]
+        keep = self._longest_partial_match(text)
+        self.held = text[len(text) - keep :]
+        return text[: len(text) - keep]
+
+    def flush(self) -> str:
+        """The held text, at the end of generation (no stop string can complete any more)."""
+        held, self.held = self.held, ""
+        return held
+
+    def _longest_partial_match(self, text: str) -> int:
+        """Length of the longest end of ``text`` that is a proper start of a stop string."""
+        return max((n for s in self.stop for n in range(1, min(len(s), len(text) + 1))
+                    if text.endswith(s[:n])), default=0)
