@@ -6,7 +6,7 @@ Wall time and this process's CPU time (time.process_time): on a machine shared w
 CPU time leaves out the time spent waiting for a core, so its ratio stays readable (1 thread)."""
 import sys, time, torch
 from minillm import KVCache, decode_step, load_model, prefill
-from minillm.speculative import verify
+from minillm.phases import verify
 torch.set_num_threads(int(sys.argv[1]))
 model = load_model("smollm2-135m-instruct", device="cpu")
 cache = KVCache.for_model(model, max_seq_len=256)

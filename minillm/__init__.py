@@ -7,7 +7,7 @@ The package layout is the course outline:
     rope.py       rotary position embedding
     loading.py    load_model: safetensors checkpoint -> Transformer
     kv_cache.py   KVCache, the visible cache of keys and values
-    phases.py     prefill and decode_step, the two phases of inference
+    phases.py     prefill and decode_step, the two phases of inference; verify, speculative decoding's pass
     sampling.py   SamplingParams: penalties, greedy, temperature, min-p, top-k, top-p (vLLM's names)
     generate.py   generate: prefill, then decode in a loop
     speculative.py  speculative decoding: a draft proposes k tokens, one pass verifies them (exact)

@@ -7,7 +7,7 @@ via Speculative Decoding"; Chen et al. 2023, "Accelerating LLM Decoding with Spe
 Sampling") keeps the output distribution exactly the model's:
 
     draft:    last=t4   propose  d1 d2 d3                      (k = 3; q_i: the draft's distributions)
-    verify:   [t4 d1 d2 d3] --one pass onto the cache--> p_0 p_1 p_2 p_3   (the target's, k+1 rows)
+    verify:   [t4 d1 d2 d3] --one pass onto the cache--> p_0 p_1 p_2 p_3   (the target's, k+1 rows: phases.verify)
     accept:   d_i with probability min(1, p_i(d_i) / q_i(d_i)), in order, until one is rejected
     resample: at the first rejection, draw from normalize(max(0, p_i - q_i)): that replaces d_i
     bonus:    all k accepted: one more token drawn from p_k, for free
@@ -32,7 +32,7 @@ import torch
 
 from .kv_cache import KVCache
 from .model import Transformer
-from .phases import _as_batch, _check_state, decode_step, prefill
+from .phases import decode_step, prefill, verify
 from .sampling import SamplingParams, _ids, apply_penalties, filter_logits, sample
 from .stopping import GenerationStep, TextStream, check_stop
 
@@ -261,9 +261,9 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def accept_greedy(logits: torch.Tensor, draft_ids: list[int]) -> tuple[int, int]:
     """:func:`accept_or_resample` when p is greedy's one-hot: keep drafts while each is the argmax.
 
-    logits: [k+1, vocab] from :func:`verify`. With p one-hot on argmax_i, p_i(d_i) is 1 or 0, so d_i
-    is accepted exactly when it equals argmax_i, and the first mismatch's residual (or the bonus)
-    is argmax_i itself. One argmax over the k+1 rows: no softmax over the vocabulary.
+    logits: [k+1, vocab] from :func:`~minillm.phases.verify`. With p one-hot on argmax_i, p_i(d_i)
+    is 1 or 0, so d_i is accepted exactly when it equals argmax_i, and the first mismatch's residual
+    (or the bonus) is argmax_i itself. One argmax over the k+1 rows: no softmax over the vocabulary.
     Returns (n_accepted, token) as accept_or_resample does.
     """
     best = logits.argmax(dim=-1).tolist()
@@ -271,24 +271,6 @@ def accept_greedy(logits: torch.Tensor, draft_ids: list[int]) -> tuple[int, int]
     while n_accepted < len(draft_ids) and draft_ids[n_accepted] == best[n_accepted]:
         n_accepted += 1
     return n_accepted, best[n_accepted]
-
-
-def verify(model: Transformer, token_ids: list[int], cache: KVCache) -> torch.Tensor:
-    """The verification pass: [last, d1..dk] onto the filled cache, the logits of every position.
-
-    A prefill that keeps all k+1 rows of logits (prefill keeps only the last): row i is the
-    model's next-token logits after token i. Returns float32 [k+1, vocab]; cache.length grows by
-    k+1 (the caller truncates the rejected drafts). Raises as :func:`~minillm.phases.prefill`.
-    With nothing drafted (k = 0) the pass is :func:`~minillm.phases.decode_step`, so a decode path
-    with a compiled step (:mod:`minillm.decode_path`) runs it: free-form text has many such rounds.
-    """
-    if len(token_ids) == 1:
-        return decode_step(model, token_ids[0], cache)
-    _check_state(model, cache, None)
-    ids = _as_batch(model, token_ids, cache, what="token_ids")
-    cache.check_room(ids.shape[1])
-    with torch.inference_mode():
-        return model(ids, cache=cache)[0].float()
 
 
 def generate_speculative(model: Transformer, prompt_ids: torch.Tensor, params: SamplingParams, cache: KVCache,

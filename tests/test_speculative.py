@@ -13,6 +13,8 @@ import torch
 from minillm import (KVCache, PrefixCache, SamplingParams, Trace, decode_step, generate, load_model, load_tokenizer,
                      prefill)
 from minillm.cli import main
+from minillm.errors import CacheFullError
+from minillm.phases import verify
 from minillm.speculative import (Draft, NgramDraft, SpeculativeConfig, SpeculativeStats, accept_greedy,
                                  accept_or_resample)
 from tiny_models import LLAMA_BASE, build_hf, save_hf
@@ -280,6 +282,38 @@ def test_sampled_tokens_follow_the_models_distribution(small_vocab, method, temp
 
 
 # -- the KV cache equals plain decoding's ------------------------------------------------------
+
+def test_verify_rows_are_the_decode_steps_of_the_same_tokens(models):
+    """phases.verify over [last, d1, d2, d3]: row i is decode_step's logits after token i (teacher forcing),
+    the cache grows by 4 and holds the same K/V; one token is exactly a decode step."""
+    target, _ = models
+    tokens = [9, 17, 4, 101]
+    cache, plain = (KVCache.for_model(target, max_seq_len=16) for _ in range(2))
+    prefill(target, PROMPTS[1], cache)
+    prefill(target, PROMPTS[1], plain)
+    rows = verify(target, tokens, cache)
+    steps = torch.cat([decode_step(target, t, plain) for t in tokens])
+    assert rows.shape == (4, 128) and rows.dtype == torch.float32 and cache.length == plain.length == 12
+    torch.testing.assert_close(rows, steps, atol=1e-5, rtol=0)
+    torch.testing.assert_close(cache.k[..., :12, :], plain.k[..., :12, :], atol=1e-5, rtol=0)
+    cache.truncate(8)
+    plain.truncate(8)
+    assert torch.equal(verify(target, tokens[:1], cache), decode_step(target, tokens[0], plain))
+
+
+@pytest.mark.parametrize("tokens, error, message", [
+    ([], ValueError, "token_ids is empty"),
+    ([5, 128], ValueError, r"token_ids must be in \[0, 128\) \(the vocabulary\)"),
+    ([5, 6, 7, 8, 9], CacheFullError, r"KV cache full: 8 \+ 5 tokens > max_seq_len 12"),
+])
+def test_verify_refuses_what_prefill_refuses(models, tokens, error, message):
+    target, _ = models
+    cache = KVCache.for_model(target, max_seq_len=12)
+    prefill(target, PROMPTS[1], cache)
+    with pytest.raises(error, match=message):
+        verify(target, tokens, cache)
+    assert cache.length == 8
+
 
 # float64 is not bit-exact: a (k+1)-row product rounds differently from a 1-row one (3e-16 measured)
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
