@@ -2,9 +2,11 @@
 
 The CLI prints ``str(error)`` for any :class:`MiniLLMError` and exits with code 1,
 so every message names the problem and the fix. :func:`check_output_dir` is the
-check that commands writing a folder run before their long work.
+check that commands writing a folder run before their long work; :func:`check_positive_int`
+the one check of every size and count.
 """
 
+import numbers
 import os
 from pathlib import Path
 
@@ -53,3 +55,14 @@ def check_output_dir(path) -> Path:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise OutputPathError(f"cannot write in {existing} (permission denied); pass a folder you can write to")
     return path
+
+
+def check_positive_int(name: str, value) -> int:
+    """``value`` as an int >= 1 (any integer type, numpy's too); ValueError naming ``name`` otherwise.
+
+    A bool is refused (True is an int to Python, never a size), and so is a float such as 256.0,
+    which would fail later inside torch.
+    """
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import CacheFullError
+from .errors import CacheFullError, check_positive_int
 from .units import fmt_bytes
 
 
@@ -52,12 +52,12 @@ class KVCache:
                  window: int | None = None, rolling_layers=()):
         shape = (n_layers, batch_size, n_kv_heads, max_seq_len, head_dim)
         for name, value in zip(("n_layers", "batch_size", "n_kv_heads", "max_seq_len", "head_dim"), shape):
-            _check_positive_int(name, value)
+            check_positive_int(name, value)
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"dtype must be a floating torch.dtype (e.g. torch.float32), got {dtype!r}")
         self.rolling_layers = tuple(sorted(set(rolling_layers)))
         if self.rolling_layers:
-            _check_positive_int("window", window)
+            check_positive_int("window", window)
             if not all(_is_int(layer) and 0 <= layer < n_layers for layer in self.rolling_layers):
                 raise ValueError(f"rolling_layers must be layers in [0, {n_layers}), got {rolling_layers}")
         self.window = window if self.rolling_layers else None
@@ -84,8 +84,8 @@ class KVCache:
         """
         cfg = model.config
         max_seq_len = cfg.max_seq_len if max_seq_len is None else max_seq_len
-        _check_positive_int("max_seq_len", max_seq_len)
-        _check_positive_int("batch_size", batch_size)
+        check_positive_int("max_seq_len", max_seq_len)
+        check_positive_int("batch_size", batch_size)
         if max_seq_len > cfg.max_seq_len:
             raise ValueError(f"max_seq_len must be in [1, {cfg.max_seq_len}] (the model's context), got {max_seq_len}")
         if not isinstance(rolling, bool):
@@ -308,9 +308,3 @@ class KVCache:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_positive_int(name: str, value) -> None:
-    """ValueError unless ``value`` is an int >= 1 (a float such as 256.0 would fail inside torch)."""
-    if not _is_int(value) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")

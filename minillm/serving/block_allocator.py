@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..block_hash import hash_block
+from ..errors import check_positive_int
 
 
 @dataclass
@@ -67,9 +68,8 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, block_size: int, seed: bytes = b"", enable_prefix_caching: bool = True):
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_int("num_blocks", num_blocks)
+        check_positive_int("block_size", block_size)
         self.num_blocks, self.block_size, self.seed = num_blocks, block_size, seed
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]

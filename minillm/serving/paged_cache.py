@@ -31,6 +31,7 @@ import re
 
 import torch
 
+from ..errors import check_positive_int
 from ..units import fmt_bytes
 from .block_allocator import BlockAllocator
 
@@ -115,8 +116,7 @@ class PagedKVCache:
         if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "dynamic":
             raise ValueError("the serving engine does not support dynamic NTK RoPE scaling (its base depends on each "
                              "request's length, and a step batches several); run it with generate() and a KVCache")
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        check_positive_int("block_size", block_size)
         per_block = bytes_per_block(cfg, block_size, param.element_size())
         if num_blocks is None:
             available = free_memory_bytes(param.device)

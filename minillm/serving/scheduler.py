@@ -32,6 +32,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..errors import check_positive_int
 from .block_allocator import BlockAllocator
 from .request import FINISHED, RUNNING, WAITING, Request
 
@@ -102,9 +103,8 @@ class Scheduler:
 
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
                  enable_chunked_prefill: bool = True):
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_int("max_num_seqs", max_num_seqs)
+        check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
         if max_num_batched_tokens < allocator.block_size:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than one block "
                              f"({allocator.block_size} tokens); raise it to at least {allocator.block_size}")
