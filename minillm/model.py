@@ -134,12 +134,11 @@ def causal_mask(n_queries: int, n_keys: int, device=None, window: int | None = N
 
 
 def eager_attention(q, k, v, hook: Hook | None = None, name: str = "", scale: float | None = None,
-                    window: int | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+                    window: int | None = None) -> torch.Tensor:
     """softmax(q·kᵀ / √head_dim + causal mask) · v, written out (Vaswani et al. 2017).
 
     ``scale`` replaces 1/√head_dim when given (see ``ModelConfig.attn_scale``); ``window``
-    makes the mask a sliding window (:func:`causal_mask`); ``mask`` (bool, True = may attend,
-    [T, S] or [B, 1, T, S]) replaces the causal mask when given.
+    makes the mask a sliding window (:func:`causal_mask`).
 
     q: [B, n_heads, T, head_dim]; k, v: [B, n_kv_heads, S, head_dim] with S >= T.
     Grouped-query attention: each K/V head serves n_heads / n_kv_heads query heads,
@@ -151,11 +150,7 @@ def eager_attention(q, k, v, hook: Hook | None = None, name: str = "", scale: fl
     q = q.view(B, n_kv_heads, n_heads // n_kv_heads, T, head_dim)
     scale = 1 / math.sqrt(head_dim) if scale is None else scale
     scores = q @ k.unsqueeze(2).transpose(-1, -2) * scale  # [B, kv, rep, T, S]
-    if mask is None:
-        mask = causal_mask(T, S, q.device, window)
-    elif mask.dim() == 4:
-        mask = mask.unsqueeze(2)  # [B, 1, T, S] -> [B, 1, 1, T, S], over the kv and rep axes
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = scores.masked_fill(~causal_mask(T, S, q.device, window), float("-inf"))
     pattern = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     if hook:
         hook(f"{name}.hook_pattern", pattern.view(B, n_heads, T, S))
@@ -219,13 +214,14 @@ class Attention(nn.Module):
         """Attention of q [B, H, T, D] over the keys and values k, v [B, Hkv, S, D] a cache returned.
 
         ``mask`` None: the queries are the last T of the S positions, masked causally (and by the
-        sliding window); else the cache's own mask. Returns [B, H, T, D].
+        sliding window); else the cache's own mask, which SDPA applies (eager attention writes out
+        the causal case only). Returns [B, H, T, D].
         """
         if self.window is not None and mask is None:
             # The first query sees back to W - 1 positions before itself: older keys are not read.
             k, v = k[:, :, -(q.shape[2] + self.window - 1):], v[:, :, -(q.shape[2] + self.window - 1):]
-        if impl == "eager":
-            return eager_attention(q, k, v, hook, self.name, self.scale, self.window, mask)
+        if impl == "eager" and mask is None:
+            return eager_attention(q, k, v, hook, self.name, self.scale, self.window)
         return sdpa_attention(q, k, v, mask, self.scale, self.window)
 
     def impl_name(self, n_queries: int, impl: str) -> str:

@@ -35,9 +35,9 @@ def decode_step(model: Transformer, token_id, cache: KVCache, hook: Hook | None 
 
     Returns float32 logits for the following position, [B, vocab].
 
-    On the "compile" decode paths (:mod:`minillm.decode_path`), a step without hook, or with
-    a trace at level "steps", runs the compiled graph of :mod:`minillm.compile` instead: the
-    same logits.
+    The speed layer may give the model a compiled step (``model.compiled_decode``, the "compile"
+    paths of :mod:`minillm.fast.choose`): a step without hook, or with a trace at level "steps",
+    then runs it instead, where it says it applies: the same logits, from one fused graph.
 
     Raises ValueError (bad shape or id, several tokens for one sequence, a cache or trace
     that does not fit), CacheFullError (no room for one more token).
