@@ -66,7 +66,10 @@ def check(lengths, chunks, block_size):
     cache, scheduled, q, k, v, full_k, full_v = make_case(lengths, chunks, block_size)
     batch, _ = prepare_batch(cache, scheduled)
     scale = HEAD_DIM**-0.5
-    out = batch.attend(0, q, k, v, scale)
+    def sdpa(q, keys, values, mask):  # what Attention hands a cache: attention with the cache's mask
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+
+    out = batch.attend(0, q, k, v, sdpa)
     start = 0
     for n, c, fk, fv in zip(lengths, chunks, full_k, full_v):
         expected = contiguous_attention(q[:, :, start : start + c], fk, fv, scale)
