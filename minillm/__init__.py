@@ -13,12 +13,13 @@ The package layout is the course outline:
     speculative.py  speculative decoding: a draft proposes k tokens, one pass verifies them (exact)
     quantize.py   weight-only int8 / int4 matrices: the formats, the reference arithmetic
     matvec_kernels.py  their decode and prefill loops in C (.c beside it), built at first use
-    stopping.py   when a request ends and why (eos, stop, length), stop strings held back and cut out
+    stopping.py   when a request ends and why (eos, stop, length), stop strings held back and cut out,
+                  the text stream (StreamDecoder: ids to text, never splitting a character)
     generation_config.py  generation_config.json: the checkpoint's eos ids and sampling defaults
     block_hash.py chained sha256 block hashes, seeded by the model's identity, dtype, device
     prefix_cache.py  PrefixCache: K/V of cached prompt prefixes, so their prefill is skipped
     prefix_demo.py   shared-system-prompt requests with and without the prefix cache, measured
-    tokenizer.py  load_tokenizer: text <-> ids, chat template, streaming detokenizer
+    tokenizer.py  load_tokenizer: text <-> ids, chat template
     weights.py    model names, the weights directory, downloads
     gguf_convert.py  GGUF file -> Hugging Face folder (dequantised)
     costs.py      FLOPs and bytes of prefill and decode, from the config (the cost model)
@@ -50,7 +51,8 @@ from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, sample
 from .speculative import SpeculativeConfig
 from .serving import LLMEngine
-from .tokenizer import StreamDecoder, Tokenizer, load_tokenizer
+from .stopping import StreamDecoder
+from .tokenizer import Tokenizer, load_tokenizer
 from .trace import Trace
 
 try:  # the installed distribution's version (pyproject.toml's), as `pip show minillm` prints it

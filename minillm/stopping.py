@@ -16,7 +16,7 @@ sampled token the first rule that applies ends the request (vLLM's names):
 (The engine adds "abort", for :meth:`~minillm.serving.engine.LLMEngine.abort_request`.)
 
 Stop strings are matched on text that arrives in pieces (one per token, from
-:class:`~minillm.tokenizer.StreamDecoder`), and a stop string can be split across pieces.
+:class:`StreamDecoder`), and a stop string can be split across pieces.
 :class:`StopStringMatcher` holds back the longest end of the text that is the start of some
 stop string, so the text shown never holds one:
 
@@ -37,7 +37,8 @@ import time
 from dataclasses import dataclass
 
 from .sampling import SamplingParams
-from .tokenizer import StreamDecoder
+
+_REPLACEMENT = "\ufffd"  # what a UTF-8 decoder emits for an incomplete or invalid byte sequence
 
 
 @dataclass(frozen=True)
@@ -116,11 +117,80 @@ def check_stop(token_id: int, n_generated: int, eos: set[int], params: SamplingP
     return reason, stop_reason, piece
 
 
+class StreamDecoder:
+    """Turns token ids into text one token at a time, never splitting a character.
+
+    One character can span several tokens (an emoji is 4 UTF-8 bytes, often 2-4
+    byte-level tokens), so text is held back while it ends in U+FFFD. A byte-fallback
+    tokenizer (``<0xE6><0x97><0xA5>`` for "日") is also held back while the last token
+    shown is a byte token: its decoder turns a whole run of byte tokens into text at once,
+    and one invalid byte makes every byte of the run U+FFFD (``tokenizers``' ByteFallback,
+    as transformers decodes), so a run's text is known only once a non-byte token ends it.
+
+    Each push decodes only a short window (the vLLM / TGI "prefix offset, read offset" scheme),
+    so a token costs O(1) amortised instead of re-decoding the whole sequence:
+
+        ids:  t0 t1 t2 t3 | t4 t5 | t6 t7
+                          ^prefix  ^read
+        prefix text = decode(t4 t5)          already emitted; context for the next piece
+        new text    = decode(t4 t5 t6 t7)    emit new_text[len(prefix_text):] if complete
+
+    The context token(s) matter for decoders (SentencePiece) that drop a leading
+    space at the start of a decode. Concatenating every push() and flush() equals
+    ``tokenizer.decode(all_ids, skip_special_tokens)``. ``tokenizer``: a
+    :class:`~minillm.tokenizer.Tokenizer` (``decode``, ``check_ids``, ``special_ids``,
+    ``byte_fallback_ids``).
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def __repr__(self) -> str:
+        offsets = f"prefix_offset={self.prefix_offset}, read_offset={self.read_offset}"
+        return f"StreamDecoder(tokens={len(self.ids)}, {offsets})"
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the text it completes ("" while a character is still partial).
+
+        Raises ValueError (and keeps its state) for an id that is not an integer in the vocabulary.
+        """
+        self.ids.extend(self.tokenizer.check_ids([token_id]))
+        prefix_text, new_text = self._window_texts()
+        held = new_text.endswith(_REPLACEMENT) or self._in_byte_run()
+        if len(new_text) <= len(prefix_text) or held:
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return new_text[len(prefix_text) :]
+
+    def _in_byte_run(self) -> bool:
+        """Whether the last token that shows in the text is a byte-fallback token. Skipped special
+        tokens do not end a run: decode drops them before it joins the byte tokens."""
+        hidden = self.tokenizer.special_ids if self.skip_special_tokens else frozenset()
+        last_shown = next((i for i in reversed(self.ids) if i not in hidden), None)
+        return last_shown in self.tokenizer.byte_fallback_ids
+
+    def flush(self) -> str:
+        """Return whatever is held back (U+FFFD if the ids really end mid-character)."""
+        prefix_text, new_text = self._window_texts()
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return new_text[len(prefix_text) :]
+
+    def _window_texts(self) -> tuple[str, str]:
+        window = self.ids[self.prefix_offset :]
+        emitted = self.read_offset - self.prefix_offset
+        decode = lambda ids: self.tokenizer.decode(ids, self.skip_special_tokens)  # noqa: E731
+        return decode(window[:emitted]), decode(window)
+
+
 class TextStream:
     """Token ids -> the text each adds: UTF-8-safe streaming decode, then stop-string hold-back.
 
     Attributes:
-        decoder: the :class:`~minillm.tokenizer.StreamDecoder` (never splits a character).
+        decoder: the :class:`StreamDecoder` (never splits a character).
         stop: the :class:`StopStringMatcher` over ``params.stop``.
         text: the text released so far (the answer, without its stop string).
         time_s: seconds spent decoding and matching (a trace's "detokenize" event).

@@ -8,7 +8,7 @@ fast tokenizers), reading the files an HF-style folder ships:
     chat_template.jinja     the chat template, as transformers now saves it (optional)
     config.json             eos_token_id, possibly a list          (optional)
 
-Chat templates are rendered in :mod:`minillm.chat_template`.
+Chat templates are rendered in :mod:`minillm.formats.chat_template`.
 """
 
 from __future__ import annotations
@@ -21,20 +21,20 @@ from typing import Sequence
 
 import tokenizers
 
-from .chat_template import SPECIAL_TOKEN_NAMES, normalize_messages, render_chat_template, select_template
+from .formats.chat_template import SPECIAL_TOKEN_NAMES, normalize_messages, render_chat_template, select_template
 from .errors import ModelNotFoundError
+from .stopping import StreamDecoder  # noqa: F401 (the streaming detokenizer, importable here too)
 
-_REPLACEMENT = "\ufffd"  # what a UTF-8 decoder emits for an incomplete or invalid byte sequence
 
 
 def load_tokenizer(name_or_path: str | Path, weights_dir: str | Path | None = None) -> Tokenizer:
     """The tokenizer of a model: a folder holding tokenizer.json (+ tokenizer_config.json,
-    config.json), a .gguf file, or a model name known to :mod:`minillm.weights`
+    config.json), a .gguf file, or a model name known to :mod:`minillm.formats.weights`
     (downloaded if absent, like :func:`minillm.load_model`).
 
     Raises ModelNotFoundError when the model or its tokenizer.json is missing.
     """
-    from .weights import resolve_model
+    from .formats.weights import resolve_model
 
     model_dir = resolve_model(name_or_path, weights_dir, download=True)
     path = model_dir / "tokenizer.json"
@@ -203,7 +203,7 @@ class Tokenizer:
         """Render ``[{"role": ..., "content": ...}, ...]`` into the prompt text the model was tuned on.
 
         Rendered like transformers' ``apply_chat_template(tokenize=False)``, string for string
-        (see :mod:`minillm.chat_template`). "content" may be a string or a list of parts
+        (see :mod:`minillm.formats.chat_template`). "content" may be a string or a list of parts
         (``[{"type": "text", "text": ...}]``). The text already holds its special tokens, so
         encode it with ``add_special_tokens=False``.
 
@@ -263,70 +263,3 @@ def _gpt2_byte_of_char() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _gpt2_byte_of_char()
-
-
-class StreamDecoder:
-    """Turns token ids into text one token at a time, never splitting a character.
-
-    One character can span several tokens (an emoji is 4 UTF-8 bytes, often 2-4
-    byte-level tokens), so text is held back while it ends in U+FFFD. A byte-fallback
-    tokenizer (``<0xE6><0x97><0xA5>`` for "日") is also held back while the last token
-    shown is a byte token: its decoder turns a whole run of byte tokens into text at once,
-    and one invalid byte makes every byte of the run U+FFFD (``tokenizers``' ByteFallback,
-    as transformers decodes), so a run's text is known only once a non-byte token ends it.
-
-    Each push decodes only a short window (the vLLM / TGI "prefix offset, read offset" scheme),
-    so a token costs O(1) amortised instead of re-decoding the whole sequence:
-
-        ids:  t0 t1 t2 t3 | t4 t5 | t6 t7
-                          ^prefix  ^read
-        prefix text = decode(t4 t5)          already emitted; context for the next piece
-        new text    = decode(t4 t5 t6 t7)    emit new_text[len(prefix_text):] if complete
-
-    The context token(s) matter for decoders (SentencePiece) that drop a leading
-    space at the start of a decode. Concatenating every push() and flush() equals
-    ``tokenizer.decode(all_ids, skip_special_tokens)``.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
-
-    def __repr__(self) -> str:
-        offsets = f"prefix_offset={self.prefix_offset}, read_offset={self.read_offset}"
-        return f"StreamDecoder(tokens={len(self.ids)}, {offsets})"
-
-    def push(self, token_id: int) -> str:
-        """Add one id; return the text it completes ("" while a character is still partial).
-
-        Raises ValueError (and keeps its state) for an id that is not an integer in the vocabulary.
-        """
-        self.ids.extend(self.tokenizer.check_ids([token_id]))
-        prefix_text, new_text = self._window_texts()
-        held = new_text.endswith(_REPLACEMENT) or self._in_byte_run()
-        if len(new_text) <= len(prefix_text) or held:
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return new_text[len(prefix_text) :]
-
-    def _in_byte_run(self) -> bool:
-        """Whether the last token that shows in the text is a byte-fallback token. Skipped special
-        tokens do not end a run: decode drops them before it joins the byte tokens."""
-        hidden = self.tokenizer.special_ids if self.skip_special_tokens else frozenset()
-        last_shown = next((i for i in reversed(self.ids) if i not in hidden), None)
-        return last_shown in self.tokenizer.byte_fallback_ids
-
-    def flush(self) -> str:
-        """Return whatever is held back (U+FFFD if the ids really end mid-character)."""
-        prefix_text, new_text = self._window_texts()
-        self.prefix_offset = self.read_offset = len(self.ids)
-        return new_text[len(prefix_text) :]
-
-    def _window_texts(self) -> tuple[str, str]:
-        window = self.ids[self.prefix_offset :]
-        emitted = self.read_offset - self.prefix_offset
-        decode = lambda ids: self.tokenizer.decode(ids, self.skip_special_tokens)  # noqa: E731
-        return decode(window[:emitted]), decode(window)
