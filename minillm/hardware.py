@@ -39,6 +39,8 @@ from pathlib import Path
 import torch
 
 from .costs import PhaseCost
+from .device import resolve_device
+from .paths import weights_dir
 from .units import fmt_ms, fmt_num
 
 OVERHEAD_FACTOR = 5.0  # measured time above this many floors: the hardware is not what limits it
@@ -248,8 +250,6 @@ def get_hardware(device="cpu", dtype=torch.float32, calibrate_if_missing: bool =
 
 def calibration_path() -> Path:
     """``<weights_dir>/calibration.json``: measured peaks, keyed by "<device>/<dtype>"."""
-    from .paths import weights_dir
-
     return weights_dir() / "calibration.json"
 
 
@@ -291,8 +291,6 @@ def _sync(dev: torch.device) -> None:
 
 
 def _device(device) -> torch.device:
-    from .device import resolve_device  # one place decides which devices exist
-
     dev = resolve_device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())

@@ -26,7 +26,7 @@ event has ``kind`` and ``t_ms`` (when it was recorded); times are ms since
     trace      schema_version, level, keep, n_candidates
     model      n_layers, d_model, n_heads, n_kv_heads, head_dim, vocab_size, max_seq_len,
                dtype, device, weights_bytes, kv_bytes_per_token, attn_impl, decode_path
-               (minillm.decode_path: the layout, split product or compiled step chosen for this machine)
+               (minillm.fast.choose: the layout, products or compiled step chosen for this machine; None: plain)
     tokenize   start_ms, end_ms, time_ms, text, n_tokens, token_ids, token_strings
     prefill    step, start_ms, time_ms (the forward pass), end_ms, batch_size, n_tokens,
                token_ids, position_first, position_last, cached_tokens,
@@ -84,6 +84,9 @@ from pathlib import Path
 
 import torch
 
+from .costs import PhaseCost, prefill_cost, with_weights_bytes
+from .hardware import roofline
+from .metrics import RequestMetrics
 from .units import fmt_num
 
 SCHEMA_VERSION = 1
@@ -286,8 +289,6 @@ class Trace:
         MBU uses the mean bytes of a decode step and ``hardware`` (when set); with
         ``hardware`` set, also records the roofline verdicts (:meth:`record_roofline`).
         """
-        from .metrics import RequestMetrics
-
         decode = self.decode_steps
         bytes_per_step = sum(e["bytes"] for e in decode) / len(decode) if decode else None
         peak = self.hardware.mem_bandwidth if self.hardware is not None else None
@@ -302,9 +303,6 @@ class Trace:
     def record_roofline(self, hw) -> list[Event]:
         """Record one "roofline" event per phase (all prefill passes, all decode steps, summed)
         against hardware ``hw``: attained FLOP/s and bytes/s, floors and the bound verdict."""
-        from .costs import PhaseCost
-        from .hardware import roofline
-
         events = []
         for phase in PASS_KINDS:
             passes = [e for e in self.events if e["kind"] == phase]
@@ -450,8 +448,6 @@ class Trace:
         self._model_recorded = True
 
     def _record_pass(self, phase, step, model, token_ids, cache, length_before, start, end, impl) -> Event:
-        from .costs import prefill_cost, with_weights_bytes
-
         B, T = token_ids.shape
         dtype_bytes = next(model.parameters()).element_size()
         cost = prefill_cost(model.config, T, dtype_bytes, cached_tokens=length_before, batch_size=B)

@@ -31,6 +31,7 @@ import re
 
 import torch
 
+from ..block_hash import model_seed
 from ..errors import check_positive_int
 from ..units import fmt_bytes
 from .block_allocator import BlockAllocator
@@ -110,8 +111,6 @@ class PagedKVCache:
         Raises ValueError when the budget holds no block, for a bad size (see :func:`parse_memory`),
         or for dynamic NTK RoPE scaling (one step's positions come from several requests).
         """
-        from ..block_hash import model_seed
-
         cfg, param = model.config, next(model.parameters())
         if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "dynamic":
             raise ValueError("the serving engine does not support dynamic NTK RoPE scaling (its base depends on each "
