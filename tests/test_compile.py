@@ -1,6 +1,8 @@
-"""The compiled decode step (minillm.compile) and the packed weight layout against the plain path.
+"""The compiled decode step (minillm/fast/compile.py) against the pure model's eager decode_step.
 
-One torch.compile on a tiny CPU model (tens of seconds); the CUDA-graph variant is in test_cuda.py.
+The compiled step runs the fast model (its stacked, swapped-in modules); the oracle is the same
+checkpoint loaded with ``fast=False``. A torch.compile a test on a tiny CPU model (tens of seconds);
+the CUDA-graph variant is in test_cuda.py.
 """
 
 import pytest
@@ -8,13 +10,41 @@ import torch
 from tiny_models import CONFIGS, build_hf, save_hf
 
 from minillm import KVCache, decode_step, load_model, prefill
-from minillm.compile import StaticKVView, compile_decode_step
+from minillm.fast.choose import apply_decode_path
+from minillm.fast.compile import StaticKVView, compile_decode_step
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def folder(tmp_path_factory):
     family, kwargs = CONFIGS["llama_gqa"]
-    return load_model(save_hf(build_hf(family, kwargs), tmp_path_factory.mktemp("compile")), device="cpu")
+    return save_hf(build_hf(family, kwargs), tmp_path_factory.mktemp("compile"))
+
+
+@pytest.fixture(scope="module")
+def model(folder):
+    """The fast model on an eager split path: torch.compile of its SplitLinear products must run
+    F.linear (was: a graph break on torch.get_num_threads, so ``fullgraph`` refused the step)."""
+    return apply_decode_path(load_model(folder, device="cpu", fast=False), "long-rows+split")
+
+
+@pytest.fixture(scope="module")
+def pure(folder):
+    """The same weights on the lesson's plain modules: the oracle."""
+    return load_model(folder, device="cpu", fast=False)
+
+
+class CountingStep:
+    """A compiled step that records its calls (decode_step asks it first whether it ``applies``)."""
+
+    def __init__(self, step):
+        self.step, self.calls = step, []
+
+    def applies(self, model, cache) -> bool:
+        return self.step.applies(model, cache)
+
+    def __call__(self, *args):
+        self.calls.append(1)
+        return self.step(*args)
 
 
 def _prompt(model, batch=2, n=12):
@@ -26,27 +56,32 @@ def test_static_view_writes_at_pos_and_masks_the_rest(model):
     cache.length = 4
     view = StaticKVView(cache, torch.tensor([4]))
     k = torch.ones(1, model.config.n_kv_heads, 1, model.config.head_dim)
-    k_all, _ = view.write(1, k, 2 * k)
-    assert k_all.shape[2] == 10 and torch.equal(cache.k[1, :, :, 4], k[:, :, 0])
-    assert torch.equal(cache.v[1, :, :, 4], 2 * k[:, :, 0])
-    assert view.attn_mask.tolist() == [[True] * 5 + [False] * 5]
+    q = torch.randn(1, model.config.n_heads, 1, model.config.head_dim)
+    seen = []
+    out = view.attend(1, q, k, 2 * k, lambda *args: seen.append(args) or args[0])
+    ((q_seen, keys, values, mask),) = seen
+    assert out is q_seen is q and keys.shape[2] == values.shape[2] == 10  # the whole buffer, every step
+    assert torch.equal(keys, cache.k[1]) and torch.equal(values, cache.v[1])
+    assert torch.equal(cache.k[1, :, :, 4], k[:, :, 0]) and torch.equal(cache.v[1, :, :, 4], 2 * k[:, :, 0])
+    assert cache.k[0].abs().sum() == cache.k[1, :, :, :4].abs().sum() == 0  # only layer 1's position 4
+    assert mask.tolist() == view.attn_mask.tolist() == [[True] * 5 + [False] * 5]
 
 
-def test_compiled_decode_matches_decode_step(model):
+def test_compiled_decode_matches_decode_step(model, pure):
     ids = _prompt(model)
     plain, static = (KVCache.for_model(model, batch_size=2, max_seq_len=24) for _ in range(2))
-    a = prefill(model, ids, plain).argmax(-1)
+    a = prefill(pure, ids, plain).argmax(-1)
     b = prefill(model, ids, static).argmax(-1)
     step = compile_decode_step("default")
     for _ in range(6):  # several lengths, one graph
-        la, lb = decode_step(model, a, plain), step(model, b, static)
+        la, lb = decode_step(pure, a, plain), step(model, b, static)
         assert (la - lb).abs().max().item() < 1e-4
         a, b = la.argmax(-1), lb.argmax(-1)
     assert static.length == plain.length == 18
     assert torch.allclose(static.k[:, :, :, :18], plain.k[:, :, :, :18], atol=1e-5)
 
 
-def test_one_graph_serves_every_cache_size(model):
+def test_one_graph_serves_every_cache_size(model, pure):
     """A new request's cache of another size reuses the graph (each size recompiled, 75-115 s on a
     2-core CPU, before its max_seq_len was marked dynamic), and so does a call from inside
     inference mode (a traced step; its inputs failed the guards); logits equal decode_step's."""
@@ -55,9 +90,9 @@ def test_one_graph_serves_every_cache_size(model):
     first = True
     for size in (9, 16, 31):
         plain, static = (KVCache.for_model(model, max_seq_len=size) for _ in range(2))
-        a, b = prefill(model, ids, plain).argmax(-1), prefill(model, ids, static).argmax(-1)
+        a, b = prefill(pure, ids, plain).argmax(-1), prefill(model, ids, static).argmax(-1)
         for i in range(3):
-            la = decode_step(model, a, plain)
+            la = decode_step(pure, a, plain)
             with torch._dynamo.config.patch(error_on_recompile=not first), torch.inference_mode(i % 2 == 1):
                 lb = step(model, b, static)  # inside inference mode or not (a traced step: inside)
             first = False  # the first call compiles, no other
@@ -65,34 +100,13 @@ def test_one_graph_serves_every_cache_size(model):
             a, b = la.argmax(-1), lb.argmax(-1)
 
 
-@pytest.mark.parametrize("long_rows", [True, False])
-def test_packed_weights_keep_names_shapes_values_and_bytes(tmp_path, long_rows):
-    family, kwargs = CONFIGS["gpt2"]  # biases and an untied-style MLP: the other branch of pack_weights
-    folder = save_hf(build_hf(family, kwargs), tmp_path)
-    plain = load_model(folder, device="cpu")
-    before = {k: v.clone() for k, v in plain.state_dict().items()}
-    weights_bytes, tied = plain.weights_bytes(), plain.lm_head.weight is plain.embed.weight
-    ids = _prompt(plain, batch=1)
-    with torch.no_grad():
-        expected = plain(ids)
-        plain.pack_weights(long_rows=long_rows)
-        got = plain(ids)
-    after = plain.state_dict()
-    assert before.keys() == after.keys()
-    assert all(torch.equal(before[k], after[k]) for k in before)
-    assert (got - expected).abs().max().item() < 1e-5
-    assert plain.weights_bytes() == weights_bytes  # views of the packed matrices: nothing doubled
-    assert (plain.lm_head.weight is plain.embed.weight) == tied
-
-
-def test_a_trace_of_steps_times_the_compiled_step_and_one_of_layers_the_eager_one(model):
+def test_a_trace_of_steps_times_the_compiled_step_and_one_of_layers_the_eager_one(model, pure):
     """The trace measures the step a model on a compiled path runs (it used to time the eager
     layers instead); a layers-level trace needs them, and gets them. Logits equal decode_step's."""
     from minillm import Trace
 
-    calls = []
-    step = compile_decode_step("default")
-    model.compiled_decode = lambda *args: calls.append(1) or step(*args)
+    step, before = CountingStep(compile_decode_step("default")), model.compiled_decode
+    model.compiled_decode, calls = step, step.calls
     try:
         ids = _prompt(model, batch=1, n=6)
         for level, compiled_calls in (("steps", 3), ("layers", 0)):
@@ -100,15 +114,15 @@ def test_a_trace_of_steps_times_the_compiled_step_and_one_of_layers_the_eager_on
             traced, plain = (KVCache.for_model(model, max_seq_len=12) for _ in range(2))
             trace = Trace(level)
             a = prefill(model, ids, traced, trace=trace).argmax(-1)
-            b = prefill(model, ids, plain).argmax(-1)
+            b = prefill(pure, ids, plain).argmax(-1)
             for _ in range(3):
                 la = decode_step(model, a, traced, trace=trace)
                 with torch.inference_mode():
-                    lb = model(b.view(1, 1), cache=plain)[:, -1]  # the eager layers
+                    lb = pure(b.view(1, 1), cache=plain)[:, -1]  # the pure model's eager layers
                 assert (la - lb).abs().max().item() < 1e-4
                 a, b = la.argmax(-1), lb.argmax(-1)
             decodes = [e for e in trace.events if e["kind"] == "decode"]
             assert (len(calls), len(decodes), traced.length) == (compiled_calls, 3, 9)
             assert all(e["time_ms"] > 0 for e in decodes)
     finally:
-        model.compiled_decode = None
+        model.compiled_decode = before

@@ -30,7 +30,7 @@ def test_logits_match_transformers_on_cuda(pair, dtype):
 
 
 def test_cuda_graph_decode_matches_decode_step(pair):
-    from minillm.compile import compile_decode_step
+    from minillm.fast.compile import compile_decode_step
 
     _, folder = pair
     model = load_model(folder, device="cuda", dtype=torch.bfloat16)

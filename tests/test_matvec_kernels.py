@@ -1,5 +1,6 @@
-"""The float32 C product (minillm/matvec_kernels.c) and linear()'s choice of product, against
-float64 F.linear. (The quantised kernels are checked in test_quantize.py.)"""
+"""The float32 C product (minillm/fast/matvec_kernels.c) and the product modules a decode path swaps
+in (minillm.fast.products), against float64 F.linear. (The quantised kernels are checked in
+test_quantize.py.)"""
 
 import sys
 from pathlib import Path
@@ -7,16 +8,23 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from minillm import matvec_kernels
-from minillm import model as model_module
+from minillm.fast import kernels as matvec_kernels
+from minillm.fast.choose import apply_decode_path
+from minillm.fast.products import LINEARS, MATVEC_MAX_ROWS, SPLIT_MAX_ROWS
 
 
-@pytest.fixture
-def products():
-    """Set linear()'s products for one test, then back to the default."""
-    yield model_module.use_products
-    model_module.use_products("split")
+def _linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    """An nn.Linear holding these tensors, of the product class ``name`` (a key of LINEARS), as a decode
+    path swaps it in."""
+    with torch.device("meta"):
+        linear = LINEARS[name](1, 1, bias=bias is not None)  # (no init: the tensors below replace it)
+    linear.out_features, linear.in_features = weight.shape
+    linear.weight = nn.Parameter(weight, requires_grad=weight.requires_grad)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=False)
+    return linear
 
 
 def _oracle(x, w, b=None):
@@ -44,37 +52,32 @@ def test_portable_f32_loop_equals_float64_linear(tmp_path):
     assert (y.double() - _oracle(x, w)).abs().max() <= 1e-5 * _oracle(x, w).abs().max()
 
 
-@pytest.mark.parametrize("name", model_module.PRODUCTS)
-@pytest.mark.parametrize("rows", [1, 5, model_module.MATVEC_MAX_ROWS, model_module.MATVEC_MAX_ROWS + 1, 70])
-def test_every_product_gives_linear_with_bias(products, name, rows):
-    """Each product, across its row limits (past them linear() hands over to F.linear), a bias,
-    a [B, T, in] input and a matrix that is a row slice of a packed one (q of q|k|v)."""
+@pytest.mark.parametrize("name", LINEARS)
+@pytest.mark.parametrize("rows", [1, 5, MATVEC_MAX_ROWS, MATVEC_MAX_ROWS + 1, SPLIT_MAX_ROWS + 6])
+def test_every_product_gives_linear_with_bias(name, rows):
+    """Each product module, across its row limits (past them it hands over to F.linear), a bias,
+    a [B, T, in] input and a matrix that is a row slice of a stacked one (q of q|k|v)."""
     g = torch.Generator().manual_seed(rows)
     packed, b = torch.randn(96, 64, generator=g), torch.randn(32, generator=g)
     w, x = packed[32:64], torch.randn(1, rows, 64, generator=g)
-    products(name)
-    y = model_module.linear(x, w, b)
+    with torch.no_grad():
+        y = _linear(name, w, b)(x)
     assert y.shape == (1, rows, 32)
     assert (y.double() - _oracle(x, w, b)).abs().max() <= 1e-5 * _oracle(x, w, b).abs().max()
 
 
-def test_matvec_on_column_major_weights_or_without_a_compiler_is_f_linear(products, monkeypatch):
+def test_matvec_on_column_major_weights_or_without_a_compiler_is_f_linear(monkeypatch):
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(64, 48, generator=g), torch.randn(1, 48, generator=g)
-    products("matvec")
     calls = []
     monkeypatch.setattr(matvec_kernels, "f32_matvec", lambda *a: calls.append(a) or F.linear(*a))
     column_major = w.t().contiguous().t()  # the "long rows" layout: the kernel reads rows, so not this one
-    assert torch.allclose(model_module.linear(x, column_major), x @ w.t(), atol=1e-5) and calls == []
-    model_module.linear(x, w)
-    assert len(calls) == 1
-    monkeypatch.setattr(matvec_kernels, "available", lambda: False)
-    assert torch.allclose(model_module.linear(x, w), x @ w.t(), atol=1e-5) and len(calls) == 1
-
-
-def test_an_unknown_product_is_refused(products):
-    with pytest.raises(ValueError, match="'mkl' is not a product; use one of linear, split, matvec"):
-        products("mkl")
+    with torch.no_grad():
+        assert torch.allclose(_linear("matvec", column_major)(x), x @ w.t(), atol=1e-5) and calls == []
+        _linear("matvec", w)(x)
+        assert len(calls) == 1
+        monkeypatch.setattr(matvec_kernels, "available", lambda: False)
+        assert torch.allclose(_linear("matvec", w)(x), x @ w.t(), atol=1e-5) and len(calls) == 1
 
 
 def test_a_build_is_kept_and_loaded_by_the_next_process(tmp_path, monkeypatch):
@@ -102,21 +105,20 @@ def test_a_kept_library_that_does_not_load_is_built_again(tmp_path, monkeypatch)
     assert lib is not None and kept.read_bytes()[:4] == b"\x7fELF", why
 
 
-@pytest.mark.parametrize("name", model_module.PRODUCTS)
-def test_what_f_linear_refuses_or_computes_every_product_does_alike(products, name):
+@pytest.mark.parametrize("name", LINEARS)
+def test_what_f_linear_refuses_or_computes_every_product_does_alike(name):
     """A fresh-user trial found the matvec product reading past a buffer for a float64 or half
     weight or a wrong in-size (garbage, no error), dividing by zero for in = 0, and dropping autograd."""
-    products(name)
     x = torch.randn(1, 8)
     for weight in (torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8).half(), torch.randn(4, 5)):
         with pytest.raises(RuntimeError) as expected:
             F.linear(x, weight)
         with pytest.raises(RuntimeError, match=str(expected.value).split("(")[0][:30]):
-            model_module.linear(x, weight)
-    assert torch.equal(model_module.linear(torch.randn(2, 0), torch.randn(4, 0)), torch.zeros(2, 4))
-    w = torch.randn(4, 8, requires_grad=True)
-    model_module.linear(x, w).sum().backward()
-    assert torch.allclose(w.grad, x.expand(4, 8))
+            _linear(name, weight)(x)
+    assert torch.equal(_linear(name, torch.randn(4, 0))(torch.randn(2, 0)), torch.zeros(2, 4))
+    linear = _linear(name, torch.randn(4, 8, requires_grad=True))
+    linear(x).sum().backward()
+    assert torch.allclose(linear.weight.grad, x.expand(4, 8))
 
 
 def test_the_kernel_refuses_what_it_cannot_read(tmp_path):
@@ -194,7 +196,7 @@ def test_a_failed_ops_build_is_kept_and_not_tried_again(monkeypatch, tmp_path):
 def test_without_the_cpp_build_the_ops_run_the_python_functions(monkeypatch):
     """In a fresh process (an op's implementation is registered once a process)."""
     monkeypatch.setenv("CXX", "no-such-compiler-minillm")
-    check = ("import torch; from minillm import matvec_kernels as k; k.prepare_for_compile(); "
+    check = ("import torch; from minillm.fast import kernels as k; k.prepare_for_compile(); "
              "x, w = torch.randn(2, 64), torch.randn(9, 64); "
              "assert k.ops_implementation() == ('Python', \"no C++ compiler 'no-such-compiler-minillm' on PATH\"); "
              "assert torch.equal(torch.ops.minillm.f32_matvec(x, w), k.f32_matvec(x, w))")
@@ -232,7 +234,7 @@ def test_a_kept_ops_file_that_is_not_the_ops_is_not_taken_for_them(tmp_path, mon
     stray.write_text("int nothing(void) { return 0; }\n")
     out = tmp_path / "stray.so"
     matvec_kernels.subprocess.run(["cc", "-shared", "-fPIC", str(stray), "-o", str(out)], check=True)
-    check = f"from pathlib import Path; from minillm import matvec_kernels as k; assert k._load_ops(Path({str(out)!r})) is False"
+    check = f"from pathlib import Path; from minillm.fast import kernels as k; assert k._load_ops(Path({str(out)!r})) is False"
     run = matvec_kernels.subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)  # (a fresh
     assert run.returncode == 0, run.stderr[-2000:]  # process: this one may have registered the ops already)
 
@@ -306,26 +308,27 @@ def test_decode_attention_refuses_what_it_would_misread(change, message, where):
 
 
 @pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
-@pytest.mark.parametrize("name, in_c", [("matvec", True), ("split", False), ("linear", False)])
+@pytest.mark.parametrize("path, in_c", [("matvec", True), ("row-major+split", False), ("long-rows", False)])
 @pytest.mark.parametrize("window", [None, 4])
-def test_decode_runs_attention_in_c_on_the_matvec_products_only(products, name, in_c, window, monkeypatch, tmp_path):
-    """A decode step's logits are the same either way (up to float rounding), a sliding window
+def test_decode_runs_attention_in_c_on_the_matvec_path_only(path, in_c, window, monkeypatch, tmp_path):
+    """A decode step's logits are the plain model's (up to float rounding), a sliding window
     (the last 4 keys of 10) too; prefill (many queries) keeps SDPA."""
     from tiny_models import LLAMA_BASE, build_hf, save_hf
 
     from minillm import KVCache, decode_step, load_model, prefill
 
-    model = load_model(save_hf(build_hf("mistral", dict(LLAMA_BASE, sliding_window=window)), tmp_path), device="cpu")
+    model = load_model(save_hf(build_hf("mistral", dict(LLAMA_BASE, sliding_window=window)), tmp_path), device="cpu",
+                       fast=False)
     calls = []
     real = matvec_kernels.decode_attention
     monkeypatch.setattr(matvec_kernels, "decode_attention", lambda *a: calls.append(a[3]) or real(*a))
-    logits = {}
-    for products_now in ("split", name):
-        products(products_now)
+    logits = []
+    for apply in (lambda: None, lambda: apply_decode_path(model, path)):  # the plain modules, then the path's
+        apply()
         cache = KVCache.for_model(model, max_seq_len=20)
         prefill(model, torch.arange(9), cache)
-        logits[products_now] = decode_step(model, torch.tensor([3]), cache)
-    assert (logits[name] - logits["split"]).abs().max() <= 1e-5
+        logits.append(decode_step(model, torch.tensor([3]), cache))
+    assert model.decode_path == path and (logits[1] - logits[0]).abs().max() <= 1e-5
     assert calls == ([window or 10] * model.config.n_layers if in_c else [])
 
 

@@ -1,4 +1,10 @@
-"""minillm's logits and greedy tokens against Hugging Face transformers on the same weights."""
+"""minillm's logits and greedy tokens against Hugging Face transformers on the same weights.
+
+Both ways a model runs are checked against transformers: the lesson's plain modules
+(``load_model(..., fast=False)``) and the speed layer's (``fast=True``, the tests' decode path,
+tests/conftest.py; the C path too). The speed layer must also give the plain modules' logits
+within float32 rounding, on every tiny config, float or quantised.
+"""
 
 import json
 from importlib import resources
@@ -9,23 +15,32 @@ from tiny_models import CONFIGS, GPT2_124M, build_hf, save_hf
 
 import minillm
 from minillm import KVCache, SamplingParams, decode_step, generate, load_model, prefill
+from minillm.fast import kernels
+from minillm.fast.choose import apply_decode_path
 from minillm.loading import to_minillm_names
-from minillm import model as model_module
 from minillm.model import Transformer
 from minillm.whatif import example_configs, load_config
 
 pytest.importorskip("transformers")
 
 TOL = 1e-4
+FAST_TOL = 1e-5  # the speed layer against the plain modules, float32: the same sums in another order
+FAST = pytest.mark.parametrize("fast", [False, True], ids=["pure", "fast"])
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
-def pair(request, tmp_path_factory):
-    """(hf_model, minillm_model) with identical weights, one per tiny config."""
+def checkpoint(request, tmp_path_factory):
+    """(hf_model, folder): a tiny random transformers model and its saved checkpoint, one per config."""
     family, kwargs = CONFIGS[request.param]
     hf = build_hf(family, kwargs)
-    folder = save_hf(hf, tmp_path_factory.mktemp(request.param))
-    return hf, load_model(folder, device="cpu", dtype="float32")
+    return hf, save_hf(hf, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["pure", "fast"])
+def pair(request, checkpoint):
+    """(hf_model, minillm_model) with identical weights, per config, on the plain modules and on the fast ones."""
+    hf, folder = checkpoint
+    return hf, load_model(folder, device="cpu", dtype="float32", fast=request.param)
 
 
 def _ids(vocab, shape, seed=1):
@@ -46,12 +61,16 @@ def test_full_sequence_logits_match_transformers(pair, impl):
 
 def test_gpt2_124m_shape_matches_transformers(tmp_path):
     hf = build_hf(*GPT2_124M)
-    model = load_model(save_hf(hf, tmp_path), device="cpu", dtype="float32")
-    assert model.num_parameters() == sum(p.numel() for p in hf.parameters())
+    folder = save_hf(hf, tmp_path)
     ids = _ids(50257, (1, 24))
     with torch.no_grad():
-        diff = (model(ids) - hf(ids).logits).abs().max().item()
-    assert diff <= TOL
+        expected = hf(ids).logits
+    for fast in (False, True):
+        model = load_model(folder, device="cpu", dtype="float32", fast=fast)
+        assert model.num_parameters() == sum(p.numel() for p in hf.parameters())
+        with torch.no_grad():
+            assert (model(ids) - expected).abs().max().item() <= TOL, f"fast={fast}"
+        del model
 
 
 def _shipped_hf_fields(name: str) -> dict:
@@ -84,14 +103,17 @@ def test_real_shape_one_layer_matches_transformers(name, tmp_path):
     one layer of random weights: logits, and the KV cache's prefill + decode, as transformers'."""
     fields = _shipped_hf_fields(name)
     hf = build_hf(fields.pop("model_type"), dict(fields, num_hidden_layers=1))
-    model = load_model(save_hf(hf, tmp_path), device="cpu", dtype="float32")
-    ids = _ids(model.config.vocab_size, (1, 12))
-    with torch.no_grad():
-        expected = hf(ids).logits
-        assert (model(ids) - expected).abs().max().item() <= TOL
-    cache = KVCache.for_model(model, max_seq_len=12)
-    prefill(model, ids[:, :11], cache)
-    assert (decode_step(model, ids[:, 11], cache) - expected[:, 11]).abs().max().item() <= TOL
+    folder = save_hf(hf, tmp_path)
+    for fast in (False, True):
+        model = load_model(folder, device="cpu", dtype="float32", fast=fast)
+        ids = _ids(model.config.vocab_size, (1, 12))
+        with torch.no_grad():
+            expected = hf(ids).logits
+            assert (model(ids) - expected).abs().max().item() <= TOL, f"fast={fast}"
+        cache = KVCache.for_model(model, max_seq_len=12)
+        prefill(model, ids[:, :11], cache)
+        assert (decode_step(model, ids[:, 11], cache) - expected[:, 11]).abs().max().item() <= TOL, f"fast={fast}"
+        del model, cache
 
 
 def test_sharded_checkpoint_loads(tmp_path):
@@ -125,21 +147,45 @@ def test_prefill_then_decode_equals_full_forward(pair, impl, batch):
     assert (got - reference[:, T - 1 : T + N - 1]).abs().max().item() <= TOL
 
 
-def test_decode_on_the_c_kernels_matches_transformers(pair):
-    """The "matvec" products: decode's products and attention in C (minillm.matvec_kernels), against
-    transformers' full forward. (head_dim 16 and 24 configs: attention stays SDPA, the products C.)"""
-    hf, model = pair
+def _prefill_then_decode(model, ids, n_prefill):
+    """Prefill's logits for ids[:, :n_prefill], then a decode step's for each later token but the
+    last (teacher-forced): [B, T - n_prefill, vocab], predicting positions n_prefill..T-1."""
+    cache = KVCache.for_model(model, batch_size=ids.shape[0], max_seq_len=ids.shape[1])
+    logits = [prefill(model, ids[:, :n_prefill], cache)]
+    logits += [decode_step(model, ids[:, i], cache) for i in range(n_prefill, ids.shape[1] - 1)]
+    return torch.stack(logits, dim=1)
+
+
+@pytest.mark.parametrize("path", ["matvec", "long-rows"])
+def test_decode_on_each_path_matches_transformers(checkpoint, path):
+    """"matvec" (the rule's path where a C compiler is: decode's products and attention in C,
+    minillm/fast/kernels.py; head_dim 24 configs keep SDPA) and "long-rows" (F.linear on transposed
+    weights) against transformers' full forward."""
+    if path == "matvec" and not kernels.available():
+        pytest.skip("needs the C kernels")
+    hf, folder = checkpoint
+    model = apply_decode_path(load_model(folder, device="cpu", fast=False), path)
     ids = _ids(model.config.vocab_size, (2, 15))
-    cache = KVCache.for_model(model, batch_size=2, max_seq_len=15)
-    model_module.use_products("matvec")
-    try:
-        step_logits = [prefill(model, ids[:, :10], cache)]
-        step_logits += [decode_step(model, ids[:, i], cache) for i in range(10, 14)]
-    finally:
-        model_module.use_products("split")
     with torch.no_grad():
         expected = hf(ids).logits[:, 9:14]
-    assert (torch.stack(step_logits, dim=1) - expected).abs().max().item() <= TOL
+    assert (_prefill_then_decode(model, ids, 10) - expected).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("path", ["matvec", "long-rows+split", "row-major"])
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+def test_the_fast_paths_logits_are_the_pure_models(checkpoint, path, quantize):
+    """Prefill and decode steps (batch 2) on a decode path's modules against the same weights on the
+    plain modules (quantised: the C kernels against dequantise-then-F.linear), within float32 rounding."""
+    _, folder = checkpoint
+    pure = load_model(folder, device="cpu", fast=False, quantize=quantize)
+    fast = apply_decode_path(load_model(folder, device="cpu", fast=False, quantize=quantize), path)
+    ids = _ids(pure.config.vocab_size, (2, 14), seed=2)
+    expected = _prefill_then_decode(pure, ids, 9)
+    got = _prefill_then_decode(fast, ids, 9)
+    assert got.shape == expected.shape == (2, 5, pure.config.vocab_size)
+    torch.testing.assert_close(got, expected, atol=FAST_TOL, rtol=0)
+    with torch.no_grad():  # the full forward too (no cache, all positions)
+        torch.testing.assert_close(fast(ids), pure(ids), atol=FAST_TOL, rtol=0)
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])

@@ -1,5 +1,6 @@
 """Weight-only quantisation (minillm/quantize.py): the formats' error bounds, hand-computed codes,
-the fast kernels against the reference path, the bytes against the formula, and bad input.
+the fast kernels (minillm/fast/products.py's FastQuantizedLinear) against the reference path, the
+bytes against the formula, and bad input.
 
 Oracles: the rounding bound |w - ŵ| <= scale/2 of each format, small cases worked by hand, the
 float model's logits, and the byte formula written out here from the format's definition.
@@ -11,8 +12,10 @@ import pytest
 import torch
 from tiny_models import CONFIGS, build_hf, save_hf
 
-from minillm import KVCache, decode_step, load_model, prefill, matvec_kernels
+from minillm import KVCache, decode_step, load_model, prefill
 from minillm.costs import decode_cost, with_weights_bytes
+from minillm.fast import kernels as matvec_kernels
+from minillm.fast.products import FastQuantizedLinear
 from minillm.quantize import (
     QuantizationError,
     QuantizedLinear,
@@ -100,37 +103,37 @@ def test_pack_puts_the_earlier_element_in_the_low_nibble_and_round_trips():
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_fast_kernels_give_the_reference_logits(tiny_dirs, fmt, monkeypatch):
-    """A decode step (1 row: the C kernels) against the same model dequantising explicitly."""
+    """A decode step (1 row: the C kernels, fast=True) against the same model on the plain modules,
+    which dequantise explicitly (fast=False)."""
     calls = []
     kernel = getattr(matvec_kernels, f"{fmt}_matvec")
     monkeypatch.setattr(matvec_kernels, f"{fmt}_matvec", lambda *a: calls.append(1) or kernel(*a))
-    model = load_model(tiny_dirs["llama_gqa"], device="cpu", quantize=fmt)
     ids = torch.tensor([[3, 14, 15, 92, 65]])
     logits = {}
     for fast in (True, False):
-        for m in model.modules():
-            if isinstance(m, QuantizedLinear):
-                m.fast = fast
-        cache = KVCache.for_model(model, max_seq_len=8)
+        model = load_model(tiny_dirs["llama_gqa"], device="cpu", quantize=fmt, fast=fast)
+        assert any(type(m) is FastQuantizedLinear for m in model.modules()) == fast
+        cache, before = KVCache.for_model(model, max_seq_len=8), len(calls)
         prefill(model, ids, cache)
         logits[fast] = decode_step(model, torch.tensor([7]), cache)
-    assert calls  # the C kernel ran
+        assert (len(calls) > before) == fast  # the C kernel ran on the fast modules only
     error = (logits[True] - logits[False]).abs().max() / logits[False].abs().max()
     assert error <= 1e-4
 
 
 def test_compiled_decode_step_calls_the_kernels_as_ops(tiny_dirs):
     """The "compile" decode path on an int4 model: dynamo cannot trace ctypes, so the kernels are
-    torch custom ops; the compiled step's logits equal the eager step's (one compile, seconds)."""
-    from minillm.compile import compile_decode_step
+    torch custom ops; the compiled step's logits equal the plain modules' eager step's (one compile, seconds)."""
+    from minillm.fast.compile import compile_decode_step
 
     model = load_model(tiny_dirs["llama_gqa"], device="cpu", quantize="int4")
+    pure = load_model(tiny_dirs["llama_gqa"], device="cpu", quantize="int4", fast=False)
     ids = torch.tensor([[3, 14, 15, 92, 65]])
     eager, static = (KVCache.for_model(model, max_seq_len=12) for _ in range(2))
-    a, b = prefill(model, ids, eager).argmax(-1), prefill(model, ids, static).argmax(-1)
+    a, b = prefill(pure, ids, eager).argmax(-1), prefill(model, ids, static).argmax(-1)
     step = compile_decode_step("default")
     for _ in range(3):
-        la, lb = decode_step(model, a, eager), step(model, b, static)
+        la, lb = decode_step(pure, a, eager), step(model, b, static)
         assert (la - lb).abs().max() <= 1e-4 * la.abs().max()
         a, b = la.argmax(-1), lb.argmax(-1)
 
@@ -143,11 +146,12 @@ def test_c_kernel_equals_dequantise_then_linear(fmt, out_features, in_features, 
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(out_features, in_features, generator=g)
     x = torch.randn(rows, in_features, generator=g)
-    layer = QuantizedLinear(w, None, fmt, **({"group_size": group_size} if group_size else {}))
+    layer = FastQuantizedLinear(w, None, fmt, **({"group_size": group_size} if group_size else {}))
     assert layer._kernels_apply(x)
-    fast, reference = layer._forward_fast(x), layer.forward_reference(x)
+    fast, reference = layer._product(x), layer.forward_reference(x)
     assert (fast - reference).abs().max() <= 1e-5 * reference.abs().max()
-    assert (layer._dequantize_fast() - layer.dequantize()).abs().max() <= 1e-6 * layer.dequantize().abs().max()
+    assert torch.equal(layer(x), fast)  # (at most QUANTIZED_MAX_ROWS rows: the product in C)
+    assert (layer._unpacked() - layer.dequantize()).abs().max() <= 1e-6 * layer.dequantize().abs().max()
 
 
 def test_portable_c_loops_equal_the_reference(tmp_path):
@@ -169,7 +173,7 @@ def test_portable_c_loops_equal_the_reference(tmp_path):
 def test_no_c_compiler_falls_back_to_the_reference_path_and_says_why(monkeypatch):
     monkeypatch.setattr(matvec_kernels, "_state", {})
     monkeypatch.setenv("CC", "no-such-compiler-minillm")
-    layer = QuantizedLinear(torch.randn(4, 64), None, "int4")
+    layer = FastQuantizedLinear(torch.randn(4, 64), None, "int4")
     x = torch.randn(1, 64)
     with pytest.warns(RuntimeWarning, match="no C compiler 'no-such-compiler-minillm'.*reference path"):
         y = layer(x)
@@ -190,39 +194,39 @@ def test_quantised_logits_stay_near_the_float_model(tiny_dirs, fmt, bound):
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("name", ["qwen2", "gpt2"])
 def test_projections_sharing_an_input_are_one_stacked_matrix_with_their_own_codes(tmp_path, name, fmt):
-    """q|k|v (and gate|up) are quantised as one matrix: per-row (int8) and per-row-group (int4) scales
-    make its codes, scales, zeros and biases those of each projection quantised alone (the oracle);
-    the decode step's logits stay those of the reference path."""
+    """quantize_model quantises each projection on its own; the speed layer stacks q|k|v (and gate|up)
+    into one matrix whose rows are the members' own codes, scales, zeros and biases, each member now
+    a view of its rows (per-row int8 and per-row-group int4 scales: stacking changes no code). The
+    oracle: each float projection quantised alone. The decode step's logits stay the plain modules'."""
     folder = save_hf(build_hf(*CONFIGS[name]), tmp_path / name)
-    float_model, model = load_model(folder, device="cpu"), load_model(folder, device="cpu", quantize=fmt)
+    float_model, model = load_model(folder, device="cpu", fast=False), load_model(folder, device="cpu", quantize=fmt)
     quantize = quantize_int8 if fmt == "int8" else quantize_int4
-    stacks = {"qkv_proj": ("attn", ("q_proj", "k_proj", "v_proj"))}
+    stacks = {"qkv": ("attn", ("q_proj", "k_proj", "v_proj"))}
     if name == "qwen2":
-        stacks["gate_up_proj"] = ("mlp", ("gate_proj", "up_proj"))
+        stacks["gate_up"] = ("mlp", ("gate_proj", "up_proj"))
     for float_block, block in zip(float_model.blocks, model.blocks):
         for stacked, (part, names) in stacks.items():
-            matrix, start = getattr(getattr(block, part), stacked), 0
+            matrix, start = getattr(getattr(block, part), stacked).module, 0
+            assert type(matrix) is FastQuantizedLinear
             for proj in names:
-                linear = getattr(getattr(float_block, part), proj)
-                assert not hasattr(getattr(block, part), proj)  # removed: the stack is what runs
+                linear, member = getattr(getattr(float_block, part), proj), getattr(getattr(block, part), proj)
                 rows = slice(start, start + linear.out_features)
                 codes = quantize(linear.weight)
-                for buffer, expected in zip((matrix.qweight, matrix.scale, matrix.zero), codes):
-                    assert torch.equal(buffer[rows], expected)
+                for buffer, own, expected in zip((matrix.qweight, matrix.scale, matrix.zero),
+                                                 (member.qweight, member.scale, member.zero), codes):
+                    assert torch.equal(buffer[rows], expected) and torch.equal(own, expected)
+                    assert own.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()  # a view
                 if linear.bias is not None:
-                    assert torch.equal(matrix.bias[rows], linear.bias)
+                    assert torch.equal(matrix.bias[rows], linear.bias) and torch.equal(member.bias, linear.bias)
                 start += linear.out_features
             assert start == matrix.out_features
     ids = torch.tensor([[3, 14, 15, 92, 65]])
-    cache = KVCache.for_model(model, max_seq_len=8)
-    prefill(model, ids, cache)
-    fast = decode_step(model, torch.tensor([7]), cache)
-    for m in model.modules():
-        if isinstance(m, QuantizedLinear):
-            m.fast = False
-    cache = KVCache.for_model(model, max_seq_len=8)
-    prefill(model, ids, cache)
-    reference = decode_step(model, torch.tensor([7]), cache)
+    logits = []
+    for m in (model, load_model(folder, device="cpu", quantize=fmt, fast=False)):
+        cache = KVCache.for_model(m, max_seq_len=8)
+        prefill(m, ids, cache)
+        logits.append(decode_step(m, torch.tensor([7]), cache))
+    fast, reference = logits
     assert (fast - reference).abs().max() <= 1e-4 * reference.abs().max()
 
 
@@ -234,10 +238,12 @@ def _int4_bytes(out, n_in, group=64):
     return out * ((n_in + 1) // 2) + out * ((n_in + group - 1) // group) * (4 + 1)  # nibbles + scale, zero
 
 
+@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa_tied"])
 @pytest.mark.parametrize("fmt, matrix_bytes", [("int8", _int8_bytes), ("int4", _int4_bytes)])
-def test_weights_bytes_equal_the_formula(tiny_dirs, name, fmt, matrix_bytes):
-    model = load_model(tiny_dirs[name], device="cpu", quantize=fmt)
+def test_weights_bytes_equal_the_formula(tiny_dirs, name, fmt, matrix_bytes, fast):
+    """The stacked q|k|v and gate|up of the fast modules are the members' bytes, counted once."""
+    model = load_model(tiny_dirs[name], device="cpu", quantize=fmt, fast=fast)
     c = model.config
     kv = c.n_kv_heads * c.head_dim
     layer = (matrix_bytes(c.d_model, c.d_model) + 2 * matrix_bytes(kv, c.d_model) + matrix_bytes(c.d_model, c.d_model)
@@ -292,9 +298,11 @@ def test_cli_refuses_an_unknown_format(tiny_dirs, capsys):
 def test_parameters_count_the_weights_whatever_the_format(tiny_dirs):
     """num_parameters counted only float parameters: `minillm info --quantize int4` said 28 M for SmolLM2's 135 M."""
     for name in ("llama_gqa", "llama_mqa_tied"):
-        float_count = load_model(tiny_dirs[name], device="cpu").num_parameters()
+        float_count = load_model(tiny_dirs[name], device="cpu", fast=False).num_parameters()
         for fmt in ("int8", "int4"):
-            assert load_model(tiny_dirs[name], device="cpu", quantize=fmt).num_parameters() == float_count
+            for fast in (False, True):
+                model = load_model(tiny_dirs[name], device="cpu", quantize=fmt, fast=fast)
+                assert model.num_parameters() == float_count
 
 
 def test_reference_path_takes_float64_input_with_a_bias():
@@ -328,16 +336,18 @@ def test_the_cli_prints_minillm_warnings_on_one_line(capsys):
     assert capsys.readouterr().err == "minillm: warning: the kernels are away\n"
 
 
-def test_the_draft_model_is_quantised_like_the_target(tiny_dirs):
-    """--quantize applied to the target only; `--draft-model` ran in float32."""
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_draft_model_is_quantised_like_the_target(tiny_dirs, fast):
+    """--quantize applied to the target only; `--draft-model` ran in float32. (--no-fast reaches it too.)"""
     import argparse
 
     from minillm.cli.generate import _speculative_config
 
     args = argparse.Namespace(speculative="draft_model", draft_model=str(tiny_dirs["llama_gqa"]), weights_dir=None,
                               device="cpu", dtype=None, quantize="int4", num_speculative_tokens=3,
-                              prompt_lookup_min=None, prompt_lookup_max=None)
-    assert _speculative_config(args).draft_model.quantization == "int4"
+                              prompt_lookup_min=None, prompt_lookup_max=None, fast=fast)
+    draft = _speculative_config(args).draft_model
+    assert draft.quantization == "int4" and (draft.decode_path is not None) == fast
 
 
 def test_the_peak_memory_child_loads_the_same_quantisation(tiny_dirs, monkeypatch):

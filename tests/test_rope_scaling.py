@@ -89,9 +89,10 @@ def test_context_lengths_from_the_scaling():
 # -- whole models: a random-weight Llama with yarn, one with dynamic, against transformers ----------------
 
 
-def _pair(tmp_path, rope_parameters, max_pos=32):
+def _pair(tmp_path, rope_parameters, max_pos=32, fast=True):
+    """(transformers' model, minillm's) on the same weights; ``fast``: the speed layer's modules or the plain ones."""
     hf = build_hf("llama", dict(LLAMA_BASE, max_position_embeddings=max_pos, rope_parameters=rope_parameters))
-    return hf, load_model(save_hf(hf, tmp_path), device="cpu", dtype="float32")
+    return hf, load_model(save_hf(hf, tmp_path), device="cpu", dtype="float32", fast=fast)
 
 
 def _ids(n, seed=1):
@@ -103,10 +104,11 @@ def _fresh_rotary(hf):
     hf.model.rotary_emb = LlamaRotaryEmbedding(hf.config)
 
 
+@pytest.mark.parametrize("fast", [True, False])
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_yarn_llama_matches_transformers(tmp_path, impl):
+def test_yarn_llama_matches_transformers(tmp_path, impl, fast):
     hf, model = _pair(tmp_path, {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                 "original_max_position_embeddings": 32})
+                                 "original_max_position_embeddings": 32}, fast=fast)
     model.attn_impl = impl
     assert model.config.max_seq_len == 128
     ids = _ids(64)  # twice the original context
@@ -118,11 +120,12 @@ def test_yarn_llama_matches_transformers(tmp_path, impl):
     assert (torch.stack(logits, dim=1) - expected[:, 39:-1]).abs().max().item() <= TOL
 
 
-def test_dynamic_llama_matches_transformers_with_and_without_cache(tmp_path):
+@pytest.mark.parametrize("fast", [True, False])
+def test_dynamic_llama_matches_transformers_with_and_without_cache(tmp_path, fast):
     """Past the original 32 positions the base grows with each pass's length. Without a cache
     every position of a 60-token pass uses the base for 60; through a KV cache each decode step
     uses the base for its own length and cached keys keep theirs, in transformers as in minillm."""
-    hf, model = _pair(tmp_path, {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
+    hf, model = _pair(tmp_path, {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}, fast=fast)
     assert model.config.max_seq_len == 128
     ids = _ids(60)
     _fresh_rotary(hf)
@@ -167,7 +170,7 @@ def test_unsupported_rope_type_is_refused_by_name():
 
 
 def test_compiled_decode_refuses_dynamic_scaling(tmp_path):
-    from minillm.compile import compile_decode_step
+    from minillm.fast.compile import compile_decode_step
 
     _, model = _pair(tmp_path, {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
     with pytest.raises(ValueError, match="does not support dynamic NTK RoPE scaling"):

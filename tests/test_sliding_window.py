@@ -23,10 +23,17 @@ MISTRAL_W = dict(LLAMA_BASE, sliding_window=W)
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """(hf_model, minillm_model): a random-weight Mistral with a window of 8 (context 128)."""
+def checkpoint(tmp_path_factory):
+    """(hf_model, folder): a random-weight Mistral with a window of 8 (context 128)."""
     hf = build_hf("mistral", MISTRAL_W)
-    return hf, load_model(save_hf(hf, tmp_path_factory.mktemp("mistral_w8")), device="cpu", dtype="float32")
+    return hf, save_hf(hf, tmp_path_factory.mktemp("mistral_w8"))
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["fast", "pure"])
+def pair(request, checkpoint):
+    """(hf_model, minillm_model) on the same weights: the speed layer's modules, or the plain ones."""
+    hf, folder = checkpoint
+    return hf, load_model(folder, device="cpu", dtype="float32", fast=request.param)
 
 
 def _ids(n: int, seed: int = 1) -> torch.Tensor:
@@ -278,7 +285,7 @@ def test_speculative_refuses_a_rolling_cache_before_the_first_token(pair):
 
 def test_compiled_decode_refuses_a_window(pair):
     """The static view of torch.compile'd decode masks causally only: refused, not wrong."""
-    from minillm.compile import compile_decode_step
+    from minillm.fast.compile import compile_decode_step
 
     _, model = pair
     with pytest.raises(ValueError, match="compile_decode_step does not support sliding-window attention"):
@@ -310,7 +317,7 @@ def test_window_on_some_layers_only(pair, impl):
 
 def test_gguf_export_refuses_a_window(pair, tmp_path):
     """llama.cpp's llama architecture would attend to every position: refused, not written wrong."""
-    from minillm.gguf_export import write_f32_gguf
+    from minillm.formats.gguf_export import write_f32_gguf
 
     _, model = pair
     with pytest.raises(ValueError, match=r"a sliding window \(W=8\) is not written to GGUF here"):
@@ -318,20 +325,25 @@ def test_gguf_export_refuses_a_window(pair, tmp_path):
 
 
 def test_the_compile_decode_path_falls_back_to_the_eager_step(pair):
-    """On the "compile" decode path (minillm.decode_path) a window model decodes eagerly, not refused."""
+    """On the "compile" decode paths (minillm/fast/choose.py) a window model decodes eagerly, not refused."""
+    from minillm.fast.compile import CompiledDecodeStep
+
+    class NeverRun:
+        applies = CompiledDecodeStep.applies  # the real check: a window shorter than the cache is beyond it
+
+        def __call__(self, *args):
+            raise AssertionError("the static view was used for a window model")
+
     _, model = pair
     ids = _ids(W + 4)
     with torch.no_grad():
         reference = model(ids)
-
-    def compiled(*args):
-        raise AssertionError("the static view was used for a window model")
-
-    model.compiled_decode = compiled
+    before = getattr(model, "compiled_decode", None)
+    model.compiled_decode = NeverRun()
     try:
         cache = _cache(model, rolling=False)
         prefill(model, ids[:, : W + 3], cache)
         got = decode_step(model, ids[:, W + 3], cache)
     finally:
-        del model.compiled_decode
+        model.compiled_decode = before
     assert (got - reference[:, -1]).abs().max().item() <= TOL

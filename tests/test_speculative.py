@@ -137,13 +137,21 @@ class SilentDraft(Draft):
 def test_a_round_with_nothing_drafted_runs_the_decode_paths_step(models):
     """On a decode path with a compiled step, a round without drafts is that step (it was the eager
     forward: x0.78 plain on free-form text where the compiled step ran x1.0), greedy output unchanged."""
-    from minillm.compile import compile_decode_step
+    from minillm.fast.compile import compile_decode_step
+
+    class CountingStep:  # the compiled step, its calls counted (decode_step asks it whether it applies)
+        def __init__(self, step):
+            self.step, self.applies = step, step.applies
+
+        def __call__(self, *args):
+            calls.append(1)
+            return self.step(*args)
 
     target, _ = models
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     plain = [s.token_id for s in generate(target, PROMPTS[1], params)]
-    step, calls, before = compile_decode_step(), [], target.compiled_decode
-    target.compiled_decode = lambda *args: calls.append(1) or step(*args)
+    calls, before = [], target.compiled_decode
+    target.compiled_decode = CountingStep(compile_decode_step())
     try:
         got = [s.token_id for s in generate(target, PROMPTS[1], params,
                                             speculative=SpeculativeConfig("custom", 3, draft=SilentDraft()))]
@@ -317,9 +325,11 @@ def test_verify_refuses_what_prefill_refuses(models, tokens, error, message):
 
 # float64 is not bit-exact: a (k+1)-row product rounds differently from a 1-row one (3e-16 measured)
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
-def test_cache_equals_plain_decoding_of_the_same_tokens(model_dirs, dtype, tol):
-    """Sampled runs (each a different accept/reject pattern) vs the same tokens decoded one at a time."""
-    target, draft = (load_model(d, device="cpu").to(dtype).pack_weights() for d in model_dirs)  # float64 too
+@pytest.mark.parametrize("fast", [True, False])
+def test_cache_equals_plain_decoding_of_the_same_tokens(model_dirs, dtype, tol, fast):
+    """Sampled runs (each a different accept/reject pattern) vs the same tokens decoded one at a time,
+    on the fast modules and on the plain ones."""
+    target, draft = (load_model(d, device="cpu", dtype=dtype, fast=fast) for d in model_dirs)  # float64 too
     patterns = set()
     for seed in range(4):
         params = SamplingParams(temperature=1.5, seed=seed, max_new_tokens=20, ignore_eos=True)
@@ -386,14 +396,16 @@ def test_trace_shows_each_verification(models):
     stats = SpeculativeStats.from_steps(steps)
     assert trace.first("speculative")["acceptance_rate"] == stats.acceptance_rate
     assert trace.first("speculative")["mean_acceptance_length"] == stats.mean_acceptance_length
-    assert "<" in trace._repr_html_() and "prefill=1" in repr(trace)
+    from minillm.views.html import trace_html
+
+    assert "<" in trace_html(trace) and "prefill=1" in repr(trace)
 
 
 def test_trace_renders_each_verification(models):
     """The verify panel: a line per pass with its kept/proposed, token and cache lengths; rejected drafts marked."""
     from rich.console import Console
 
-    from minillm.render import REJECTED, verify_panel
+    from minillm.views.terminal import REJECTED, verify_panel
 
     target, draft = models
     trace = Trace()

@@ -14,6 +14,7 @@ from minillm import KVCache, SamplingParams, decode_step, generate, load_model, 
 from minillm.costs import decode_cost, prefill_cost
 from minillm.hardware import PROFILES
 from minillm.trace import Event, Trace
+from minillm.views.html import show, trace_html
 
 from tiny_models import CONFIGS, build_hf, save_hf
 
@@ -281,12 +282,13 @@ def test_jsonl_round_trips(model, tmp_path):
 def test_html_and_repr(model):
     trace = Trace()
     run(model, trace, max_new_tokens=3)
-    page = trace._repr_html_()
+    page = show(trace)._repr_html_()
     assert "TTFT" in page and page.count("class='minillm-step'") == 3
     assert not any(tag in page for tag in ("<script", "<style", "<link", "http"))  # self-contained, sanitiser-safe
     assert "next_token_id" in trace.prefill._repr_html_()
     assert trace.decode_steps._repr_html_().count("<tr>") == 3  # a header, then one row per decode step
     assert repr(trace).startswith("Trace(level='steps'") and "decode=2" in repr(trace)
+    assert repr(show(trace)) == repr(trace) and page == trace_html(trace)  # a notebook shows the trace's repr too
 
 
 def test_bad_level_is_a_value_error():
@@ -335,20 +337,21 @@ def test_bad_trace_arguments_are_named(kwargs, message):
         Trace(**kwargs)
 
 
-@pytest.mark.parametrize("products, decode_impl", [("matvec", "c"), ("split", "sdpa")])
-def test_a_decode_pass_names_the_attention_it_ran(model, products, decode_impl):
-    """On the "matvec" products a decode step's attention is minillm.matvec_kernels' C loop (was
-    labelled "sdpa"); prefill stays SDPA."""
-    from minillm import matvec_kernels
-    from minillm import model as model_module
+@pytest.mark.parametrize("path, decode_impl", [("matvec", "c"), ("row-major+split", "sdpa"), (None, "sdpa")])
+def test_a_decode_pass_names_the_attention_it_ran(model, path, decode_impl):
+    """On the "matvec" decode path a decode step's attention is minillm/fast/kernels.py's C loop (was
+    labelled "sdpa"); prefill stays SDPA, and so does every pass on the plain modules (path None).
+    The tokens are the plain modules' either way."""
+    from minillm.fast import kernels
+    from minillm.fast.choose import apply_decode_path
 
-    if products == "matvec" and not matvec_kernels.available():
+    if path == "matvec" and not kernels.available():
         pytest.skip("needs the C kernels")
-    model_module.use_products(products)
-    try:
-        trace = Trace()
-        run(model, trace, max_new_tokens=3)
-    finally:
-        model_module.use_products("split")
+    pure = load_model(model.source, device="cpu", fast=False)
+    traced = pure if path is None else apply_decode_path(load_model(model.source, device="cpu", fast=False), path)
+    trace = Trace()
+    steps = run(traced, trace, max_new_tokens=3)
+    assert [s.token_id for s in steps] == [s.token_id for s in run(pure, None, max_new_tokens=3)]
+    assert trace.first("model")["decode_path"] == path
     assert trace.prefill["attn_impl"] == "sdpa"
     assert [e["attn_impl"] for e in trace.decode_steps] == [decode_impl] * 2

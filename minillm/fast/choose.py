@@ -247,9 +247,11 @@ def measure_decode_paths(model: Transformer, names, rounds: int = 2, steps: int 
     return best
 
 
-def _candidate(name: str, what: str = "decode path") -> DecodePath:
+def _candidate(name: str, what: str | None = None) -> DecodePath:
+    """The candidate ``name``; ``what`` names the setting it came from (the environment: "or auto")."""
     if name not in CANDIDATES:
-        raise ValueError(f"{what} is not a decode path; use one of {', '.join(CANDIDATES)} (or auto)")
+        raise ValueError(f"{what or repr(name)} is not a decode path; use one of {', '.join(CANDIDATES)} "
+                         f"(or {'auto' if what else 'default'})")
     return CANDIDATES[name]
 
 

@@ -53,8 +53,10 @@ def _few_float32_rows(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> i
 def split_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weightᵀ + bias with the matrix cut into one column block per thread (see the module docstring)."""
     rows = _few_float32_rows(x, weight, SPLIT_MAX_ROWS)
+    if rows is None or torch.compiler.is_compiling():  # (inductor's bmm is slower; get_num_threads breaks a graph)
+        return F.linear(x, weight, bias)
     n, out = torch.get_num_threads(), weight.shape[0]
-    if rows is None or n == 1 or out % n or torch.compiler.is_compiling():  # (inductor's bmm is slower)
+    if n == 1 or out % n:
         return F.linear(x, weight, bias)
     blocks = weight.t().unflatten(1, (n, out // n)).transpose(0, 1)  # [n, in, out/n]
     y = torch.bmm(x.reshape(1, rows, -1).expand(n, -1, -1), blocks)  # [n, rows, out/n]
