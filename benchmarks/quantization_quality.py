@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from minillm import KVCache, SamplingParams, generate, load_model, load_tokenizer
-from minillm.weights import DEFAULT_MODEL
+from minillm.formats.weights import DEFAULT_MODEL
 
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "coriolanus_act1.txt"
 QUESTION = "What is the capital of France?"

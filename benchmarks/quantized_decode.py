@@ -26,7 +26,7 @@ import torch
 from minillm import KVCache, decode_step, load_model, prefill
 from minillm.compile import compile_decode_step
 from minillm.hardware import get_hardware
-from minillm.weights import DEFAULT_MODEL
+from minillm.formats.weights import DEFAULT_MODEL
 
 FORMATS = (None, "int8", "int4")
 PROMPT_TOKENS = 128

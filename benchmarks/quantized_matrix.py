@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from minillm import KVCache, load_model, load_tokenizer, prefill
 from minillm.quantize import QuantizedLinear
-from minillm.weights import DEFAULT_MODEL
+from minillm.formats.weights import DEFAULT_MODEL
 
 
 def median_ms(fn, repeats: int) -> float:

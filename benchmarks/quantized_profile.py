@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from minillm import KVCache, decode_step, load_model, prefill, matvec_kernels
-from minillm.weights import DEFAULT_MODEL
+from minillm.formats.weights import DEFAULT_MODEL
 
 
 def decode_ms(model, steps: int) -> float:

@@ -154,7 +154,7 @@ def load_config(name_or_path: str) -> ModelConfig:
     shipped = resources.files("minillm") / "configs" / f"{name_or_path}.json"
     if shipped.is_file():
         return ModelConfig.from_hf(json.loads(shipped.read_text()))
-    from . import weights
+    from .formats import weights
 
     if weights.is_model_name(name_or_path) and weights.is_downloaded(name_or_path):
         return ModelConfig.from_json(weights.model_dir(name_or_path))

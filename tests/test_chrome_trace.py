@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from minillm import SamplingParams, generate, load_model
-from minillm import chrome_trace as ct
+from minillm.views import chrome_trace as ct
 from minillm.cli import main
 from minillm.prefix_cache import PrefixCache
 from minillm.trace import Trace
@@ -119,8 +119,8 @@ def model(tmp_path_factory):
 
 
 def exported(trace, tmp_path):
-    """The trace written with to_chrome_trace and read back as a user's viewer reads it."""
-    with trace.to_chrome_trace(tmp_path / "run.json").open() as f:
+    """The trace written with write_trace and read back as a user's viewer reads it."""
+    with ct.write_trace(trace, tmp_path / "run.json").open() as f:
         obj = json.load(f)
     ct.validate(obj)
     return obj["traceEvents"]

@@ -241,7 +241,7 @@ def test_attn_scale_formula(scale_weights, by_layer, layer, expected):
 @pytest.mark.parametrize("index", ["{not json", '{"metadata": {}}', '{"weight_map": {"a.weight": 3}}', "[1]"])
 def test_damaged_shard_index_is_one_line(tmp_path, index):
     """A sharded checkpoint's index is read at the same boundary: a damaged one is named, not a KeyError."""
-    from minillm import weights
+    from minillm.formats import weights
     from minillm.errors import WeightsError
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_JSON))

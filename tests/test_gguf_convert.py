@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from minillm import gguf_convert
+from minillm.formats import gguf_convert
 from minillm.errors import ConfigError, ModelNotFoundError, OutputPathError
-from minillm.gguf_convert import convert_gguf, unpermute_qk
+from minillm.formats.gguf_convert import convert_gguf, unpermute_qk
 from minillm.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")

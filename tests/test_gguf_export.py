@@ -1,4 +1,4 @@
-"""Writing a model as an F32 GGUF (minillm/gguf_export.py), read back with the gguf package and with
+"""Writing a model as an F32 GGUF (minillm/formats/gguf_export.py), read back with the gguf package and with
 minillm's own GGUF converter (itself checked against transformers' GGUF loader in test_gguf_convert.py)."""
 
 import gguf
@@ -7,8 +7,8 @@ import torch
 from tiny_models import CONFIGS, LLAMA_BASE, build_hf, save_hf
 
 from minillm import KVCache, load_model, prefill
-from minillm.gguf_convert import convert_gguf, unpermute_qk
-from minillm.gguf_export import permute_qk, write_f32_gguf
+from minillm.formats.gguf_convert import convert_gguf, unpermute_qk
+from minillm.formats.gguf_export import permute_qk, write_f32_gguf
 
 
 @pytest.fixture(scope="module")

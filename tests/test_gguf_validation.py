@@ -15,9 +15,10 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
-from minillm import gguf_convert, load_model, weights
+from minillm import load_model
+from minillm.formats import gguf_convert, weights
 from minillm.errors import ConfigError, OutputPathError, WeightsError
-from minillm.gguf_convert import convert_gguf
+from minillm.formats.gguf_convert import convert_gguf
 
 D, FF, HEADS, KV_HEADS, HEAD_DIM = 8, 16, 2, 1, 4
 METADATA = {
@@ -186,7 +187,8 @@ def test_full_disk_while_converting_into_the_weights_folder_leaves_nothing(tmp_p
 CONVERT_AND_ANSWER = textwrap.dedent("""
     import os, sys, time
     import torch
-    from minillm import gguf_convert, load_model
+    from minillm import load_model
+    from minillm.formats import gguf_convert
     dequantize = gguf_convert._dequantize
     gguf_convert._dequantize = lambda tensor: (time.sleep(0.2), dequantize(tensor))[1]
     open(os.path.join(sys.argv[3], str(os.getpid())), "w").close()

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from minillm import weights
+from minillm.formats import weights
 from minillm.cli import main
 from minillm.config import ModelConfig
 from minillm.units import fmt_bytes

@@ -163,7 +163,7 @@ def test_calibration_and_floor_checks_find_problems():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_executes(path, smollm2_dir, monkeypatch):
-    from minillm import weights
+    from minillm.formats import weights
 
     # The kernel inherits this environment: the same weights folder as the tests use
     # (smollm2_dir has made sure the default model is there), plots rendered inline.

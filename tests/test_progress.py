@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minillm import weights
+from minillm.formats import weights
 from minillm.config import ModelConfig
 from minillm.model import Transformer
 from minillm.prefix_demo import run_prefix_demo

@@ -13,9 +13,9 @@ import pytest
 from rich.console import Console
 
 from minillm import SamplingParams, generate, load_model
-from minillm import plots
+from minillm.views import plots
 from minillm.hardware import PROFILES
-from minillm.render import print_trace, visible
+from minillm.views.terminal import print_trace, visible
 from minillm.sweep import sweep
 from minillm.trace import Trace
 

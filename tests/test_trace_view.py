@@ -1,4 +1,4 @@
-"""The notebook view of a trace (``Trace._repr_html_``) opened in a real headless Chromium.
+"""The notebook view of a trace (``minillm.views.html.trace_html``) opened in a real headless Chromium.
 
 The page must render and hold what a student looks at: one row per pass, time bars whose
 widths are proportional to the measured times, top-k probability bars, the KV cache
@@ -12,6 +12,7 @@ import pytest
 
 from minillm import SamplingParams, generate, load_model
 from minillm.trace import Trace
+from minillm.views.html import trace_html
 
 from tiny_models import CONFIGS, build_hf, save_hf
 
@@ -44,7 +45,7 @@ def browser():
 
 def open_trace(browser, trace, tmp_path):
     page = tmp_path / "trace.html"
-    page.write_text(f"<!doctype html><meta charset='utf-8'><body>{trace._repr_html_()}</body>")
+    page.write_text(f"<!doctype html><meta charset='utf-8'><body>{trace_html(trace)}</body>")
     browser.get(page.as_uri())
     return browser
 

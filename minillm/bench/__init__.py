@@ -10,6 +10,13 @@ All engines greedy, on the same weights, in the same process; one module per con
     memory.py     peak RSS of generating, in a fresh process
     render.py     the rich table, markdown for BENCHMARKS.md, the plot
 
+The serving benchmark (``minillm bench-serving``), on the batching engine of :mod:`minillm.serving`:
+
+    serving.py         one workload through one-at-a-time, static and continuous batching, measured
+    workload.py        seeded Poisson arrivals, prompt and output lengths
+    http_client.py     the same workload sent to a server over HTTP, timed on the client
+    metrics_scrape.py  a server's own latencies from two /metrics scrapes (before/after a run)
+
 The floors come from the cost model (:mod:`minillm.costs`) and the calibrated peaks
 (:func:`minillm.hardware.get_hardware`), via :func:`minillm.hardware.roofline`:
 

@@ -2,7 +2,7 @@
 
 llama.cpp is the peer a user knows for CPU inference; issue 16 sets minillm's batch-1 float32
 decode at >= 0.9x llama.cpp's F32 on the same machine. For a fair comparison it runs exactly
-minillm's float32 weights (:func:`minillm.gguf_export.write_f32_gguf`, written once into
+minillm's float32 weights (:func:`minillm.formats.gguf_export.write_f32_gguf`, written once into
 ``<weights_dir>/_llama_cpp/``) and a float32 KV cache, greedy, batch 1, with torch's thread count.
 
     ttft(ids)              reset, eval(prompt), argmax of the last logits
@@ -95,8 +95,8 @@ class LlamaCppEngine:
 def export_for_llama_cpp(model: Transformer) -> Path:
     """The model's F32 GGUF in ``<weights_dir>/_llama_cpp/<model folder>-f32.gguf``, written once
     (about the size of model.safetensors). Raises ModelNotFoundError without a source GGUF."""
-    from ..gguf_export import find_metadata_gguf, write_f32_gguf
-    from ..weights import weights_dir
+    from ..formats.gguf_export import find_metadata_gguf, write_f32_gguf
+    from ..formats.weights import weights_dir
 
     path = weights_dir() / "_llama_cpp" / f"{model.source.name}-f32.gguf"
     if not path.is_file():

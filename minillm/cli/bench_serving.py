@@ -6,7 +6,7 @@ import math
 import sys
 from pathlib import Path
 
-from ..weights import DEFAULT_MODEL
+from ..formats.weights import DEFAULT_MODEL
 from .common import UsageError, check_out_dir, check_out_file, ensure_model, model_options, warn, wrote
 
 SERVING_DEFAULTS = dict(num_prompts=64, input_len="uniform:32-512", output_len="uniform:16-256",
@@ -19,7 +19,7 @@ TTFT_SLO_MS, TPOT_SLO_MS = 5000.0, 500.0
 
 
 def add_bench_serving(sub) -> None:
-    from ..serving.bench import POLICIES
+    from ..bench.serving import POLICIES
     from .bench_serving_http import add_http_options
 
     p = sub.add_parser("bench-serving", help="a workload through one-at-a-time, static and continuous batching: "
@@ -69,7 +69,7 @@ def run_bench_serving(args) -> int:
     from rich.console import Console
 
     from ..loading import load_model
-    from ..serving.bench import ServingConfig, run_chunked_prefill_experiment, run_serving_bench
+    from ..bench.serving import ServingConfig, run_chunked_prefill_experiment, run_serving_bench
 
     for name, value in (SERVING_QUICK if args.quick else SERVING_DEFAULTS).items():
         if getattr(args, name) is None:  # an option given explicitly wins over the preset
@@ -116,7 +116,7 @@ def run_bench_serving(args) -> int:
 def _check_args(args) -> list[float]:
     """One-line usage errors before the model loads; returns the rates (math.inf: offline)."""
     from ..serving.paged_cache import parse_memory
-    from ..serving.workload import parse_lengths
+    from ..bench.workload import parse_lengths
 
     for flag, value, least in (("--num-prompts", args.num_prompts, 1), ("--max-num-seqs", args.max_num_seqs, 1),
                                ("--block-size", args.block_size, 1), ("--long-prompt-len", args.long_prompt_len, 0),
@@ -179,14 +179,14 @@ def _tokenizer(folder, required: bool):
 
 
 def _safe_ids(tokenizer):
-    from ..serving.workload import safe_token_ids
+    from ..bench.workload import safe_token_ids
 
     return safe_token_ids(tokenizer) if tokenizer is not None else None
 
 
 def _workloads(args, rates: list[float], vocab_size: int, tokenizer) -> dict:
     """rate -> the workload at that rate: the same prompts and lengths, only the arrivals differ."""
-    from ..serving.workload import load_jsonl, make_workload
+    from ..bench.workload import load_jsonl, make_workload
 
     out = {}
     for rate in rates:
@@ -327,7 +327,7 @@ def _print_summaries(out, rows, n_requests: int, ttft_slo_ms: float, tpot_slo_ms
 
 
 def _print_ratios(out, result) -> None:
-    from ..serving.bench import policy_ratios
+    from ..bench.serving import policy_ratios
 
     ratios, ran = policy_ratios(result.runs), {run.policy for run in result.runs}
     if not ratios or not ran & {"one-at-a-time", "static"}:
@@ -376,7 +376,7 @@ def _shown_run(result):
 
 
 def _save_plots(folder, result, shown) -> list[Path]:
-    from ..serving.plots import plot_itl, plot_rate_sweep, plot_timeline
+    from ..views.serving_plots import plot_itl, plot_rate_sweep, plot_timeline
     from ..serving.run_metrics import request_metrics
 
     folder = Path(folder)

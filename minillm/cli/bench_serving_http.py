@@ -1,7 +1,7 @@
 """minillm bench-serving --base-url URL: the serving workload sent to a server, timed on the client.
 
 The options, workload and tables are bench-serving's; only where the requests go differs
-(:mod:`minillm.serving.http_client_bench`). Against a server with ``/metrics`` the server's own
+(:mod:`minillm.bench.http_client`). Against a server with ``/metrics`` the server's own
 TTFT / ITL / e2e are printed next to the client's.
 """
 
@@ -40,8 +40,8 @@ def run_over_http(args, rates: list[float]) -> int:
     """Every rate's workload sent to ``args.base_url``; prints the tables, writes --json."""
     from rich.console import Console
 
-    from ..serving.http_client_bench import run_http_bench, served_model
-    from ..serving.workload import describe
+    from ..bench.http_client import run_http_bench, served_model
+    from ..bench.workload import describe
     from .bench_serving import _progress_bar, _workloads
 
     _check_http_args(args)
@@ -89,7 +89,7 @@ def _local_tokenizer(args, model: str):
     """The tokenizer of --tokenizer, else of the served model's name when it is a local minillm model."""
     from ..errors import MiniLLMError
     from ..tokenizer import load_tokenizer
-    from ..weights import resolve_model
+    from ..formats.weights import resolve_model
 
     name = args.tokenizer or model
     try:

@@ -151,7 +151,7 @@ def _turn(session, text: str, traced: bool, status) -> None:
     if trace is not None:
         from rich.console import Console
 
-        from ..render import print_trace
+        from ..views.terminal import print_trace
 
         print_trace(trace, Console(), prompt=False)
 

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from .. import weights
+from ..formats import weights
 from ..errors import OutputPathError, check_output_dir
 
 

@@ -323,7 +323,7 @@ def run_generate_traced(args, model, tokenizer, prompt: str, params, prefix_cach
 
     from ..generate import generate
     from ..hardware import get_hardware
-    from ..render import print_trace, prompt_panel
+    from ..views.terminal import print_trace, prompt_panel
     from ..sweep import warm_up
     from ..trace import Trace
 
@@ -362,10 +362,12 @@ def run_generate_traced(args, model, tokenizer, prompt: str, params, prefix_cach
         if args.speculative_config is not None:
             print(_speculative_summary(args.speculative_config, steps), file=sys.stderr)
     if args.trace_out:
+        from ..views.chrome_trace import write_trace
+
         chrome = _trace_format(args.trace_out) == "chrome"
-        wrote(trace.to_chrome_trace(args.trace_out) if chrome else trace.to_jsonl(args.trace_out))
+        wrote(write_trace(trace, args.trace_out) if chrome else trace.to_jsonl(args.trace_out))
     if args.plots:
-        from ..plots import save_trace_plots
+        from ..views.plots import save_trace_plots
 
         for path in save_trace_plots(trace, args.plots):
             wrote(path)
@@ -381,7 +383,7 @@ def _cached_prompt_panel(trace, prefix_cache):
     from rich.panel import Panel
     from rich.text import Text
 
-    from ..render import visible
+    from ..views.terminal import visible
 
     B = prefix_cache.block_size
     pieces = trace.first("tokenize")["token_strings"]

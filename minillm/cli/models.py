@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .. import weights
+from ..formats import weights
 from ..units import fmt_bytes
 from .common import check_out_dir, chosen_model, ensure_model, model_argument, quantize_option
 
@@ -24,7 +24,7 @@ def add_convert(sub) -> None:
 
     def run(args):
         check_out_dir("OUT_DIR", args.out_dir)  # before the gguf import and the dequantizing
-        from ..gguf_convert import convert_gguf
+        from ..formats.gguf_convert import convert_gguf
 
         print(convert_gguf(args.gguf_file, args.out_dir))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .. import weights
+from ..formats import weights
 from ..units import fmt_bytes, fmt_num
 from .common import UsageError, ensure_model, warn
 

@@ -45,12 +45,12 @@ def run_serve(args) -> int:
     try:
         import uvicorn
 
-        from ..serving.api_server import create_app
+        from ..serving.server.app import create_app
     except ImportError as error:  # the serve extra is optional
         raise UsageError(f"minillm serve needs the serve extra ({error.name} is missing): "
                          "pip install 'minillm[serve]'") from None
     from ..loading import load_model
-    from ..serving.async_engine import AsyncEngine
+    from ..serving.server.async_engine import AsyncEngine
     from ..serving.engine import LLMEngine
     from ..tokenizer import load_tokenizer
 
@@ -111,7 +111,7 @@ def _check_args(args) -> None:
 
 def _banner(host: str, port: int, name: str, engine) -> str:
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-    from ..serving.api_server import max_model_len
+    from ..serving.server.app import max_model_len
 
     return (f"minillm serve: {name} at {url}  ({engine.cache.allocator.num_blocks} KV blocks of "
             f"{engine.cache.block_size}, requests up to {max_model_len(engine)} tokens; Ctrl-C stops)\n"

@@ -27,7 +27,7 @@ def run_sweep(args) -> int:
 
     from ..hardware import get_hardware
     from ..loading import load_model
-    from ..plots import save_sweep_plots
+    from ..views.plots import save_sweep_plots
     from ..sweep import sweep
 
     if min(args.repeats, args.decode_steps) < 1:

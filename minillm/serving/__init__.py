@@ -10,18 +10,14 @@ One concept per file, in the order a request meets them:
     model_runner.py     a scheduled batch -> one forward pass -> one token per finished row
     engine.py           LLMEngine: add_request / step / generate (vLLM's names)
     step_trace.py       StepRecord: what each step did (the timeline, the Chrome trace)
-    workload.py         seeded Poisson arrivals, prompt and output lengths
     run_metrics.py      TTFT, TPOT, ITL, queueing, percentiles, SLO attainment, goodput of a run
-    bench.py            one workload through one-at-a-time, static and continuous batching, measured
-    render.py, plots.py the step trace as rich tables, timelines, rate sweeps and ITL plots
-    async_engine.py     AsyncEngine: the engine in one thread, fed by asyncio clients (adds, aborts, streams)
-    openai_protocol.py  OpenAI's request fields (pydantic, strict), its answers and chunks, its error JSON
-    api_server.py       create_app: minillm serve's FastAPI app (/v1/completions, /v1/chat/completions, ...)
-    server_metrics.py   /metrics: vLLM's Prometheus metrics under minillm:
-    http_client_bench.py the same workload sent to a server over HTTP, timed on the client
-    metrics_scrape.py   a server's own latencies from two /metrics scrapes (before/after a run)
-    web_view.py         engine_state(engine): the pool, the step, the queues as JSON; the live page
-                        (web/index.html) at GET / of minillm serve
+
+Around the engine, in other packages that import it (the engine imports neither server/ nor bench):
+
+    server/             minillm serve: AsyncEngine, the OpenAI-compatible FastAPI app, /metrics,
+                        the live web view
+    minillm.bench       serving.py, workload.py, http_client.py, metrics_scrape.py: the serving benchmark
+    minillm.views       serving_terminal.py, serving_plots.py: the step trace as rich tables and plots
 """
 
 from .block_allocator import BlockAllocator

@@ -11,7 +11,7 @@ scheduled, each token, finish) this is everything a timeline needs:
     chrome_trace_events      the run for Perfetto: a scheduler track, a track per request, counters
     write_chrome_trace       the same, validated and written as a .json file
 
-The terminal tables are :mod:`minillm.serving.render`; the plots :mod:`minillm.serving.plots`.
+The terminal tables are :mod:`minillm.views.serving_terminal`; the plots :mod:`minillm.views.serving_plots`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..chrome_trace import complete, counter, instant, process_name, thread_name, thread_sort_index, write
+from ..views.chrome_trace import complete, counter, instant, process_name, thread_name, thread_sort_index, write
 
 
 @dataclass(frozen=True)
@@ -244,7 +244,7 @@ def write_chrome_trace(path, steps, requests, metadata: dict | None = None) -> P
     """Write :func:`chrome_trace_events` to ``path`` (a .json file) and return the path.
 
     ``metadata`` (flat JSON values) is added to the file's ``otherData``, e.g. the engine's knobs.
-    Raises ValueError as :func:`minillm.chrome_trace.write` (bad events, a missing folder).
+    Raises ValueError as :func:`minillm.views.chrome_trace.write` (bad events, a missing folder).
     """
     requests = _request_list(requests)
     data = {"generator": "minillm serving", "n_steps": len(steps), "n_requests": len(requests),

@@ -1,5 +1,5 @@
 """A real `minillm serve` app for tests: uvicorn in a thread on 127.0.0.1, a free port
-(:func:`minillm.serving.api_server.run_in_thread`, which notebooks use too).
+(:func:`minillm.serving.server.app.run_in_thread`, which notebooks use too).
 
     with live_server(model, tokenizer, num_blocks=64) as url:      # "http://127.0.0.1:PORT"
         httpx.post(f"{url}/v1/completions", json={...})
@@ -16,8 +16,8 @@ import contextlib
 import socket
 import time
 
-from minillm.serving.api_server import create_app, run_in_thread
-from minillm.serving.async_engine import AsyncEngine
+from minillm.serving.server.app import create_app, run_in_thread
+from minillm.serving.server.async_engine import AsyncEngine
 from minillm.serving.engine import LLMEngine
 
 _APPS: dict[str, object] = {}  # base URL -> its FastAPI app, while the server runs

@@ -1,4 +1,4 @@
-"""The serving benchmark (minillm/serving/bench.py) and `minillm bench-serving`, on a tiny random model.
+"""The serving benchmark (minillm/bench/serving.py) and `minillm bench-serving`, on a tiny random model.
 
 What is checked is what the benchmark promises, never its speed: every policy gives every
 request its full output (the same greedy tokens), each policy keeps its own rule (one at a
@@ -14,12 +14,12 @@ import pytest
 import torch
 from tiny_models import CONFIGS, LLAMA_BASE, build_hf, save_hf
 
-from minillm import chrome_trace
+from minillm.views import chrome_trace
 from minillm.cli import main
 from minillm.config import ModelConfig
 from minillm.model import Transformer
-from minillm.serving import bench as sb
-from minillm.serving.workload import make_workload
+from minillm.bench import serving as sb
+from minillm.bench.workload import make_workload
 
 
 @pytest.fixture(autouse=True)

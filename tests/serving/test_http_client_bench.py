@@ -1,4 +1,4 @@
-"""The client-side serving benchmark (minillm/serving/http_client_bench.py) and /metrics scraping.
+"""The client-side serving benchmark (minillm/bench/http_client.py) and /metrics scraping.
 
 The oracle for the client's timing is a stub OpenAI-compatible server written here, which
 streams at known delays (first chunk after TTFT_S, then one every ITL_S) and keeps
@@ -23,9 +23,9 @@ from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse  # noqa: E402
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest  # noqa: E402
 
-from minillm.serving import http_client_bench as hb  # noqa: E402
-from minillm.serving.metrics_scrape import histogram_quantile, scrape_delta  # noqa: E402
-from minillm.serving.workload import make_workload  # noqa: E402
+from minillm.bench import http_client as hb  # noqa: E402
+from minillm.bench.metrics_scrape import histogram_quantile, scrape_delta  # noqa: E402
+from minillm.bench.workload import make_workload  # noqa: E402
 
 TTFT_S, ITL_S = 0.3, 0.1
 BUCKETS_S = (0.05, 0.25, 0.5, 1.0)
@@ -183,7 +183,7 @@ def test_minillm_serve_gives_every_request_max_tokens_and_its_metrics_match_the_
     from live_server import live_server
 
     import minillm
-    from minillm.serving.workload import safe_token_ids
+    from minillm.bench.workload import safe_token_ids
 
     model, tokenizer = tiny_chat
     w = make_workload(6, "uniform:4-24", "uniform:3-8", rate=20, seed=0, token_ids=safe_token_ids(tokenizer))

@@ -8,7 +8,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 from fastapi import FastAPI  # noqa: E402
 
-from minillm.serving.api_server import run_in_thread  # noqa: E402
+from minillm.serving.server.app import run_in_thread  # noqa: E402
 
 
 def _app(answer: str) -> FastAPI:

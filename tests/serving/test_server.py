@@ -15,7 +15,7 @@ from live_server import app_of, live_server, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 import minillm
-from minillm.serving.async_engine import AsyncEngine
+from minillm.serving.server.async_engine import AsyncEngine
 from minillm.serving.engine import LLMEngine
 
 TIMEOUT_S = 60.0
@@ -330,8 +330,8 @@ def test_chat_template_kwargs_reach_the_template():
     SmolLM2's tokenizer is) opens the answer with an empty thought."""
     from pathlib import Path
 
-    from minillm.serving.api_server import _chat_prompt_ids
-    from minillm.serving.openai_protocol import ChatCompletionRequest
+    from minillm.serving.server.app import _chat_prompt_ids
+    from minillm.serving.server.protocol import ChatCompletionRequest
 
     tokenizer = minillm.load_tokenizer("smollm2-135m-instruct")
     tokenizer.chat_template = (Path(__file__).parent.parent / "chat_templates" / "qwen3.jinja").read_text()

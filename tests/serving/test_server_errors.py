@@ -11,7 +11,7 @@ import pytest
 from live_server import app_of, live_server, wait_until
 
 import minillm
-from minillm.serving import api_server
+from minillm.serving.server import app as api_server
 
 TIMEOUT_S = 60.0
 CONTEXT = 512  # tiny_chat's max_position_embeddings

@@ -10,10 +10,11 @@ from matplotlib.patches import Rectangle
 from rich.console import Console
 from tiny_models import CONFIGS, build_hf, save_hf
 
-from minillm import SamplingParams, chrome_trace, load_model
+from minillm import SamplingParams, load_model
+from minillm.views import chrome_trace
 from minillm.serving import LLMEngine, Request, StepRecord
-from minillm.serving.plots import plot_itl, plot_rate_sweep, plot_timeline
-from minillm.serving.render import pool_panel, requests_table, steps_table
+from minillm.views.serving_plots import plot_itl, plot_rate_sweep, plot_timeline
+from minillm.views.serving_terminal import pool_panel, requests_table, steps_table
 from minillm.serving.step_trace import chrome_trace_events, request_spans, spans_by_request, write_chrome_trace
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7]]

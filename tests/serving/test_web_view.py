@@ -17,7 +17,7 @@ import time
 import pytest
 
 from minillm import LLMEngine, SamplingParams
-from minillm.serving.web_view import engine_state
+from minillm.serving.server.web_view import engine_state
 
 pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[dev]')")
 from headless_browser import headless_chrome, needs_browser  # noqa: E402

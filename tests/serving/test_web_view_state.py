@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from minillm import LLMEngine, SamplingParams
-from minillm.serving.web_view import engine_state, page_html
+from minillm.serving.server.web_view import engine_state, page_html
 
 B, MAX_NEW = 4, 4
 
@@ -123,7 +123,7 @@ def test_router_serves_the_page_and_the_state_under_the_engines_lock(engine):
     fastapi = pytest.importorskip("fastapi", reason="the server extra is not installed (pip install -e '.[serve]')")
     from fastapi.testclient import TestClient
 
-    from minillm.serving import web_view
+    from minillm.serving.server import web_view
 
     class Stub:  # what the router needs of AsyncEngine: the engine and the lock around its steps
         def __init__(self, engine):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from minillm.serving.workload import (
+from minillm.bench.workload import (
     LengthDistribution,
     WorkloadRequest,
     describe,

@@ -27,10 +27,10 @@ import time
 import uuid
 from typing import AsyncIterator, Callable
 
-from ..errors import MiniLLMError
-from ..sampling import SamplingParams
-from .engine import LLMEngine, RequestOutput
-from .request import Request
+from ...errors import MiniLLMError
+from ...sampling import SamplingParams
+from ..engine import LLMEngine, RequestOutput
+from ..request import Request
 
 
 class QueueFullError(MiniLLMError):

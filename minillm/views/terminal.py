@@ -1,5 +1,5 @@
 """Rendering a :class:`~minillm.trace.Trace`: rich panels and tables for the terminal
-(the notebook view is :mod:`minillm.render_html`).
+(the notebook view is :mod:`minillm.views.html`).
 
     prompt panel     the prompt's tokens, boundaries shown (colours, or "·" in plain text)
     prefill panel    tokens, positions, K/V written, cache, time, FLOPs, bytes, intensity
@@ -24,8 +24,8 @@ from rich.panel import Panel
 from rich.table import Column, Table
 from rich.text import Text
 
-from .trace import Trace
-from .units import fmt_bytes, fmt_num
+from ..trace import Trace
+from ..units import fmt_bytes, fmt_num
 
 TOKEN_STYLES = ("on grey23", "on dark_blue")  # alternate backgrounds mark token boundaries
 PLAIN_SEPARATOR = "·"

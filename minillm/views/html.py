@@ -1,4 +1,7 @@
-"""The notebook view of a :class:`~minillm.trace.Trace` (``Trace._repr_html_``): HTML and inline CSS.
+"""The notebook view of a :class:`~minillm.trace.Trace`: HTML and inline CSS.
+
+In a notebook, end a cell with ``show(trace)`` (a :class:`TraceView`, which Jupyter displays
+as this HTML); ``trace_html(trace)`` is the HTML as a string.
 
     header      TTFT, TPOT, end-to-end, throughput, tokens, the roofline verdict of each phase
     prompt      the prompt's tokens as chips (boundaries visible)
@@ -19,9 +22,9 @@ from __future__ import annotations
 
 import html
 
-from .render import visible
-from .trace import Trace
-from .units import fmt_bytes, fmt_ms, fmt_num
+from ..trace import Trace
+from ..units import fmt_bytes, fmt_ms, fmt_num
+from .terminal import visible
 
 PREFILL_COLOR, DECODE_COLOR = "#ff7f0e", "#1f77b4"  # matplotlib's tab:orange and tab:blue, as in plots.py
 PHASE_COLORS = {"prefill": PREFILL_COLOR, "decode": DECODE_COLOR}
@@ -39,6 +42,24 @@ def trace_html(trace: Trace) -> str:
     style = (f"font-family:{SANS};font-size:13px;line-height:1.45;color:#1f2328;background:#ffffff;"
              f"padding:12px 14px;border:1px solid {BORDER};border-radius:8px;max-width:980px")
     return f"<div class='minillm-trace' style=\"{style}\">{''.join(p for p in parts if p)}</div>"
+
+
+class TraceView:
+    """A trace as a notebook shows it: Jupyter calls ``_repr_html_``; ``repr`` is the trace's own."""
+
+    def __init__(self, trace: Trace):
+        self.trace = trace
+
+    def _repr_html_(self) -> str:
+        return trace_html(self.trace)
+
+    def __repr__(self) -> str:
+        return repr(self.trace)
+
+
+def show(trace: Trace) -> TraceView:
+    """The trace for a notebook cell to display: end the cell with ``show(trace)``."""
+    return TraceView(trace)
 
 
 # -- the parts ---------------------------------------------------------------------------------

@@ -31,11 +31,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..generation_config import generation_config_of
-from ..sampling import SamplingParams
-from . import openai_protocol as protocol
+from ...generation_config import generation_config_of
+from ...sampling import SamplingParams
+from . import protocol
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from .server_metrics import ServerMetrics
+from .metrics import ServerMetrics
 from .web_view import router as web_view_router
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there

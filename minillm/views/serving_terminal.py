@@ -17,9 +17,9 @@ from rich.panel import Panel
 from rich.table import Column, Table
 from rich.text import Text
 
+from ..serving.run_metrics import request_metrics
+from ..serving.step_trace import batch_label
 from ..units import fmt_bytes
-from .run_metrics import request_metrics
-from .step_trace import batch_label
 
 # One cell per block. The glyphs differ too, so the strip reads without colour.
 CELLS = {

@@ -54,10 +54,10 @@ from typing import Callable, Sequence
 
 from ..generate import generate
 from ..sampling import SamplingParams
-from .engine import LLMEngine
-from .request import FINISHED, RUNNING, Request
-from .run_metrics import RunSummary, request_metrics, span_s, summarize_run
-from .step_trace import StepRecord
+from ..serving.engine import LLMEngine
+from ..serving.request import FINISHED, RUNNING, Request
+from ..serving.run_metrics import RunSummary, request_metrics, span_s, summarize_run
+from ..serving.step_trace import StepRecord
 from .workload import WorkloadRequest, make_workload
 
 POLICIES = ("one-at-a-time", "static", "continuous", "continuous+chunked")
@@ -319,7 +319,7 @@ class ServingBenchResult:
     Attributes:
         runs: one :class:`PolicyRun` per (rate, policy), rates in the order given.
         config: the :class:`ServingConfig` of every run.
-        workload: :func:`~minillm.serving.workload.describe` of the offline or first workload.
+        workload: :func:`~minillm.bench.workload.describe` of the offline or first workload.
         machine: device, dtype, torch threads, load averages before and after (``os.getloadavg``).
         chunked_prefill: the result of :func:`run_chunked_prefill_experiment`, when run.
     """
@@ -332,7 +332,7 @@ class ServingBenchResult:
 
     def rows(self) -> list[dict]:
         """One dict per run: ``policy``, ``rate_req_s`` and the ``RunSummary.to_dict()`` keys
-        (what :func:`minillm.serving.plots.plot_rate_sweep` takes)."""
+        (what :func:`minillm.views.serving_plots.plot_rate_sweep` takes)."""
         return [{"policy": r.policy, "rate_req_s": r.rate_req_s, **r.summary.to_dict()} for r in self.runs]
 
     def run(self, policy: str, rate_req_s: float) -> PolicyRun | None:
@@ -510,7 +510,7 @@ def _gaps_in_time_order(requests) -> list[float]:
 
 def _pool_bytes(model, tokens: int) -> int:
     """Bytes of a pool that holds ``tokens`` positions (and a few blocks more)."""
-    from .paged_cache import bytes_per_block
+    from ..serving.paged_cache import bytes_per_block
 
     per_block = bytes_per_block(model.config, 16, next(model.parameters()).element_size())
     return per_block * (tokens // 16 + 8)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from .trace import Trace
-from .units import fmt_bytes
+from ..trace import Trace
+from ..units import fmt_bytes
 
 PREFILL_COLOR, DECODE_COLOR, ROOF_COLOR = "tab:orange", "tab:blue", "0.3"
 

@@ -1,6 +1,6 @@
 """The serving benchmark over HTTP: a workload sent to an OpenAI-compatible server, timed by the client.
 
-:mod:`minillm.serving.bench` replays a workload inside the process, on the engine. Here the
+:mod:`minillm.bench.serving` replays a workload inside the process, on the engine. Here the
 same workload goes to a server (``minillm serve``, vLLM, any OpenAI-compatible one) as its
 users would send it, and every latency is taken where a user feels it, on the client::
 
@@ -43,7 +43,7 @@ This is what vLLM's ``benchmarks/benchmark_serving.py`` does (``backend_request_
 
 Against a server with a Prometheus ``/metrics`` (minillm's, vLLM's), the server's own
 TTFT / ITL / e2e over the same run are read from two scrapes
-(:mod:`minillm.serving.metrics_scrape`), so the client-side minus server-side gap shows what
+(:mod:`minillm.bench.metrics_scrape`), so the client-side minus server-side gap shows what
 HTTP, JSON, detokenization and queueing outside the engine cost.
 """
 
@@ -56,8 +56,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from ..serving.run_metrics import RunSummary, request_metrics, span_s, summarize_run
 from .metrics_scrape import ServerSideNumbers, scrape_delta
-from .run_metrics import RunSummary, request_metrics, span_s, summarize_run
 from .workload import WorkloadRequest
 
 ERRORS_SHOWN = 5  # distinct failure messages kept in a result
@@ -378,7 +378,7 @@ def run_http_bench(base_url: str, workload: Sequence[WorkloadRequest], model: st
 
     Args:
         base_url: the server, e.g. ``http://127.0.0.1:8000`` (the ``/v1/...`` paths are added).
-        workload: from :func:`~minillm.serving.workload.make_workload`; prompts go as token ids.
+        workload: from :func:`~minillm.bench.workload.make_workload`; prompts go as token ids.
         model: the model name to send; None: the first of ``GET /v1/models``.
         ttft_slo_ms, tpot_slo_ms: the SLOs of attainment and goodput (None: not checked).
         timeout_s: the whole run's limit (s); requests still running then are cancelled and

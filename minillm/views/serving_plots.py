@@ -18,8 +18,8 @@ import math
 from matplotlib.figure import Figure
 
 from ..metrics import percentile
-from ..plots import DECODE_COLOR, PREFILL_COLOR
-from .step_trace import DECODE, PREFILL, QUEUED, spans_by_request
+from ..serving.step_trace import DECODE, PREFILL, QUEUED, spans_by_request
+from .plots import DECODE_COLOR, PREFILL_COLOR
 
 SPAN_COLORS = {QUEUED: "0.82", PREFILL: PREFILL_COLOR, DECODE: DECODE_COLOR}
 BAR_HEIGHT = 0.7

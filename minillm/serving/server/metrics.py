@@ -22,8 +22,8 @@ from __future__ import annotations
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from .openai_protocol import finish_reason
-from .request import Request
+from ..request import Request
+from .protocol import finish_reason
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), in seconds.
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -1,6 +1,6 @@
 """Write a loaded Llama-family model as a float32 GGUF file, so llama.cpp runs the very same weights.
 
-The inverse of :mod:`minillm.gguf_convert`, used by the benchmark's llama.cpp engine
+The inverse of :mod:`minillm.formats.gguf_convert`, used by the benchmark's llama.cpp engine
 (minillm/bench/llama_cpp.py): llama.cpp reads only GGUF, and comparing speeds is fair
 only on identical weights in the same dtype.
 
@@ -22,9 +22,9 @@ import gguf
 import numpy as np
 import torch
 
-from .errors import ModelNotFoundError, WeightsError
+from ..errors import ModelNotFoundError, WeightsError
 from .gguf_convert import _open_reader
-from .model import Transformer
+from ..model import Transformer
 
 # minillm parameter names -> llama.cpp's (the reverse of gguf_convert's tables, via HF's names).
 _GLOBAL = {"embed.weight": "token_embd.weight", "ln_final.weight": "output_norm.weight",
@@ -93,7 +93,7 @@ def permute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """HF's rotate-half row order of a Q or K projection -> llama.cpp's interleaved pairs
     (rows of one head, head_dim = 8: HF 0 1 2 3 4 5 6 7 -> GGUF 0 4 1 5 2 6 3 7).
 
-    The inverse of :func:`minillm.gguf_convert.unpermute_qk`; w: [n_heads * head_dim, d_model].
+    The inverse of :func:`minillm.formats.gguf_convert.unpermute_qk`; w: [n_heads * head_dim, d_model].
     Source: ``permute`` in llama.cpp convert_hf_to_gguf.py (LlamaModel).
     """
     rows, cols = w.shape

@@ -2,7 +2,7 @@
 
 ``minillm serve`` mounts :data:`router` next to the OpenAI endpoints::
 
-    GET /               the page (minillm/serving/web/index.html, one file, no CDN)
+    GET /               the page (minillm/serving/server/web/index.html, one file, no CDN)
     GET /engine/state   engine_state(engine) as JSON, polled by the page a few times a second
 
     browser ──GET /engine/state──> router ──(under async_engine.lock)──> engine_state(engine)
@@ -19,8 +19,8 @@ import time
 from functools import cache
 from importlib import resources
 
-from .run_metrics import request_metrics
-from .step_trace import StepRecord
+from ..run_metrics import request_metrics
+from ..step_trace import StepRecord
 
 MAX_FINISHED = 20  # finished requests listed, newest first: a projector's table, not a log
 MAX_BLOCKS = 4096  # blocks drawn one by one; the counts always cover the whole pool
@@ -129,7 +129,7 @@ def _finished_row(request) -> dict:
 
 def page_html() -> str:
     """The web view's page: one self-contained HTML file shipped as package data."""
-    return resources.files("minillm.serving").joinpath("web", "index.html").read_text(encoding="utf-8")
+    return resources.files("minillm.serving.server").joinpath("web", "index.html").read_text(encoding="utf-8")
 
 
 @cache

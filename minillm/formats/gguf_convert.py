@@ -31,7 +31,7 @@ from rich.progress import track
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from .errors import ConfigError, ModelNotFoundError, OutputPathError, WeightsError, check_output_dir
+from ..errors import ConfigError, ModelNotFoundError, OutputPathError, WeightsError, check_output_dir
 
 # GGUF ``general.architecture`` -> the HF model_type and class its config.json names. The metadata
 # keys of each sit under its name (``qwen2.block_count``...); the layers differ only in extra tensors.

@@ -30,6 +30,7 @@ generate request (:func:`trace_to_chrome_events`)::
 The helpers below build single events as plain dicts; :func:`validate` checks a whole
 trace and :func:`write` writes one. They know nothing of minillm, so a serving engine can
 use them for its own tracks (one tid per request, one for the scheduler).
+:func:`write_trace` writes a generate request's Trace (``minillm generate --trace-out run.json``).
 """
 
 from __future__ import annotations
@@ -263,6 +264,14 @@ def trace_to_chrome_events(trace) -> list[dict]:
         events += _pass_events(e, first=e is passes[0])
     events += [_layer_event(e, trace) for e in trace.of("layer")]
     return events
+
+
+def write_trace(trace, path) -> Path:
+    """Write one request's :class:`~minillm.trace.Trace` as a Chrome trace and return the path:
+    open it in https://ui.perfetto.dev or chrome://tracing to see the request on a timeline, one
+    track per kind of work (:func:`trace_to_chrome_events`). Raises ValueError when the folder
+    of ``path`` does not exist (see :func:`write`)."""
+    return write(path, trace_to_chrome_events(trace), trace_metadata(trace))
 
 
 def trace_metadata(trace) -> dict:
