@@ -22,6 +22,7 @@ from minillm.bench import (
     rich_table,
     run_bench,
     table_rows,
+    to_json,
     to_markdown,
 )
 from minillm.hardware import HardwareProfile
@@ -84,7 +85,7 @@ def test_all_engines_agree_on_the_greedy_tokens(result):
 
 
 def test_json_has_all_fields(result, tmp_path):
-    data = json.loads(result.to_json(tmp_path / "bench.json").read_text())
+    data = json.loads(to_json(result, tmp_path / "bench.json").read_text())
     assert {"model", "device", "dtype", "threads", "hardware", "measurements", "memory", "targets",
             "notes", "versions"} <= data.keys()
     row = data["measurements"][0]

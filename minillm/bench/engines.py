@@ -12,14 +12,13 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..baseline import generate_no_cache
 from ..kv_cache import KVCache
 from ..model import Transformer
 from ..phases import decode_step, prefill
+from .clock import Clock
 
 ENGINES = ("minillm-sdpa", "minillm-eager", "transformers", "no-cache")
 OPTIONAL_ENGINES = ("minillm-compile", "llama.cpp")  # named explicitly (--engines, --compile)
@@ -29,27 +28,6 @@ OPTIONAL_ENGINES = ("minillm-compile", "llama.cpp")  # named explicitly (--engin
 #   prepare_decode(ids, n)          -> state: the first L-1 tokens' K/V in a cache (untimed;
 #                                      the rows of ids are equal: one is prefilled, then copied)
 #   decode(ids, state, n)           -> Clock: the last prompt token, then n tokens in all
-
-
-class Clock:
-    """Arrival time of each new token, called with the token [B] once it is on the host."""
-
-    def __init__(self):
-        self.start = time.perf_counter()
-        self.times: list[float] = []
-        self.tokens: list[list[int]] = []  # [n][B]
-
-    def __call__(self, token: torch.Tensor) -> None:
-        self.tokens.append(token.reshape(-1).tolist())  # .tolist() waits for the device
-        self.times.append(time.perf_counter())
-
-    @property
-    def ttft_s(self) -> float:
-        return self.times[0] - self.start
-
-    @property
-    def gaps_s(self) -> list[float]:
-        return [b - a for a, b in zip(self.times, self.times[1:])]
 
 
 class MiniLLMEngine:

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import MiniLLMError
 from ..model import Transformer
-from .engines import Clock
+from .clock import Clock
 
 NAME = "llama.cpp"
 INSTALL_HINT = ('llama-cpp-python is not installed: the llama.cpp engine was skipped (pip install '

@@ -26,7 +26,8 @@ import torch
 from ..costs import decode_cost, prefill_cost, with_weights_bytes
 from ..hardware import HardwareProfile, get_hardware, load_calibration, roofline
 from ..model import Transformer
-from .engines import ENGINES, Clock, make_engines
+from .clock import Clock
+from .engines import ENGINES, make_engines
 from .memory import MEMORY_PROMPT_TOKENS, measure_peak_memory
 from .results import BenchResult, Measurement
 from .targets import beaten_floor_notes

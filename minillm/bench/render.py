@@ -1,8 +1,10 @@
-"""A run's numbers as a rich table, markdown (BENCHMARKS.md) and a plot."""
+"""A run's numbers as a rich table, markdown (BENCHMARKS.md), JSON and a plot."""
 
 from __future__ import annotations
 
+import json
 import textwrap
+from dataclasses import asdict
 from pathlib import Path
 
 from .results import BenchResult, Measurement, MemoryReport
@@ -85,6 +87,15 @@ def to_markdown(result: BenchResult) -> str:
         lines += ["", memory_line(result.memory)]
     lines += [f"- {note}" for note in result.notes]
     return "\n".join(lines) + "\n"
+
+
+def to_json(result: BenchResult, path) -> Path:
+    """Write every number and the targets checked against them as JSON (``minillm bench --json``)."""
+    d = result.to_dict()
+    d["targets"] = [asdict(t) for t in check_targets(result)]
+    path = Path(path)
+    path.write_text(json.dumps(d, indent=2))
+    return path
 
 
 def memory_line(mem: MemoryReport) -> str:

@@ -3,9 +3,7 @@ memory report, the targets checked, and :class:`BenchResult` that holds them all
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from ..hardware import HardwareProfile
 
@@ -116,15 +114,8 @@ class BenchResult:
         return list(dict.fromkeys(m.engine for m in self.measurements))
 
     def to_dict(self) -> dict:
+        """The numbers as JSON-ready dicts; :func:`~minillm.bench.render.to_json` adds the targets checked."""
         d = asdict(self)
-        from .targets import check_targets
-
-        d["targets"] = [asdict(t) for t in check_targets(self)]
         if self.memory is not None:
             d["memory"]["within_budget"] = self.memory.within_budget
         return d
-
-    def to_json(self, path) -> Path:
-        path = Path(path)
-        path.write_text(json.dumps(self.to_dict(), indent=2))
-        return path

@@ -48,7 +48,7 @@ def run_bench_cmd(args) -> int:
     import torch
     from rich.console import Console
 
-    from ..bench import rich_table, run_bench, targets_rich_table, to_markdown, validate_bench
+    from ..bench import rich_table, run_bench, targets_rich_table, to_json, to_markdown, validate_bench
     from ..loading import load_model
 
     for name, value in (BENCH_QUICK if args.quick else BENCH_DEFAULTS).items():
@@ -76,7 +76,8 @@ def run_bench_cmd(args) -> int:
     if targets := targets_rich_table(result):
         out.print(targets)
     print_notes(out, result.notes + ([_memory_note(result.memory)] if result.memory else []))
-    for flag, write in (("json", result.to_json), ("markdown", lambda path: write_text(path, to_markdown(result)))):
+    for flag, write in (("json", lambda path: to_json(result, path)),
+                        ("markdown", lambda path: write_text(path, to_markdown(result)))):
         if getattr(args, flag):
             wrote(write(getattr(args, flag)))
     if args.plot:

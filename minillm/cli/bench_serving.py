@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..formats.weights import DEFAULT_MODEL
+from . import bench_serving_shared as shared
 from .common import UsageError, check_out_dir, check_out_file, ensure_model, model_options, warn, wrote
 
 SERVING_DEFAULTS = dict(num_prompts=64, input_len="uniform:32-512", output_len="uniform:16-256",
@@ -92,12 +93,12 @@ def run_bench_serving(args) -> int:
     folder = ensure_model(args.model, args.weights_dir)
     model = load_model(folder, device=args.device, dtype=args.dtype, quantize=args.quantize)
     tokenizer = _tokenizer(folder, required=bool(args.dataset))
-    workloads = _workloads(args, rates, model.config.vocab_size, tokenizer)
+    workloads = shared.workloads(args, rates, model.config.vocab_size, tokenizer)
     _check_fits(args, model, next(iter(workloads.values())))
     config = ServingConfig(args.max_num_seqs, args.max_num_batched_tokens, args.kv_cache_memory, args.block_size,
                            args.ttft_slo_ms, args.tpot_slo_ms)
-    token_ids = _safe_ids(tokenizer)
-    with _progress_bar(args, len(rates) * len(args.policies) * len(next(iter(workloads.values())))) as advance:
+    token_ids = shared.safe_ids(tokenizer)
+    with shared.progress_bar(args, len(rates) * len(args.policies) * len(next(iter(workloads.values())))) as advance:
         result = run_serving_bench(model, workloads, args.policies, config, progress=advance.request)
         if args.long_prompt_len:
             result.chunked_prefill = run_chunked_prefill_experiment(
@@ -178,28 +179,6 @@ def _tokenizer(folder, required: bool):
         return None
 
 
-def _safe_ids(tokenizer):
-    from ..bench.workload import safe_token_ids
-
-    return safe_token_ids(tokenizer) if tokenizer is not None else None
-
-
-def _workloads(args, rates: list[float], vocab_size: int, tokenizer) -> dict:
-    """rate -> the workload at that rate: the same prompts and lengths, only the arrivals differ."""
-    from ..bench.workload import load_jsonl, make_workload
-
-    out = {}
-    for rate in rates:
-        rate_or_none = None if math.isinf(rate) else rate
-        if args.dataset:
-            w = load_jsonl(args.dataset, tokenizer, rate_or_none, args.seed)[: args.num_prompts]
-        else:
-            w = make_workload(args.num_prompts, args.input_len, args.output_len, rate_or_none, args.seed,
-                              vocab_size=vocab_size, token_ids=_safe_ids(tokenizer))
-        out[rate] = w
-    return out
-
-
 def _check_fits(args, model, workload) -> None:
     """Usage errors for requests the model's context cannot hold."""
     context = model.config.max_seq_len
@@ -220,59 +199,14 @@ def _experiment_sizes(args) -> dict:
                 chunk_budget=args.max_num_batched_tokens, join_after=8)
 
 
-class _Advance:
-    """The progress bar's two callbacks: one per finished request, one per experiment run."""
-
-    def __init__(self, bar, task):
-        self.bar, self.task, self.done = bar, task, 0
-
-    def request(self, policy: str, rate: float, n_finished: int, n_requests: int) -> None:
-        self.done += 1
-        self.bar.update(self.task, completed=self.done,
-                        description=f"{policy} @ {_rate_text(rate)}: {n_finished}/{n_requests} requests")
-
-    def experiment(self, name: str) -> None:
-        self.done += 1
-        self.bar.update(self.task, completed=self.done, description=f"chunked-prefill experiment: {name}")
-
-
-class _progress_bar:
-    """A rich bar on stderr over every request of every run (drawn only on a terminal), then erased."""
-
-    def __init__(self, args, n_requests: int):
-        from rich.console import Console
-        from rich.progress import Progress
-
-        console = Console(stderr=True)
-        self.progress = Progress(console=console, disable=args.quiet or not console.is_terminal, transient=True)
-        self.total = n_requests + (2 if args.long_prompt_len else 0)
-
-    def __enter__(self) -> _Advance:
-        self.progress.__enter__()
-        return _Advance(self.progress, self.progress.add_task("warm-up", total=self.total))
-
-    def __exit__(self, *exc):
-        return self.progress.__exit__(*exc)
-
-
 # -- output -------------------------------------------------------------------------------------
-
-
-def _rate_text(rate) -> str:
-    return "inf" if rate in ("inf", math.inf) else f"{rate:g} req/s"
-
-
-def _ms(value) -> str:
-    from ..units import fmt_num
-
-    return "-" if value is None else fmt_num(value)
 
 
 def _print_result(out, result) -> None:
     from ..units import fmt_bytes, fmt_num
 
     cfg = result.config
-    _print_summaries(out, [(run.rate_req_s, run.policy, run.summary) for run in result.runs],
+    shared.print_summaries(out, [(run.rate_req_s, run.policy, run.summary) for run in result.runs],
                      result.workload["n_requests"], cfg.ttft_slo_ms, cfg.tpot_slo_ms)
     _print_ratios(out, result)
     kv = [r for r in result.runs if r.kv_memory is not None]
@@ -281,7 +215,7 @@ def _print_result(out, result) -> None:
                   f"max_seq_len KVCache per running request; target paged <= 1.25x held):")
     for run in kv:
         m = run.kv_memory
-        out.print(f"- {run.policy} @ {_rate_text(run.rate_req_s)}: paged {fmt_bytes(m.paged_bytes)} "
+        out.print(f"- {run.policy} @ {shared.rate_text(run.rate_req_s)}: paged {fmt_bytes(m.paged_bytes)} "
                   f"({m.num_blocks_used} blocks) vs held {fmt_bytes(m.held_bytes)} ({m.held_tokens} tokens): "
                   f"x{m.paged_over_held:.3f}; {m.num_running} x KVCache({m.max_seq_len}) = "
                   f"{fmt_bytes(m.max_seq_len_bytes)}; pool {fmt_bytes(m.pool_bytes)}")
@@ -298,34 +232,6 @@ def _print_result(out, result) -> None:
               f"(1/5/15 min) {_load(m['loadavg_before'])} before, {_load(m['loadavg_after'])} after the runs[/dim]")
 
 
-def _print_summaries(out, rows, n_requests: int, ttft_slo_ms: float, tpot_slo_ms: float,
-                     last_column: tuple[str, str] = ("preempt", "n_preemptions")) -> None:
-    """The throughput and latency tables, a row per (rate, policy, RunSummary); ``last_column``:
-    the throughput table's last header and the RunSummary count it shows."""
-    from rich import box
-    from rich.table import Table
-
-    from ..units import fmt_num
-
-    # Two tables of 8 columns rather than one of 13, so that an 80-column terminal shows every number.
-    throughput = Table("rate", "policy", "req/s", "out tok/s", "total tok/s", "SLO met", "goodput", last_column[0],
-                       box=box.SIMPLE_HEAD, title=f"Serving {n_requests} requests: throughput "
-                       f"(SLO: TTFT <= {ttft_slo_ms:g} ms and TPOT <= {tpot_slo_ms:g} ms; goodput in req/s)")
-    latency = Table("rate", "policy", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99",
-                    box=box.SIMPLE_HEAD, title="Latency (ms)")
-    for rate_req_s, policy, s in rows:
-        rate = _rate_text(rate_req_s)
-        throughput.add_row(rate, policy, fmt_num(s.request_throughput_req_s), fmt_num(s.output_throughput_tok_s),
-                           fmt_num(s.total_token_throughput_tok_s),
-                           "-" if s.slo_attainment is None else f"{100 * s.slo_attainment:.0f}%",
-                           "-" if s.goodput_req_s is None else fmt_num(s.goodput_req_s),
-                           str(getattr(s, last_column[1])))
-        latency.add_row(rate, policy, _ms(s.p50_ttft_ms), _ms(s.p99_ttft_ms), _ms(s.p50_tpot_ms),
-                        _ms(s.p99_tpot_ms), _ms(s.p99_itl_ms))
-    out.print(throughput)
-    out.print(latency)
-
-
 def _print_ratios(out, result) -> None:
     from ..bench.serving import policy_ratios
 
@@ -339,7 +245,7 @@ def _print_ratios(out, result) -> None:
             ("output tok/s vs one-at-a-time", "output_tok_s_vs_one_at_a_time"),
             ("vs static", "output_tok_s_vs_static"), ("goodput vs one-at-a-time", "goodput_vs_one_at_a_time"))
             if r[key] is not None or (key == "goodput_vs_one_at_a_time" and "one-at-a-time" in ran)]
-        out.print(f"- {r['policy']} @ {_rate_text(r['rate_req_s'])}: " + ", ".join(parts))
+        out.print(f"- {r['policy']} @ {shared.rate_text(r['rate_req_s'])}: " + ", ".join(parts))
 
 
 def _x(value) -> str:
@@ -363,7 +269,7 @@ def _write_outputs(args, result) -> None:
         from ..serving.step_trace import write_chrome_trace
 
         wrote(write_chrome_trace(args.trace_out, shown.steps, shown.requests,
-                                 {"policy": shown.policy, "rate_req_s": _rate_text(shown.rate_req_s)}))
+                                 {"policy": shown.policy, "rate_req_s": shared.rate_text(shown.rate_req_s)}))
     if args.plots:
         for path in _save_plots(args.plots, result, shown):
             wrote(path)
@@ -384,7 +290,7 @@ def _save_plots(folder, result, shown) -> list[Path]:
     cfg, paths = result.config, []
     figures = {"serving_rate_sweep.png": plot_rate_sweep(result.rows(), cfg.ttft_slo_ms, cfg.tpot_slo_ms),
                "serving_timeline.png": plot_timeline(shown.requests, shown.steps,
-                                                     f"{shown.policy} @ {_rate_text(shown.rate_req_s)}")}
+                                                     f"{shown.policy} @ {shared.rate_text(shown.rate_req_s)}")}
     if result.chunked_prefill is not None:
         c = result.chunked_prefill
         figures["serving_itl.png"] = plot_itl(
@@ -395,7 +301,7 @@ def _save_plots(folder, result, shown) -> list[Path]:
         first = result.runs[0].rate_req_s
         figures["serving_itl.png"] = plot_itl(
             {r.policy: [g for q in r.requests for g in request_metrics(q).itl_ms]
-             for r in result.runs if r.rate_req_s == first}, f"ITL @ {_rate_text(first)}")
+             for r in result.runs if r.rate_req_s == first}, f"ITL @ {shared.rate_text(first)}")
     for name, fig in figures.items():
         fig.savefig(folder / name, dpi=80)
         paths.append(folder / name)

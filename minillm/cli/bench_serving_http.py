@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from . import bench_serving_shared as shared
 from .common import UsageError, wrote
 
 DEFAULT_TIMEOUT_S = 1800.0
@@ -42,7 +43,6 @@ def run_over_http(args, rates: list[float]) -> int:
 
     from ..bench.http_client import run_http_bench, served_model
     from ..bench.workload import describe
-    from .bench_serving import _progress_bar, _workloads
 
     _check_http_args(args)
     base_url = args.base_url.rstrip("/").removesuffix("/v1")  # the openai client's base_url works too
@@ -51,12 +51,12 @@ def run_over_http(args, rates: list[float]) -> int:
     except ValueError as e:
         raise UsageError(f"--base-url: {e}") from None
     tokenizer = _local_tokenizer(args, model)
-    workloads = _workloads(args, rates, tokenizer.vocab_size, tokenizer)
+    workloads = shared.workloads(args, rates, tokenizer.vocab_size, tokenizer)
     shape = describe(next(iter(workloads.values())))
     args.long_prompt_len = 0  # the chunked-prefill experiment runs in-process only
     loadavg_before = list(os.getloadavg())
     runs = []
-    with _progress_bar(args, sum(len(w) for w in workloads.values())) as advance:
+    with shared.progress_bar(args, sum(len(w) for w in workloads.values())) as advance:
         for rate, workload in workloads.items():
             def progress(n_done: int, n_requests: int) -> None:
                 advance.request("http", rate, n_done, n_requests)
@@ -101,9 +101,7 @@ def _local_tokenizer(args, model: str):
 
 
 def _print_http(out, args, runs, n_requests: int) -> None:
-    from .bench_serving import _print_summaries
-
-    _print_summaries(out, [(rate, "http", r.summary) for rate, r in runs], n_requests, args.ttft_slo_ms,
+    shared.print_summaries(out, [(rate, "http", r.summary) for rate, r in runs], n_requests, args.ttft_slo_ms,
                      args.tpot_slo_ms, last_column=("failed", "n_aborted"))
     for rate, r in runs:
         out.print(f"@ {_rate(rate)}:")
@@ -118,13 +116,11 @@ def _print_http(out, args, runs, n_requests: int) -> None:
 
 def _notes(r) -> list[str]:
     """Failures, lateness, token counts, what the server counted against what the client saw."""
-    from .bench_serving import _ms
-
     s = r.summary
     notes = [f"{r.n_failed} of {s.n_requests} requests failed" + (
         ": " + ", ".join(f"{msg} (x{n})" for msg, n in r.errors.items()) if r.errors else "")]
     if s.p99_queue_ms is not None:
-        notes.append(f"requests sent p99 {_ms(s.p99_queue_ms)} ms after their arrival time (the client's own delay, "
+        notes.append(f"requests sent p99 {shared.ms(s.p99_queue_ms)} ms after their arrival time (the client's own delay, "
                      "inside TTFT)")
     if r.n_count_mismatch:
         notes.append(f"{_requests(r.n_count_mismatch)} streamed a different token count than the usage says "
@@ -152,8 +148,6 @@ def _client_vs_server(r, rate):
     from rich import box
     from rich.table import Table
 
-    from .bench_serving import _ms
-
     table = Table("latency", "stat", "client", "server", "gap", box=box.SIMPLE_HEAD,
                   title=f"Client vs server (ms) @ {_rate(rate)}")
     for key, name in (("ttft", "TTFT"), ("itl", "ITL"), ("e2e", "e2e")):
@@ -162,7 +156,7 @@ def _client_vs_server(r, rate):
             client, theirs = getattr(r.summary, f"{stat}_{key}_ms"), server.get(stat)
             # a gap only of means: the server's percentiles are bucket estimates (see the note below)
             gap = None if client is None or theirs is None or stat != "mean" else client - theirs
-            table.add_row(name if stat == "mean" else "", stat, _ms(client), _ms(theirs), _ms(gap))
+            table.add_row(name if stat == "mean" else "", stat, shared.ms(client), shared.ms(theirs), shared.ms(gap))
     return table
 
 
