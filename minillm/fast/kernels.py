@@ -2,7 +2,7 @@
 built at first use, called through ctypes.
 
 Why C and not PyTorch: a decode step's product is one row by a matrix, so its floor is reading the
-weights; MKL reads a one-row float32 product with one core (minillm.model.linear), and a quantised
+weights; MKL reads a one-row float32 product with one core (minillm.fast.products), and a quantised
 kernel must widen the codes to float as fast as it reads them. Measured on the developers'
 2-core AMD EPYC (AVX2), SmolLM2-135M's 49152x576 LM head, float32 ``F.linear`` 6.9-10.6 ms (layout):
 
@@ -14,9 +14,9 @@ kernel must widen the codes to float as fast as it reads them. Measured on the d
     int4 this file                                  1.3-2.2 ms
 
 (BENCHMARKS.md, "Weight-only quantisation", has the runs.) float32: SmolLM2-135M's 121 decode
-products took 32-35 ms here (16 GB/s) against 40-42 ms for linear()'s split MKL product (13 GB/s)
+products took 32-35 ms here (16 GB/s) against 40-42 ms for the split MKL product (13 GB/s)
 and 59-66 ms for one-core ``F.linear`` (same session); the "matvec" decode paths use it
-(minillm.decode_path). Prefill's many rows are compute-bound:
+(minillm.fast.choose). Prefill's many rows are compute-bound:
 there the C loops only unpack each matrix to float (int4: 31 ms for SmolLM2's blocks, 204 ms in
 PyTorch) for one float product.
 
@@ -28,7 +28,7 @@ kernel spends its time elsewhere: on the developers' EPYC this loop took a compi
 The C compiler is the one ``torch.compile`` also needs (``cc``, or ``$CC``); the build takes about a
 second, once per machine: it is kept in ``<weights_dir>/kernels/`` (``-march=native``: for this CPU
 only, so the CPU's name is part of its file name). With
-no compiler, :func:`available` is False and QuantizedLinear runs its reference path (4-9x slower
+no compiler, :func:`available` is False and quantised matrices run their reference product (4-9x slower
 than float32), saying so once.
 
 Each kernel is also a torch op (``torch.ops.minillm.f32_matvec``, ...), which is how a
