@@ -150,7 +150,7 @@ def verify(model: Transformer, token_ids, cache: KVCache) -> torch.Tensor:
     Returns float32 logits [k+1, vocab].
 
     With nothing drafted (k = 0) the pass is :func:`decode_step`, so a decode path with a
-    compiled step (:mod:`minillm.decode_path`) runs it: free-form text has many such rounds.
+    compiled step (:mod:`minillm.fast.choose`) runs it: free-form text has many such rounds.
 
     Raises ValueError (as :func:`prefill`: empty ids, ids out of vocab range, a cache for another
     batch or model), CacheFullError (no room for k+1 tokens).

@@ -3,7 +3,7 @@
     engine           prefill (TTFT)                    decode (TPOT)
     minillm-sdpa     prefill() of the prompt           decode_step() over the KV cache
     minillm-eager    the same, attention written out
-    minillm-compile  (--compile) the same, decode_step compiled (minillm.compile)
+    minillm-compile  (--compile) the same, decode_step compiled (minillm.fast.compile)
     transformers     generate(max_new_tokens=1)        generate() continuing its KV cache
     no-cache         one forward pass (the same)       a forward pass over the whole sequence
                                                        for every token (minillm.baseline)
@@ -196,7 +196,7 @@ def make_engines(model: Transformer, names=ENGINES, hf_model=None, compile_mode:
         if name in ("minillm-sdpa", "minillm-eager"):
             engines.append(MiniLLMEngine(model, name.removeprefix("minillm-")))
         elif name == "minillm-compile":
-            from ..compile import compile_decode_step
+            from ..fast.compile import compile_decode_step
 
             step = compile_decode_step(mode=compile_mode or "default")
             engines.append(MiniLLMEngine(model, "sdpa", name="minillm-compile", step=step))

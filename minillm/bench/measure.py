@@ -114,7 +114,7 @@ def run_bench(
                 tokens[id(measurements[-1])] = clocks[0].tokens
     _add_comparisons(measurements, tokens)
     notes += _no_cache_notes(built, context_lengths, decode_tokens)
-    if getattr(model, "decode_choice", None) is not None:  # set by load_model (minillm/decode_path.py)
+    if getattr(model, "decode_choice", None) is not None:  # set by load_model (minillm/fast/choose.py)
         notes.append(f"minillm's decode path: {model.decode_choice}")
     notes += beaten_floor_notes(measurements, hw)
 

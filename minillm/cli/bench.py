@@ -57,7 +57,7 @@ def run_bench_cmd(args) -> int:
     _check_bench_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = load_model(ensure_model(args.model, args.weights_dir), device=args.device, dtype=args.dtype, quantize=args.quantize)
+    model = load_model(ensure_model(args.model, args.weights_dir), device=args.device, dtype=args.dtype, quantize=args.quantize, fast=args.fast)
     try:  # lengths against the model's context: before any work
         validate_bench(model, args.prompt_lengths, args.context_lengths, args.batch_sizes, args.repeats,
                        args.decode_tokens, args.memory_tokens)

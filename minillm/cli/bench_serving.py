@@ -91,7 +91,7 @@ def run_bench_serving(args) -> int:
 
         torch.set_num_threads(args.threads)
     folder = ensure_model(args.model, args.weights_dir)
-    model = load_model(folder, device=args.device, dtype=args.dtype, quantize=args.quantize)
+    model = load_model(folder, device=args.device, dtype=args.dtype, quantize=args.quantize, fast=args.fast)
     tokenizer = _tokenizer(folder, required=bool(args.dataset))
     workloads = shared.workloads(args, rates, model.config.vocab_size, tokenizer)
     _check_fits(args, model, next(iter(workloads.values())))

@@ -45,7 +45,7 @@ def run_chat(args) -> int:
     if args.max_context is not None and args.max_context < 1:
         raise UsageError(f"--max-context must be >= 1, got {args.max_context}")
     folder = ensure_model(args.model, args.weights_dir)
-    model = load_model(folder, device=args.device, dtype=args.dtype, quantize=args.quantize)
+    model = load_model(folder, device=args.device, dtype=args.dtype, quantize=args.quantize, fast=args.fast)
     if args.max_context is not None and args.max_context > model.config.max_seq_len:
         raise UsageError(f"--max-context must be at most {model.config.max_seq_len} (the model's context), "
                          f"got {args.max_context}")

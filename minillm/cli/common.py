@@ -56,6 +56,7 @@ def model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu, cuda or mps (default: cuda if available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default float32 (bfloat16 on cuda)")
     quantize_option(p)
+    fast_option(p)
     p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
 
 
@@ -83,6 +84,12 @@ def warn_if_template_ignores_thinking(args, tokenizer) -> None:
 def quantize_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=["int8", "int4"],
                    help="weight-only quantisation of the matrices at load (minillm/quantize.py); default: float")
+
+
+def fast_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
+                   help="the speed layer (minillm/fast: stacked and C products, attention in C); --no-fast runs "
+                        "the lesson's plain PyTorch, the same logits (default: --fast)")
 
 
 def model_argument(p: argparse.ArgumentParser, help: str) -> None:

@@ -95,7 +95,7 @@ def run_generate(args) -> int:
     _check_generate_args(args)
     prompts = [_read_prompt(p) for p in args.prompt] or [_read_prompt(None)]
     folder = ensure_model(args.model, args.weights_dir)
-    model = load_model(folder, device=args.device, dtype=args.dtype, quantize=args.quantize)
+    model = load_model(folder, device=args.device, dtype=args.dtype, quantize=args.quantize, fast=args.fast)
     tokenizer = load_tokenizer(folder)
     warn_if_template_ignores_thinking(args, tokenizer)
     if args.system is not None and args.chat is None and not tokenizer.has_chat_template:
@@ -175,7 +175,7 @@ def _speculative_config(args):
     draft = None
     if args.draft_model is not None:
         draft = load_model(ensure_model(args.draft_model, args.weights_dir), device=args.device, dtype=args.dtype,
-                           quantize=args.quantize)  # --quantize applies to every model the command loads
+                           quantize=args.quantize, fast=args.fast)  # --quantize applies to every model the command loads
     k = 5 if args.num_speculative_tokens is None else args.num_speculative_tokens
     return SpeculativeConfig(args.speculative, k, draft_model=draft, **_lookup_flags(args))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..formats import weights
 from ..units import fmt_bytes
-from .common import check_out_dir, chosen_model, ensure_model, model_argument, quantize_option
+from .common import check_out_dir, chosen_model, ensure_model, fast_option, model_argument, quantize_option
 
 
 def add_download(sub) -> None:
@@ -39,6 +39,7 @@ def add_info(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="the dtype the bytes are counted in")
     quantize_option(p)
+    fast_option(p)
     p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     p.set_defaults(run=run_info)
 
@@ -50,7 +51,7 @@ def run_info(args) -> int:
     from ..loading import load_model
 
     args.model = chosen_model(args)
-    model = load_model(ensure_model(args.model, args.weights_dir), device="cpu", dtype=args.dtype, quantize=args.quantize)
+    model = load_model(ensure_model(args.model, args.weights_dir), device="cpu", dtype=args.dtype, quantize=args.quantize, fast=args.fast)
     c = model.config
     dtype_bytes = next(model.parameters()).element_size()
     weights = f", {args.quantize} weights" if args.quantize else ""

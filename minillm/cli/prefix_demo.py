@@ -31,7 +31,7 @@ def run_prefix_demo_cmd(args) -> int:
     if min(args.requests, args.block_size, args.max_new_tokens) < 1:
         raise UsageError("--requests, --block-size and --max-new-tokens must be >= 1")
     folder = ensure_model(args.model, args.weights_dir)
-    model = load_model(folder, device=args.device, dtype=args.dtype, quantize=args.quantize)
+    model = load_model(folder, device=args.device, dtype=args.dtype, quantize=args.quantize, fast=args.fast)
     result = run_prefix_demo(model, load_tokenizer(folder), args.requests, args.block_size, args.max_new_tokens,
                              progress=not args.quiet)
     table = Table("req", "prompt", "cached", "prefill", "TTFT ms\nno cache", "TTFT ms\ncache", "speedup",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 from ..formats import weights
@@ -18,7 +17,7 @@ def add_calibrate(sub) -> None:
     p.add_argument("--quick", action="store_true", help="smaller, faster measurement (less accurate)")
     p.add_argument("--decode-path", action="store_true",
                    help="also measure each decode path of --model on the cpu in float32 (layout, split product, "
-                        "torch.compile: a minute or more) and keep the fastest (minillm/decode_path.py)")
+                        "torch.compile: a minute or more) and keep the fastest (minillm/fast/choose.py)")
     p.add_argument("--model", "-m", default=weights.DEFAULT_MODEL,
                    help=f"the model whose decode path is shown or measured (default: {weights.DEFAULT_MODEL})")
     p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
@@ -40,15 +39,14 @@ def run_calibrate(args) -> int:
 def _decode_path(args, console) -> str:
     """The cached (or, with --decode-path, measured now) decode path of --model, as one line."""
     from ..config import ModelConfig
-    from ..decode_path import CANDIDATES, ENV_VAR, calibrate_decode_path, load_decode_choice
+    from ..fast.choose import CANDIDATES, calibrate_decode_path, load_decode_choice
     from ..loading import load_model
 
     if not args.decode_path:
         if weights.is_model_name(args.model) and not weights.is_downloaded(args.model):
             return "not measured yet (the model is not downloaded)"  # showing it is no reason to fetch it
         choice = load_decode_choice(ModelConfig.from_json(weights.resolve_model(args.model)))
-        return str(choice) if choice else "not measured yet (measured at its first load; --decode-path: now, all)"
-    os.environ[ENV_VAR] = "row-major"  # load without the first-load measurement: all are measured next
+        return str(choice) if choice else "not measured (chosen by rule at load; --decode-path measures them all)"
     model = load_model(ensure_model(args.model, None), device="cpu", dtype="float32")
     with console.status("measuring decode paths") as status:
         choice = calibrate_decode_path(model, progress=lambda line: status.update(f"measuring {line}"))

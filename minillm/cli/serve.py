@@ -59,7 +59,7 @@ def run_serve(args) -> int:
 
         torch.set_num_threads(args.threads)
     folder = ensure_model(args.model, args.weights_dir)
-    model, tokenizer = load_model(folder, device=args.device, dtype=args.dtype, quantize=args.quantize), load_tokenizer(folder)
+    model, tokenizer = load_model(folder, device=args.device, dtype=args.dtype, quantize=args.quantize, fast=args.fast), load_tokenizer(folder)
     engine = LLMEngine(model, tokenizer, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_chunked_prefill=args.enable_chunked_prefill,

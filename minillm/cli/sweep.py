@@ -33,7 +33,7 @@ def run_sweep(args) -> int:
     if min(args.repeats, args.decode_steps) < 1:
         raise UsageError("--repeats and --decode-steps must be >= 1")
     check_out_dir("--out", args.out)
-    model = load_model(ensure_model(args.model, args.weights_dir), device=args.device, dtype=args.dtype, quantize=args.quantize)
+    model = load_model(ensure_model(args.model, args.weights_dir), device=args.device, dtype=args.dtype, quantize=args.quantize, fast=args.fast)
     param = next(model.parameters())
     hw = get_hardware(param.device, param.dtype)
     result = sweep(model, args.prompt_lengths, args.context_lengths, args.repeats, args.decode_steps, hw,

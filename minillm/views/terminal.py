@@ -219,7 +219,7 @@ def summary_panel(trace: Trace) -> Panel | None:
         grid.add_row("detokenize", f"{detok['time_ms']:9.2f} ms  for {detok['n_tokens']} tokens")
     model = trace.first("model")
     if model is not None and model.get("decode_path"):
-        grid.add_row("path", f"{model['decode_path']}  decode path (minillm/decode_path.py)")
+        grid.add_row("path", f"{model['decode_path']}  decode path (minillm/fast/choose.py)")
     return Panel(grid, title="Summary", title_align="left")
 
 

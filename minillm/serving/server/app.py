@@ -10,7 +10,7 @@
 Each HTTP request is a coroutine; all of them feed one :class:`AsyncEngine`, whose thread
 steps the engine and batches whatever requests are in flight. ``stream: true`` answers with
 server-sent events in OpenAI's chunk format (``data: {...}`` lines, then ``data: [DONE]``).
-Text is streamed as the engine releases it (:class:`~minillm.generate.TextStream`), so a
+Text is streamed as the engine releases it (:class:`~minillm.stopping.TextStream`), so a
 chunk never splits a UTF-8 character or shows part of a stop string.
 """
 
