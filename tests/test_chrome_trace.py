@@ -10,15 +10,16 @@ import shutil
 import pytest
 
 from minillm import SamplingParams, generate, load_model
-from minillm.views import chrome_trace as ct
 from minillm.cli import main
+from minillm.formats import trace_events as te
 from minillm.prefix_cache import PrefixCache
 from minillm.trace import Trace
+from minillm.views import chrome_trace as ct
 
 from tiny_models import CONFIGS, LLAMA_BASE, build_hf, save_hf
 
 PROMPT = [5, 17, 99, 3, 42, 8, 61, 7, 12]
-GOOD = ct.complete("prefill", 0.0, 10.0, 1, 2)
+GOOD = te.complete("prefill", 0.0, 10.0, 1, 2)
 
 
 # -- validate() --------------------------------------------------------------------------------------
@@ -46,24 +47,24 @@ BAD_EVENTS = {
     "tid a float": (dict(GOOD, tid=2.0), "tid must be an int"),
     "name not a str": (dict(GOOD, name=3), "name must be a str"),
     "args a list": (dict(GOOD, args=[1]), "args must be a dict"),
-    "instant without tid": (_without(ct.instant("hit", 1.0, 1, 5), "tid"), "missing tid"),
-    "instant bad scope": (ct.instant("hit", 1.0, 1, 5, scope="x"), "instant scope s must be one of g, p, t"),
-    "counter without args": (_without(ct.counter("kv", 1.0, 1, {"bytes": 1}), "args"), "missing args"),
-    "counter empty": (ct.counter("kv", 1.0, 1, {}), "counter values must be numbers"),
-    "counter a string": (ct.counter("kv", 1.0, 1, {"bytes": "1 KiB"}), "counter values must be numbers"),
-    "metadata unknown": (dict(ct.process_name(1, "p"), name="process_colour"), "unknown metadata event"),
-    "thread_name without tid": (_without(ct.thread_name(1, 2, "t"), "tid"), "missing tid"),
-    "thread_name not a str": (ct.thread_name(1, 2, 7), "args.name must be a str"),
-    "process_name without args": (_without(ct.process_name(1, "p"), "args"), "missing args"),
-    "sort_index a str": (ct.thread_sort_index(1, 2, "1"), "args.sort_index must be an int"),
+    "instant without tid": (_without(te.instant("hit", 1.0, 1, 5), "tid"), "missing tid"),
+    "instant bad scope": (te.instant("hit", 1.0, 1, 5, scope="x"), "instant scope s must be one of g, p, t"),
+    "counter without args": (_without(te.counter("kv", 1.0, 1, {"bytes": 1}), "args"), "missing args"),
+    "counter empty": (te.counter("kv", 1.0, 1, {}), "counter values must be numbers"),
+    "counter a string": (te.counter("kv", 1.0, 1, {"bytes": "1 KiB"}), "counter values must be numbers"),
+    "metadata unknown": (dict(te.process_name(1, "p"), name="process_colour"), "unknown metadata event"),
+    "thread_name without tid": (_without(te.thread_name(1, 2, "t"), "tid"), "missing tid"),
+    "thread_name not a str": (te.thread_name(1, 2, 7), "args.name must be a str"),
+    "process_name without args": (_without(te.process_name(1, "p"), "args"), "missing args"),
+    "sort_index a str": (te.thread_sort_index(1, 2, "1"), "args.sort_index must be an int"),
 }
 
 
 @pytest.mark.parametrize("event, message", BAD_EVENTS.values(), ids=BAD_EVENTS.keys())
 def test_validate_names_the_first_bad_event(event, message):
-    good_after = ct.instant("later", 5.0, 1, 2)
+    good_after = te.instant("later", 5.0, 1, 2)
     with pytest.raises(ValueError) as info:
-        ct.validate({"traceEvents": [GOOD, event, good_after], "displayTimeUnit": "ms"})
+        te.validate({"traceEvents": [GOOD, event, good_after], "displayTimeUnit": "ms"})
     text = str(info.value)
     assert text.startswith("trace event 1 ") and message in text and "\n" not in text
 
@@ -76,20 +77,20 @@ def test_validate_names_the_first_bad_event(event, message):
 ])
 def test_validate_rejects_a_malformed_container(obj, message):
     with pytest.raises(ValueError, match=message):
-        ct.validate(obj)
+        te.validate(obj)
 
 
 def test_every_helper_makes_a_valid_event():
-    events = [ct.process_name(1, "engine"), ct.thread_name(1, 2, "scheduler"), ct.thread_sort_index(1, 2, 0),
-              ct.complete("step", 1.5, 0.0, 1, 2, cat="sched", args={"n": 3}), ct.instant("hit", 2, 1, 2),
-              ct.counter("kv", 3.0, 1, {"bytes": 10, "tokens": 2})]
-    ct.validate({"traceEvents": events})
-    ct.validate(events)  # the JSON Array Format too
+    events = [te.process_name(1, "engine"), te.thread_name(1, 2, "scheduler"), te.thread_sort_index(1, 2, 0),
+              te.complete("step", 1.5, 0.0, 1, 2, cat="sched", args={"n": 3}), te.instant("hit", 2, 1, 2),
+              te.counter("kv", 3.0, 1, {"bytes": 10, "tokens": 2})]
+    te.validate({"traceEvents": events})
+    te.validate(events)  # the JSON Array Format too
     assert [e["ph"] for e in events] == ["M", "M", "M", "X", "i", "C"]
 
 
 def test_write_is_the_json_object_format(tmp_path):
-    path = ct.write(tmp_path / "t.json", [GOOD], metadata={"run": "a"})
+    path = te.write(tmp_path / "t.json", [GOOD], metadata={"run": "a"})
     obj = json.loads(path.read_text())
     assert obj == {"traceEvents": [GOOD], "displayTimeUnit": "ms", "otherData": {"run": "a"}}
 
@@ -100,13 +101,13 @@ def test_write_is_the_json_object_format(tmp_path):
 ])
 def test_write_refuses_a_bad_trace_and_writes_nothing(tmp_path, events, message):
     with pytest.raises(ValueError, match=message):
-        ct.write(tmp_path / "t.json", events)
+        te.write(tmp_path / "t.json", events)
     assert not (tmp_path / "t.json").exists()
 
 
 def test_write_refuses_a_missing_folder_with_the_fix(tmp_path):
     with pytest.raises(ValueError, match="folder .*nope does not exist; create it"):
-        ct.write(tmp_path / "nope" / "t.json", [GOOD])
+        te.write(tmp_path / "nope" / "t.json", [GOOD])
 
 
 # -- a real Trace, exported --------------------------------------------------------------------------
@@ -122,7 +123,7 @@ def exported(trace, tmp_path):
     """The trace written with write_trace and read back as a user's viewer reads it."""
     with ct.write_trace(trace, tmp_path / "run.json").open() as f:
         obj = json.load(f)
-    ct.validate(obj)
+    te.validate(obj)
     return obj["traceEvents"]
 
 
@@ -214,7 +215,7 @@ def test_trace_out_json_writes_a_chrome_trace(tiny_folder, tmp_path, capsys, suf
     assert main(["generate", "--model", str(tiny_folder), "--max-new-tokens", "3", "--trace-out", str(out), "hi"]) == 0
     assert f"wrote {out}" in capsys.readouterr().err
     obj = json.loads(out.read_text())
-    ct.validate(obj)
+    te.validate(obj)
     names = [e["name"] for e in obj["traceEvents"]]
     assert names.count("prefill") == 1 and names.count("decode") == 2 and "tokenize" in names
     assert obj["otherData"]["model_n_layers"] == LLAMA_BASE["num_hidden_layers"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..views.chrome_trace import complete, counter, instant, process_name, thread_name, thread_sort_index, write
+from ..formats.trace_events import complete, counter, instant, process_name, thread_name, thread_sort_index, write
 
 
 @dataclass(frozen=True)
@@ -244,7 +244,7 @@ def write_chrome_trace(path, steps, requests, metadata: dict | None = None) -> P
     """Write :func:`chrome_trace_events` to ``path`` (a .json file) and return the path.
 
     ``metadata`` (flat JSON values) is added to the file's ``otherData``, e.g. the engine's knobs.
-    Raises ValueError as :func:`minillm.views.chrome_trace.write` (bad events, a missing folder).
+    Raises ValueError as :func:`minillm.formats.trace_events.write` (bad events, a missing folder).
     """
     requests = _request_list(requests)
     data = {"generator": "minillm serving", "n_steps": len(steps), "n_requests": len(requests),

@@ -14,7 +14,7 @@ import pytest
 import torch
 from tiny_models import CONFIGS, LLAMA_BASE, build_hf, save_hf
 
-from minillm.views import chrome_trace
+from minillm.formats import trace_events
 from minillm.cli import main
 from minillm.config import ModelConfig
 from minillm.model import Transformer
@@ -193,7 +193,7 @@ def test_cli_runs_every_policy_and_writes_json_plots_and_trace(tiny_folder, tmp_
     assert data["chunked_prefill"]["long_prefill_steps"]["no chunking"] == 1
     for name in ("serving_rate_sweep.png", "serving_timeline.png", "serving_itl.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
-    chrome_trace.validate(json.loads((tmp_path / "trace.json").read_text()))
+    trace_events.validate(json.loads((tmp_path / "trace.json").read_text()))
     assert f"wrote {tmp_path / 'r.json'}" in err
 
 

@@ -11,7 +11,7 @@ from rich.console import Console
 from tiny_models import CONFIGS, build_hf, save_hf
 
 from minillm import SamplingParams, load_model
-from minillm.views import chrome_trace
+from minillm.formats import trace_events
 from minillm.serving import LLMEngine, Request, StepRecord
 from minillm.views.serving_plots import plot_itl, plot_rate_sweep, plot_timeline
 from minillm.views.serving_terminal import pool_panel, requests_table, steps_table
@@ -58,7 +58,7 @@ def test_chrome_export_of_an_engine_run(engine_name, request, tmp_path):
     path = write_chrome_trace(tmp_path / "run.json", engine.steps, engine.requests)
     with open(path) as f:
         trace = json.load(f)
-    chrome_trace.validate(trace)
+    trace_events.validate(trace)
     events = trace["traceEvents"]
     assert trace["otherData"]["n_steps"] == len(engine.steps)
     assert {e["pid"] for e in events} == {1}
