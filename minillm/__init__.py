@@ -20,22 +20,29 @@ The package layout is the course outline:
     prefix_cache.py  PrefixCache: K/V of cached prompt prefixes, so their prefill is skipped
     prefix_demo.py   shared-system-prompt requests with and without the prefix cache, measured
     tokenizer.py  load_tokenizer: text <-> ids, chat template
-    weights.py    model names, the weights directory, downloads
-    gguf_convert.py  GGUF file -> Hugging Face folder (dequantised)
     costs.py      FLOPs and bytes of prefill and decode, from the config (the cost model)
     hardware.py   peak FLOP/s and bandwidth (datasheets or calibrated), the roofline verdict
     metrics.py    TTFT, TPOT, ITL, e2e, MBU per request; percentiles and SLO attainment
     whatif.py     predicted TTFT / TPOT of any config on any hardware (roofline floors)
     trace.py      Trace: structured events of every phase of a request (trace=), JSONL export
-    render.py     a trace in the terminal (rich) and in notebooks (HTML)
-    plots.py      timeline, roofline, KV cache bytes, sweep plots (matplotlib)
     sweep.py      TTFT vs prompt length, TPOT vs context length, measured
     baseline.py   generate_no_cache: the nanoGPT-style sampler that re-runs the whole sequence
     compile.py    torch.compile of decode_step over a static view of the cache (CUDA graphs)
     decode_path.py  which decode path (layout, split product, compiled) is fastest here: measured, cached
-    gguf_export.py  a model as an F32 GGUF file, for llama.cpp
-    bench/        minillm vs transformers vs llama.cpp vs no cache vs the roofline floors, interleaved
-    serving/      many users at once: paged KV cache, block allocator, scheduler, LLMEngine
+
+Packages around it:
+
+    formats/      files: model names, the weights folder and downloads (weights.py), GGUF in
+                  (gguf_convert.py) and out for llama.cpp (gguf_export.py), chat templates
+                  (chat_template.py), Chrome's Trace Event Format (trace_events.py)
+    views/        a run shown to a person: the terminal (terminal.py), notebooks (html.py:
+                  show(trace)), Perfetto (chrome_trace.py), plots (plots.py); the serving engine's
+                  steps and runs (serving_terminal.py, serving_plots.py)
+    bench/        minillm vs transformers vs llama.cpp vs no cache vs the roofline floors, interleaved;
+                  the serving benchmark (serving.py, workload.py, http_client.py, metrics_scrape.py)
+    serving/      many users at once: paged KV cache, block allocator, scheduler, LLMEngine;
+                  serving/server/: minillm serve, the engine behind an OpenAI-compatible HTTP API
+    cli/          the minillm command: argument parsing and printing; the work is in the library
 """
 
 from importlib import metadata as _metadata

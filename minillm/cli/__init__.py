@@ -20,7 +20,8 @@
 One module per command group, each holding its commands' options and their running:
 common.py (the usage error, shared options, output checks), generate.py, chat.py, models.py (download,
 convert, info), sweep.py, roofline.py (calibrate, whatif), prefix_demo.py, bench.py, bench_serving.py
-(bench_serving_http.py: its --base-url mode), check.py, serve.py.
+(bench_serving_http.py: its --base-url mode; bench_serving_shared.py: what both modes share), check.py,
+serve.py.
 
 Exit codes: 0 ok, 1 runtime error (one line), 2 usage error (one line), 130 interrupted,
 141 the reader of stdout went away (`minillm generate ... | head`), silently.

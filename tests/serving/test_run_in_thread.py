@@ -1,4 +1,4 @@
-"""api_server.run_in_thread: uvicorn in a background thread for notebooks and tests (no model needed)."""
+"""minillm.serving.server.app.run_in_thread: uvicorn in a background thread for notebooks and tests (no model needed)."""
 
 import socket
 

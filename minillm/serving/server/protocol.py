@@ -6,7 +6,7 @@ given as token ids). Parsing is strict, as OpenAI's API is: ``"5"`` is not a num
 field is an error (it is more often a typo than a feature), so a bad request fails here with the
 field's name instead of deep inside the engine.
 
-    JSON body --validate--> CompletionRequest / ChatCompletionRequest --(api_server)--> SamplingParams
+    JSON body --validate--> CompletionRequest / ChatCompletionRequest --(app.py)--> SamplingParams
     RequestOutput (engine) --CompletionReply / ChatReply--> the whole answer, or one chunk per token
 
 Errors have OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}`` (:func:`error_body`).
