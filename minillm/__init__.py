@@ -1,47 +1,54 @@
 """minillm: an educational LLM inference engine in pure PyTorch.
 
-The package layout is the course outline:
+The top level is the course, in the order the lessons meet it. Its core (the model, the cache, the
+phases, sampling, generate, the trace, the costs) imports none of the packages around it; loading.py,
+tokenizer.py and whatif.py are the doors to fast/ and formats/ (pyproject.toml's import contracts):
 
+    tokenizer.py  load_tokenizer: text <-> ids, chat template                      (lesson 01)
     config.py     ModelConfig from a Hugging Face config.json
-    model.py      the transformer (embedding, attention, MLP, norms) for GPT-2 and Llama
-    rope.py       rotary position embedding
-    loading.py    load_model: safetensors checkpoint -> Transformer
-    kv_cache.py   KVCache, the visible cache of keys and values
-    phases.py     prefill and decode_step, the two phases of inference; verify, speculative decoding's pass
-    sampling.py   SamplingParams: penalties, greedy, temperature, min-p, top-k, top-p (vLLM's names)
-    generate.py   generate: prefill, then decode in a loop
-    speculative.py  speculative decoding: a draft proposes k tokens, one pass verifies them (exact)
-    quantize.py   weight-only int8 / int4 matrices: the formats, the reference arithmetic
-    matvec_kernels.py  their decode and prefill loops in C (.c beside it), built at first use
-    stopping.py   when a request ends and why (eos, stop, length), stop strings held back and cut out,
-                  the text stream (StreamDecoder: ids to text, never splitting a character)
-    generation_config.py  generation_config.json: the checkpoint's eos ids and sampling defaults
-    block_hash.py chained sha256 block hashes, seeded by the model's identity, dtype, device
-    prefix_cache.py  PrefixCache: K/V of cached prompt prefixes, so their prefill is skipped
-    prefix_demo.py   shared-system-prompt requests with and without the prefix cache, measured
-    tokenizer.py  load_tokenizer: text <-> ids, chat template
-    costs.py      FLOPs and bytes of prefill and decode, from the config (the cost model)
+    model.py      the transformer (embedding, attention, MLP, norms) for GPT-2 and Llama, plain PyTorch
+    rope.py       rotary position embedding and its scalings
+    loading.py    load_model: checkpoint -> Transformer; then quantise, then the speed layer (the one door)
+    phases.py     prefill and decode_step, the two phases of inference; verify, speculative decoding's pass (02)
+    kv_cache.py   KVCache, the visible cache of keys and values                     (03)
+    baseline.py   generate_no_cache: the nanoGPT-style sampler that re-runs the whole sequence (04)
+    costs.py      FLOPs and bytes of prefill and decode, from the config (the cost model)   (05)
     hardware.py   peak FLOP/s and bandwidth (datasheets or calibrated), the roofline verdict
-    metrics.py    TTFT, TPOT, ITL, e2e, MBU per request; percentiles and SLO attainment
-    whatif.py     predicted TTFT / TPOT of any config on any hardware (roofline floors)
+    metrics.py    TTFT, TPOT, ITL, e2e, MBU per request; percentiles and SLO attainment   (06)
     trace.py      Trace: structured events of every phase of a request (trace=), JSONL export
     sweep.py      TTFT vs prompt length, TPOT vs context length, measured
-    baseline.py   generate_no_cache: the nanoGPT-style sampler that re-runs the whole sequence
-    compile.py    torch.compile of decode_step over a static view of the cache (CUDA graphs)
-    decode_path.py  which decode path (layout, split product, compiled) is fastest here: measured, cached
+    sampling.py   SamplingParams: penalties, greedy, temperature, min-p, top-k, top-p (vLLM's names) (07)
+    stopping.py   when a request ends and why (eos, stop, length), stop strings held back and cut out,
+                  the text stream (StreamDecoder: ids to text, never splitting a character)
+    generate.py   generate: prefill, then decode in a loop
+    generation_config.py  generation_config.json: the checkpoint's eos ids and sampling defaults
+    chat.py       ChatSession: a conversation that keeps its KV cache between turns
+    block_hash.py chained sha256 block hashes, seeded by the model's identity, dtype, device (08)
+    prefix_cache.py  PrefixCache: K/V of cached prompt prefixes, so their prefill is skipped
+    prefix_demo.py   shared-system-prompt requests with and without the prefix cache, measured
+    speculative.py  speculative decoding: a draft proposes k tokens, one pass verifies them (09)
+    quantize.py   weight-only int8 / int4 matrices: the formats, the reference arithmetic
+    whatif.py     predicted TTFT / TPOT of any config on any hardware (roofline floors)  (10)
+    classroom.py  the exercises' grader (minillm check)
+    device.py, errors.py, paths.py, units.py   leaves: device and dtype, the errors, the weights
+                  folder, number and byte formats
 
 Packages around it:
 
-    formats/      files: model names, the weights folder and downloads (weights.py), GGUF in
-                  (gguf_convert.py) and out for llama.cpp (gguf_export.py), chat templates
-                  (chat_template.py), Chrome's Trace Event Format (trace_events.py)
+    fast/         the speed layer, "skip on a first reading": stacked and C products, decode attention
+                  in C, the compiled decode step, and which of them a machine gets (choose.py); it
+                  swaps in subclasses of the course's modules, same parameters (load_model(fast=False):
+                  without it)
+    serving/      many users at once (lesson 11): paged KV cache, block allocator, scheduler, LLMEngine;
+                  serving/server/: minillm serve, the engine behind an OpenAI-compatible HTTP API
+    formats/      files: model names and downloads (weights.py), GGUF in (gguf_convert.py) and out for
+                  llama.cpp (gguf_export.py), chat templates (chat_template.py), Chrome's Trace Event
+                  Format (trace_events.py)
     views/        a run shown to a person: the terminal (terminal.py), notebooks (html.py:
                   show(trace)), Perfetto (chrome_trace.py), plots (plots.py); the serving engine's
                   steps and runs (serving_terminal.py, serving_plots.py)
     bench/        minillm vs transformers vs llama.cpp vs no cache vs the roofline floors, interleaved;
                   the serving benchmark (serving.py, workload.py, http_client.py, metrics_scrape.py)
-    serving/      many users at once: paged KV cache, block allocator, scheduler, LLMEngine;
-                  serving/server/: minillm serve, the engine behind an OpenAI-compatible HTTP API
     cli/          the minillm command: argument parsing and printing; the work is in the library
 """
 

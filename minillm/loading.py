@@ -46,12 +46,12 @@ def load_model(name_or_path, device=None, dtype=None, attn_impl: str = "sdpa", w
     Args:
         name_or_path: a model folder (config.json + model.safetensors or a sharded
             model.safetensors.index.json), a .gguf file, or a model name known to
-            :mod:`minillm.weights` (e.g. "smollm2-135m-instruct"), downloaded if absent.
+            :mod:`minillm.formats.weights` (e.g. "smollm2-135m-instruct"), downloaded if absent.
         device: "cpu", "cuda", "mps" or a torch.device; default cuda when available, else cpu.
         dtype: "float32", "bfloat16", "float16", "float64" or a torch.dtype; default float32
             (bfloat16 on cuda).
         attn_impl: "sdpa" (fused) or "eager" (the math written out).
-        weights_dir: where named models are stored (default: see :func:`minillm.weights.weights_dir`).
+        weights_dir: where named models are stored (default: see :func:`minillm.paths.weights_dir`).
         quantize: None (float weights), "int8" or "int4": the matrices are quantised from the
             float weights after loading (:mod:`minillm.quantize`); embedding and norms stay float.
         fast: True (default): the speed layer swaps in faster modules with the same parameters
