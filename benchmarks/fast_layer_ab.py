@@ -15,7 +15,8 @@ ratio of each variant to `fast`.
     git worktree add /tmp/before <commit>
     python benchmarks/fast_layer_ab.py --before /tmp/before --rounds 2 --decode-path matvec
 
-Both trees must have the model converted (`minillm generate "Hi"` once). Takes ~4 min a round on 2 cores.
+Both trees must have the model converted (`minillm generate "Hi"` once) in the same weights folder
+(MINILLM_WEIGHTS). Takes ~4.5 min a round on 2 cores.
 """
 
 from __future__ import annotations
@@ -47,12 +48,12 @@ def run(tree: Path, args: list[str], env: dict, out: Path) -> dict:
 
 
 def bench_rows(result: dict, engine: str) -> dict[str, float]:
-    """{"prefill 512": ms, "decode ctx 128": ms a token, ...} of one engine."""
+    """{"prefill 512": ms, "decode ctx 128": ms a token (TPOT), ...} of one engine."""
     rows = {}
     for m in result["measurements"]:
         if m["engine"] == engine:
             name = f"prefill {m['length']}" if m["phase"] == "prefill" else f"decode ctx {m['length']}"
-            rows[name] = m["time_ms"] / (m["decode_tokens"] if m["phase"] == "decode" else 1)
+            rows[name] = m["time_ms"]  # prefill: the pass; decode: TPOT, the median gap between tokens
     return rows
 
 

@@ -8,13 +8,13 @@ import pytest
 
 from minillm.formats import weights
 
-# Tests run one fixed eager decode path (minillm/fast/choose.py), not the one this machine would get:
-# loading no longer measures, but `minillm calibrate --decode-path` may have cached a compiled path in
-# the weights dir (every process would compile its first decode step, a minute or more per CLI test),
-# the rule's pick depends on a C compiler, and the CLI's golden trace names the path. Set before any
-# test runs, so subprocesses (the CLI tests) inherit it. tests/test_fast_choose.py and
-# tests/test_loading.py unset it to check the choosing; fast=False loads run the plain modules.
-os.environ.setdefault("MINILLM_DECODE_PATH", "long-rows+split")
+# Tests run one fixed eager decode path (minillm/fast/choose.py): the rule's pick where a C compiler
+# builds the kernels, what users get. Fixed, not chosen, because `minillm calibrate --decode-path` may
+# have cached a compiled path in the weights dir (every process would compile its first decode step, a
+# minute or more per CLI test) and the CLI's golden trace names the path. Set before any test runs, so
+# subprocesses (the CLI tests) inherit it. tests/test_fast_choose.py and tests/test_loading.py unset it
+# to check the choosing; fast=False loads run the plain modules.
+os.environ.setdefault("MINILLM_DECODE_PATH", "matvec")
 
 
 def pytest_addoption(parser):
