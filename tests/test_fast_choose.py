@@ -399,3 +399,13 @@ def test_calibrate_says_how_to_skip_a_kept_compiled_path(folder, weights_dir, mo
     out = capsys.readouterr().out
     assert "compile+matvec (measured; decode ms/step: compile+matvec 4.0, row-major+split 6.0" in out
     assert "for one-shot commands MINILLM_DECODE_PATH=row-major+split runs the fastest eager path" in out
+
+
+@pytest.mark.parametrize("path", ["matvec", "long-rows+split"])
+def test_converting_a_fast_model_drops_its_stacks_and_keeps_the_pure_models_logits(folder, path):
+    """.to(float64) makes new tensors: the stacked products would be float32 and stale; they are dropped."""
+    pure = load_model(folder, device="cpu", fast=False).to(torch.float64)
+    fast = dp.apply_decode_path(load_model(folder, device="cpu", fast=False), path).to(torch.float64)
+    assert fast.blocks[0].attn.qkv is None
+    ids = torch.randint(0, pure.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(fast(ids), pure(ids), rtol=0, atol=1e-12)

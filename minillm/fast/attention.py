@@ -27,6 +27,10 @@ class FastAttention(Attention):
     qkv: Stack | None = None
     c_decode: bool = False
 
+    def _apply(self, fn, recurse=True):
+        self.qkv = None  # .to(), .double(), .cuda() make new tensors: the stack would be stale; the members stay
+        return super()._apply(fn, recurse)
+
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv is None or not self.qkv.fresh(self):
             return super().project_qkv(x)

@@ -93,6 +93,10 @@ class PackedSwiGLU(SwiGLU):
 
     gate_up: Stack | None = None
 
+    def _apply(self, fn, recurse=True):
+        self.gate_up = None  # .to(), .double(), .cuda() make new tensors: the stack would be stale
+        return super()._apply(fn, recurse)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None or not self.gate_up.fresh(self):
             return super().forward(x)
