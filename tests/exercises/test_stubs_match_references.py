@@ -1,5 +1,6 @@
 """Drift: every stub in lessons/exercises/ has exactly the signature and docstring of its
-reference in minillm, and still raises NotImplementedError pointing at the lesson."""
+reference in minillm, and still raises NotImplementedError pointing at the lesson; every
+exercise's pytest mark is registered in pyproject.toml."""
 
 import inspect
 
@@ -54,3 +55,11 @@ def test_stubs_raise_not_implemented_with_a_pointer(exercise):
         message = str(e.value)
         assert message.startswith(f"Exercise {exercise.number} "), f"{written}: {message!r}"
         assert "lessons/" in message and ".md" in message, f"{written}: no lesson pointer in {message!r}"
+
+
+@EACH
+def test_its_pytest_mark_is_registered(exercise, pytestconfig):
+    """An unregistered mark (ex18 was) makes every pytest run print PytestUnknownMarkWarning."""
+    registered = {line.split(":")[0].strip() for line in pytestconfig.getini("markers")}
+    assert exercise.id in registered, (f"add \"{exercise.id}: exercise {exercise.number}, {exercise.title}\" to "
+                                       "[tool.pytest.ini_options] markers in pyproject.toml")
