@@ -155,10 +155,17 @@ def test_cli_chat_reads_lines_and_streams_answers(model, tokenizer, smollm2_dir)
     assert err[3] == "conversation forgotten, KV cache emptied (0 tokens)" and len(err) == 4
 
 
-def test_cli_chat_bad_options_are_usage_errors(smollm2_dir):
-    run = subprocess.run([sys.executable, "-m", "minillm", "chat", "--model", str(smollm2_dir), "--max-context", "0"],
-                         input="", capture_output=True, text=True, timeout=120)
-    assert (run.returncode, run.stderr) == (2, "minillm: error: --max-context must be >= 1, got 0\n")
+@pytest.mark.parametrize("max_context, message", [
+    ("0", "--max-context must be >= 1, got 0"),
+    # SmolLM2's template adds its default system message: 31 tokens around "Hi" (this exited 0, its error
+    # printed after the first line was read)
+    ("10", "--max-context 10 is too small: the message 'Hi' alone makes a 31-token prompt (the chat template "
+           "and any system message included); give more than 31"),
+])
+def test_cli_chat_bad_options_are_usage_errors(smollm2_dir, max_context, message):
+    run = subprocess.run([sys.executable, "-m", "minillm", "chat", "--model", str(smollm2_dir), "--max-context",
+                          max_context], input="Hi\n", capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stderr, run.stdout) == (2, f"minillm: error: {message}\n", "")
 
 
 def test_a_stop_string_ends_the_answer_and_stays_out_of_the_history(model, tokenizer):

@@ -54,6 +54,8 @@ def run_chat(args) -> int:
     warn_if_template_ignores_thinking(args, tokenizer)
     session = ChatSession(model, tokenizer, args.system, params, args.max_context,
                           chat_template_kwargs(args))
+    if args.max_context is not None:
+        _check_room(session)
     interactive = sys.stdin.isatty()
     status = Console(stderr=True, highlight=False, soft_wrap=True)  # a stats line stays one line in a log
     if interactive:
@@ -69,6 +71,15 @@ def run_chat(args) -> int:
         elif line:
             _turn(session, line, state["trace"], status)
     return 0
+
+
+def _check_room(session) -> None:
+    """A usage error now when --max-context cannot hold even the shortest turn: every message would be refused."""
+    shortest = len(session.prompt_ids(session.messages + [{"role": "user", "content": "Hi"}]))
+    if shortest >= session.max_context:
+        raise UsageError(f"--max-context {session.max_context} is too small: the message 'Hi' alone makes a "
+                         f"{shortest}-token prompt (the chat template and any system message included); give more than "
+                         f"{shortest}")
 
 
 def _read_line(interactive: bool, status) -> str | None:
