@@ -1,10 +1,13 @@
 """The minillm command line, run as a user runs it: in a subprocess."""
 
 import importlib.abc
+import json
+import shutil
 import subprocess
 import sys
 
 import pytest
+from tiny_models import CONFIGS, build_hf, save_hf
 
 from minillm.cli import main
 
@@ -18,6 +21,19 @@ def minillm(*args, stdin=None):
 def default_model(smollm2_dir):
     """Make sure the default model is in the weights dir before the CLI looks for it."""
     return smollm2_dir
+
+
+@pytest.fixture(scope="module")
+def no_template_folder(tmp_path_factory, smollm2_dir):
+    """A tiny random GPT-2 with SmolLM2's tokenizer (its vocabulary) but no chat template, as base models ship."""
+    pytest.importorskip("transformers")
+    family, kwargs = CONFIGS["gpt2"]
+    folder = save_hf(build_hf(family, dict(kwargs, vocab_size=49152)), tmp_path_factory.mktemp("no_template"))
+    shutil.copy(smollm2_dir / "tokenizer.json", folder / "tokenizer.json")
+    tokenizer_config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    del tokenizer_config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return folder
 
 
 def test_generate_answers_paris():
@@ -52,6 +68,13 @@ def test_usage_errors_exit_2_with_one_line(args, message):
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and message in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_chat_on_a_model_without_a_chat_template_exits_2_with_one_line(no_template_folder):
+    """A usage error, as the README promises (it exited 1 with the tokenizer's "pass a plain prompt instead")."""
+    r = minillm("generate", "hi", "--chat", "--model", str(no_template_folder))
+    assert (r.returncode, r.stderr, r.stdout) == (
+        2, f"minillm: error: --chat needs a chat template and {no_template_folder} has none; drop --chat\n", "")
 
 
 @pytest.mark.parametrize("where", ["argv", "stdin"])

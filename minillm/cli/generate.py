@@ -98,6 +98,8 @@ def run_generate(args) -> int:
     model = load_model(folder, device=args.device, dtype=args.dtype, quantize=args.quantize, fast=args.fast)
     tokenizer = load_tokenizer(folder)
     warn_if_template_ignores_thinking(args, tokenizer)
+    if args.chat and not tokenizer.has_chat_template:
+        raise UsageError(f"--chat needs a chat template and {args.model} has none; drop --chat")
     if args.system is not None and args.chat is None and not tokenizer.has_chat_template:
         raise UsageError(f"--system needs a chat template and {args.model} has none; put the text in the prompt")
     params = _sampling_params(args, model.generation_config)
