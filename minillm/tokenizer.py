@@ -39,7 +39,8 @@ def load_tokenizer(name_or_path: str | Path, weights_dir: str | Path | None = No
     model_dir = resolve_model(name_or_path, weights_dir, download=True)
     path = model_dir / "tokenizer.json"
     if not path.is_file():
-        raise ModelNotFoundError(f"{model_dir} has no tokenizer.json; add the model's tokenizer.json to that folder")
+        raise ModelNotFoundError(f"{model_dir.absolute()} has no tokenizer.json; add the model's tokenizer.json "
+                                 "to that folder")
     try:
         backend = tokenizers.Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception for a malformed file

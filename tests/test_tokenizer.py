@@ -123,12 +123,23 @@ def test_template_raise_exception_becomes_value_error(tok):
         strict.apply_chat_template(CHATS[1])
 
 
-def test_load_tokenizer_missing_raises(tmp_path):
+def test_load_tokenizer_missing_raises(tmp_path, monkeypatch):
     with pytest.raises(ModelNotFoundError, match="no model at"):
         load_tokenizer(tmp_path / "absent")
-    (tmp_path / "config.json").write_text("{}")  # a model folder, but without its tokenizer
-    with pytest.raises(ModelNotFoundError, match="no tokenizer.json"):
-        load_tokenizer(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder").mkdir()
+    for name in ("folder", "./folder"):  # "folder" went to the hub: "cannot reach the Hugging Face hub"
+        with pytest.raises(ModelNotFoundError) as info:
+            load_tokenizer(name)
+        assert str(info.value) == (f"{tmp_path / 'folder'} is not a model: it has no config.json, *.safetensors or "
+                                   "tokenizer.json; pass a folder with config.json, *.safetensors and "
+                                   "tokenizer.json, or a .gguf file")
+    (tmp_path / "folder" / "config.json").write_text("{}")  # a model folder, but without its tokenizer
+    for name in ("folder", tmp_path / "folder"):
+        with pytest.raises(ModelNotFoundError) as info:
+            load_tokenizer(name)
+        assert str(info.value) == (f"{tmp_path / 'folder'} has no tokenizer.json; add the model's tokenizer.json "
+                                   "to that folder")
 
 
 def _stream(tok, ids, skip_special_tokens=True):

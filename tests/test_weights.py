@@ -263,10 +263,49 @@ def test_missing_path_is_one_line(tmp_path, root, monkeypatch, path):
     assert path.lstrip("./~") in str(info.value)
 
 
+FIX = "pass a folder with config.json, *.safetensors and tokenizer.json, or a .gguf file"
+
+
 def test_folder_without_config_is_not_a_model(tmp_path, root):
     folder = write_model(tmp_path / "notes", ["readme.txt"])
-    with pytest.raises(ModelNotFoundError, match=rf"^{folder} is not a model; pass a folder with config.json"):
+    with pytest.raises(ModelNotFoundError) as info:
         weights.resolve_model(folder, root)
+    assert str(info.value) == f"{folder} is not a model: it has no config.json, *.safetensors or tokenizer.json; {FIX}"
+
+
+@pytest.mark.parametrize("name", ["notes", "org/notes", "./notes"])
+@pytest.mark.parametrize("files, lacks", [(["tokenizer.json"], "config.json or *.safetensors"),
+                                          (["model.safetensors", "tokenizer.json"], "config.json")])
+def test_an_existing_folder_is_a_path_even_where_it_reads_as_a_repo_id(hub, tmp_path, root, monkeypatch, name,
+                                                                        files, lacks):
+    """"notes" (a repo id too) used to go to the hub: "cannot reach the Hugging Face hub to download notes"."""
+    monkeypatch.chdir(tmp_path)
+    folder = write_model(tmp_path / name, files)
+    with pytest.raises(ModelNotFoundError) as info:
+        weights.resolve_model(name, root, download=True)
+    assert str(info.value) == f"{folder.resolve()} is not a model: it has no {lacks}; {FIX}"
+    assert hub.calls == []
+    write_model(folder, ["config.json"])
+    assert weights.resolve_model(name, root, download=True) == Path(name)
+
+
+def test_a_names_own_folder_in_the_weights_dir_is_still_downloaded(hub, tmp_path, monkeypatch):
+    """MINILLM_WEIGHTS=. and a download of gpt2 cut short: ./gpt2 is the name's folder, so it is resumed."""
+    monkeypatch.chdir(tmp_path)
+    write_model(tmp_path / "gpt2", ["tokenizer.json"])
+    assert not weights.is_local_folder("gpt2", tmp_path) and weights.is_local_folder("gpt2", tmp_path / "elsewhere")
+    assert weights.resolve_model("gpt2", tmp_path, download=True, progress=False) == tmp_path / "gpt2"
+    assert [call["repo_id"] for call in hub.calls] == ["gpt2"]
+
+
+def test_a_local_folder_named_like_a_repo_id_gets_no_download_notice(tmp_path, root, monkeypatch, capsys):
+    """ensure_model announced "minillm: weights/my-model is not downloaded yet; fetching it" for a folder."""
+    from minillm.cli.common import ensure_model
+
+    monkeypatch.chdir(tmp_path)
+    write_model(tmp_path / "weights" / "my-model")
+    assert ensure_model("weights/my-model", str(root)) == Path("weights/my-model")
+    assert capsys.readouterr().err == ""
 
 
 def test_bad_name_cannot_be_downloaded(hub, root):

@@ -106,8 +106,9 @@ def chosen_model(args) -> str:
 
 
 def ensure_model(name_or_path: str, weights_dir: str | None):
-    """The model folder; a missing known model is downloaded first, with a notice."""
-    if weights.is_model_name(name_or_path) and not weights.is_downloaded(name_or_path, weights_dir):
+    """The model folder; a missing known model is downloaded first, with a notice (never for a local folder)."""
+    if (weights.is_model_name(name_or_path) and not weights.is_local_folder(name_or_path, weights_dir)
+            and not weights.is_downloaded(name_or_path, weights_dir)):
         print(f"minillm: {name_or_path} is not downloaded yet; fetching it into "
               f"{weights.weights_dir(weights_dir)} (once)", file=sys.stderr)
     return weights.resolve_model(name_or_path, weights_dir, download=True)

@@ -9,8 +9,9 @@ A model is a folder in the Hugging Face layout::
         _downloads/                    raw downloads (the .gguf files) and unfinished conversions
 
 and each model folder holds config.json, *.safetensors and tokenizer.json.
-Names resolve in this order: an existing model folder or .gguf path, then a
-known short name or hub repo id looked up in the weights directory.
+Names resolve in this order: an existing folder or .gguf path (a folder is a path even
+where its name reads as a repo id: "my-model", "org/name"), then a known short name or hub
+repo id looked up in the weights directory.
 """
 
 from __future__ import annotations
@@ -71,6 +72,17 @@ def is_model_name(name: str) -> bool:
     except HFValidationError:
         return False
     return not name.endswith(".gguf")
+
+
+def is_local_folder(name_or_path: str | os.PathLike, weights_dir: str | os.PathLike | None = None) -> bool:
+    """True when ``name_or_path`` is an existing folder: a path, even where it reads as a repo id
+    ("my-model", "org/name"), as transformers' ``from_pretrained`` reads it. Not the name's own
+    folder in the weights directory (``MINILLM_WEIGHTS=.``): a download cut there is resumed."""
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        return False
+    text = str(name_or_path)
+    return not (is_model_name(text) and path.resolve() == model_dir(text, weights_dir).resolve())
 
 
 def model_dir(name: str, weights_dir: str | os.PathLike | None = None) -> Path:
@@ -168,8 +180,9 @@ def resolve_model(
     In order: a folder with config.json is itself; a .gguf file is converted once into
     ``<weights_dir>/<file stem>/``; a known name or repo id is looked up in the weights
     directory and, if absent, downloaded when ``download`` is true.
-    Raises ModelNotFoundError for a missing path, or for an absent model when
-    ``download`` is false (the message says to run ``minillm download NAME``).
+    Raises ModelNotFoundError for a missing path, an existing folder without config.json
+    (even one whose name reads as a repo id: the message names the missing files), or for
+    an absent model when ``download`` is false (the message says to run ``minillm download NAME``).
     """
     text = str(name_or_path)
     path = Path(text).expanduser()
@@ -177,7 +190,7 @@ def resolve_model(
         return path
     if path.is_file() and path.suffix == ".gguf":
         return _convert_once(path, _weights_dir(weights_dir) / path.stem, progress)
-    if not is_model_name(text):
+    if not is_model_name(text) or is_local_folder(text, weights_dir):
         raise ModelNotFoundError(_not_a_model(path))
     if download:
         return _download(text, weights_dir, progress)
@@ -193,9 +206,17 @@ def _not_a_model(path: Path) -> str:
     """The one-line message for a path that is not a usable model."""
     fix = "pass a folder with config.json, *.safetensors and tokenizer.json, or a .gguf file"
     path = path.absolute()  # "./x" alone does not say which folder was searched
+    if path.is_dir():
+        missing = [name for name in ("config.json", "*.safetensors", "tokenizer.json") if not any(path.glob(name))]
+        return f"{path} is not a model: it has no {_or_join(missing)}; {fix}"
     if path.exists():
         return f"{path} is not a model; {fix}"
     return f"no model at {path}; {fix}"
+
+
+def _or_join(names: list[str]) -> str:
+    """["a", "b", "c"] -> "a, b or c": what a folder lacks, in one phrase."""
+    return " or ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
 
 
 def _convert_once(gguf: Path, folder: Path, progress: bool) -> Path:
