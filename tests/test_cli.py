@@ -77,6 +77,13 @@ def test_chat_on_a_model_without_a_chat_template_exits_2_with_one_line(no_templa
         2, f"minillm: error: --chat needs a chat template and {no_template_folder} has none; drop --chat\n", "")
 
 
+def test_generate_runs_in_float64(no_template_folder):
+    """load_model takes float64 (to check that two paths agree to the last bit); --dtype refused it."""
+    r = minillm("generate", "hi", "--model", str(no_template_folder), "--dtype", "float64", "--max-new-tokens", "2")
+    assert r.returncode == 0, r.stderr
+    assert "generated 2 tok" in r.stderr
+
+
 @pytest.mark.parametrize("where", ["argv", "stdin"])
 def test_a_prompt_that_is_not_utf8_exits_1_with_one_line(where):
     """A Latin-1 byte (0xe9) in the prompt: was "TypeError: TextInputSequence must be str"."""

@@ -51,6 +51,21 @@ def test_the_rule_picks_the_c_path_where_the_kernels_build(no_timing, tmp_path):
     assert (model.decode_path, model.decode_choice.timings_ms) == (expected, {})
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_float64_loads_and_agrees_with_float32_through_prefill_and_decode(no_timing, tmp_path, fast):
+    """float64 (DTYPES' checking dtype) end to end: weights and KV cache in float64, the same logits as float32."""
+    folder = save_hf(build_hf("gpt2", GPT2_64), tmp_path / "gpt2-64")
+    ids = torch.randint(0, 128, (12,), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for dtype in (torch.float32, torch.float64):
+        model = load_model(folder, device="cpu", dtype=dtype, fast=fast)
+        cache = KVCache.for_model(model, max_seq_len=16)
+        assert {p.dtype for p in model.parameters()} == {dtype} and cache.k.dtype == dtype
+        steps = [prefill(model, ids[:8], cache)] + [decode_step(model, ids[i], cache) for i in range(8, 12)]
+        logits[dtype] = torch.cat(steps)  # [5, vocab]: float32 by prefill's and decode_step's contract
+    torch.testing.assert_close(logits[torch.float64], logits[torch.float32], rtol=0, atol=1e-5)
+
+
 def test_fast_must_be_a_bool(tmp_path):
     with pytest.raises(ValueError, match="fast must be True or False, got 'no'"):
         load_model(tmp_path, fast="no")

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..device import DTYPES
 from ..formats import weights
 from ..errors import OutputPathError, check_output_dir
 
@@ -54,10 +55,16 @@ def model_options(p: argparse.ArgumentParser) -> None:
                    help=f"model name, hub repo id, folder or .gguf file (default: {weights.DEFAULT_MODEL})")
     p.add_argument("--weights-dir", help="where models are stored (default: $MINILLM_WEIGHTS, ./weights, ~/.cache/minillm)")
     p.add_argument("--device", help="cpu, cuda or mps (default: cuda if available)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default float32 (bfloat16 on cuda)")
+    dtype_option(p, help="default float32 (bfloat16 on cuda)")
     quantize_option(p)
     fast_option(p)
     p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+
+
+def dtype_option(p: argparse.ArgumentParser, **kwargs) -> None:
+    """``--dtype`` of a command that loads a model: every dtype load_model takes (float64 is for checking
+    that two paths agree to the last bit, not for speed)."""
+    p.add_argument("--dtype", choices=list(DTYPES), **kwargs)
 
 
 def thinking_option(p: argparse.ArgumentParser) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ..formats import weights
 from ..units import fmt_bytes
-from .common import check_out_dir, chosen_model, ensure_model, fast_option, model_argument, quantize_option
+from .common import (check_out_dir, chosen_model, dtype_option, ensure_model, fast_option, model_argument,
+                     quantize_option)
 
 
 def add_download(sub) -> None:
@@ -36,8 +37,7 @@ def add_info(sub) -> None:
     model_argument(p, "model name, hub repo id, folder or .gguf file")
     p.add_argument("--weights-dir", help="where models are stored (default: $MINILLM_WEIGHTS, ./weights, "
                                          "~/.cache/minillm)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="the dtype the bytes are counted in")
+    dtype_option(p, default="float32", help="the dtype the bytes are counted in")
     quantize_option(p)
     fast_option(p)
     p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
