@@ -27,10 +27,11 @@ PREFILL_TOKENS, DECODE_CONTEXT = 32, 64
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def model(request, tmp_path_factory):
-    """A tiny random model loaded through minillm, eager attention (its matmuls are visible)."""
+    """A tiny random model loaded through minillm, eager attention, the lessons' plain PyTorch: every
+    matmul is a torch op FlopCounterMode sees (minillm/fast's C products are opaque to it)."""
     family, kwargs = CONFIGS[request.param]
     folder = save_hf(build_hf(family, kwargs), tmp_path_factory.mktemp(request.param))
-    return load_model(folder, device="cpu", dtype="float32", attn_impl="eager")
+    return load_model(folder, device="cpu", dtype="float32", attn_impl="eager", fast=False)
 
 
 def _ids(model, n, seed=0):

@@ -293,17 +293,20 @@ def test_a_path_keeps_the_pure_models_names_tensors_and_classes(folders, config,
 
 
 def _replace(model, fmt, q_weight, gate_weight):
-    """Three edits after stacking: a q_proj module swapped in (block 0), a gate_proj tensor assigned
-    (block 1), k_proj's numbers changed in place (block 1)."""
+    """Four edits after stacking: a q_proj module swapped in (block 0), a gate_proj tensor assigned
+    (block 1), up_proj's ``.data`` set to another tensor (block 0), k_proj's numbers changed in place
+    (block 1)."""
     c = model.config
     if fmt is None:
         q_proj = nn.Linear(c.d_model, c.n_heads * c.head_dim, bias=False).requires_grad_(False)
         q_proj.weight.copy_(q_weight)
         model.blocks[1].mlp.gate_proj.weight = nn.Parameter(gate_weight.clone(), requires_grad=False)
+        model.blocks[0].mlp.up_proj.weight.data = gate_weight.clone()
         model.blocks[1].attn.k_proj.weight.mul_(2)
     else:
         q_proj = QuantizedLinear(q_weight, None, fmt)
         model.blocks[1].mlp.gate_proj.qweight = QuantizedLinear(gate_weight, None, fmt).qweight
+        model.blocks[0].mlp.up_proj.qweight.data = QuantizedLinear(gate_weight, None, fmt).qweight
         model.blocks[1].attn.k_proj.scale.mul_(2)
     model.blocks[0].attn.q_proj = q_proj
 
@@ -325,6 +328,7 @@ def test_a_member_replaced_after_stacking_is_what_runs(folder, path, quantize):
         _replace(model, quantize, q_weight, gate_weight)
     assert not fast.blocks[0].attn.qkv.fresh(fast.blocks[0].attn)
     assert not fast.blocks[1].mlp.gate_up.fresh(fast.blocks[1].mlp)
+    assert not fast.blocks[0].mlp.gate_up.fresh(fast.blocks[0].mlp)  # (.data set: the same Parameter, new numbers)
     assert fast.blocks[1].attn.qkv.fresh(fast.blocks[1].attn)  # (the in-place edit: still the stack, which sees it)
     expected = _decode_logits(pure, ids)
     assert (expected - before).abs().max() > 0.1  # the edits matter

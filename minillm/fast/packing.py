@@ -75,17 +75,20 @@ class Stack:
     """Members stacked by :func:`stack`, kept outside the module tree (a plain attribute, not a child):
     its tensors are the members' own, so state_dict, parameters() and byte counts see each weight once.
 
-    ``fresh(parent)`` is False once a member was replaced (a module swapped in, a weight assigned):
-    the stack would be stale, so its owner falls back to the members themselves.
+    ``fresh(parent)`` is False once a member was replaced (a module swapped in, a weight assigned, or
+    ``weight.data`` set to another tensor): the stack would be stale, so its owner falls back to the
+    members themselves. (A compiled graph guards on the objects; it cannot read addresses.)
     """
 
     def __init__(self, parent: nn.Module, names: tuple[str, ...], linear_cls: type, long_rows: bool):
         self.names = names
         self.module = stack([getattr(parent, n) for n in names], linear_cls, long_rows)
-        self.members = [(getattr(parent, n), _tensor(getattr(parent, n))) for n in names]
+        self.members = [(m, _tensor(m), _tensor(m).data_ptr()) for m in (getattr(parent, n) for n in names)]
 
     def fresh(self, parent: nn.Module) -> bool:
-        return all(getattr(parent, n) is m and _tensor(m) is t for n, (m, t) in zip(self.names, self.members))
+        compiling = torch.compiler.is_compiling()
+        return all(getattr(parent, n) is m and _tensor(m) is t and (compiling or _tensor(m).data_ptr() == address)
+                   for n, (m, t, address) in zip(self.names, self.members))
 
 
 class PackedSwiGLU(SwiGLU):
