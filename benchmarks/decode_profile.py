@@ -2,7 +2,7 @@
 
     python benchmarks/decode_profile.py [--threads 2] [--steps 32] [--paths row-major long-rows+split ...]
 
-For each decode path (minillm/decode_path.py) on the default model (SmolLM2-135M, float32, CPU):
+For each decode path (minillm/fast/choose.py) on the default model (SmolLM2-135M, float32, CPU):
 the measured ms/step (median), the memory floor (weights + KV bytes / the calibrated GB/s), and,
 from torch.profiler over the same steps, the ops per step and the CPU time of the matrix
 products (aten::mm/addmm/bmm/linear) against everything else (norms, RoPE, attention, adds,
@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from minillm import KVCache, decode_step, load_model, prefill
 from minillm.costs import decode_cost
-from minillm.decode_path import CANDIDATES, EAGER, apply_decode_path
+from minillm.fast.choose import CANDIDATES, EAGER, apply_decode_path
 from minillm.hardware import get_hardware
 
 PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")

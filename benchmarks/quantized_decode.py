@@ -24,7 +24,7 @@ import time
 import torch
 
 from minillm import KVCache, decode_step, load_model, prefill
-from minillm.compile import compile_decode_step
+from minillm.fast.compile import compile_decode_step
 from minillm.hardware import get_hardware
 from minillm.formats.weights import DEFAULT_MODEL
 

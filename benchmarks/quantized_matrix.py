@@ -6,7 +6,7 @@ For each format: bytes (codes + scales + zeros), the weight error (max |w - ŵ| 
 row's or group's scale: <= 0.5 by construction; mean |w - ŵ| relative to mean |w|), the error of
 one decode product x @ Wᵀ (x: the last hidden state of a real prompt) relative to float32's,
 whether the top-1 token is unchanged, and the time of one product by the reference path
-(dequantise then F.linear), the fast path (the C kernel of minillm/matvec_kernels.c; its first
+(dequantise then F.linear), the speed layer's product (FastQuantizedLinear: the C kernel of minillm/fast/matvec_kernels.c; its first
 call, which builds the kernels, is timed apart) and float32 ``F.linear`` on the same, column-major, layout the model uses.
 """
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from minillm import KVCache, load_model, load_tokenizer, prefill
-from minillm.quantize import QuantizedLinear
+from minillm.fast.products import FastQuantizedLinear
 from minillm.formats.weights import DEFAULT_MODEL
 
 
@@ -51,7 +51,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = load_model(args.model, device="cpu", dtype="float32")
     x = last_hidden_state(model, load_tokenizer(args.model))
-    w = model.lm_head.weight  # [vocab, d_model], column-major after pack_weights
+    w = model.lm_head.weight  # [vocab, d_model], column-major on the long-rows paths (minillm/fast/packing.py)
     y = F.linear(x, w)
     print(f"{args.model} LM head {tuple(w.shape)}; x: the final hidden state of 'The capital of France is'; "
           f"{args.threads} threads")
@@ -60,7 +60,7 @@ def main() -> None:
     print(f"{'float32':8} {w.numel() * 4 / 1e6:6.1f} {'-':>14} {'-':>9} {'-':>12} {'same':>6} "
           f"{median_ms(lambda: F.linear(x, w), args.repeats):13.2f} {'-':>8} {'-':>13}")
     for fmt in ("int8", "int4"):
-        layer = QuantizedLinear(w, None, fmt)
+        layer = FastQuantizedLinear(w, None, fmt)
         w_hat = layer.dequantize()
         step = layer.scale[:, None] if fmt == "int8" else layer.scale.repeat_interleave(layer.group_size, 1)
         start = time.perf_counter()

@@ -18,7 +18,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from minillm import KVCache, decode_step, load_model, prefill, matvec_kernels
+from minillm import KVCache, decode_step, load_model, prefill
+from minillm.fast import kernels as matvec_kernels
 from minillm.formats.weights import DEFAULT_MODEL
 
 

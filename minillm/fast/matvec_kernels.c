@@ -1,7 +1,7 @@
 /* Decode's products: y = x @ wᵀ for a few rows of x, reading each weight once; quantised matrices
  * are read as their packed codes. And decode's attention (at the end of this file).
  *
- * Built at first use by minillm/matvec_kernels.py (cc -O3 -march=native -fopenmp, under a second)
+ * Built at first use by minillm/fast/kernels.py (cc -O3 -march=native -fopenmp, under a second)
  * and called through ctypes. The quantised arithmetic is minillm/quantize.py's reference path,
  * reordered:
  *

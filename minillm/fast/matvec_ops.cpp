@@ -4,7 +4,7 @@
  * A compiled graph cannot call ctypes, so it calls an op. An op whose implementation is Python
  * costs the graph ~26-34 us a call (the dispatcher calling back into Python), this one ~9 us
  * including a small product (developers' EPYC): SmolLM2's compiled step, 121 calls, ran 1.2-1.3 ms faster.
- * minillm/matvec_kernels.py defines the ops' schemas, builds this file at the first compile
+ * minillm/fast/kernels.py defines the ops' schemas, builds this file at the first compile
  * (c++ against torch's headers, 12-19 s measured, kept beside the C library) and falls back to Python
  * implementations where it cannot.
  */
