@@ -5,7 +5,8 @@ draft such as prompt lookup: q is one-hot on each draft, passed as None). The mo
 them all in one pass: p_0..p_k, its next-token distributions at the last token and after each
 draft. Write ``residual_distribution`` (normalize(max(0, p - q))) and ``accept_or_resample``:
 go through the drafts in order, keep d_i with probability min(1, p_i(d_i) / q_i(d_i)) (draw
-u uniform in [0, 1) with ``torch.rand((), generator=generator)`` and keep when u < the ratio),
+u uniform in [0, 1) with ``torch.rand((), generator=generator, device=p.device)`` and keep when u < the
+ratio; a generator draws on its own device),
 stop at the first rejection and draw its replacement from the residual; when every draft is
 kept, draw one bonus token from p_k. The tokens that come out are then distributed exactly as
 the model's own (Leviathan et al. 2023, Theorem 1). Draw tokens with
