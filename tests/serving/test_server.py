@@ -5,6 +5,7 @@ model with SmolLM2's tokenizer (tests/serving/conftest.py: tiny_chat). The oracl
 
 import asyncio
 import json
+import logging
 import threading
 import time
 
@@ -49,6 +50,50 @@ def chat_ids(tokenizer, messages):
 def test_health_and_models(server, client):
     assert httpx.get(f"{server}/health", timeout=TIMEOUT_S).json() == {"status": "ok"}
     assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_models_retrieve_and_head_health(server, client):
+    model = client.models.retrieve(MODEL)
+    assert (model.id, model.object, model.owned_by) == (MODEL, "model", "minillm")
+    assert model.model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-9")
+    error = caught.value.body  # OpenAI's error JSON, the "error" object
+    assert (error["code"], error["param"], error["type"]) == ("model_not_found", "model", "invalid_request_error")
+    assert "'gpt-9' does not exist" in error["message"]
+    head = httpx.head(f"{server}/health", timeout=TIMEOUT_S)
+    assert head.status_code == 200 and head.content == b""
+
+
+# fields that change nothing (OpenAI's bookkeeping, tools turned off): accepted as vLLM accepts them
+IGNORED = {"store": True, "metadata": {"project": "minillm"}, "user": "user-42", "parallel_tool_calls": False,
+           "tools": [], "tool_choice": "none"}
+
+
+@pytest.mark.parametrize("field", IGNORED)
+def test_a_field_that_changes_nothing_gives_the_same_answer_and_a_log_line(client, caplog, field):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0)
+    with caplog.at_level(logging.WARNING, logger="minillm.serving.server.app"):
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                           **{field: IGNORED[field]})
+    assert r.choices[0].message.content == plain.choices[0].message.content
+    (line,) = [rec.getMessage() for rec in caplog.records if rec.name == "minillm.serving.server.app"]
+    assert line.startswith("POST /v1/chat/completions: ignored fields") and line.endswith(f": {field}")
+
+
+def test_all_the_ignored_fields_at_once_and_user_on_completions(client, caplog):
+    with caplog.at_level(logging.WARNING, logger="minillm.serving.server.app"):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                           temperature=0, **IGNORED)
+        plain = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
+        c = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0, user="user-42")
+    assert r.usage.completion_tokens == 3 and c.choices[0].text == plain.choices[0].text
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "minillm.serving.server.app"]
+    assert lines == ["POST /v1/chat/completions: ignored fields (accepted as OpenAI's clients send them; they "
+                     "change nothing here): metadata, parallel_tool_calls, store, tool_choice, tools, user",
+                     "POST /v1/completions: ignored fields (accepted as OpenAI's clients send them; they change "
+                     "nothing here): user"]
 
 
 def test_completion_equals_generate(client, tiny_chat):

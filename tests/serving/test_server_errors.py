@@ -76,6 +76,20 @@ CASES = {
     "top_logprobs 50": ("chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 50}, 400,
                         "top_logprobs", "20"),
     "chat unknown model": ("chat/completions", {"messages": USER, "model": "nope"}, 404, "model", "does not exist"),
+    # fields that would change the answer: "not supported by minillm", not a silently different answer
+    "tools": ("chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
+              400, "tools", "not supported by minillm"),
+    "tool_choice auto": ("chat/completions", {"messages": USER, "tool_choice": "auto"}, 400, "tool_choice",
+                         "not supported by minillm"),
+    "tool_choice a function": ("chat/completions", {"messages": USER, "tool_choice": {
+        "type": "function", "function": {"name": "f"}}}, 400, "tool_choice", "not supported by minillm"),
+    "response_format": ("chat/completions", {"messages": USER, "response_format": {"type": "json_object"}}, 400,
+                        "response_format", "not supported by minillm"),
+    "logit_bias": ("completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias",
+                   "not supported by minillm"),
+    "assistant message with tool_calls": ("chat/completions", {"messages": [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}]}, 400,
+        "messages.0.tool_calls", "not supported by minillm"),
     "chat max_completion_tokens 0": ("chat/completions", {"messages": USER, "max_completion_tokens": 0}, 400,
                                      "max_completion_tokens", "greater than or equal to 1"),
 }

@@ -3,7 +3,8 @@
     POST /v1/completions        a prompt (text or token ids) -> its continuation
     POST /v1/chat/completions   messages -> the chat template -> the assistant's answer
     GET  /v1/models             the one model served
-    GET  /health                200 while the engine thread is alive
+    GET  /v1/models/{id}        that model (OpenAI's model object); 404 for another id
+    GET  /health                200 while the engine thread is alive (HEAD too: no body)
     GET  /metrics               Prometheus text: vLLM's metric names under ``minillm:``
     GET  /                      the live view of the engine (web_view.py)
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import threading
 import time
@@ -37,6 +39,8 @@ from . import protocol
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from .metrics import ServerMetrics
 from .web_view import router as web_view_router
+
+logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 MAX_BODY_BYTES = 32 * 2**20  # 8,192 token ids as JSON take about 50 KB
@@ -104,26 +108,34 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:  # a bug: say so, keep serving
         return JSONResponse(protocol.error_body(500, f"internal error: {type(error).__name__}: {error}"), 500)
 
-    @app.get("/health")
-    async def health():
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health(request: Request):
         if not async_engine.is_alive():
             raise APIError(503, "the engine thread has stopped; restart the server")
-        return {"status": "ok"}
+        return Response(status_code=200) if request.method == "HEAD" else {"status": "ok"}
 
     @app.get("/metrics")
     async def prometheus_metrics():
         body = await asyncio.to_thread(metrics.exposition)  # the gauges wait for the engine's lock
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    model_card = {"id": model_name, "object": "model", "created": created_s, "owned_by": "minillm",
+                  "max_model_len": context}
+
     @app.get("/v1/models", **v1)
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created_s,
-                                            "owned_by": "minillm", "max_model_len": context}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}", **v1)
+    async def model_by_id(model_id: str):
+        _check_model(model_id, model_name)
+        return model_card
 
     @app.post("/v1/completions", **v1)
     async def completions(request: Request):
         body = await _parse(request, protocol.CompletionRequest)
         _check_model(body.model, model_name)
+        _log_ignored(request, body)
         if isinstance(body.prompt, str):
             prompt_ids = await asyncio.to_thread(tokenizer.encode, body.prompt)
         else:
@@ -136,6 +148,7 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
     async def chat_completions(request: Request):
         body = await _parse(request, protocol.ChatCompletionRequest)
         _check_model(body.model, model_name)
+        _log_ignored(request, body)
         prompt_ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, body.messages, body.chat_template_kwargs)
         max_tokens = _max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids), context)
         params = _sampling_params(body, max_tokens, defaults)
@@ -286,6 +299,13 @@ async def _parse(request: Request, model_class):
     except ValidationError as error:
         message, param = protocol.validation_message(error)
         raise APIError(400, message, param) from None
+
+
+def _log_ignored(request: Request, body) -> None:
+    """One log line naming the request's fields that change nothing (vLLM warns the same way)."""
+    if ignored := body.ignored_fields():
+        logger.warning("%s %s: ignored fields (accepted as OpenAI's clients send them; they change nothing "
+                       "here): %s", request.method, request.url.path, ", ".join(ignored))
 
 
 def _check_model(name: str | None, served: str) -> None:

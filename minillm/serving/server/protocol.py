@@ -6,6 +6,11 @@ given as token ids). Parsing is strict, as OpenAI's API is: ``"5"`` is not a num
 field is an error (it is more often a typo than a feature), so a bad request fails here with the
 field's name instead of deep inside the engine.
 
+Fields that change nothing here are accepted as vLLM accepts them (:data:`IGNORED_FIELDS`; the app
+logs one line naming them); an OpenAI field that would change the answer and is not implemented
+(tools, ``response_format``, ``logit_bias``, ...: :data:`UNSUPPORTED_FIELDS`) is a 400 that says
+"not supported by minillm", not a silently different answer.
+
     JSON body --validate--> CompletionRequest / ChatCompletionRequest --(app.py)--> SamplingParams
     RequestOutput (engine) --CompletionReply / ChatReply--> the whole answer, or one chunk per token
 
@@ -21,6 +26,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 # OpenAI's documented default when a request gives no temperature (vLLM's too).
 OPENAI_DEFAULT_TEMPERATURE = 1.0
+# Accepted and ignored: they change no token of the answer (OpenAI's bookkeeping, or tools turned off).
+IGNORED_FIELDS = ("store", "metadata", "user", "parallel_tool_calls", "tools", "tool_choice")
+# OpenAI's (and vLLM's) fields that would change the answer, which minillm does not implement.
+UNSUPPORTED_FIELDS = {"tools", "tool_choice", "tool_calls", "functions", "function_call", "response_format",
+                      "logit_bias", "prediction", "audio", "modalities", "reasoning_effort", "web_search_options",
+                      "suffix", "best_of", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
 # /v1/completions' default max_tokens (OpenAI's legacy API and vLLM: 16). Chat has none: the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -50,7 +61,7 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
-    user: str | None = None  # OpenAI's end-user id: accepted, not used
+    user: str | None = None  # OpenAI's end-user id: accepted, ignored
 
     @field_validator("n")
     @classmethod
@@ -73,6 +84,10 @@ class _SamplingFields(_Strict):
         if len(stops) > 4 or not all(stops):
             raise ValueError("stop must be up to 4 non-empty strings (OpenAI's limit)")
         return stop
+
+    def ignored_fields(self) -> list[str]:
+        """The request's fields that change nothing (:data:`IGNORED_FIELDS`), for the server's log."""
+        return sorted(set(IGNORED_FIELDS) & self.model_fields_set)
 
 
 class CompletionRequest(_SamplingFields):
@@ -142,6 +157,26 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     # vLLM's: extra chat template variables, e.g. {"enable_thinking": false} for Qwen3
     chat_template_kwargs: dict[str, bool | int | float | str] | None = None
+    # accepted, ignored (IGNORED_FIELDS): stored completions, their tags, tools that are off
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    parallel_tool_calls: bool | None = None
+    tools: list[dict] | None = None  # only [] (no tools)
+    tool_choice: str | dict | None = None  # only "none"
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, tools):
+        if tools:
+            raise ValueError("function calling is not supported by minillm; send tools: [] or leave it out")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tools_off(cls, choice):
+        if choice is not None and choice != "none":
+            raise ValueError('function calling is not supported by minillm; only "none" is accepted')
+        return choice
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -282,7 +317,9 @@ def validation_message(error: ValidationError) -> tuple[str, str | None]:
         return f"the body is not valid JSON: {first['msg']}", None
     message = first["msg"].removeprefix("Value error, ")
     got = first.get("input")
-    if first["type"] == "extra_forbidden":
+    if first["type"] == "extra_forbidden" and loc and loc[-1] in UNSUPPORTED_FIELDS:
+        message = "not supported by minillm (it would change the answer); remove it"
+    elif first["type"] == "extra_forbidden":
         message = "unknown field (not an OpenAI or vLLM request field minillm accepts); remove it"
     elif first["type"] != "missing" and not isinstance(got, (dict, list)):
         message += f" (got {got!r:.60})"
