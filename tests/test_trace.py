@@ -316,12 +316,12 @@ def test_the_clock_starts_with_the_request_not_the_trace(model):
     import time
 
     trace = Trace()
-    waited_ms = 2000.0  # a notebook: the Trace made in one cell, generate() run in the next
-    time.sleep(waited_ms / 1000)
+    time.sleep(0.05)  # a notebook: the Trace made in one cell, generate() run in the next
+    waited = time.perf_counter()
     run(model, trace, max_new_tokens=2)
     assert trace.metrics["ttft_ms"] == pytest.approx(trace.prefill["end_ms"], abs=1e-6)
-    # the wait is not counted; the margin is wide so a loaded CI machine cannot flip it
-    assert trace.prefill["start_ms"] < waited_ms / 2
+    # the wait is not counted: the clock restarted after it (an order, whatever the machine's load)
+    assert waited <= trace.start_s and trace.prefill["start_ms"] >= 0
 
 
 

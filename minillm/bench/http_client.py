@@ -54,7 +54,7 @@ import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Awaitable, Callable, Sequence
 
 from ..serving.run_metrics import RunSummary, request_metrics, span_s, summarize_run
 from .metrics_scrape import ServerSideNumbers, scrape_delta
@@ -174,20 +174,22 @@ def chunk_token_count(choice: dict) -> int:
     return 1 if choice.get("text") else 0
 
 
-async def send_request(client, url: str, body: dict, record: ClientRequest) -> None:
-    """POST one streaming completion and fill ``record`` from its chunks; failures go in
-    ``record.error`` (never raised), as does cancellation by the run's timeout."""
+async def send_request(client, url: str, body: dict, record: ClientRequest,
+                       clock: Callable[[], float] = time.perf_counter) -> None:
+    """POST one streaming completion and fill ``record`` from its chunks, each stamped with
+    ``clock()`` (s) as it arrives; failures go in ``record.error`` (never raised), as does
+    cancellation by the run's timeout."""
     import httpx
 
     last_seen_s = None
     try:
-        record.first_scheduled_s = time.perf_counter()
+        record.first_scheduled_s = clock()
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
                 record.error = f"HTTP {response.status_code}: {_error_message(await response.aread())}"
                 return
             async for line in response.aiter_lines():
-                now = time.perf_counter()
+                now = clock()
                 if not line.startswith("data:"):
                     continue  # SSE comments, blank separators
                 data = line[5:].strip()
@@ -290,8 +292,14 @@ async def _scrape(client, base_url: str) -> str | None:
 async def run_http_bench_async(base_url: str, workload: Sequence[WorkloadRequest], model: str,
                                ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None,
                                timeout_s: float = 600.0, progress: Callable[[int, int], None] | None = None,
-                               warm_up_first: bool = True, api_key: str | None = None) -> HttpRunResult:
-    """Send ``workload`` to ``base_url`` in real time and measure it; see :func:`run_http_bench`."""
+                               warm_up_first: bool = True, api_key: str | None = None,
+                               clock: Callable[[], float] = time.perf_counter,
+                               sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> HttpRunResult:
+    """Send ``workload`` to ``base_url`` in real time and measure it; see :func:`run_http_bench`.
+
+    ``clock`` (s) stamps arrivals, sends and chunks, and ``sleep(s)`` waits for each arrival: the
+    seam a test replaces with a fake clock to check the schedule without depending on the
+    machine's load (the overall ``timeout_s`` stays in real seconds)."""
     import httpx
 
     if not workload:
@@ -301,36 +309,38 @@ async def run_http_bench_async(base_url: str, workload: Sequence[WorkloadRequest
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits,
                                  headers=auth_headers(api_key)) as client:
         if warm_up_first:
-            await warm_up(client, f"{base_url}/v1/completions", model, workload[0])
+            await warm_up(client, f"{base_url}/v1/completions", model, workload[0], clock)
         before = await _scrape(client, base_url)
-        records = await _send_all(client, f"{base_url}/v1/completions", model, workload, timeout_s, progress)
+        records = await _send_all(client, f"{base_url}/v1/completions", model, workload, timeout_s, progress,
+                                  clock, sleep)
         after = await _scrape(client, base_url) if before is not None else None
-    return _result(base_url, model, records, ttft_slo_ms, tpot_slo_ms, before, after)
+    return _result(base_url, model, records, ttft_slo_ms, tpot_slo_ms, before, after, clock)
 
 
-async def warm_up(client, url: str, model: str, first: WorkloadRequest) -> None:
+async def warm_up(client, url: str, model: str, first: WorkloadRequest,
+                  clock: Callable[[], float] = time.perf_counter) -> None:
     """One short untimed request before the run, as vLLM's bench's "initial test run": the server's
     first forward passes are slow, and a server that refuses the run's requests (an unknown
     model, a bad field) should stop the run in one line, not fail every request. Its prompt is
     4 of the first request's ids reversed: too short to fill a KV block, so it leaves nothing
     in a prefix cache for the run to hit. Raises ValueError when it fails."""
-    record = ClientRequest("warm-up", time.perf_counter(), 2)
+    record = ClientRequest("warm-up", clock(), 2)
     body = completion_body(model, WorkloadRequest(0.0, tuple(reversed(first.prompt_ids[:4])), 2))
-    await send_request(client, url, body, record)
+    await send_request(client, url, body, record, clock)
     if record.error is not None:
         raise ValueError(f"the warm-up request to {url} failed: {record.error}")
 
 
-async def _send_all(client, url, model, workload, timeout_s, progress) -> list[ClientRequest]:
+async def _send_all(client, url, model, workload, timeout_s, progress, clock, sleep) -> list[ClientRequest]:
     """Each request sent at its arrival (vLLM's bench sleeps the gaps); all bounded by ``timeout_s``."""
-    t0 = time.perf_counter()
+    t0 = clock()
     records = [ClientRequest(str(i), t0 + w.arrival_s, w.max_tokens, num_prompt_tokens=len(w.prompt_ids))
                for i, w in enumerate(workload)]
     done = [0]
 
     async def one(w: WorkloadRequest, record: ClientRequest) -> None:
-        await asyncio.sleep(max(0.0, record.arrival_s - time.perf_counter()))
-        await send_request(client, url, completion_body(model, w), record)
+        await sleep(max(0.0, record.arrival_s - clock()))
+        await send_request(client, url, completion_body(model, w), record, clock)
         done[0] += 1
         if progress is not None:
             progress(done[0], len(workload))
@@ -348,10 +358,10 @@ async def _send_all(client, url, model, workload, timeout_s, progress) -> list[C
     return records
 
 
-def _result(base_url, model, records, ttft_slo_ms, tpot_slo_ms, before, after) -> HttpRunResult:
+def _result(base_url, model, records, ttft_slo_ms, tpot_slo_ms, before, after, clock) -> HttpRunResult:
     failed = [r for r in records if r.error is not None]
     has_tokens = any(r.token_times_s for r in records if r.error is None)
-    duration = span_s(records) if has_tokens else max(time.perf_counter() - records[0].arrival_s, 1e-9)
+    duration = span_s(records) if has_tokens else max(clock() - records[0].arrival_s, 1e-9)
     result = HttpRunResult(
         base_url, model, summarize_run(records, duration, ttft_slo_ms, tpot_slo_ms), records, len(failed),
         dict(Counter(r.error for r in failed).most_common(ERRORS_SHOWN)),
