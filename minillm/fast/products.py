@@ -76,16 +76,12 @@ def matvec_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 class SplitLinear(nn.Linear):
     """``nn.Linear`` (same parameters, same state-dict names) computed by :func:`split_product`."""
 
-    product = staticmethod(split_product)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return split_product(x, self.weight, self.bias)
 
 
 class MatvecLinear(nn.Linear):
     """``nn.Linear`` (same parameters, same state-dict names) computed by :func:`matvec_product`."""
-
-    product = staticmethod(matvec_product)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return matvec_product(x, self.weight, self.bias)
