@@ -52,7 +52,8 @@ class Case:
     lesson: str
     shapes: str = ""
 
-    def fail(self, problem: str, expected=None, got=None, hint: str | None = None, detail: str = "") -> NoReturn:
+    def fail(self, problem: str, expected=None, got=None, hint: str | None = None, detail: str = "",
+             mistake: str = "") -> NoReturn:
         __tracebackhide__ = True
         lines = [f"{self.what}: {problem}", _field("case", self.case)]
         if self.shapes:
@@ -61,6 +62,8 @@ class Case:
             lines += [_field("expected", fmt(expected)), _field("got", fmt(got))]
         if detail:
             lines.append(_field("where", detail))
+        if mistake:
+            lines.append(_field("mistake", mistake))
         lines += [_field("hint", hint or self.hint), _field("lesson", self.lesson)]
         raise AssertionError("\n".join(lines))
 
@@ -100,8 +103,10 @@ class Case:
                 self.fail(f"wrong dtype: expected {_dtype(expected)}, got {_dtype(got)}", hint=hint)
             if not torch.equal(got.cpu(), expected.cpu()):
                 self.fail("wrong values", expected, got, hint, _first_difference(got, expected))
-        elif got != expected:
-            self.fail("wrong value", expected, got, hint)
+        else:
+            self._same_type(got, expected, hint)
+            if got != expected:
+                self.fail("wrong value", expected, got, hint)
 
     def close(self, got, expected, hint: str | None = None, atol: float = 1e-5, rtol: float = 1e-4) -> None:
         """Equal up to float rounding: tensors of the same shape, or numbers (None must match None)."""
@@ -112,13 +117,17 @@ class Case:
             if not torch.allclose(g, e, atol=atol, rtol=rtol, equal_nan=False):
                 self.fail("wrong values", expected, got, hint, _largest_difference(g, e))
         elif isinstance(expected, (tuple, list)):
-            ok = isinstance(got, (tuple, list)) and len(got) == len(expected) and all(
+            self._same_type(got, expected, hint)
+            ok = len(got) == len(expected) and all(
                 _is_number(g) and math.isclose(g, e, rel_tol=rtol, abs_tol=atol) for g, e in zip(got, expected))
             if not ok:
                 self.fail("wrong values", expected, got, hint)
-        elif expected is None or got is None or not _is_number(got):
-            if got is not expected and got != expected:
+        elif expected is None or not _is_number(expected):
+            self._same_type(got, expected, hint)
+            if got != expected:
                 self.fail("wrong value", expected, got, hint)
+        elif not _is_number(got):
+            self.fail(f"wrong type: expected a number, got {type(got).__name__}", expected, got, hint)
         elif not math.isclose(float(got), float(expected), rel_tol=rtol, abs_tol=atol):
             self.fail("wrong value", expected, got, hint)
 
@@ -127,6 +136,23 @@ class Case:
         __tracebackhide__ = True
         if not ok:
             self.fail(problem, expected, got, hint)
+
+    def _same_type(self, got, expected, hint) -> None:
+        """Strict about types: a one-element tensor is not an int, True is not 1, a list is not a tuple."""
+        __tracebackhide__ = True
+        if isinstance(expected, bool) or expected is None:
+            ok = got is expected if expected is None else isinstance(got, bool)
+        elif isinstance(expected, int):
+            ok = isinstance(got, int) and not isinstance(got, bool)
+        elif isinstance(expected, float):
+            ok = _is_number(got)
+        elif isinstance(expected, (tuple, list)):
+            ok = isinstance(got, (tuple, list))
+        else:
+            ok = True
+        if not ok:
+            self.fail(f"wrong type: expected {type(expected).__name__}, got {type(got).__name__}", expected, got,
+                      hint)
 
     def _same_shape(self, got, expected: torch.Tensor, hint) -> None:
         __tracebackhide__ = True

@@ -2,11 +2,16 @@
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from exercises.checking import Case
+from exercises.differential import CHECKS, agree
+from exercises.registry import EXERCISES, reference
 
 pytestmark = pytest.mark.ex01
 LESSON = "lessons/02-prefill-and-decode.md#the-causal-mask"
+REF = reference(EXERCISES["ex01"])
 
 
 def mask(rows: list[str]) -> torch.Tensor:
@@ -39,3 +44,15 @@ def test_mask_is_made_on_the_given_device(impl):
              hint="pass device= to the tensor you create: torch.ones(..., dtype=torch.bool, device=device)")
     got = c.call(impl.causal_mask, 3, 3, device=torch.device("cpu"))
     c.equal(got, mask(["1 0 0", "1 1 0", "1 1 1"]))
+
+
+@given(data=st.data())
+@CHECKS
+def test_agrees_with_the_reference_on_every_size_and_window(impl, data):
+    n_keys = data.draw(st.integers(0, 40), label="n_keys")
+    n_queries = data.draw(st.integers(0, n_keys), label="n_queries")
+    window = data.draw(st.none() | st.integers(1, n_keys + 2), label="window")
+    agree(impl.causal_mask, REF.causal_mask, lambda: ((n_queries, n_keys), {"window": window}),
+          what="causal_mask", exercise="ex01", lesson=LESSON,
+          hint="query i sits at position n_keys - n_queries + i and sees keys j with position - window < j <= "
+               "position (no lower bound without a window); sizes 0 and 1 are prompts too")
