@@ -192,11 +192,13 @@ def goodput(
 ) -> float:
     """Requests per second that met every given SLO: (requests meeting them) / duration_s.
 
-    Throughput counts every finished request; goodput only those served well enough
-    (DistServe, Zhong et al. 2024; vLLM's ``benchmark_serving.py --goodput`` reports it
-    as ``request_goodput``, req/s). A request meets the SLOs as in :func:`slo_attainment`
-    (TTFT <= ttft_ms and TPOT <= tpot_ms; a one-token request meets any TPOT SLO), so
-    goodput = slo_attainment · len(metrics_list) / duration_s.
+    Throughput counts every finished request; goodput only those served well enough.
+    This is the per-run goodput of vLLM's ``benchmark_serving.py --goodput`` (reported as
+    ``request_goodput``, req/s). DistServe (Zhong et al. 2024) names a different number
+    goodput: the highest request rate at which SLO attainment stays on target (say 90 %);
+    sweep the request rate with this function to find it. A request meets the SLOs as in
+    :func:`slo_attainment` (TTFT <= ttft_ms and TPOT <= tpot_ms; a one-token request meets
+    any TPOT SLO), so goodput = slo_attainment · len(metrics_list) / duration_s.
 
     Args:
         metrics_list: the requests of one benchmark run.
