@@ -11,7 +11,8 @@ costs from :mod:`minillm.costs`). These are lower bounds: real systems reach per
 50-80% of them (datasheet peaks are optimistic; kernels, launches and scheduling add time).
 
 Example configs ship in ``minillm/configs/`` (the models' Hugging Face config.json):
-``llama-2-7b``, ``llama-3-8b``, ``mistral-7b``, ``qwen2.5-0.5b``, ``qwen3-0.6b``.
+``gpt2-124m``, ``llama-2-7b``, ``llama-3-8b``, ``mistral-7b``, ``qwen2.5-0.5b``, ``qwen3-0.6b``,
+``smollm2-135m-instruct``.
 """
 
 from __future__ import annotations

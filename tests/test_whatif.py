@@ -68,6 +68,16 @@ def test_load_config_by_name_path_and_folder(tmp_path):
         load_config("no-such-config")
 
 
+def test_lessons_default_model_whatif_needs_no_download(tmp_path, monkeypatch, capsys):
+    """Lesson 10 runs `minillm whatif --config smollm2-135m-instruct` on a fresh checkout: the
+    config ships, so an empty weights directory is enough (23,040 K/V bytes a token: 30 layers,
+    3 KV heads of 64, K and V, 2 bytes)."""
+    monkeypatch.setenv("MINILLM_WEIGHTS", str(tmp_path))
+    assert "smollm2-135m-instruct" in example_configs()
+    assert main(["whatif", "--config", "smollm2-135m-instruct", "--hardware", "h100"]) == 0
+    assert "23,040" in capsys.readouterr().out
+
+
 def test_cli_whatif_prints_kv_bytes(capsys):
     assert main(["whatif", "--config", "llama-3-8b", "--hardware", "h100",
                  "--prompt-tokens", "2000", "--output-tokens", "200"]) == 0

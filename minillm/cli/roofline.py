@@ -72,8 +72,9 @@ def _hardware_table(hw, title: str):
 def add_whatif(sub) -> None:
     p = sub.add_parser("whatif", help="predict TTFT and TPOT of a model on some hardware (roofline floors)")
     p.add_argument("--model", "-m", "--config", dest="config", required=True,
-                   help="config.json path or folder, a downloaded model, or a shipped example: llama-2-7b, "
-                        "llama-3-8b, mistral-7b, qwen2.5-0.5b, qwen3-0.6b (--config: the older spelling)")
+                   help="config.json path or folder, a downloaded model, or a shipped example: gpt2-124m, "
+                        "llama-2-7b, llama-3-8b, mistral-7b, qwen2.5-0.5b, qwen3-0.6b, smollm2-135m-instruct "
+                        "(--config: the older spelling)")
     p.add_argument("--hardware", default="h100", help="h100, h200, a100, l4, rtx4090, m2-max, laptop-cpu, "
                                                      "or 'this' (the calibrated local machine)")
     p.add_argument("--device", help="with --hardware this: which device's calibration (default: cpu)")
