@@ -13,6 +13,7 @@ Chat templates are rendered in :mod:`minillm.formats.chat_template`.
 
 from __future__ import annotations
 
+import functools
 import json
 import operator
 import re
@@ -127,7 +128,19 @@ class Tokenizer:
             what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
             raise ValueError(f"the text is not valid UTF-8: {what} at character {e.start}; give it as UTF-8 "
                              "(e.g. iconv -f latin1 -t utf-8)") from None
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch gives the same ids and releases the GIL while Rust works (encode holds it):
+        # a server's other threads keep running while a long prompt is tokenised
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token spells (the longest vocabulary entry, added tokens included).
+
+        A text of n characters is at least ``n / max_token_chars`` tokens (before a normalizer
+        merges characters), so a server can refuse a prompt too long for the context without
+        tokenising it.
+        """
+        return max(len(token) for token in self.backend.get_vocab(with_added_tokens=True))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (an incomplete UTF-8 character at the end shows as U+FFFD).

@@ -137,6 +137,7 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
         _check_model(body.model, model_name)
         _log_ignored(request, body)
         if isinstance(body.prompt, str):
+            _refuse_unfittable(len(body.prompt), context, tokenizer, "prompt")
             prompt_ids = await asyncio.to_thread(tokenizer.encode, body.prompt)
         else:
             prompt_ids = list(body.prompt)
@@ -149,7 +150,9 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
         body = await _parse(request, protocol.ChatCompletionRequest)
         _check_model(body.model, model_name)
         _log_ignored(request, body)
-        prompt_ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, body.messages, body.chat_template_kwargs)
+        chat = [m.as_template_message() for m in body.messages]
+        _refuse_unfittable(sum(len(m.get("content") or "") for m in chat), context, tokenizer, "messages")
+        prompt_ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, chat, body.chat_template_kwargs)
         max_tokens = _max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids), context)
         params = _sampling_params(body, max_tokens, defaults)
         if body.top_logprobs is not None and not body.logprobs:
@@ -270,10 +273,9 @@ async def _until_disconnect(coroutine, request: Request):
         raise
 
 
-def _chat_prompt_ids(tokenizer, messages, template_kwargs: dict | None = None) -> list[int]:
+def _chat_prompt_ids(tokenizer, chat: list[dict], template_kwargs: dict | None = None) -> list[int]:
     """The chat template applied (with the assistant's turn opened, and the request's
     ``chat_template_kwargs``), then encoded; APIError 400 when the template refuses the chat."""
-    chat = [m.as_template_message() for m in messages]
     try:
         text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, **(template_kwargs or {}))
     except ValueError as error:
@@ -322,6 +324,22 @@ def max_model_len(engine) -> int:
     up front instead of cutting them short."""
     pool = engine.cache.allocator
     return min(engine.model.config.max_seq_len, pool.num_blocks * pool.block_size)
+
+
+# A normalizer may merge characters before the vocabulary sees them (NFC composes e + U+0301
+# into one); four characters to one is beyond what any text does.
+NORMALIZER_SLACK = 4
+
+
+def _refuse_unfittable(n_chars: int, context: int, tokenizer, param: str) -> None:
+    """APIError 400 for a text that cannot fit the context whatever its tokens, decided from its
+    length alone: tokenising megabytes only to refuse them would hold up every other request."""
+    limit = context * tokenizer.max_token_chars * NORMALIZER_SLACK
+    if n_chars > limit:
+        raise APIError(400, f"the prompt is {n_chars:,} characters, more than this server's maximum context "
+                            f"length of {context} tokens can hold (a token spells at most "
+                            f"{tokenizer.max_token_chars} characters); shorten the prompt", param,
+                       "context_length_exceeded")
 
 
 def _max_tokens(requested: int | None, prompt_len: int, context: int) -> int:
