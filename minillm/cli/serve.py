@@ -10,8 +10,6 @@ import sys
 
 from .common import UsageError, ensure_model, model_options
 
-GRACEFUL_SHUTDOWN_S = 3
-
 
 def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
@@ -37,15 +35,16 @@ def add_serve(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 requests (vLLM's flag; default: "
                         "$MINILLM_API_KEY, else no key)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, let running requests finish for this long, then end them with an "
+                        "error (default: 30; a second Ctrl-C quits at once)")
     p.set_defaults(run=run_serve)
 
 
 def run_serve(args) -> int:
     _check_args(args)
     try:
-        import uvicorn
-
-        from ..serving.server.app import create_app
+        from ..serving.server.app import create_app, serve
     except ImportError as error:  # the serve extra is optional
         raise UsageError(f"minillm serve needs the serve extra ({error.name} is missing): "
                          "pip install 'minillm[serve]'") from None
@@ -71,9 +70,7 @@ def run_serve(args) -> int:
     if args.api_key:
         print("  /v1 needs the header 'Authorization: Bearer <the --api-key>'", file=sys.stderr, flush=True)
     try:
-        # on Ctrl-C, open streams get GRACEFUL_SHUTDOWN_S to finish, then are cut (uvicorn would wait forever)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        serve(app, args.host, args.port, args.shutdown_timeout)
     finally:
         async_engine.close()
     return 0
@@ -89,6 +86,8 @@ def _check_args(args) -> None:
                         ("--max-num-batched-tokens", args.max_num_batched_tokens), ("--threads", args.threads)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
+    if not args.shutdown_timeout >= 0:
+        raise UsageError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout:g}")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise UsageError(f"--max-waiting-requests must be >= 1 (leave it out for no limit), "
                          f"got {args.max_waiting_requests}")

@@ -57,6 +57,38 @@ def test_serve_starts_answers_and_stops_on_ctrl_c(tiny_folder):
     assert f"at {url}" in stderr and f"curl {url}/v1/chat/completions" in stderr
 
 
+def test_sigterm_ends_an_open_stream_cleanly_and_exits_0(tiny_folder):
+    """SIGTERM mid-stream, with --shutdown-timeout 0.5: the stream ends with OpenAI's error event and
+    [DONE], the process exits 0, and nothing is logged as a traceback (issue 31, item 7)."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", str(tiny_folder), "--port",
+                               str(port), "--kv-cache-memory", "8MiB", "--shutdown-timeout", "0.5"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url, lines = f"http://127.0.0.1:{port}", []
+    try:
+        def up():
+            assert server.poll() is None, server.stderr.read()
+            try:
+                return httpx.get(f"{url}/health", timeout=1.0).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(up, TIMEOUT_S, poll_s=0.2)
+        body = {"prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT_S) as r:
+            for line in r.iter_lines():
+                if line and not lines:
+                    server.send_signal(signal.SIGTERM)
+                lines += [line] if line else []
+        _, stderr = server.communicate(timeout=TIMEOUT_S)
+    finally:
+        server.kill()
+        server.wait(TIMEOUT_S)
+    assert lines[-1] == "data: [DONE]" and '"server_shutting_down"' in lines[-2]
+    assert server.returncode == 0 and "Traceback" not in stderr, stderr
+    assert "1 request(s) still running after 0.5 s were ended" in stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--port", "0"], "--port must be in 1..65535, got 0"),
     (["--port", "70000"], "--port must be in 1..65535"),
@@ -65,6 +97,7 @@ def test_serve_starts_answers_and_stops_on_ctrl_c(tiny_folder):
     (["--kv-cache-memory", "lots"], "--kv-cache-memory: KV cache memory must be a size"),
     (["--served-model-name", ""], "--served-model-name is empty"),
     (["--api-key", " "], "--api-key is empty"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a number of seconds >= 0"),
 ])
 def test_usage_errors(args, message, capsys):
     assert main(["serve", *args]) == 2

@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import secrets
+import signal
 import threading
 import time
 import uuid
@@ -32,11 +33,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ...generation_config import generation_config_of
 from ...sampling import SamplingParams
 from . import protocol
-from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, ShuttingDownError
 from .metrics import ServerMetrics
 from .web_view import router as web_view_router
 
@@ -165,8 +167,59 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
     return app
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a graceful shutdown for minillm's requests.
+
+    On SIGTERM or Ctrl-C (or ``should_exit``) it stops accepting connections, refuses new
+    requests on open ones (503), lets running requests finish for up to ``drain_timeout_s``
+    seconds, then ends each one left with OpenAI's error (a stream: an error event and
+    ``[DONE]``), so that uvicorn never has to cancel a handler mid-response.
+    """
+
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, drain_timeout_s: float):
+        super().__init__(config)
+        self.async_engine, self.drain_timeout_s = async_engine, drain_timeout_s
+
+    async def shutdown(self, sockets=None) -> None:
+        for server in self.servers:
+            server.close()  # stop accepting now; uvicorn's own shutdown closes them again, harmlessly
+        ended = await self.async_engine.drain(self.drain_timeout_s)
+        if ended:
+            logger.warning("shutting down: %d request(s) still running after %g s were ended with an error",
+                           ended, self.drain_timeout_s)
+        await super().shutdown(sockets)
+
+
+def serve(app: FastAPI, host: str, port: int, drain_timeout_s: float) -> None:
+    """Serve ``app`` until SIGTERM or Ctrl-C, then shut down gracefully (:class:`DrainingServer`)
+    and return: a shutdown asked for is a normal end (exit status 0)."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=_AFTER_DRAIN_S)
+    # uvicorn raises the signal it stopped on again once it is done; caught here, not fatal
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        DrainingServer(config, app.state.async_engine, drain_timeout_s).run()
+    except (KeyboardInterrupt, _Stopped):
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Stopped(Exception):
+    """SIGTERM, raised again by uvicorn after its shutdown."""
+
+
+def _raise_stopped(signum, frame) -> None:
+    raise _Stopped()
+
+
+# After the drain every response is complete: this bounds uvicorn's own wait for their sockets.
+_AFTER_DRAIN_S = 5
+
+
 @contextlib.contextmanager
-def run_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0):
+def run_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
+                  drain_timeout_s: float = 0.0):
     """Serve ``app`` with uvicorn in a background thread for a ``with`` block; yields the base URL.
 
         with run_in_thread(create_app(async_engine, tok, "smollm2")) as url:   # "http://127.0.0.1:PORT"
@@ -175,12 +228,14 @@ def run_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout_
 
     For notebooks and tests, where ``minillm serve`` would block the kernel. ``port=0`` lets the
     OS pick a free port (read back from the bound socket, so there is no race with another
-    server). On exit the server stops: open streams get ``timeout_s`` to finish, then are cut.
+    server). On exit the server stops as on SIGTERM (:class:`DrainingServer`): running requests
+    get ``drain_timeout_s`` to finish, then end with an error.
     Raises RuntimeError if the server has not started (a port in use, a bad host) within ``timeout_s``.
     """
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
                             timeout_graceful_shutdown=int(timeout_s))
-    server = uvicorn.Server(config)
+    engine = getattr(app.state, "async_engine", None)  # any ASGI app may be served here (tests)
+    server = DrainingServer(config, engine, drain_timeout_s) if engine is not None else uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="minillm-uvicorn", daemon=True)
     thread.start()
     try:
@@ -194,7 +249,7 @@ def run_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout_
         yield f"http://{host}:{bound_port}"
     finally:
         server.should_exit = True
-        thread.join(timeout_s)
+        thread.join(timeout_s + drain_timeout_s)
 
 
 async def _respond(outputs, body, reply, request: Request):
@@ -287,11 +342,14 @@ async def _parse(request: Request, model_class):
     """The body as ``model_class``; APIError 400 for non-UTF-8, bad JSON, wrong types or values,
     413 for a body over MAX_BODY_BYTES (read no further: the server's memory is not the client's)."""
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body is over {MAX_BODY_BYTES:,} bytes; a prompt the model's "
-                                "context can hold is far smaller")
+    try:
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise APIError(413, f"the request body is over {MAX_BODY_BYTES:,} bytes; a prompt the model's "
+                                    "context can hold is far smaller")
+    except ClientDisconnect:  # hung up mid-body: nobody to answer
+        raise ClientDisconnected() from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -382,6 +440,8 @@ def _sampling_params(body, max_tokens: int, defaults: dict) -> SamplingParams:
 def _engine_error(error: Exception) -> APIError:
     if isinstance(error, QueueFullError):
         return APIError(503, str(error), code="queue_full")
+    if isinstance(error, ShuttingDownError):
+        return APIError(503, str(error), code="server_shutting_down")
     if isinstance(error, EngineDeadError):
         return APIError(500, str(error))
     return APIError(400, str(error))

@@ -41,6 +41,10 @@ class EngineDeadError(MiniLLMError):
     """A step of the engine raised, or the server is stopping: the request was aborted (HTTP 500)."""
 
 
+class ShuttingDownError(EngineDeadError):
+    """The server is shutting down: a new request is refused, an unfinished one ended (HTTP 503)."""
+
+
 class AsyncEngine:
     """Runs ``engine`` in a background thread; :meth:`generate` streams a request's outputs.
 
@@ -71,6 +75,7 @@ class AsyncEngine:
         self.lock = threading.Lock()
         self._wake = threading.Event()  # set when there is work: a command, or requests to step
         self._stopping = False
+        self._draining = False  # set by drain(): new requests are refused, running ones go on
         self._commands: collections.deque[tuple] = collections.deque()  # appended by clients, popped by the thread
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
@@ -138,6 +143,27 @@ class AsyncEngine:
         self._queues.pop(request_id, None)
         self._send(("abort", request_id))
 
+    async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
+        """Refuse new requests (ShuttingDownError) and wait up to ``timeout_s`` seconds for the
+        streaming ones to finish; then end each that is left with ShuttingDownError (a stream
+        gets its error event and ``[DONE]``). Returns how many were ended unfinished.
+
+        A graceful shutdown (SIGTERM, Ctrl-C), as vLLM's server does it; the engine thread keeps
+        running, :meth:`close` stops it.
+        """
+        self._draining = True
+        deadline = time.monotonic() + timeout_s
+        while self._queues and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+        stopped = ShuttingDownError(f"the server shut down before the request finished (it waited {timeout_s:g} s "
+                                    "for running requests); send it again when the server is back")
+        with self.lock:
+            left = list(self._queues)
+            for request_id in left:
+                self._abort_now(request_id)
+                self._deliver(request_id, stopped)
+        return len(left)
+
     def _send(self, command: tuple) -> None:
         self._commands.append(command)
         self.wake()
@@ -194,8 +220,8 @@ class AsyncEngine:
         """Add a request, or refuse it (full queue, bad prompt, stopping); tell its client which."""
         error = None
         waiting = len(self.engine.scheduler.waiting)
-        if self._stopping:
-            error = EngineDeadError("the server is shutting down; send the request again later")
+        if self._stopping or self._draining:
+            error = ShuttingDownError("the server is shutting down; send the request again when it is back")
         elif self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
             error = QueueFullError(f"the waiting queue is full ({waiting} requests, limit {self.max_waiting_requests}: "
                                    "--max-waiting-requests); retry later")
