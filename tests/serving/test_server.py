@@ -164,6 +164,35 @@ def test_streaming_with_usage(server, client, tiny_chat):
         tiny_chat, tokenizer.encode("Hi"), max_new_tokens=3)[1]
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_continuous_usage_stats_put_the_counts_so_far_on_every_chunk(server, tiny_chat, endpoint):
+    """vLLM's ``stream_options.continuous_usage_stats`` (guidellm sends it on every streaming request):
+    each chunk carries the usage so far, completion_tokens counting up one a token; the chat's role
+    chunk counts the prompt alone; the last chunk is the usual usage chunk (issue 31, item 3)."""
+    _, tokenizer = tiny_chat
+    prompt = {"prompt": "Hi"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    body = dict(prompt, max_tokens=5, temperature=0, ignore_eos=True, stream=True,
+                stream_options={"include_usage": True, "continuous_usage_stats": True})
+    with httpx.stream("POST", f"{server}/v1/{endpoint}", json=body, timeout=TIMEOUT_S) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    n_prompt = chunks[-1]["usage"]["prompt_tokens"]
+    counted = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counted == ([0] if endpoint == "chat/completions" else []) + [1, 2, 3, 4, 5, 5]
+    assert all(c["usage"]["prompt_tokens"] == n_prompt for c in chunks)
+    assert all(c["usage"]["total_tokens"] == n_prompt + c["usage"]["completion_tokens"] for c in chunks)
+    assert chunks[-1]["choices"] == [] and all(c["choices"] for c in chunks[:-1])
+    if endpoint == "completions":
+        assert n_prompt == len(tokenizer.encode("Hi"))
+
+
+def test_continuous_usage_stats_alone_adds_no_usage(server):
+    """vLLM's rule: continuous_usage_stats counts only with include_usage."""
+    body = {"prompt": "Hi", "max_tokens": 2, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=TIMEOUT_S) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert len(chunks) == 2 and all("usage" not in c for c in chunks)
+
+
 def test_stop_string(client, tiny_chat):
     _, tokenizer = tiny_chat
     prompt_ids = tokenizer.encode("Once upon a time")

@@ -259,11 +259,11 @@ async def _respond(outputs, body, reply, request: Request):
     if not body.stream:
         last = first if first.finished else await _until_disconnect(_last(outputs), request)
         return reply.response(last)
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return StreamingResponse(_events(first, outputs, reply, include_usage), media_type="text/event-stream")
+    usage_mode = body.stream_options.usage_mode if body.stream_options is not None else None
+    return StreamingResponse(_events(first, outputs, reply, usage_mode), media_type="text/event-stream")
 
 
-async def _events(first, outputs, reply, include_usage: bool):
+async def _events(first, outputs, reply, usage_mode: str | None):
     """The SSE stream: one chunk per generated token, the usage chunk if asked, ``[DONE]``.
 
     The client going away cancels this generator (Starlette listens for the disconnect), and
@@ -272,12 +272,12 @@ async def _events(first, outputs, reply, include_usage: bool):
     def event(data: dict) -> str:
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-    for chunk in reply.first_chunks(include_usage):
+    for chunk in reply.first_chunks(first, usage_mode):
         yield event(chunk)
     out = first
     try:
         while True:
-            yield event(reply.chunk(out, include_usage))
+            yield event(reply.chunk(out, usage_mode))
             if out.finished:
                 break
             out = await outputs.__anext__()
@@ -285,7 +285,7 @@ async def _events(first, outputs, reply, include_usage: bool):
         api_error = _engine_error(error)
         yield event(protocol.error_body(api_error.status, api_error.message, api_error.param, api_error.code))
     else:
-        if include_usage:
+        if usage_mode is not None:
             yield event(reply.usage_chunk(out))
     yield "data: [DONE]\n\n"
 

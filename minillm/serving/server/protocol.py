@@ -42,6 +42,15 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False  # one last chunk with the usage and no choices
+    continuous_usage_stats: bool = False  # vLLM's extension: with include_usage, the usage so far on every chunk
+
+    @property
+    def usage_mode(self) -> str | None:
+        """None: no usage; "final": a last usage chunk; "every": that, and the usage on each chunk
+        (vLLM's rule: continuous_usage_stats counts only with include_usage)."""
+        if not self.include_usage:
+            return None
+        return "every" if self.continuous_usage_stats else "final"
 
 
 class _SamplingFields(_Strict):
@@ -230,15 +239,16 @@ class CompletionReply:
         choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": finish_reason(out.finish_reason)}
         return self._envelope(self.object, [choice], usage=_usage(out))
 
-    def first_chunks(self, include_usage: bool) -> list[dict]:
+    def first_chunks(self, first, usage_mode: str | None) -> list[dict]:
         return []
 
-    def chunk(self, out, include_usage: bool) -> dict:
+    def chunk(self, out, usage_mode: str | None) -> dict:
         """The chunk for one output: the new text ("" while the engine holds a partial
-        character or a possible stop string back), and the finish reason on the last one."""
+        character or a possible stop string back), and the finish reason on the last one.
+        ``usage_mode``: :attr:`StreamOptions.usage_mode`."""
         delta, self.text_sent = out.text[self.text_sent:], len(out.text)
         choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason(out.finish_reason)}
-        return self._envelope(self.chunk_object, [choice], **({"usage": None} if include_usage else {}))
+        return self._envelope(self.chunk_object, [choice], **_usage_field(out, usage_mode))
 
     def usage_chunk(self, out) -> dict:
         """``stream_options.include_usage``: a last chunk with no choices and the usage."""
@@ -260,16 +270,18 @@ class ChatReply(CompletionReply):
                   "logprobs": self._logprobs(out, 0), "finish_reason": finish_reason(out.finish_reason)}
         return self._envelope(self.object, [choice], usage=_usage(out))
 
-    def first_chunks(self, include_usage: bool) -> list[dict]:
+    def first_chunks(self, first, usage_mode: str | None) -> list[dict]:
+        """The role chunk; with continuous usage it counts the prompt and no output yet, as vLLM's."""
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return [self._envelope(self.chunk_object, [choice], **({"usage": None} if include_usage else {}))]
+        usage_field = _usage_field(first, usage_mode, completion_tokens=0)
+        return [self._envelope(self.chunk_object, [choice], **usage_field)]
 
-    def chunk(self, out, include_usage: bool) -> dict:
+    def chunk(self, out, usage_mode: str | None) -> dict:
         delta, self.text_sent = out.text[self.text_sent:], len(out.text)
         logprobs, self.logprobs_sent = self._logprobs(out, self.logprobs_sent), len(out.token_ids)
         choice = {"index": 0, "delta": {"content": delta} if delta or not out.finished else {},
                   "logprobs": logprobs, "finish_reason": finish_reason(out.finish_reason)}
-        return self._envelope(self.chunk_object, [choice], **({"usage": None} if include_usage else {}))
+        return self._envelope(self.chunk_object, [choice], **_usage_field(out, usage_mode))
 
     def _logprobs(self, out, start: int) -> dict | None:
         """``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}`` for the
@@ -288,8 +300,16 @@ class ChatReply(CompletionReply):
         return {"content": content}
 
 
-def _usage(out) -> dict:
-    return usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
+def _usage(out, completion_tokens: int | None = None) -> dict:
+    generated = len(out.token_ids) if completion_tokens is None else completion_tokens
+    return usage(len(out.prompt_token_ids), generated, out.num_cached_tokens)
+
+
+def _usage_field(out, usage_mode: str | None, completion_tokens: int | None = None) -> dict:
+    """A chunk's ``usage``: absent, null until the last chunk, or the counts so far (continuous)."""
+    if usage_mode is None:
+        return {}
+    return {"usage": _usage(out, completion_tokens) if usage_mode == "every" else None}
 
 
 # -- errors ------------------------------------------------------------------------------------
