@@ -185,6 +185,25 @@ def test_continuous_usage_stats_put_the_counts_so_far_on_every_chunk(server, tin
         assert n_prompt == len(tokenizer.encode("Hi"))
 
 
+GUIDELLM_STREAM = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+GUIDELLM_BODIES = {  # guidellm 0.8.1's requests, from backends/openai/request_handlers.py (format_completions, format_chat)
+    "completions": dict(GUIDELLM_STREAM, prompt="Once upon a time", max_tokens=6, stop=None, ignore_eos=True),
+    "chat/completions": dict(GUIDELLM_STREAM, max_completion_tokens=6, stop=None, ignore_eos=True, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Once upon a time"}]}]),
+}
+
+
+@pytest.mark.parametrize("endpoint", GUIDELLM_BODIES)
+def test_guidellms_streaming_request_is_served(server, endpoint):
+    """guidellm's default streaming requests, as it sends them: 6 tokens, usage on every chunk."""
+    with httpx.stream("POST", f"{server}/v1/{endpoint}", json=GUIDELLM_BODIES[endpoint], timeout=TIMEOUT_S) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert lines[-1] == "data: [DONE]" and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert all(c["usage"] is not None for c in chunks)
+
+
 def test_continuous_usage_stats_alone_adds_no_usage(server):
     """vLLM's rule: continuous_usage_stats counts only with include_usage."""
     body = {"prompt": "Hi", "max_tokens": 2, "stream": True, "stream_options": {"continuous_usage_stats": True}}
