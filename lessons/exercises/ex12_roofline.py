@@ -55,8 +55,9 @@ def prefill_cost(
 def roofline(cost: PhaseCost, time_s: float, hw: HardwareProfile) -> Roofline:
     """Place a phase that did ``cost`` in ``time_s`` seconds on ``hw``'s roofline.
 
-    The verdict: the larger floor names the bound (compute or memory), unless the
-    measured time exceeds OVERHEAD_FACTOR × floor_s: then neither arithmetic nor
+    The verdict: the larger floor names the bound (compute or memory; compute when the
+    two are equal, at the ridge point), unless the measured time exceeds
+    OVERHEAD_FACTOR × floor_s: then neither arithmetic nor
     memory traffic explains the time and the phase is "overhead-bound" (Python,
     dispatch, kernel launches, small unfused ops, synchronisation).
 

@@ -51,3 +51,223 @@ def mask_from_positions(n_queries, n_keys, device=None, window=None):
     if window is not None:
         mask &= key_pos > query_pos - window
     return mask
+
+
+# -- ex10 ------------------------------------------------------------------------------------------
+
+
+@alternative("ex10", "kv_bytes_per_token")
+def kv_bytes_layer_by_layer(config, dtype_bytes):
+    """Add up one layer's K and V bytes per layer, as a loop (issue 30)."""
+    total = 0
+    for _ in range(config.n_layers):
+        for _tensor in ("K", "V"):
+            total += config.n_kv_heads * config.head_dim * dtype_bytes
+    return total
+
+
+@alternative("ex10", "decode_cost")
+def decode_cost_layer_by_layer(config, context_len, dtype_bytes, batch_size=1):
+    """Count each layer's keys and cache reads by itself (its window or none), then the matmuls (issue 30)."""
+    from minillm.costs import PhaseCost, attention_params, lm_head_params, mlp_params, weights_bytes
+
+    if context_len < 1:
+        raise ValueError(f"context_len must be >= 1, got {context_len}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    per_layer_kv = 2 * config.n_kv_heads * config.head_dim * dtype_bytes
+    keys = 0
+    for layer in range(config.n_layers):
+        window = config.window(layer)
+        keys += context_len if window is None else min(context_len, window)
+    matmuls = config.n_layers * (attention_params(config) + mlp_params(config)) + lm_head_params(config)
+    flops = batch_size * (2.0 * matmuls + 4.0 * config.n_heads * config.head_dim * keys)
+    w = weights_bytes(config, dtype_bytes)
+    read = per_layer_kv * keys * batch_size
+    written = per_layer_kv * config.n_layers * batch_size
+    return PhaseCost(float(flops), float(w + read + written), float(w), float(read), float(written))
+
+
+# -- ex12 ------------------------------------------------------------------------------------------
+
+
+@alternative("ex12", "prefill_cost")
+def prefill_cost_query_by_query(config, n_tokens, dtype_bytes, cached_tokens=0, batch_size=1, last_only=True):
+    """Walk the layers and, in each, the queries: the keys each one sees, the positions some query reads (issue 30)."""
+    from minillm.costs import PhaseCost, attention_params, lm_head_params, mlp_params, weights_bytes
+
+    if n_tokens < 1 or cached_tokens < 0 or batch_size < 1:
+        raise ValueError("n_tokens >= 1, cached_tokens >= 0 and batch_size >= 1, please")
+    per_position = 2 * config.n_kv_heads * config.head_dim * dtype_bytes  # one layer's K and V of a position
+    pairs = positions_read = 0
+    for layer in range(config.n_layers):
+        window = config.window(layer)
+        first_key_seen = cached_tokens + n_tokens
+        for i in range(n_tokens):
+            position = cached_tokens + i
+            first = 0 if window is None else max(0, position - window + 1)
+            pairs += position - first + 1
+            first_key_seen = min(first_key_seen, first)
+        positions_read += cached_tokens + n_tokens - first_key_seen
+    layer_params = config.n_layers * (attention_params(config) + mlp_params(config))
+    flops = 2 * layer_params * n_tokens + 2 * lm_head_params(config) * (1 if last_only else n_tokens)
+    flops += 4 * config.n_heads * config.head_dim * pairs
+    w = weights_bytes(config, dtype_bytes)
+    read = positions_read * per_position * batch_size
+    written = n_tokens * config.n_layers * per_position * batch_size
+    return PhaseCost(float(flops * batch_size), float(w + read + written), float(w), float(read), float(written))
+
+
+@alternative("ex12", "roofline")
+def roofline_by_comparing_times(cost, time_s, hw):
+    """Compare the time with OVERHEAD_FACTOR floors by multiplying, and name the bound by intensity vs ridge (issue 30)."""
+    from minillm.hardware import OVERHEAD_FACTOR, Roofline
+
+    if not time_s > 0:
+        raise ValueError(f"time_s must be positive, got {time_s}")
+    compute_s, memory_s = cost.flops / hw.peak_flops, cost.bytes / hw.mem_bandwidth
+    floor_s = compute_s if compute_s >= memory_s else memory_s
+    if time_s > OVERHEAD_FACTOR * floor_s:
+        bound = "overhead-bound"
+    else:
+        bound = "compute-bound" if compute_s >= memory_s else "memory-bound"
+    return Roofline(time_s=time_s, arithmetic_intensity=cost.flops / cost.bytes, compute_floor_s=compute_s,
+                    memory_floor_s=memory_s, floor_s=floor_s, attained_flops=cost.flops / time_s,
+                    attained_bandwidth=cost.bytes / time_s, roofline_fraction=floor_s / time_s, bound=bound,
+                    explanation=f"{bound}: floors {compute_s:.3g} s (compute), {memory_s:.3g} s (memory)")
+
+
+# -- ex11 ------------------------------------------------------------------------------------------
+
+
+from minillm.block_hash import hash_block  # noqa: E402  (the stub's default hash_fn)
+
+
+@alternative("ex11", "block_hashes")
+def block_hashes_while_full(token_ids, block_size, seed, extra_keys=(), hash_fn=hash_block):
+    """Take blocks off the front while a whole one remains (issue 30)."""
+    hashes, parent, start = [], seed, 0
+    while start + block_size <= len(token_ids):
+        parent = hash_fn(parent, token_ids[start : start + block_size], extra_keys)
+        hashes.append(parent)
+        start += block_size
+    return hashes
+
+
+@alternative("ex11", "longest_cached_prefix")
+def longest_cached_prefix_takewhile(block_hashes, cached, n_tokens, block_size):
+    """itertools.takewhile over the hashes, then cap the blocks so one token is left (issue 30)."""
+    import itertools
+
+    run = sum(1 for _ in itertools.takewhile(lambda h: h in cached, block_hashes))
+    usable = (n_tokens - 1) // block_size if n_tokens > 0 else 0
+    return min(run, usable) * block_size
+
+
+# -- ex13 ------------------------------------------------------------------------------------------
+
+
+@alternative("ex13", "percentile")
+def percentile_by_hand(values, p):
+    """Sort a copy, find the two neighbours of the fractional rank with divmod, interpolate (issue 30)."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of no values")
+    if p < 0 or p > 100:
+        raise ValueError(f"p must be between 0 and 100, got {p}")
+    whole, frac = divmod((len(ordered) - 1) * p / 100, 1)
+    lo = int(whole)
+    hi = min(lo + 1, len(ordered) - 1)
+    return float(ordered[lo] * (1 - frac) + ordered[hi] * frac)
+
+
+@alternative("ex13", "slo_attainment")
+def slo_attainment_by_counting_misses(metrics_list, ttft_ms=None, tpot_ms=None):
+    """Count the requests that miss some SLO, and subtract (issue 30)."""
+    n = len(metrics_list)
+    if n == 0:
+        raise ValueError("no requests")
+    missed = 0
+    for m in metrics_list:
+        if ttft_ms is not None and m.ttft_ms > ttft_ms:
+            missed += 1
+        elif tpot_ms is not None and m.tpot_ms is not None and m.tpot_ms > tpot_ms:
+            missed += 1
+    return (n - missed) / n
+
+
+@alternative("ex13", "goodput")
+def goodput_by_counting(metrics_list, duration_s, ttft_ms=None, tpot_ms=None):
+    """Count the good requests in one pass and divide by the duration (issue 30)."""
+    if len(metrics_list) == 0:
+        raise ValueError("no requests")
+    if not duration_s > 0:
+        raise ValueError(f"duration_s must be > 0, got {duration_s}")
+    good = sum(1 for m in metrics_list if (ttft_ms is None or m.ttft_ms <= ttft_ms)
+               and (tpot_ms is None or m.tpot_ms is None or m.tpot_ms <= tpot_ms))
+    return good / duration_s
+
+
+# -- ex09 ------------------------------------------------------------------------------------------
+
+
+@alternative("ex09", "RequestMetrics.from_timestamps")
+def metrics_from_gaps(cls, start_s, token_times_s, n_prompt_tokens, bytes_per_decode_step=None, peak_bandwidth=None):
+    """Walk the timestamps once, collecting the gaps; TPOT as the mean gap (issue 30)."""
+    import math
+
+    from minillm.metrics import percentile
+
+    previous, gaps, n_out = start_s, [], 0
+    for t in token_times_s:
+        if t < previous:
+            raise ValueError("a token before the start" if n_out == 0 else "timestamps go back")
+        if n_out:
+            gaps.append((t - previous) * 1000.0)
+        previous, n_out = t, n_out + 1
+    if n_out == 0:
+        raise ValueError("no output token")
+    first, last = token_times_s[0], token_times_s[-1]
+    ttft_ms, e2e_ms = (first - start_s) * 1000.0, (last - start_s) * 1000.0
+    tpot_ms = sum(gaps) / len(gaps) if gaps else None
+    itl = tuple(gaps)
+    return cls(n_prompt_tokens=n_prompt_tokens, n_output_tokens=n_out, ttft_ms=ttft_ms, tpot_ms=tpot_ms, itl_ms=itl,
+               itl_p50_ms=percentile(itl, 50) if itl else None, itl_p90_ms=percentile(itl, 90) if itl else None,
+               itl_p99_ms=percentile(itl, 99) if itl else None, e2e_ms=e2e_ms,
+               output_throughput_tok_s=n_out * 1000.0 / e2e_ms if e2e_ms > 0 else math.inf,
+               prefill_throughput_tok_s=n_prompt_tokens * 1000.0 / ttft_ms if ttft_ms > 0 else math.inf)
+
+
+# -- ex18 ------------------------------------------------------------------------------------------
+
+
+@alternative("ex18", "quantize_int4")
+def quantize_int4_by_group_index(w, group_size=64):
+    """Give each column its group's index and reduce with scatter_reduce (no padding: the short group is just
+    fewer columns), gather each weight's scale and zero back, pack by arithmetic (issue 30)."""
+    from minillm.quantize import QuantizationError
+
+    if group_size < 2:
+        raise QuantizationError(f"group_size must be at least 2, got {group_size}")
+    w = w.to(torch.float32)
+    out, n_in = w.shape
+    n_groups = (n_in + group_size - 1) // group_size
+    group = (torch.arange(n_in) // group_size).expand(out, n_in)
+    lo = torch.zeros(out, n_groups).scatter_reduce(1, group, w, reduce="amin")  # starts at 0: lo <= 0
+    hi = torch.zeros(out, n_groups).scatter_reduce(1, group, w, reduce="amax")  # hi >= 0
+    scale = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(hi))
+    zero = torch.clamp(torch.round(-lo / scale), 0, 15)
+    codes = torch.clamp(torch.round(w / scale.gather(1, group)) + zero.gather(1, group), 0, 15).to(torch.uint8)
+    if n_in % 2:
+        codes = torch.cat([codes, torch.zeros(out, 1, dtype=torch.uint8)], dim=1)
+    return codes[:, 0::2] + codes[:, 1::2] * 16, scale, zero.to(torch.uint8)
+
+
+@alternative("ex18", "dequantize_int4")
+def dequantize_int4_by_index(packed, scale, zero, in_features, group_size=64):
+    """Read each weight's nibble and its group's scale and zero by index arithmetic (issue 30)."""
+    i = torch.arange(in_features)
+    nibbles = packed[:, i // 2].to(torch.int32)
+    q = torch.where(i % 2 == 0, nibbles % 16, nibbles // 16)
+    g = i // group_size
+    return ((q - zero[:, g].to(torch.int32)).to(torch.float32) * scale[:, g]).to(torch.float32)

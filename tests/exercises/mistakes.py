@@ -29,7 +29,7 @@ from minillm.kv_cache import KVCache
 from minillm.metrics import RequestMetrics, percentile
 from minillm.model import causal_mask
 from minillm.phases import decode_step, prefill
-from minillm.quantize import dequantize_int4, pack_int4, quantize_int4
+from minillm.quantize import QuantizationError, dequantize_int4, pack_int4, quantize_int4
 from minillm.rope import RotaryEmbedding
 from minillm.sampling import filter_logits, sample
 from minillm.serving.request import RUNNING, WAITING
@@ -553,6 +553,55 @@ def ttft_from_the_clock_origin(cls, start_s, token_times_s, n_prompt_tokens, byt
     return replace(m, ttft_ms=t[0] * 1e3, e2e_ms=t[-1] * 1e3)  # MISTAKE: t - start_s
 
 
+# issue 30: tuples as well as lists, one token, the promised errors checked only in part, the field types
+
+
+@mistake("ex09", "RequestMetrics.from_timestamps")
+def metrics_order_checked_against_a_sorted_list(cls, start_s, token_times_s, n_prompt_tokens,
+                                                bytes_per_decode_step=None, peak_bandwidth=None):
+    """Checks the order with token_times_s != sorted(token_times_s): a tuple never equals a list, so always refused."""
+    if not token_times_s or token_times_s != sorted(token_times_s):  # MISTAKE: compare neighbours (a tuple is fine)
+        raise ValueError("no tokens or decreasing times")
+    return RequestMetrics.from_timestamps(start_s, token_times_s, n_prompt_tokens)
+
+
+@mistake("ex09", "RequestMetrics.from_timestamps")
+def metrics_order_checked_first_to_last(cls, start_s, token_times_s, n_prompt_tokens, bytes_per_decode_step=None,
+                                        peak_bandwidth=None):
+    """Refuses only a last token before the first: a time going back in between gives a negative ITL."""
+    t = [float(x) for x in token_times_s]
+    if not t or t[0] < start_s or t[-1] < t[0]:  # MISTAKE: every neighbour, b < a
+        raise ValueError("no tokens, a token before the start or decreasing times")
+    itl = tuple((b - a) * 1e3 for a, b in zip(t, t[1:]))
+    m = RequestMetrics.from_timestamps(start_s, sorted(t), n_prompt_tokens)
+    p = (lambda q: percentile(itl, q) if itl else None)
+    return replace(m, itl_ms=itl, itl_p50_ms=p(50), itl_p90_ms=p(90), itl_p99_ms=p(99))
+
+
+@mistake("ex09", "RequestMetrics.from_timestamps")
+def metrics_itl_as_a_list(cls, start_s, token_times_s, n_prompt_tokens, bytes_per_decode_step=None,
+                          peak_bandwidth=None):
+    """itl_ms a list: the dataclass declares a tuple (frozen: a list inside could still be changed)."""
+    m = RequestMetrics.from_timestamps(start_s, token_times_s, n_prompt_tokens)
+    return replace(m, itl_ms=list(m.itl_ms))  # MISTAKE: tuple(...)
+
+
+@mistake("ex09", "RequestMetrics.from_timestamps")
+def metrics_one_token_tpot_zero(cls, start_s, token_times_s, n_prompt_tokens, bytes_per_decode_step=None,
+                                peak_bandwidth=None):
+    """A one-token request gets tpot_ms 0.0 (a guard against dividing by 0) instead of None: it had no decode."""
+    m = RequestMetrics.from_timestamps(start_s, token_times_s, n_prompt_tokens)
+    return replace(m, tpot_ms=0.0) if m.tpot_ms is None else m  # MISTAKE: None
+
+
+@mistake("ex09", "RequestMetrics.from_timestamps")
+def metrics_zero_ttft_divides_by_zero(cls, start_s, token_times_s, n_prompt_tokens, bytes_per_decode_step=None,
+                                      peak_bandwidth=None):
+    """prefill throughput = n_prompt / TTFT with no guard: a first token at the start raises ZeroDivisionError."""
+    m = RequestMetrics.from_timestamps(start_s, token_times_s, n_prompt_tokens)
+    return replace(m, prefill_throughput_tok_s=n_prompt_tokens / (m.ttft_ms / 1e3))  # MISTAKE: inf for 0 ms
+
+
 # -- ex10 costs ------------------------------------------------------------------------------------
 
 
@@ -596,6 +645,58 @@ def decode_forgets_the_kv_cache(config, context_len, dtype_bytes, batch_size=1):
     """Counts only the weights as bytes: the KV cache reads (and the new entry's write) are left out."""
     w = weights_bytes(config, dtype_bytes)
     return PhaseCost(batch_size * flops_per_token(config, context_len), w, w)  # MISTAKE
+
+
+# issue 30: documented inputs never tried (sliding windows, the layers that have them), types, promised errors
+
+
+def _decode(config, context_len, dtype_bytes, batch_size, read, check=True):
+    """A decode step whose KV read per layer is read(window, context_len); everything else right."""
+    if check and (context_len < 1 or batch_size < 1):
+        raise ValueError("context_len < 1 or batch_size < 1")
+    per_layer = kv_bytes_per_token(config, dtype_bytes) // config.n_layers * batch_size
+    kv_read = per_layer * sum(read(config.window(layer), context_len) for layer in range(config.n_layers))
+    w, written = weights_bytes(config, dtype_bytes), per_layer * config.n_layers
+    return PhaseCost(float(batch_size * flops_per_token(config, context_len)), float(w + kv_read + written), float(w),
+                     float(kv_read), float(written))
+
+
+@mistake("ex10", "decode_cost")
+def decode_reads_past_the_window(config, context_len, dtype_bytes, batch_size=1):
+    """Reads all context_len positions in every layer: a sliding-window layer reads only the last W."""
+    return _decode(config, context_len, dtype_bytes, batch_size, lambda window, n: n)  # MISTAKE: min(n, W)
+
+
+@mistake("ex10", "decode_cost")
+def decode_window_on_every_layer(config, context_len, dtype_bytes, batch_size=1):
+    """Applies config.sliding_window to every layer, also those sliding_window_layers leaves at full attention."""
+    w = config.sliding_window
+    return _decode(config, context_len, dtype_bytes, batch_size,
+                   lambda window, n: n if w is None else min(n, w))  # MISTAKE: config.window(layer)
+
+
+@mistake("ex10", "decode_cost")
+def decode_context_len_as_before_the_write(config, context_len, dtype_bytes, batch_size=1):
+    """Takes context_len as the cache before the step's write: reads and attends to context_len + 1 positions."""
+    c = decode_cost(config, context_len + 1, dtype_bytes, batch_size)  # MISTAKE: context_len is after the write
+    if context_len < 1:
+        raise ValueError("context_len < 1")
+    return c
+
+
+@mistake("ex10", "decode_cost")
+def decode_refuses_only_a_negative_context(config, context_len, dtype_bytes, batch_size=1):
+    """Checks context_len < 0 and batch_size < 0: a step with no key at all (or no sequence) gets a cost."""
+    if context_len < 0 or batch_size < 0:  # MISTAKE: < 1
+        raise ValueError("negative context_len or batch_size")
+    return _decode(config, context_len, dtype_bytes, batch_size, lambda w, n: n if w is None else min(n, w), check=False)
+
+
+@mistake("ex10", "kv_bytes_per_token")
+def kv_bytes_scaled_by_the_gqa_ratio(config, dtype_bytes):
+    """2 · layers · n_heads · head_dim · dtype_bytes · (n_kv_heads / n_heads): the right number, as a float."""
+    return 2 * config.n_layers * config.n_heads * config.head_dim * dtype_bytes * (
+        config.n_kv_heads / config.n_heads)  # MISTAKE: an int is documented (bytes are whole)
 
 
 # -- ex11 prefix cache -----------------------------------------------------------------------------
@@ -666,6 +767,71 @@ def prefix_hit_continues_after_a_miss(block_hashes, cached, n_tokens, block_size
     """Counts every cached block, also those after a missing one."""
     max_blocks = max(n_tokens - 1, 0) // block_size
     return sum(h in cached for h in block_hashes[:max_blocks]) * block_size  # MISTAKE: stop at the first miss
+
+
+# issue 30: block boundaries, extra keys, a Container that only answers `in`
+
+
+@mistake("ex11", "block_hashes")
+def block_hashes_miss_a_full_last_block(token_ids, block_size, seed, extra_keys=(), hash_fn=hash_block):
+    """Stops before the last block when the prompt is an exact multiple of block_size (range to len - block_size)."""
+    hashes, parent = [], seed
+    for start in range(0, len(token_ids) - block_size, block_size):  # MISTAKE: len - block_size + 1
+        parent = hash_fn(parent, token_ids[start : start + block_size], extra_keys)
+        hashes.append(parent)
+    return hashes
+
+
+@mistake("ex11", "block_hashes")
+def block_hashes_extra_keys_only_at_the_root(token_ids, block_size, seed, extra_keys=(), hash_fn=hash_block):
+    """Passes extra_keys to the first block only, as if the chain carried them on (each call must get them)."""
+    hashes, parent = [], seed
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_fn(parent, token_ids[start : start + block_size], () if hashes else extra_keys)  # MISTAKE
+        hashes.append(parent)
+    return hashes
+
+
+@mistake("ex11", "block_hashes")
+def block_hashes_ignore_hash_fn(token_ids, block_size, seed, extra_keys=(), hash_fn=hash_block):
+    """Calls hash_block itself, whatever hash_fn was given (a cache built with another hash never hits)."""
+    hashes, parent = [], seed
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], extra_keys)  # MISTAKE: hash_fn
+        hashes.append(parent)
+    return hashes
+
+
+@mistake("ex11", "longest_cached_prefix")
+def prefix_hit_leaves_a_whole_block(block_hashes, cached, n_tokens, block_size):
+    """Always keeps the last full block for the prefill: 9 tokens, both blocks cached gives 4, not 8."""
+    n_hit = 0
+    for h in block_hashes[: max(len(block_hashes) - 1, 0)]:  # MISTAKE: (n_tokens - 1) // block_size blocks
+        if h not in cached:
+            break
+        n_hit += 1
+    return n_hit * block_size
+
+
+@mistake("ex11", "longest_cached_prefix")
+def prefix_hit_clamped_to_n_minus_1(block_hashes, cached, n_tokens, block_size):
+    """min(hit tokens, n_tokens - 1): one token is left, but the result is no longer a whole number of blocks."""
+    n_hit = 0
+    for h in block_hashes:
+        if h not in cached:
+            break
+        n_hit += 1
+    return max(min(n_hit * block_size, n_tokens - 1), 0)  # MISTAKE: cap the blocks, (n - 1) // block_size
+
+
+@mistake("ex11", "longest_cached_prefix")
+def prefix_hit_needs_a_set(block_hashes, cached, n_tokens, block_size):
+    """Uses set algebra on `cached` (issuperset): a PrefixCache, which only answers `h in cache`, breaks it."""
+    max_blocks = max(n_tokens - 1, 0) // block_size
+    for k in range(min(max_blocks, len(block_hashes)), 0, -1):
+        if set(cached).issuperset(block_hashes[:k]):  # MISTAKE: `in`, one hash at a time
+            return k * block_size
+    return 0
 
 
 # -- ex12 prefill cost, roofline ------------------------------------------------------------------
@@ -769,6 +935,66 @@ def roofline_bound_from_intensity_above_1(cost, time_s, hw):
     return replace(r, bound="compute-bound" if cost.arithmetic_intensity > 1 else "memory-bound")  # MISTAKE
 
 
+# issue 30: sliding windows never tried (the issue's Mistral-7B example), the verdict at the ridge and at the factor
+
+
+def _prefill_read(config, n_tokens, dtype_bytes, cached_tokens, batch_size, last_only, read):
+    """minillm's prefill_cost with the KV positions a layer reads given by read(window, n_tokens, cached)."""
+    c = _prefill(config, n_tokens, dtype_bytes, cached_tokens, batch_size, last_only)
+    per_layer = kv_bytes_per_token(config, dtype_bytes) // config.n_layers * batch_size
+    kv_read = float(per_layer * sum(read(config.window(layer), n_tokens, cached_tokens)
+                                    for layer in range(config.n_layers)))
+    return PhaseCost(c.flops, c.weights_bytes + kv_read + c.kv_written_bytes, c.weights_bytes, kv_read,
+                     c.kv_written_bytes)
+
+
+@mistake("ex12", "prefill_cost")
+def prefill_kv_read_ignores_the_window(config, n_tokens, dtype_bytes, cached_tokens=0, batch_size=1, last_only=True):
+    """Reads cached_tokens + n_tokens positions in every layer: Mistral-7B at 32k reads 18.8 GB a step, not 15.0."""
+    return _prefill_read(config, n_tokens, dtype_bytes, cached_tokens, batch_size, last_only,
+                         lambda w, n, cached: cached + n)  # MISTAKE: min(cached + n, n + W - 1) in a window layer
+
+
+@mistake("ex12", "prefill_cost")
+def prefill_window_reads_w_positions(config, n_tokens, dtype_bytes, cached_tokens=0, batch_size=1, last_only=True):
+    """A window layer reads min(total, W) positions: right for one token, too few for a prefill of several."""
+    return _prefill_read(config, n_tokens, dtype_bytes, cached_tokens, batch_size, last_only,
+                         lambda w, n, cached: cached + n if w is None else min(cached + n, w))  # MISTAKE: n + W - 1
+
+
+@mistake("ex12", "prefill_cost")
+def prefill_window_on_every_layer(config, n_tokens, dtype_bytes, cached_tokens=0, batch_size=1, last_only=True):
+    """Uses config.sliding_window in every layer, also those sliding_window_layers leaves at full attention."""
+    W = config.sliding_window  # MISTAKE: config.window(layer)
+    return _prefill_read(config, n_tokens, dtype_bytes, cached_tokens, batch_size, last_only,
+                         lambda w, n, cached: cached + n if W is None else min(cached + n, n + W - 1))
+
+
+@mistake("ex12", "roofline")
+def roofline_tie_is_memory_bound(cost, time_s, hw):
+    """compute_s > memory_s for compute-bound: at the ridge point (equal floors) says memory-bound."""
+    r = _roofline(cost, time_s, hw)
+    if r.bound == "overhead-bound":
+        return r
+    return replace(r, bound="compute-bound" if r.compute_floor_s > r.memory_floor_s  # MISTAKE: >=
+                   else "memory-bound")
+
+
+@mistake("ex12", "roofline")
+def roofline_overhead_at_the_factor(cost, time_s, hw):
+    """time_s >= OVERHEAD_FACTOR × floor is overhead-bound: the docstring says only a time that exceeds it."""
+    r = _roofline(cost, time_s, hw)
+    if time_s >= OVERHEAD_FACTOR * r.floor_s:  # MISTAKE: >
+        return replace(r, bound="overhead-bound")
+    return r
+
+
+@mistake("ex12", "roofline")
+def roofline_floor_is_the_sum(cost, time_s, hw):
+    """floor = compute floor + memory floor, as if the GPU could not compute while it loads."""
+    return _roofline(cost, time_s, hw, floor=lambda compute_s, memory_s: compute_s + memory_s)  # MISTAKE: max
+
+
 # -- ex13 percentiles, SLOs, goodput ---------------------------------------------------------------
 
 
@@ -861,6 +1087,70 @@ def goodput_without_the_duration(metrics_list, duration_s, ttft_ms=None, tpot_ms
     if not metrics_list or duration_s <= 0:
         raise ValueError("no requests or duration_s <= 0")
     return float(sum(_meets(m, ttft_ms, tpot_ms) for m in metrics_list))  # MISTAKE: / duration_s
+
+
+# issue 30: the Iterable kinds the signature promises (tuple, generator), inputs left alone, the promised errors
+
+
+def _interpolate(v, p):
+    r = (len(v) - 1) * p / 100
+    lo, hi = math.floor(r), math.ceil(r)
+    return float(v[lo] + (v[hi] - v[lo]) * (r - lo))
+
+
+@mistake("ex13", "percentile")
+def percentile_sorts_in_place(values, p):
+    """values.sort(): reorders the caller's list, and a tuple (RequestMetrics.itl_ms) or a generator has no sort."""
+    if not 0 <= p <= 100:
+        raise ValueError("p outside [0, 100]")
+    values.sort()  # MISTAKE: v = sorted(values), a new list
+    if not values:
+        raise ValueError("no values")
+    return _interpolate(values, p)
+
+
+@mistake("ex13", "percentile")
+def percentile_len_of_the_iterable(values, p):
+    """Takes len(values) of the argument: a generator has no len (the Iterable of the signature)."""
+    if not values or not 0 <= p <= 100:
+        raise ValueError("no values or p outside [0, 100]")
+    r = (len(values) - 1) * p / 100  # MISTAKE: len of the sorted list
+    v = sorted(values)
+    lo, hi = math.floor(r), math.ceil(r)
+    return float(v[lo] + (v[hi] - v[lo]) * (r - lo))
+
+
+@mistake("ex13", "percentile")
+def percentile_empty_checked_before_listing(values, p):
+    """`if not values` on the argument: an empty generator is truthy, so an IndexError instead of the ValueError."""
+    if not values or not 0 <= p <= 100:  # MISTAKE: check the list made from values
+        raise ValueError("no values or p outside [0, 100]")
+    return _interpolate(sorted(values), p)
+
+
+@mistake("ex13", "percentile")
+def percentile_p_not_checked(values, p):
+    """No ValueError for p outside [0, 100]: p = 101 indexes past the end, p = -1 wraps to the last value."""
+    v = sorted(values)
+    if not v:
+        raise ValueError("no values")
+    return _interpolate(v, p)  # MISTAKE: refuse p < 0 or p > 100 first
+
+
+@mistake("ex13", "slo_attainment")
+def slo_attainment_of_no_requests_is_1(metrics_list, ttft_ms=None, tpot_ms=None):
+    """Returns 1.0 for an empty list (no request missed) instead of the promised ValueError."""
+    if not metrics_list:
+        return 1.0  # MISTAKE: raise ValueError
+    return sum(_meets(m, ttft_ms, tpot_ms) for m in metrics_list) / len(metrics_list)
+
+
+@mistake("ex13", "goodput")
+def goodput_zero_duration_divides(metrics_list, duration_s, ttft_ms=None, tpot_ms=None):
+    """Refuses only a negative duration: 0 s gives ZeroDivisionError, not the promised ValueError."""
+    if not metrics_list or duration_s < 0:  # MISTAKE: <= 0
+        raise ValueError("no requests or negative duration_s")
+    return sum(_meets(m, ttft_ms, tpot_ms) for m in metrics_list) / duration_s
 
 
 # -- ex14 the generate loop ------------------------------------------------------------------------
@@ -1324,3 +1614,73 @@ def int4_forgets_the_short_group(w, group_size=64):
 def int4_dequantize_forgets_the_zero(packed, scale, zero, in_features, group_size=64):
     """ŵ = q · scale: the zero point is not subtracted, every weight shifted by zero · scale."""
     return dequantize_int4(packed, scale, torch.zeros_like(zero), in_features, group_size)  # MISTAKE: (q - zero)
+
+
+# issue 30: odd in_features, group sizes below 2, half-precision weights, flat groups, rounding, the padding nibble
+
+
+def _int4_in(w, group_size, dtype):
+    """minillm's int4 codes computed in ``dtype`` (unpacked q [out, in] uint8, scale, zero of that dtype)."""
+    out, n_in = w.shape
+    groups = _int4_groups(w.to(dtype), group_size).to(dtype)
+    lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+    scale = (hi - lo) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = torch.round(-lo / scale).clamp(0, 15)
+    q = (torch.round(groups / scale[..., None]) + zero[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.view(out, -1)[:, :n_in], scale, zero
+
+
+@mistake("ex18", "quantize_int4")
+def int4_pack_with_view(w, group_size=64):
+    """Packs with q.view(out, -1, 2): crashes on an odd in_features, which the docstring allows (ceil(in/2))."""
+    if group_size < 2:
+        raise QuantizationError("group_size < 2")
+    q, scale, zero = _int4_in(w, group_size, torch.float32)
+    pairs = q.view(q.shape[0], -1, 2)  # MISTAKE: pad an odd row with a 0 code first
+    return (pairs[..., 0] | pairs[..., 1] << 4).contiguous(), scale, zero.to(torch.uint8)
+
+
+@mistake("ex18", "quantize_int4")
+def int4_without_upcasting(w, group_size=64):
+    """Quantises bfloat16/float16 weights in their own dtype: the scale and w / scale round, error > scale / 2."""
+    if group_size < 2:
+        raise QuantizationError("group_size < 2")
+    q, scale, zero = _int4_in(w, group_size, w.dtype)  # MISTAKE: w.float() first
+    return pack_int4(q), scale.float(), zero.to(torch.uint8)
+
+
+@mistake("ex18", "quantize_int4")
+def int4_group_size_not_checked(w, group_size=64):
+    """No QuantizationError for group_size < 2: 1 gives 5 bytes of scale and zero per weight, 0 a ZeroDivisionError."""
+    q, scale, zero = _int4_in(w, group_size, torch.float32)  # MISTAKE: refuse group_size < 2 first
+    return pack_int4(q), scale, zero.to(torch.uint8)
+
+
+@mistake("ex18", "quantize_int4")
+def int4_zero_group_gives_nan(w, group_size=64):
+    """scale = (hi - lo) / 15 with no guard: an all-zero group gets scale 0, and 0 / 0 codes."""
+    if group_size < 2:
+        raise QuantizationError("group_size < 2")
+    groups = _int4_groups(w, group_size)
+    lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+    scale = (hi - lo) / 15  # MISTAKE: 1 where hi == lo
+    zero = torch.round(-lo / scale).nan_to_num(0).clamp(0, 15)
+    return _int4_codes(w, group_size, scale, zero), scale, zero.to(torch.uint8)
+
+
+@mistake("ex18", "quantize_int4")
+def int4_truncates_instead_of_rounding(w, group_size=64):
+    """q = (w / scale + zero) cast to uint8: truncation, an error up to a whole step instead of half."""
+    if group_size < 2:
+        raise QuantizationError("group_size < 2")
+    _, scale, zero = quantize_int4(w, group_size)
+    groups = _int4_groups(w, group_size)
+    q = (groups / scale[..., None] + zero[..., None].float()).clamp(0, 15).to(torch.uint8)  # MISTAKE: round
+    return pack_int4(q.view(w.shape[0], -1)[:, :w.shape[1]]), scale, zero
+
+
+@mistake("ex18", "dequantize_int4")
+def int4_dequantize_keeps_the_padding_nibble(packed, scale, zero, in_features, group_size=64):
+    """Returns every nibble, 2 · bytes columns: an odd in_features gets the padding code as an extra weight."""
+    return dequantize_int4(packed, scale, zero, 2 * packed.shape[1], group_size)  # MISTAKE: cut to in_features

@@ -1,8 +1,14 @@
 """Exercise 9: per-request latency metrics (TTFT, TPOT, ITL, e2e, throughput) from timestamps."""
 
+import dataclasses
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from exercises.checking import Case
+from exercises.differential import CHECKS, agree
+from exercises.registry import EXERCISES, reference
 
 pytestmark = pytest.mark.ex09
 LESSON = "lessons/06-metrics.md#ttft-and-tpot"
@@ -79,3 +85,48 @@ def test_equal_timestamps_are_fine(impl):
     c.close(m.ttft_ms, 0.0)
     c.close(tuple(m.itl_ms), (250.0, 0.0))
     c.close(m.tpot_ms, 125.0)
+
+
+# -- differential checks (issue 30): every number of tokens, lists and tuples, clocks far from 0, the errors --
+
+REF = reference(EXERCISES["ex09"])
+
+
+def _graded(fn):
+    """from_timestamps with mbu blanked: the exercise leaves mbu free (it may stay None)."""
+    def call(*args, **kwargs):
+        m = fn(*args, **kwargs)
+        return dataclasses.replace(m, mbu=None) if dataclasses.is_dataclass(m) and hasattr(m, "mbu") else m
+    return call
+
+
+GAP = st.sampled_from([0.0, 0.001, 0.1, 0.5]) | st.floats(1e-6, 5.0)
+
+
+@given(data=st.data())
+@CHECKS
+def test_agrees_with_the_reference_on_any_timestamps(impl, data):
+    start = data.draw(st.sampled_from([0.0, 2.0, 12345.678]) | st.floats(0, 1e5), label="start_s")
+    n = data.draw(st.sampled_from([1, 2]) | st.integers(0, 9), label="n_tokens")
+    gaps = data.draw(st.lists(GAP, min_size=n, max_size=n), label="gaps (s): first token, then each next one")
+    times, t = [], start
+    for gap in gaps:
+        t += gap
+        times.append(t)
+    broken = data.draw(st.sampled_from([None, None, None, "a time going back", "a token before the start"]),
+                       label="invalid input")
+    if broken == "a time going back" and n >= 2:
+        i = data.draw(st.integers(1, n - 1), label="index going back")
+        times[i] = times[i - 1] - data.draw(st.sampled_from([1e-3, 0.5]), label="back by (s)")
+    elif broken == "a token before the start" and n >= 1:
+        times[0] = start - data.draw(st.sampled_from([1e-3, 0.5]), label="early by (s)")
+    kind = data.draw(st.sampled_from([list, tuple]), label="token_times_s as")
+    n_prompt = data.draw(st.sampled_from([0, 1, 100]) | st.integers(0, 5000), label="n_prompt_tokens")
+    extra = data.draw(st.sampled_from([{}, {"bytes_per_decode_step": 15e9, "peak_bandwidth": 3.35e12}]),
+                      label="mbu arguments")
+    agree(_graded(impl.RequestMetrics.from_timestamps), _graded(REF.RequestMetrics.from_timestamps),
+          lambda: ((start, kind(times), n_prompt), dict(extra)), tol=(1e-6, 1e-9),
+          what="RequestMetrics.from_timestamps", exercise="ex09", lesson=LESSON,
+          hint=DEFS + "; with one token: tpot_ms None, itl_ms () and the ITL percentiles None; itl_ms is a tuple; "
+                      "a zero TTFT or e2e gives an infinite throughput (math.inf); ValueError for no tokens, a "
+                      "decreasing time or a token before the start (equal times are fine)")

@@ -3,9 +3,14 @@
 from importlib.resources import files
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from exercises.checking import Case
+from exercises.cost_configs import configs
+from exercises.differential import CHECKS, agree
 from exercises.models import tiny_config
+from exercises.registry import EXERCISES, reference
 from minillm import ModelConfig
 from minillm.costs import flops_per_token, weights_bytes
 
@@ -97,3 +102,34 @@ def test_decode_cost_errors(impl):
                  hint="the docstring promises a ValueError for context_len < 1 or batch_size < 1 (a decode step "
                       "always attends to at least its own token)")
         c.raises(ValueError, impl.decode_cost, *args)
+
+
+# -- differential checks (issue 30): every config, dtype, context and batch against the reference --------
+
+REF = reference(EXERCISES["ex10"])
+
+
+@given(data=st.data())
+@CHECKS
+def test_kv_bytes_agree_with_the_reference_on_every_config(impl, data):
+    cfg = data.draw(configs(), label="config")
+    dtype_bytes = data.draw(st.sampled_from([1, 2, 4]), label="dtype_bytes")
+    agree(impl.kv_bytes_per_token, REF.kv_bytes_per_token, lambda: ((cfg, dtype_bytes), {}),
+          what="kv_bytes_per_token", exercise="ex10", lesson=KV_LESSON,
+          hint=f"{KV}, an int: only the KV heads are cached (n_kv_heads, not n_heads), with config.head_dim")
+
+
+@given(data=st.data())
+@CHECKS
+def test_decode_cost_agrees_with_the_reference_on_every_config(impl, data):
+    cfg = data.draw(configs(), label="config")
+    windows = {cfg.window(layer) for layer in range(cfg.n_layers)} - {None}
+    near = [w + d for w in windows for d in (-1, 0, 1, 2)]
+    context_len = data.draw(st.sampled_from([1, 2] + near) | st.integers(-2, 40_000), label="context_len")
+    dtype_bytes = data.draw(st.sampled_from([1, 2, 4]), label="dtype_bytes")
+    batch_size = data.draw(st.integers(-1, 33), label="batch_size")
+    agree(impl.decode_cost, REF.decode_cost, lambda: ((cfg, context_len, dtype_bytes, batch_size), {}),
+          what="decode_cost", exercise="ex10", lesson=LESSON,
+          hint=DECODE + "; a sliding-window layer reads only min(context_len, W) positions (and attends to as many "
+               "keys), a layer without one all of them (config.window(layer) says which); ValueError for "
+               "context_len < 1 or batch_size < 1")

@@ -4,9 +4,13 @@ import hashlib
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from exercises.checking import Case
+from exercises.differential import CHECKS, agree
 from exercises.models import prompt, tiny_model
+from exercises.registry import EXERCISES, reference
 from minillm import KVCache
 from minillm.block_hash import block_hashes, hash_block, model_seed
 from minillm.phases import prefill
@@ -109,3 +113,68 @@ def test_agrees_with_minillms_prefix_cache(impl):
         hashes = c.call(impl.block_hashes, ids, B, model_seed(model))
         got = c.call(impl.longest_cached_prefix, hashes, pc, len(ids), B)
         c.equal(got, pc.match(model, ids).cached_tokens)
+
+
+# -- differential checks (issue 30): every length around the block boundaries, extra keys, any Container ----
+
+REF = reference(EXERCISES["ex11"])
+
+
+class OnlyContains:
+    """A Container and nothing more (like a PrefixCache): ``h in cached``, no iteration, no set algebra."""
+
+    def __init__(self, hashes):
+        self._hashes = frozenset(hashes)
+
+    def __contains__(self, h) -> bool:
+        return h in self._hashes
+
+    def __repr__(self) -> str:
+        return f"a cache holding {sorted(h.hex()[:8] for h in self._hashes)}"
+
+
+def blake2b_block(parent: bytes, tokens, extra_keys) -> bytes:
+    """Another hash_fn (blake2b of the same fields): block_hashes must call the one it is given."""
+    return hashlib.blake2b(parent + repr((list(tokens), list(extra_keys))).encode(), digest_size=32).digest()
+
+
+def _lengths(block_size: int):
+    """0, 1, and every length at a block boundary or one token off it."""
+    boundary = [k * block_size + d for k in range(0, 5) for d in (-1, 0, 1)]
+    return st.sampled_from(sorted({n for n in boundary + [0, 1] if n >= 0})) | st.integers(0, 6 * block_size + 3)
+
+
+@given(data=st.data())
+@CHECKS
+def test_block_hashes_agree_with_the_reference(impl, data):
+    block_size = data.draw(st.sampled_from([1, 2, 3, 4, 16]) | st.integers(1, 9), label="block_size")
+    n = data.draw(_lengths(block_size), label="n_tokens")
+    ids = data.draw(st.lists(st.integers(0, 50_000), min_size=n, max_size=n), label="token_ids")
+    kind = data.draw(st.sampled_from([list, tuple]), label="token_ids as")
+    seed = data.draw(st.sampled_from([SEED, bytes(32)]), label="seed")
+    extra = data.draw(st.sampled_from([(), ("lora-1",), ("image", 3), ("salt-a", "lora-2")]), label="extra_keys")
+    hash_fn = data.draw(st.sampled_from([hash_block, blake2b_block]), label="hash_fn")
+    agree(impl.block_hashes, REF.block_hashes,
+          lambda: ((kind(ids), block_size, seed), {"extra_keys": extra, "hash_fn": hash_fn}),
+          what="block_hashes", exercise="ex11", lesson=LESSON + "#block-hashes",
+          hint=CHAIN + "; a prompt of exactly k blocks has k hashes, one shorter than a block none; pass extra_keys "
+                       "to every block's hash, through the hash_fn given; token_ids may be a list or a tuple")
+
+
+@given(data=st.data())
+@CHECKS
+def test_longest_cached_prefix_agrees_with_the_reference(impl, data):
+    block_size = data.draw(st.sampled_from([1, 2, 4, 16]) | st.integers(1, 9), label="block_size")
+    n_tokens = data.draw(_lengths(block_size), label="n_tokens")
+    hashes = block_hashes(list(range(100, 100 + n_tokens)), block_size, SEED)
+    hit = data.draw(st.lists(st.booleans(), min_size=len(hashes), max_size=len(hashes)) | st.just([True] * len(hashes)),
+                    label="which blocks are cached")
+    others = block_hashes(list(range(7, 7 + 3 * block_size)), block_size, SEED)  # another prompt's blocks
+    cached = [h for h, yes in zip(hashes, hit) if yes] + others
+    kind = data.draw(st.sampled_from([set, frozenset, OnlyContains]), label="cached as")
+    hashes_kind = data.draw(st.sampled_from([list, tuple]), label="block_hashes as")
+    agree(impl.longest_cached_prefix, REF.longest_cached_prefix,
+          lambda: ((hashes_kind(hashes), kind(cached), n_tokens, block_size), {}),
+          what="longest_cached_prefix", exercise="ex11", lesson=LESSON + "#longest-cached-prefix",
+          hint=RULE + "; a prompt whose every block is cached still prefills its last token; `cached` is any "
+                      "Container (a PrefixCache answers only `h in cached`)")

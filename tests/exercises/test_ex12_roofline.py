@@ -1,14 +1,20 @@
 """Exercise 12: the cost of a prefill (FLOPs, bytes) and the roofline verdict (which bound applies)."""
 
+import dataclasses
 from importlib.resources import files
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from exercises.checking import Case
+from exercises.cost_configs import configs, shipped
+from exercises.differential import CHECKS, agree
 from exercises.models import tiny_config
+from exercises.registry import EXERCISES, reference
 from minillm import ModelConfig
 from minillm.costs import PhaseCost, attention_params, decode_cost, lm_head_params, mlp_params, weights_bytes
-from minillm.hardware import PROFILES, HardwareProfile
+from minillm.hardware import OVERHEAD_FACTOR, PROFILES, HardwareProfile, Roofline
 
 pytestmark = pytest.mark.ex12
 COST_LESSON = "lessons/05-compute-vs-memory-bound.md#arithmetic-intensity"
@@ -128,3 +134,83 @@ def test_roofline_errors(impl):
         c = Case(f"roofline(cost, time_s={time_s}, hw)", "a phase that took no time (or less)", shapes="",
                  lesson=LESSON, hint="the docstring promises a ValueError for time_s <= 0 (no division by 0)")
         c.raises(ValueError, impl.roofline, PhaseCost(1e9, 1e9), time_s, TOY)
+
+
+# -- sliding windows and differential checks (issue 30) ----------------------------------------------
+
+REF = reference(EXERCISES["ex12"])
+WINDOW = ("a sliding-window layer (config.window(layer) = W; None: full attention) reads only the positions some "
+          "query of the pass still sees: min(cached_tokens + n_tokens, n_tokens + W - 1) (kv_positions_read); "
+          "a decode step (n_tokens = 1) min(context, W)")
+
+
+def test_mistral_decode_at_32k_reads_only_its_window(impl):
+    cfg = shipped("mistral-7b")
+    c = Case("prefill_cost(mistral-7b, n_tokens=1, dtype_bytes=2, cached_tokens=32767)",
+             "a decode step of Mistral-7B at a 32k context: every layer has a 4096-token sliding window",
+             shapes="PhaseCost", lesson=COST_LESSON,
+             hint="each layer reads only the last 4096 positions, not all 32768: KV read = 32 layers · 4096 "
+                  "positions · 4096 bytes (2 · 8 KV heads · 128 · 2 bytes) = 0.537 GB, so 15.0 GB a step with the "
+                  "14.5 GB of weights, not 18.8 GB; " + WINDOW)
+    cost = c.call(impl.prefill_cost, cfg, 1, 2, 32767)
+    c.close(getattr(cost, "kv_read_bytes", None), 32 * 4096 * 4096.0)
+    c.close(getattr(cost, "kv_written_bytes", None), 32 * 4096.0)
+    c.close(getattr(cost, "bytes", None), 14483464192.0 + 32 * 4096 * 4096.0 + 32 * 4096.0)
+
+
+@given(data=st.data())
+@CHECKS
+def test_prefill_cost_agrees_with_the_reference_on_every_config(impl, data):
+    cfg = data.draw(configs(), label="config")
+    windows = sorted({cfg.window(layer) for layer in range(cfg.n_layers)} - {None})
+    near = [w + d for w in windows for d in (-1, 0, 1)]
+    n_tokens = data.draw(st.sampled_from([1, 2] + near) | st.integers(-1, 300), label="n_tokens")
+    cached = data.draw(st.sampled_from([0, 1, 32767] + near) | st.integers(-2, 40_000), label="cached_tokens")
+    dtype_bytes = data.draw(st.sampled_from([1, 2, 4]), label="dtype_bytes")
+    batch_size = data.draw(st.integers(-1, 9), label="batch_size")
+    last_only = data.draw(st.booleans(), label="last_only")
+    agree(impl.prefill_cost, REF.prefill_cost,
+          lambda: ((cfg, n_tokens, dtype_bytes), {"cached_tokens": cached, "batch_size": batch_size,
+                                                  "last_only": last_only}),
+          what="prefill_cost", exercise="ex12", lesson=COST_LESSON,
+          hint=PREFILL + "; " + WINDOW + "; the causal attention FLOPs count at most W keys a query there "
+               "(attention_flops does); ValueError for n_tokens < 1, cached_tokens < 0 or batch_size < 1")
+
+
+def _graded(fn):
+    """fn with Roofline.explanation blanked: its words are free, the numbers and the bound are graded."""
+    def call(*args, **kwargs):
+        r = fn(*args, **kwargs)
+        return dataclasses.replace(r, explanation="") if isinstance(r, Roofline) else r
+    return call
+
+
+@st.composite
+def phases_on_hardware(draw):
+    """A cost and a profile of powers of two times small ints: every floor, tie and 5 × floor is exact."""
+    hw = HardwareProfile("toy", peak_flops=2.0 ** draw(st.integers(36, 50), label="log2 peak_flops"),
+                         mem_bandwidth=2.0 ** draw(st.integers(30, 42), label="log2 mem_bandwidth"))
+    n_bytes = draw(st.integers(1, 64), label="bytes / 2^k") * 2.0 ** draw(st.integers(20, 36), label="k")
+    where = draw(st.sampled_from(["at the ridge", "just above", "just below", "anywhere"]), label="intensity")
+    ridge_flops = n_bytes * hw.ridge_point
+    flops = {"at the ridge": ridge_flops, "just above": ridge_flops * 65 / 64, "just below": ridge_flops * 63 / 64,
+             "anywhere": draw(st.integers(1, 64), label="flops / 2^j") * 2.0 ** draw(st.integers(20, 56))}[where]
+    return PhaseCost(flops, n_bytes), hw
+
+
+@given(data=st.data())
+@CHECKS
+def test_roofline_agrees_with_the_reference_at_and_near_the_ridge(impl, data):
+    cost, hw = data.draw(phases_on_hardware() | st.tuples(
+        st.builds(PhaseCost, st.floats(1e6, 1e16), st.floats(1e6, 1e12)), st.sampled_from(list(PROFILES.values()))),
+        label="(cost, hw)")
+    floor_s = max(cost.flops / hw.peak_flops, cost.bytes / hw.mem_bandwidth)
+    times = {"at the floor": floor_s, "OVERHEAD_FACTOR x floor": OVERHEAD_FACTOR * floor_s,
+             "just above OVERHEAD_FACTOR x floor": OVERHEAD_FACTOR * floor_s * (1 + 1e-12),
+             "just below OVERHEAD_FACTOR x floor": OVERHEAD_FACTOR * floor_s * (1 - 1e-12),
+             "below the floor": floor_s / 3, "far above": floor_s * 40, "zero": 0.0, "negative": -floor_s}
+    time_s = times[data.draw(st.sampled_from(list(times)), label="time_s")]
+    agree(_graded(impl.roofline), _graded(REF.roofline), lambda: ((cost, time_s, hw), {}),
+          what="roofline", exercise="ex12", lesson=LESSON,
+          hint=VERDICT + "; at the ridge point the two floors are equal: compute-bound; exactly OVERHEAD_FACTOR × "
+                         "floor is not yet overhead-bound (the time must EXCEED it); ValueError for time_s <= 0")

@@ -4,8 +4,12 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from exercises.checking import Case
+from exercises.differential import CHECKS, agree
+from exercises.registry import EXERCISES, reference
 from minillm.metrics import RequestMetrics
 
 pytestmark = pytest.mark.ex13
@@ -85,3 +89,67 @@ def test_slo_errors(impl):
         c = Case(what, case, shapes="", lesson=SLO_LESSON,
                  hint="the docstrings promise a ValueError for an empty list and for duration_s <= 0")
         c.raises(ValueError, fn, *args)
+
+
+# -- differential checks (issue 30): every Iterable kind, every rank, SLOs on and off the limit ------------
+
+REF = reference(EXERCISES["ex13"])
+
+
+class Stream:
+    """A one-pass iterator, as a generator expression is: no len(), no sort(), no indexing, truthy when empty."""
+
+    def __init__(self, values):
+        self._values, self._it = list(values), iter(list(values))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._it)
+
+    def __repr__(self) -> str:
+        return f"(v for v in {self._values})"
+
+
+KINDS = {"list": list, "tuple": tuple, "generator": Stream}
+VALUE = st.floats(0, 1e5, allow_nan=False) | st.sampled_from([0.0, 1.0, 2.5, 40.0]) | st.floats(-1e4, 0)
+
+
+@given(data=st.data())
+@CHECKS
+def test_percentile_agrees_with_the_reference_on_every_iterable(impl, data):
+    kind = data.draw(st.sampled_from(list(KINDS)), label="values as")
+    values = data.draw(st.lists(VALUE, max_size=12), label="values")
+    p = data.draw(st.sampled_from([0, 100, 50, 90, 99, 99.9, 0.0, 100.0]) | st.floats(0, 100)
+                  | st.sampled_from([-1, -0.5, 100.5, 101, 1000]), label="p")
+    agree(impl.percentile, REF.percentile, lambda: ((KINDS[kind](values), p), {}), tol=(1e-7, 1e-9),
+          what="percentile", exercise="ex13", lesson=LESSON,
+          hint=PERCENTILE + "; values is any Iterable (a tuple such as RequestMetrics.itl_ms, or a generator): "
+                            "make your own sorted list (sorted(values)) and leave the caller's values alone; "
+                            "ValueError for no values or p outside [0, 100]")
+
+
+def _requests(draw_list):
+    return [request(t, p) for t, p in draw_list]
+
+
+TTFT = st.sampled_from([0.0, 200.0, 500.0, 1000.0, 1500.0]) | st.floats(0, 3000)
+TPOT = st.none() | st.sampled_from([20.0, 50.0, 60.0]) | st.floats(0, 200)
+SLO_TTFT = st.none() | st.sampled_from([500, 1000, 1000.0, 200.0]) | st.floats(0, 3000)
+SLO_TPOT = st.none() | st.sampled_from([50, 50.0, 20.0]) | st.floats(0, 200)
+
+
+@given(data=st.data())
+@CHECKS
+def test_slo_attainment_and_goodput_agree_with_the_reference(impl, data):
+    pairs = data.draw(st.lists(st.tuples(TTFT, TPOT), max_size=8), label="requests (TTFT ms, TPOT ms)")
+    kind = data.draw(st.sampled_from([list, tuple]), label="metrics_list as")
+    ttft_ms, tpot_ms = data.draw(SLO_TTFT, label="ttft_ms"), data.draw(SLO_TPOT, label="tpot_ms")
+    duration = data.draw(st.sampled_from([1.0, 2.0, 0.5, 0.0, -1.0]) | st.floats(1e-3, 1e3), label="duration_s")
+    ms = _requests(pairs)
+    agree(impl.slo_attainment, REF.slo_attainment, lambda: ((kind(ms),), {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms}),
+          what="slo_attainment", exercise="ex13", lesson=SLO_LESSON, hint=SLO + "; ValueError for no requests")
+    agree(impl.goodput, REF.goodput, lambda: ((kind(ms), duration), {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms}),
+          what="goodput", exercise="ex13", lesson=SLO_LESSON,
+          hint=GOODPUT + "; ValueError for no requests or duration_s <= 0")

@@ -2,9 +2,13 @@
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from exercises.checking import Case
+from exercises.differential import CHECKS, agree
 from exercises.models import randn
+from exercises.registry import EXERCISES, reference
 from minillm.quantize import dequantize_int4, quantize_int4
 
 pytestmark = pytest.mark.ex18
@@ -93,3 +97,86 @@ def test_dequantize_reads_the_reference_codes(impl):
              hint="unpack low nibble (p & 15) then high (p >> 4) for each byte, subtract the group's zero BEFORE "
                   "multiplying by its scale, and cut the row back to in_features")
     c.close(c.call(impl.dequantize_int4, packed, scale, zero, 70, 32), dequantize_int4(packed, scale, zero, 70, 32))
+
+
+# -- differential checks (issue 30): odd widths, every group size, half-precision weights, flat rows --------
+
+REF = reference(EXERCISES["ex18"])
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ROWS = ["normal", "normal", "positive", "negative", "constant", "zero", "large"]
+
+
+def weights(out: int, n_in: int, dtype: str, kinds: tuple, seed: int) -> torch.Tensor:
+    """[out, n_in] weights in dtype, row r of kind kinds[r]: random, one-signed, all equal, all 0 or large."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for kind in kinds[:out]:
+        x = torch.randn(n_in, generator=g)
+        rows.append({"normal": x, "positive": x.abs() + 0.1, "negative": -x.abs() - 0.1,
+                     "constant": torch.full((n_in,), 0.75), "zero": torch.zeros(n_in), "large": 60 * x}[kind])
+    return torch.stack(rows).to(DTYPES[dtype])
+
+
+@st.composite
+def int4_inputs(draw):
+    group_size = draw(st.sampled_from([2, 3, 4, 8, 16, 32, 64]) | st.integers(2, 80), label="group_size")
+    n_in = draw(st.sampled_from(sorted({1, 2, 3, group_size - 1, group_size, group_size + 1, 2 * group_size + 1} - {0}))
+                | st.integers(1, 130), label="in_features")
+    out = draw(st.integers(1, 4), label="out_features")
+    kinds = tuple(draw(st.lists(st.sampled_from(ROWS), min_size=out, max_size=out), label="rows"))
+    dtype = draw(st.sampled_from(list(DTYPES)), label="dtype")
+    seed = draw(st.integers(0, 2**16), label="seed")
+    return out, n_in, group_size, kinds, dtype, seed
+
+
+@given(data=st.data())
+@CHECKS
+def test_quantize_agrees_with_the_reference_on_every_shape_and_dtype(impl, data):
+    out, n_in, group_size, kinds, dtype, seed = data.draw(int4_inputs(), label="w")
+    if data.draw(st.integers(0, 9), label="group_size below 2?") == 0:
+        group_size = data.draw(st.sampled_from([1, 0, -1, -64]), label="invalid group_size")
+    agree(impl.quantize_int4, REF.quantize_int4, lambda: ((weights(out, n_in, dtype, kinds, seed), group_size), {}),
+          what="quantize_int4", exercise="ex18", lesson=LESSON,
+          hint=RULE + "; compute in float32 whatever w's dtype (w.float()); an odd in_features pads the last byte's "
+                      "high nibble with 0 (no view(out, -1, 2)); the short last group has its own scale and zero; "
+                      "an all-zero group gets scale 1; QuantizationError for group_size < 2")
+
+
+@given(data=st.data())
+@CHECKS
+def test_round_trip_within_half_a_step_on_every_dtype(impl, data):
+    out, n_in, group_size, kinds, dtype, seed = data.draw(int4_inputs(), label="w")
+    w = weights(out, n_in, dtype, kinds, seed)
+    c = Case(f"dequantize_int4(*quantize_int4(w, {group_size}), {n_in}, {group_size})",
+             f"w [{out}, {n_in}] {dtype}, rows: {', '.join(kinds)}", shapes="-> [out, in] float32", lesson=LESSON,
+             hint="the docstring's bound: |w - ŵ| <= scale / 2 for every weight, measured against w itself; in "
+                  "bfloat16 or float16 arithmetic the scale and w / scale round, and the error passes half a step: "
+                  "upcast first (w.float()). " + RULE)
+    packed, scale, zero = c.call(impl.quantize_int4, w.clone(), group_size)
+    w_hat = c.call(impl.dequantize_int4, packed, scale, zero, n_in, group_size)
+    c.true(isinstance(w_hat, torch.Tensor) and w_hat.shape == (out, n_in) and w_hat.dtype == torch.float32,
+           "the round trip is not a float32 [out, in] tensor", expected=f"float32 [{out}, {n_in}]",
+           got=f"{getattr(w_hat, 'dtype', type(w_hat).__name__)} {list(getattr(w_hat, 'shape', []))}")
+    step = scale.float().repeat_interleave(group_size, dim=1)[:, :n_in]
+    ratio = ((w.float() - w_hat).abs() / step).max().item()
+    c.true(ratio <= 0.5 * (1 + 1e-5), "an error above half a step", expected="max |w - ŵ| / scale <= 0.5",
+           got=f"max |w - ŵ| / scale = {ratio:.3f}")
+
+
+@given(data=st.data())
+@CHECKS
+def test_dequantize_agrees_with_the_reference_on_any_codes(impl, data):
+    out, n_in, group_size, _, _, seed = data.draw(int4_inputs(), label="shape")
+    n_groups = -(-n_in // group_size)
+
+    def inputs():
+        g = torch.Generator().manual_seed(seed)
+        packed = torch.randint(0, 256, (out, (n_in + 1) // 2), generator=g, dtype=torch.uint8)
+        scale = torch.rand(out, n_groups, generator=g) * 2 + 1e-3
+        zero = torch.randint(0, 16, (out, n_groups), generator=g, dtype=torch.uint8)
+        return (packed, scale, zero, n_in, group_size), {}
+
+    agree(impl.dequantize_int4, REF.dequantize_int4, inputs, what="dequantize_int4", exercise="ex18", lesson=LESSON,
+          hint="q[2j] = byte j & 15, q[2j+1] = byte j >> 4; ŵ = (q - zero) · scale with the group's zero and scale "
+               "(the last group may be short); cut each row to in_features (an odd one leaves a padding nibble); "
+               "float32 out")

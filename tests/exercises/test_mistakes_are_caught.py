@@ -72,6 +72,47 @@ REQUIRED = {
     "int4_scale_from_max": "ex18",
     "int4_nibble_order_swapped": "ex18",
     "int4_forgets_the_short_group": "ex18",
+    # issue 30 (ex09): tuples as well as lists, one token, the promised errors in part, the field types
+    "metrics_order_checked_against_a_sorted_list": "ex09",
+    "metrics_order_checked_first_to_last": "ex09",
+    "metrics_itl_as_a_list": "ex09",
+    "metrics_one_token_tpot_zero": "ex09",
+    "metrics_zero_ttft_divides_by_zero": "ex09",
+    # issue 30 (ex10): sliding windows, the layers that have them, the promised errors, an int
+    "decode_reads_past_the_window": "ex10",
+    "decode_window_on_every_layer": "ex10",
+    "decode_context_len_as_before_the_write": "ex10",
+    "decode_refuses_only_a_negative_context": "ex10",
+    "kv_bytes_scaled_by_the_gqa_ratio": "ex10",
+    # issue 30 (ex11): block boundaries, extra keys, a Container that only answers `in`
+    "block_hashes_miss_a_full_last_block": "ex11",
+    "block_hashes_extra_keys_only_at_the_root": "ex11",
+    "block_hashes_ignore_hash_fn": "ex11",
+    "prefix_hit_leaves_a_whole_block": "ex11",
+    "prefix_hit_clamped_to_n_minus_1": "ex11",
+    "prefix_hit_needs_a_set": "ex11",
+    # issue 30 (ex13): the Iterable kinds (the issue's values.sort()), inputs left alone, the promised errors
+    "percentile_sorts_in_place": "ex13",
+    "percentile_len_of_the_iterable": "ex13",
+    "percentile_empty_checked_before_listing": "ex13",
+    "percentile_p_not_checked": "ex13",
+    "slo_attainment_of_no_requests_is_1": "ex13",
+    "goodput_zero_duration_divides": "ex13",
+    # issue 30 (ex18): odd in_features (the issue's view(out, -1, 2)), group sizes below 2, bfloat16 without
+    # upcasting (the issue's 0.553 steps), flat groups, rounding, the padding nibble
+    "int4_pack_with_view": "ex18",
+    "int4_without_upcasting": "ex18",
+    "int4_group_size_not_checked": "ex18",
+    "int4_zero_group_gives_nan": "ex18",
+    "int4_truncates_instead_of_rounding": "ex18",
+    "int4_dequantize_keeps_the_padding_nibble": "ex18",
+    # issue 30 (ex12): sliding windows (the issue's Mistral-7B example), the verdict at the ridge and the factor
+    "prefill_kv_read_ignores_the_window": "ex12",
+    "prefill_window_reads_w_positions": "ex12",
+    "prefill_window_on_every_layer": "ex12",
+    "roofline_tie_is_memory_bound": "ex12",
+    "roofline_overhead_at_the_factor": "ex12",
+    "roofline_floor_is_the_sum": "ex12",
 }
 
 
