@@ -24,6 +24,7 @@ Runs are reproducible (``derandomize``): a class sees the same inputs on every r
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from typing import Any, Callable
 
@@ -219,15 +220,10 @@ def _describe(x) -> str:
 
 def _mistake_line(exercise: str, what: str, inputs: Inputs, got=None, error: Exception | None = None) -> str:
     """'this is the named mistake X: ...' when a mistake of mistakes.py gives the same answer."""
-    from exercises.mistakes import MISTAKES  # mistakes.py imports the kit's users, not the other way
-
-    name = what.split("(")[0].split(".")[-1]
-    for m in MISTAKES:
-        if m.exercise != exercise or m.replaces != name:
-            continue
+    for m, wrong in _mistakes_of(exercise, what.split("(")[0]):
         args, kwargs = inputs()
         try:
-            theirs = m.fn(*args, **kwargs)
+            theirs = wrong(*args, **kwargs)
         except Exception as e:  # noqa: BLE001
             if error is not None and type(e) is type(error):
                 return f"this is the named mistake '{m.name}': {m.what}"
@@ -235,3 +231,24 @@ def _mistake_line(exercise: str, what: str, inputs: Inputs, got=None, error: Exc
         if error is None and difference(got, theirs) is None:
             return f"this is the named mistake '{m.name}': {m.what}"
     return ""
+
+
+def _mistakes_of(exercise: str, name: str):
+    """(mistake, callable) for the mistakes replacing ``name``: a function ("sample"), or a
+    classmethod ("RequestMetrics.from_timestamps"), called on the wrong subclass."""
+    from exercises.mistakes import MISTAKES, swap_in  # mistakes.py imports the kit's users, not the other way
+    from exercises.registry import EXERCISES, reference
+
+    for m in MISTAKES:
+        if m.exercise != exercise:
+            continue
+        if "." not in m.replaces:
+            if m.replaces == name.split(".")[-1]:
+                yield m, m.fn
+            continue
+        cls_name, method = m.replaces.split(".")
+        if m.replaces != name:
+            continue
+        wrong_class = getattr(swap_in(m, reference(EXERCISES[exercise])), cls_name)
+        if isinstance(inspect.getattr_static(wrong_class, method), (classmethod, staticmethod)):
+            yield m, getattr(wrong_class, method)
