@@ -29,7 +29,8 @@ tokenizer.py and whatif.py are the doors to fast/ and formats/ (pyproject.toml's
     speculative.py  speculative decoding: a draft proposes k tokens, one pass verifies them (09)
     quantize.py   weight-only int8 / int4 matrices: the formats, the reference arithmetic
     whatif.py     predicted TTFT / TPOT of any config on any hardware (roofline floors)  (10)
-    classroom.py  the exercises' grader (minillm check)
+    classroom/    the exercises' grader (minillm check) and the student's pieces assembled into
+                  one engine (minillm generate --student-dir)
     device.py, errors.py, paths.py, units.py   leaves: device and dtype, the errors, the weights
                   folder, number and byte formats
 

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import tempfile
+import time
+from pathlib import Path
+
 from ..classroom import DEFAULT_TIMEOUT_S  # stdlib only: cheap to import with the parser
 from .common import UsageError
+
+CORE_EXERCISES = ("ex01", "ex02", "ex03", "ex04", "ex05", "ex06", "ex07", "ex08", "ex14")  # the assembled engine's
 
 
 def add_check(sub) -> None:
@@ -15,15 +21,19 @@ def add_check(sub) -> None:
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help=f"stop an exercise whose checks run longer than this (an infinite loop?); "
                         f"default {DEFAULT_TIMEOUT_S:g}")
+    p.add_argument("--reference", action="store_true",
+                   help="grade the reference solutions (a folder of files importing minillm's), as a teacher's "
+                        "check that every exercise passes; instead of --student-dir")
+    p.add_argument("--no-engine", dest="engine", action="store_false",
+                   help="skip the assembled engine that ends a full check once ex01-ex08 and ex14 pass "
+                        "(the default model, two short generations)")
     p.add_argument("-v", "--verbose", action="store_true", help="also show pytest's own output (tracebacks)")
     p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     p.set_defaults(run=run_check)
 
 
 def run_check(args) -> int:
-    from rich.console import Console
-
-    from ..classroom import exercise_ids, find_checkout, normalize_exercise, run_checks
+    from ..classroom import exercise_ids, find_checkout, normalize_exercise, reference_answers
 
     root = find_checkout()
     known = exercise_ids(root)
@@ -34,16 +44,59 @@ def run_check(args) -> int:
         wanted = [normalize_exercise(e, known) for e in [*args.exercises, *named]] or known
     except ValueError as e:
         raise UsageError(str(e)) from None
-    dirs = dirs or [None]  # None: the checkout's lessons/exercises
+    if args.reference:
+        if dirs:
+            raise UsageError("--reference grades minillm's own solutions: drop --student-dir")
+        with tempfile.TemporaryDirectory() as tmp:
+            return _check(args, root, [reference_answers(Path(tmp) / "reference", root)], wanted, known)
+    return _check(args, root, dirs or [None], wanted, known)  # None: the checkout's lessons/exercises
+
+
+def _check(args, root, dirs, wanted, known) -> int:
+    from rich.console import Console
+
+    from ..classroom import run_checks
+
+    start = time.perf_counter()
     results = {d: run_checks(wanted, d, root, args.verbose, args.timeout) for d in dirs}
     console = Console()
     if len(dirs) == 1:
         where = dirs[0] or root / "lessons" / "exercises"
-        _print_exercise_results(console, results[dirs[0]], str(where))
+        _print_exercise_results(console, results[dirs[0]], str(where), time.perf_counter() - start)
     else:
         console.print(_class_table(results))
+        console.print(f"checked in {time.perf_counter() - start:.1f} s", markup=False, highlight=False)
     failed = any(r.status == "failed" for rs in results.values() for r in rs)
-    return 1 if failed else 0
+    engine_ok = True
+    if len(dirs) == 1 and args.engine and set(CORE_EXERCISES) <= set(wanted) and set(wanted) == set(known):
+        engine_ok = _assembled_engine(console, results[dirs[0]], dirs[0] or root / "lessons" / "exercises")
+    return 1 if failed or not engine_ok else 0
+
+
+def _assembled_engine(console, results, folder) -> bool:
+    """A full check ends with the student's engine answering, once its core exercises pass."""
+    from argparse import Namespace
+
+    from ..formats.weights import DEFAULT_MODEL
+    from .generate import _DEFAULT_STUDENT_PROMPT, _STUDENT_MAX_NEW_TOKENS, assembled_engine
+
+    core = {r.id: r.status for r in results if r.id in CORE_EXERCISES}
+    todo = [f"{ex} {core.get(ex, 'not run')}" for ex in CORE_EXERCISES if core.get(ex) != "passed"]
+    command = f"minillm generate --student-dir {folder}"
+    if todo:
+        console.print(f"\nThe assembled engine ({command}: your pieces running {DEFAULT_MODEL}) runs once "
+                      f"ex01-ex08 and ex14 pass; not yet: {', '.join(todo)}.", markup=False, highlight=False,
+                      soft_wrap=True)
+        return True
+    console.print(f"\nAll core exercises pass: your pieces assembled into one engine ({command}).\n",
+                  markup=False, highlight=False, soft_wrap=True)
+    args = Namespace(model=DEFAULT_MODEL, weights_dir=None, device=None, chat=None, system=None, enable_thinking=None,
+                     max_new_tokens=_STUDENT_MAX_NEW_TOKENS)
+    start = time.perf_counter()
+    code = assembled_engine(Path(folder), _DEFAULT_STUDENT_PROMPT, args)
+    console.print(f"(assembled engine: {time.perf_counter() - start:.1f} s with loading the model)", markup=False,
+                  highlight=False)
+    return code == 0
 
 
 def _student_dirs(values: list[str], known: list[str]):
@@ -73,16 +126,18 @@ def _student_dirs(values: list[str], known: list[str]):
 _STATUS_STYLE = {"passed": "green", "failed": "red", "not attempted": "dim"}
 
 
-def _print_exercise_results(console, results, where: str) -> None:
+def _print_exercise_results(console, results, where: str, seconds: float | None = None) -> None:
     from rich.table import Table
 
     table = Table(title=f"exercises in {where}")
     for column in ("exercise", "topic", "result", "checks"):
         table.add_column(column)
+    table.add_column("time", justify="right")
     for r in results:
         style = _STATUS_STYLE[r.status]
         todo = f" ({r.count('not attempted')} not attempted)" if r.status == "failed" and r.count("not attempted") else ""
-        table.add_row(r.id, r.title, f"[{style}]{r.status}[/{style}]", f"{r.count('passed')}/{len(r.checks)} passed{todo}")
+        table.add_row(r.id, r.title, f"[{style}]{r.status}[/{style}]", f"{r.count('passed')}/{len(r.checks)} passed{todo}",
+                      f"{r.seconds:.1f} s")
     console.print(table)
     for r in results:
         failures: dict[str, list[str]] = {}  # one message, the checks that gave it (a load error fails them all)
@@ -95,8 +150,10 @@ def _print_exercise_results(console, results, where: str) -> None:
     totals = {s: sum(r.status == s for r in results) for s in _STATUS_STYLE}
     todo = "" if totals["passed"] == len(results) else (
         f" Write them in {where}/exNN_*.py; 'minillm check exNN -v' shows tracebacks.")
-    console.print("\n" + ", ".join(f"{n} {s}" for s, n in totals.items()) + f" (of {len(results)} exercises)."
-                  + todo, markup=False, soft_wrap=True)
+    took = "" if seconds is None else (f" in {seconds:.1f} s (the checks {sum(r.seconds for r in results):.1f} s, "
+                                       "the rest starting Python and pytest)")
+    console.print("\n" + ", ".join(f"{n} {s}" for s, n in totals.items()) + f" (of {len(results)} exercises)"
+                  + took + "." + todo, markup=False, soft_wrap=True)
 
 
 def _class_table(results: dict):

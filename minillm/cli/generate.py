@@ -46,7 +46,17 @@ def add_generate(sub) -> None:
                    help="reuse the K/V of prompt prefixes seen before in this run (automatic prefix caching)")
     p.add_argument("--block-size", type=int, help="prefix cache block size in tokens (default: 16)")
     _speculative_options(p)
+    p.add_argument("--student-dir", metavar="DIR",
+                   help="the classroom's assembled engine: run the lesson's plain PyTorch model with the exercises "
+                        "of DIR (mask, attention, RoPE, KV cache, prefill, decode, sampling, generate loop) swapped "
+                        "in where written, and compare tokens and logits with minillm's own; exit 0 when equal, 1 "
+                        f"when not (default prompt: {_DEFAULT_STUDENT_PROMPT!r}, --max-new-tokens "
+                        f"{_STUDENT_MAX_NEW_TOKENS})")
     p.set_defaults(run=run_generate)
+
+
+_DEFAULT_STUDENT_PROMPT = "What is the capital of France?"
+_STUDENT_MAX_NEW_TOKENS = 16
 
 
 def _speculative_options(p) -> None:
@@ -92,6 +102,8 @@ def run_generate(args) -> int:
     from ..tokenizer import load_tokenizer
 
     _sampling_params(args)  # bad values are usage errors before the model loads
+    if args.student_dir is not None:
+        return run_student_engine(args)
     _check_generate_args(args)
     prompts = [_read_prompt(p) for p in args.prompt] or [_read_prompt(None)]
     folder = ensure_model(args.model, args.weights_dir)
@@ -121,6 +133,58 @@ def run_generate(args) -> int:
         else:
             _generate_one(args, model, tokenizer, prompt, params, prefix_cache, warmup and i == 0, cold)
     return 0
+
+
+# flags the assembled engine cannot honour: the exercises' loop has no trace, prefix cache, stop
+# strings, penalties or speculation, and its logits are compared in float32
+_NOT_WITH_STUDENT_DIR = {"trace": "--trace", "trace_out": "--trace-out", "plots": "--plots", "json": "--json",
+                         "prefix_cache": "--prefix-cache", "block_size": "--block-size", "warmup": "--warmup",
+                         "speculative": "--speculative", "num_speculative_tokens": "--num-speculative-tokens",
+                         "draft_model": "--draft-model", "prompt_lookup_min": "--prompt-lookup-min",
+                         "prompt_lookup_max": "--prompt-lookup-max", "quantize": "--quantize", "stop": "--stop",
+                         "min_p": "--min-p", "repetition_penalty": "--repetition-penalty",
+                         "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty"}
+
+
+def run_student_engine(args) -> int:
+    """``minillm generate --student-dir DIR``: the assembled engine against minillm's (minillm/classroom/assembly.py)."""
+    from pathlib import Path
+
+    given = [flag for name, flag in _NOT_WITH_STUDENT_DIR.items() if getattr(args, name, None) not in (None, False)]
+    if given:
+        raise UsageError(f"{given[0]} does not go with --student-dir (the exercises' engine has none); drop it")
+    if args.dtype not in (None, "float32"):
+        raise UsageError("--student-dir compares float32 logits: drop --dtype")
+    if len(args.prompt) > 1:
+        raise UsageError("--student-dir takes one prompt")
+    if not Path(args.student_dir).is_dir():
+        raise UsageError(f"--student-dir {args.student_dir} is not a folder")
+    if args.system is not None and args.chat is False:
+        raise UsageError("--system needs chat mode: drop --no-chat, or put the text in the prompt")
+    if args.temperature and args.seed is None:
+        raise UsageError("--student-dir with --temperature > 0 needs --seed: both engines must draw the same numbers")
+    prompt = _read_prompt(args.prompt[0]) if args.prompt else _DEFAULT_STUDENT_PROMPT
+    if args.max_new_tokens is None:  # two runs of the lesson's slow engine: the answer, not an essay
+        args.max_new_tokens = _STUDENT_MAX_NEW_TOKENS
+    return assembled_engine(Path(args.student_dir), prompt, args)
+
+
+def assembled_engine(student_dir, prompt: str, args) -> int:
+    """Load the model as the lessons run it, assemble the student's pieces, print the report; 0 when equal."""
+    from ..classroom.assembly import assemble, report_lines
+    from ..loading import load_model
+    from ..tokenizer import load_tokenizer
+
+    folder = ensure_model(args.model, args.weights_dir)
+    model = load_model(folder, device=args.device, dtype="float32", attn_impl="eager", fast=False)
+    tokenizer = load_tokenizer(folder)
+    params = _sampling_params(args, model.generation_config)
+    prompt_ids = _encode_prompt(tokenizer, prompt, args)
+    report = assemble(model, prompt_ids, params, _eos_ids(model, tokenizer), student_dir)
+    print(f"prompt: {prompt!r}", flush=True)
+    for line in report_lines(report, tokenizer.decode, str(student_dir)):
+        print(line, flush=True)
+    return 0 if report.equal else 1
 
 
 def _check_generate_args(args) -> None:

@@ -13,6 +13,7 @@ stub's NotImplementedError is reported as skipped, reason "not attempted".
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -123,11 +124,12 @@ def pytest_runtest_protocol(item, nextitem):
     if not (path and is_check(item) and ex is not None):
         return (yield)
     about = {"exercise": ex.id, "title": ex.title, "file": ex.file, "lesson": ex.lesson, "check": item.name}
-    _append(path, {"event": "start", "time": time.time(), **about})
+    start = time.time()
+    _append(path, {"event": "start", "time": start, **about})
     result = yield
     check = item.config.stash[RESULTS].get(ex.id, {}).get(item.name)
     if check is not None:
-        _append(path, {"event": "end", **about, **check})
+        _append(path, {"event": "end", **about, **check, "seconds": time.time() - start})
     return result
 
 
@@ -170,7 +172,20 @@ def _message(report) -> str:
         return longrepr[2].removeprefix("Skipped: ")
     crash = getattr(longrepr, "reprcrash", None)
     text = crash.message if crash is not None else str(longrepr)
-    return text.removeprefix("AssertionError: ").removeprefix("Failed: ")
+    return without_hypothesis_notes(text.removeprefix("AssertionError: ").removeprefix("Failed: "))
+
+
+# The notes hypothesis appends to a failure (PEP 678): the test's arguments, each draw, its
+# explanation. The kit's message above them already shows the smallest input in the student's
+# terms (differential.py), so a student sees it once, without hypothesis's internals.
+_HYPOTHESIS_NOTE = re.compile(r"^(Failing test case:|Falsifying (explicit )?example|Draw \d+|Explanation:|"
+                              r"You can reproduce this example|Trying example|Highest target score)", re.MULTILINE)
+
+
+def without_hypothesis_notes(message: str) -> str:
+    """``message`` cut before hypothesis's first note ("Failing test case:", "Draw 1 (n_keys): 0", ...)."""
+    note = _HYPOTHESIS_NOTE.search(message)
+    return message if note is None else message[:note.start()].rstrip()
 
 
 def pytest_sessionfinish(session):

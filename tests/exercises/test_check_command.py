@@ -1,6 +1,7 @@
 """`minillm check`, run as a student runs it: on a fresh checkout, and on a folder of answers."""
 
 import importlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -46,7 +47,8 @@ def test_unknown_exercise_is_a_usage_error():
 
 
 def test_outside_a_checkout_says_so_in_one_line(tmp_path, monkeypatch):
-    monkeypatch.setattr(classroom, "__file__", str(tmp_path / "site-packages" / "minillm" / "classroom.py"))
+    monkeypatch.setattr(classroom.grading, "__file__",
+                        str(tmp_path / "site-packages" / "minillm" / "classroom" / "grading.py"))
     with pytest.raises(MiniLLMError, match="run 'minillm check' from a clone of the minillm repository"):
         classroom.find_checkout(tmp_path)
 
@@ -128,3 +130,68 @@ def test_student_dir_words_split_into_folders_and_exercises(tmp_path):
 def test_timeout_must_be_positive_on_the_command_line(capsys):
     assert main(["check", "ex01", "--timeout", "0"]) == 2
     assert "minillm: error: --timeout must be a number of seconds > 0, got 0" in capsys.readouterr().err
+
+
+def test_a_failure_shows_the_kits_message_without_hypothesis_notes_and_times(tmp_path):
+    (tmp_path / "ex01_causal_mask.py").write_text(textwrap.dedent("""\
+        import torch
+
+        def causal_mask(n_queries, n_keys, device=None, window=None):  # off by one, the window ignored
+            return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril(n_keys - n_queries + 1)
+    """))
+    r = minillm("check", "--student-dir", str(tmp_path), "ex01")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "the smallest input hypothesis found where yours differs" in r.stdout  # the kit's differential message
+    for note in ("Failing test case", "Falsifying example", "Draw 1", "Explanation"):
+        assert note not in r.stdout, note
+    row = next(line for line in r.stdout.splitlines() if line.startswith("│ ex01"))
+    assert re.search(r"│ +\d+\.\d s │$", row), row  # the exercise's time
+    assert re.search(r"\(of 1 exercises\) in \d+\.\d s \(the checks \d+\.\d s", r.stdout)
+
+
+def test_hypothesis_notes_are_cut_from_a_message():
+    from exercises.conftest import without_hypothesis_notes
+
+    message = ("causal_mask(0, 0): wrong values\n  hint:     the last positions\nFailing test case: test_x(\n"
+               "    impl=namespace(...),\n)\nDraw 1 (n_keys): 0\nExplanation:\n    These lines were always run")
+    assert without_hypothesis_notes(message) == "causal_mask(0, 0): wrong values\n  hint:     the last positions"
+    assert without_hypothesis_notes("Falsifying example: f(x=1)") == ""
+    assert without_hypothesis_notes("no notes here\nDraw the mask") == "no notes here\nDraw the mask"
+
+
+def test_a_full_check_of_the_stubs_says_when_the_engine_will_run(tmp_path):
+    r = minillm("check", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "runs once ex01-ex08 and ex14 pass; not yet: ex01 not attempted, ex02 not attempted" in r.stdout
+    assert "All core exercises pass" not in r.stdout
+
+
+def test_the_engine_ends_a_check_once_the_core_passes(monkeypatch, tmp_path):
+    from rich.console import Console
+
+    from minillm.cli import check, generate
+
+    calls = []
+    monkeypatch.setattr(generate, "assembled_engine", lambda folder, prompt, args: calls.append((folder, prompt)) or 1)
+    passed = [ExerciseResult(ex, "t", "f.py", "l", (CheckResult("c", "passed"),)) for ex in check.CORE_EXERCISES]
+    console = Console(record=True, width=200)
+    assert check._assembled_engine(console, passed, tmp_path) is False  # the engine differs: the check fails
+    assert calls == [(tmp_path, "What is the capital of France?")]
+    assert "All core exercises pass" in console.export_text()
+    failed = [*passed[:-1], ExerciseResult("ex14", "t", "f.py", "l", (CheckResult("c", "failed"),))]
+    assert check._assembled_engine(console, failed, tmp_path) is True and len(calls) == 1
+    assert "not yet: ex14 failed" in console.export_text()
+
+
+def test_the_references_pass_their_checks(tmp_path):
+    r = minillm("check", "--reference", "ex01", "ex14")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 passed, 0 failed, 0 not attempted (of 2 exercises)" in r.stdout
+    r = minillm("check", "--reference", "--student-dir", str(tmp_path))
+    assert r.returncode == 2 and "--reference grades minillm's own solutions: drop --student-dir" in r.stderr
+
+
+def test_reference_answers_import_the_references(tmp_path):
+    folder = classroom.reference_answers(tmp_path)
+    assert (folder / "ex01_causal_mask.py").read_text().endswith("from minillm.model import causal_mask  # noqa: F401\n")
+    assert "from exercises.solutions import generate" in (folder / "ex14_generate.py").read_text()

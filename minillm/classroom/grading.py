@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import MiniLLMError
+from ..errors import MiniLLMError
 
 CHECKS_DIR = Path("tests") / "exercises"
 STUBS_DIR = Path("lessons") / "exercises"
@@ -38,7 +38,7 @@ POLL_S = 0.2  # how often the progress of a running check is read
 
 @dataclass(frozen=True)
 class CheckResult:
-    """One check: its test name, its outcome and the failure message.
+    """One check: its test name, its outcome, the failure message and its time.
 
     outcome: "passed", "failed", "not attempted" (the stub is untouched) or "not run"
     (an earlier check of the exercise timed out or crashed the process).
@@ -47,6 +47,7 @@ class CheckResult:
     name: str
     outcome: str
     message: str = ""
+    seconds: float = 0.0  # how long the check ran
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,11 @@ class ExerciseResult:
         return sum(c.outcome == outcome for c in self.checks)
 
     @property
+    def seconds(self) -> float:
+        """How long the exercise's checks ran, in all."""
+        return sum(c.seconds for c in self.checks)
+
+    @property
     def status(self) -> str:
         if self.checks and self.count("passed") == len(self.checks):
             return "passed"
@@ -82,7 +88,7 @@ def find_checkout(start: Path | None = None) -> Path:
     above ``start`` (default: the current directory). Raises MiniLLMError if neither is one.
     """
     start = Path.cwd() if start is None else Path(start)
-    candidates = [Path(__file__).resolve().parents[1], start.resolve(), *start.resolve().parents]
+    candidates = [Path(__file__).resolve().parents[2], start.resolve(), *start.resolve().parents]
     for folder in candidates:
         if (folder / CHECKS_DIR / "conftest.py").is_file() and (folder / STUBS_DIR).is_dir():
             return folder
@@ -103,6 +109,30 @@ def normalize_exercise(name: str, known: list[str]) -> str:
     if ex_id not in known:
         raise ValueError(f"unknown exercise {name!r}; known: {', '.join(known)}")
     return ex_id
+
+
+def reference_answers(folder: Path, root: Path | None = None) -> Path:
+    """Fill ``folder`` with one file per exercise that imports the reference's names (``minillm check --reference``).
+
+    ``ex01_causal_mask.py`` holds ``from minillm.model import causal_mask``, and so on (exercise 14's
+    loop comes from tests/exercises/solutions.py): checking the folder grades the references
+    through the very path a student's files take. Returns ``folder``.
+    """
+    root = find_checkout() if root is None else root
+    tests = str(root / "tests")
+    if tests not in sys.path:  # the registry lives with the checks
+        sys.path.insert(0, tests)
+    from exercises.registry import EXERCISES
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for ex in EXERCISES.values():
+        modules: dict[str, list[str]] = {}
+        for name, module in ex.refs.items():
+            modules.setdefault(module, []).append(name)
+        lines = [f"from {module} import {', '.join(names)}  # noqa: F401" for module, names in modules.items()]
+        (folder / ex.file).write_text(f'"""{ex.id}: the reference solution, imported."""\n' + "\n".join(lines) + "\n")
+    return folder
 
 
 def pytest_command(root: Path, exercises: list[str], student_dir: Path | None, report: Path,
@@ -155,7 +185,8 @@ def run_checks(exercises: list[str], student_dir: Path | None = None, root: Path
                 break
             ex = done[unfinished["exercise"]]
             ex.checks.append(CheckResult(unfinished["check"], "failed",
-                                         _stopped_message(unfinished, timed_out, returncode, timeout_s)))
+                                         _stopped_message(unfinished, timed_out, returncode, timeout_s),
+                                         time.time() - unfinished["time"]))
             ran = {c.name for c in ex.checks}
             ex.checks += [CheckResult(name, "not run", "an earlier check of this exercise timed out or crashed")
                           for name in _collected(events, ex.id) if name not in ran]
@@ -227,7 +258,7 @@ def _collect(events: list[dict], done: dict[str, _Exercise]) -> dict | None:
             continue
         ex = done.setdefault(e["exercise"], _Exercise(e["exercise"], e["title"], e["file"], e["lesson"], []))
         if e["event"] == "end":
-            ex.checks.append(CheckResult(e["name"], e["outcome"], e["message"]))
+            ex.checks.append(CheckResult(e["name"], e["outcome"], e["message"], e.get("seconds", 0.0)))
     return events[-1] if events[-1]["event"] == "start" else None
 
 

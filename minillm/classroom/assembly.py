@@ -1,0 +1,545 @@
+"""The student's pieces assembled into one engine: the real model answers with their code.
+
+Each core exercise writes one piece of minillm's inference path. :func:`assemble` runs a model
+twice on one prompt, greedy (or with a seed): once with minillm's own pieces, once with the
+student's swapped in wherever they are written, and compares the two runs token by token and
+logit by logit::
+
+    ex01 causal_mask            the mask inside eager attention
+    ex02/ex04 eager_attention   every layer's attention (ex04's when the model has GQA)
+    ex03 RotaryEmbedding.forward, apply_rope    the cos/sin tables, the rotation of q and k
+    ex05 KVCache.write, keys, values            the cache every layer writes and reads back
+    ex06 prefill, ex07 decode_step              the two phases
+    ex08 filter_logits, sample                  picking each token
+    ex14 generate                               the loop around them
+
+The model must be the lesson's plain PyTorch (``load_model(..., fast=False, attn_impl="eager")``):
+the speed layer replaces attention and the decode step, and would bypass the student's code.
+
+The swap is done from here, for the length of one run: the names the core's modules look up at
+call time (``minillm.model.causal_mask``, ``.eager_attention``, ``.apply_rope``,
+``minillm.sampling.filter_logits``, ``minillm.generate``'s ``prefill``, ``decode_step``, ``sample``)
+and the same names in the student's own modules, where they still point at minillm's, are set to
+the student's functions and restored afterwards; the model's ``rope`` takes the student's class.
+The core imports nothing from this module.
+
+A piece whose stub still raises NotImplementedError, whose file is missing, or that crashes on
+a tiny probe is replaced by minillm's, and the report says which and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import model as model_module
+from .. import phases, rope, sampling
+from ..kv_cache import KVCache
+from ..model import Transformer
+from ..sampling import SamplingParams
+
+generate_module = importlib.import_module("minillm.generate")  # the module: minillm's package exports its function
+
+CORE_EXERCISES = ("ex01", "ex02", "ex03", "ex04", "ex05", "ex06", "ex07", "ex08", "ex14")
+DEFAULT_PROMPT = "What is the capital of France?"
+LOGITS_TOLERANCE = 1e-3  # float32 logits of a real model: a correct piece that adds in another order differs by ~1e-5
+
+# exercise, its file, the piece it writes (a function, or Class.method of a subclass of minillm's class)
+PIECES = (
+    ("ex01", "ex01_causal_mask.py", "causal_mask"),
+    ("ex02", "ex02_attention.py", "eager_attention"),
+    ("ex03", "ex03_rope.py", "RotaryEmbedding.forward"),
+    ("ex03", "ex03_rope.py", "apply_rope"),
+    ("ex04", "ex04_gqa.py", "eager_attention"),
+    ("ex05", "ex05_kv_cache.py", "KVCache.write"),
+    ("ex05", "ex05_kv_cache.py", "KVCache.keys"),
+    ("ex05", "ex05_kv_cache.py", "KVCache.values"),
+    ("ex06", "ex06_prefill.py", "prefill"),
+    ("ex07", "ex07_decode_step.py", "decode_step"),
+    ("ex08", "ex08_sampling.py", "filter_logits"),
+    ("ex08", "ex08_sampling.py", "sample"),
+    ("ex14", "ex14_generate.py", "generate"),
+)
+
+
+class AssemblyError(Exception):
+    """A student's piece gave an answer the engine cannot go on with (keys() disagreeing with write())."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One piece of the engine and whose code ran it.
+
+    status: "yours" (the student's code ran), "not attempted" (the stub still raises
+    NotImplementedError), "no file", "crashed" (import or probe failed: ``detail`` says how),
+    "not used" (written, but another piece covers it: ``detail`` says why). Only "yours" runs
+    the student's code; every other status runs minillm's.
+    """
+
+    exercise: str
+    file: str
+    name: str
+    status: str
+    detail: str = ""
+
+    @property
+    def yours(self) -> bool:
+        return self.status == "yours"
+
+
+@dataclass
+class Run:
+    """One engine's answer: its tokens, its logits (prefill's, then each decode step's), its time."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prefill_logits: list[torch.Tensor] = field(default_factory=list)
+    decode_logits: list[torch.Tensor] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str | None = None  # the exception that stopped the run, with the student's line
+
+
+@dataclass
+class AssemblyReport:
+    """The two runs and what differs. ``equal`` is the verdict: exit 0 when True."""
+
+    pieces: tuple[Piece, ...]
+    prompt_ids: list[int]
+    params: SamplingParams
+    yours: Run
+    minillm: Run
+    tolerance: float = LOGITS_TOLERANCE
+
+    @property
+    def crashed(self) -> list[Piece]:
+        return [p for p in self.pieces if p.status == "crashed"]
+
+    @property
+    def tokens_equal(self) -> bool:
+        return self.yours.token_ids == self.minillm.token_ids and self.yours.finish_reason == self.minillm.finish_reason
+
+    @property
+    def first_difference(self) -> int | None:
+        """The index of the first token that differs (None when the tokens are equal)."""
+        a, b = self.yours.token_ids, self.minillm.token_ids
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return None if a == b else i
+
+    @property
+    def prefill_diff(self) -> float | None:
+        """max |yours - minillm's| over the prefill's logits (the whole vocabulary), None if either has none."""
+        if not (self.yours.prefill_logits and self.minillm.prefill_logits):
+            return None
+        return _max_diff(self.yours.prefill_logits[0], self.minillm.prefill_logits[0])
+
+    @property
+    def decode_diff(self) -> tuple[float | None, int]:
+        """max |diff| over the decode steps both took from the same tokens, and how many there were."""
+        same = self.first_difference
+        n = min(len(self.yours.decode_logits), len(self.minillm.decode_logits))
+        n = n if same is None else min(n, same)  # step j decodes token j: equal inputs while tokens 0..j agree
+        diffs = [_max_diff(a, b) for a, b in zip(self.yours.decode_logits[:n], self.minillm.decode_logits[:n])]
+        return (max(diffs) if diffs else None), n
+
+    @property
+    def equal(self) -> bool:
+        diff, _ = self.decode_diff
+        return (not self.crashed and self.yours.error is None and self.minillm.error is None and self.tokens_equal
+                and self.prefill_diff is not None and self.prefill_diff <= self.tolerance
+                and (diff is None or diff <= self.tolerance))
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+# -- the student's pieces -------------------------------------------------------------------------
+
+
+def load_pieces(student_dir: Path, model: Transformer) -> tuple[tuple[Piece, ...], dict[str, object], list]:
+    """Import the student's files and probe each piece on a tiny input.
+
+    Returns (the pieces and their status, {piece name: the student's object to use},
+    the student's modules). The chosen objects are functions, except "RotaryEmbedding" and
+    "KVCache" (the student's classes) with "KVCache.methods" (the set of methods written).
+    """
+    student_dir = Path(student_dir).resolve()
+    _importable_kit()
+    modules: dict[str, object] = {}
+    load_errors: dict[str, str] = {}
+    for _, file, _ in PIECES:
+        if file in modules or file in load_errors or not (student_dir / file).is_file():
+            continue
+        try:
+            modules[file] = _load_module(student_dir / file)
+        except Exception as e:  # noqa: BLE001 - a file that does not import: say so, use minillm's
+            load_errors[file] = f"importing {file} raised {type(e).__name__}: {e}"
+    probes = _probes(model)
+    statuses: dict[tuple[str, str], tuple[str, str]] = {}
+    for ex, file, name in PIECES:
+        if file in load_errors:
+            statuses[ex, name] = ("crashed", load_errors[file])
+        elif file not in modules:
+            statuses[ex, name] = ("no file", f"no {file} in {student_dir}")
+        else:
+            obj = _attribute(modules[file], name)
+            if obj is None:
+                statuses[ex, name] = ("crashed", f"{file} defines no {name} (keep the names of the stub)")
+                continue
+            statuses[ex, name] = _probe(probes[ex, name], modules[file], student_dir)
+    chosen: dict[str, object] = {}
+    gqa = model.config.n_kv_heads != model.config.n_heads
+    for name, ex in (("causal_mask", "ex01"), ("apply_rope", "ex03"), ("prefill", "ex06"),
+                     ("decode_step", "ex07"), ("filter_logits", "ex08"), ("sample", "ex08"), ("generate", "ex14")):
+        if statuses[ex, name][0] == "yours":
+            chosen[name] = getattr(modules[_file(ex)], name)
+    if statuses["ex04", "eager_attention"][0] == "yours":
+        chosen["eager_attention"] = modules[_file("ex04")].eager_attention
+        if statuses["ex02", "eager_attention"][0] == "yours":
+            statuses["ex02", "eager_attention"] = ("not used", "exercise 4's attention (GQA) covers it")
+    elif statuses["ex02", "eager_attention"][0] == "yours":
+        if gqa:
+            statuses["ex02", "eager_attention"] = (
+                "not used", f"this model has grouped-query attention ({model.config.n_heads} query heads, "
+                            f"{model.config.n_kv_heads} K/V heads): write exercise 4")
+        else:
+            chosen["eager_attention"] = modules[_file("ex02")].eager_attention
+    if statuses["ex03", "RotaryEmbedding.forward"][0] == "yours":
+        if model.rope is None:
+            statuses["ex03", "RotaryEmbedding.forward"] = ("not used", "this model has learned positions, no RoPE")
+        else:
+            chosen["RotaryEmbedding"] = modules[_file("ex03")].RotaryEmbedding
+    if model.rope is None and statuses["ex03", "apply_rope"][0] == "yours":
+        statuses["ex03", "apply_rope"] = ("not used", "this model has learned positions, no RoPE")
+        chosen.pop("apply_rope", None)
+    written = {m for m in ("write", "keys", "values") if statuses["ex05", f"KVCache.{m}"][0] == "yours"}
+    if written:
+        chosen["KVCache"], chosen["KVCache.methods"] = modules[_file("ex05")].KVCache, written
+    pieces = tuple(Piece(ex, file, name, *statuses[ex, name]) for ex, file, name in PIECES)
+    return pieces, chosen, list(modules.values())
+
+
+def _file(exercise: str) -> str:
+    return next(file for ex, file, _ in PIECES if ex == exercise)
+
+
+def _attribute(module, name: str):
+    cls_name, _, method = name.partition(".")
+    obj = getattr(module, cls_name, None)
+    if obj is None or not method:
+        return obj
+    bases = {"RotaryEmbedding": rope.RotaryEmbedding, "KVCache": KVCache}
+    if not (isinstance(obj, type) and issubclass(obj, bases[cls_name])):
+        return None
+    return getattr(obj, method, None)
+
+
+def _importable_kit() -> None:
+    """Put the checkout's tests/ on sys.path, as the checks do: a student's file may import the kit's helpers."""
+    from .grading import find_checkout
+    from ..errors import MiniLLMError
+
+    try:
+        tests = str(find_checkout() / "tests")
+    except MiniLLMError:
+        return
+    if tests not in sys.path:
+        sys.path.append(tests)
+
+
+def _load_module(path: Path):
+    """Import a student's file as a fresh module (its latest code)."""
+    name = f"student_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look a module up by name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _probes(model: Transformer) -> dict[tuple[str, str], Callable]:
+    """A tiny call of each piece: module -> its answer (minillm's other pieces around it)."""
+    cfg = model.config
+    H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    param = next(model.parameters())
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(param.device, param.dtype)
+
+    def cache(max_seq_len=4, cls=KVCache):
+        return cls.for_model(model, max_seq_len=max_seq_len)
+
+    def kv_method(name):
+        def probe(m):
+            c = KVCache(1, 1, Hkv, 4, D, dtype=param.dtype, device=param.device)
+            k, v = randn(1, Hkv, 2, D), randn(1, Hkv, 2, D)
+            if name != "write":
+                KVCache.write(c, 0, k, v)
+                c.advance(2)
+            return getattr(m.KVCache, name)(c, 0, k, v) if name == "write" else getattr(m.KVCache, name)(c, 0)
+        return probe
+
+    def rope_forward(m):
+        if model.rope is None:
+            return None
+        return m.RotaryEmbedding(cfg).to(param.device).forward(torch.arange(3, device=param.device), param.dtype)
+
+    def apply(m):
+        cos, sin = rope.RotaryEmbedding(cfg).to(param.device)(torch.arange(3, device=param.device), param.dtype)
+        return m.apply_rope(randn(1, Hkv, 3, D), cos, sin)
+
+    def decode(m):
+        c = cache()
+        phases.prefill(model, torch.tensor([[1, 2]], device=param.device), c)
+        return m.decode_step(model, torch.tensor([3], device=param.device), c)
+
+    def generate(m):
+        params = SamplingParams(temperature=0, max_new_tokens=2)
+        return list(m.generate(model, torch.tensor([1, 2], device=param.device), params, cache(), set()))
+
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    with_grad_off = torch.inference_mode
+    probes = {
+        # called as the engine calls them: eager attention passes (T, S, device, window) on to the mask,
+        # the attention layer passes (q, k, v, hook, name, scale, window)
+        ("ex01", "causal_mask"): lambda m: m.causal_mask(3, 5, param.device, None),
+        ("ex02", "eager_attention"): lambda m: m.eager_attention(randn(1, 2, 3, D), randn(1, 2, 5, D),
+                                                                 randn(1, 2, 5, D), None, "probe", D ** -0.5, None),
+        ("ex04", "eager_attention"): lambda m: m.eager_attention(randn(1, H, 3, D), randn(1, Hkv, 5, D),
+                                                                 randn(1, Hkv, 5, D), None, "probe", D ** -0.5, None),
+        ("ex03", "RotaryEmbedding.forward"): rope_forward,
+        ("ex03", "apply_rope"): apply,
+        ("ex05", "KVCache.write"): kv_method("write"),
+        ("ex05", "KVCache.keys"): kv_method("keys"),
+        ("ex05", "KVCache.values"): kv_method("values"),
+        ("ex06", "prefill"): lambda m: m.prefill(model, torch.tensor([[1, 2]], device=param.device), cache()),
+        ("ex07", "decode_step"): decode,
+        ("ex08", "filter_logits"): lambda m: m.filter_logits(logits, SamplingParams(temperature=0.8, top_k=10,
+                                                                                   top_p=0.9)),
+        ("ex08", "sample"): lambda m: m.sample(logits, SamplingParams(temperature=0)),
+        ("ex14", "generate"): generate,
+    }
+    return {key: (lambda m, fn=fn: _no_grad(with_grad_off, fn, m)) for key, fn in probes.items()}
+
+
+def _no_grad(mode, fn, m):
+    with mode():
+        return fn(m)
+
+
+def _probe(probe: Callable, module, student_dir: Path) -> tuple[str, str]:
+    try:
+        probe(module)
+    except NotImplementedError as e:
+        if _raised_in(e, student_dir):
+            return "not attempted", ""
+        return "crashed", f"NotImplementedError: {e}"
+    except Exception as e:  # noqa: BLE001 - any crash: minillm's piece runs instead, and the report says so
+        return "crashed", f"{type(e).__name__}: {e}{_where(e, student_dir)}"
+    return "yours", ""
+
+
+def _raised_in(error: BaseException, folder: Path) -> bool:
+    """Whether the innermost frame of the traceback is a file of ``folder`` (the stub's raise)."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().parent == folder
+
+
+def _where(error: BaseException, folder: Path | None) -> str:
+    """' (your ex03_rope.py, line 12)': the student's innermost line in the traceback, if any."""
+    if folder is None:
+        return ""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if Path(f.filename).resolve().parent == folder]
+    return f" ({Path(frames[-1].filename).name}, line {frames[-1].lineno})" if frames else ""
+
+
+# -- running the engine ---------------------------------------------------------------------------
+
+
+def assemble(model: Transformer, prompt_ids: list[int], params: SamplingParams, eos_token_ids,
+             student_dir: Path) -> AssemblyReport:
+    """Run ``model`` on ``prompt_ids`` with minillm's pieces, then with the student's; compare.
+
+    ``model`` should be the lesson's plain PyTorch with eager attention (``load_model(...,
+    fast=False, attn_impl="eager")``); raises ValueError otherwise, since the speed layer or
+    SDPA would run instead of the student's attention and mask.
+    """
+    if model.attn_impl != "eager":
+        raise ValueError("the assembled engine needs the lesson's eager attention: "
+                         "load_model(..., fast=False, attn_impl='eager')")
+    if getattr(model, "decode_path", None) is not None:
+        raise ValueError("the assembled engine needs the lesson's plain PyTorch: load_model(..., fast=False)")
+    pieces, chosen, modules = load_pieces(student_dir, model)
+    eos = set(eos_token_ids)
+    ours = run_engine(model, prompt_ids, params, eos, {}, [], None)
+    yours = run_engine(model, prompt_ids, params, eos, chosen, modules, Path(student_dir).resolve())
+    return AssemblyReport(pieces, list(prompt_ids), params, yours, ours)
+
+
+def run_engine(model: Transformer, prompt_ids: list[int], params: SamplingParams, eos: set[int],
+               chosen: dict[str, object], modules: list, student_dir: Path | None) -> Run:
+    """One generation with the ``chosen`` pieces swapped in (none: minillm's own), recording logits."""
+    run = Run()
+    cache_cls = _cache_class(chosen.get("KVCache"), chosen.get("KVCache.methods", set()))
+    cfg = model.config
+    param = next(model.parameters())
+    cache = cache_cls.for_model(model, max_seq_len=min(cfg.max_seq_len, len(prompt_ids) + params.max_new_tokens))
+    ids = torch.tensor(prompt_ids, dtype=torch.long, device=param.device)
+    loop = chosen.get("generate") or (lambda m, p, sp, c, e: generate_module.generate(m, p, sp, c, eos_token_ids=e))
+    start = time.perf_counter()
+    try:
+        with _swapped(model, chosen, modules, run), torch.inference_mode():
+            for step in loop(model, ids, params, cache, eos):
+                run.token_ids.append(step.token_id)
+                run.finish_reason = step.finish_reason
+    except Exception as e:  # noqa: BLE001 - reported, with the student's line
+        run.error = f"{type(e).__name__}: {e}{_where(e, student_dir)}"
+    run.seconds = time.perf_counter() - start
+    return run
+
+
+def _recording(fn: Callable, into: list) -> Callable:
+    def recorded(*args, **kwargs):
+        logits = fn(*args, **kwargs)
+        into.append(logits.detach().float().cpu().clone())
+        return logits
+    recorded.__wrapped__ = fn
+    return recorded
+
+
+@contextlib.contextmanager
+def _swapped(model: Transformer, chosen: dict[str, object], modules: list, run: Run):
+    """Point the names the engine looks up at the chosen pieces (minillm's elsewhere); restore them after."""
+    minillm_pieces = {"causal_mask": model_module.causal_mask, "eager_attention": model_module.eager_attention,
+                      "apply_rope": rope.apply_rope, "filter_logits": sampling.filter_logits,
+                      "sample": sampling.sample, "prefill": phases.prefill, "decode_step": phases.decode_step}
+    new = {name: chosen.get(name, ref) for name, ref in minillm_pieces.items()}
+    new["prefill"] = _recording(new["prefill"], run.prefill_logits)
+    new["decode_step"] = _recording(new["decode_step"], run.decode_logits)
+    targets = [(model_module, "causal_mask"), (model_module, "eager_attention"), (model_module, "apply_rope"),
+               (rope, "apply_rope"), (sampling, "filter_logits"), (sampling, "sample"), (phases, "prefill"),
+               (phases, "decode_step"), (generate_module, "prefill"), (generate_module, "decode_step"),
+               (generate_module, "sample")]
+    # the student's modules: names imported from minillm (ex02's causal_mask, ex14's prefill, ...)
+    # and the modules the chosen functions were defined in (a file may import its loop from elsewhere)
+    homes = [sys.modules[f.__module__] for f in chosen.values() if callable(f) and getattr(f, "__module__", None)
+             in sys.modules]
+    spaces = list({id(m): m for m in [*modules, *homes]}.values())
+    targets += [(m, name) for m in spaces for name, ref in minillm_pieces.items()
+                if getattr(m, name, None) is ref and (m, name) not in targets]
+    saved = [(m, name, getattr(m, name)) for m, name in targets]
+    rope_class = type(model.rope) if model.rope is not None else None
+    try:
+        for m, name in targets:
+            setattr(m, name, new[name])
+        if model.rope is not None and "RotaryEmbedding" in chosen:
+            model.rope.__class__ = chosen["RotaryEmbedding"]
+        yield
+    finally:
+        for m, name, value in saved:
+            setattr(m, name, value)
+        if rope_class is not None:
+            model.rope.__class__ = rope_class
+
+
+def _cache_class(student_cls: type | None, written: set[str]) -> type:
+    """A KVCache whose write/keys/values are the student's where written (minillm's otherwise).
+
+    Every layer writes through ``write`` and attends over what it returns, as minillm's cache
+    does; then ``keys``/``values`` must read the same positions back, so all three methods count.
+    """
+    base = student_cls if student_cls is not None else KVCache
+    methods = {m: getattr(KVCache, m) for m in ("write", "keys", "values") if m not in written}
+
+    def attend(self, layer, q, k, v, attention, window=None):
+        keys, values = self.write(layer, k, v)
+        self.length += k.shape[2]  # keys()/values() read up to length: let them see this pass's entries
+        try:
+            read_k, read_v = self.keys(layer), self.values(layer)
+        finally:
+            self.length -= k.shape[2]
+        for what, got, wrote in (("keys", read_k, keys), ("values", read_v, values)):
+            if not (isinstance(got, torch.Tensor) and got.shape == wrote.shape and torch.equal(got, wrote)):
+                shape = list(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+                raise AssemblyError(f"KVCache.{what}({layer}) read back {shape}, not the {list(wrote.shape)} "
+                                    f"{what} write() returned for the same positions")
+        return attention(q, keys, values, None)
+
+    return type("AssembledKVCache", (base,), {**methods, "attend": attend})
+
+
+# -- the report -----------------------------------------------------------------------------------
+
+
+def report_lines(report: AssemblyReport, decode: Callable[[list[int]], str], where: str) -> list[str]:
+    """The report as text lines: the pieces' table, both answers, the comparison, the verdict."""
+    lines = [f"The assembled engine: pieces from {where}", "",
+             f"  {'exercise':<9} {'piece':<24} ran", f"  {'-' * 9} {'-' * 24} {'-' * 40}"]
+    for p in report.pieces:
+        ran = {"yours": "yours", "not attempted": "minillm's (not attempted)", "no file": "minillm's (no file)",
+               "crashed": f"minillm's (yours crashed: {p.detail})",
+               "not used": f"not used: {p.detail}"}[p.status]
+        lines.append(f"  {p.exercise:<9} {p.name:<24} {ran}")
+    n_yours = sum(p.yours for p in report.pieces)
+    mode = "greedy" if report.params.greedy else f"temperature {report.params.temperature:g}, seed {report.params.seed}"
+    lines += ["", f"{n_yours} of {len(report.pieces)} pieces are yours. Prompt: {len(report.prompt_ids)} tokens, "
+                  f"{mode}, at most {report.params.max_new_tokens} new tokens.", ""]
+    for who, run in (("yours:  ", report.yours), ("minillm:", report.minillm)):
+        text = decode(run.token_ids).replace("\n", "\\n")
+        lines.append(f"{who} {text!r}  ({len(run.token_ids)} tokens, stop: {run.finish_reason}, {run.seconds:.2f} s)")
+        if run.error:
+            lines.append(f"         stopped by {run.error}")
+    lines.append("")
+    if report.tokens_equal:
+        lines.append(f"tokens: identical ({len(report.yours.token_ids)} of {len(report.minillm.token_ids)})")
+    else:
+        i = report.first_difference
+        a = report.yours.token_ids[i] if i is not None and i < len(report.yours.token_ids) else None
+        b = report.minillm.token_ids[i] if i is not None and i < len(report.minillm.token_ids) else None
+        if i is None:  # same tokens, another finish reason
+            lines.append(f"tokens: the same, but stop {report.yours.finish_reason} instead of {report.minillm.finish_reason}")
+        else:
+            lines.append(f"tokens: differ from token {i}: yours {_token(a, decode)}, minillm's {_token(b, decode)}")
+    diff = report.prefill_diff
+    lines.append(f"prefill logits: max |diff| {_num(diff)} (float32 tolerance {report.tolerance:g})")
+    ddiff, n = report.decode_diff
+    lines.append(f"decode logits:  max |diff| {_num(ddiff)} over the {n} decode steps taken from the same tokens")
+    lines.append("")
+    if report.equal:
+        lines.append("Your engine equals minillm's: the same answer, the same logits.")
+    else:
+        why = []
+        if report.crashed:
+            why.append(f"{len(report.crashed)} piece(s) crashed and minillm's ran instead")
+        if report.yours.error:
+            why.append("your engine stopped with an error")
+        if not report.tokens_equal:
+            why.append("the tokens differ")
+        if diff is None or diff > report.tolerance or (ddiff is not None and ddiff > report.tolerance):
+            why.append("the logits differ beyond the tolerance")
+        lines.append(f"Your engine differs from minillm's: {'; '.join(why)}. 'minillm check' names the failing checks.")
+    return lines
+
+
+def _token(token_id, decode) -> str:
+    return "nothing" if token_id is None else f"{decode([token_id])!r} (id {token_id})"
+
+
+def _num(x: float | None) -> str:
+    return "n/a" if x is None else ("0" if x == 0 else f"{x:.3g}")

@@ -1,0 +1,203 @@
+"""The assembled engine (minillm/classroom/assembly.py): the student's pieces running a whole model.
+
+On a tiny random model: the references assembled equal minillm to the last bit, and one wrong
+piece, whichever, shows up as a difference (so the swap really runs the student's code). Once on
+the real default model through `minillm generate --student-dir`: the references answer "Paris"
+with exit 0, a mask off by one differs with exit 1.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from exercises.models import tiny_model
+
+from minillm.classroom import reference_answers
+from minillm.classroom.assembly import CORE_EXERCISES, assemble, report_lines
+from minillm.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=6)
+PROMPT = [3, 14, 15, 92, 65, 35, 89]
+
+
+def minillm(*args):
+    return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    return reference_answers(tmp_path_factory.mktemp("answers") / "reference")
+
+
+def write(folder, files: dict[str, str]):
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (folder / name).write_text(textwrap.dedent(text))
+    return folder
+
+
+def test_the_references_assembled_equal_minillm(references):
+    report = assemble(tiny_model("llama_gqa", "eager"), PROMPT, GREEDY, set(), references)
+    assert {p.status for p in report.pieces} == {"yours", "not used"}
+    assert [p.exercise for p in report.pieces if p.status == "not used"] == ["ex02"]  # GQA: ex04's attention runs
+    assert {p.exercise for p in report.pieces if p.yours} == set(CORE_EXERCISES) - {"ex02"}
+    assert report.equal and report.tokens_equal and len(report.yours.token_ids) == 6
+    assert report.prefill_diff == 0 and report.decode_diff == (0, 5)
+    assert report_lines(report, str, "refs")[-1] == "Your engine equals minillm's: the same answer, the same logits."
+
+
+def test_the_stubs_run_minillms_pieces_and_say_so():
+    from minillm.classroom.grading import STUBS_DIR, find_checkout
+
+    report = assemble(tiny_model("llama_gqa", "eager"), PROMPT, GREEDY, set(), find_checkout() / STUBS_DIR)
+    assert {p.status for p in report.pieces} == {"not attempted"} and report.equal
+
+
+def test_a_missing_file_and_a_crash_fall_back_to_minillm_and_fail(tmp_path):
+    folder = write(tmp_path, {"ex01_causal_mask.py": """\
+        def causal_mask(n_queries, n_keys, device=None, window=None):
+            return 1 / 0
+        """})
+    report = assemble(tiny_model("llama_gqa", "eager"), PROMPT, GREEDY, set(), folder)
+    status = {(p.exercise, p.name): (p.status, p.detail) for p in report.pieces}
+    assert status["ex01", "causal_mask"][0] == "crashed"
+    assert "ZeroDivisionError: division by zero (ex01_causal_mask.py, line 2)" in status["ex01", "causal_mask"][1]
+    assert status["ex06", "prefill"][0] == "no file"
+    assert report.tokens_equal and not report.equal  # minillm's mask ran, but the student's crashed: not a pass
+    assert "1 piece(s) crashed and minillm's ran instead" in report_lines(report, str, "x")[-1]
+
+
+# One wrong piece per file; every other piece is minillm's. Each must change the answer.
+WRONG = {
+    "ex01 mask off by one": ("ex01_causal_mask.py", """\
+        from exercises.mistakes import mask_off_by_one
+
+        def causal_mask(n_queries, n_keys, device=None, window=None):
+            return mask_off_by_one(n_queries, n_keys, device)
+        """),
+    "ex04 queries scaled twice": ("ex04_gqa.py", """\
+        from minillm.model import eager_attention as minillms
+
+        def eager_attention(q, k, v, hook=None, name="", scale=None, window=None):
+            return minillms(q * 3, k, v, hook, name, scale, window)
+        """),
+    "ex03 positions shifted by one": ("ex03_rope.py", """\
+        from minillm import rope
+
+        class RotaryEmbedding(rope.RotaryEmbedding):
+            def forward(self, positions, dtype):
+                return super().forward(positions + 1, dtype)
+        """),
+    "ex03 no rotation": ("ex03_rope.py", """\
+        def apply_rope(x, cos, sin):
+            return x
+        """),
+    "ex05 values written as keys": ("ex05_kv_cache.py", """\
+        from minillm import kv_cache
+
+        class KVCache(kv_cache.KVCache):
+            def write(self, layer, k, v):
+                return super().write(layer, k, k)
+        """),
+    "ex05 keys read back short": ("ex05_kv_cache.py", """\
+        from minillm import kv_cache
+
+        class KVCache(kv_cache.KVCache):
+            def keys(self, layer):
+                return super().keys(layer)[:, :, 1:]
+        """),
+    "ex06 logits reversed": ("ex06_prefill.py", """\
+        from minillm.phases import prefill as minillms
+
+        def prefill(model, token_ids, cache, hook=None, trace=None):
+            return minillms(model, token_ids, cache, hook, trace).flip(-1)
+        """),
+    "ex07 logits reversed": ("ex07_decode_step.py", """\
+        from minillm.phases import decode_step as minillms
+
+        def decode_step(model, token_id, cache, hook=None, trace=None):
+            return minillms(model, token_id, cache, hook, trace).flip(-1)
+        """),
+    "ex08 the next token id": ("ex08_sampling.py", """\
+        from minillm.sampling import sample as minillms
+
+        def sample(logits, params, generator=None, prompt_ids=None, output_ids=None):
+            token, logprob = minillms(logits, params, generator, prompt_ids, output_ids)
+            return (token + 1) % logits.shape[-1], logprob
+        """),
+    "ex14 the last token dropped": ("ex14_generate.py", """\
+        from exercises.solutions import generate as reference
+
+        def generate(model, prompt_ids, params, cache, eos_token_ids):
+            yield from list(reference(model, prompt_ids, params, cache, eos_token_ids))[:-1]
+        """),
+}
+
+
+@pytest.mark.parametrize("mistake", WRONG)
+def test_one_wrong_piece_changes_the_answer(tmp_path, mistake):
+    file, text = WRONG[mistake]
+    report = assemble(tiny_model("llama_gqa", "eager"), PROMPT, GREEDY, set(), write(tmp_path, {file: text}))
+    exercise = mistake.split()[0]
+    assert any(p.yours for p in report.pieces if p.exercise == exercise)
+    assert not report.equal, f"{mistake}: the assembled engine did not run the student's piece"
+    assert report_lines(report, str, "x")[-1].startswith("Your engine differs from minillm's")
+    assert report.minillm.error is None and report.minillm.token_ids  # minillm's own run is untouched
+
+
+def test_a_wrong_filter_changes_a_seeded_sample(tmp_path):
+    folder = write(tmp_path, {"ex08_sampling.py": """\
+        def filter_logits(logits, params):
+            return logits * 0
+        """})
+    params = SamplingParams(temperature=1.0, top_k=3, seed=0, max_new_tokens=6)
+    assert assemble(tiny_model("llama_gqa", "eager"), PROMPT, params, set(), tmp_path / "none").equal  # seeded: same draws
+    report = assemble(tiny_model("llama_gqa", "eager"), PROMPT, params, set(), folder)
+    assert [p.status for p in report.pieces if p.name == "filter_logits"] == ["yours"] and not report.tokens_equal
+
+
+def test_the_swap_is_undone(references):
+    from minillm import model as model_module
+    from minillm import phases
+
+    before = (model_module.causal_mask, model_module.eager_attention, phases.prefill)
+    model = tiny_model("llama_gqa", "eager")
+    rope_class = type(model.rope)
+    assemble(model, PROMPT, GREEDY, set(), write(references.parent / "rope", {"ex03_rope.py": WRONG[
+        "ex03 positions shifted by one"][1]}))
+    assert (model_module.causal_mask, model_module.eager_attention, phases.prefill) == before
+    assert type(model.rope) is rope_class
+
+
+def test_the_speed_layer_is_refused(references):
+    model = tiny_model("llama_gqa", "sdpa")
+    with pytest.raises(ValueError, match="eager attention"):
+        assemble(model, PROMPT, GREEDY, set(), references)
+
+
+# -- the real default model, through the command line ----------------------------------------------
+
+
+def test_the_references_answer_paris_on_the_default_model(references, smollm2_dir):
+    r = minillm("generate", "--student-dir", str(references), "--max-new-tokens", "8")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "yours:   'The capital of France is Paris.'" in r.stdout
+    assert "tokens: identical (8 of 8)" in r.stdout and "prefill logits: max |diff| 0 " in r.stdout
+    assert "Your engine equals minillm's" in r.stdout
+
+
+def test_a_mask_off_by_one_differs_on_the_default_model(tmp_path, smollm2_dir):
+    folder = write(tmp_path, {WRONG["ex01 mask off by one"][0]: WRONG["ex01 mask off by one"][1]})
+    r = minillm("generate", "--student-dir", str(folder), "--max-new-tokens", "3")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "ex01      causal_mask              yours" in r.stdout
+    assert "Your engine differs from minillm's" in r.stdout and "the logits differ beyond the tolerance" in r.stdout
+
+
+def test_incompatible_flags_are_refused_in_one_line(references):
+    for flags, message in ((["--trace"], "--trace does not go with --student-dir"),
+                           (["--dtype", "bfloat16"], "--student-dir compares float32 logits"),
+                           (["--temperature", "0.7"], "needs --seed")):
+        r = minillm("generate", "--student-dir", str(references), *flags)
+        assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
