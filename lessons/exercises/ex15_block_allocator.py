@@ -77,8 +77,10 @@ class BlockAllocator(block_allocator.BlockAllocator):
     def free(self, request_id: str) -> None:
         """Release every block of a request (finished, aborted or preempted).
 
-        The table's blocks are freed last to first, so that under LRU a request's tail blocks
-        (least likely shared) are evicted before its head (vLLM v1 frees in this order too).
+        A request that holds no blocks (aborted while still waiting, or freed already) has nothing
+        to release: no error. The table's blocks are freed last to first, so that under LRU a
+        request's tail blocks (least likely shared) are evicted before its head (vLLM v1 frees in
+        this order too).
         """
         raise NotImplementedError(
             "Exercise 15 (block allocator) is not written yet: see lessons/11-serving.md#paged-kv-cache"

@@ -16,17 +16,21 @@ the knobs ``max_num_batched_tokens``, ``max_num_seqs``, ``enable_chunked_prefill
 2. When that returns False, preempt the NEWEST running request (``self.running[-1]``, maybe the
    request itself) and try again: remove it from ``running``, free its blocks
    (``self.allocator.free``), set ``status = WAITING``, ``num_computed_tokens = 0``, add 1 to
-   ``num_preemptions``, put it at the FRONT of ``waiting``, take it out of the batch if it was
-   scheduled earlier in this step, and append it to ``batch.preempted``.
+   ``num_preemptions``, append ``time.perf_counter()`` to ``preempted_s``, put it at the FRONT of
+   ``waiting``, take it out of the batch if it was scheduled earlier in this step, and append it
+   to ``batch.preempted``.
 3. Then, only if nobody was preempted, waiting requests in arrival order while the budget and
    ``max_num_seqs`` (running requests in all) allow: take the prefix-cache hits
    (``hits = self.allocator.find_cached_prefix(request.all_token_ids)``, ``computed = len(hits) *
-   block_size``), schedule ``num_tokens - computed`` tokens, cut to the budget left when chunked
-   prefill is on; when it is off, a prompt that does not fit the budget left waits, and so does
-   everyone behind it. ``allocate_slots(request_id, computed + n, hits)`` False: stop, the pool is
-   full. A started request: ``status = RUNNING``, ``num_computed_tokens = computed``, on its first
-   start ``first_scheduled_s`` (``time.perf_counter()``) and ``num_cached_tokens = computed``; it
-   joins the end of ``running``.
+   block_size``, chunked prefill on or off), schedule ``n = num_tokens - computed`` tokens, cut to
+   the budget left when chunked prefill is on. When it is off, a prompt that does not fit the
+   budget left waits, and so does everyone behind it; but an ``n`` above ``max_num_batched_tokens``
+   itself (a preempted request whose prompt + output outgrew the budget) could never fit any step:
+   it is cut to the budget left as if chunking were on, or it would wait forever.
+   ``allocate_slots(request_id, computed + n, hits)`` False: stop, the pool is full. A started
+   request: ``status = RUNNING``, ``num_computed_tokens = computed``, on its first start only
+   ``first_scheduled_s`` (``time.perf_counter()``) and ``num_cached_tokens = computed``; it joins
+   the end of ``running``.
 
 Write it from the queues and the allocator: the inherited helpers ``_make_room``,
 ``_admit_waiting`` and ``_preempt`` are minillm's answer, split up. One case the checks leave out:

@@ -193,8 +193,10 @@ class BlockAllocator:
     def free(self, request_id: str) -> None:
         """Release every block of a request (finished, aborted or preempted).
 
-        The table's blocks are freed last to first, so that under LRU a request's tail blocks
-        (least likely shared) are evicted before its head (vLLM v1 frees in this order too).
+        A request that holds no blocks (aborted while still waiting, or freed already) has nothing
+        to release: no error. The table's blocks are freed last to first, so that under LRU a
+        request's tail blocks (least likely shared) are evicted before its head (vLLM v1 frees in
+        this order too).
         """
         for block_id in reversed(self.block_tables.pop(request_id, [])):
             self.free_block(block_id)

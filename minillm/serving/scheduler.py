@@ -20,7 +20,9 @@ finishes, instead of a batch waiting for its slowest member. One step, under a b
 Chunked prefill (Sarathi-Serve, Agrawal et al. 2024) is step 3 cutting a long prompt into
 budget-sized chunks across steps: the decodes of step 1 then never wait behind a
 2,000-token prefill, which is what removes the inter-token latency spikes. Without it, a
-prompt that does not fit the remaining budget waits for the next step.
+prompt that does not fit the remaining budget waits for the next step, and so do the requests
+behind it; only a request longer than the whole budget (a preempted one whose prompt + output
+outgrew it) is cut into chunks even so: no step could ever run it whole.
 
 :meth:`Scheduler.schedule` is the decision only (no model runs): it can be printed and
 tested on its own. :meth:`Scheduler.update` applies the tokens the model produced.

@@ -271,3 +271,118 @@ def dequantize_int4_by_index(packed, scale, zero, in_features, group_size=64):
     q = torch.where(i % 2 == 0, nibbles % 16, nibbles // 16)
     g = i // group_size
     return ((q - zero[:, g].to(torch.int32)).to(torch.float32) * scale[:, g]).to(torch.float32)
+
+
+# -- ex15 (issue 30) -------------------------------------------------------------------------------
+
+
+@alternative("ex15", "blocks_needed")
+def blocks_needed_by_divmod(num_tokens, block_size):
+    """Whole blocks, plus one for a partial remainder."""
+    full, rest = divmod(num_tokens, block_size)
+    return full + 1 if rest else full
+
+
+@alternative("ex15", "slot_mapping")
+def slot_mapping_position_by_position(block_table, start, end, block_size):
+    """Looks each position's block up in turn, and refuses the first one past the table."""
+    slots = []
+    for position in range(start, end):
+        logical, offset = divmod(position, block_size)
+        if logical >= len(block_table):
+            raise ValueError(f"position {position} is beyond the block table; allocate its blocks first")
+        slots.append(block_table[logical] * block_size + offset)
+    return slots
+
+
+@alternative("ex15", "BlockAllocator.allocate_slots")
+def allocate_slots_counting_fresh_blocks_first(self, request_id, num_tokens, cached_blocks=()):
+    """Counts what the pool can give (free blocks that are not among the hits) before touching anything."""
+    hits = list(cached_blocks)
+    have = len(self.block_tables.get(request_id, ())) + len(hits)
+    fresh = max(0, (num_tokens + self.block_size - 1) // self.block_size - have)
+    available = len([b for b in self.free_queue if b not in hits])
+    if fresh > available:
+        return False
+    table = self.block_tables.setdefault(request_id, [])
+    for block_id in hits:
+        self.share_block(block_id)
+        table.append(block_id)
+    while fresh:
+        table.append(self.allocate_block().block_id)
+        fresh -= 1
+    return True
+
+
+@alternative("ex15", "BlockAllocator.free")
+def free_walking_the_table_backwards(self, request_id):
+    """Indexes the table from its end; a request with no table has nothing to free."""
+    table = self.block_tables.get(request_id)
+    if table is not None:
+        for i in range(len(table) - 1, -1, -1):
+            self.free_block(table[i])
+        del self.block_tables[request_id]
+    self._hashes.pop(request_id, None)
+
+
+# -- ex16 (issue 30) -------------------------------------------------------------------------------
+
+
+@alternative("ex16", "Scheduler.schedule")
+def schedule_with_explicit_groups(self):
+    """Decodes and prefills as two lists, preemption with running.pop(), admission with an explicit cut."""
+    import time
+
+    from minillm.serving.request import RUNNING, WAITING
+    from minillm.serving.scheduler import ScheduledBatch
+
+    batch, budget = ScheduledBatch(), self.max_num_batched_tokens
+    decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+    prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens != 1]
+    for request in decodes + prefills:
+        if budget == 0:
+            break
+        if not any(r is request for r in self.running):  # preempted by a request before it
+            continue
+        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        while not self.allocator.allocate_slots(request.request_id, request.num_computed_tokens + n):
+            victim = self.running.pop()
+            self.allocator.free(victim.request_id)
+            victim.status, victim.num_computed_tokens = WAITING, 0
+            victim.num_preemptions += 1
+            victim.preempted_s.append(time.perf_counter())
+            self.waiting.appendleft(victim)
+            for i, r in enumerate(batch.requests):
+                if r is victim:
+                    batch.requests.pop(i)
+                    batch.num_tokens.pop(i)
+                    break
+            batch.preempted.append(victim)
+            if victim is request:
+                break
+        else:
+            batch.requests.append(request)
+            batch.num_tokens.append(n)
+            budget -= n
+    if batch.preempted:
+        return batch
+    while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        request = self.waiting[0]
+        hits = self.allocator.find_cached_prefix(request.all_token_ids)
+        computed = len(hits) * self.allocator.block_size
+        n = request.num_tokens - computed
+        if n > budget:
+            if not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:
+                break
+            n = budget
+        if not self.allocator.allocate_slots(request.request_id, computed + n, hits):
+            break
+        self.waiting.popleft()
+        request.status, request.num_computed_tokens = RUNNING, computed
+        if request.first_scheduled_s is None:
+            request.first_scheduled_s, request.num_cached_tokens = time.perf_counter(), computed
+        self.running.append(request)
+        batch.requests.append(request)
+        batch.num_tokens.append(n)
+        budget -= n
+    return batch

@@ -1349,24 +1349,105 @@ def free_skips_shared_blocks(self, request_id):
     self._hashes.pop(request_id, None)
 
 
+# issue 30: written from the stub and the lesson alone; the differential and stateful checks reject them
+
+
+@mistake("ex15", "blocks_needed")
+def blocks_needed_numpy_ceil(num_tokens, block_size):
+    """numpy.ceil(num_tokens / block_size): the right count, but a numpy float where an int is promised."""
+    import numpy
+
+    return numpy.ceil(num_tokens / block_size)  # MISTAKE: an int, -(-num_tokens // block_size)
+
+
+@mistake("ex15", "slot_mapping")
+def slot_mapping_checks_only_the_start(block_table, start, end, block_size):
+    """Checks that start is inside the table, not end: a range running past it raises IndexError, not ValueError."""
+    if start >= len(block_table) * block_size:  # MISTAKE: end > len(block_table) * block_size
+        raise ValueError("position beyond the block table")
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+@mistake("ex15", "slot_mapping")
+def slot_mapping_returns_a_tensor(block_table, start, end, block_size):
+    """Returns torch.tensor(slots) (what the model indexes with) where the docstring promises a list of ints."""
+    if end > len(block_table) * block_size:
+        raise ValueError("position beyond the block table")
+    return torch.tensor([block_table[p // block_size] * block_size + p % block_size  # MISTAKE: a list
+                         for p in range(start, end)], dtype=torch.long)
+
+
+@mistake("ex15", "BlockAllocator.allocate_slots")
+def allocate_slots_hit_stays_in_the_free_queue(self, request_id, num_tokens, cached_blocks=()):
+    """Takes a hit with ref_count += 1, not share_block: a free cached block stays queued and is handed out again."""
+    table = self.block_tables.get(request_id, [])
+    needed = -(-num_tokens // self.block_size) - len(table) - len(cached_blocks)
+    free_hits = sum(self.blocks[b].ref_count == 0 for b in cached_blocks)
+    if needed > self.num_free_blocks - free_hits:
+        return False
+    table = self.block_tables.setdefault(request_id, [])
+    for block_id in cached_blocks:
+        self.blocks[block_id].ref_count += 1  # MISTAKE: self.share_block(block_id) also takes it off the free queue
+        table.append(block_id)
+    table.extend(self.allocate_block().block_id for _ in range(max(needed, 0)))
+    return True
+
+
+@mistake("ex15", "BlockAllocator.allocate_slots")
+def allocate_slots_ignores_the_blocks_held(self, request_id, num_tokens, cached_blocks=()):
+    """Counts the blocks needed as if the request held none: a growing request gets a whole new set of blocks."""
+    needed = -(-num_tokens // self.block_size) - len(cached_blocks)  # MISTAKE: minus the blocks its table holds
+    free_hits = sum(self.blocks[b].ref_count == 0 for b in cached_blocks)
+    if needed > self.num_free_blocks - free_hits:
+        return False
+    for block_id in cached_blocks:
+        self.share_block(block_id)
+    table = self.block_tables.setdefault(request_id, [])
+    table.extend(cached_blocks)
+    table.extend(self.allocate_block().block_id for _ in range(max(needed, 0)))
+    return True
+
+
+@mistake("ex15", "BlockAllocator.free")
+def free_unknown_request_raises(self, request_id):
+    """block_tables.pop(request_id) with no default: aborting a request still waiting (no blocks) raises KeyError."""
+    for block_id in reversed(self.block_tables.pop(request_id)):  # MISTAKE: .pop(request_id, [])
+        self.free_block(block_id)
+    self._hashes.pop(request_id, None)
+
+
+@mistake("ex15", "BlockAllocator.free")
+def free_forgets_the_block_hashes(self, request_id):
+    """Frees the blocks but keeps the request's hashes: preempted and started again, its new blocks are never cached."""
+    for block_id in reversed(self.block_tables.pop(request_id, [])):
+        self.free_block(block_id)
+    # MISTAKE: self._hashes.pop(request_id, None)
+
+
 # -- ex16 scheduler step ---------------------------------------------------------------------------
 
 
-def _preempt(self, request, batch, free_blocks=True):
+def _preempt(self, request, batch, free_blocks=True, out_of_batch=True, to_front=True):
     self.running.remove(request)
     if free_blocks:
         self.allocator.free(request.request_id)
     request.status, request.num_computed_tokens = WAITING, 0
     request.num_preemptions += 1
-    self.waiting.appendleft(request)
-    if request in batch.requests:
+    request.preempted_s.append(time.perf_counter())
+    if to_front:
+        self.waiting.appendleft(request)
+    else:
+        self.waiting.append(request)
+    if request in batch.requests and out_of_batch:
         i = batch.requests.index(request)
         del batch.requests[i], batch.num_tokens[i]
     batch.preempted.append(request)
 
 
 def _schedule(self, decodes_first=True, count_decodes=True, cut_to_budget=True, honour_no_chunking=True,
-              first_come=True, wait_in_line=True, cap_seqs=True, victim=-1, free_victim=True, use_hits=True):
+              first_come=True, wait_in_line=True, cap_seqs=True, victim=-1, free_victim=True, use_hits=True,
+              victim_out_of_batch=True, hits_without_chunking=True, chunk_what_never_fits=True, stamp_once=True,
+              admit_after_preemption=False, victim_to_front=True):
     """minillm's schedule in one piece with its decisions exchangeable (the mistakes below make wrong ones)."""
     batch, budget = ScheduledBatch(), self.max_num_batched_tokens
     left = lambda r: r.num_tokens - r.num_computed_tokens  # noqa: E731
@@ -1378,7 +1459,7 @@ def _schedule(self, decodes_first=True, count_decodes=True, cut_to_budget=True, 
         n, scheduled = min(left(request), budget), True
         while not self.allocator.allocate_slots(request.request_id, request.num_computed_tokens + n):
             loser = self.running[victim]
-            _preempt(self, loser, batch, free_victim)
+            _preempt(self, loser, batch, free_victim, victim_out_of_batch, victim_to_front)
             if loser is request:
                 scheduled = False
                 break
@@ -1386,15 +1467,17 @@ def _schedule(self, decodes_first=True, count_decodes=True, cut_to_budget=True, 
             batch.requests.append(request)
             batch.num_tokens.append(n)
             budget -= n if count_decodes or n > 1 else 0
-    if batch.preempted:
+    if batch.preempted and not admit_after_preemption:
         return batch
     for request in list(self.waiting) if first_come else list(reversed(self.waiting)):
         if budget <= 0 or (cap_seqs and len(self.running) >= self.max_num_seqs):
             break
-        hits = self.allocator.find_cached_prefix(request.all_token_ids) if use_hits else []
+        use = use_hits and (hits_without_chunking or self.enable_chunked_prefill)
+        hits = self.allocator.find_cached_prefix(request.all_token_ids) if use else []
         computed = len(hits) * self.allocator.block_size
         n = request.num_tokens - computed
-        if n > budget and honour_no_chunking and not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:
+        never_fits = chunk_what_never_fits and n > self.max_num_batched_tokens
+        if n > budget and honour_no_chunking and not self.enable_chunked_prefill and not never_fits:
             if wait_in_line:
                 break
             continue
@@ -1403,7 +1486,7 @@ def _schedule(self, decodes_first=True, count_decodes=True, cut_to_budget=True, 
             break
         self.waiting.remove(request)
         request.status, request.num_computed_tokens = RUNNING, computed
-        if request.first_scheduled_s is None:
+        if request.first_scheduled_s is None or not stamp_once:
             request.first_scheduled_s, request.num_cached_tokens = time.perf_counter(), computed
         self.running.append(request)
         batch.requests.append(request)
@@ -1470,6 +1553,47 @@ def preempted_blocks_not_freed(self):
 def prefix_hits_recomputed(self):
     """Never asks find_cached_prefix: a prompt whose first blocks are cached is prefilled in full."""
     return _schedule(self, use_hits=False)  # MISTAKE
+
+
+# issue 30: written from the stub and the lesson alone; the stateful check (random traffic, side by side with
+# minillm's scheduler) rejects them
+
+
+@mistake("ex16", "Scheduler.schedule")
+def preempted_request_left_in_the_batch(self):
+    """A victim scheduled earlier in the step stays in the batch: it runs with its blocks freed, no block table."""
+    return _schedule(self, victim_out_of_batch=False)  # MISTAKE
+
+
+@mistake("ex16", "Scheduler.schedule")
+def prefix_hits_ignored_without_chunking(self):
+    """Takes the prefix-cache hits only on the chunked path: with chunking off, a cached prompt is prefilled whole."""
+    return _schedule(self, hits_without_chunking=False)  # MISTAKE
+
+
+@mistake("ex16", "Scheduler.schedule")
+def recompute_longer_than_the_budget_waits_forever(self):
+    """Chunking off, a request that does not fit the budget left always waits: a preempted one grown past the
+    whole budget never runs again, and blocks everyone behind it."""
+    return _schedule(self, chunk_what_never_fits=False)  # MISTAKE
+
+
+@mistake("ex16", "Scheduler.schedule")
+def first_scheduled_restamped_after_a_preemption(self):
+    """Sets first_scheduled_s and num_cached_tokens on every start: a preempted request's TTFT clock restarts."""
+    return _schedule(self, stamp_once=False)  # MISTAKE
+
+
+@mistake("ex16", "Scheduler.schedule")
+def admits_new_requests_in_a_step_that_preempted(self):
+    """Starts waiting requests even after a preemption: the pool that was just too small is filled again."""
+    return _schedule(self, admit_after_preemption=True)  # MISTAKE
+
+
+@mistake("ex16", "Scheduler.schedule")
+def preempted_request_to_the_back_of_the_queue(self):
+    """Puts a preempted request at the BACK of waiting (append): requests that arrived after it overtake it."""
+    return _schedule(self, victim_to_front=False)  # MISTAKE
 
 
 # -- ex17 speculative verification rule -------------------------------------------------------------

@@ -7,8 +7,13 @@ free queue) and one invariant: a block's ref_count is the number of block tables
 from collections import Counter
 
 import pytest
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
 from exercises.checking import Case
+from exercises.differential import CHECKS, agree
+from exercises.registry import EXERCISES, reference
 
 pytestmark = pytest.mark.ex15
 LESSON = "lessons/11-serving.md#paged-kv-cache"
@@ -199,3 +204,224 @@ def test_every_ref_count_returns_to_zero(impl):
         c.equal(state(alloc)["ref_counts"], [held[b] for b in range(10)])
         c.equal(sorted(alloc.free_queue), [b for b in range(10) if held[b] == 0])
     c.equal(alloc.num_free_blocks, 10)
+
+
+# -- differential and stateful checks (issue 30): the student's code against minillm's, side by side ---------
+
+REF = reference(EXERCISES["ex15"])
+# A rule-based state machine per example: fewer examples than a function check, each a sequence of operations.
+# Shrinking a sequence costs a class 10-20 s: instead, short sequences first (a failure found there is a short
+# story to read), then longer ones.
+STATEFUL = [settings(CHECKS, max_examples=30, stateful_step_count=10, phases=[Phase.explicit, Phase.generate]),
+            settings(CHECKS, max_examples=12, stateful_step_count=30, phases=[Phase.explicit, Phase.generate])]
+FUNCTION = settings(CHECKS, max_examples=30)  # the meta-test runs every check against ~20 mistakes
+
+
+@given(data=st.data())
+@FUNCTION
+def test_blocks_needed_agrees_with_the_reference(impl, data):
+    block_size = data.draw(st.integers(1, 20) | st.sampled_from([16, 32, 256, 4096]), label="block_size")
+    full = data.draw(st.integers(0, 6) | st.integers(0, 10**9 // block_size), label="full blocks")
+    num_tokens = max(0, full * block_size + data.draw(st.sampled_from([-1, 0, 1]) | st.integers(0, block_size - 1),
+                                                      label="tokens past them"))
+    agree(impl.blocks_needed, REF.blocks_needed, lambda: ((num_tokens, block_size), {}), what="blocks_needed",
+          exercise="ex15", lesson=LESSON, hint=CEIL + "; an int, however large (positions far from 0 too)")
+
+
+@given(data=st.data())
+@FUNCTION
+def test_slot_mapping_agrees_with_the_reference(impl, data):
+    block_size = data.draw(st.integers(1, 16), label="block_size")
+    table = data.draw(st.lists(st.integers(0, 200), max_size=6, unique=True), label="block_table")
+    kind = data.draw(st.sampled_from([list, tuple]), label="the Sequence kind")
+    capacity = len(table) * block_size
+    if data.draw(st.booleans(), label="a position beyond the table"):  # the promised ValueError
+        end = data.draw(st.integers(capacity + 1, capacity + 2 * block_size), label="end")
+        start = data.draw(st.sampled_from([0, capacity, end - 1]) | st.integers(0, end - 1), label="start")
+    else:
+        end = data.draw(st.sampled_from([0, capacity]) | st.integers(0, capacity), label="end")
+        start = data.draw(st.sampled_from([0, end, max(0, end - 1)]) | st.integers(0, end), label="start")
+    agree(impl.slot_mapping, REF.slot_mapping, lambda: ((kind(table), start, end, block_size), {}),
+          what="slot_mapping", exercise="ex15", lesson=LESSON,
+          hint=SLOT + "; a position at or past len(block_table) * block_size raises ValueError (allocate first); "
+                      "block_table is any Sequence (a list or a tuple); the answer is a list of ints")
+
+
+def snapshot(alloc):
+    """The allocator's observable state, as plain values (block hashes shortened to 8 hex digits)."""
+    short = lambda h: None if h is None else h.hex()[:8]  # noqa: E731
+    return {"block_tables": {r: list(t) for r, t in alloc.block_tables.items()},
+            "ref_counts": [b.ref_count for b in alloc.blocks],
+            "free_queue": list(alloc.free_queue),
+            "block_hashes": [short(b.block_hash) for b in alloc.blocks],
+            "cached": {short(h): b for h, b in alloc.cached.items()},
+            "requests with hashes": sorted(alloc._hashes)}
+
+
+STATE_HINTS = {
+    "block_tables": ALLOCATE,
+    "ref_counts": REFS + "; a prefix-cache hit is taken with share_block (ref_count + 1, out of the free queue)",
+    "free_queue": REFS + "; " + ORDER + "; a hit on a free cached block takes it OUT of the free queue (share_block)",
+    "block_hashes": "a block keeps its hash while free (a later request can still hit it) until allocate_block "
+                    "hands it out again; hits must be shared with share_block, not copied",
+    "cached": "the prefix-cache map changes only through the inherited allocate_block and cache_full_blocks",
+    "requests with hashes": "free also forgets the request's block hashes: self._hashes.pop(request_id, None) "
+                            "(a preempted request starts again under the same id and names its blocks anew)",
+}
+
+
+def invariant_problem(alloc):
+    """What is inconsistent inside one allocator (no reference needed), or None."""
+    holders = Counter(b for table in alloc.block_tables.values() for b in table)
+    for rid, table in alloc.block_tables.items():
+        twice = [b for b, n in Counter(table).items() if n > 1]
+        if twice:
+            return (f"block {twice[0]} appears twice in {rid}'s table {table}: two positions of one request would "
+                    "write the same K/V slots")
+    for block in alloc.blocks:
+        if block.block_id in alloc.free_queue and block.ref_count > 0:
+            return (f"block {block.block_id} has ref_count {block.ref_count} but is still in the free queue: the "
+                    "next allocate_block hands it to another request, and two requests write the same K/V")
+        if block.ref_count != holders[block.block_id]:
+            return (f"block {block.block_id} has ref_count {block.ref_count} but {holders[block.block_id]} block "
+                    "table(s) hold it: a reference count is the number of holders")
+        if block.ref_count == 0 and block.block_id not in alloc.free_queue:
+            return f"block {block.block_id} has ref_count 0 but is not in the free queue: it is lost to the pool"
+    return None
+
+
+SYSTEM_PROMPT = [1, 0, 0, 1, 1, 1, 0, 1, 0, 0, 1, 0]  # requests share its first tokens: prefix-cache hits
+
+
+class AllocatorAgainstMinillm(RuleBasedStateMachine):
+    """Random requests over a small pool, run on the student's allocator and on minillm's side by side.
+
+    Requests start (with the prefix-cache hits find_cached_prefix gives them), grow by prefill chunks and
+    decodes, and are freed (finished, preempted: they may start again under the same id, or aborted while
+    waiting: no blocks to free); a double free must raise. After every operation the two allocators must
+    be in the same state, and the student's must be consistent on its own.
+    """
+
+    def __init__(self, impl):
+        super().__init__()
+        self.impl, self.log = impl, []
+
+    @initialize(num_blocks=st.integers(1, 8), block_size=st.integers(1, 4), caching=st.sampled_from([True, False]))
+    def make_pool(self, num_blocks, block_size, caching):
+        kwargs = dict(seed=b"ex15", enable_prefix_caching=caching)
+        self.ref = REF.BlockAllocator(num_blocks, block_size, **kwargs)
+        self.yours = self.impl.BlockAllocator(num_blocks, block_size, **kwargs)
+        self.block_size = block_size
+        self.shapes = f"BlockAllocator(num_blocks={num_blocks}, block_size={block_size}, " \
+                      f"enable_prefix_caching={caching}); tokens from a 2-token alphabet, so prefixes repeat"
+        self.tokens, self.computed = {}, {}  # requests holding blocks: their tokens, positions computed
+        self.stopped = {}  # requests without blocks (waiting, preempted, finished): their tokens
+        self.next_id = 0
+
+    def case(self, hint):
+        return Case("BlockAllocator, operation after operation", "after " + "; ".join(self.log), hint=hint,
+                    shapes=self.shapes, lesson=LESSON)
+
+    def agree(self, hint):
+        problem = invariant_problem(self.yours)
+        if problem:
+            self.case(hint).fail(problem, detail=f"your state: {snapshot(self.yours)}")
+        mine, theirs = snapshot(self.yours), snapshot(self.ref)
+        for key in theirs:
+            if mine[key] != theirs[key]:
+                self.case(STATE_HINTS[key]).fail(f"{key} differ from minillm's", theirs[key], mine[key])
+
+    def both(self, method, *args, hint):
+        """Call ``method`` on both allocators; the student's answer must be the reference's, of the same type."""
+        expected = getattr(self.ref, method)(*args)
+        c = self.case(hint)
+        got = c.call(getattr(self.yours, method), *args)
+        c.equal(got, expected)
+        return expected
+
+    def _start(self, rid, tokens, chunk, as_tuple):
+        hits = self.ref.find_cached_prefix(tokens)
+        computed = len(hits) * self.block_size
+        end = min(len(tokens), computed + chunk)
+        kind = tuple if as_tuple else list
+        self.log.append(f"allocate_slots({rid!r}, {end}, cached_blocks={kind(hits)!r})  [{len(tokens)}-token prompt]")
+        expected = self.ref.allocate_slots(rid, end, kind(hits))
+        c = self.case(ALLOCATE)
+        argument = kind(hits)
+        got = c.call(self.yours.allocate_slots, rid, end, argument)
+        c.equal(got, expected)
+        c.equal(argument, kind(hits), hint="allocate_slots must leave the caller's cached_blocks as they were")
+        if expected:
+            self.tokens[rid], self.computed[rid] = list(tokens), end
+            for alloc in (self.ref, self.yours):
+                alloc.cache_full_blocks(rid, tokens, end)
+        else:
+            self.stopped[rid] = list(tokens)
+        self.agree(ALLOCATE)
+
+    @rule(shared=st.integers(0, len(SYSTEM_PROMPT)), own=st.lists(st.integers(0, 1), max_size=6),
+          chunk=st.integers(1, 12), as_tuple=st.booleans())
+    def start_a_request(self, shared, own, chunk, as_tuple):
+        """A new request: the first ``shared`` tokens of a common system prompt, then its own."""
+        self.next_id += 1
+        self._start(f"r{self.next_id}", (SYSTEM_PROMPT[:shared] + own) or [0], chunk, as_tuple)
+
+    @precondition(lambda self: self.stopped)
+    @rule(data=st.data(), chunk=st.integers(1, 12))
+    def start_it_again(self, data, chunk):
+        """A preempted (or still waiting) request starts again under its id, prompt + output recomputed."""
+        rid = data.draw(st.sampled_from(sorted(self.stopped)), label="request")
+        self._start(rid, self.stopped.pop(rid), chunk, False)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), new_tokens=st.lists(st.integers(0, 1), max_size=2), chunk=st.integers(1, 8))
+    def grow(self, data, new_tokens, chunk):
+        """The next prefill chunk, or a decode after output tokens were appended."""
+        rid = data.draw(st.sampled_from(sorted(self.tokens)), label="request")
+        self.tokens[rid] += new_tokens
+        end = min(len(self.tokens[rid]), self.computed[rid] + chunk)
+        self.log.append(f"allocate_slots({rid!r}, {end})")
+        if self.both("allocate_slots", rid, end, hint=ALLOCATE + "; a request that already holds blocks keeps "
+                     "them and gets only the missing ones"):
+            self.computed[rid] = end
+            for alloc in (self.ref, self.yours):
+                alloc.cache_full_blocks(rid, self.tokens[rid], end)
+        self.agree(ALLOCATE)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free_a_request(self, data):
+        """It finished, was aborted while running, or was preempted (then it may start again)."""
+        rid = data.draw(st.sampled_from(sorted(self.tokens)), label="request")
+        self.log.append(f"free({rid!r})")
+        self.both("free", rid, hint=REFS + "; " + ORDER)
+        self.stopped[rid] = self.tokens.pop(rid)
+        del self.computed[rid]
+        self.agree(REFS + "; " + ORDER)
+
+    @rule(data=st.data(), double_free=st.booleans())
+    def free_what_nobody_holds(self, data, double_free):
+        """Abort a request that holds no blocks (still waiting, or freed already): nothing to release, no error.
+        Or free_block a block whose ref_count is 0 already: a double free, RuntimeError."""
+        free = [b.block_id for b in self.ref.blocks if b.ref_count == 0]
+        if double_free and free:
+            block_id = data.draw(st.sampled_from(free), label="block")
+            self.log.append(f"free_block({block_id})  [no table holds it]")
+            try:
+                self.ref.free_block(block_id)
+                raise RuntimeError("minillm's free_block did not raise")  # pragma: no cover
+            except RuntimeError:
+                pass
+            self.case(REFS).raises(RuntimeError, self.yours.free_block, block_id)
+            self.agree(REFS + "; a double free that raises must change nothing")
+            return
+        rid = data.draw(st.sampled_from(sorted(self.stopped) + ["never-started"]), label="request")
+        self.log.append(f"free({rid!r})  [it holds no blocks]")
+        self.both("free", rid, hint="the docstring: a request that holds no blocks (aborted while still waiting) "
+                                    "has nothing to release, no error: block_tables.pop(request_id, [])")
+        self.agree(REFS)
+
+
+def test_random_operations_agree_with_minillm(impl):
+    for stage in STATEFUL:
+        run_state_machine_as_test(lambda: AllocatorAgainstMinillm(impl), settings=stage)
