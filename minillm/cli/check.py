@@ -81,12 +81,16 @@ def _assembled_engine(console, results, folder) -> bool:
     from .generate import _DEFAULT_STUDENT_PROMPT, _STUDENT_MAX_NEW_TOKENS, assembled_engine
 
     core = {r.id: r.status for r in results if r.id in CORE_EXERCISES}
-    todo = [f"{ex} {core.get(ex, 'not run')}" for ex in CORE_EXERCISES if core.get(ex) != "passed"]
+    todo: dict[str, list[str]] = {}  # status -> the core exercises in it
+    for ex in CORE_EXERCISES:
+        if core.get(ex) != "passed":
+            todo.setdefault(core.get(ex, "not run"), []).append(ex)
     command = f"minillm generate --student-dir {folder}"
     if todo:
         console.print(f"\nThe assembled engine ({command}: your pieces running {DEFAULT_MODEL}) runs once "
-                      f"ex01-ex08 and ex14 pass; not yet: {', '.join(todo)}.", markup=False, highlight=False,
-                      soft_wrap=True)
+                      f"ex01-ex08 and ex14 pass; not yet: "
+                      + "; ".join(f"{status} {', '.join(ids)}" for status, ids in todo.items()) + ".",
+                      markup=False, highlight=False, soft_wrap=True)
         return True
     console.print(f"\nAll core exercises pass: your pieces assembled into one engine ({command}).\n",
                   markup=False, highlight=False, soft_wrap=True)

@@ -162,7 +162,8 @@ def test_hypothesis_notes_are_cut_from_a_message():
 def test_a_full_check_of_the_stubs_says_when_the_engine_will_run(tmp_path):
     r = minillm("check", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "runs once ex01-ex08 and ex14 pass; not yet: ex01 not attempted, ex02 not attempted" in r.stdout
+    assert ("runs once ex01-ex08 and ex14 pass; not yet: not attempted ex01, ex02, ex03, ex04, ex05, ex06, ex07, "
+            "ex08, ex14.") in r.stdout
     assert "All core exercises pass" not in r.stdout
 
 
@@ -180,7 +181,14 @@ def test_the_engine_ends_a_check_once_the_core_passes(monkeypatch, tmp_path):
     assert "All core exercises pass" in console.export_text()
     failed = [*passed[:-1], ExerciseResult("ex14", "t", "f.py", "l", (CheckResult("c", "failed"),))]
     assert check._assembled_engine(console, failed, tmp_path) is True and len(calls) == 1
-    assert "not yet: ex14 failed" in console.export_text()
+    assert "not yet: failed ex14." in console.export_text()
+
+
+def test_check_and_the_assembly_agree_on_the_core_exercises():
+    from minillm.classroom.assembly import CORE_EXERCISES, PIECES
+    from minillm.cli import check
+
+    assert check.CORE_EXERCISES == CORE_EXERCISES == tuple(sorted({ex for ex, _, _ in PIECES}))
 
 
 def test_the_references_pass_their_checks(tmp_path):
