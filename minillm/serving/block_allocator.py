@@ -63,6 +63,8 @@ class BlockAllocator:
     Attributes:
         blocks: every :class:`Block`, indexed by block id.
         block_tables: request id -> its block table (physical block ids, in logical order).
+        pending_copies: (source, destination) block pairs whose K/V the cache must copy before
+            the next step (copy on write of a forked request's shared partial block).
 
     Raises ValueError for a non-positive ``num_blocks`` or ``block_size``.
     """
@@ -79,6 +81,7 @@ class BlockAllocator:
         self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.block_tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its full blocks so far
+        self.pending_copies: list[tuple[int, int]] = []  # (source, destination) blocks copy_on_write queued
 
     # -- the pool, one block at a time -------------------------------------------------
 
@@ -189,6 +192,45 @@ class BlockAllocator:
             if block.block_hash is None and h not in self.cached:
                 block.block_hash = h
                 self.cached[h] = block.block_id
+
+    # -- parallel sampling: one prompt, n sequences --------------------------------------
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give ``child_id`` the block table of ``parent_id``: the same blocks, each one's
+        reference count raised by 1, nothing copied (the n sequences of a request with n > 1,
+        forked after the prompt's prefill)::
+
+            parent: [7, 2, 9]     blocks 7 and 2 (full) and 9 (partial) now have ref_count 2
+            child:  [7, 2, 9]     the first write into 9 copies it (:meth:`copy_on_write`)
+        """
+        table = self.block_tables[parent_id]
+        for block_id in table:
+            self.share_block(block_id)
+        self.block_tables[child_id] = list(table)
+        self._hashes[child_id] = list(self._hashes.get(parent_id, []))
+
+    def copy_on_write(self, request_id: str, position: int) -> bool:
+        """Before a request writes the K/V of ``position``: if another table holds the block it
+        falls in (a partial block shared by :meth:`fork`), give this request a copy of its own.
+
+        The new block's K/V must then be copied from the shared one before the step runs: the
+        pair (source, destination) is queued in :attr:`pending_copies` (the cache's
+        :meth:`~minillm.serving.paged_cache.PagedKVCache.copy_pending` does it). The last holder
+        writes in place, with no copy. Only a fork shares a block that is written again: a
+        prefix-cache hit is a full block, and writes start after it. False (nothing changed)
+        when no block is free.
+        """
+        table = self.block_tables[request_id]
+        logical = position // self.block_size
+        if logical >= len(table) or self.blocks[table[logical]].ref_count == 1:
+            return True
+        if not self.free_queue:
+            return False
+        shared, copy = table[logical], self.allocate_block().block_id
+        self.free_block(shared)
+        table[logical] = copy
+        self.pending_copies.append((shared, copy))
+        return True
 
     def free(self, request_id: str) -> None:
         """Release every block of a request (finished, aborted or preempted).

@@ -183,6 +183,16 @@ class PagedKVCache:
         v = self.v[layer].index_select(0, block_tables.reshape(-1)).view(run)
         return k.transpose(1, 2), v.transpose(1, 2)
 
+    def copy_pending(self) -> int:
+        """Copy the K/V of the blocks the allocator's copy on write queued (source -> destination,
+        every layer), before the step that writes into them; returns how many blocks."""
+        pairs, self.allocator.pending_copies = self.allocator.pending_copies, []
+        if pairs:
+            source, destination = (torch.tensor(ids, device=self.k.device) for ids in zip(*pairs))
+            self.k[:, destination] = self.k[:, source]
+            self.v[:, destination] = self.v[:, source]
+        return len(pairs)
+
     # -- display ----------------------------------------------------------------------
 
     def __repr__(self) -> str:

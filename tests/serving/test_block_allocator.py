@@ -188,3 +188,29 @@ def test_pool_bytes_match_the_formula(dtype, dtype_bytes):
     assert cache.bytes_used == 0
     cache.allocator.allocate_slots("a", 5)  # 2 blocks held
     assert cache.bytes_used == 2 * expected // num_blocks
+
+
+def test_fork_shares_every_block_and_copy_on_write_copies_the_written_one():
+    cache = PagedKVCache(2, 1, 2, 8, 4)
+    a = cache.allocator
+    assert a.allocate_slots("p", 6)  # [0, 1]: a full block and a partial one (2 of 4 positions)
+    cache.k[:, 1] = 7.0
+    a.fork("p", "c")
+    assert a.block_tables["c"] == [0, 1] and [b.ref_count for b in a.blocks[:2]] == [2, 2]
+    assert a.copy_on_write("c", 6)  # c writes position 6, in the shared partial block: its own copy
+    assert a.block_tables["c"] == [0, 2] and [b.ref_count for b in a.blocks[:3]] == [2, 1, 1]
+    assert a.pending_copies == [(1, 2)] and cache.copy_pending() == 1 and a.pending_copies == []
+    assert torch.equal(cache.k[:, 2], cache.k[:, 1]) and torch.equal(cache.v[:, 2], cache.v[:, 1])
+    assert a.copy_on_write("p", 6) and a.block_tables["p"] == [0, 1]  # the last holder writes in place
+    assert a.copy_on_write("p", 8) and not a.pending_copies  # beyond the table: nothing shared
+    a.free("p")
+    a.free("c")
+    assert a.num_free_blocks == 8
+
+
+def test_copy_on_write_without_a_free_block_changes_nothing():
+    a = BlockAllocator(2, 4)
+    assert a.allocate_slots("p", 6)
+    a.fork("p", "c")
+    assert not a.copy_on_write("c", 6)
+    assert a.block_tables["c"] == [0, 1] and a.blocks[1].ref_count == 2 and not a.pending_copies
