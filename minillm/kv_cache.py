@@ -162,8 +162,10 @@ class KVCache:
         Returns the filled views of this layer including the new entries,
         [B, n_kv_heads, length+T, head_dim]. ``length`` itself moves on only in
         :meth:`advance`, once every layer has written. A rolling layer returns less: see
-        :meth:`_write_rolling`.
+        :meth:`_write_rolling`. Raises CacheFullError (nothing written) if length + T is
+        past ``max_seq_len``.
         """
+        self.check_room(k.shape[2])
         if layer in self.rolling_layers:
             return self._write_rolling(self._row[layer], k, v)
         row, end = self._row[layer], self.length + k.shape[2]

@@ -163,7 +163,12 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for the given positions ([T] int64): two [T, head_dim] tensors of ``dtype``,
-        both multiplied by the attention factor (YaRN's; 1 otherwise)."""
+        both multiplied by the attention factor (``self.attention_factor``: YaRN's; 1 otherwise).
+
+        The angles are positions · inv_freq in float32. With dynamic NTK scaling (``self.dynamic``)
+        inv_freq is that of this pass's length, the last position + 1:
+        ``rope_inv_freq(self.head_dim, self.theta, self.scaling, seq_len)``.
+        """
         inv_freq = self.inv_freq
         if self.dynamic:
             seq_len = int(positions.max()) + 1

@@ -5,7 +5,7 @@ allowed. A prompt from an empty cache gives a square mask. New queries after cac
 (a decode step, or a prompt suffix prefilled after a prefix-cache hit) give a rectangle:
 the queries are the *last* n_queries positions. One torch call is enough (see the
 ``diagonal`` argument of ``torch.tril``). The ``window`` argument (sliding-window models such
-as Mistral, lesson 03) is a second step, not checked here: ``torch.triu`` cuts the band.
+as Mistral, lesson 03) is a second step, checked too: ``torch.triu`` cuts the band.
 
 Check:      minillm check ex01   (or: pytest tests/exercises -m ex01 --impl student)
 Lesson:     lessons/02-prefill-and-decode.md#the-causal-mask

@@ -4,8 +4,9 @@ Write ``eager_attention(q, k, v)``: softmax(q·kᵀ / √head_dim + causal mask)
 query head has its own K/V head (n_kv_heads = n_heads); exercise 4 adds grouped-query
 attention. Build the mask with ``causal_mask`` (below, minillm's; or paste your exercise 1)
 and put -inf where it is False before the softmax. ``hook`` and ``name`` can be ignored;
-``scale`` cannot (a model may set its own, see the docstring). ``window`` (sliding-window
-models, lesson 03) is not checked: pass it on to ``causal_mask`` once that takes it.
+``scale`` cannot (a model may set its own, see the docstring), nor can ``window`` (sliding-window
+models, lesson 03): pass it on to ``causal_mask``. Checked in float32, bfloat16 and float16,
+where a softmax must subtract the row's max (torch.softmax does) or large scores give NaN.
 
 Check:      minillm check ex02   (or: pytest tests/exercises -m ex02 --impl student)
 Lesson:     lessons/01-what-is-inference.md#attention

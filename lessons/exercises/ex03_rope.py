@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from minillm import rope
+from minillm.rope import rope_inv_freq  # noqa: F401 (dynamic NTK scaling, see forward)
 
 
 class RotaryEmbedding(rope.RotaryEmbedding):
@@ -26,7 +27,11 @@ class RotaryEmbedding(rope.RotaryEmbedding):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for the given positions ([T] int64): two [T, head_dim] tensors of ``dtype``,
-        both multiplied by the attention factor (YaRN's; 1 otherwise).
+        both multiplied by the attention factor (``self.attention_factor``: YaRN's; 1 otherwise).
+
+        The angles are positions · inv_freq in float32. With dynamic NTK scaling (``self.dynamic``)
+        inv_freq is that of this pass's length, the last position + 1:
+        ``rope_inv_freq(self.head_dim, self.theta, self.scaling, seq_len)``.
         """
         raise NotImplementedError(
             "Exercise 3 (RoPE) is not written yet: see lessons/01-what-is-inference.md#positions-rope"

@@ -33,7 +33,8 @@ class KVCache(kv_cache.KVCache):
         Returns the filled views of this layer including the new entries,
         [B, n_kv_heads, length+T, head_dim]. ``length`` itself moves on only in
         :meth:`advance`, once every layer has written. A rolling layer returns less: see
-        :meth:`_write_rolling`.
+        :meth:`_write_rolling`. Raises CacheFullError (nothing written) if length + T is
+        past ``max_seq_len``.
         """
         raise NotImplementedError(
             "Exercise 5 (KV cache) is not written yet: see lessons/03-kv-cache.md#writing-and-reading"

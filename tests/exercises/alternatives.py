@@ -53,6 +53,18 @@ def mask_from_positions(n_queries, n_keys, device=None, window=None):
     return mask
 
 
+@alternative("ex01", "causal_mask")
+def mask_by_loops(n_queries, n_keys, device=None, window=None):
+    """Fill a False mask cell by cell: from the first key the query may see to its own position (issue 30)."""
+    mask = torch.zeros(n_queries, n_keys, dtype=torch.bool, device=device)
+    for i in range(n_queries):
+        position = n_keys - n_queries + i
+        first = 0 if window is None else max(0, position - window + 1)
+        for j in range(first, position + 1):
+            mask[i, j] = True
+    return mask
+
+
 # -- ex10 ------------------------------------------------------------------------------------------
 
 
@@ -386,3 +398,96 @@ def schedule_with_explicit_groups(self):
         batch.num_tokens.append(n)
         budget -= n
     return batch
+
+
+# -- ex02 ------------------------------------------------------------------------------------------
+
+
+@alternative("ex02", "eager_attention")
+def attention_one_query_at_a_time(q, k, v, hook=None, name="", scale=None, window=None):
+    """Each query against only the keys it may see, in float32, cast back at the end (issue 30)."""
+    B, n_heads, T, D = q.shape
+    S = k.shape[2]
+    scale = D**-0.5 if scale is None else scale
+    out = torch.empty(B, n_heads, T, D, dtype=torch.float32, device=q.device)
+    for i in range(T):
+        position = S - T + i
+        first = 0 if window is None else max(0, position - window + 1)
+        keys, values = k[:, :, first : position + 1].float(), v[:, :, first : position + 1].float()
+        scores = torch.einsum("bhd,bhsd->bhs", q[:, :, i].float(), keys) * scale
+        weights = torch.nn.functional.softmax(scores, dim=-1)
+        out[:, :, i] = torch.einsum("bhs,bhsd->bhd", weights, values)
+    return out.to(q.dtype)
+
+
+# -- ex04 ------------------------------------------------------------------------------------------
+
+
+@alternative("ex04", "eager_attention")
+def gqa_by_repeating_kv(q, k, v, hook=None, name="", scale=None, window=None):
+    """Copy each K/V head n_rep times (HF's repeat_kv), then plain multi-head attention (issue 30)."""
+    from minillm.model import causal_mask
+
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    T, S, D = q.shape[2], k.shape[2], q.shape[3]
+    scores = torch.matmul(q.float(), k.float().transpose(2, 3)) * (D**-0.5 if scale is None else scale)
+    scores = torch.where(causal_mask(T, S, q.device, window), scores, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), v.float()).to(q.dtype)
+
+
+# -- ex03 ------------------------------------------------------------------------------------------
+
+
+@alternative("ex03", "RotaryEmbedding.forward")
+def rope_tables_in_float64(self, positions, dtype):
+    """The angles in float64 (more exact than the reference's float32), each half written separately (issue 30)."""
+    from minillm.rope import rope_inv_freq
+
+    inv_freq = self.inv_freq
+    if self.dynamic:
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, int(positions.max()) + 1)
+    angles = torch.outer(positions.double(), inv_freq.double())
+    cos, sin = torch.empty(len(positions), self.head_dim, dtype=torch.float64), torch.empty(
+        len(positions), self.head_dim, dtype=torch.float64)
+    half = self.head_dim // 2
+    cos[:, :half], cos[:, half:] = angles.cos(), angles.cos()
+    sin[:, :half], sin[:, half:] = angles.sin(), angles.sin()
+    return (cos * self.attention_factor).to(dtype), (sin * self.attention_factor).to(dtype)
+
+
+@alternative("ex03", "apply_rope")
+def rope_rotation_of_each_half(x, cos, sin):
+    """Rotate the two halves separately with the 2-D rotation formula and join them (issue 30)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[..., :half], sin[..., :half]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+# -- ex05 ------------------------------------------------------------------------------------------
+
+
+@alternative("ex05", "KVCache.write")
+def cache_write_with_narrow_and_copy(self, layer, k, v):
+    """Check the room first, copy_ into narrow()ed views, return narrow()ed views (issue 30)."""
+    from minillm.errors import CacheFullError
+
+    T = k.size(2)
+    if self.length + T > self.max_seq_len:
+        raise CacheFullError(f"no room for {T} more positions after {self.length} of {self.max_seq_len}")
+    self.k[layer].narrow(2, self.length, T).copy_(k)
+    self.v[layer].narrow(2, self.length, T).copy_(v)
+    return self.k[layer].narrow(2, 0, self.length + T), self.v[layer].narrow(2, 0, self.length + T)
+
+
+@alternative("ex05", "KVCache.keys")
+def cache_keys_by_narrow(self, layer):
+    """narrow() the layer's buffer to the filled positions (a view, as slicing gives)."""
+    return self.k.select(0, layer).narrow(2, 0, self.length)
+
+
+@alternative("ex05", "KVCache.values")
+def cache_values_by_narrow(self, layer):
+    """narrow() the layer's buffer to the filled positions (a view, as slicing gives)."""
+    return self.v.select(0, layer).narrow(2, 0, self.length)

@@ -25,12 +25,13 @@ from minillm.costs import (PhaseCost, attention_flops, attention_params, decode_
                            kv_bytes_per_token, lm_head_params, mlp_params, weights_bytes)
 from minillm.generate import GenerationStep
 from minillm.hardware import OVERHEAD_FACTOR, Roofline
+from minillm.errors import CacheFullError
 from minillm.kv_cache import KVCache
 from minillm.metrics import RequestMetrics, percentile
 from minillm.model import causal_mask
 from minillm.phases import decode_step, prefill
 from minillm.quantize import QuantizationError, dequantize_int4, pack_int4, quantize_int4
-from minillm.rope import RotaryEmbedding
+from minillm.rope import RotaryEmbedding, rope_inv_freq
 from minillm.sampling import filter_logits, sample
 from minillm.serving.request import RUNNING, WAITING
 from minillm.serving.scheduler import ScheduledBatch
@@ -102,6 +103,44 @@ def mask_inverted(n_queries, n_keys, device=None):
     return ~ones.tril(diagonal=n_keys - n_queries)  # MISTAKE: ~
 
 
+# issue 30: mistakes in the window and the edge sizes, written from the stub alone
+
+
+@mistake("ex01", "causal_mask")
+def mask_window_ignored(n_queries, n_keys, device=None, window=None):
+    """Takes window= but never cuts the band: a sliding-window model sees every earlier key."""
+    return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril(diagonal=n_keys - n_queries)  # MISTAKE
+
+
+@mistake("ex01", "causal_mask")
+def mask_window_off_by_one(n_queries, n_keys, device=None, window=None):
+    """The band keeps window + 1 keys: keys j with position - W <= j <= position."""
+    mask = torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril(diagonal=n_keys - n_queries)
+    if window is not None:
+        mask = mask.triu(diagonal=n_keys - n_queries - window)  # MISTAKE: - window + 1
+    return mask
+
+
+@mistake("ex01", "causal_mask")
+def mask_window_assumes_square(n_queries, n_keys, device=None, window=None):
+    """The window's band counted from the query's row, not its position: wrong after a KV cache."""
+    mask = torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril(diagonal=n_keys - n_queries)
+    if window is not None:
+        mask = mask.triu(diagonal=1 - window)  # MISTAKE: n_keys - n_queries - window + 1
+    return mask
+
+
+@mistake("ex01", "causal_mask")
+def mask_rows_stacked(n_queries, n_keys, device=None, window=None):
+    """Builds the mask row by row and stacks the rows: torch.stack([]) fails for 0 queries."""
+    rows = []
+    for i in range(n_queries):
+        position = n_keys - n_queries + i
+        low = 0 if window is None else max(0, position - window + 1)
+        rows.append(torch.tensor([low <= j <= position for j in range(n_keys)], dtype=torch.bool, device=device))
+    return torch.stack(rows)  # MISTAKE: no rows when n_queries == 0
+
+
 # -- ex02 attention, ex04 grouped-query attention -----------------------------------------------------
 
 
@@ -160,6 +199,55 @@ def attention_ignores_the_scale_argument(q, k, v, hook=None, name="", scale=None
     return _attention(q, k, v)  # MISTAKE: _attention(q, k, v, scale=scale)
 
 
+# issue 30: mistakes in dtypes, windows and inputs, written from the stub and lesson alone
+
+
+def _scores(q, k, scale, window):
+    """Masked scores [B, n_heads, T, S] of a plain multi-head attention (the mistakes below differ after)."""
+    T, S = q.shape[2], k.shape[2]
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q @ k.transpose(-1, -2) * scale
+    return scores.masked_fill(~causal_mask(T, S, q.device, window), -INF)
+
+
+@mistake("ex02", "eager_attention")
+def attention_softmax_without_the_max(q, k, v, hook=None, name="", scale=None, window=None):
+    """Softmax written as exp(s) / sum exp(s) without subtracting the max: inf / inf = NaN for large scores."""
+    e = _scores(q, k, scale, window).exp()  # MISTAKE: (scores - scores.amax(-1, keepdim=True)).exp()
+    return (e / e.sum(dim=-1, keepdim=True)) @ v
+
+
+@mistake("ex02", "eager_attention")
+def attention_ignores_window(q, k, v, hook=None, name="", scale=None, window=None):
+    """Takes window= but builds the plain causal mask: a sliding-window layer sees every earlier key."""
+    return torch.softmax(_scores(q, k, scale, None).float(), dim=-1).to(q.dtype) @ v  # MISTAKE: window
+
+
+@mistake("ex02", "eager_attention")
+def attention_window_ignores_the_cache(q, k, v, hook=None, name="", scale=None, window=None):
+    """The window's band cut by hand from the query's row (as if T == S), not from its position S - T + i."""
+    T, S = q.shape[2], k.shape[2]
+    scores = _scores(q, k, scale, None)
+    if window is not None:
+        too_old = ~torch.ones(T, S, dtype=torch.bool).triu(diagonal=1 - window)  # MISTAKE: S - T - window + 1
+        scores = scores.masked_fill(too_old, -INF)
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+@mistake("ex02", "eager_attention")
+def attention_returns_float32(q, k, v, hook=None, name="", scale=None, window=None):
+    """The softmax upcast to float32 for accuracy and never cast back: a bfloat16 model gets float32 out."""
+    pattern = torch.softmax(_scores(q, k, scale, window).float(), dim=-1)
+    return pattern @ v.float()  # MISTAKE: pattern.to(q.dtype) @ v
+
+
+@mistake("ex02", "eager_attention")
+def attention_scales_q_in_place(q, k, v, hook=None, name="", scale=None, window=None):
+    """Scales q in place (q.mul_) to save a tensor: the caller's q is changed."""
+    q = q.mul_(1 / math.sqrt(q.shape[-1]) if scale is None else scale)  # MISTAKE: q * scale
+    return torch.softmax(_scores(q, k, 1.0, window).float(), dim=-1).to(q.dtype) @ v
+
+
 @mistake("ex04", "eager_attention")
 def gqa_heads_tiled_not_grouped(q, k, v, hook=None, name=""):
     """K/V heads repeated as a tile (query head h reads K/V head h % n_kv_heads), not in groups."""
@@ -172,6 +260,59 @@ def gqa_every_query_head_reads_kv_head_0(q, k, v, hook=None, name=""):
     """Only the first K/V head is used, broadcast to every query head."""
     n_heads = q.shape[1]
     return _attention(q, k[:, :1].expand(-1, n_heads, -1, -1), v[:, :1].expand(-1, n_heads, -1, -1))  # MISTAKE
+
+
+# issue 30: grouped-query attention beyond the scripted 4/2, 4/1, 4/4 heads, written from the stub alone
+
+
+def _gqa_pattern(q, k, scale, window):
+    """Grouped scores [B, n_kv_heads, n_rep, T, S] after the mask (the mistakes below differ after)."""
+    B, n_heads, T, D = q.shape
+    n_kv_heads, S = k.shape[1], k.shape[2]
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    scores = q.reshape(B, n_kv_heads, n_heads // n_kv_heads, T, D) @ k.unsqueeze(2).transpose(-1, -2) * scale
+    return scores.masked_fill(~causal_mask(T, S, q.device, window), -INF)
+
+
+@mistake("ex04", "eager_attention")
+def gqa_output_heads_interleaved(q, k, v, hook=None, name="", scale=None, window=None):
+    """Output [B, n_kv_heads, n_rep, T, D] transposed before the reshape: head g·n_rep + r comes out as r·n_kv + g."""
+    B, n_heads, T, D = q.shape
+    pattern = torch.softmax(_gqa_pattern(q, k, scale, window).float(), dim=-1).to(q.dtype)
+    out = pattern @ v.unsqueeze(2)
+    return out.transpose(1, 2).reshape(B, n_heads, T, D)  # MISTAKE: out.reshape(B, n_heads, T, D)
+
+
+@mistake("ex04", "eager_attention")
+def gqa_ignores_the_scale_argument(q, k, v, hook=None, name="", scale=None, window=None):
+    """GQA added to a solution that always divides by √head_dim: a model's own scale is lost."""
+    B, n_heads, T, D = q.shape
+    pattern = torch.softmax(_gqa_pattern(q, k, None, window).float(), dim=-1).to(q.dtype)  # MISTAKE: scale
+    return (pattern @ v.unsqueeze(2)).reshape(B, n_heads, T, D)
+
+
+@mistake("ex04", "eager_attention")
+def gqa_ignores_window(q, k, v, hook=None, name="", scale=None, window=None):
+    """GQA with the plain causal mask: Mistral's sliding window (GQA 32/8) is not applied."""
+    B, n_heads, T, D = q.shape
+    pattern = torch.softmax(_gqa_pattern(q, k, scale, None).float(), dim=-1).to(q.dtype)  # MISTAKE: window
+    return (pattern @ v.unsqueeze(2)).reshape(B, n_heads, T, D)
+
+
+@mistake("ex04", "eager_attention")
+def gqa_returns_float32(q, k, v, hook=None, name="", scale=None, window=None):
+    """The softmax in float32 and the values upcast to match: a bfloat16 model gets float32 out."""
+    B, n_heads, T, D = q.shape
+    pattern = torch.softmax(_gqa_pattern(q, k, scale, window).float(), dim=-1)
+    return (pattern @ v.unsqueeze(2).float()).reshape(B, n_heads, T, D)  # MISTAKE: .to(q.dtype)
+
+
+@mistake("ex04", "eager_attention")
+def gqa_softmax_without_the_max(q, k, v, hook=None, name="", scale=None, window=None):
+    """exp(s) / sum exp(s) without the max subtracted: NaN in float16 (and float32) once scores are large."""
+    B, n_heads, T, D = q.shape
+    e = _gqa_pattern(q, k, scale, window).exp()  # MISTAKE: subtract the row's max first
+    return (e / e.sum(-1, keepdim=True) @ v.unsqueeze(2)).reshape(B, n_heads, T, D)
 
 
 # -- ex03 RoPE -----------------------------------------------------------------------------------------
@@ -222,6 +363,56 @@ def rope_pairs_adjacent_channels(x, cos, sin):
     x1, x2 = x[..., 0::2], x[..., 1::2]  # MISTAKE
     c, s = cos[..., :half], sin[..., :half]
     return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+
+
+# issue 30: RoPE with the config's scaling, any positions, in place; written from the stub alone
+
+
+def _tables(angles, factor, dtype):
+    angles = torch.cat((angles, angles), dim=-1)
+    return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)
+
+
+@mistake("ex03", "RotaryEmbedding.forward")
+def rope_attention_factor_ignored(self, positions, dtype):
+    """cos and sin not multiplied by YaRN's attention factor: a YaRN model's attention is too flat."""
+    inv_freq = self.inv_freq
+    if self.dynamic:
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, int(positions.max()) + 1)
+    return _tables(positions.float()[:, None] * inv_freq[None, :], 1.0, dtype)  # MISTAKE: self.attention_factor
+
+
+@mistake("ex03", "RotaryEmbedding.forward")
+def rope_dynamic_scaling_ignored(self, positions, dtype):
+    """Always self.inv_freq: dynamic NTK's base never grows past the original context."""
+    angles = positions.float()[:, None] * self.inv_freq[None, :]  # MISTAKE: recompute for dynamic
+    return _tables(angles, self.attention_factor, dtype)
+
+
+@mistake("ex03", "RotaryEmbedding.forward")
+def rope_frequencies_recomputed_without_scaling(self, positions, dtype):
+    """Recomputes 1 / theta^(2i/d) instead of using self.inv_freq: the config's rope_scaling is lost."""
+    inv_freq = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)  # MISTAKE
+    return _tables(positions.float()[:, None] * inv_freq[None, :], self.attention_factor, dtype)
+
+
+@mistake("ex03", "RotaryEmbedding.forward")
+def rope_positions_assumed_contiguous(self, positions, dtype):
+    """Counts up from the first position (arange(p0, p0 + T)): wrong for gaps, reordered or batched positions."""
+    start = int(positions[0])
+    positions = torch.arange(start, start + len(positions))  # MISTAKE: use the positions given
+    inv_freq = self.inv_freq
+    if self.dynamic:
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, int(positions.max()) + 1)
+    return _tables(positions.float()[:, None] * inv_freq[None, :], self.attention_factor, dtype)
+
+
+@mistake("ex03", "apply_rope")
+def rope_rotates_x_in_place(x, cos, sin):
+    """Rotates x in place to save memory (x.mul_(cos).add_(...)): the caller's q and k are changed."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated_half = torch.cat((-x2, x1), dim=-1)
+    return x.mul_(cos).add_(rotated_half * sin)  # MISTAKE: x * cos + rotated_half * sin
 
 
 # -- ex05 KV cache -------------------------------------------------------------------------------------
@@ -295,6 +486,49 @@ def cache_write_returns_float32(self, layer, k, v):
 def cache_keys_ignore_length(self, layer):
     """Returns the whole preallocated buffer, zeros after length included."""
     return self.k[layer]  # MISTAKE: [:, :, :self.length]
+
+
+# issue 30: the promised error, the promised views, copy-paste; written from the stub alone
+
+
+@mistake("ex05", "KVCache.write")
+def cache_write_past_capacity_unchecked(self, layer, k, v):
+    """No check of max_seq_len: a write past it fails deep in torch, or (T = 1 at a full cache) writes nothing."""
+    end = self.length + k.shape[2]  # MISTAKE: no self.check_room(k.shape[2]) (CacheFullError)
+    self.k[layer, :, :, self.length : end] = k
+    self.v[layer, :, :, self.length : end] = v
+    return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+@mistake("ex05", "KVCache.write")
+def cache_full_one_position_early(self, layer, k, v):
+    """Raises CacheFullError when the write would exactly fill the cache: the last position is never used."""
+    end = self.length + k.shape[2]
+    if end >= self.max_seq_len:  # MISTAKE: > (a write up to max_seq_len fits)
+        raise CacheFullError(f"KV cache full: {end} >= {self.max_seq_len}")
+    self.k[layer, :, :, self.length : end] = k
+    self.v[layer, :, :, self.length : end] = v
+    return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+@mistake("ex05", "KVCache.write")
+def cache_write_returns_concatenated_copies(self, layer, k, v):
+    """Stores k, v, but returns torch.cat(cached, new): right values, but a copy of the whole layer every step."""
+    KVCache.write(self, layer, k, v)
+    old_k, old_v = self.k[layer, :, :, : self.length], self.v[layer, :, :, : self.length]
+    return torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)  # MISTAKE: the views self.k[layer, ..., :end]
+
+
+@mistake("ex05", "KVCache.keys")
+def cache_keys_return_a_copy(self, layer):
+    """keys() clones the filled part (to be safe): the docstring promises a view, no copy."""
+    return self.k[layer, :, :, : self.length].clone()  # MISTAKE: no .clone()
+
+
+@mistake("ex05", "KVCache.values")
+def cache_values_return_the_keys(self, layer):
+    """values() copied from keys() and left reading self.k."""
+    return self.k[layer, :, :, : self.length]  # MISTAKE: self.v
 
 
 # -- ex06 prefill, ex07 decode_step ----------------------------------------------------------------

@@ -2,14 +2,20 @@
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from exercises import oracles
 from exercises.checking import Case
+from exercises.differential import CHECKS, agree
 from exercises.models import randn
+from exercises.registry import EXERCISES, reference
 
 pytestmark = pytest.mark.ex02
 LESSON = "lessons/01-what-is-inference.md#attention"
 SHAPES = "q [{B}, {H}, {T}, {D}], k and v [{B}, {H}, {S}, {D}]  ([B, n_heads, T or S, head_dim])"
+REF = reference(EXERCISES["ex02"])
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def qkv(B=1, H=2, T=3, S=3, D=4, seed=0):
@@ -85,3 +91,53 @@ def test_an_explicit_scale_replaces_one_over_sqrt_head_dim(impl):
              hint="scores = q·kᵀ · scale, with scale = 1/√head_dim only when it is None (the docstring's "
                   "ModelConfig.attn_scale)")
     c.close(c.call(impl.eager_attention, q, k, v, scale=0.0625), oracles.attention(q, k, v, scale=0.0625))
+
+
+def draw_attention_inputs(data, n_heads: int, n_kv_heads: int):
+    """Draw one call of eager_attention over its documented domain; returns inputs() for ``agree``.
+
+    dtypes float32, bfloat16, float16; batch 1..3; S keys 1..12 and T <= S queries (T < S: queries after a
+    KV cache); head_dim 2..32; the default scale or an explicit one; no window or one of 1..S+2. Half the
+    draws have LARGE scores (integer q and k, exact in every dtype, with a power-of-two scale so the scores
+    are exact too, up to a few hundred): a softmax without the max subtracted overflows there (exp(12) is
+    past float16's largest number, exp(89) past float32's) and gives inf / inf = NaN.
+    """
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    B = data.draw(st.integers(1, 3), label="batch")
+    S = data.draw(st.integers(1, 12), label="S (keys)")
+    T = data.draw(st.integers(1, S), label="T (queries)")
+    window = data.draw(st.none() | st.integers(1, S + 2), label="window")
+    large = data.draw(st.booleans(), label="large scores")
+    if large:
+        D = data.draw(st.sampled_from([4, 16]), label="head_dim")
+        scale = data.draw(st.sampled_from([None, 1.0, 0.5]), label="scale")
+    else:
+        D = data.draw(st.sampled_from([2, 4, 8, 16, 32]), label="head_dim")
+        scale = data.draw(st.none() | st.sampled_from([0.0625, 0.125, 1.0]) | st.floats(0.01, 1.0), label="scale")
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+
+    def inputs():
+        g = torch.Generator().manual_seed(seed)
+        if large:  # |q|, |k| <= 4: q·k is an integer up to 256, exact in bfloat16 and float16
+            q = torch.randint(-4, 5, (B, n_heads, T, D), generator=g).to(dtype)
+            k = torch.randint(-4, 5, (B, n_kv_heads, S, D), generator=g).to(dtype)
+        else:
+            q = torch.randn(B, n_heads, T, D, generator=g).to(dtype)
+            k = torch.randn(B, n_kv_heads, S, D, generator=g).to(dtype)
+        v = torch.randn(B, n_kv_heads, S, D, generator=g).to(dtype)
+        kwargs = {name: x for name, x in (("scale", scale), ("window", window)) if x is not None}
+        return (q, k, v), kwargs
+
+    return inputs
+
+
+@given(data=st.data())
+@CHECKS
+def test_agrees_with_the_reference_in_every_dtype_size_scale_and_window(impl, data):
+    H = data.draw(st.integers(1, 3), label="n_heads (= n_kv_heads)")
+    agree(impl.eager_attention, REF.eager_attention, draw_attention_inputs(data, H, H),
+          what="eager_attention", exercise="ex02", lesson=LESSON,
+          hint="scores = q·kᵀ · scale (1/√head_dim when scale is None), -inf where causal_mask(T, S, device, window) "
+               "is False, a softmax over the keys that subtracts the row's max first (torch.softmax does; "
+               "exp of a large score is inf in float16), then · v; the output keeps q's shape and dtype, "
+               "and q, k, v are left as they were")

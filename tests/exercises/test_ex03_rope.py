@@ -4,10 +4,15 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from exercises.checking import Case
+from exercises.differential import CHECKS, TOLERANCE, agree
 from exercises.models import randn, tiny_config
+from exercises.registry import EXERCISES, reference
 from minillm import ModelConfig
+from minillm.config import RopeScaling
 from minillm.rope import RotaryEmbedding, apply_rope
 
 pytestmark = pytest.mark.ex03
@@ -16,10 +21,15 @@ LAYOUT = ("rotate half: the pairs are channels (i, i + head_dim/2), rotated by p
           "cos/sin are [T, head_dim] with the same angle in both halves")
 
 
-def config(head_dim: int) -> ModelConfig:
+REF = reference(EXERCISES["ex03"])
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def config(head_dim: int, theta: float = 10000.0, scaling: RopeScaling | None = None) -> ModelConfig:
     return ModelConfig("llama", n_layers=1, d_model=head_dim, n_heads=1, n_kv_heads=1, head_dim=head_dim,
                        d_mlp=4, vocab_size=8, max_seq_len=64, norm_eps=1e-5, activation="silu",
-                       tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, rope_theta=10000.0)
+                       tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, rope_theta=theta,
+                       rope_scaling=scaling)
 
 
 def test_tables_for_a_prompt(impl):
@@ -124,3 +134,86 @@ def test_rotation_of_a_batch_in_bfloat16(impl):
     got = c.call(impl.apply_rope, x, cos, sin)
     c.equal(got.dtype if isinstance(got, torch.Tensor) else type(got), torch.bfloat16)
     c.close(got, apply_rope(x.double(), cos.double(), sin.double()), atol=0.05, rtol=0.0)
+
+
+# -- differential checks (issue 30): the whole documented domain against the reference -------------------
+
+
+def scalings():
+    """None, or each rope_scaling the config supports (linear, llama3, yarn, dynamic), original contexts short
+    enough that the drawn positions go past them."""
+    original = st.sampled_from([64, 4096, 8192])
+    factor = st.sampled_from([2.0, 4.0, 8.0, 32.0])
+    return st.one_of(
+        st.none(),
+        st.builds(RopeScaling, st.just("linear"), factor),
+        st.builds(RopeScaling, st.just("llama3"), factor, st.just(1.0), st.just(4.0), original),
+        st.builds(RopeScaling, st.just("yarn"), factor, original_max_position_embeddings=original,
+                  attention_factor=st.none() | st.just(0.7)),
+        st.builds(RopeScaling, st.just("dynamic"), factor, original_max_position_embeddings=original),
+    )
+
+
+def draw_positions(data) -> list[int]:
+    """1..8 positions: a prompt from 0, a chunk or a decode step far from 0 (up to 10^5), or any positions at all
+    (gaps, out of order, repeats: a serving batch's rows)."""
+    T = data.draw(st.integers(1, 8), label="T")
+    kind = data.draw(st.sampled_from(["prompt", "far", "any"]), label="positions")
+    if kind == "prompt":
+        return list(range(T))
+    if kind == "far":
+        start = data.draw(st.integers(0, 10**5), label="first position")
+        return list(range(start, start + T))
+    return data.draw(st.lists(st.integers(0, 10**5), min_size=T, max_size=T), label="positions")
+
+
+def angle_tolerance(dtype: torch.dtype, positions: list[int]) -> tuple[float, float]:
+    """The dtype's tolerance, plus float32's rounding of the largest angle (position · inv_freq, inv_freq <= 1):
+    the reference rounds it once, a more careful solution (float64 angles) not at all."""
+    atol, rtol = TOLERANCE[dtype]
+    return atol + 2.5e-7 * max(positions), rtol
+
+
+@given(data=st.data())
+@settings(CHECKS, max_examples=40)
+def test_tables_agree_with_the_reference_for_every_position_dtype_and_scaling(impl, data):
+    head_dim = data.draw(st.sampled_from([2, 4, 8, 16, 64, 128]), label="head_dim")
+    theta = data.draw(st.sampled_from([10000.0, 500000.0, 1e6]), label="rope_theta")
+    scaling = data.draw(scalings(), label="rope_scaling")
+    if scaling is not None and scaling.rope_type == "dynamic":
+        head_dim = max(head_dim, 4)  # dynamic NTK's exponent head_dim / (head_dim - 2) needs head_dim > 2
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    positions = draw_positions(data)
+    cfg = config(head_dim, theta, scaling)
+    agree(impl.RotaryEmbedding(cfg).forward, REF.RotaryEmbedding(cfg).forward,
+          lambda: ((torch.tensor(positions), dtype), {}), what="RotaryEmbedding(config).forward",
+          exercise="ex03", lesson=LESSON, tol=angle_tolerance(dtype, positions),
+          hint="angles = positions.float()[:, None] · inv_freq[None, :] at the positions given (any positions, "
+               "not 0..T-1), the same angle in both halves; cos and sin times self.attention_factor (YaRN), cast "
+               "to dtype last; self.inv_freq already holds the config's scaling (linear, llama3, yarn), and "
+               "dynamic NTK recomputes it for the last position + 1 (rope_inv_freq)")
+
+
+@given(data=st.data())
+@settings(CHECKS, max_examples=40)
+def test_rotation_agrees_with_the_reference_for_every_batch_and_dtype(impl, data):
+    head_dim = data.draw(st.sampled_from([2, 4, 8, 16, 64]), label="head_dim")
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    B = data.draw(st.integers(1, 3), label="batch")
+    heads = data.draw(st.integers(1, 4), label="heads")
+    positions = draw_positions(data)
+    transposed = data.draw(st.booleans(), label="x laid out [B, T, heads, head_dim] and transposed (as in the model)")
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    cos, sin = RotaryEmbedding(config(head_dim))(torch.tensor(positions), dtype)
+
+    def inputs():
+        T, g = len(positions), torch.Generator().manual_seed(seed)
+        if transposed:
+            x = torch.randn(B, T, heads, head_dim, generator=g).to(dtype).transpose(1, 2)
+        else:
+            x = torch.randn(B, heads, T, head_dim, generator=g).to(dtype)
+        return (x, cos.clone(), sin.clone()), {}
+
+    agree(impl.apply_rope, REF.apply_rope, inputs, what="apply_rope", exercise="ex03", lesson=LESSON,
+          hint="x·cos + rotate_half(x)·sin with rotate_half(x) = cat(-x2, x1), the halves x1, x2 = x.chunk(2, -1); "
+               "cos/sin [T, head_dim] broadcast over batch and heads; a new tensor in x's dtype, x left as it was")

@@ -2,12 +2,18 @@
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from exercises import oracles
 from exercises.checking import Case
+from exercises.differential import CHECKS, agree
 from exercises.models import randn
+from exercises.registry import EXERCISES, reference
+from exercises.test_ex02_attention import draw_attention_inputs
 
 pytestmark = pytest.mark.ex04
+REF = reference(EXERCISES["ex04"])
 LESSON = "lessons/03-kv-cache.md#grouped-query-attention"
 HINT = ("view q as [B, n_kv_heads, n_rep, T, head_dim]: query head h reads K/V head h // n_rep "
         "(heads 0,1 -> K/V 0; heads 2,3 -> K/V 1), as HF's repeat_kv does")
@@ -72,3 +78,15 @@ def test_plain_multi_head_still_works(impl):
     c = Case("eager_attention(q, k, v)", "n_kv_heads = n_heads = 4 (plain multi-head, n_rep = 1)",
              shapes=shapes(q, k), hint=HINT, lesson=LESSON)
     c.close(c.call(impl.eager_attention, q, k, v), oracles.attention(q, k, v))
+
+
+@given(data=st.data())
+@CHECKS
+def test_agrees_with_the_reference_for_every_group_size_dtype_and_cache(impl, data):
+    n_kv_heads = data.draw(st.integers(1, 3), label="n_kv_heads")
+    n_rep = data.draw(st.integers(1, 8), label="n_rep (n_heads / n_kv_heads)")
+    agree(impl.eager_attention, REF.eager_attention, draw_attention_inputs(data, n_kv_heads * n_rep, n_kv_heads),
+          what="eager_attention", exercise="ex04", lesson=LESSON,
+          hint=HINT + "; for every n_rep from 1 (multi-head) to n_heads (multi-query), in float32, bfloat16 and "
+                      "float16 (the output keeps q's dtype), T < S after a cache, with the given scale and window "
+                      "(passed on to causal_mask), and a softmax that subtracts the max (torch.softmax)")

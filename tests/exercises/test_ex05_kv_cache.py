@@ -2,11 +2,17 @@
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from exercises.checking import Case
+from exercises.differential import CHECKS, agree
 from exercises.models import randn
+from exercises.registry import EXERCISES, reference
 
 pytestmark = pytest.mark.ex05
+REF = reference(EXERCISES["ex05"])
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LESSON = "lessons/03-kv-cache.md#writing-and-reading"
 SHAPES = "cache k, v: [n_layers=2, batch=1, n_kv_heads=2, max_seq_len=8, head_dim=4]; new k, v: [1, 2, T, 4]"
 WRITE = ("write stores k, v at positions length .. length+T-1 of this layer and returns this layer's "
@@ -124,3 +130,82 @@ def test_far_from_position_0_in_each_dtype(impl):
         c.equal(got_k, torch.cat([old[0], k], dim=2))
         c.equal(got_v, torch.cat([old[1], v], dim=2))
         c.equal(c.call(cache.keys, 0), old[0])
+
+
+# -- a stateful check (issue 30): random sequences of operations on yours and the reference side by side ----
+
+
+def shares_storage(views, cache, name: str):
+    """``check`` for agree: each returned tensor is a view of the cache's own k (or v) buffer, as promised."""
+    def check(args, kwargs, got):
+        pairs = zip(got, (cache.k, cache.v)) if isinstance(got, tuple) else [(got, getattr(cache, views))]
+        for tensor, buffer in pairs:
+            if isinstance(tensor, torch.Tensor) and tensor.numel() and \
+                    tensor.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
+                return (f"{name} returned a copy: the docstring promises a view of the cache's own buffer "
+                        "(self.k[layer, :, :, :end], no torch.cat or clone), so reading costs no memory traffic")
+        return None
+    return check
+
+
+@given(data=st.data())
+@CHECKS
+def test_random_sequences_of_writes_and_reads_agree_with_the_reference(impl, data):
+    shape = dict(n_layers=data.draw(st.integers(1, 3), label="n_layers"),
+                 batch_size=data.draw(st.integers(1, 3), label="batch_size"),
+                 n_kv_heads=data.draw(st.integers(1, 2), label="n_kv_heads"),
+                 max_seq_len=data.draw(st.integers(1, 12), label="max_seq_len"),
+                 head_dim=data.draw(st.sampled_from([1, 2, 4]), label="head_dim"),
+                 dtype=data.draw(st.sampled_from(DTYPES), label="dtype"))
+    B, H, D, dtype, L = shape["batch_size"], shape["n_kv_heads"], shape["head_dim"], shape["dtype"], shape["max_seq_len"]
+    yours, ref = impl.KVCache(**shape), REF.KVCache(**shape)
+    history = ["cache = KVCache(" + ", ".join(f"{k}={str(v).removeprefix('torch.')}" for k, v in shape.items()) + ")"]
+    hint = (WRITE + "; past max_seq_len, write raises CacheFullError and writes nothing; keys(layer) and "
+            "values(layer) are views of positions 0 .. length-1; every sequence of the batch, every layer, any dtype")
+
+    def doing(call: str) -> str:
+        return "; ".join(history) + "; then cache." + call
+
+    def same_length(after: str):
+        if yours.length != ref.length:
+            Case("; ".join(history), "a random sequence of cache operations (the smallest hypothesis found)",
+                 hint=hint, lesson=LESSON).fail(f"length is {yours.length} after {after}, expected {ref.length}",
+                                                ref.length, yours.length)
+
+    def write(layer: int, T: int, seed: int) -> bool:
+        """Both caches write; True when the reference wrote (False: it raised, as it must past capacity)."""
+        def inputs():
+            g = torch.Generator().manual_seed(seed)
+            return (layer, torch.randn(B, H, T, D, generator=g).to(dtype),
+                    torch.randn(B, H, T, D, generator=g).to(dtype)), {}
+        ok = ref.length + T <= L
+        agree(yours.write, ref.write, inputs, what=doing("write"), exercise="ex05", lesson=LESSON, hint=hint,
+              check=shares_storage(None, yours, "write"))
+        history.append(f"write({layer}, k, v with T={T})")
+        same_length(history[-1])
+        return ok
+
+    for _ in range(data.draw(st.integers(1, 10), label="operations")):
+        op = data.draw(st.sampled_from(["pass", "pass", "write", "advance", "keys", "values", "truncate"]), label="op")
+        if op == "pass":  # a forward pass: every layer writes T positions, then the model advances once
+            T = data.draw(st.just(1) | st.integers(1, L + 1), label="T")
+            seed = data.draw(st.integers(0, 2**16), label="seed")
+            if all([write(layer, T, seed + layer) for layer in range(shape["n_layers"])]):
+                yours.advance(T), ref.advance(T)
+                history.append(f"advance({T})")
+        elif op == "write":  # one layer alone (a pass cut short): length must not move
+            layer = data.draw(st.integers(0, shape["n_layers"] - 1), label="layer")
+            write(layer, data.draw(st.integers(1, L + 1), label="T"), data.draw(st.integers(0, 2**16), label="seed"))
+        elif op == "advance":
+            n = data.draw(st.integers(0, L - ref.length), label="n")
+            yours.advance(n), ref.advance(n)
+            history.append(f"advance({n})")
+        elif op == "truncate":
+            n = data.draw(st.integers(0, ref.length), label="n")
+            yours.truncate(n), ref.truncate(n)
+            history.append(f"truncate({n})")
+        else:
+            layer = data.draw(st.integers(0, shape["n_layers"] - 1), label="layer")
+            agree(getattr(yours, op), getattr(ref, op), lambda: ((layer,), {}), what=doing(op), exercise="ex05",
+                  lesson=LESSON, hint=hint, check=shares_storage("k" if op == "keys" else "v", yours, op))
+        same_length(history[-1])
