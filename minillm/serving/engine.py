@@ -29,7 +29,7 @@ from ..generate import check_params, check_prompt, eos_token_set
 from ..sampling import SamplingParams
 from ..stopping import TextStream, check_stop
 from .block_allocator import blocks_needed
-from .model_runner import run_model, sample_rows
+from .model_runner import prompt_logits_spans, run_model, sample_rows
 from .paged_cache import PagedKVCache
 from .request import Request
 from .scheduler import Scheduler, ScheduledBatch
@@ -55,6 +55,10 @@ class RequestOutput:
             token of ``token_ids``: its log-probability and the k most likely tokens at that
             position (natural log of the model's raw distribution, as OpenAI and vLLM report
             them); else None.
+        prompt_logprobs: with ``add_request(..., prompt_logprobs=k)``, one entry per prompt token:
+            None for the first (nothing precedes it), then ``(logprob, [(id, logprob), ...k])`` of
+            token j given tokens 0..j-1, from the prefill's logits (vLLM's ``prompt_logprobs``);
+            complete from the request's first token on; else None.
     """
 
     request_id: str
@@ -68,6 +72,7 @@ class RequestOutput:
     text: str | None = None
     message: str | None = None
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
 
 class LLMEngine:
@@ -112,13 +117,21 @@ class LLMEngine:
     # -- requests in ------------------------------------------------------------------
 
     def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None,
-                    arrival_s: float | None = None, logprobs: int | None = None) -> str:
+                    arrival_s: float | None = None, logprobs: int | None = None,
+                    prompt_logprobs: int | None = None) -> str:
         """Queue a prompt (token ids); returns its request id.
 
         ``params`` default to the checkpoint's generation defaults, as in ``generate``.
         ``arrival_s``: its arrival time (``time.perf_counter()`` seconds); default now.
         ``logprobs``: k >= 0 records each output token's logprob and the k most likely tokens
         (vLLM's ``SamplingParams.logprobs``; see :attr:`RequestOutput.logprobs`); None: not kept.
+        ``prompt_logprobs``: k >= 0 records each prompt token's logprob and the k most likely
+        tokens at its position (vLLM's ``SamplingParams.prompt_logprobs``; see
+        :attr:`RequestOutput.prompt_logprobs`). They come from the prefill itself, chunk by chunk,
+        with a logits row for every prompt position of this request only. Prefix caching: such a
+        request takes no cache hits for the positions whose logits it still needs (as vLLM, which
+        recomputes the prompt: cached blocks hold K/V, not logits); its blocks are still cached
+        for others, and a recompute after a preemption, its prompt logprobs kept, takes hits again.
 
         Raises ValueError for text instead of ids, an empty prompt, ids outside the vocabulary,
         a prompt beyond the model's context or the whole pool, a prompt longer than
@@ -133,8 +146,9 @@ class LLMEngine:
         prompt = check_prompt(prompt_ids).tolist()
         params = check_params(self.model, params, self.tokenizer)
         self._check_fits(prompt)
-        if logprobs is not None and not (type(logprobs) is int and 0 <= logprobs <= self.model.config.vocab_size):
-            raise ValueError(f"logprobs must be None or a number of top tokens in [0, vocab size], got {logprobs!r}")
+        for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if k is not None and not (type(k) is int and 0 <= k <= self.model.config.vocab_size):
+                raise ValueError(f"{name} must be None or a number of top tokens in [0, vocab size], got {k!r}")
         if request_id is None:  # the next number the caller has not taken already
             request_id = next(i for i in map(str, self._ids) if i not in self.requests)
         request_id = str(request_id)
@@ -142,7 +156,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use; give a new one or leave it out")
         device = self.cache.k.device
         request = Request(request_id, prompt, params, time.perf_counter() if arrival_s is None else arrival_s,
-                          generator=params.make_generator(device), num_logprobs=logprobs)
+                          generator=params.make_generator(device), num_logprobs=logprobs,
+                          num_prompt_logprobs=prompt_logprobs)
         if self.tokenizer is not None:
             request.text_stream = TextStream(self.tokenizer, params.stop)
         self.requests[request_id] = request
@@ -195,7 +210,11 @@ class LLMEngine:
         rows = scheduled.rows()
         new_tokens: dict[str, int] = {}
         if scheduled:
+            spans = prompt_logits_spans(scheduled)  # before num_computed_tokens moves on
             sampling, logits = run_model(self.model, self.cache, scheduled)
+            if spans:
+                _keep_prompt_logprobs(spans, logits[len(sampling):])
+                logits = logits[: len(sampling)]
             tokens, _ = sample_rows(logits, sampling)
             now = time.perf_counter()
             for request, n in zip(scheduled.requests, scheduled.num_tokens):
@@ -232,7 +251,8 @@ class LLMEngine:
             request.request_id, request.prompt_ids, [] if new_token is None else [new_token],
             list(request.output_ids), request.finished, request.finish_reason, request.stop_reason,
             request.num_cached_tokens, request.text_stream.text if request.text_stream else None, request.message,
-            None if request.num_logprobs is None else list(request.output_logprobs))
+            None if request.num_logprobs is None else list(request.output_logprobs),
+            None if request.num_prompt_logprobs is None else [None, *request.prompt_logprobs])
 
     def _record(self, scheduled: ScheduledBatch, rows: tuple, start: float, changed: list[Request]) -> None:
         pool = self.cache.allocator
@@ -292,6 +312,19 @@ def _token_logprobs(logits, token: int, k: int) -> tuple[float, list[tuple[int, 
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     top = logprobs.topk(k)
     return logprobs[token].item(), list(zip(top.indices.tolist(), top.values.tolist()))
+
+
+def _keep_prompt_logprobs(spans, logits) -> None:
+    """Append each span's prompt logprobs to its request: position p's row scores token p + 1."""
+    row = 0
+    for request, position, count in spans:
+        logprobs = torch.log_softmax(logits[row : row + count].float(), dim=-1)
+        row += count
+        chosen = torch.tensor(request.prompt_ids[position + 1 : position + 1 + count], device=logprobs.device)
+        values = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+        top = logprobs.topk(request.num_prompt_logprobs, dim=-1)
+        for value, ids, top_values in zip(values, top.indices.tolist(), top.values.tolist()):
+            request.prompt_logprobs.append((value, list(zip(ids, top_values))))
 
 
 def _is_nested(prompt_ids) -> bool:

@@ -6,6 +6,12 @@
 
 A request samples in a step when the step computes its last known token: a decode always,
 a prefill only with its final chunk (an earlier chunk just fills the cache).
+
+Prompt logprobs (vLLM's ``prompt_logprobs``, what ``echo`` with ``logprobs`` serves) need more
+rows: position p's logits give prompt token p + 1's logprob, so a request that asks gets a
+logits row for each prompt position of its chunk (:func:`prompt_logits_spans`), after the
+sampling rows. Only those requests: the plain path still computes one row per sampling request
+(the LM head over every prompt row would cost a [chunk, vocab] matmul each step).
 """
 
 from __future__ import annotations
@@ -20,10 +26,28 @@ from .request import Request
 from .scheduler import ScheduledBatch
 
 
+def prompt_logits_spans(scheduled: ScheduledBatch) -> list[tuple[Request, int, int]]:
+    """(request, first position, number of positions) whose logits the step computes for prompt
+    logprobs: the prompt positions of each chunk, from the first one still needed
+    (:attr:`Request.prompt_logits_from`) up to the prompt's second last (the last one's logits
+    sample the first output token). Positions already kept, or cached, are not computed again."""
+    spans = []
+    for request, n in zip(scheduled.requests, scheduled.num_tokens):
+        needed_from = request.prompt_logits_from
+        if needed_from is None:
+            continue
+        start = max(request.num_computed_tokens, needed_from)
+        end = min(request.num_computed_tokens + n, request.num_prompt_tokens - 1)
+        if end > start:
+            spans.append((request, start, end - start))
+    return spans
+
+
 def prepare_batch(cache: PagedKVCache, scheduled: ScheduledBatch) -> tuple[PagedBatch, list[Request]]:
     """Lay the scheduled tokens end to end (see :class:`PagedBatch`).
 
-    Returns the batch and the requests that sample this step, in the order of its logits rows.
+    Returns the batch and the requests that sample this step, in the order of its logits rows;
+    the rows of :func:`prompt_logits_spans` follow theirs, span after span.
     """
     device, block_size = cache.k.device, cache.block_size
     tables = cache.allocator.block_tables
@@ -45,6 +69,10 @@ def prepare_batch(cache: PagedKVCache, scheduled: ScheduledBatch) -> tuple[Paged
         if end == request.num_tokens:
             logits_rows.append(row + n - 1)
             sampling.append(request)
+    starts = {id(r): row for r, row in zip(scheduled.requests, _first_rows(scheduled))}
+    for request, position, count in prompt_logits_spans(scheduled):
+        first = starts[id(request)] + position - request.num_computed_tokens
+        logits_rows += range(first, first + count)
     width = max((len(t) for t in decode_tables), default=1)
     padded = [t + [0] * (width - len(t)) for t in decode_tables]  # block 0 is a stand-in: masked out
     as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
@@ -54,8 +82,20 @@ def prepare_batch(cache: PagedKVCache, scheduled: ScheduledBatch) -> tuple[Paged
     return batch, sampling
 
 
+def _first_rows(scheduled: ScheduledBatch) -> list[int]:
+    """Each scheduled request's first row in the flat batch."""
+    rows, row = [], 0
+    for n in scheduled.num_tokens:
+        rows.append(row)
+        row += n
+    return rows
+
+
 def run_model(model, cache: PagedKVCache, scheduled: ScheduledBatch) -> tuple[list[Request], torch.Tensor]:
-    """One forward pass over the scheduled tokens: (requests that sample, their logits [R, vocab] float32)."""
+    """One forward pass over the scheduled tokens: (requests that sample, their logits [R, vocab] float32).
+
+    With prompt logprobs asked, the logits hold more rows: the R sampling rows, then those of
+    :func:`prompt_logits_spans` in its order."""
     batch, sampling = prepare_batch(cache, scheduled)
     return sampling, forward_batch(model, batch)
 

@@ -45,6 +45,10 @@ class Request:
         generator: its seeded random generator (None: the global one), kept across steps.
         num_logprobs: None, or how many top tokens to keep with each output token's logprob.
         output_logprobs: with num_logprobs, one (logprob, [(id, logprob), ...]) per output token.
+        num_prompt_logprobs: None, or how many top tokens to keep with each prompt token's logprob.
+        prompt_logprobs: with num_prompt_logprobs, one (logprob, [(id, logprob), ...]) per prompt
+            token after the first (token j's from the logits at position j - 1), filled chunk by
+            chunk as the prefill runs.
     """
 
     request_id: str
@@ -67,6 +71,8 @@ class Request:
     text_stream: object = None  # a minillm.stopping.TextStream when the engine has a tokenizer
     num_logprobs: int | None = None
     output_logprobs: list = field(default_factory=list)
+    num_prompt_logprobs: int | None = None
+    prompt_logprobs: list = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -80,6 +86,16 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def prompt_logits_from(self) -> int | None:
+        """The first position whose logits the prompt's logprobs still need (their positions run
+        up to the prompt's second last), or None when none are needed (not asked, or all kept).
+        The scheduler takes prefix-cache hits only below it: a cached block's K/V is there, but
+        not the logits its positions would give."""
+        if self.num_prompt_logprobs is None or len(self.prompt_logprobs) >= self.num_prompt_tokens - 1:
+            return None
+        return len(self.prompt_logprobs)
 
     @property
     def finished(self) -> bool:

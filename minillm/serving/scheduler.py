@@ -14,7 +14,9 @@ finishes, instead of a batch waiting for its slowest member. One step, under a b
 2. If a running request needs a block and none is free, the newest running request is
    *preempted*: its blocks are freed and it goes back to the front of the waiting queue,
    to be recomputed (prompt + output so far) when there is room again.
-3. Then waiting requests, first come first served: their prefix-cache hits are taken,
+3. Then waiting requests, first come first served: their prefix-cache hits are taken
+   (for a request that wants its prompt's logprobs, none before the positions whose logits
+   they need: cached K/V holds no logits, so those positions are computed again, as vLLM does),
    and their prompt (or, with chunked prefill, as much as the budget has left) is scheduled.
 
 Chunked prefill (Sarathi-Serve, Agrawal et al. 2024) is step 3 cutting a long prompt into
@@ -164,6 +166,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hits = self.allocator.find_cached_prefix(request.all_token_ids)
+            if (logits_from := request.prompt_logits_from) is not None:  # prompt logprobs: only hits before the
+                hits = hits[: logits_from // self.allocator.block_size]  # positions whose logits are still needed
             computed = len(hits) * self.allocator.block_size
             n = request.num_tokens - computed
             if n > budget and not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:

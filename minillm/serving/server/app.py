@@ -4,6 +4,9 @@
     POST /v1/chat/completions   messages -> the chat template -> the assistant's answer
     GET  /v1/models             the one model served
     GET  /v1/models/{id}        that model (OpenAI's model object); 404 for another id
+    POST /tokenize              vLLM's: a prompt or messages -> token ids, count, max_model_len
+    POST /detokenize            vLLM's: token ids -> text
+    GET  /tokenizer_info        vLLM's: the special tokens and chat template (lm-eval's remote tokenizer)
     GET  /health                200 while the engine thread is alive (HEAD too: no body)
     GET  /metrics               Prometheus text: vLLM's metric names under ``minillm:``
     GET  /                      the live view of the engine (web_view.py)
@@ -143,9 +146,20 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
             prompt_ids = await asyncio.to_thread(tokenizer.encode, body.prompt)
         else:
             prompt_ids = list(body.prompt)
-        params = _sampling_params(body, _max_tokens(body.max_tokens, len(prompt_ids), context), defaults)
-        reply = protocol.CompletionReply(f"cmpl-{uuid.uuid4().hex}", model_name)
-        return await _respond(async_engine.generate(prompt_ids, params, reply.id), body, reply, request)
+        # max_tokens 0 (with echo): the engine makes its one token, which the answer leaves out (vLLM's way)
+        requested = 1 if body.max_tokens == 0 else body.max_tokens
+        params = _sampling_params(body, _max_tokens(requested, len(prompt_ids), context), defaults)
+        echo_text = None
+        if body.echo:
+            echo_text = body.prompt if isinstance(body.prompt, str) else _detokenize(tokenizer, prompt_ids, "prompt")
+        reply = protocol.CompletionReply(f"cmpl-{uuid.uuid4().hex}", model_name, tokenizer=tokenizer,
+                                         echo_text=echo_text, prompt_ids=prompt_ids, num_logprobs=body.logprobs,
+                                         generates=body.max_tokens != 0)
+        # the prompt's logprobs only when they are shown: they cost a logits row per prompt token
+        prompt_logprobs = body.logprobs if body.echo else None
+        outputs = async_engine.generate(prompt_ids, params, reply.id, logprobs=body.logprobs,
+                                        prompt_logprobs=prompt_logprobs)
+        return await _respond(outputs, body, reply, request)
 
     @app.post("/v1/chat/completions", **v1)
     async def chat_completions(request: Request):
@@ -164,7 +178,56 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
         outputs = async_engine.generate(prompt_ids, params, reply.id, logprobs=logprobs)
         return await _respond(outputs, body, reply, request)
 
+    @app.post("/tokenize", **v1)
+    async def tokenize(request: Request):
+        """vLLM's /tokenize: ``{"tokens", "count", "max_model_len", "token_strs"}``."""
+        body = await _parse(request, protocol.TokenizeRequest)
+        _check_model(body.model, model_name)
+        if body.prompt is not None:
+            _refuse_unfittable(len(body.prompt), context, tokenizer, "prompt")
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await asyncio.to_thread(tokenizer.encode, body.prompt, special)
+        else:
+            chat = [m.as_template_message() for m in body.messages]
+            _refuse_unfittable(sum(len(m.get("content") or "") for m in chat), context, tokenizer, "messages")
+            try:
+                text = tokenizer.apply_chat_template(chat, add_generation_prompt=body.add_generation_prompt,
+                                                     **(body.chat_template_kwargs or {}))
+            except ValueError as error:
+                raise APIError(400, str(error), "messages") from None
+            ids = await asyncio.to_thread(tokenizer.encode, text, bool(body.add_special_tokens))
+        return {"count": len(ids), "max_model_len": context, "tokens": ids,
+                "token_strs": tokenizer.token_strings(ids) if body.return_token_strs else None}
+
+    @app.post("/detokenize", **v1)
+    async def detokenize(request: Request):
+        """vLLM's /detokenize: ``{"prompt": text}``, special tokens written out."""
+        body = await _parse(request, protocol.DetokenizeRequest)
+        _check_model(body.model, model_name)
+        return {"prompt": _detokenize(tokenizer, body.tokens, "tokens")}
+
+    special = {name: tokenizer.special_tokens.get(name) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    if special["eos_token"] is None and tokenizer.eos_token_id is not None:
+        special["eos_token"] = tokenizer.id_to_token(tokenizer.eos_token_id)
+    tokenizer_info = {"tokenizer_class": "PreTrainedTokenizerFast", **special,
+                      "chat_template": tokenizer.chat_template, "model_max_length": context}
+
+    @app.get("/tokenizer_info", **v1)
+    async def get_tokenizer_info():
+        """vLLM's /tokenizer_info (its --enable-tokenizer-info-endpoint): what lm-eval's remote
+        tokenizer reads (the special tokens, the chat template)."""
+        return tokenizer_info
+
     return app
+
+
+def _detokenize(tokenizer, ids: list[int], param: str) -> str:
+    """The text of ``ids``, special tokens kept (vLLM's /detokenize and echo); APIError 400 for an id
+    outside the vocabulary."""
+    try:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+    except ValueError as error:
+        raise APIError(400, str(error), param) from None
 
 
 class DrainingServer(uvicorn.Server):

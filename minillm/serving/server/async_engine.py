@@ -95,10 +95,12 @@ class AsyncEngine:
     # -- the client side (coroutines in the server's event loop) ---------------------------
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       logprobs: int | None = None) -> AsyncIterator[RequestOutput]:
+                       logprobs: int | None = None, prompt_logprobs: int | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Queue a prompt and yield its :class:`RequestOutput` each step it changes, the last finished.
 
-        ``request_id``: default a fresh random one; ``logprobs``: as ``LLMEngine.add_request``.
+        ``request_id``: default a fresh random one; ``logprobs``, ``prompt_logprobs``: as
+        ``LLMEngine.add_request``.
         Leaving the loop early (a client that disconnects cancels the coroutine, or ``aclose()``)
         aborts the request: its blocks go back to the pool before the engine's next step.
         The request's arrival is stamped here, not when the engine thread adds it, so TTFT,
@@ -114,7 +116,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already streaming; give a new one or leave it out")
         added = loop.create_future()  # the engine thread resolves it when it has added the request
         self._queues[request_id] = (loop, queue)
-        self._send(("add", request_id, prompt_ids, params, logprobs, time.perf_counter(), added))
+        self._send(("add", request_id, prompt_ids, params, logprobs, prompt_logprobs, time.perf_counter(), added))
         try:
             await added
         except asyncio.CancelledError:  # the client left while the add was queued: the abort follows it
@@ -216,7 +218,7 @@ class AsyncEngine:
             else:
                 self._abort_now(command[1])
 
-    def _add_now(self, request_id, prompt_ids, params, logprobs, arrival_s, added) -> None:
+    def _add_now(self, request_id, prompt_ids, params, logprobs, prompt_logprobs, arrival_s, added) -> None:
         """Add a request, or refuse it (full queue, bad prompt, stopping); tell its client which."""
         error = None
         waiting = len(self.engine.scheduler.waiting)
@@ -227,7 +229,8 @@ class AsyncEngine:
                                    "--max-waiting-requests); retry later")
         else:
             try:
-                self.engine.add_request(prompt_ids, params, request_id, arrival_s=arrival_s, logprobs=logprobs)
+                self.engine.add_request(prompt_ids, params, request_id, arrival_s=arrival_s, logprobs=logprobs,
+                                        prompt_logprobs=prompt_logprobs)
             except ValueError as bad:
                 error = bad
         loop = added.get_loop()

@@ -34,6 +34,10 @@ UNSUPPORTED_FIELDS = {"tools", "tool_choice", "tool_calls", "functions", "functi
                       "suffix", "best_of", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
 # /v1/completions' default max_tokens (OpenAI's legacy API and vLLM: 16). Chat has none: the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# The most top tokens /v1/completions' logprobs may ask for (vLLM's default max_logprobs; OpenAI's legacy API: 5).
+MAX_COMPLETION_LOGPROBS = 20
+# vLLM's floor for -inf (a token the model rules out): JSON has no infinity
+LOGPROB_FLOOR = -9999.0
 
 
 class _Strict(BaseModel):
@@ -100,12 +104,18 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    """POST /v1/completions: a prompt (text, or token ids as vLLM allows) to continue."""
+    """POST /v1/completions: a prompt (text, or token ids as vLLM allows) to continue.
+
+    ``echo``: the answer starts with the prompt; with ``logprobs: N`` the prompt's tokens come
+    with their logprobs too (the first one's null), which is how evaluation harnesses (lm-eval's
+    ``local-completions``) score a continuation. ``max_tokens: 0`` with ``echo``: the prompt
+    and its logprobs only, no new token.
+    """
 
     prompt: str | list[int]
-    max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
-    echo: Literal[False] = False
-    logprobs: int | None = None
+    echo: bool = False
+    max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -124,13 +134,13 @@ class CompletionRequest(_SamplingFields):
             raise ValueError(f"a prompt given as a list holds token ids (integers); item {bad} is {prompt[bad]!r:.40}")
         return prompt
 
-    @field_validator("logprobs", mode="before")
+    @field_validator("max_tokens")
     @classmethod
-    def _no_logprobs(cls, logprobs):
-        if logprobs is not None:
-            raise ValueError("logprobs are served on /v1/chat/completions (logprobs: true, top_logprobs: k), "
-                             "not on /v1/completions")
-        return logprobs
+    def _zero_only_with_echo(cls, max_tokens, info):
+        if max_tokens == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens 0 generates nothing: it needs echo: true (the prompt, and with logprobs "
+                             "its tokens' logprobs); else ask for at least 1 token")
+        return max_tokens
 
 
 class TextPart(_Strict):
@@ -200,6 +210,36 @@ class ChatCompletionRequest(_SamplingFields):
         return kwargs
 
 
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's): a ``prompt``, or ``messages`` rendered with the chat template.
+
+    ``add_special_tokens``: the tokenizer's BOS/EOS around a prompt (vLLM's default: true for a
+    prompt, false for messages, whose template writes its own); ``return_token_strs``: each
+    token's text too."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, validate_default=True)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, bool | int | float | str] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _prompt_or_messages(cls, messages, info):
+        if (messages is None) == (info.data.get("prompt") is None):
+            raise ValueError("give a prompt (text) or messages (a chat), one of them")
+        return messages
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's): token ids -> ``{"prompt": text}`` (special tokens kept)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # -- responses -------------------------------------------------------------------------------
 
 
@@ -223,21 +263,83 @@ def now_s() -> int:
 
 class CompletionReply:
     """Renders one /v1/completions request's engine outputs as OpenAI's JSON: the whole
-    ``text_completion``, or its stream of chunks (each with the text added since the last one)."""
+    ``text_completion``, or its stream of chunks (each with the text added since the last one).
+
+    Args (keyword, /v1/completions only):
+        tokenizer: for the logprobs' token strings.
+        echo_text: with ``echo``, the prompt's text: the answer starts with it (a stream's first
+            chunk carries it, with the first token's text, as vLLM's), and with ``num_logprobs``
+            the logprobs start with the prompt's tokens (``prompt_ids``).
+        num_logprobs: ``logprobs: N``: OpenAI's legacy ``logprobs`` object (:meth:`_legacy_logprobs`).
+        generates: False for ``max_tokens: 0``: the engine's one token is left out of the answer.
+    """
 
     object, chunk_object = "text_completion", "text_completion"
 
-    def __init__(self, request_id: str, model: str):
+    def __init__(self, request_id: str, model: str, *, tokenizer=None, echo_text: str | None = None,
+                 prompt_ids: list[int] | None = None, num_logprobs: int | None = None, generates: bool = True):
         self.id, self.model, self.created = request_id, model, now_s()
         self.text_sent = 0  # characters of the answer already streamed
+        self.tokenizer, self.echo_text, self.prompt_ids = tokenizer, echo_text, prompt_ids
+        self.num_logprobs, self.generates = num_logprobs, generates
+        self.echoed, self.tokens_sent, self.text_offset = False, 0, 0  # the stream's progress
+
+    def _completion_tokens(self, out) -> int:
+        return len(out.token_ids) if self.generates else 0
+
+    def _text_and_tokens(self, out, start: int) -> tuple[str, list[int], list]:
+        """The answer's text from character ``start`` of the output on, and its tokens and their
+        logprob entries from output token ``self.tokens_sent`` on; the echoed prompt before them
+        the first time (``self.echoed``)."""
+        text = out.text[start:] if self.generates else ""
+        ids = list(out.token_ids[self.tokens_sent:]) if self.generates else []
+        entries = list(out.logprobs[self.tokens_sent:]) if self.generates and out.logprobs is not None else []
+        if self.echo_text is not None and not self.echoed:
+            text, ids = self.echo_text + text, self.prompt_ids + ids
+            entries = list(out.prompt_logprobs or [None] * len(self.prompt_ids)) + entries
+            self.echoed = True
+        self.tokens_sent = len(out.token_ids)
+        return text, ids, entries
+
+    def _legacy_logprobs(self, ids: list[int], entries: list) -> dict | None:
+        """OpenAI's legacy ``logprobs``: ``tokens`` (each token's text), ``token_logprobs`` (null
+        for the prompt's first token: nothing precedes it), ``top_logprobs`` (a dict per token:
+        the token itself, then the N most likely, as vLLM's: N or N + 1 entries) and
+        ``text_offset`` (where each token starts in the answer's text)."""
+        if self.num_logprobs is None:
+            return None
+        strings = self.tokenizer.token_strings(ids)
+        tops = [{i for i, _ in entry[1][: self.num_logprobs]} for entry in entries if entry is not None]
+        names = dict(zip(sorted(set().union(*tops)), self.tokenizer.token_strings(sorted(set().union(*tops)))))
+        token_logprobs, top_logprobs, offsets = [], [], []
+        for token_id, string, entry in zip(ids, strings, entries):
+            offsets.append(self.text_offset)
+            self.text_offset += len(string)
+            if entry is None:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
+            logprob, top = entry
+            token_logprobs.append(max(logprob, LOGPROB_FLOOR))
+            top_logprobs.append({string: max(logprob, LOGPROB_FLOOR),
+                                 **{names[i]: max(lp, LOGPROB_FLOOR) for i, lp in top[: self.num_logprobs]}})
+        return {"tokens": strings, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
+    def _envelope(self, object_name: str, choices: list, **fields) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
+                "choices": choices, **fields}
+
 
     def _envelope(self, object_name: str, choices: list, **fields) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
                 "choices": choices, **fields}
 
     def response(self, out) -> dict:
-        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": finish_reason(out.finish_reason)}
-        return self._envelope(self.object, [choice], usage=_usage(out))
+        text, ids, entries = self._text_and_tokens(out, 0)
+        choice = {"index": 0, "text": text, "logprobs": self._legacy_logprobs(ids, entries),
+                  "finish_reason": finish_reason(out.finish_reason)}
+        return self._envelope(self.object, [choice], usage=_usage(out, self._completion_tokens(out)))
 
     def first_chunks(self, first, usage_mode: str | None) -> list[dict]:
         return []
@@ -246,13 +348,16 @@ class CompletionReply:
         """The chunk for one output: the new text ("" while the engine holds a partial
         character or a possible stop string back), and the finish reason on the last one.
         ``usage_mode``: :attr:`StreamOptions.usage_mode`."""
-        delta, self.text_sent = out.text[self.text_sent:], len(out.text)
-        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason(out.finish_reason)}
-        return self._envelope(self.chunk_object, [choice], **_usage_field(out, usage_mode))
+        delta, ids, entries = self._text_and_tokens(out, self.text_sent)
+        self.text_sent = len(out.text)
+        choice = {"index": 0, "text": delta, "logprobs": self._legacy_logprobs(ids, entries),
+                  "finish_reason": finish_reason(out.finish_reason)}
+        return self._envelope(self.chunk_object, [choice],
+                              **_usage_field(out, usage_mode, self._completion_tokens(out)))
 
     def usage_chunk(self, out) -> dict:
         """``stream_options.include_usage``: a last chunk with no choices and the usage."""
-        return self._envelope(self.chunk_object, [], usage=_usage(out))
+        return self._envelope(self.chunk_object, [], usage=_usage(out, self._completion_tokens(out)))
 
 
 class ChatReply(CompletionReply):
@@ -291,8 +396,7 @@ class ChatReply(CompletionReply):
             return None
 
         def entry(token_id: int, logprob: float) -> dict:
-            # vLLM's floor for -inf (a token the model rules out): JSON has no infinity
-            return {"token": self.tokenizer.token_strings([token_id])[0], "logprob": max(logprob, -9999.0),
+            return {"token": self.tokenizer.token_strings([token_id])[0], "logprob": max(logprob, LOGPROB_FLOOR),
                     "bytes": list(self.tokenizer.token_bytes([token_id])[0])}
 
         content = [dict(entry(token_id, logprob), top_logprobs=[entry(i, lp) for i, lp in top])
