@@ -180,6 +180,8 @@ def fmt(x) -> str:
             return "(" + ", ".join(f"{v:.6g}" for v in x) + ")"
         return repr(x)
     t = x.detach().cpu()
+    if t.numel() == 0:
+        return f"tensor {shape(t)} {_dtype(t)} (empty)"
     if t.numel() > MAX_SHOWN:
         flat = ", ".join(_num(v) for v in t.reshape(-1)[:6].tolist())
         return f"tensor {shape(t)} {_dtype(t)}, starting {flat}, ..."
