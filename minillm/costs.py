@@ -129,6 +129,40 @@ def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
     return config.kv_bytes_per_token(dtype_bytes)
 
 
+# Per direction, in Gb/s as the specifications quote them (a K/V transfer goes one way; lesson 10).
+# NVLink 4: H100 datasheet, 900 GB/s per GPU counting both directions -> 450 GB/s = 3,600 Gb/s one way.
+# InfiniBand NDR: 400 Gb/s a port. Ethernet: its name.
+LINKS_GBIT_S: dict[str, float] = {"NVLink 4": 3600.0, "InfiniBand NDR": 400.0, "100 GbE": 100.0, "10 GbE": 10.0}
+
+
+def kv_transfer_seconds(config: ModelConfig, prompt_tokens: int, dtype_bytes: int, link_gbit_s: float) -> float:
+    """Seconds to send a prompt's K/V from a prefill worker to a decode worker: a floor.
+
+    bytes   = prompt_tokens · kv_bytes_per_token
+            = prompt_tokens · 2 (K and V) · n_layers · n_kv_heads · head_dim · dtype_bytes
+    seconds = bytes / (link_gbit_s · 1e9 / 8)
+
+    Every layer's K and V for every prompt position crosses the link (the output tokens' K/V is
+    made on the decode worker and never does). Bandwidth only: latency, protocol overhead and
+    contention add to it (lesson 10, "Link bandwidths"; DistServe, Zhong et al. 2024).
+
+    Args:
+        config: the model; only n_layers, n_kv_heads and head_dim matter.
+        prompt_tokens: tokens of the prompt, >= 0 (0 sends nothing: 0.0).
+        dtype_bytes: bytes of one cached K or V element (2 for bfloat16), >= 1.
+        link_gbit_s: the link's bandwidth in ONE direction, in gigabits per second (1e9 bits/s)
+            as link speeds are quoted: 400 for InfiniBand NDR, 100 for 100 GbE (LINKS_GBIT_S).
+
+    Returns seconds, a float.
+    Raises ValueError for prompt_tokens < 0, dtype_bytes < 1 or link_gbit_s not > 0 (NaN included).
+    """
+    _check(prompt_tokens >= 0, f"prompt_tokens must be >= 0, got {prompt_tokens}")
+    _check(dtype_bytes >= 1, f"dtype_bytes must be >= 1, got {dtype_bytes}")
+    _check(link_gbit_s > 0, f"link_gbit_s must be > 0 (gigabits per second, one direction), got {link_gbit_s}")
+    n_bytes = prompt_tokens * kv_bytes_per_token(config, dtype_bytes)
+    return n_bytes / (link_gbit_s * 1e9 / 8)
+
+
 def kv_positions_read(config: ModelConfig, n_tokens: int, cached_tokens: int = 0) -> int:
     """Cache positions a pass of n_tokens after cached_tokens reads, summed over layers.
 

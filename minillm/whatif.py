@@ -23,7 +23,7 @@ from importlib import resources
 from pathlib import Path
 
 from .config import ModelConfig
-from .costs import PhaseCost, decode_cost, kv_bytes_per_token, prefill_cost, weights_bytes
+from .costs import PhaseCost, decode_cost, kv_bytes_per_token, kv_transfer_seconds, prefill_cost, weights_bytes
 from .errors import ConfigError
 from .hardware import HardwareProfile
 
@@ -123,6 +123,37 @@ def predict(
         memory_bytes_needed=needed,
         fits_in_memory=needed <= hw.memory_bytes if hw.memory_bytes else None,
     )
+
+
+def transfer_vs_prefill(config: ModelConfig, prompt_tokens: int, dtype_bytes: int, link_gbit_s: float,
+                        hw: HardwareProfile) -> float:
+    """The K/V transfer time over the prefill time, for one prompt: does disaggregation pay?
+
+        transfer = kv_transfer_seconds(config, prompt_tokens, dtype_bytes, link_gbit_s)
+        prefill  = max(FLOPs / hw.peak_flops, bytes / hw.mem_bandwidth)
+                   of prefill_cost(config, prompt_tokens, dtype_bytes)     (one sequence, empty cache)
+        ratio    = transfer / prefill
+
+    The prefill time is its roofline floor (Williams et al. 2009), ``predict``'s TTFT; a real
+    prefill is slower, which makes the ratio smaller. Below 1 the transfer costs less than
+    the prefill it offloads; above 1, sending the K/V takes longer than recomputing it
+    (lesson 10, "When splitting pays off").
+
+    Args:
+        config: the model.
+        prompt_tokens: tokens of the prompt, >= 1.
+        dtype_bytes: bytes of one weight and of one cached K or V element (2 for bfloat16).
+        link_gbit_s: the link's bandwidth in one direction, Gb/s as quoted (LINKS_GBIT_S).
+        hw: the GPU that would run the prefill (peak_flops in FLOP/s, mem_bandwidth in bytes/s).
+
+    Returns the ratio, a float.
+    Raises ValueError for prompt_tokens < 1, dtype_bytes < 1 or link_gbit_s not > 0 (NaN included).
+    """
+    if prompt_tokens < 1:
+        raise ValueError(f"prompt_tokens must be >= 1 (a prefill has at least one token), got {prompt_tokens}")
+    transfer_s = kv_transfer_seconds(config, prompt_tokens, dtype_bytes, link_gbit_s)
+    prefill_s = max(_floors(prefill_cost(config, prompt_tokens, dtype_bytes), hw))
+    return transfer_s / prefill_s
 
 
 def _floors(cost: PhaseCost, hw: HardwareProfile) -> tuple[float, float]:

@@ -491,3 +491,63 @@ def cache_keys_by_narrow(self, layer):
 def cache_values_by_narrow(self, layer):
     """narrow() the layer's buffer to the filled positions (a view, as slicing gives)."""
     return self.v.select(0, layer).narrow(2, 0, self.length)
+
+
+# -- ex19 (issue 30) ------------------------------------------------------------------------------
+
+
+@alternative("ex19", "kv_transfer_seconds")
+def transfer_in_bits(config, prompt_tokens, dtype_bytes, link_gbit_s):
+    """Count the K/V in bits, layer by layer, and divide by the link's bits per second."""
+    if prompt_tokens < 0 or dtype_bytes < 1 or not link_gbit_s > 0:
+        raise ValueError(f"bad transfer: {prompt_tokens} tokens, {dtype_bytes} bytes, {link_gbit_s} Gb/s")
+    bits = 0
+    for _layer in range(config.n_layers):
+        for _tensor in ("K", "V"):
+            bits += prompt_tokens * config.n_kv_heads * config.head_dim * dtype_bytes * 8
+    return bits / (link_gbit_s * 1e9)
+
+
+@alternative("ex19", "transfer_vs_prefill")
+def ratio_from_predict(config, prompt_tokens, dtype_bytes, link_gbit_s, hw):
+    """The prefill time from whatif's predict (its TTFT floor), the transfer from the config directly."""
+    from minillm.whatif import predict
+
+    if not link_gbit_s > 0 or dtype_bytes < 1:
+        raise ValueError(f"link_gbit_s must be > 0 and dtype_bytes >= 1, got {link_gbit_s}, {dtype_bytes}")
+    ttft_s = predict(config, hw, prompt_tokens, 1, dtype_bytes).ttft_ms / 1e3  # ValueError for prompt_tokens < 1
+    link_bytes_s = link_gbit_s * 1e9 / 8
+    return prompt_tokens * config.kv_bytes_per_token(dtype_bytes) / link_bytes_s / ttft_s
+
+
+# -- ex20 (issue 30) ------------------------------------------------------------------------------
+
+
+def _check_a_k(a, k):
+    if not (a >= 0 and a <= 1):
+        raise ValueError(f"acceptance_rate must be in [0, 1], got {a}")
+    if isinstance(k, float) or int(k) != k or k < 0:
+        raise ValueError(f"k must be an integer >= 0, got {k}")
+
+
+@alternative("ex20", "expected_tokens_per_pass")
+def tokens_as_a_sum(acceptance_rate, k):
+    """Sum the probability that each position of the pass makes a token: a^0 (the model's own) + a^1 + ... + a^k."""
+    _check_a_k(acceptance_rate, k)
+    total = 0.0
+    for i in range(k + 1):
+        total += acceptance_rate ** i  # draft i is kept only if drafts 1..i all were
+    return total
+
+
+@alternative("ex20", "speculative_speedup")
+def speedup_as_time_per_token(acceptance_rate, k, draft_cost, verify_cost=1.0):
+    """Time per token speculating (pass time / tokens) against plain decoding's 1 step per token."""
+    import math
+
+    _check_a_k(acceptance_rate, k)
+    if not (draft_cost >= 0 and math.isfinite(draft_cost)) or not (verify_cost > 0 and math.isfinite(verify_cost)):
+        raise ValueError(f"costs must be finite, draft_cost >= 0, verify_cost > 0: {draft_cost}, {verify_cost}")
+    tokens = tokens_as_a_sum(acceptance_rate, k)
+    seconds_per_token = (k * draft_cost + verify_cost) / tokens
+    return 1.0 / seconds_per_token

@@ -2042,3 +2042,207 @@ def int4_truncates_instead_of_rounding(w, group_size=64):
 def int4_dequantize_keeps_the_padding_nibble(packed, scale, zero, in_features, group_size=64):
     """Returns every nibble, 2 · bytes columns: an odd in_features gets the padding code as an extra weight."""
     return dequantize_int4(packed, scale, zero, 2 * packed.shape[1], group_size)  # MISTAKE: cut to in_features
+
+
+# -- ex19 disaggregation: the K/V transfer against the prefill (issue 30) ----------------------------
+
+from minillm.costs import prefill_cost as _prefill_cost  # noqa: E402
+from minillm.whatif import transfer_vs_prefill as _transfer_vs_prefill  # noqa: E402
+
+
+def _kv_transfer_checked(prompt_tokens, dtype_bytes, link_gbit_s):
+    if prompt_tokens < 0 or dtype_bytes < 1 or not link_gbit_s > 0:
+        raise ValueError("bad input")
+
+
+@mistake("ex19", "kv_transfer_seconds")
+def transfer_link_speed_in_bytes(config, prompt_tokens, dtype_bytes, link_gbit_s):
+    """bytes / (link_gbit_s · 1e9): the link's Gb/s taken as GB/s, the transfer 8x too fast."""
+    _kv_transfer_checked(prompt_tokens, dtype_bytes, link_gbit_s)
+    return prompt_tokens * kv_bytes_per_token(config, dtype_bytes) / (link_gbit_s * 1e9)  # MISTAKE: bits, / 8
+
+
+@mistake("ex19", "kv_transfer_seconds")
+def transfer_forgets_k_and_v(config, prompt_tokens, dtype_bytes, link_gbit_s):
+    """n_layers · n_kv_heads · head_dim · dtype_bytes per token: only K (or only V) is sent, half the bytes."""
+    _kv_transfer_checked(prompt_tokens, dtype_bytes, link_gbit_s)
+    per_token = config.n_layers * config.n_kv_heads * config.head_dim * dtype_bytes  # MISTAKE: 2 · (K and V)
+    return prompt_tokens * per_token / (link_gbit_s * 1e9 / 8)
+
+
+@mistake("ex19", "kv_transfer_seconds")
+def transfer_uses_query_heads(config, prompt_tokens, dtype_bytes, link_gbit_s):
+    """2 · n_layers · n_heads · head_dim: the query heads counted, GQA's smaller cache forgotten."""
+    _kv_transfer_checked(prompt_tokens, dtype_bytes, link_gbit_s)
+    per_token = 2 * config.n_layers * config.n_heads * config.head_dim * dtype_bytes  # MISTAKE: n_kv_heads
+    return prompt_tokens * per_token / (link_gbit_s * 1e9 / 8)
+
+
+@mistake("ex19", "kv_transfer_seconds")
+def transfer_ignores_layers(config, prompt_tokens, dtype_bytes, link_gbit_s):
+    """2 · n_kv_heads · head_dim · dtype_bytes: one layer's K/V, as if the decode worker needed no other."""
+    _kv_transfer_checked(prompt_tokens, dtype_bytes, link_gbit_s)
+    per_token = 2 * config.n_kv_heads * config.head_dim * dtype_bytes  # MISTAKE: · n_layers
+    return prompt_tokens * per_token / (link_gbit_s * 1e9 / 8)
+
+
+@mistake("ex19", "kv_transfer_seconds")
+def transfer_head_dim_from_d_model(config, prompt_tokens, dtype_bytes, link_gbit_s):
+    """head_dim = d_model // n_heads: wrong for models that set head_dim (Qwen3, Gemma)."""
+    _kv_transfer_checked(prompt_tokens, dtype_bytes, link_gbit_s)
+    head_dim = config.d_model // config.n_heads  # MISTAKE: config.head_dim
+    return prompt_tokens * 2 * config.n_layers * config.n_kv_heads * head_dim * dtype_bytes / (link_gbit_s * 1e9 / 8)
+
+
+@mistake("ex19", "kv_transfer_seconds")
+def transfer_lets_a_nan_link_through(config, prompt_tokens, dtype_bytes, link_gbit_s):
+    """`if link_gbit_s <= 0: raise`: NaN passes that test and the transfer comes out NaN."""
+    if prompt_tokens < 0 or dtype_bytes < 1 or link_gbit_s <= 0:  # MISTAKE: not link_gbit_s > 0
+        raise ValueError("bad input")
+    return prompt_tokens * kv_bytes_per_token(config, dtype_bytes) / (link_gbit_s * 1e9 / 8)
+
+
+@mistake("ex19", "kv_transfer_seconds")
+def transfer_returns_an_int_for_no_tokens(config, prompt_tokens, dtype_bytes, link_gbit_s):
+    """`if prompt_tokens == 0: return 0`: the int 0 where a float of seconds is documented."""
+    _kv_transfer_checked(prompt_tokens, dtype_bytes, link_gbit_s)
+    if prompt_tokens == 0:
+        return 0  # MISTAKE: 0.0
+    return prompt_tokens * kv_bytes_per_token(config, dtype_bytes) / (link_gbit_s * 1e9 / 8)
+
+
+def _ratio_transfer(config, prompt_tokens, dtype_bytes, link_gbit_s):
+    if prompt_tokens < 1 or dtype_bytes < 1 or not link_gbit_s > 0:
+        raise ValueError("bad input")
+    return prompt_tokens * kv_bytes_per_token(config, dtype_bytes) / (link_gbit_s * 1e9 / 8)
+
+
+@mistake("ex19", "transfer_vs_prefill")
+def ratio_against_the_compute_floor_only(config, prompt_tokens, dtype_bytes, link_gbit_s, hw):
+    """prefill = FLOPs / peak_flops: "prefill is compute-bound", wrong for a short prompt (memory-bound)."""
+    cost = _prefill_cost(config, max(prompt_tokens, 1), dtype_bytes)
+    transfer = _ratio_transfer(config, prompt_tokens, dtype_bytes, link_gbit_s)
+    return transfer / (cost.flops / hw.peak_flops)  # MISTAKE: max(compute floor, memory floor)
+
+
+@mistake("ex19", "transfer_vs_prefill")
+def ratio_inverted(config, prompt_tokens, dtype_bytes, link_gbit_s, hw):
+    """prefill / transfer: the ratio upside down, so a slow link looks like a bargain."""
+    return 1 / _transfer_vs_prefill(config, prompt_tokens, dtype_bytes, link_gbit_s, hw)  # MISTAKE: transfer / prefill
+
+
+@mistake("ex19", "transfer_vs_prefill")
+def ratio_link_speed_in_bytes(config, prompt_tokens, dtype_bytes, link_gbit_s, hw):
+    """The transfer worked out inline with the link's Gb/s as GB/s: the ratio 8x too small."""
+    return _transfer_vs_prefill(config, prompt_tokens, dtype_bytes, link_gbit_s * 8, hw)  # MISTAKE: bits, / 8
+
+
+@mistake("ex19", "transfer_vs_prefill")
+def ratio_prefill_runs_the_lm_head_on_every_token(config, prompt_tokens, dtype_bytes, link_gbit_s, hw):
+    """prefill FLOPs with the LM head on all P tokens: minillm's prefill (and the docstring's) runs it once."""
+    cost = _prefill_cost(config, max(prompt_tokens, 1), dtype_bytes, last_only=False)  # MISTAKE: last_only=True
+    transfer = _ratio_transfer(config, prompt_tokens, dtype_bytes, link_gbit_s)
+    return transfer / max(cost.flops / hw.peak_flops, cost.bytes / hw.mem_bandwidth)
+
+
+# -- ex20 speculative speed-up: expected tokens per pass (issue 30) -----------------------------------
+
+from minillm.speculative import expected_tokens_per_pass as _expected_tokens  # noqa: E402
+
+
+def _spec_checked(a, k):
+    if not 0 <= a <= 1 or not isinstance(k, int) or k < 0:
+        raise ValueError("bad input")
+
+
+@mistake("ex20", "expected_tokens_per_pass")
+def tokens_per_pass_a_times_k(acceptance_rate, k):
+    """E = a · k: the expected accepted drafts if each were kept on its own, no stop at the first rejection."""
+    _spec_checked(acceptance_rate, k)
+    return float(acceptance_rate * k)  # MISTAKE: 1 + a + ... + a^k
+
+
+@mistake("ex20", "expected_tokens_per_pass")
+def tokens_per_pass_forgets_the_bonus(acceptance_rate, k):
+    """E = (1 - a^k) / (1 - a): one token short, k (not k + 1) when every draft is kept."""
+    _spec_checked(acceptance_rate, k)
+    if acceptance_rate == 1:
+        return float(k)  # MISTAKE: k + 1
+    return (1 - acceptance_rate ** k) / (1 - acceptance_rate)  # MISTAKE: a^(k+1)
+
+
+@mistake("ex20", "expected_tokens_per_pass")
+def tokens_per_pass_counts_only_accepted_drafts(acceptance_rate, k):
+    """E = a + a² + ... + a^k: the accepted drafts, without the token the model adds to every pass."""
+    _spec_checked(acceptance_rate, k)
+    return _expected_tokens(acceptance_rate, k) - 1  # MISTAKE: the model's own token counts
+
+
+@mistake("ex20", "expected_tokens_per_pass")
+def tokens_per_pass_divides_by_zero_at_a_1(acceptance_rate, k):
+    """(1 - a^(k+1)) / (1 - a) with no case for a = 1: ZeroDivisionError where E = k + 1."""
+    _spec_checked(acceptance_rate, k)
+    return (1 - acceptance_rate ** (k + 1)) / (1 - acceptance_rate)  # MISTAKE: a = 1 gives k + 1
+
+
+@mistake("ex20", "expected_tokens_per_pass")
+def tokens_per_pass_returns_an_int_at_a_1(acceptance_rate, k):
+    """`if a == 1: return k + 1`: the int where the docstring promises a float."""
+    _spec_checked(acceptance_rate, k)
+    if acceptance_rate == 1:
+        return k + 1  # MISTAKE: float(k + 1)
+    return (1 - acceptance_rate ** (k + 1)) / (1 - acceptance_rate)
+
+
+@mistake("ex20", "expected_tokens_per_pass")
+def tokens_per_pass_lets_nan_through(acceptance_rate, k):
+    """`if a < 0 or a > 1: raise`: NaN passes both comparisons and E comes out NaN."""
+    if acceptance_rate < 0 or acceptance_rate > 1 or not isinstance(k, int) or k < 0:  # MISTAKE: not 0 <= a <= 1
+        raise ValueError("bad input")
+    if acceptance_rate == 1:
+        return float(k + 1)
+    return (1 - acceptance_rate ** (k + 1)) / (1 - acceptance_rate)
+
+
+@mistake("ex20", "expected_tokens_per_pass")
+def tokens_per_pass_accepts_a_float_k(acceptance_rate, k):
+    """`if k < 0: raise` only: k = 2.0 or 0.5 drafts is taken, though k is an integer."""
+    if not 0 <= acceptance_rate <= 1 or k < 0:  # MISTAKE: k must be an integer
+        raise ValueError("bad input")
+    if acceptance_rate == 1:
+        return float(k + 1)
+    return (1 - acceptance_rate ** (k + 1)) / (1 - acceptance_rate)
+
+
+def _speedup_checked(a, k, c, v):
+    _spec_checked(a, k)
+    if not (math.isfinite(c) and c >= 0 and math.isfinite(v) and v > 0):
+        raise ValueError("bad input")
+
+
+@mistake("ex20", "speculative_speedup")
+def speedup_ignores_the_draft_cost(acceptance_rate, k, draft_cost, verify_cost=1.0):
+    """E / verify_cost: the draft's k steps taken as free, a draft model's speed-up overstated."""
+    _speedup_checked(acceptance_rate, k, draft_cost, verify_cost)
+    return _expected_tokens(acceptance_rate, k) / verify_cost  # MISTAKE: k · draft_cost + verify_cost
+
+
+@mistake("ex20", "speculative_speedup")
+def speedup_ignores_the_verify_cost(acceptance_rate, k, draft_cost, verify_cost=1.0):
+    """E / (k · c + 1): Leviathan's one-step verify pass assumed even when a measured cost is given."""
+    _speedup_checked(acceptance_rate, k, draft_cost, verify_cost)
+    return _expected_tokens(acceptance_rate, k) / (k * draft_cost + 1)  # MISTAKE: + verify_cost
+
+
+@mistake("ex20", "speculative_speedup")
+def speedup_runs_the_draft_k_plus_1_times(acceptance_rate, k, draft_cost, verify_cost=1.0):
+    """E / ((k + 1) · c + v): the draft charged for the bonus token too, which the target makes."""
+    _speedup_checked(acceptance_rate, k, draft_cost, verify_cost)
+    return _expected_tokens(acceptance_rate, k) / ((k + 1) * draft_cost + verify_cost)  # MISTAKE: k · c
+
+
+@mistake("ex20", "speculative_speedup")
+def speedup_never_checks_the_costs(acceptance_rate, k, draft_cost, verify_cost=1.0):
+    """No check of draft_cost and verify_cost: a negative, zero or NaN cost gives a number, not a ValueError."""
+    _spec_checked(acceptance_rate, k)  # MISTAKE: draft_cost >= 0, verify_cost > 0, both finite
+    return _expected_tokens(acceptance_rate, k) / (k * draft_cost + verify_cost)

@@ -108,6 +108,13 @@ EXERCISES = {ex.id: ex for ex in [
     Exercise("ex18", "int4 group quantisation", "ex18_int4_quant", "lessons/09-optimisations.md#weight-only-quantisation",
              {"quantize_int4": "minillm.quantize", "dequantize_int4": "minillm.quantize"},
              ("quantize_int4", "dequantize_int4")),
+    Exercise("ex19", "K/V transfer vs prefill", "ex19_disaggregation", "lessons/10-disaggregation.md#when-splitting-pays-off",
+             {"kv_transfer_seconds": "minillm.costs", "transfer_vs_prefill": "minillm.whatif"},
+             ("kv_transfer_seconds", "transfer_vs_prefill")),
+    Exercise("ex20", "speculative speed-up", "ex20_speculative_speedup",
+             "lessons/09-optimisations.md#how-many-tokens-a-pass-makes",
+             {"expected_tokens_per_pass": "minillm.speculative", "speculative_speedup": "minillm.speculative"},
+             ("expected_tokens_per_pass", "speculative_speedup")),
 ]}
 
 

@@ -16,6 +16,30 @@ from exercises.registry import EXERCISES, reference
 
 # The mistakes the spec names, and the exercise each one belongs to.
 REQUIRED = {
+    # issue 30 (ex19): bits and bytes, K and V, KV heads, layers, head_dim, NaN, types; the prefill's floor
+    "transfer_link_speed_in_bytes": "ex19",
+    "transfer_forgets_k_and_v": "ex19",
+    "transfer_uses_query_heads": "ex19",
+    "transfer_ignores_layers": "ex19",
+    "transfer_head_dim_from_d_model": "ex19",
+    "transfer_lets_a_nan_link_through": "ex19",
+    "transfer_returns_an_int_for_no_tokens": "ex19",
+    "ratio_against_the_compute_floor_only": "ex19",
+    "ratio_inverted": "ex19",
+    "ratio_link_speed_in_bytes": "ex19",
+    "ratio_prefill_runs_the_lm_head_on_every_token": "ex19",
+    # issue 30 (ex20): a·k, the bonus token, a = 1, types, NaN, an integer k; the draft's and the verify's cost
+    "tokens_per_pass_a_times_k": "ex20",
+    "tokens_per_pass_forgets_the_bonus": "ex20",
+    "tokens_per_pass_counts_only_accepted_drafts": "ex20",
+    "tokens_per_pass_divides_by_zero_at_a_1": "ex20",
+    "tokens_per_pass_returns_an_int_at_a_1": "ex20",
+    "tokens_per_pass_lets_nan_through": "ex20",
+    "tokens_per_pass_accepts_a_float_k": "ex20",
+    "speedup_ignores_the_draft_cost": "ex20",
+    "speedup_ignores_the_verify_cost": "ex20",
+    "speedup_runs_the_draft_k_plus_1_times": "ex20",
+    "speedup_never_checks_the_costs": "ex20",
     "attention_without_scale": "ex02",
     "mask_off_by_one": "ex01",
     "rope_positions_restart_at_zero": "ex03",
