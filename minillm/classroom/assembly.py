@@ -531,7 +531,9 @@ def report_lines(report: AssemblyReport, decode: Callable[[list[int]], str], whe
             why.append("your engine stopped with an error")
         if not report.tokens_equal:
             why.append("the tokens differ")
-        if diff is None or diff > report.tolerance or (ddiff is not None and ddiff > report.tolerance):
+        if diff is None and report.yours.error is None:
+            why.append("no prefill logits came back from your engine (does your loop call prefill?)")
+        elif (diff is not None and diff > report.tolerance) or (ddiff is not None and ddiff > report.tolerance):
             why.append("the logits differ beyond the tolerance")
         lines.append(f"Your engine differs from minillm's: {'; '.join(why)}. 'minillm check' names the failing checks.")
     return lines
