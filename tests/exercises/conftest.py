@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 TESTS = str(Path(__file__).resolve().parents[1])
 if TESTS not in sys.path:  # tests/ holds tiny_models and the exercises package (pytest adds it in prepend mode)
@@ -41,6 +42,16 @@ def exercise_of(item):
 def is_check(item) -> bool:
     """A check of an exercise (tests/exercises/test_exNN_*.py), not a test of the exercise kit itself."""
     return item.path.resolve().parent == HERE and item.path.name.startswith("test_ex")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The checks' tensors are tiny: one thread computes them fastest, and a busy machine's
+    spinning OpenMP threads slowed a run 5x (ex02: 52 s with 2 threads at load 10, 11 s with 1)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture
