@@ -25,7 +25,7 @@ from .kv_cache import KVCache
 from .model import Transformer
 from .phases import decode_step, prefill
 from .prefix_cache import PrefixCache
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample, sample_constrained
 from .speculative import SpeculativeConfig, generate_speculative
 from .stopping import GenerationStep, TextStream, check_stop  # GenerationStep: minillm.generate's public name too
 
@@ -64,6 +64,8 @@ def generate(
             event). None (default): nothing is recorded.
         tokenizer: a :class:`~minillm.tokenizer.Tokenizer`; each step then carries its
             ``text``. Needed for ``params.stop`` (stop strings are matched on text).
+        (``params.allowed_tokens``, constrained decoding: the request's matcher gives each step's
+        allowed tokens and is told each token; the trace's events then carry ``allowed_tokens``.)
         speculative: a :class:`~minillm.speculative.SpeculativeConfig`: a draft proposes
             tokens and the model verifies several per pass (minillm/speculative.py); the steps
             are the same tokens (greedy) or the same distribution (sampling). Not with
@@ -93,6 +95,7 @@ def generate(
     generator = params.make_generator(cache.k.device)
     text = TextStream(tokenizer, params.stop) if tokenizer is not None else None
     output_ids: list[int] = []
+    matcher = params.allowed_tokens.matcher() if params.allowed_tokens is not None else None
 
     request = prefix_cache.begin(model, prompt_ids, cache, trace=trace) if prefix_cache is not None else None
     cached = request.cached_tokens if request else 0
@@ -102,13 +105,20 @@ def generate(
             prefix_cache.commit(model, request, cache, trace=trace)
         phase = "prefill"
         for n in range(1, params.max_new_tokens + 1):
-            token, logprob = sample(logits, params, generator, prompt_ids[None], [output_ids])
+            allowed = matcher.allowed() if matcher is not None else None  # constrained decoding: the grammar's mask
+            if allowed is None and not params.logit_bias:
+                token, logprob = sample(logits, params, generator, prompt_ids[None], [output_ids])
+            else:  # the mask (-inf where not allowed) and the bias first, then the same sample()
+                token, logprob = sample_constrained(logits, params, generator, prompt_ids[None], [output_ids], allowed)
             token_id = token.item()  # waits for the device: the token is now really known
             output_ids.append(token_id)
+            if matcher is not None:
+                matcher.accept(token_id)
             now = time.perf_counter()
             reason, stop_reason, piece = check_stop(token_id, n, eos, params, cache.length >= cache.max_seq_len, text)
             if trace is not None:
-                trace.record_sample(logits, token_id, params, now, reason)
+                trace.record_sample(logits, token_id, params, now, reason,
+                                    n_allowed=None if allowed is None else int(allowed.sum()))
                 if reason:
                     trace.record_metrics(len(prompt_ids), reason)
                 if reason and text:
@@ -132,6 +142,8 @@ def _speculative(model, prompt_ids, params, cache, eos, speculative, tokenizer, 
                          "write SpeculativeConfig(method='ngram', num_speculative_tokens=5)")
     if prefix_cache is not None:
         raise ValueError("speculative decoding does not take a prefix_cache yet; drop one of them")
+    if params.allowed_tokens is not None or params.logit_bias:
+        raise ValueError("speculative decoding does not take allowed_tokens or logit_bias yet; drop one of them")
     return generate_speculative(model, prompt_ids, params, cache, eos, speculative, tokenizer, trace)
 
 
@@ -165,6 +177,9 @@ def check_params(model: Transformer, params, tokenizer) -> SamplingParams:
                          "write SamplingParams(temperature=..., ...)")
     if params.stop and tokenizer is None:
         raise ValueError(f"stop strings {list(params.stop)} are matched on text: pass tokenizer= to generate()")
+    vocab = model.config.vocab_size
+    if params.logit_bias and max(params.logit_bias) >= vocab:
+        raise ValueError(f"logit_bias names token {max(params.logit_bias)}, not in the vocabulary (ids 0..{vocab - 1})")
     return params
 
 

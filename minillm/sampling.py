@@ -3,6 +3,8 @@
 Order of operations (vLLM's v1 sampler, vllm/v1/sample/sampler.py):
 
     raw logits [B, vocab] -> float32
+      -> allowed-token mask: -inf where a constraint (a grammar, constrained decoding) forbids
+      -> logit_bias: added to chosen tokens' logits (OpenAI's logit_bias)
       -> penalties: repetition (prompt + output tokens), presence and frequency (output tokens)
       -> greedy (temperature < 1e-5): argmax, stop here
       -> / temperature -> min_p -> top_k -> top_p -> softmax -> draw one token
@@ -10,7 +12,15 @@ Order of operations (vLLM's v1 sampler, vllm/v1/sample/sampler.py):
 Temperature comes BEFORE top-k/top-p: they filter the distribution temperature has
 already reshaped. Penalties come before greedy, so they change greedy output too.
 min-p before top-k/top-p is vLLM's place for it; transformers applies it after them
-(the kept set differs only when min_p and top_p are both set).
+(the kept set differs only when min_p and top_p are both set). The mask comes first, as vLLM
+applies its grammar bitmask to the logits before its sampler: a forbidden token then has
+probability 0 whatever comes after, and greedy picks the best allowed one.
+
+Constrained decoding (structured output) is a plain hook here: ``SamplingParams.allowed_tokens``
+is any object with a ``matcher()`` method giving each sequence its own :class:`TokenMatcher`,
+which says before each token which ids are allowed and is told each token chosen. This module
+knows nothing of grammars; minillm/structured/ builds such objects from a JSON schema, a
+regex or a list of choices with a grammar library.
 """
 
 from __future__ import annotations
@@ -18,12 +28,32 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import InitVar, dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy. Dividing logits by a smaller one
 # only overflows float32, and the distribution is already one-hot on the argmax.
 GREEDY_TEMPERATURE = 1e-5
+
+
+@runtime_checkable
+class TokenMatcher(Protocol):
+    """One sequence's constraint state: which tokens may come next, advanced token by token."""
+
+    def allowed(self) -> torch.Tensor:
+        """A bool tensor [vocab]: True where the next token may be that id."""
+
+    def accept(self, token_id: int) -> None:
+        """Move past ``token_id``, the token just chosen (always one :meth:`allowed` allowed)."""
+
+
+@runtime_checkable
+class AllowedTokens(Protocol):
+    """A constraint shared by requests (e.g. a compiled JSON schema); each sequence gets its own matcher."""
+
+    def matcher(self) -> TokenMatcher:
+        """A fresh :class:`TokenMatcher`, at the start of the output."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +85,15 @@ class SamplingParams:
             string is one stop string. Needs a tokenizer in :func:`~minillm.generate.generate`.
         ignore_eos: True: the model's EOS ids do not end generation, so it runs to
             max_new_tokens (vLLM's ``ignore_eos``, for benchmarks); stop ids and strings still do.
+        logit_bias: {token id: bias}, each bias in [-100, 100], added to that token's logit
+            before penalties and sampling (OpenAI's ``logit_bias``): -100 in effect bans a
+            token, +100 in effect forces it. None or {} disables.
+        allowed_tokens: None, or an :class:`AllowedTokens` (constrained decoding): each sequence
+            asks its matcher before every token which ids are allowed (the others get -inf,
+            before everything else) and tells it each token chosen. minillm.structured makes
+            them from a JSON schema, a regex or choices; any object with ``matcher()`` works.
+            Both are applied by :func:`sample_constrained`, which ``generate`` and the engine call;
+            :func:`sample` itself (the lesson's) reads only the logits it is given.
 
     Raises ValueError naming the parameter, its allowed values and what it got.
     """
@@ -71,6 +110,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_tokens: AllowedTokens | None = None
     max_tokens: InitVar[int | None] = None
 
     def __post_init__(self, max_tokens):
@@ -93,6 +134,10 @@ class SamplingParams:
             "stop_token_ids": _token_ids(self.stop_token_ids),
             "stop": _stop_strings(self.stop),
         }
+        checked["logit_bias"] = _logit_bias(self.logit_bias)
+        if self.allowed_tokens is not None and not callable(getattr(self.allowed_tokens, "matcher", None)):
+            raise ValueError("allowed_tokens must be None or an object with a matcher() method (see "
+                             f"minillm.sampling.AllowedTokens), got {type(self.allowed_tokens).__name__}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         checked["top_k"] = max(checked["top_k"], 0)  # vLLM's -1 = off is minillm's 0
@@ -107,6 +152,12 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def is_plain(self) -> bool:
+        """True when the token depends on the logits alone: no penalties, bias or constraint
+        (such greedy rows can share one batched argmax)."""
+        return not (self.has_penalties or self.logit_bias or self.allowed_tokens is not None)
 
     def make_generator(self, device) -> torch.Generator | None:
         """A seeded torch.Generator for ``device``, or None (global RNG) when no seed is set."""
@@ -146,6 +197,19 @@ def _token_ids(ids) -> tuple[int, ...]:
         hint = f" (for text, use stop=[{ids!r}])" if isinstance(ids, str) else ""
         raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}{hint}")
     return tuple(int(i) for i in ids)
+
+
+def _logit_bias(bias) -> dict[int, float] | None:
+    """{token id (int >= 0): bias (float in [-100, 100])}, or None when empty."""
+    if bias is None or (isinstance(bias, dict) and not bias):
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict {{token id: bias}}, got {bias!r:.80}")
+    checked = {}
+    for token_id, value in bias.items():
+        token_id = _integer(token_id, "a logit_bias token id", 0, None, "an integer >= 0")
+        checked[token_id] = _real(value, f"logit_bias[{token_id}]", -100, 100, "a number in [-100, 100]")
+    return checked
 
 
 def _stop_strings(stop) -> tuple[str, ...]:
@@ -213,6 +277,28 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def apply_allowed_and_bias(logits: torch.Tensor, params: SamplingParams,
+                           allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """The allowed-token mask, then ``params.logit_bias``, on logits [B, vocab] (float32).
+
+    ``allowed``: None, or bool [B, vocab] (or [vocab]): False -> -inf, the token cannot be picked.
+    Raises ValueError when a row allows no token at all.
+    """
+    if allowed is not None:
+        allowed = allowed.to(device=logits.device, dtype=torch.bool).expand_as(logits)
+        if not allowed.any(dim=-1).all():
+            raise ValueError("the allowed-token mask allows no token at all for a row (the constraint "
+                             "cannot continue: check the grammar and the EOS ids it was given)")
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
+        bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+        if int(ids.max()) >= logits.shape[-1]:
+            raise ValueError(f"logit_bias names token {int(ids.max())}, beyond the vocabulary ({logits.shape[-1]})")
+        logits = logits.index_add(-1, ids, bias.expand(logits.shape[0], -1))  # -inf + bias stays -inf
+    return logits
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
            prompt_ids=None, output_ids=None):
     """Pick the next token of each sequence.
@@ -245,6 +331,25 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         probs = torch.softmax(filter_logits(shifted, params), dim=-1)
         token_ids = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
     logprobs = torch.log_softmax(raw, dim=-1).gather(-1, token_ids[:, None]).squeeze(-1)
+    return token_ids, logprobs
+
+
+def sample_constrained(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+                       prompt_ids=None, output_ids=None, allowed: torch.Tensor | None = None):
+    """:func:`sample`, after the allowed-token mask and ``params.logit_bias`` (:func:`apply_allowed_and_bias`).
+
+    ``allowed``: None, or a bool tensor [B, vocab] ([vocab] for B = 1): the tokens the sequence's
+    constraint allows now (its :meth:`TokenMatcher.allowed`); the others are never picked.
+    Returns (token_ids [B], logprobs [B]) as :func:`sample` does: the logprob is the chosen token's
+    under the model's own distribution (the raw logits, before the mask and the bias), as vLLM
+    reports it. Without a mask or a bias it is :func:`sample` itself.
+    """
+    if allowed is None and not params.logit_bias:
+        return sample(logits, params, generator, prompt_ids, output_ids)
+    logits = logits.float()
+    _check_logits(logits)
+    token_ids, _ = sample(apply_allowed_and_bias(logits, params, allowed), params, generator, prompt_ids, output_ids)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, token_ids[:, None]).squeeze(-1)
     return token_ids, logprobs
 
 

@@ -47,7 +47,8 @@ event has ``kind`` and ``t_ms`` (when it was recorded); times are ms since
                model's distribution: [{token_id(, text), prob}], softmax of the raw logits),
                sampling ({"method": "greedy"} or {"method": "sampled", temperature, top_k,
                top_p, seed}), sample_ms, end_ms (when the token was known; TTFT for the
-               prefill event), finish_reason (None, or why generation stopped)
+               prefill event), finish_reason (None, or why generation stopped),
+               allowed_tokens (only with constrained decoding: how many ids the mask allowed)
     layer      step, phase, layer, name ("blocks.{i}"), start_ms, time_ms, attn_in_shape, q_shape,
                k_shape, v_shape, k_cache_shape, v_cache_shape, attn_out_shape,
                mlp_in_shape (the residual after attention), mlp_out_shape, resid_post_shape
@@ -246,7 +247,7 @@ class Trace:
         return logits
 
     def record_sample(self, logits: torch.Tensor, token_id: int, params, time_s: float,
-                      finish_reason: str | None = None) -> Event:
+                      finish_reason: str | None = None, n_allowed: int | None = None) -> Event:
         """Attach the chosen next token to the latest prefill/decode event (called by generate).
 
         Args:
@@ -255,6 +256,8 @@ class Trace:
             params: the :class:`~minillm.sampling.SamplingParams` used.
             time_s: ``time.perf_counter()`` when the token was known (its GenerationStep.time_s).
             finish_reason: None, or why generation stops after this token.
+            n_allowed: with constrained decoding, how many tokens the mask allowed at this step
+                (recorded as ``allowed_tokens``); None: no mask (the field is left out).
         """
         event = self._last_pass
         if event is None:
@@ -275,6 +278,8 @@ class Trace:
             end_ms=end_ms,
             finish_reason=finish_reason,
         )
+        if n_allowed is not None:
+            event["allowed_tokens"] = int(n_allowed)
         if self.tokenizer is not None:
             texts = self.tokenizer.token_strings([token_id] + [c["token_id"] for c in candidates])
             event["next_token_text"] = texts[0]

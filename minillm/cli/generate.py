@@ -12,6 +12,7 @@ from pathlib import Path
 from ..units import fmt_bytes
 from .common import (UsageError, chat_template_kwargs, check_out_dir, check_out_file, ensure_model, model_options,
                      thinking_option, warn, warn_if_template_ignores_thinking, wrote)
+from .structured import add_structured_options, check_structured_args, constrain
 
 
 def add_generate(sub) -> None:
@@ -20,6 +21,7 @@ def add_generate(sub) -> None:
                                               "run one after another (sharing a --prefix-cache)")
     model_options(p)
     _sampling_options(p)
+    add_structured_options(p)
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="wrap the prompt in the model's chat template (default when it has one)")
@@ -105,6 +107,7 @@ def run_generate(args) -> int:
     if args.student_dir is not None:
         return run_student_engine(args)
     _check_generate_args(args)
+    check_structured_args(args)
     prompts = [_read_prompt(p) for p in args.prompt] or [_read_prompt(None)]
     folder = ensure_model(args.model, args.weights_dir)
     model = load_model(folder, device=args.device, dtype=args.dtype, quantize=args.quantize, fast=args.fast)
@@ -115,6 +118,7 @@ def run_generate(args) -> int:
     if args.system is not None and args.chat is None and not tokenizer.has_chat_template:
         raise UsageError(f"--system needs a chat template and {args.model} has none; put the text in the prompt")
     params = _sampling_params(args, model.generation_config)
+    params = constrain(params, args, model, tokenizer, _eos_ids(model, tokenizer))  # --json-schema, --logit-bias ...
     prefix_cache = PrefixCache(model, block_size=args.block_size) if args.prefix_cache else None
     args.speculative_config = _speculative_config(args)
     traced = bool(args.trace or args.trace_out or args.plots)
@@ -143,7 +147,9 @@ _NOT_WITH_STUDENT_DIR = {"trace": "--trace", "trace_out": "--trace-out", "plots"
                          "draft_model": "--draft-model", "prompt_lookup_min": "--prompt-lookup-min",
                          "prompt_lookup_max": "--prompt-lookup-max", "quantize": "--quantize", "stop": "--stop",
                          "min_p": "--min-p", "repetition_penalty": "--repetition-penalty",
-                         "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty"}
+                         "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
+                         "json_schema": "--json-schema", "regex": "--regex", "choice": "--choice",
+                         "logit_bias": "--logit-bias"}
 
 
 def run_student_engine(args) -> int:

@@ -160,6 +160,8 @@ class LLMEngine:
                           num_prompt_logprobs=prompt_logprobs)
         if self.tokenizer is not None:
             request.text_stream = TextStream(self.tokenizer, params.stop)
+        if params.allowed_tokens is not None:  # constrained decoding: the request's own matcher
+            request.matcher = params.allowed_tokens.matcher()
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -236,6 +238,8 @@ class LLMEngine:
         (minillm/stopping.py's rules, as generate's)."""
         request.output_ids.append(token)
         request.token_times_s.append(now)
+        if request.matcher is not None:  # the constraint moves past every token the request keeps
+            request.matcher.accept(token)
         context = self.model.config.max_seq_len
         no_room = request.num_tokens > context  # no position left to decode this token
         reason, stop_reason, _ = check_stop(token, len(request.output_ids), self.eos_token_ids, request.params,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import sample
+from ..sampling import sample, sample_constrained
 from .block_allocator import slot_mapping
 from .paged_attention import PagedBatch, PrefillChunk, forward_batch
 from .paged_cache import PagedKVCache
@@ -105,19 +105,22 @@ def sample_rows(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int
 
     The same :func:`~minillm.sampling.sample` call that :func:`~minillm.generate.generate`
     makes, row by row, so a seeded request draws the same tokens in a batch as alone.
-    Greedy rows without penalties are one batched argmax.
+    Greedy rows without penalties, bias or constraint are one batched argmax. A request with a
+    matcher (constrained decoding) samples among the tokens its ``matcher.allowed()`` gives.
     """
     tokens, logprobs = [0] * len(requests), [0.0] * len(requests)
-    plain = [i for i, r in enumerate(requests) if r.params.greedy and not r.params.has_penalties]
+    plain = [i for i, r in enumerate(requests) if r.params.greedy and r.params.is_plain]
     if plain:
         rows = logits[plain]
         ids, lps = sample(rows, requests[plain[0]].params)
         for i, token, lp in zip(plain, ids.tolist(), lps.tolist()):
             tokens[i], logprobs[i] = token, lp
     for i, request in enumerate(requests):
-        if request.params.greedy and not request.params.has_penalties:
+        if request.params.greedy and request.params.is_plain:
             continue
         prompt = torch.tensor(request.prompt_ids, device=logits.device)[None]
-        token, lp = sample(logits[i : i + 1], request.params, request.generator, prompt, [request.output_ids])
+        allowed = request.matcher.allowed() if request.matcher is not None else None
+        token, lp = sample_constrained(logits[i : i + 1], request.params, request.generator, prompt,
+                                       [request.output_ids], allowed)
         tokens[i], logprobs[i] = token.item(), lp.item()
     return tokens, logprobs

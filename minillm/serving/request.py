@@ -49,6 +49,10 @@ class Request:
         prompt_logprobs: with num_prompt_logprobs, one (logprob, [(id, logprob), ...]) per prompt
             token after the first (token j's from the logits at position j - 1), filled chunk by
             chunk as the prefill runs.
+        matcher: with ``params.allowed_tokens`` (constrained decoding), this sequence's
+            :class:`~minillm.sampling.TokenMatcher`: asked for the allowed tokens before each token,
+            told each token appended. It lives with the output tokens, so a preemption (which keeps
+            them and recomputes only K/V) leaves it right; else None.
     """
 
     request_id: str
@@ -73,6 +77,7 @@ class Request:
     output_logprobs: list = field(default_factory=list)
     num_prompt_logprobs: int | None = None
     prompt_logprobs: list = field(default_factory=list)
+    matcher: object = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -86,10 +86,18 @@ CASES = {
                          "not supported by minillm"),
     "tool_choice a function": ("chat/completions", {"messages": USER, "tool_choice": {
         "type": "function", "function": {"name": "f"}}}, 400, "tool_choice", "not supported by minillm"),
-    "response_format": ("chat/completions", {"messages": USER, "response_format": {"type": "json_object"}}, 400,
-                        "response_format", "not supported by minillm"),
-    "logit_bias": ("completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias",
-                   "not supported by minillm"),
+    # structured output and logit_bias are served (tests/serving/test_structured_output.py); bad ones are 400s
+    "response_format an unknown type": ("chat/completions", {"messages": USER, "response_format": {"type": "xml"}},
+                                        400, "response_format.type", "'text', 'json_object' or 'json_schema'"),
+    "response_format's schema not a schema": ("chat/completions", {"messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}, 400, "response_format",
+        "cannot compile the json schema"),
+    "guided_regex that does not compile": ("completions", {"prompt": "hi", "guided_regex": "("}, 400, "guided_regex",
+                                           "cannot compile the regex"),
+    "logit_bias over 100": ("completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias",
+                            "[-100, 100]"),
+    "logit_bias by token text": ("completions", {"prompt": "hi", "logit_bias": {"hi": 5}}, 400, "logit_bias",
+                                 "token ids"),
     "assistant message with tool_calls": ("chat/completions", {"messages": [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}]}, 400,
         "messages.0.tool_calls", "not supported by minillm"),

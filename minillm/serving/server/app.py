@@ -148,7 +148,8 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
             prompt_ids = list(body.prompt)
         # max_tokens 0 (with echo): the engine makes its one token, which the answer leaves out (vLLM's way)
         requested = 1 if body.max_tokens == 0 else body.max_tokens
-        params = _sampling_params(body, _max_tokens(requested, len(prompt_ids), context), defaults)
+        grammar = await asyncio.to_thread(_grammar, body, tokenizer, async_engine.engine)
+        params = _sampling_params(body, _max_tokens(requested, len(prompt_ids), context), defaults, grammar)
         echo_text = None
         if body.echo:
             echo_text = body.prompt if isinstance(body.prompt, str) else _detokenize(tokenizer, prompt_ids, "prompt")
@@ -170,7 +171,8 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
         _refuse_unfittable(sum(len(m.get("content") or "") for m in chat), context, tokenizer, "messages")
         prompt_ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, chat, body.chat_template_kwargs)
         max_tokens = _max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids), context)
-        params = _sampling_params(body, max_tokens, defaults)
+        grammar = await asyncio.to_thread(_grammar, body, tokenizer, async_engine.engine)
+        params = _sampling_params(body, max_tokens, defaults, grammar)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -483,9 +485,28 @@ def _max_tokens(requested: int | None, prompt_len: int, context: int) -> int:
 _POOL_NOTE = "; the model's context or the KV cache pool's positions, whichever is less: GET /v1/models"
 
 
-def _sampling_params(body, max_tokens: int, defaults: dict) -> SamplingParams:
+def _grammar(body, tokenizer, engine):
+    """The request's structured-output constraint (``response_format``, ``structured_outputs``,
+    ``guided_*``) compiled by minillm.structured, or None; a 400 naming the field when it cannot be.
+    (Run in a thread: the first one reads the vocabulary into the grammar library, about a second.)"""
+    fields = body.structured_fields()
+    if all(value is None for value in fields.values()):
+        return None
+    from ...structured import grammar_from_request  # the grammar library, only for requests that ask
+
+    try:
+        return grammar_from_request(tokenizer, engine.model.config.vocab_size, sorted(engine.eos_token_ids), **fields)
+    except ImportError as error:
+        raise APIError(400, f"structured output is not available on this server: {error}") from None
+    except ValueError as error:  # "<field>[.<key>]: why", or two constraints at once
+        field = str(error).split(":")[0].split(".")[0]
+        raise APIError(400, str(error), field if field in fields else None) from None
+
+
+def _sampling_params(body, max_tokens: int, defaults: dict, grammar=None) -> SamplingParams:
     """The request's knobs; a knob it leaves out takes the checkpoint's default
-    (generation_config.json, as vLLM's ``--generation-config auto``), else OpenAI's."""
+    (generation_config.json, as vLLM's ``--generation-config auto``), else OpenAI's. ``grammar``:
+    the structured-output constraint (:func:`_grammar`); ``logit_bias``'s token id strings become ints."""
     def knob(name, fallback):
         value = getattr(body, name)
         return value if value is not None else defaults.get(name, fallback)
@@ -495,7 +516,8 @@ def _sampling_params(body, max_tokens: int, defaults: dict) -> SamplingParams:
             temperature=knob("temperature", protocol.OPENAI_DEFAULT_TEMPERATURE), top_p=knob("top_p", 1.0),
             top_k=knob("top_k", 0), min_p=knob("min_p", 0.0), repetition_penalty=knob("repetition_penalty", 1.0),
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-            seed=body.seed, max_new_tokens=max_tokens, stop=body.stop or (), ignore_eos=body.ignore_eos)
+            seed=body.seed, max_new_tokens=max_tokens, stop=body.stop or (), ignore_eos=body.ignore_eos,
+            logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()} or None, allowed_tokens=grammar)
     except ValueError as error:
         raise APIError(400, str(error)) from None
 

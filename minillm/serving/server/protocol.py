@@ -8,7 +8,7 @@ field's name instead of deep inside the engine.
 
 Fields that change nothing here are accepted as vLLM accepts them (:data:`IGNORED_FIELDS`; the app
 logs one line naming them); an OpenAI field that would change the answer and is not implemented
-(tools, ``response_format``, ``logit_bias``, ...: :data:`UNSUPPORTED_FIELDS`) is a 400 that says
+(tools, ``functions``, ``prediction``, ...: :data:`UNSUPPORTED_FIELDS`) is a 400 that says
 "not supported by minillm", not a silently different answer.
 
     JSON body --validate--> CompletionRequest / ChatCompletionRequest --(app.py)--> SamplingParams
@@ -29,9 +29,8 @@ OPENAI_DEFAULT_TEMPERATURE = 1.0
 # Accepted and ignored: they change no token of the answer (OpenAI's bookkeeping, or tools turned off).
 IGNORED_FIELDS = ("store", "metadata", "user", "parallel_tool_calls", "tools", "tool_choice")
 # OpenAI's (and vLLM's) fields that would change the answer, which minillm does not implement.
-UNSUPPORTED_FIELDS = {"tools", "tool_choice", "tool_calls", "functions", "function_call", "response_format",
-                      "logit_bias", "prediction", "audio", "modalities", "reasoning_effort", "web_search_options",
-                      "suffix", "best_of", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
+UNSUPPORTED_FIELDS = {"tools", "tool_choice", "tool_calls", "functions", "function_call", "prediction", "audio",
+                      "modalities", "reasoning_effort", "web_search_options", "suffix", "best_of"}
 # /v1/completions' default max_tokens (OpenAI's legacy API and vLLM: 16). Chat has none: the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # The most top tokens /v1/completions' logprobs may ask for (vLLM's default max_logprobs; OpenAI's legacy API: 5).
@@ -57,6 +56,41 @@ class StreamOptions(_Strict):
         return "every" if self.continuous_usage_stats else "final"
 
 
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: "text" (no constraint), "json_object" (any JSON object) or
+    "json_schema" with ``json_schema: {"name", "schema", "strict", "description"}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _has_schema(cls, spec, info):
+        if spec is not None and not isinstance(spec.get("schema", {}), dict):
+            raise ValueError("json_schema.schema must be a JSON schema (an object)")
+        unknown = sorted(set(spec or {}) - {"name", "schema", "strict", "description"})
+        if unknown:
+            raise ValueError(f"json_schema takes name, schema, strict and description, not {', '.join(unknown)}")
+        return spec
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` (its StructuredOutputsParams, vLLM >= 0.11): one of json (a
+    schema), regex, choice, grammar (Lark or GBNF) or json_object; the tuning flags of vLLM's
+    own backends are accepted and change nothing here."""
+
+    json_: dict | str | None = Field(None, alias="json")  # "json" itself would shadow BaseModel.json
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict | None = None  # vLLM's: refused as not supported by minillm
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
 class _SamplingFields(_Strict):
     """The fields both endpoints share: the model, sampling and stopping."""
 
@@ -75,6 +109,34 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
     user: str | None = None  # OpenAI's end-user id: accepted, ignored
+    # {token id (a string, as JSON keys are): bias in [-100, 100]} added to the logits (OpenAI's)
+    logit_bias: dict[str, float] | None = None
+    # structured output (constrained decoding, minillm/structured/): OpenAI's, vLLM's, vLLM's older names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_by_token_id(cls, bias):
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids (e.g. \"50256\"), got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {key}")
+        return bias
+
+    def structured_fields(self) -> dict:
+        """The structured-output fields the request set, for minillm.structured.grammar_from_request."""
+        fields = {name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")}
+        if self.response_format is not None:
+            fields["response_format"] = self.response_format.model_dump(exclude_none=True)
+        if self.structured_outputs is not None:
+            fields["structured_outputs"] = self.structured_outputs.model_dump(exclude_none=True, by_alias=True)
+        return fields
 
     @field_validator("n")
     @classmethod

@@ -1,0 +1,49 @@
+"""`minillm generate --json-schema/--regex/--choice/--logit-bias`, run as a user runs it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+
+SCHEMA = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"],
+          "additionalProperties": False}
+
+
+def minillm(*args):
+    return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def default_model(smollm2_dir):
+    return smollm2_dir
+
+
+def test_json_schema_answer_validates_and_the_trace_counts_allowed_tokens(tmp_path):
+    schema = tmp_path / "colour.json"
+    schema.write_text(json.dumps(SCHEMA))
+    trace = tmp_path / "trace.jsonl"
+    r = minillm("generate", "What colour is grass? Answer in JSON.", "--json-schema", str(schema),
+                "--max-new-tokens", "30", "--trace-out", str(trace))
+    assert r.returncode == 0, r.stderr
+    jsonschema.validate(json.loads(r.stdout), SCHEMA)
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    allowed = [e["allowed_tokens"] for e in events if e["kind"] in ("prefill", "decode") and "next_token_id" in e]
+    metrics = next(e for e in events if e["kind"] == "metrics")
+    assert len(allowed) == metrics["n_output_tokens"] and metrics["finish_reason"] == "eos"
+    assert allowed[0] <= 2 and allowed[-1] >= 1 and all(1 <= n <= 49152 for n in allowed)  # '{' or '{"' first
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--json-schema", "/no/such/schema.json"], "--json-schema: no file /no/such/schema.json"),
+    (["--regex", "a", "--choice", "b"], "not allowed with argument"),
+    (["--logit-bias", "28"], "--logit-bias takes ID=BIAS (e.g. 28=-100), got '28'"),
+    (["--logit-bias", "28=-500"], "logit_bias[28] must be a number in [-100, 100]"),
+    (["--choice", "a", "--speculative", "ngram"], "--speculative does not go with --json-schema"),
+])
+def test_usage_errors_exit_2(args, message):
+    r = minillm("generate", "hi", *args)
+    assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
