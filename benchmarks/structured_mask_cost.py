@@ -4,8 +4,10 @@ Constrained decoding asks the grammar, before every token, which of the vocabula
 come next. This script measures that question for the three maintained libraries (xgrammar,
 llguidance, outlines-core) on the same small JSON schema and the same token sequence (the
 tokens of one valid answer, fed one by one): compile time, then per step the time to fill a
-mask over the whole vocabulary plus the time to accept the token. Libraries not installed are
-skipped. Run: python benchmarks/structured_mask_cost.py [--repeats 20]
+mask over the whole vocabulary (the unpacking into a bool tensor is timed apart). Libraries not
+installed are skipped; minillm's dev extra has llguidance only, so for the comparison first
+``pip install xgrammar outlines-core`` (xgrammar pulls in triton, about 1 GB).
+Run: python benchmarks/structured_mask_cost.py [--repeats 20]
 """
 
 from __future__ import annotations
