@@ -551,3 +551,149 @@ def speedup_as_time_per_token(acceptance_rate, k, draft_cost, verify_cost=1.0):
     tokens = tokens_as_a_sum(acceptance_rate, k)
     seconds_per_token = (k * draft_cost + verify_cost) / tokens
     return 1.0 / seconds_per_token
+
+
+# -- ex06 prefill, ex07 decode_step (issue 30) -------------------------------------------------------------
+
+
+def _pass_from_the_parts(model, ids, cache, hook):
+    """The forward pass written out: positions from cache.length, the blocks, the last row's logits."""
+    T = ids.shape[1]
+    positions = cache.length + torch.arange(T, device=ids.device)
+    with torch.no_grad():
+        x = model.embed(ids)
+        if model.pos_embed is not None:
+            x = x + model.pos_embed(positions)
+        rope = None if model.rope is None else model.rope(positions, x.dtype)
+        for block in model.blocks:
+            x = block(x, rope, cache, model.attn_impl, hook)
+        cache.advance(T)
+        return model.lm_head(model.ln_final(x[:, -1:]))[:, 0].to(torch.float32)
+
+
+def _validated(model, ids, cache, rank: int) -> torch.Tensor:
+    ids = torch.as_tensor(ids)
+    if ids.dim() > rank or ids.numel() == 0:
+        raise ValueError(f"expected at most {rank} dimensions and at least one token, got {tuple(ids.shape)}")
+    ids = ids.reshape(1, -1) if rank == 2 and ids.dim() < 2 else ids.reshape(-1, 1) if rank == 1 else ids
+    if ids.shape[0] != cache.batch_size:
+        raise ValueError(f"batch {ids.shape[0]}, cache batch {cache.batch_size}")
+    outside = [i for i in ids.reshape(-1).tolist() if not 0 <= i < model.config.vocab_size]
+    if outside:
+        raise ValueError(f"token ids outside the vocabulary: {outside}")
+    cache.check_room(ids.shape[1])
+    return ids.long()
+
+
+@alternative("ex06", "prefill")
+def prefill_from_the_parts(model, token_ids, cache, hook=None, trace=None):
+    """Python-level checks, ln_final on the last row only, float32 by .to()."""
+    return _pass_from_the_parts(model, _validated(model, token_ids, cache, rank=2), cache, hook)
+
+
+@alternative("ex07", "decode_step")
+def decode_step_from_the_parts(model, token_id, cache, hook=None, trace=None):
+    """A decode step is a prefill of one token per sequence: [B] -> [B, 1]."""
+    return _pass_from_the_parts(model, _validated(model, token_id, cache, rank=1), cache, hook)
+
+
+# -- ex08 sampling (issue 30) ------------------------------------------------------------------------------
+
+
+@alternative("ex08", "filter_logits")
+def filter_logits_row_by_row(logits, params):
+    """One row at a time: the k-th value from a sort, the nucleus walked in a Python loop."""
+    out = logits / min(params.temperature, torch.finfo(torch.float32).max)
+    rows = []
+    for row in out:
+        if params.top_k:
+            kth = row.sort(descending=True).values[min(params.top_k, row.numel()) - 1]
+            row = torch.where(row >= kth, row, torch.full_like(row, -float("inf")))
+        if params.top_p < 1:
+            probs = torch.softmax(row, dim=-1).tolist()
+            keep, mass = torch.zeros_like(row, dtype=torch.bool), 0.0
+            for i in sorted(range(len(probs)), key=lambda i: -probs[i]):
+                if mass >= params.top_p:
+                    break
+                keep[i], mass = True, mass + probs[i]
+            row = row.masked_fill(~keep, -float("inf"))
+        rows.append(row)
+    return torch.stack(rows)
+
+
+@alternative("ex08", "sample")
+def sample_by_gumbel_max(logits, params, generator=None, prompt_ids=None, output_ids=None):
+    """The Gumbel-max trick: argmax(log p - log(-log u)) with u uniform from the generator (another stream of
+    random numbers than multinomial's, the same distribution)."""
+    from minillm.sampling import filter_logits
+
+    x = logits.float()
+    if not torch.isfinite(x.amax(dim=-1)).all():
+        raise ValueError("logits must be finite or -inf, with a finite value in every row")
+    if params.greedy:
+        ids = x.argmax(dim=-1)
+    else:
+        filtered = filter_logits(x - x.amax(dim=-1, keepdim=True), params)
+        u = torch.rand(x.shape, generator=generator, device=x.device).clamp(min=1e-20)
+        ids = (torch.log_softmax(filtered, dim=-1) - torch.log(-torch.log(u))).argmax(dim=-1)
+    return ids, torch.log_softmax(x, dim=-1).gather(-1, ids[:, None]).squeeze(-1)
+
+
+# -- ex14 the generate loop (issue 30) -------------------------------------------------------------------------
+
+
+@alternative("ex14", "generate")
+def generate_with_a_while_loop(model, prompt_ids, params, cache, eos_token_ids):
+    """A while loop over the count, the stop reasons as an ordered table of (reason, condition)."""
+    import time as clock
+
+    from minillm.generate import GenerationStep
+    from minillm.phases import decode_step, prefill
+    from minillm.sampling import sample
+
+    generator = params.make_generator(cache.k.device)
+    logits, produced = prefill(model, prompt_ids, cache), 0
+    while True:
+        token, logprob = sample(logits, params, generator)
+        known_at, produced, token_id = clock.perf_counter(), produced + 1, int(token[0])
+        reasons = [("eos", token_id in eos_token_ids), ("stop", token_id in set(params.stop_token_ids)),
+                   ("length", produced == params.max_new_tokens), ("cache_full", cache.length == cache.max_seq_len)]
+        reason = next((name for name, applies in reasons if applies), None)
+        phase = "decode" if produced > 1 else "prefill"
+        yield GenerationStep(token_id=token_id, logprob=float(logprob[0]), phase=phase,
+                             cache_length=cache.length, time_s=known_at, finish_reason=reason,
+                             prefill_tokens=int(prompt_ids.shape[0]))
+        if reason is not None:
+            break
+        logits = decode_step(model, token, cache)
+
+
+# -- ex17 speculative verification (issue 30) ------------------------------------------------------------------
+
+
+@alternative("ex17", "residual_distribution")
+def residual_from_the_overlap(p, q):
+    """p minus the overlap min(p, q) is max(0, p - q); normalised by its own sum."""
+    left = p - torch.minimum(p, q)
+    total = left.sum()
+    return left / total if total > 0 else p
+
+
+@alternative("ex17", "accept_or_resample")
+def accept_or_resample_always_drawing_u(p, q, draft_ids, generator=None):
+    """Draws u for every draft it tests, even when the ratio is >= 1 (the reference skips that draw: another
+    stream of random numbers, the same distribution); a deterministic draft's residual is p without the draft."""
+    for i, d in enumerate(draft_ids):
+        q_d = 1.0 if q is None else float(q[i, d])
+        u = float(torch.rand((), generator=generator, device=p.device))
+        if u < float(p[i, d]) / q_d:
+            continue
+        if q is None:
+            residual = p[i].clone()
+            residual[d] = 0
+        else:
+            residual = torch.clamp(p[i] - q[i], min=0)
+        if float(residual.sum()) <= 0:
+            residual = p[i]
+        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return len(draft_ids), int(torch.multinomial(p[len(draft_ids)], 1, generator=generator))

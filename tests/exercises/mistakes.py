@@ -600,6 +600,102 @@ def decode_trusts_its_input(model, token_id, cache, hook=None, trace=None):
     return _forward(model, token_id.reshape(-1, 1), cache, torch.tensor([cache.length]))  # MISTAKE: no checks
 
 
+# issue 30: ex06/ex07 mistakes written from the stubs alone (documented inputs never tried, promised errors)
+
+
+def _checked_forward(model, ids, cache, lower_bound=True, room=lambda cache, n: cache.check_room(n), rows=None,
+                     to_float=True, last=-1):
+    """A pass from the parts with its own input checks, each knob one of the mistakes below."""
+    from minillm.errors import CacheFullError  # noqa: F401 (the room lambdas raise it)
+
+    vocab = model.config.vocab_size
+    if ids.numel() == 0:
+        raise ValueError("empty prompt")
+    seen = ids if rows is None else ids[:rows]
+    if seen.max() >= vocab or (lower_bound and seen.min() < 0):
+        raise ValueError(f"token ids must be in [0, {vocab})")
+    if ids.shape[0] != cache.batch_size:
+        raise ValueError("batch")
+    room(cache, ids.shape[1])
+    positions = torch.arange(cache.length, cache.length + ids.shape[1])
+    x = model.embed(ids)
+    if model.pos_embed is not None:
+        x = x + model.pos_embed(positions)
+    cos_sin = model.rope(positions, x.dtype) if model.rope is not None else None
+    for block in model.blocks:
+        x = block(x, cos_sin, cache, model.attn_impl, None)
+    cache.advance(ids.shape[1])
+    logits = model.lm_head(model.ln_final(x[:, last]))
+    return logits.float() if to_float else logits
+
+
+def _refuse_when_full(cache, n):
+    from minillm.errors import CacheFullError
+
+    if cache.length + n >= cache.max_seq_len:  # MISTAKE: > (a prompt may fill the cache exactly)
+        raise CacheFullError("full")
+
+
+@mistake("ex06", "prefill")
+def prefill_negative_id_not_checked(model, token_ids, cache, hook=None, trace=None):
+    """Checks ids >= vocab but not ids < 0: a negative id fails inside torch's embedding (IndexError), not the
+    promised ValueError."""
+    return _checked_forward(model, token_ids, cache, lower_bound=False)  # MISTAKE: 0 <= ids too
+
+
+@mistake("ex06", "prefill")
+def prefill_logits_in_the_model_dtype(model, token_ids, cache, hook=None, trace=None):
+    """Returns the lm_head's output as it comes: bfloat16 logits from a bfloat16 model, not the promised float32."""
+    return _checked_forward(model, token_ids, cache, to_float=False)  # MISTAKE: .float()
+
+
+@mistake("ex06", "prefill")
+def prefill_refuses_a_prompt_that_fills_the_cache(model, token_ids, cache, hook=None, trace=None):
+    """CacheFullError when cache.length + T == max_seq_len: the last free positions are never used."""
+    return _checked_forward(model, token_ids, cache, room=_refuse_when_full)  # MISTAKE
+
+
+@mistake("ex06", "prefill")
+def prefill_checks_the_ids_of_the_first_sequence_only(model, token_ids, cache, hook=None, trace=None):
+    """Validates token_ids[0] (the only row of a batch-1 test): a bad id in another row reaches torch."""
+    return _checked_forward(model, token_ids, cache, rows=1)  # MISTAKE: every row
+
+
+@mistake("ex07", "decode_step")
+def decode_negative_id_not_checked(model, token_id, cache, hook=None, trace=None):
+    """Checks id >= vocab but not id < 0: a negative id fails inside torch (IndexError), not ValueError."""
+    return _checked_forward(model, token_id.reshape(-1, 1), cache, lower_bound=False)  # MISTAKE
+
+
+@mistake("ex07", "decode_step")
+def decode_logits_in_the_model_dtype(model, token_id, cache, hook=None, trace=None):
+    """Returns bfloat16 logits from a bfloat16 model, not the promised float32."""
+    return _checked_forward(model, token_id.reshape(-1, 1), cache, to_float=False)  # MISTAKE: .float()
+
+
+@mistake("ex07", "decode_step")
+def decode_refuses_the_last_free_position(model, token_id, cache, hook=None, trace=None):
+    """CacheFullError when one position is still free (cache.length + 1 >= max_seq_len)."""
+    return _checked_forward(model, token_id.reshape(-1, 1), cache, room=_refuse_when_full)  # MISTAKE
+
+
+@mistake("ex07", "decode_step")
+def decode_tokens_as_one_sequence(model, token_id, cache, hook=None, trace=None):
+    """token_id.reshape(1, -1): two tokens given for a batch-1 cache run as a 2-token prefill instead of the
+    promised ValueError (several tokens for one sequence); a batch of B becomes B tokens of one sequence."""
+    ids = token_id.reshape(1, -1)  # MISTAKE: reshape(-1, 1), one token per sequence
+    if ids.shape[1] > 1 and cache.batch_size == ids.shape[1]:
+        ids = ids.reshape(-1, 1)  # (it patches the batch case it was shown, not the wrong length)
+    return _checked_forward(model, ids, cache)
+
+
+@mistake("ex07", "decode_step")
+def decode_clamps_bad_ids(model, token_id, cache, hook=None, trace=None):
+    """Clamps an id outside the vocabulary into [0, vocab) and decodes it: a silent wrong answer, not ValueError."""
+    ids = token_id.clamp(0, model.config.vocab_size - 1).reshape(-1, 1)  # MISTAKE: refuse it
+    return _checked_forward(model, ids, cache)
+
+
 # -- ex08 sampling ---------------------------------------------------------------------------------
 
 
@@ -723,6 +819,81 @@ def logprob_after_filtering(logits, params, generator=None):
     else:
         token_ids = torch.multinomial(torch.softmax(filtered, -1), num_samples=1, generator=generator).squeeze(-1)
     return token_ids, torch.log_softmax(filtered, dim=-1).gather(-1, token_ids[:, None]).squeeze(-1)  # MISTAKE
+
+
+# issue 30: ex08 mistakes written from the stub alone (promised errors, dtypes, ties, sizes, the seed)
+
+
+def _sample(logits, params, generator, check=True, upcast=True, shift=True, filt=filter_logits):
+    """sample written plainly, each knob one of the mistakes below."""
+    x = logits.float() if upcast else logits
+    if check and not torch.isfinite(x.float().amax(dim=-1)).all():
+        raise ValueError("logits must be finite or -inf, with a finite value in every row")
+    if params.greedy:
+        token_ids = x.argmax(dim=-1)
+    else:
+        shifted = x - x.amax(dim=-1, keepdim=True) if shift else x
+        probs = torch.softmax(filt(shifted, params), dim=-1)
+        token_ids = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    return token_ids, torch.log_softmax(x, dim=-1).gather(-1, token_ids[:, None]).squeeze(-1)
+
+
+@mistake("ex08", "sample")
+def sample_accepts_nan_logits(logits, params, generator=None):
+    """Never checks the logits: a NaN row is sampled (greedy's argmax picks the NaN) instead of the promised
+    ValueError."""
+    return _sample(logits, params, generator, check=False)  # MISTAKE: raise ValueError on NaN, +inf, no finite
+
+
+@mistake("ex08", "sample")
+def sample_in_the_logits_dtype(logits, params, generator=None):
+    """Computes in the logits' own dtype: bfloat16 logprobs (and rounding) where float32 is promised."""
+    return _sample(logits, params, generator, upcast=False)  # MISTAKE: logits.float() first
+
+
+@mistake("ex08", "sample")
+def sample_without_the_shift(logits, params, generator=None):
+    """Filters the raw logits without moving the max to 0: huge logits over a small temperature overflow to inf."""
+    return _sample(logits, params, generator, shift=False)  # MISTAKE: logits - logits.amax(-1, keepdim=True)
+
+
+@mistake("ex08", "sample")
+def sample_makes_its_own_generator(logits, params, generator=None):
+    """Seeds a fresh torch.Generator from params.seed on every call instead of drawing from the one given:
+    every call draws the same token, and the caller's seed means nothing."""
+    own = torch.Generator().manual_seed(params.seed or 0)  # MISTAKE: use the generator passed in
+    return _sample(logits, params, own)
+
+
+@mistake("ex08", "filter_logits")
+def top_k_drops_tied_logits(logits, params):
+    """Keeps exactly k tokens (topk's indices): logits tied with the k-th are dropped, though the docstring keeps
+    them all."""
+    logits = logits / params.temperature
+    if params.top_k:
+        keep = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).indices
+        mask = torch.ones_like(logits, dtype=torch.bool).scatter(-1, keep, False)  # MISTAKE: logits < k-th value
+        logits = logits.masked_fill(mask, -INF)
+    return _top_p(logits, params)
+
+
+@mistake("ex08", "filter_logits")
+def top_k_larger_than_the_vocabulary_crashes(logits, params):
+    """torch.topk(logits, params.top_k) without min(top_k, vocab): top_k above the vocabulary size raises."""
+    logits = logits / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # MISTAKE: min(top_k, vocab)
+        logits = logits.masked_fill(logits < kth, -INF)
+    return _top_p(logits, params)
+
+
+@mistake("ex08", "filter_logits")
+def filter_logits_in_place(logits, params):
+    """Divides the caller's logits in place (logits /= temperature, masked_fill_): right values, changed input."""
+    logits.div_(params.temperature)  # MISTAKE: a new tensor
+    filtered = _top_p(_top_k(logits, params), params)
+    logits.copy_(filtered)
+    return logits
 
 
 # -- ex09 metrics ----------------------------------------------------------------------------------
@@ -1458,6 +1629,71 @@ def generate_one_token_too_many(model, prompt_ids, params, cache, eos_token_ids)
     return _generate(model, prompt_ids, params, cache, eos_token_ids, max_tokens=params.max_new_tokens + 1)  # MISTAKE
 
 
+# issue 30: ex14 mistakes written from the stub alone (types, timing, the order of the stop reasons)
+
+
+def _loop(model, prompt_ids, params, cache, eos_token_ids, item=True, logprob_item=True, stamp_before=False,
+          order=("eos", "stop", "length", "cache_full"), prefill_tokens=None):
+    """The loop of the stub's docstring, each knob one of the mistakes below."""
+    generator = params.make_generator(cache.k.device)
+    stamp = time.perf_counter()
+    logits = prefill(model, prompt_ids, cache)
+    phase = "prefill"
+    for n in range(1, params.max_new_tokens + 1):
+        token, logprob = sample(logits, params, generator)
+        token_id = token.item() if item else token
+        applies = {"eos": int(token) in eos_token_ids, "stop": int(token) in params.stop_token_ids,
+                   "length": n >= params.max_new_tokens, "cache_full": cache.length >= cache.max_seq_len}
+        reason = next((r for r in order if applies[r]), None)
+        yield GenerationStep(token_id, logprob.item() if logprob_item else logprob, phase, cache.length,
+                             stamp if stamp_before else time.perf_counter(), reason,
+                             prefill_tokens=len(prompt_ids) if prefill_tokens is None else prefill_tokens(cache))
+        if reason:
+            return
+        stamp = time.perf_counter()
+        logits = decode_step(model, token, cache)
+        phase = "decode"
+
+
+@mistake("ex14", "generate")
+def generate_yields_tensor_token_ids(model, prompt_ids, params, cache, eos_token_ids):
+    """Yields sample's one-element tensor as token_id instead of an int (token.item())."""
+    return _loop(model, prompt_ids, params, cache, eos_token_ids, item=False)  # MISTAKE
+
+
+@mistake("ex14", "generate")
+def generate_yields_tensor_logprobs(model, prompt_ids, params, cache, eos_token_ids):
+    """Yields the logprob as a one-element tensor instead of a float (logprob.item())."""
+    return _loop(model, prompt_ids, params, cache, eos_token_ids, logprob_item=False)  # MISTAKE
+
+
+@mistake("ex14", "generate")
+def generate_stamps_before_the_forward_pass(model, prompt_ids, params, cache, eos_token_ids):
+    """Takes a token's time before the pass that produces it: the TTFT leaves out the whole prefill."""
+    return _loop(model, prompt_ids, params, cache, eos_token_ids, stamp_before=True)  # MISTAKE
+
+
+@mistake("ex14", "generate")
+def generate_length_before_eos(model, prompt_ids, params, cache, eos_token_ids):
+    """Checks the count first: an EOS (or stop id) as the last allowed token is reported as 'length'."""
+    return _loop(model, prompt_ids, params, cache, eos_token_ids,
+                 order=("length", "eos", "stop", "cache_full"))  # MISTAKE: eos, stop, length, cache_full
+
+
+@mistake("ex14", "generate")
+def generate_cache_full_before_length(model, prompt_ids, params, cache, eos_token_ids):
+    """Checks the cache before the count: the last allowed token of a full cache is 'cache_full', not 'length'."""
+    return _loop(model, prompt_ids, params, cache, eos_token_ids,
+                 order=("eos", "stop", "cache_full", "length"))  # MISTAKE
+
+
+@mistake("ex14", "generate")
+def generate_prefill_tokens_counts_the_cache(model, prompt_ids, params, cache, eos_token_ids):
+    """prefill_tokens = cache.length: a cached prefix is counted as prefilled."""
+    return _loop(model, prompt_ids, params, cache, eos_token_ids,
+                 prefill_tokens=lambda cache: cache.length)  # MISTAKE: len(prompt_ids)
+
+
 # -- ex15 block allocator --------------------------------------------------------------------------
 
 
@@ -1915,6 +2151,63 @@ def keeps_checking_after_a_rejection(p, q, draft_ids, generator=None):
 def deterministic_draft_always_accepted(p, q, draft_ids, generator=None):
     """With q None (prompt lookup) keeps every draft, as if a sure guess needed no check."""
     return _verify(p, q, draft_ids, generator, q_none_is_sure=True)  # MISTAKE
+
+
+# issue 30: ex17 mistakes written from the stub alone (the seed, types, rows, p == q)
+
+
+def _rule(p, q, draft_ids, generator, u_gen=True, resample_gen=True, bonus_gen=True, item=True, row_shift=0):
+    """The rule as the stub words it, each knob one of the mistakes below."""
+    def draw(probs, seeded):
+        token = torch.multinomial(probs, 1, generator=generator if seeded else None)
+        return token.item() if item else token
+
+    for i, d in enumerate(draft_ids):
+        q_i = q[i] if q is not None else torch.nn.functional.one_hot(torch.tensor(d), p.shape[-1]).to(p)
+        ratio = p[i + row_shift, d] / q_i[d]
+        u = torch.rand((), generator=generator if u_gen else None, device=p.device)
+        if u < ratio:
+            continue
+        residual = (p[i] - q_i).clamp(min=0)
+        return i, draw(residual / residual.sum() if residual.sum() > 0 else p[i], resample_gen)
+    return len(draft_ids), draw(p[-1], bonus_gen)
+
+
+@mistake("ex17", "accept_or_resample")
+def accept_test_draws_from_the_global_rng(p, q, draft_ids, generator=None):
+    """Draws the accept test's u with torch.rand(()) from the global RNG: a seeded run does not repeat."""
+    return _rule(p, q, draft_ids, generator, u_gen=False)  # MISTAKE: torch.rand((), generator=generator, ...)
+
+
+@mistake("ex17", "accept_or_resample")
+def resample_draws_from_the_global_rng(p, q, draft_ids, generator=None):
+    """Draws a rejected draft's replacement with torch.multinomial(residual, 1) from the global RNG."""
+    return _rule(p, q, draft_ids, generator, resample_gen=False)  # MISTAKE: generator=generator
+
+
+@mistake("ex17", "accept_or_resample")
+def bonus_draws_from_the_global_rng(p, q, draft_ids, generator=None):
+    """Draws the bonus token with torch.multinomial(p[-1], 1) from the global RNG."""
+    return _rule(p, q, draft_ids, generator, bonus_gen=False)  # MISTAKE: generator=generator
+
+
+@mistake("ex17", "accept_or_resample")
+def token_as_a_tensor(p, q, draft_ids, generator=None):
+    """Returns torch.multinomial's [1] tensor as the token, not an int (.item())."""
+    return _rule(p, q, draft_ids, generator, item=False)  # MISTAKE
+
+
+@mistake("ex17", "accept_or_resample")
+def draft_checked_against_the_next_row(p, q, draft_ids, generator=None):
+    """Tests draft i against p[i + 1] (the row after it) instead of p[i], the row that scored it."""
+    return _rule(p, q, draft_ids, generator, row_shift=1)  # MISTAKE: p[i, d]
+
+
+@mistake("ex17", "residual_distribution")
+def residual_nan_when_p_equals_q(p, q):
+    """Divides max(0, p - q) by its sum even when it is 0 (p == q): NaN instead of p."""
+    residual = (p - q).clamp(min=0)
+    return residual / residual.sum()  # MISTAKE: p when the sum is 0
 
 
 # -- ex18 int4 group quantisation ------------------------------------------------------------------

@@ -2,9 +2,14 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from exercises.checking import Case
+from exercises.differential import CHECKS, agree
+from exercises.forward_kit import draw_model, filled_cache, ids_of, model_for, table, tolerance, with_cache
 from exercises.models import prompt, tiny_model
+from exercises.registry import EXERCISES, reference
 from minillm import KVCache
 from minillm.errors import CacheFullError
 from minillm.phases import prefill
@@ -98,6 +103,7 @@ def test_bad_input_is_refused(impl):
     model = tiny_model("llama_gqa")
     cases = [(ValueError, torch.zeros(1, 0, dtype=torch.long), 16, "an empty prompt, ids [1, 0]"),
              (ValueError, torch.tensor([[5, 128, 7]]), 16, "token id 128 in a vocabulary of 128 (ids 0..127)"),
+             (ValueError, torch.tensor([[5, -1, 7]]), 16, "token id -1 (embedding would raise IndexError)"),
              (CacheFullError, prompt(9), 8, "a 9-token prompt for a cache of 8 positions")]
     for error, ids, max_seq_len, case in cases:
         c = Case(f"prefill(model, {list(ids.shape)} ids, cache)", case, shapes=f"ids {list(ids.shape)}",
@@ -107,3 +113,52 @@ def test_bad_input_is_refused(impl):
                       "0 <= ids < model.config.vocab_size, cache.check_room(T)), not an IndexError from inside torch")
         with torch.no_grad():
             c.raises(error, impl.prefill, model, ids, KVCache.for_model(model, max_seq_len=max_seq_len))
+
+
+# -- issue 30: the whole documented domain, against minillm's prefill ----------------------------------------
+
+REF = reference(EXERCISES["ex06"])
+
+
+KINDS = ["fits", "fills the cache", "a negative id", "an id >= vocab", "overflows", "an empty prompt"]
+HINT = ("positions start at cache.length; logits of the last position as float32 whatever the model's dtype; every "
+        "row of the batch; ValueError for an empty prompt or any id outside [0, vocab) (negative ones too), "
+        "CacheFullError when cache.length + T > max_seq_len, both before the pass; the answer shown is "
+        "(logits, (cache.length, K and V written, rolling buffers))")
+
+
+def compare(impl, name, dtype, rolling, batch, kind, prefix_len, n, extra, seed, bad_at):
+    """prefill of n seeded tokens after prefix_len cached ones, the student's against minillm's."""
+    if kind == "fills the cache":
+        extra = 0
+    if kind == "an empty prompt":
+        n = 0
+    max_seq_len = min(max(prefix_len + n + (-extra if kind == "overflows" else extra), prefix_len, 1), 128)
+    ids = ids_of(batch, n, seed, kind, bad_at)
+    model = model_for(name, dtype)
+
+    def inputs():
+        ids_tensor = torch.tensor(ids, dtype=torch.long).reshape(batch, n)
+        return (model, ids_tensor, filled_cache(model, batch, max_seq_len, prefix_len, rolling)), {}
+
+    agree(with_cache(impl.prefill), with_cache(REF.prefill), inputs, tol=tolerance(dtype),
+          what=f"prefill (tiny {name}, {str(dtype)[6:]}{', rolling cache' if rolling else ''}, {kind}: "
+               f"cache of {max_seq_len} holding {prefix_len}) -> (logits, cache afterwards)",
+          exercise="ex06", lesson=LESSON, hint=HINT)
+
+
+def test_agrees_with_the_reference_on_every_kind_of_case_and_dtype(impl):
+    for case in table(KINDS):
+        compare(impl, **case)
+
+
+@given(data=st.data())
+@settings(CHECKS, max_examples=25)
+def test_agrees_with_the_reference_on_random_models_batches_and_prefixes(impl, data):
+    name, dtype, rolling = draw_model(data)
+    kind = data.draw(st.sampled_from(KINDS), label="case")
+    far = name != "gpt2" and data.draw(st.booleans(), label="far from position 0")
+    compare(impl, name, dtype, rolling, batch=data.draw(st.integers(1, 2), label="batch"), kind=kind,
+            prefix_len=data.draw(st.integers(90, 110) if far else st.integers(0, 12), label="cached prefix"),
+            n=data.draw(st.integers(1, 10), label="T"), extra=data.draw(st.integers(1, 6), label="room +-"),
+            seed=data.draw(st.integers(0, 3), label="ids seed"), bad_at=data.draw(st.integers(0, 9), label="bad at"))

@@ -2,9 +2,14 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from exercises.checking import Case
+from exercises.differential import CHECKS, agree
+from exercises.forward_kit import draw_model, filled_cache, ids_of, model_for, table, tolerance, with_cache
 from exercises.models import prompt, tiny_model
+from exercises.registry import EXERCISES, reference
 from minillm import KVCache
 from minillm.errors import CacheFullError
 from minillm.phases import prefill
@@ -110,3 +115,50 @@ def test_bad_input_is_refused(impl):
         cache = after_prefill(model, prompt(5), max_seq_len=max_seq_len)
         with torch.no_grad():
             c.raises(error, impl.decode_step, model, token, cache)
+
+
+# -- issue 30: the whole documented domain, against minillm's decode_step ------------------------------------
+
+REF = reference(EXERCISES["ex07"])
+
+
+KINDS = ["fits", "takes the last free position", "a negative id", "an id >= vocab", "a full cache",
+         "several tokens for one sequence"]
+HINT = ("the new token of each sequence sits at position cache.length; logits as float32 whatever the model's dtype; "
+        "ValueError for an id outside [0, vocab) (negative ones too) or a token_id whose length is not the cache's "
+        "batch (several tokens for one sequence), CacheFullError when cache.length == max_seq_len, both before "
+        "the pass; the answer shown is (logits, (cache.length, K and V written, rolling buffers))")
+
+
+def compare(impl, name, dtype, rolling, batch, kind, prefix_len, n, extra, seed, bad_at):
+    """one decode_step after prefix_len cached tokens, the student's against minillm's (n is unused)."""
+    free = {"takes the last free position": 1, "a full cache": 0}.get(kind, extra)
+    max_seq_len = min(max(prefix_len + free, 1), 128)
+    n_tokens = batch + 1 if kind == "several tokens for one sequence" else batch
+    token = ids_of(1, n_tokens, seed, kind, bad_at)[0]
+    model = model_for(name, dtype)
+
+    def inputs():
+        return (model, torch.tensor(token), filled_cache(model, batch, max_seq_len, prefix_len, rolling)), {}
+
+    agree(with_cache(impl.decode_step), with_cache(REF.decode_step), inputs, tol=tolerance(dtype),
+          what=f"decode_step (tiny {name}, {str(dtype)[6:]}{', rolling cache' if rolling else ''}, {kind}: "
+               f"batch {batch}, cache of {max_seq_len} holding {prefix_len}) -> (logits, cache afterwards)",
+          exercise="ex07", lesson=LESSON, hint=HINT)
+
+
+def test_agrees_with_the_reference_on_every_kind_of_case_and_dtype(impl):
+    for case in table(KINDS):
+        compare(impl, **case)
+
+
+@given(data=st.data())
+@settings(CHECKS, max_examples=25)
+def test_agrees_with_the_reference_on_random_models_batches_and_positions(impl, data):
+    name, dtype, rolling = draw_model(data)
+    kind = data.draw(st.sampled_from(KINDS), label="case")
+    far = name != "gpt2" and data.draw(st.booleans(), label="far from position 0")
+    compare(impl, name, dtype, rolling, batch=data.draw(st.integers(1, 2), label="batch"), kind=kind,
+            prefix_len=data.draw(st.integers(100, 126) if far else st.integers(0, 12), label="tokens in the cache"),
+            n=1, extra=data.draw(st.integers(1, 5), label="free positions"),
+            seed=data.draw(st.integers(0, 3), label="ids seed"), bad_at=data.draw(st.integers(0, 2), label="bad at"))

@@ -2,8 +2,12 @@
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from exercises.checking import Case
+from exercises.differential import CHECKS, agree
+from exercises.registry import EXERCISES, reference
 from exercises.oracles import filter_row
 from minillm.sampling import SamplingParams
 
@@ -158,3 +162,170 @@ def test_logprob_ignores_the_temperature(impl):
     ids, logprobs = c.call(impl.sample, logits, SamplingParams(temperature=2.5, top_k=1))
     c.equal(ids, torch.tensor([0, 1]))
     c.close(logprobs, torch.log_softmax(logits, -1)[[0, 1], [0, 1]])
+
+
+# -- issue 30: the whole documented domain, against minillm's filter_logits and sample -------------------------
+
+REF = reference(EXERCISES["ex08"])
+TEMPERATURES = [1e-5, 1e-3, 0.1, 0.5, 1.0, 1.7, 100.0, 1e6]
+TOP_PS = [1.0, 1e-6, 0.3, 0.5, 0.9, 0.999]
+
+
+def random_logits(seed: int, batch: int, vocab: int, ties: bool, step: float, n_minus_inf: int,
+                  dtype=torch.float32) -> torch.Tensor:
+    """[batch, vocab] logits from a seed: distinct values on a grid (or small integers, with ties), some -inf
+    (never a whole row)."""
+    g = torch.Generator().manual_seed(seed)
+    if ties:
+        logits = torch.randint(-3, 4, (batch, vocab), generator=g).float()
+    else:
+        logits = torch.stack([torch.randperm(vocab, generator=g).float() for _ in range(batch)]) * step - 3.0
+    for row in logits:
+        finite = torch.randperm(vocab, generator=g)[: min(n_minus_inf, vocab - 1)]
+        row[finite] = -INF
+    return logits.to(dtype)
+
+
+def top_p_is_clear_of_the_boundary(logits: torch.Tensor, params: SamplingParams) -> bool:
+    """False when some token's mass-before lies within 1e-4 of top_p: there rounding decides (the reference's
+    cumsum against another correct sum order), which no docstring can promise."""
+    if params.top_p >= 1:
+        return True
+    x = logits.double() / params.temperature
+    if params.top_k:
+        kth = torch.topk(x, min(params.top_k, x.shape[-1]), dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, -INF)
+    probs = torch.softmax(x, dim=-1).sort(dim=-1, descending=True).values
+    mass_before = probs.cumsum(-1) - probs
+    return bool(((mass_before - params.top_p).abs() > 1e-4).all())
+
+
+def draw_params(data, vocab: int, greedy_ok: bool = False) -> SamplingParams:
+    temperature = data.draw(st.sampled_from(([0.0] if greedy_ok else []) + TEMPERATURES) |
+                            st.floats(1e-5, 50.0), label="temperature")
+    top_k = data.draw(st.sampled_from([0, 1, 2, vocab, vocab + 5]) | st.integers(0, vocab), label="top_k")
+    top_p = data.draw(st.sampled_from(TOP_PS) | st.floats(0.01, 1.0), label="top_p")
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+@given(data=st.data())
+@settings(CHECKS)
+def test_filter_logits_agrees_with_the_reference(impl, data):
+    vocab = data.draw(st.integers(1, 40), label="vocab")
+    batch = data.draw(st.integers(1, 3), label="batch")
+    params = draw_params(data, vocab)
+    ties = params.top_p == 1 and data.draw(st.booleans(), label="tied logits")  # top-p on ties: the sort decides
+    logits = random_logits(data.draw(st.integers(0, 9), label="seed"), batch, vocab, ties,
+                           data.draw(st.sampled_from([0.01, 0.3, 1.0, 5.0]), label="spacing"),
+                           data.draw(st.integers(0, 3), label="-inf per row"))
+    assume(top_p_is_clear_of_the_boundary(logits, params))
+    agree(impl.filter_logits, REF.filter_logits, lambda: ((logits.clone(), params), {}),
+          what="filter_logits", exercise="ex08", lesson=LESSON,
+          hint="logits / temperature; per row keep the top_k largest (all of those tied with the k-th; top_k above "
+               "the vocabulary keeps all); then top-p on that row's softmax: " + TOP_P + "; -inf stays -inf; "
+               "return a new tensor, never change the caller's logits")
+
+
+@given(data=st.data())
+@settings(CHECKS)
+def test_sample_agrees_with_the_reference(impl, data):
+    """Greedy and one-token distributions exactly; any other draw: the same types, a token the filter keeps,
+    its logprob under the raw logits; bad logits (NaN, +inf, a row with no finite value): ValueError."""
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), label="dtype")
+    vocab = data.draw(st.integers(1, 40), label="vocab")
+    batch = data.draw(st.integers(1, 3), label="batch")
+    params = draw_params(data, vocab, greedy_ok=True)
+    scale = data.draw(st.sampled_from([1.0, 1.0, 1e4] + ([1e35] if dtype == torch.float32 else [])), label="scale")
+    if scale == 1e35:  # what the shift is for: a small temperature on large logits overflows float32 without it
+        params = SamplingParams(temperature=data.draw(st.sampled_from([1e-5, 1e-4]), label="small temperature"),
+                                top_k=params.top_k, top_p=params.top_p)
+    logits = random_logits(data.draw(st.integers(0, 9), label="seed"), batch, vocab, False, 0.3,
+                           data.draw(st.integers(0, 3), label="-inf per row")) * scale
+    bad = data.draw(st.sampled_from([None, None, None, "nan", "+inf", "all -inf"]), label="bad logits")
+    if bad:
+        row = data.draw(st.integers(0, batch - 1), label="bad row")
+        logits[row] = -INF if bad == "all -inf" else logits[row]
+        logits[row, data.draw(st.integers(0, vocab - 1), label="at")] = {"nan": float("nan"), "+inf": INF}.get(
+            bad, -INF)
+    logits = logits.to(dtype)
+    seed = data.draw(st.integers(0, 2**16), label="generator seed")
+    one_token = params.greedy or params.top_k == 1 or params.top_p == 1e-6  # exactly one token can come out
+
+    def inputs():
+        return (logits.clone(), params, torch.Generator().manual_seed(seed)), {}
+
+    agree(impl.sample if one_token else _facts(impl.sample), REF.sample if one_token else _facts(REF.sample),
+          inputs, what="sample" if one_token else "sample -> (facts about the draw)", exercise="ex08",
+          lesson=LESSON, tol=(1e-5, 1e-5),
+          hint="compute in float32 whatever the logits' dtype; ValueError when a row holds NaN or +inf or has no "
+               "finite value (check before sampling: argmax of a NaN row picks the NaN); greedy below temperature "
+               "1e-5 (argmax); else shift the row's max to 0, filter_logits, softmax, torch.multinomial(probs, 1, "
+               "generator=generator); the logprob is log_softmax of the RAW logits at the chosen token; returns "
+               "(token_ids [B] int64, logprobs [B] float32)")
+
+
+def _facts(sample_fn):
+    """A draw differs by the random stream; what must hold for any draw is compared instead."""
+    def facts(logits, params, generator):
+        ids, logprobs = sample_fn(logits, params, generator)
+        raw = logits.float()
+        kept = torch.isfinite(REF.filter_logits(raw - raw.amax(-1, keepdim=True), params))
+        ok_ids = isinstance(ids, torch.Tensor) and ids.dtype == torch.int64 and ids.shape == (raw.shape[0],)
+        return {"token_ids": (type(ids).__name__, str(getattr(ids, "dtype", None)), list(getattr(ids, "shape", []))),
+                "logprobs": (type(logprobs).__name__, str(getattr(logprobs, "dtype", None)),
+                             list(getattr(logprobs, "shape", []))),
+                "every token is one the filter keeps": ok_ids and bool(kept.gather(-1, ids[:, None]).all()),
+                "logprob = log_softmax(raw logits)[token]": ok_ids and isinstance(logprobs, torch.Tensor) and bool(
+                    torch.allclose(logprobs.float(), torch.log_softmax(raw, -1).gather(-1, ids[:, None])[:, 0],
+                                   atol=1e-5, rtol=1e-5))}
+    facts.__name__ = "sample"
+    return facts
+
+
+def test_a_small_temperature_on_large_logits(impl):
+    logits = torch.tensor([[3e34, 1e34, 0.0]])
+    c = Case("sample([[3e34, 1e34, 0]], SamplingParams(temperature=1e-5))", "large logits over a small temperature: "
+             "3e34 / 1e-5 is beyond float32's 3.4e38 (inf, then NaN in the softmax); the answer is token 0",
+             shapes="logits [1, 3] -> token_ids [1]", lesson=LESSON + "#temperature",
+             hint="as the docstring of filter_logits says, shift each row so that its largest logit is 0 "
+                  "(logits - logits.amax(-1, keepdim=True)) before dividing by the temperature: softmax ignores "
+                  "the shift, and the others then go to -inf (probability 0), never +inf")
+    ids, _ = c.call(impl.sample, logits, SamplingParams(temperature=1e-5), torch.Generator().manual_seed(0))
+    c.equal(ids, torch.tensor([0]))
+
+
+def test_bad_logits_are_refused(impl):
+    nan, cases = float("nan"), []
+    for temperature in (0.0, 1.0):
+        cases += [([[1.0, nan, 0.5]], temperature, "a NaN logit"), ([[0.0, 1.0], [INF, 0.0]], temperature, "+inf"),
+                  ([[0.0, 1.0], [-INF, -INF]], temperature, "a row with no finite value")]
+    for rows, temperature, what in cases:
+        c = Case(f"sample({rows}, SamplingParams(temperature={temperature}))", f"{what}: the docstring promises "
+                 "ValueError (a broken model or mask), not a token", shapes=f"logits [{len(rows)}, {len(rows[0])}]",
+                 lesson=LESSON, hint="check first: torch.isfinite(logits.float().amax(dim=-1)).all() is False for a "
+                                     "row holding NaN or +inf or no finite value; raise ValueError then (greedy's "
+                                     "argmax would silently pick the NaN)")
+        c.raises(ValueError, impl.sample, torch.tensor(rows), SamplingParams(temperature=temperature),
+                 torch.Generator().manual_seed(0))
+
+
+def _draws(impl, seed: int, global_seed: int, n: int = 20) -> list[int]:
+    """n tokens from a flat distribution over 50, the generator seeded with ``seed``, the global RNG with another."""
+    logits, params = torch.zeros(1, 50), SamplingParams(temperature=1.0)
+    with torch.random.fork_rng():
+        torch.manual_seed(global_seed)
+        g = torch.Generator().manual_seed(seed)
+        return [int(impl.sample(logits, params, g)[0][0]) for _ in range(n)]
+
+
+def test_the_generator_alone_decides_the_draws(impl):
+    c = Case("sample(zeros(1, 50), SamplingParams(temperature=1), Generator().manual_seed(s)) x 20",
+             "the same generator seed after torch.manual_seed(1) and after torch.manual_seed(2); then seeds 1 and 2",
+             shapes="logits [1, 50]", lesson=LESSON + "#seeds",
+             hint="draw only from the generator you are given (torch.multinomial(probs, 1, generator=generator)): "
+                  "not from the global RNG (torch.manual_seed would change your tokens), not from a generator "
+                  "of your own (every seed would give the same tokens)")
+    first = c.call(_draws, impl, 7, 1)
+    c.equal(c.call(_draws, impl, 7, 2), first, hint="the global RNG changed your tokens: " + c.hint)
+    c.true(c.call(_draws, impl, 8, 1) != first, "generators seeded 7 and 8 drew the same 20 tokens",
+           expected="different tokens", got=first)

@@ -1,12 +1,19 @@
 """Exercise 14: the generate loop: prefill, sample, decode_step, stop reasons, step by step."""
 
+import copy
+import itertools
+import random
 import time
 from functools import lru_cache
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from exercises.checking import Case
+from exercises.differential import CHECKS, agree
+from exercises.registry import EXERCISES, reference
 from exercises.models import prompt, tiny_model
 from minillm import KVCache
 from minillm.errors import CacheFullError
@@ -140,3 +147,124 @@ def test_bad_prompts_are_refused(impl):
                       "not fit: minillm's prefill raises both, let them through (don't catch them)")
         c.raises(error, lambda: list(impl.generate(model, ids, SamplingParams(), KVCache.for_model(
             model, max_seq_len=cache_len), NO_EOS)))
+
+
+# -- issue 30: every prompt, prefix, cache size, stop set and seed, against the reference loop -----------------
+
+REF = reference(EXERCISES["ex14"])
+FIELDS_COMPARED = ("token_id", "logprob", "phase", "cache_length", "finish_reason", "prefill_tokens")
+
+
+def _steps(generate_fn):
+    """Run a loop to its end (at most max_new_tokens + 1 steps): every step's fields but the time, then
+    cache.length."""
+    def run(model, prompt_ids, params, cache, eos_token_ids):
+        steps = generate_fn(model, prompt_ids, params, cache, eos_token_ids)
+        steps = itertools.islice(steps, params.max_new_tokens + 1)
+        return [tuple(getattr(s, f, None) for f in FIELDS_COMPARED) for s in steps], cache.length
+    run.__name__ = "generate"
+    return run
+
+
+def _some_ids(data, label: str) -> set[int]:
+    """A seeded random set of 0 to 40 of the 128 ids (drawn as a size and a seed: quick to shrink)."""
+    size = data.draw(st.integers(0, 40), label=f"how many {label}")
+    return set(random.Random(data.draw(st.integers(0, 9), label=f"{label} seed")).sample(range(128), size))
+
+
+@given(data=st.data())
+@settings(CHECKS, max_examples=30)
+def test_agrees_with_the_reference_on_every_prompt_cache_and_stop(impl, data):
+    model = tiny_model("llama_gqa")
+    prompt_len = data.draw(st.sampled_from([0, 1, 2, 5, 8]), label="prompt length")  # 0: ValueError
+    prefix = data.draw(st.sampled_from([0, 0, 3, 90]), label="cached prefix")
+    room = data.draw(st.integers(-1, 8), label="room after the prompt")  # -1: CacheFullError
+    cache_len = max(prefix + prompt_len + room, prefix, 1)
+    sampled = data.draw(st.booleans(), label="seeded sampling")
+    eos = frozenset(_some_ids(data, "eos ids"))
+    params = SamplingParams(
+        temperature=1.2 if sampled else 0.0, top_k=30 if sampled else 0, seed=data.draw(st.integers(0, 99)) if sampled
+        else None, max_new_tokens=data.draw(st.integers(1, 8), label="max_new_tokens"),
+        stop_token_ids=tuple(sorted(_some_ids(data, "stop ids"))))
+    ids = prompt(prefix + prompt_len, seed=data.draw(st.integers(0, 3), label="prompt seed"))[0]
+
+    filled = KVCache.for_model(model, max_seq_len=cache_len)
+    if prefix:
+        prefill(model, ids[:prefix], filled)
+
+    def inputs():
+        return (model, ids[prefix:].clone(), params, copy.deepcopy(filled), set(eos)), {}
+
+    agree(_steps(impl.generate), _steps(REF.generate), inputs, exercise="ex14", lesson=LESSON,
+          what=f"generate (cache of {cache_len} holding {prefix}) -> ([(token_id, logprob, phase, cache_length, "
+               "finish_reason, prefill_tokens) per step], cache.length at the end)",
+          hint="token_id an int (token.item()), logprob a float; the reason is the first of eos, stop, length, "
+               "cache_full that applies (an EOS as the last allowed token is 'eos', not 'length'); "
+               "prefill_tokens = len(prompt_ids); " + LOOP)
+
+
+def test_steps_hold_python_numbers(impl):
+    model = tiny_model("llama_gqa")
+    c = Case("generate(model, prompt_ids, SamplingParams(max_new_tokens=3), cache, set())",
+             "the types of GenerationStep's fields", shapes="token_id: int, logprob: float, cache_length: int",
+             lesson=LESSON, hint="yield token.item() and logprob.item(): a one-element tensor is not an int (a set of "
+                                 "EOS ids does not match it, json cannot write it, and it keeps the tensor alive)")
+    steps = c.call(lambda: list(impl.generate(model, prompt(5, seed=3)[0], SamplingParams(max_new_tokens=3),
+                                              KVCache.for_model(model, max_seq_len=16), set())))
+    for step in steps:
+        for field, kind in (("token_id", int), ("logprob", float), ("cache_length", int), ("prefill_tokens", int)):
+            value = getattr(step, field)
+            c.true(type(value) is kind, f"GenerationStep.{field} is a {type(value).__name__}",
+                   expected=kind.__name__, got=repr(value))
+
+
+def test_eos_or_stop_as_the_last_allowed_token(impl):
+    greedy = oracle(5, 0, 32, SamplingParams(max_new_tokens=8), frozenset())
+    last = greedy[2].token_id
+    for params, eos, reason in [(SamplingParams(max_new_tokens=3), {last}, "eos"),
+                                (SamplingParams(max_new_tokens=3, stop_token_ids=(last,)), set(), "stop")]:
+        stop = "" if eos else f", stop_token_ids=({last},)"
+        run_case(impl, f"generate(..., SamplingParams(max_new_tokens=3{stop}), cache, eos_token_ids={eos or set()})",
+                 f"the 3rd token, the last max_new_tokens allows, is {'an EOS id' if eos else 'a stop id'}: "
+                 f"finish_reason '{reason}', not 'length'", params, eos,
+                 hint="the docstring's order: eos, then stop, then length, then cache_full (the first that applies); "
+                      "check the token before the count; " + LOOP)
+
+
+def test_a_token_is_stamped_after_its_forward_pass(impl):
+    """time_s is when the token was known: after the pass that produced it (TTFT includes the prefill)."""
+    model = tiny_model("llama_gqa")
+    ends, received = [], []
+    handle = model.lm_head.register_forward_hook(lambda *_: ends.append(time.perf_counter()))
+    c = Case("generate(model, prompt_ids, SamplingParams(max_new_tokens=4), cache, set())",
+             "each pass's end is recorded (a hook on lm_head); token n must be stamped after pass n ended and before "
+             "the caller got it", shapes="prompt_ids [5]; 4 tokens: 1 prefill + 3 decode passes", lesson=LESSON,
+             hint="stamp time.perf_counter() after prefill / decode_step returned the logits the token was sampled "
+                  "from, not before the pass (then the TTFT would leave out the whole prefill); " + LOOP)
+    try:
+        for step in c.call(impl.generate, model, prompt(5, seed=3)[0], SamplingParams(max_new_tokens=4),
+                           KVCache.for_model(model, max_seq_len=16), set()):
+            received.append((step.time_s, time.perf_counter()))
+    finally:
+        handle.remove()
+    c.equal(len(ends), 4, hint="one forward pass per token except the last (prefill + 3 decode steps)")
+    for n, ((stamp, got_at), end) in enumerate(zip(received, ends)):
+        c.true(end <= stamp <= got_at, f"token {n + 1} stamped {'before its pass ended' if stamp < end else 'late'}",
+               expected=f"{end:.6f} <= time_s <= {got_at:.6f}", got=f"time_s = {stamp:.6f}")
+
+
+def _seeded_tokens(impl, global_seed: int, seed: int = 11) -> list[int]:
+    model = tiny_model("llama_gqa")
+    params = SamplingParams(temperature=1.5, seed=seed, max_new_tokens=8)
+    with torch.random.fork_rng():
+        torch.manual_seed(global_seed)
+        return [int(s.token_id) for s in impl.generate(model, prompt(4, seed=5)[0], params,
+                                                          KVCache.for_model(model, max_seq_len=16), set())]
+
+
+def test_the_seed_alone_decides_the_tokens(impl):
+    c = Case("generate(..., SamplingParams(temperature=1.5, seed=11, max_new_tokens=8), ...) twice",
+             "the same seed after torch.manual_seed(1) and after torch.manual_seed(2)", shapes="prompt_ids [4]",
+             lesson=LESSON, hint="make ONE generator, params.make_generator(cache.k.device), before the loop and "
+                                 "pass it to every sample(...): the global RNG must not matter")
+    c.equal(c.call(_seeded_tokens, impl, 2), c.call(_seeded_tokens, impl, 1))

@@ -8,9 +8,13 @@ million runs); one-hot p and q, where the rule has a single answer.
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from exercises import oracles
 from exercises.checking import Case
+from exercises.differential import CHECKS, agree
+from exercises.registry import EXERCISES, reference
 
 pytestmark = pytest.mark.ex17
 LESSON = "lessons/09-optimisations.md#speculative-decoding-one-step-at-a-time"
@@ -117,3 +121,106 @@ def test_tokens_follow_p_whatever_the_draft(impl):
         c.true(first is not None and 0 <= int(first) < 4, "a token outside the vocabulary", got=first)
         counts[int(first)] += 1
     c.close(counts / N_DRAWS, p[0], atol=TOLERANCE, rtol=0)
+
+
+# -- issue 30: random p and q in every dtype and size, and the seed alone deciding the draws -------------------
+
+REF = reference(EXERCISES["ex17"])
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+def random_distributions(seed: int, rows: int, vocab: int, zeros: int, dtype=torch.float32) -> torch.Tensor:
+    """[rows, vocab] distributions from a seed, some entries exactly 0 (never a whole row)."""
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 1.5, dim=-1)
+    for row in probs:
+        row[torch.randperm(vocab, generator=g)[: min(zeros, vocab - 1)]] = 0.0
+    return (probs / probs.sum(-1, keepdim=True)).to(dtype)
+
+
+@given(data=st.data())
+@settings(CHECKS)
+def test_residual_agrees_with_the_reference(impl, data):
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    vocab = data.draw(st.integers(1, 50), label="vocab")
+    seed = data.draw(st.integers(0, 99), label="seed")
+    p = random_distributions(seed, 1, vocab, data.draw(st.integers(0, 3), label="zeros in p"), dtype)[0]
+    q_kind = data.draw(st.sampled_from(["random", "p itself", "one-hot"]), label="q")
+    q = {"random": lambda: random_distributions(seed + 1, 1, vocab, data.draw(st.integers(0, 3), label="zeros in q"),
+                                                dtype)[0],
+         "p itself": lambda: p.clone(),
+         "one-hot": lambda: torch.nn.functional.one_hot(torch.tensor(data.draw(st.integers(0, vocab - 1))),
+                                                        vocab).to(dtype)}[q_kind]()
+    as_p = lambda fn: (lambda p, q: _in_dtype(fn(p, q), p.dtype))  # noqa: E731 - "float": any float dtype will do
+    agree(as_p(impl.residual_distribution), as_p(REF.residual_distribution), lambda: ((p.clone(), q.clone()), {}),
+          what="residual_distribution", exercise="ex17", lesson=LESSON,
+          hint=RESIDUAL + "; when nothing is left (p == q) return p itself, not 0 / 0 = NaN; "
+               "leave p and q as they were")
+
+
+def _in_dtype(x, dtype):
+    return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def _outcomes_of(fn, p, q, drafts, n: int, seed: int) -> dict:
+    gen, counts = torch.Generator().manual_seed(seed), {}
+    for _ in range(n):
+        got = fn(p, q, drafts, gen)
+        counts[got] = counts.get(got, 0) + 1
+    return counts
+
+
+@given(data=st.data())
+@settings(CHECKS, max_examples=30)
+def test_accept_or_resample_follows_the_rule_on_random_distributions(impl, data):
+    """Any draw: (int, int) in the rule's support; over 300 draws: the rule's exact probabilities (5.5 sd)."""
+    dtype = data.draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), label="dtype")
+    vocab = data.draw(st.integers(2, 6), label="vocab")
+    k = data.draw(st.integers(0, 3), label="k drafts")
+    seed = data.draw(st.integers(0, 99), label="seed")
+    p = random_distributions(seed, k + 1, vocab, data.draw(st.integers(0, 2), label="zeros in p"), dtype)
+    deterministic = data.draw(st.booleans(), label="deterministic draft (q None)")
+    q = None if deterministic else random_distributions(seed + 1, k, vocab, data.draw(st.integers(0, 2)), dtype)
+    g = torch.Generator().manual_seed(seed)
+    drafts = [int(torch.randint(vocab, (), generator=g)) if q is None else
+              int(torch.multinomial(q[i].double(), 1, generator=g)) for i in range(k)]
+    expected = oracles.speculative_outcomes(p.double().tolist(), None if q is None else q.double().tolist(), drafts)
+    n = 300
+    c = Case(f"accept_or_resample(p, {'None' if q is None else 'q'}, {drafts}) x {n}",
+             f"random p [{k + 1}, {vocab}]{'' if q is None else f' and q [{k}, {vocab}]'} in {str(dtype)[6:]}",
+             shapes="-> (n_accepted: int, token: int)", hint=RULE + "; return Python ints (.item())", lesson=LESSON)
+    counts = c.call(_outcomes_of, impl.accept_or_resample, p, q, drafts, n, seed)
+    for got in counts:
+        c.true(isinstance(got, tuple) and len(got) == 2 and all(type(x) is int for x in got),
+               "not a pair of Python ints", expected="(n_accepted, token) as ints", got=repr(got))
+        c.true(expected.get(got, 0.0) > 0, f"{got} cannot come out of the rule", expected=sorted(expected), got=got)
+    for key in set(expected) | set(counts):
+        want, have = expected.get(key, 0.0), counts.get(key, 0) / n
+        c.true(abs(have - want) <= 5.5 * (want * (1 - want) / n) ** 0.5 + 0.02,
+               f"{key} came out {have:.3f} of the time", expected=f"{want:.3f}", got=f"{have:.3f}")
+
+
+# A flat target and a draft that over-proposes each draft: the accept test (ratio 0.5), the resample (from 15
+# tokens) and the bonus (from 16) are all random, so a draw from anything but the generator shows.
+FLAT_P = torch.full((3, 16), 1 / 16)
+FLAT_Q = torch.full((2, 16), 0.875 / 15).index_put_((torch.tensor([0, 1]), torch.tensor([3, 5])), torch.tensor(0.125))
+
+
+def _seeded_runs(impl, seed: int, global_seed: int, n: int = 40) -> list[tuple]:
+    with torch.random.fork_rng():
+        torch.manual_seed(global_seed)
+        g = torch.Generator().manual_seed(seed)
+        return [tuple(int(x) for x in impl.accept_or_resample(FLAT_P, FLAT_Q, [3, 5], g)) for _ in range(n)]
+
+
+def test_the_generator_alone_decides_the_outcome(impl):
+    c = Case("accept_or_resample(p, q, [3, 5], Generator().manual_seed(s)) x 40",
+             "p flat over 16 tokens, q(d) = 0.125 (kept half the time): the same seed after torch.manual_seed(1) and "
+             "after torch.manual_seed(2), then seeds 7 and 8", shapes="p [3, 16], q [2, 16]", lesson=LESSON,
+             hint="every random number from the generator given: the accept test's u = torch.rand((), "
+                  "generator=generator, device=p.device), the replacement and the bonus with torch.multinomial(probs, "
+                  "1, generator=generator); the global RNG (torch.manual_seed) must not change the outcome")
+    first = c.call(_seeded_runs, impl, 7, 1)
+    c.equal(c.call(_seeded_runs, impl, 7, 2), first)
+    c.true(c.call(_seeded_runs, impl, 8, 1) != first, "generators seeded 7 and 8 gave the same 40 outcomes",
+           expected="different outcomes", got=first[:8])
