@@ -31,7 +31,7 @@ from ..stopping import TextStream, check_stop
 from .block_allocator import blocks_needed
 from .model_runner import prompt_logits_spans, run_model, sample_rows
 from .paged_cache import PagedKVCache
-from .request import Request
+from .request import RUNNING, Request, sequence_id
 from .scheduler import Scheduler, ScheduledBatch
 from .step_trace import StepRecord, write_chrome_trace
 
@@ -59,6 +59,8 @@ class RequestOutput:
             None for the first (nothing precedes it), then ``(logprob, [(id, logprob), ...k])`` of
             token j given tokens 0..j-1, from the prefill's logits (vLLM's ``prompt_logprobs``);
             complete from the request's first token on; else None.
+        index: which of the request's n sequences this output is about (``add_request(..., n=3)``:
+            0, 1 or 2, under the same ``request_id``; OpenAI's choice ``index``); 0 when n = 1.
     """
 
     request_id: str
@@ -73,6 +75,7 @@ class RequestOutput:
     message: str | None = None
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    index: int = 0
 
 
 class LLMEngine:
@@ -118,7 +121,7 @@ class LLMEngine:
 
     def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None,
                     arrival_s: float | None = None, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None) -> str:
+                    prompt_logprobs: int | None = None, n: int = 1) -> str:
         """Queue a prompt (token ids); returns its request id.
 
         ``params`` default to the checkpoint's generation defaults, as in ``generate``.
@@ -133,9 +136,22 @@ class LLMEngine:
         recomputes the prompt: cached blocks hold K/V, not logits); its blocks are still cached
         for others, and a recompute after a preemption, its prompt logprobs kept, takes hits again.
 
+        ``n``: parallel sampling (vLLM's ``SamplingParams.n``, OpenAI's ``n``): n sequences from one
+        prompt, each with its own generator, reported under this request id with their
+        :attr:`RequestOutput.index`. The prompt is prefilled once; then the request *forks*: the
+        n - 1 other sequences get block tables pointing at the same blocks (reference counts
+        raised, :meth:`BlockAllocator.fork`), and each samples its first token from the same
+        logits. The prompt's last, partial block is copied when a sequence first writes into it
+        while another still holds it (copy on write); full blocks stay shared until they finish.
+        With a seed s, sequence i draws from a generator seeded s + i (vLLM's rule for its child
+        requests): sequence 0 is the n = 1 answer, and a seeded request is reproducible. Sequence
+        i's engine id is ``f"{request_id}#{i}"`` (:func:`~minillm.serving.request.sequence_id`).
+        The scheduler admits the request only when n sequences fit ``max_num_seqs``.
+
         Raises ValueError for text instead of ids, an empty prompt, ids outside the vocabulary,
         a prompt beyond the model's context or the whole pool, a prompt longer than
-        ``max_num_batched_tokens`` without chunked prefill, or a duplicate request id.
+        ``max_num_batched_tokens`` without chunked prefill, a duplicate request id, or an ``n``
+        outside [1, max_num_seqs].
         """
         if isinstance(prompt_ids, str):
             raise ValueError("add_request takes token ids, not text; encode it first: "
@@ -149,10 +165,13 @@ class LLMEngine:
         for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if k is not None and not (type(k) is int and 0 <= k <= self.model.config.vocab_size):
                 raise ValueError(f"{name} must be None or a number of top tokens in [0, vocab size], got {k!r}")
+        if not (type(n) is int and 1 <= n <= self.scheduler.max_num_seqs):
+            raise ValueError(f"n (sequences per request) must be an integer in [1, max_num_seqs = "
+                             f"{self.scheduler.max_num_seqs}], got {n!r}")
         if request_id is None:  # the next number the caller has not taken already
             request_id = next(i for i in map(str, self._ids) if i not in self.requests)
         request_id = str(request_id)
-        if request_id in self.requests:
+        if any(sequence_id(request_id, i) in self.requests for i in range(n)):
             raise ValueError(f"request id {request_id!r} is already in use; give a new one or leave it out")
         device = self.cache.k.device
         request = Request(request_id, prompt, params, time.perf_counter() if arrival_s is None else arrival_s,
@@ -160,6 +179,7 @@ class LLMEngine:
                           num_prompt_logprobs=prompt_logprobs)
         if self.tokenizer is not None:
             request.text_stream = TextStream(self.tokenizer, params.stop)
+        request.num_forks = n - 1
         if params.allowed_tokens is not None:  # constrained decoding: the request's own matcher
             request.matcher = params.allowed_tokens.matcher()
         self.requests[request_id] = request
@@ -187,13 +207,22 @@ class LLMEngine:
         "abort" (no later step reports it: it is in no batch).
 
         Raises ValueError for an unknown id; aborting a finished request changes nothing.
+        A request with n > 1 stops all its sequences (the output is sequence 0's).
         """
         request = self.requests.get(str(request_id))
         if request is None:
             raise ValueError(f"no request with id {request_id!r}; known ids: {list(self.requests)[:10]}")
-        if not request.finished:
-            self.scheduler.finish(request, "abort", message="aborted by the caller")
+        for sequence in self.sequences(request.request_id) if request.parent_id is None else [request]:
+            if not sequence.finished:
+                self.scheduler.finish(sequence, "abort", message="aborted by the caller")
         return self._output(request, None)
+
+    def sequences(self, request_id: str) -> list[Request]:
+        """A request's sequences in index order: itself, then (n > 1, once forked) ``#1``, ``#2``, ..."""
+        found = [self.requests[str(request_id)]]
+        while (child := self.requests.get(sequence_id(str(request_id), len(found)))) is not None:
+            found.append(child)
+        return found
 
     def has_unfinished_requests(self) -> bool:
         """True while some request is waiting or running (vLLM's name)."""
@@ -209,8 +238,10 @@ class LLMEngine:
         """
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
+        self.cache.copy_pending()  # copy on write: before this step writes into the copies
         rows = scheduled.rows()
         new_tokens: dict[str, int] = {}
+        forked: list[Request] = []
         if scheduled:
             spans = prompt_logits_spans(scheduled)  # before num_computed_tokens moves on
             sampling, logits = run_model(self.model, self.cache, scheduled)
@@ -223,15 +254,54 @@ class LLMEngine:
                 request.num_computed_tokens += n
                 self.cache.allocator.cache_full_blocks(request.request_id, request.all_token_ids,
                                                        request.num_computed_tokens)
+            if any(r.num_forks for r in sampling):  # n > 1: a prefill just completed
+                forked, tokens, logits = self._fork(sampling, tokens, logits)
+                sampling = sampling + forked
             for row, (request, token) in enumerate(zip(sampling, tokens)):
                 if request.num_logprobs is not None:
                     request.output_logprobs.append(_token_logprobs(logits[row], token, request.num_logprobs))
                 self._append_token(request, token, now)
                 new_tokens[request.request_id] = token
-        changed = [r for r in scheduled.requests if r.request_id in new_tokens or r.finished]
+        changed = [r for r in scheduled.requests + forked if r.request_id in new_tokens or r.finished]
         changed += [r for r in scheduled.finished if r not in changed]
         self._record(scheduled, rows, start, changed)
         return [self._output(r, new_tokens.get(r.request_id)) for r in changed]
+
+    def _fork(self, sampling: list[Request], tokens: list[int], logits: torch.Tensor):
+        """Parallel sampling: each request with n > 1 whose prefill just completed forks into its
+        n - 1 other sequences. Each shares its block table (no K/V copied) and samples its own first
+        token from the same logits row, with its own generator. Returns (the new sequences, all
+        the step's tokens, all the logits rows), the new ones after those of ``sampling``."""
+        children, rows = [], []
+        for row, parent in enumerate(sampling):
+            for index in range(1, parent.num_forks + 1):
+                children.append(self._fork_sequence(parent, index))
+                rows.append(row)
+            parent.num_forks = 0
+        child_logits = logits[rows]
+        child_tokens, _ = sample_rows(child_logits, children)
+        return children, tokens + child_tokens, torch.cat([logits, child_logits])
+
+    def _fork_sequence(self, parent: Request, index: int) -> Request:
+        """Sequence ``index`` of ``parent``'s request: its tokens and cache state so far, its block
+        table shared, its own generator (seeded seed + index when the request has a seed)."""
+        params, child_id = parent.params, sequence_id(parent.request_id, index)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.cache.k.device).manual_seed((params.seed + index) % 2**63)
+        child = Request(child_id, parent.prompt_ids, params, parent.arrival_s, status=RUNNING,
+                        num_computed_tokens=parent.num_computed_tokens, num_cached_tokens=parent.num_cached_tokens,
+                        first_scheduled_s=parent.first_scheduled_s, generator=generator,
+                        num_logprobs=parent.num_logprobs, index=index, parent_id=parent.request_id)
+        child.num_prompt_logprobs, child.prompt_logprobs = parent.num_prompt_logprobs, list(parent.prompt_logprobs)
+        if self.tokenizer is not None:
+            child.text_stream = TextStream(self.tokenizer, params.stop)
+        if params.allowed_tokens is not None:  # forked before any output token: a fresh matcher
+            child.matcher = params.allowed_tokens.matcher()
+        self.cache.allocator.fork(parent.request_id, child_id)
+        self.requests[child_id] = child
+        self.scheduler.running.append(child)
+        return child
 
     def _append_token(self, request: Request, token: int, now: float) -> None:
         """Add a sampled token; finish the request on EOS, a stop id or string, max tokens, or the context
@@ -252,11 +322,12 @@ class LLMEngine:
 
     def _output(self, request: Request, new_token: int | None) -> RequestOutput:
         return RequestOutput(
-            request.request_id, request.prompt_ids, [] if new_token is None else [new_token],
+            request.parent_id or request.request_id, request.prompt_ids, [] if new_token is None else [new_token],
             list(request.output_ids), request.finished, request.finish_reason, request.stop_reason,
             request.num_cached_tokens, request.text_stream.text if request.text_stream else None, request.message,
             None if request.num_logprobs is None else list(request.output_logprobs),
-            None if request.num_prompt_logprobs is None else [None, *request.prompt_logprobs])
+            None if request.num_prompt_logprobs is None else [None, *request.prompt_logprobs],
+            index=request.index)
 
     def _record(self, scheduled: ScheduledBatch, rows: tuple, start: float, changed: list[Request]) -> None:
         pool = self.cache.allocator

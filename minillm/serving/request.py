@@ -49,6 +49,10 @@ class Request:
         prompt_logprobs: with num_prompt_logprobs, one (logprob, [(id, logprob), ...]) per prompt
             token after the first (token j's from the logits at position j - 1), filled chunk by
             chunk as the prefill runs.
+        index: which of the request's n sequences this is (parallel sampling; 0 when n = 1).
+        parent_id: for the sequences 1..n-1, the id ``add_request`` returned (sequence 0 is the
+            request itself), else None; RequestOutputs carry that id and ``index``.
+        num_forks: sequences still to fork from this one when its prefill completes (n - 1, then 0).
         matcher: with ``params.allowed_tokens`` (constrained decoding), this sequence's
             :class:`~minillm.sampling.TokenMatcher`: asked for the allowed tokens before each token,
             told each token appended. It lives with the output tokens, so a preemption (which keeps
@@ -77,6 +81,9 @@ class Request:
     output_logprobs: list = field(default_factory=list)
     num_prompt_logprobs: int | None = None
     prompt_logprobs: list = field(default_factory=list)
+    index: int = 0
+    parent_id: str | None = None
+    num_forks: int = 0
     matcher: object = None
 
     @property
@@ -111,3 +118,9 @@ class Request:
                 f"output={len(self.output_ids)}, computed={self.num_computed_tokens}, "
                 f"cached={self.num_cached_tokens}" + (f", finish_reason={self.finish_reason!r}" if self.finished else "")
                 + ")")
+
+
+def sequence_id(request_id: str, index: int) -> str:
+    """The engine's id of sequence ``index`` of a request with n > 1: the request's own id for 0,
+    ``"<id>#<index>"`` for the others (their block tables are filed under it)."""
+    return request_id if index == 0 else f"{request_id}#{index}"

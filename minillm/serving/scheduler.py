@@ -11,6 +11,9 @@ finishes, instead of a batch waiting for its slowest member. One step, under a b
 
 1. Running requests first: decodes (1 token each), then partly prefilled prompts (their
    next chunk), oldest first. Decodes are never starved by a long prompt.
+   A decode that writes into a block another sequence also holds (parallel sampling: the
+   n sequences of a request share the prompt's last, partial block after the fork) first
+   gets a copy of that block (copy on write, :meth:`BlockAllocator.copy_on_write`).
 2. If a running request needs a block and none is free, the newest running request is
    *preempted*: its blocks are freed and it goes back to the front of the waiting queue,
    to be recomputed (prompt + output so far) when there is room again.
@@ -151,7 +154,8 @@ class Scheduler:
     def _make_room(self, request: Request, n: int, batch: ScheduledBatch) -> bool:
         """Blocks for ``n`` more tokens of a running request, preempting the newest ones if needed.
         False when the request itself was preempted (or finished: the pool cannot hold it alone)."""
-        while not self.allocator.allocate_slots(request.request_id, request.num_computed_tokens + n):
+        while not (self.allocator.allocate_slots(request.request_id, request.num_computed_tokens + n)
+                   and self.allocator.copy_on_write(request.request_id, request.num_computed_tokens)):
             victim = self.running[-1]
             if victim is request and len(self.running) == 1:
                 self._finish_pool_full(request, batch)
@@ -165,6 +169,8 @@ class Scheduler:
         """FCFS: start waiting requests while the budget, the sequence limit and the pool allow."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if len(self.running) + request.num_forks >= self.max_num_seqs:
+                break  # n > 1: its n sequences will run side by side after the prefill
             hits = self.allocator.find_cached_prefix(request.all_token_ids)
             if (logits_from := request.prompt_logits_from) is not None:  # prompt logprobs: only hits before the
                 hits = hits[: logits_from // self.allocator.block_size]  # positions whose logits are still needed

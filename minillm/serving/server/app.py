@@ -159,7 +159,7 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
         # the prompt's logprobs only when they are shown: they cost a logits row per prompt token
         prompt_logprobs = body.logprobs if body.echo else None
         outputs = async_engine.generate(prompt_ids, params, reply.id, logprobs=body.logprobs,
-                                        prompt_logprobs=prompt_logprobs)
+                                        prompt_logprobs=prompt_logprobs, n=body.n)
         return await _respond(outputs, body, reply, request)
 
     @app.post("/v1/chat/completions", **v1)
@@ -177,7 +177,7 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         reply = protocol.ChatReply(f"chatcmpl-{uuid.uuid4().hex}", model_name, tokenizer)
-        outputs = async_engine.generate(prompt_ids, params, reply.id, logprobs=logprobs)
+        outputs = async_engine.generate(prompt_ids, params, reply.id, logprobs=logprobs, n=body.n)
         return await _respond(outputs, body, reply, request)
 
     @app.post("/tokenize", **v1)
@@ -319,31 +319,47 @@ def run_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout_
 
 async def _respond(outputs, body, reply, request: Request):
     """Await the first output (errors of the request still become HTTP statuses), then answer
-    with the whole completion, or stream it as server-sent events."""
+    with the whole completion, or stream it as server-sent events.
+
+    ``n`` > 1 (parallel sampling): one reply per choice renders it (``reply.for_choice(i)``), the
+    engine's outputs say which (``out.index``), and ``usage`` counts the prompt once."""
+    replies = [reply] if body.n == 1 else [reply.for_choice(i) for i in range(body.n)]
     first = await _until_disconnect(_next(outputs), request)
     if not body.stream:
+        if body.n > 1:
+            return protocol.response_n(replies, await _until_disconnect(_finals(first, outputs, body.n), request))
         last = first if first.finished else await _until_disconnect(_last(outputs), request)
         return reply.response(last)
     usage_mode = body.stream_options.usage_mode if body.stream_options is not None else None
-    return StreamingResponse(_events(first, outputs, reply, usage_mode), media_type="text/event-stream")
+    return StreamingResponse(_events(first, outputs, replies, usage_mode), media_type="text/event-stream")
 
 
-async def _events(first, outputs, reply, usage_mode: str | None):
+async def _events(first, outputs, replies, usage_mode: str | None):
     """The SSE stream: one chunk per generated token, the usage chunk if asked, ``[DONE]``.
 
+    With n > 1 the choices' chunks interleave as the engine steps, each with its ``index``, and
+    each choice's last chunk carries its ``finish_reason``; ``[DONE]`` follows the last choice.
     The client going away cancels this generator (Starlette listens for the disconnect), and
     the cancellation reaches ``AsyncEngine.generate``, which aborts the request.
     """
     def event(data: dict) -> str:
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-    for chunk in reply.first_chunks(first, usage_mode):
-        yield event(chunk)
-    out = first
+    def with_total_usage(chunk: dict) -> dict:  # n > 1: the prompt once, every choice's tokens so far
+        if len(replies) > 1:
+            chunk["usage"] = protocol.sum_usage([replies[i].usage_chunk(o)["usage"] for i, o in latest.items()])
+        return chunk
+
+    for reply in replies:
+        for chunk in reply.first_chunks(first, usage_mode):
+            yield event(chunk)
+    out, latest = first, {}
     try:
         while True:
-            yield event(reply.chunk(out, usage_mode))
-            if out.finished:
+            latest[out.index] = out
+            chunk = replies[out.index].chunk(out, usage_mode)
+            yield event(with_total_usage(chunk) if usage_mode == "every" else chunk)
+            if len(latest) == len(replies) and all(o.finished for o in latest.values()):
                 break
             out = await outputs.__anext__()
     except (EngineDeadError, QueueFullError, ValueError) as error:
@@ -351,7 +367,7 @@ async def _events(first, outputs, reply, usage_mode: str | None):
         yield event(protocol.error_body(api_error.status, api_error.message, api_error.param, api_error.code))
     else:
         if usage_mode is not None:
-            yield event(reply.usage_chunk(out))
+            yield event(with_total_usage(replies[0].usage_chunk(out)))
     yield "data: [DONE]\n\n"
 
 
@@ -370,6 +386,18 @@ async def _last(outputs):
     except (QueueFullError, EngineDeadError, ValueError) as error:
         raise _engine_error(error) from None
     return last
+
+
+async def _finals(first, outputs, n: int) -> list:
+    """The last output of each of the n choices, in index order."""
+    finals = {first.index: first} if first.finished else {}
+    try:
+        async for out in outputs:
+            if out.finished:
+                finals[out.index] = out
+    except (QueueFullError, EngineDeadError, ValueError) as error:
+        raise _engine_error(error) from None
+    return [finals[i] for i in range(n)]
 
 
 class ClientDisconnected(Exception):

@@ -30,7 +30,7 @@ from typing import AsyncIterator, Callable
 from ...errors import MiniLLMError
 from ...sampling import SamplingParams
 from ..engine import LLMEngine, RequestOutput
-from ..request import Request
+from ..request import Request, sequence_id
 
 
 class QueueFullError(MiniLLMError):
@@ -95,12 +95,13 @@ class AsyncEngine:
     # -- the client side (coroutines in the server's event loop) ---------------------------
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       logprobs: int | None = None, prompt_logprobs: int | None = None
+                       logprobs: int | None = None, prompt_logprobs: int | None = None, n: int = 1
                        ) -> AsyncIterator[RequestOutput]:
         """Queue a prompt and yield its :class:`RequestOutput` each step it changes, the last finished.
 
         ``request_id``: default a fresh random one; ``logprobs``, ``prompt_logprobs``: as
-        ``LLMEngine.add_request``.
+        ``LLMEngine.add_request``. ``n`` > 1: the outputs of its n sequences, interleaved, each with
+        its ``index``; the loop ends when all n have finished.
         Leaving the loop early (a client that disconnects cancels the coroutine, or ``aclose()``)
         aborts the request: its blocks go back to the pool before the engine's next step.
         The request's arrival is stamped here, not when the engine thread adds it, so TTFT,
@@ -116,7 +117,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already streaming; give a new one or leave it out")
         added = loop.create_future()  # the engine thread resolves it when it has added the request
         self._queues[request_id] = (loop, queue)
-        self._send(("add", request_id, prompt_ids, params, logprobs, prompt_logprobs, time.perf_counter(), added))
+        self._send(("add", request_id, prompt_ids, params, logprobs, prompt_logprobs, n, time.perf_counter(), added))
         try:
             await added
         except asyncio.CancelledError:  # the client left while the add was queued: the abort follows it
@@ -125,13 +126,14 @@ class AsyncEngine:
         except Exception:  # refused (a bad prompt, a full queue): nothing to abort
             self._queues.pop(request_id, None)
             raise
-        finished = False
+        finished, unfinished = False, n
         try:
             while not finished:
                 out = await queue.get()
                 if isinstance(out, Exception):
                     raise out
-                finished = out.finished
+                unfinished -= out.finished
+                finished = unfinished == 0
                 yield out
         finally:
             if finished:
@@ -207,7 +209,7 @@ class AsyncEngine:
             return
         for out in self.engine.step():
             if out.finished:
-                self._finished(self.engine.requests[out.request_id])
+                self._finished(self.engine.requests[sequence_id(out.request_id, out.index)])
             self._deliver(out.request_id, out)
 
     def _apply_commands(self) -> None:
@@ -218,7 +220,7 @@ class AsyncEngine:
             else:
                 self._abort_now(command[1])
 
-    def _add_now(self, request_id, prompt_ids, params, logprobs, prompt_logprobs, arrival_s, added) -> None:
+    def _add_now(self, request_id, prompt_ids, params, logprobs, prompt_logprobs, n, arrival_s, added) -> None:
         """Add a request, or refuse it (full queue, bad prompt, stopping); tell its client which."""
         error = None
         waiting = len(self.engine.scheduler.waiting)
@@ -230,7 +232,7 @@ class AsyncEngine:
         else:
             try:
                 self.engine.add_request(prompt_ids, params, request_id, arrival_s=arrival_s, logprobs=logprobs,
-                                        prompt_logprobs=prompt_logprobs)
+                                        prompt_logprobs=prompt_logprobs, n=n)
             except ValueError as bad:
                 error = bad
         loop = added.get_loop()
@@ -241,9 +243,11 @@ class AsyncEngine:
 
     def _abort_now(self, request_id: str) -> None:
         request = self.engine.requests.get(request_id)
-        if request is not None and not request.finished:
+        if request is not None:
+            unfinished = [r for r in self.engine.sequences(request_id) if not r.finished]  # n > 1: all n
             self.engine.abort_request(request_id)
-            self._finished(request)
+            for sequence in unfinished:
+                self._finished(sequence)
 
     def _finished(self, request: Request) -> None:
         """A request ended: the metrics hook, then forget the oldest finished beyond the limit."""
@@ -267,8 +271,9 @@ class AsyncEngine:
         """A step raised: abort every unfinished request and tell each client, one line.
         (No metrics hook here: it may be what raised.)"""
         message = EngineDeadError(f"the engine failed during a step: {type(error).__name__}: {error}")
-        for request_id, request in list(self.engine.requests.items()):
-            if not request.finished:
+        unfinished = {request_id for request_id, request in self.engine.requests.items() if not request.finished}
+        for request_id in list(self.engine.requests):
+            if request_id in unfinished:  # (aborting a request with n > 1 ends its other sequences too)
                 self.engine.abort_request(request_id)
                 self._finished_ids.append(request_id)  # forgotten in turn, like the others
             self._deliver(request_id, message)

@@ -80,21 +80,28 @@ class ServerMetrics:
                                    registry=registry)
 
     def observe_finished(self, request: Request) -> None:
-        """Count a finished request (any reason) and record its latencies."""
+        """Count a finished request (any reason) and record its latencies.
+
+        A request with n > 1 comes here once per sequence: the sequences 1..n-1 (forked after the
+        prompt's prefill) add their generated tokens, token gaps and preemptions; the prompt, the
+        prefix cache, TTFT, queue time, e2e and the request's success are counted once, by sequence 0.
+        """
         times = request.token_times_s
+        for before, after in zip(times, times[1:]):
+            self.itl.observe(after - before)
+        self.generation_tokens.inc(len(request.output_ids))
+        self.preemptions.inc(request.num_preemptions)
+        if request.index > 0:
+            return
         if times:
             self.ttft.observe(times[0] - request.arrival_s)
-            for before, after in zip(times, times[1:]):
-                self.itl.observe(after - before)
         self.e2e.observe(request.finish_s - request.arrival_s)
         if request.first_scheduled_s is not None:  # it reached the prefix cache lookup
             self.queue_time.observe(request.first_scheduled_s - request.arrival_s)
             self.prefix_queries.inc(request.num_prompt_tokens)
             self.prefix_hits.inc(request.num_cached_tokens)
         self.prompt_tokens.inc(request.num_prompt_tokens)
-        self.generation_tokens.inc(len(request.output_ids))
         self.success.labels(finished_reason=finish_reason(request.finish_reason)).inc()
-        self.preemptions.inc(request.num_preemptions)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

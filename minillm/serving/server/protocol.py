@@ -19,6 +19,7 @@ Errors have OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}`` 
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Literal
 
@@ -33,6 +34,8 @@ UNSUPPORTED_FIELDS = {"tools", "tool_choice", "tool_calls", "functions", "functi
                       "modalities", "reasoning_effort", "web_search_options", "suffix", "best_of"}
 # /v1/completions' default max_tokens (OpenAI's legacy API and vLLM: 16). Chat has none: the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# The most choices one request may ask for (OpenAI's limit for n; best_of is refused).
+MAX_N = 128
 # The most top tokens /v1/completions' logprobs may ask for (vLLM's default max_logprobs; OpenAI's legacy API: 5).
 MAX_COMPLETION_LOGPROBS = 20
 # vLLM's floor for -inf (a token the model rules out): JSON has no infinity
@@ -104,7 +107,7 @@ class _SamplingFields(_Strict):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)  # parallel sampling: n choices (the engine's max_num_seqs limits it too)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
@@ -137,13 +140,6 @@ class _SamplingFields(_Strict):
         if self.structured_outputs is not None:
             fields["structured_outputs"] = self.structured_outputs.model_dump(exclude_none=True, by_alias=True)
         return fields
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n):
-        if n != 1:
-            raise ValueError("minillm answers one choice per request (n=1); send n requests (with seeds) instead")
-        return n
 
     @field_validator("stream_options")
     @classmethod
@@ -337,6 +333,7 @@ class CompletionReply:
     """
 
     object, chunk_object = "text_completion", "text_completion"
+    index = 0  # the choice it renders (n > 1: one reply per choice, :meth:`for_choice`)
 
     def __init__(self, request_id: str, model: str, *, tokenizer=None, echo_text: str | None = None,
                  prompt_ids: list[int] | None = None, num_logprobs: int | None = None, generates: bool = True):
@@ -392,14 +389,9 @@ class CompletionReply:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
                 "choices": choices, **fields}
 
-
-    def _envelope(self, object_name: str, choices: list, **fields) -> dict:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
-                "choices": choices, **fields}
-
     def response(self, out) -> dict:
         text, ids, entries = self._text_and_tokens(out, 0)
-        choice = {"index": 0, "text": text, "logprobs": self._legacy_logprobs(ids, entries),
+        choice = {"index": self.index, "text": text, "logprobs": self._legacy_logprobs(ids, entries),
                   "finish_reason": finish_reason(out.finish_reason)}
         return self._envelope(self.object, [choice], usage=_usage(out, self._completion_tokens(out)))
 
@@ -412,10 +404,17 @@ class CompletionReply:
         ``usage_mode``: :attr:`StreamOptions.usage_mode`."""
         delta, ids, entries = self._text_and_tokens(out, self.text_sent)
         self.text_sent = len(out.text)
-        choice = {"index": 0, "text": delta, "logprobs": self._legacy_logprobs(ids, entries),
+        choice = {"index": self.index, "text": delta, "logprobs": self._legacy_logprobs(ids, entries),
                   "finish_reason": finish_reason(out.finish_reason)}
         return self._envelope(self.chunk_object, [choice],
                               **_usage_field(out, usage_mode, self._completion_tokens(out)))
+
+    def for_choice(self, index: int) -> "CompletionReply":
+        """A copy of this reply, before it has rendered anything, for choice ``index`` of a request
+        with n > 1: its choices carry that index, and it keeps its own stream state."""
+        reply = copy.copy(self)
+        reply.index = index
+        return reply
 
     def usage_chunk(self, out) -> dict:
         """``stream_options.include_usage``: a last chunk with no choices and the usage."""
@@ -433,20 +432,21 @@ class ChatReply(CompletionReply):
         self.tokenizer, self.logprobs_sent = tokenizer, 0
 
     def response(self, out) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+        choice = {"index": self.index, "message": {"role": "assistant", "content": out.text},
                   "logprobs": self._logprobs(out, 0), "finish_reason": finish_reason(out.finish_reason)}
         return self._envelope(self.object, [choice], usage=_usage(out))
 
     def first_chunks(self, first, usage_mode: str | None) -> list[dict]:
         """The role chunk; with continuous usage it counts the prompt and no output yet, as vLLM's."""
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        choice = {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
         usage_field = _usage_field(first, usage_mode, completion_tokens=0)
         return [self._envelope(self.chunk_object, [choice], **usage_field)]
 
     def chunk(self, out, usage_mode: str | None) -> dict:
         delta, self.text_sent = out.text[self.text_sent:], len(out.text)
         logprobs, self.logprobs_sent = self._logprobs(out, self.logprobs_sent), len(out.token_ids)
-        choice = {"index": 0, "delta": {"content": delta} if delta or not out.finished else {},
+        choice = {"index": self.index, "delta": {"content": delta} if delta or not out.finished else {},
                   "logprobs": logprobs, "finish_reason": finish_reason(out.finish_reason)}
         return self._envelope(self.chunk_object, [choice], **_usage_field(out, usage_mode))
 
@@ -464,6 +464,22 @@ class ChatReply(CompletionReply):
         content = [dict(entry(token_id, logprob), top_logprobs=[entry(i, lp) for i, lp in top])
                    for token_id, (logprob, top) in zip(out.token_ids[start:], out.logprobs[start:])]
         return {"content": content}
+
+
+def response_n(replies: list[CompletionReply], outs: list) -> dict:
+    """The whole answer of a request with n > 1: choice i rendered by ``replies[i]`` from its last
+    output ``outs[i]``, and one ``usage`` (:func:`sum_usage`)."""
+    bodies = [reply.response(out) for reply, out in zip(replies, outs)]
+    return dict(bodies[0], choices=[body["choices"][0] for body in bodies],
+                usage=sum_usage([body["usage"] for body in bodies]))
+
+
+def sum_usage(usages: list[dict]) -> dict:
+    """The usage of n choices of one prompt: the prompt counted once, the completions' tokens
+    summed (OpenAI's and vLLM's rule)."""
+    first = usages[0]
+    return usage(first["prompt_tokens"], sum(u["completion_tokens"] for u in usages),
+                 first["prompt_tokens_details"]["cached_tokens"])
 
 
 def _usage(out, completion_tokens: int | None = None) -> dict:
