@@ -65,6 +65,215 @@ def mask_by_loops(n_queries, n_keys, device=None, window=None):
     return mask
 
 
+# -- ex02 ------------------------------------------------------------------------------------------
+
+
+@alternative("ex02", "eager_attention")
+def attention_one_query_at_a_time(q, k, v, hook=None, name="", scale=None, window=None):
+    """Each query against only the keys it may see, in float32, cast back at the end (issue 30)."""
+    B, n_heads, T, D = q.shape
+    S = k.shape[2]
+    scale = D**-0.5 if scale is None else scale
+    out = torch.empty(B, n_heads, T, D, dtype=torch.float32, device=q.device)
+    for i in range(T):
+        position = S - T + i
+        first = 0 if window is None else max(0, position - window + 1)
+        keys, values = k[:, :, first : position + 1].float(), v[:, :, first : position + 1].float()
+        scores = torch.einsum("bhd,bhsd->bhs", q[:, :, i].float(), keys) * scale
+        weights = torch.nn.functional.softmax(scores, dim=-1)
+        out[:, :, i] = torch.einsum("bhs,bhsd->bhd", weights, values)
+    return out.to(q.dtype)
+
+
+# -- ex03 ------------------------------------------------------------------------------------------
+
+
+@alternative("ex03", "RotaryEmbedding.forward")
+def rope_tables_in_float64(self, positions, dtype):
+    """The angles in float64 (more exact than the reference's float32), each half written separately (issue 30)."""
+    from minillm.rope import rope_inv_freq
+
+    inv_freq = self.inv_freq
+    if self.dynamic:
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, int(positions.max()) + 1)
+    angles = torch.outer(positions.double(), inv_freq.double())
+    cos, sin = torch.empty(len(positions), self.head_dim, dtype=torch.float64), torch.empty(
+        len(positions), self.head_dim, dtype=torch.float64)
+    half = self.head_dim // 2
+    cos[:, :half], cos[:, half:] = angles.cos(), angles.cos()
+    sin[:, :half], sin[:, half:] = angles.sin(), angles.sin()
+    return (cos * self.attention_factor).to(dtype), (sin * self.attention_factor).to(dtype)
+
+
+@alternative("ex03", "apply_rope")
+def rope_rotation_of_each_half(x, cos, sin):
+    """Rotate the two halves separately with the 2-D rotation formula and join them (issue 30)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[..., :half], sin[..., :half]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+# -- ex04 ------------------------------------------------------------------------------------------
+
+
+@alternative("ex04", "eager_attention")
+def gqa_by_repeating_kv(q, k, v, hook=None, name="", scale=None, window=None):
+    """Copy each K/V head n_rep times (HF's repeat_kv), then plain multi-head attention (issue 30)."""
+    from minillm.model import causal_mask
+
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    T, S, D = q.shape[2], k.shape[2], q.shape[3]
+    scores = torch.matmul(q.float(), k.float().transpose(2, 3)) * (D**-0.5 if scale is None else scale)
+    scores = torch.where(causal_mask(T, S, q.device, window), scores, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), v.float()).to(q.dtype)
+
+
+# -- ex05 ------------------------------------------------------------------------------------------
+
+
+@alternative("ex05", "KVCache.write")
+def cache_write_with_narrow_and_copy(self, layer, k, v):
+    """Check the room first, copy_ into narrow()ed views, return narrow()ed views (issue 30)."""
+    from minillm.errors import CacheFullError
+
+    T = k.size(2)
+    if self.length + T > self.max_seq_len:
+        raise CacheFullError(f"no room for {T} more positions after {self.length} of {self.max_seq_len}")
+    self.k[layer].narrow(2, self.length, T).copy_(k)
+    self.v[layer].narrow(2, self.length, T).copy_(v)
+    return self.k[layer].narrow(2, 0, self.length + T), self.v[layer].narrow(2, 0, self.length + T)
+
+
+@alternative("ex05", "KVCache.keys")
+def cache_keys_by_narrow(self, layer):
+    """narrow() the layer's buffer to the filled positions (a view, as slicing gives)."""
+    return self.k.select(0, layer).narrow(2, 0, self.length)
+
+
+@alternative("ex05", "KVCache.values")
+def cache_values_by_narrow(self, layer):
+    """narrow() the layer's buffer to the filled positions (a view, as slicing gives)."""
+    return self.v.select(0, layer).narrow(2, 0, self.length)
+
+
+# -- ex06 ------------------------------------------------------------------------------------------
+
+
+def _pass_from_the_parts(model, ids, cache, hook):
+    """The forward pass written out: positions from cache.length, the blocks, the last row's logits."""
+    T = ids.shape[1]
+    positions = cache.length + torch.arange(T, device=ids.device)
+    with torch.no_grad():
+        x = model.embed(ids)
+        if model.pos_embed is not None:
+            x = x + model.pos_embed(positions)
+        rope = None if model.rope is None else model.rope(positions, x.dtype)
+        for block in model.blocks:
+            x = block(x, rope, cache, model.attn_impl, hook)
+        cache.advance(T)
+        return model.lm_head(model.ln_final(x[:, -1:]))[:, 0].to(torch.float32)
+
+
+def _validated(model, ids, cache, rank: int) -> torch.Tensor:
+    ids = torch.as_tensor(ids)
+    if ids.dim() > rank or ids.numel() == 0:
+        raise ValueError(f"expected at most {rank} dimensions and at least one token, got {tuple(ids.shape)}")
+    ids = ids.reshape(1, -1) if rank == 2 and ids.dim() < 2 else ids.reshape(-1, 1) if rank == 1 else ids
+    if ids.shape[0] != cache.batch_size:
+        raise ValueError(f"batch {ids.shape[0]}, cache batch {cache.batch_size}")
+    outside = [i for i in ids.reshape(-1).tolist() if not 0 <= i < model.config.vocab_size]
+    if outside:
+        raise ValueError(f"token ids outside the vocabulary: {outside}")
+    cache.check_room(ids.shape[1])
+    return ids.long()
+
+
+@alternative("ex06", "prefill")
+def prefill_from_the_parts(model, token_ids, cache, hook=None, trace=None):
+    """Python-level checks, ln_final on the last row only, float32 by .to()."""
+    return _pass_from_the_parts(model, _validated(model, token_ids, cache, rank=2), cache, hook)
+
+
+@alternative("ex07", "decode_step")
+def decode_step_from_the_parts(model, token_id, cache, hook=None, trace=None):
+    """A decode step is a prefill of one token per sequence: [B] -> [B, 1]."""
+    return _pass_from_the_parts(model, _validated(model, token_id, cache, rank=1), cache, hook)
+
+
+# -- ex08 ------------------------------------------------------------------------------------------
+
+
+@alternative("ex08", "filter_logits")
+def filter_logits_row_by_row(logits, params):
+    """One row at a time: the k-th value from a sort, the nucleus walked in a Python loop."""
+    out = logits / min(params.temperature, torch.finfo(torch.float32).max)
+    rows = []
+    for row in out:
+        if params.top_k:
+            kth = row.sort(descending=True).values[min(params.top_k, row.numel()) - 1]
+            row = torch.where(row >= kth, row, torch.full_like(row, -float("inf")))
+        if params.top_p < 1:
+            probs = torch.softmax(row, dim=-1).tolist()
+            keep, mass = torch.zeros_like(row, dtype=torch.bool), 0.0
+            for i in sorted(range(len(probs)), key=lambda i: -probs[i]):
+                if mass >= params.top_p:
+                    break
+                keep[i], mass = True, mass + probs[i]
+            row = row.masked_fill(~keep, -float("inf"))
+        rows.append(row)
+    return torch.stack(rows)
+
+
+@alternative("ex08", "sample")
+def sample_by_gumbel_max(logits, params, generator=None, prompt_ids=None, output_ids=None):
+    """The Gumbel-max trick: argmax(log p - log(-log u)) with u uniform from the generator (another stream of
+    random numbers than multinomial's, the same distribution)."""
+    from minillm.sampling import filter_logits
+
+    x = logits.float()
+    if not torch.isfinite(x.amax(dim=-1)).all():
+        raise ValueError("logits must be finite or -inf, with a finite value in every row")
+    if params.greedy:
+        ids = x.argmax(dim=-1)
+    else:
+        filtered = filter_logits(x - x.amax(dim=-1, keepdim=True), params)
+        u = torch.rand(x.shape, generator=generator, device=x.device).clamp(min=1e-20)
+        ids = (torch.log_softmax(filtered, dim=-1) - torch.log(-torch.log(u))).argmax(dim=-1)
+    return ids, torch.log_softmax(x, dim=-1).gather(-1, ids[:, None]).squeeze(-1)
+
+
+# -- ex09 ------------------------------------------------------------------------------------------
+
+
+@alternative("ex09", "RequestMetrics.from_timestamps")
+def metrics_from_gaps(cls, start_s, token_times_s, n_prompt_tokens, bytes_per_decode_step=None, peak_bandwidth=None):
+    """Walk the timestamps once, collecting the gaps; TPOT as the mean gap (issue 30)."""
+    import math
+
+    from minillm.metrics import percentile
+
+    previous, gaps, n_out = start_s, [], 0
+    for t in token_times_s:
+        if t < previous:
+            raise ValueError("a token before the start" if n_out == 0 else "timestamps go back")
+        if n_out:
+            gaps.append((t - previous) * 1000.0)
+        previous, n_out = t, n_out + 1
+    if n_out == 0:
+        raise ValueError("no output token")
+    first, last = token_times_s[0], token_times_s[-1]
+    ttft_ms, e2e_ms = (first - start_s) * 1000.0, (last - start_s) * 1000.0
+    tpot_ms = sum(gaps) / len(gaps) if gaps else None
+    itl = tuple(gaps)
+    return cls(n_prompt_tokens=n_prompt_tokens, n_output_tokens=n_out, ttft_ms=ttft_ms, tpot_ms=tpot_ms, itl_ms=itl,
+               itl_p50_ms=percentile(itl, 50) if itl else None, itl_p90_ms=percentile(itl, 90) if itl else None,
+               itl_p99_ms=percentile(itl, 99) if itl else None, e2e_ms=e2e_ms,
+               output_throughput_tok_s=n_out * 1000.0 / e2e_ms if e2e_ms > 0 else math.inf,
+               prefill_throughput_tok_s=n_prompt_tokens * 1000.0 / ttft_ms if ttft_ms > 0 else math.inf)
+
+
 # -- ex10 ------------------------------------------------------------------------------------------
 
 
@@ -98,6 +307,33 @@ def decode_cost_layer_by_layer(config, context_len, dtype_bytes, batch_size=1):
     read = per_layer_kv * keys * batch_size
     written = per_layer_kv * config.n_layers * batch_size
     return PhaseCost(float(flops), float(w + read + written), float(w), float(read), float(written))
+
+
+# -- ex11 ------------------------------------------------------------------------------------------
+
+
+from minillm.block_hash import hash_block  # noqa: E402  (the stub's default hash_fn)
+
+
+@alternative("ex11", "block_hashes")
+def block_hashes_while_full(token_ids, block_size, seed, extra_keys=(), hash_fn=hash_block):
+    """Take blocks off the front while a whole one remains (issue 30)."""
+    hashes, parent, start = [], seed, 0
+    while start + block_size <= len(token_ids):
+        parent = hash_fn(parent, token_ids[start : start + block_size], extra_keys)
+        hashes.append(parent)
+        start += block_size
+    return hashes
+
+
+@alternative("ex11", "longest_cached_prefix")
+def longest_cached_prefix_takewhile(block_hashes, cached, n_tokens, block_size):
+    """itertools.takewhile over the hashes, then cap the blocks so one token is left (issue 30)."""
+    import itertools
+
+    run = sum(1 for _ in itertools.takewhile(lambda h: h in cached, block_hashes))
+    usable = (n_tokens - 1) // block_size if n_tokens > 0 else 0
+    return min(run, usable) * block_size
 
 
 # -- ex12 ------------------------------------------------------------------------------------------
@@ -149,33 +385,6 @@ def roofline_by_comparing_times(cost, time_s, hw):
                     explanation=f"{bound}: floors {compute_s:.3g} s (compute), {memory_s:.3g} s (memory)")
 
 
-# -- ex11 ------------------------------------------------------------------------------------------
-
-
-from minillm.block_hash import hash_block  # noqa: E402  (the stub's default hash_fn)
-
-
-@alternative("ex11", "block_hashes")
-def block_hashes_while_full(token_ids, block_size, seed, extra_keys=(), hash_fn=hash_block):
-    """Take blocks off the front while a whole one remains (issue 30)."""
-    hashes, parent, start = [], seed, 0
-    while start + block_size <= len(token_ids):
-        parent = hash_fn(parent, token_ids[start : start + block_size], extra_keys)
-        hashes.append(parent)
-        start += block_size
-    return hashes
-
-
-@alternative("ex11", "longest_cached_prefix")
-def longest_cached_prefix_takewhile(block_hashes, cached, n_tokens, block_size):
-    """itertools.takewhile over the hashes, then cap the blocks so one token is left (issue 30)."""
-    import itertools
-
-    run = sum(1 for _ in itertools.takewhile(lambda h: h in cached, block_hashes))
-    usable = (n_tokens - 1) // block_size if n_tokens > 0 else 0
-    return min(run, usable) * block_size
-
-
 # -- ex13 ------------------------------------------------------------------------------------------
 
 
@@ -220,72 +429,36 @@ def goodput_by_counting(metrics_list, duration_s, ttft_ms=None, tpot_ms=None):
     return good / duration_s
 
 
-# -- ex09 ------------------------------------------------------------------------------------------
+# -- ex14 ------------------------------------------------------------------------------------------
 
 
-@alternative("ex09", "RequestMetrics.from_timestamps")
-def metrics_from_gaps(cls, start_s, token_times_s, n_prompt_tokens, bytes_per_decode_step=None, peak_bandwidth=None):
-    """Walk the timestamps once, collecting the gaps; TPOT as the mean gap (issue 30)."""
-    import math
+@alternative("ex14", "generate")
+def generate_with_a_while_loop(model, prompt_ids, params, cache, eos_token_ids):
+    """A while loop over the count, the stop reasons as an ordered table of (reason, condition)."""
+    import time as clock
 
-    from minillm.metrics import percentile
+    from minillm.generate import GenerationStep
+    from minillm.phases import decode_step, prefill
+    from minillm.sampling import sample
 
-    previous, gaps, n_out = start_s, [], 0
-    for t in token_times_s:
-        if t < previous:
-            raise ValueError("a token before the start" if n_out == 0 else "timestamps go back")
-        if n_out:
-            gaps.append((t - previous) * 1000.0)
-        previous, n_out = t, n_out + 1
-    if n_out == 0:
-        raise ValueError("no output token")
-    first, last = token_times_s[0], token_times_s[-1]
-    ttft_ms, e2e_ms = (first - start_s) * 1000.0, (last - start_s) * 1000.0
-    tpot_ms = sum(gaps) / len(gaps) if gaps else None
-    itl = tuple(gaps)
-    return cls(n_prompt_tokens=n_prompt_tokens, n_output_tokens=n_out, ttft_ms=ttft_ms, tpot_ms=tpot_ms, itl_ms=itl,
-               itl_p50_ms=percentile(itl, 50) if itl else None, itl_p90_ms=percentile(itl, 90) if itl else None,
-               itl_p99_ms=percentile(itl, 99) if itl else None, e2e_ms=e2e_ms,
-               output_throughput_tok_s=n_out * 1000.0 / e2e_ms if e2e_ms > 0 else math.inf,
-               prefill_throughput_tok_s=n_prompt_tokens * 1000.0 / ttft_ms if ttft_ms > 0 else math.inf)
-
-
-# -- ex18 ------------------------------------------------------------------------------------------
+    generator = params.make_generator(cache.k.device)
+    logits, produced = prefill(model, prompt_ids, cache), 0
+    while True:
+        token, logprob = sample(logits, params, generator)
+        known_at, produced, token_id = clock.perf_counter(), produced + 1, int(token[0])
+        reasons = [("eos", token_id in eos_token_ids), ("stop", token_id in set(params.stop_token_ids)),
+                   ("length", produced == params.max_new_tokens), ("cache_full", cache.length == cache.max_seq_len)]
+        reason = next((name for name, applies in reasons if applies), None)
+        phase = "decode" if produced > 1 else "prefill"
+        yield GenerationStep(token_id=token_id, logprob=float(logprob[0]), phase=phase,
+                             cache_length=cache.length, time_s=known_at, finish_reason=reason,
+                             prefill_tokens=int(prompt_ids.shape[0]))
+        if reason is not None:
+            break
+        logits = decode_step(model, token, cache)
 
 
-@alternative("ex18", "quantize_int4")
-def quantize_int4_by_group_index(w, group_size=64):
-    """Give each column its group's index and reduce with scatter_reduce (no padding: the short group is just
-    fewer columns), gather each weight's scale and zero back, pack by arithmetic (issue 30)."""
-    from minillm.quantize import QuantizationError
-
-    if group_size < 2:
-        raise QuantizationError(f"group_size must be at least 2, got {group_size}")
-    w = w.to(torch.float32)
-    out, n_in = w.shape
-    n_groups = (n_in + group_size - 1) // group_size
-    group = (torch.arange(n_in) // group_size).expand(out, n_in)
-    lo = torch.zeros(out, n_groups).scatter_reduce(1, group, w, reduce="amin")  # starts at 0: lo <= 0
-    hi = torch.zeros(out, n_groups).scatter_reduce(1, group, w, reduce="amax")  # hi >= 0
-    scale = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(hi))
-    zero = torch.clamp(torch.round(-lo / scale), 0, 15)
-    codes = torch.clamp(torch.round(w / scale.gather(1, group)) + zero.gather(1, group), 0, 15).to(torch.uint8)
-    if n_in % 2:
-        codes = torch.cat([codes, torch.zeros(out, 1, dtype=torch.uint8)], dim=1)
-    return codes[:, 0::2] + codes[:, 1::2] * 16, scale, zero.to(torch.uint8)
-
-
-@alternative("ex18", "dequantize_int4")
-def dequantize_int4_by_index(packed, scale, zero, in_features, group_size=64):
-    """Read each weight's nibble and its group's scale and zero by index arithmetic (issue 30)."""
-    i = torch.arange(in_features)
-    nibbles = packed[:, i // 2].to(torch.int32)
-    q = torch.where(i % 2 == 0, nibbles % 16, nibbles // 16)
-    g = i // group_size
-    return ((q - zero[:, g].to(torch.int32)).to(torch.float32) * scale[:, g]).to(torch.float32)
-
-
-# -- ex15 (issue 30) -------------------------------------------------------------------------------
+# -- ex15 ------------------------------------------------------------------------------------------
 
 
 @alternative("ex15", "blocks_needed")
@@ -337,7 +510,7 @@ def free_walking_the_table_backwards(self, request_id):
     self._hashes.pop(request_id, None)
 
 
-# -- ex16 (issue 30) -------------------------------------------------------------------------------
+# -- ex16 ------------------------------------------------------------------------------------------
 
 
 @alternative("ex16", "Scheduler.schedule")
@@ -400,100 +573,73 @@ def schedule_with_explicit_groups(self):
     return batch
 
 
-# -- ex02 ------------------------------------------------------------------------------------------
+# -- ex17 ------------------------------------------------------------------------------------------
 
 
-@alternative("ex02", "eager_attention")
-def attention_one_query_at_a_time(q, k, v, hook=None, name="", scale=None, window=None):
-    """Each query against only the keys it may see, in float32, cast back at the end (issue 30)."""
-    B, n_heads, T, D = q.shape
-    S = k.shape[2]
-    scale = D**-0.5 if scale is None else scale
-    out = torch.empty(B, n_heads, T, D, dtype=torch.float32, device=q.device)
-    for i in range(T):
-        position = S - T + i
-        first = 0 if window is None else max(0, position - window + 1)
-        keys, values = k[:, :, first : position + 1].float(), v[:, :, first : position + 1].float()
-        scores = torch.einsum("bhd,bhsd->bhs", q[:, :, i].float(), keys) * scale
-        weights = torch.nn.functional.softmax(scores, dim=-1)
-        out[:, :, i] = torch.einsum("bhs,bhsd->bhd", weights, values)
-    return out.to(q.dtype)
+@alternative("ex17", "residual_distribution")
+def residual_from_the_overlap(p, q):
+    """p minus the overlap min(p, q) is max(0, p - q); normalised by its own sum."""
+    left = p - torch.minimum(p, q)
+    total = left.sum()
+    return left / total if total > 0 else p
 
 
-# -- ex04 ------------------------------------------------------------------------------------------
+@alternative("ex17", "accept_or_resample")
+def accept_or_resample_always_drawing_u(p, q, draft_ids, generator=None):
+    """Draws u for every draft it tests, even when the ratio is >= 1 (the reference skips that draw: another
+    stream of random numbers, the same distribution); a deterministic draft's residual is p without the draft."""
+    for i, d in enumerate(draft_ids):
+        q_d = 1.0 if q is None else float(q[i, d])
+        u = float(torch.rand((), generator=generator, device=p.device))
+        if u < float(p[i, d]) / q_d:
+            continue
+        if q is None:
+            residual = p[i].clone()
+            residual[d] = 0
+        else:
+            residual = torch.clamp(p[i] - q[i], min=0)
+        if float(residual.sum()) <= 0:
+            residual = p[i]
+        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return len(draft_ids), int(torch.multinomial(p[len(draft_ids)], 1, generator=generator))
 
 
-@alternative("ex04", "eager_attention")
-def gqa_by_repeating_kv(q, k, v, hook=None, name="", scale=None, window=None):
-    """Copy each K/V head n_rep times (HF's repeat_kv), then plain multi-head attention (issue 30)."""
-    from minillm.model import causal_mask
-
-    n_rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-    T, S, D = q.shape[2], k.shape[2], q.shape[3]
-    scores = torch.matmul(q.float(), k.float().transpose(2, 3)) * (D**-0.5 if scale is None else scale)
-    scores = torch.where(causal_mask(T, S, q.device, window), scores, float("-inf"))
-    return torch.matmul(scores.softmax(dim=-1), v.float()).to(q.dtype)
+# -- ex18 ------------------------------------------------------------------------------------------
 
 
-# -- ex03 ------------------------------------------------------------------------------------------
+@alternative("ex18", "quantize_int4")
+def quantize_int4_by_group_index(w, group_size=64):
+    """Give each column its group's index and reduce with scatter_reduce (no padding: the short group is just
+    fewer columns), gather each weight's scale and zero back, pack by arithmetic (issue 30)."""
+    from minillm.quantize import QuantizationError
+
+    if group_size < 2:
+        raise QuantizationError(f"group_size must be at least 2, got {group_size}")
+    w = w.to(torch.float32)
+    out, n_in = w.shape
+    n_groups = (n_in + group_size - 1) // group_size
+    group = (torch.arange(n_in) // group_size).expand(out, n_in)
+    lo = torch.zeros(out, n_groups).scatter_reduce(1, group, w, reduce="amin")  # starts at 0: lo <= 0
+    hi = torch.zeros(out, n_groups).scatter_reduce(1, group, w, reduce="amax")  # hi >= 0
+    scale = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(hi))
+    zero = torch.clamp(torch.round(-lo / scale), 0, 15)
+    codes = torch.clamp(torch.round(w / scale.gather(1, group)) + zero.gather(1, group), 0, 15).to(torch.uint8)
+    if n_in % 2:
+        codes = torch.cat([codes, torch.zeros(out, 1, dtype=torch.uint8)], dim=1)
+    return codes[:, 0::2] + codes[:, 1::2] * 16, scale, zero.to(torch.uint8)
 
 
-@alternative("ex03", "RotaryEmbedding.forward")
-def rope_tables_in_float64(self, positions, dtype):
-    """The angles in float64 (more exact than the reference's float32), each half written separately (issue 30)."""
-    from minillm.rope import rope_inv_freq
-
-    inv_freq = self.inv_freq
-    if self.dynamic:
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, int(positions.max()) + 1)
-    angles = torch.outer(positions.double(), inv_freq.double())
-    cos, sin = torch.empty(len(positions), self.head_dim, dtype=torch.float64), torch.empty(
-        len(positions), self.head_dim, dtype=torch.float64)
-    half = self.head_dim // 2
-    cos[:, :half], cos[:, half:] = angles.cos(), angles.cos()
-    sin[:, :half], sin[:, half:] = angles.sin(), angles.sin()
-    return (cos * self.attention_factor).to(dtype), (sin * self.attention_factor).to(dtype)
+@alternative("ex18", "dequantize_int4")
+def dequantize_int4_by_index(packed, scale, zero, in_features, group_size=64):
+    """Read each weight's nibble and its group's scale and zero by index arithmetic (issue 30)."""
+    i = torch.arange(in_features)
+    nibbles = packed[:, i // 2].to(torch.int32)
+    q = torch.where(i % 2 == 0, nibbles % 16, nibbles // 16)
+    g = i // group_size
+    return ((q - zero[:, g].to(torch.int32)).to(torch.float32) * scale[:, g]).to(torch.float32)
 
 
-@alternative("ex03", "apply_rope")
-def rope_rotation_of_each_half(x, cos, sin):
-    """Rotate the two halves separately with the 2-D rotation formula and join them (issue 30)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[..., :half], sin[..., :half]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-
-# -- ex05 ------------------------------------------------------------------------------------------
-
-
-@alternative("ex05", "KVCache.write")
-def cache_write_with_narrow_and_copy(self, layer, k, v):
-    """Check the room first, copy_ into narrow()ed views, return narrow()ed views (issue 30)."""
-    from minillm.errors import CacheFullError
-
-    T = k.size(2)
-    if self.length + T > self.max_seq_len:
-        raise CacheFullError(f"no room for {T} more positions after {self.length} of {self.max_seq_len}")
-    self.k[layer].narrow(2, self.length, T).copy_(k)
-    self.v[layer].narrow(2, self.length, T).copy_(v)
-    return self.k[layer].narrow(2, 0, self.length + T), self.v[layer].narrow(2, 0, self.length + T)
-
-
-@alternative("ex05", "KVCache.keys")
-def cache_keys_by_narrow(self, layer):
-    """narrow() the layer's buffer to the filled positions (a view, as slicing gives)."""
-    return self.k.select(0, layer).narrow(2, 0, self.length)
-
-
-@alternative("ex05", "KVCache.values")
-def cache_values_by_narrow(self, layer):
-    """narrow() the layer's buffer to the filled positions (a view, as slicing gives)."""
-    return self.v.select(0, layer).narrow(2, 0, self.length)
-
-
-# -- ex19 (issue 30) ------------------------------------------------------------------------------
+# -- ex19 ------------------------------------------------------------------------------------------
 
 
 @alternative("ex19", "kv_transfer_seconds")
@@ -520,7 +666,7 @@ def ratio_from_predict(config, prompt_tokens, dtype_bytes, link_gbit_s, hw):
     return prompt_tokens * config.kv_bytes_per_token(dtype_bytes) / link_bytes_s / ttft_s
 
 
-# -- ex20 (issue 30) ------------------------------------------------------------------------------
+# -- ex20 ------------------------------------------------------------------------------------------
 
 
 def _check_a_k(a, k):
@@ -551,149 +697,3 @@ def speedup_as_time_per_token(acceptance_rate, k, draft_cost, verify_cost=1.0):
     tokens = tokens_as_a_sum(acceptance_rate, k)
     seconds_per_token = (k * draft_cost + verify_cost) / tokens
     return 1.0 / seconds_per_token
-
-
-# -- ex06 prefill, ex07 decode_step (issue 30) -------------------------------------------------------------
-
-
-def _pass_from_the_parts(model, ids, cache, hook):
-    """The forward pass written out: positions from cache.length, the blocks, the last row's logits."""
-    T = ids.shape[1]
-    positions = cache.length + torch.arange(T, device=ids.device)
-    with torch.no_grad():
-        x = model.embed(ids)
-        if model.pos_embed is not None:
-            x = x + model.pos_embed(positions)
-        rope = None if model.rope is None else model.rope(positions, x.dtype)
-        for block in model.blocks:
-            x = block(x, rope, cache, model.attn_impl, hook)
-        cache.advance(T)
-        return model.lm_head(model.ln_final(x[:, -1:]))[:, 0].to(torch.float32)
-
-
-def _validated(model, ids, cache, rank: int) -> torch.Tensor:
-    ids = torch.as_tensor(ids)
-    if ids.dim() > rank or ids.numel() == 0:
-        raise ValueError(f"expected at most {rank} dimensions and at least one token, got {tuple(ids.shape)}")
-    ids = ids.reshape(1, -1) if rank == 2 and ids.dim() < 2 else ids.reshape(-1, 1) if rank == 1 else ids
-    if ids.shape[0] != cache.batch_size:
-        raise ValueError(f"batch {ids.shape[0]}, cache batch {cache.batch_size}")
-    outside = [i for i in ids.reshape(-1).tolist() if not 0 <= i < model.config.vocab_size]
-    if outside:
-        raise ValueError(f"token ids outside the vocabulary: {outside}")
-    cache.check_room(ids.shape[1])
-    return ids.long()
-
-
-@alternative("ex06", "prefill")
-def prefill_from_the_parts(model, token_ids, cache, hook=None, trace=None):
-    """Python-level checks, ln_final on the last row only, float32 by .to()."""
-    return _pass_from_the_parts(model, _validated(model, token_ids, cache, rank=2), cache, hook)
-
-
-@alternative("ex07", "decode_step")
-def decode_step_from_the_parts(model, token_id, cache, hook=None, trace=None):
-    """A decode step is a prefill of one token per sequence: [B] -> [B, 1]."""
-    return _pass_from_the_parts(model, _validated(model, token_id, cache, rank=1), cache, hook)
-
-
-# -- ex08 sampling (issue 30) ------------------------------------------------------------------------------
-
-
-@alternative("ex08", "filter_logits")
-def filter_logits_row_by_row(logits, params):
-    """One row at a time: the k-th value from a sort, the nucleus walked in a Python loop."""
-    out = logits / min(params.temperature, torch.finfo(torch.float32).max)
-    rows = []
-    for row in out:
-        if params.top_k:
-            kth = row.sort(descending=True).values[min(params.top_k, row.numel()) - 1]
-            row = torch.where(row >= kth, row, torch.full_like(row, -float("inf")))
-        if params.top_p < 1:
-            probs = torch.softmax(row, dim=-1).tolist()
-            keep, mass = torch.zeros_like(row, dtype=torch.bool), 0.0
-            for i in sorted(range(len(probs)), key=lambda i: -probs[i]):
-                if mass >= params.top_p:
-                    break
-                keep[i], mass = True, mass + probs[i]
-            row = row.masked_fill(~keep, -float("inf"))
-        rows.append(row)
-    return torch.stack(rows)
-
-
-@alternative("ex08", "sample")
-def sample_by_gumbel_max(logits, params, generator=None, prompt_ids=None, output_ids=None):
-    """The Gumbel-max trick: argmax(log p - log(-log u)) with u uniform from the generator (another stream of
-    random numbers than multinomial's, the same distribution)."""
-    from minillm.sampling import filter_logits
-
-    x = logits.float()
-    if not torch.isfinite(x.amax(dim=-1)).all():
-        raise ValueError("logits must be finite or -inf, with a finite value in every row")
-    if params.greedy:
-        ids = x.argmax(dim=-1)
-    else:
-        filtered = filter_logits(x - x.amax(dim=-1, keepdim=True), params)
-        u = torch.rand(x.shape, generator=generator, device=x.device).clamp(min=1e-20)
-        ids = (torch.log_softmax(filtered, dim=-1) - torch.log(-torch.log(u))).argmax(dim=-1)
-    return ids, torch.log_softmax(x, dim=-1).gather(-1, ids[:, None]).squeeze(-1)
-
-
-# -- ex14 the generate loop (issue 30) -------------------------------------------------------------------------
-
-
-@alternative("ex14", "generate")
-def generate_with_a_while_loop(model, prompt_ids, params, cache, eos_token_ids):
-    """A while loop over the count, the stop reasons as an ordered table of (reason, condition)."""
-    import time as clock
-
-    from minillm.generate import GenerationStep
-    from minillm.phases import decode_step, prefill
-    from minillm.sampling import sample
-
-    generator = params.make_generator(cache.k.device)
-    logits, produced = prefill(model, prompt_ids, cache), 0
-    while True:
-        token, logprob = sample(logits, params, generator)
-        known_at, produced, token_id = clock.perf_counter(), produced + 1, int(token[0])
-        reasons = [("eos", token_id in eos_token_ids), ("stop", token_id in set(params.stop_token_ids)),
-                   ("length", produced == params.max_new_tokens), ("cache_full", cache.length == cache.max_seq_len)]
-        reason = next((name for name, applies in reasons if applies), None)
-        phase = "decode" if produced > 1 else "prefill"
-        yield GenerationStep(token_id=token_id, logprob=float(logprob[0]), phase=phase,
-                             cache_length=cache.length, time_s=known_at, finish_reason=reason,
-                             prefill_tokens=int(prompt_ids.shape[0]))
-        if reason is not None:
-            break
-        logits = decode_step(model, token, cache)
-
-
-# -- ex17 speculative verification (issue 30) ------------------------------------------------------------------
-
-
-@alternative("ex17", "residual_distribution")
-def residual_from_the_overlap(p, q):
-    """p minus the overlap min(p, q) is max(0, p - q); normalised by its own sum."""
-    left = p - torch.minimum(p, q)
-    total = left.sum()
-    return left / total if total > 0 else p
-
-
-@alternative("ex17", "accept_or_resample")
-def accept_or_resample_always_drawing_u(p, q, draft_ids, generator=None):
-    """Draws u for every draft it tests, even when the ratio is >= 1 (the reference skips that draw: another
-    stream of random numbers, the same distribution); a deterministic draft's residual is p without the draft."""
-    for i, d in enumerate(draft_ids):
-        q_d = 1.0 if q is None else float(q[i, d])
-        u = float(torch.rand((), generator=generator, device=p.device))
-        if u < float(p[i, d]) / q_d:
-            continue
-        if q is None:
-            residual = p[i].clone()
-            residual[d] = 0
-        else:
-            residual = torch.clamp(p[i] - q[i], min=0)
-        if float(residual.sum()) <= 0:
-            residual = p[i]
-        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
-    return len(draft_ids), int(torch.multinomial(p[len(draft_ids)], 1, generator=generator))
