@@ -1,6 +1,6 @@
 """The engine's constrained decoding and logit_bias (tiny random model, no grammar library): each
-request's matcher is asked before every token and told every token it keeps, through batching
-and preemption (the K/V recomputed, the matcher kept)."""
+request's matcher is asked before every token and told every token it keeps, through batching,
+preemption (the K/V recomputed, the matcher kept) and parallel sampling (n > 1: one matcher each)."""
 
 import pytest
 import torch
@@ -31,6 +31,20 @@ def test_matchers_survive_batching_and_preemption(tiny_model):
             temperature=p.temperature, seed=p.seed, max_new_tokens=14, allowed_tokens=Rule(vocab, p.allowed_tokens.modulus)),
             eos_token_ids=())]
         assert out.token_ids == alone  # the same tokens as generate alone: the mask at each step was right
+
+
+def test_each_parallel_sequence_has_its_own_matcher(tiny_model):
+    model = tiny_model("llama_gqa")
+    rule = Rule(model.config.vocab_size, 4)
+    engine = LLMEngine(model, eos_token_ids=(), num_blocks=64, block_size=4)
+    rid = engine.add_request([5, 6, 7, 8, 9], SamplingParams(temperature=1.0, seed=7, max_new_tokens=8,
+                                                             allowed_tokens=rule), n=3)
+    while engine.has_unfinished_requests():
+        engine.step()
+    sequences = engine.sequences(rid)
+    assert len(sequences) == 3 and len(rule.matchers) == 3
+    assert sorted(map(tuple, (m.accepted for m in rule.matchers))) == sorted(tuple(s.output_ids) for s in sequences)
+    assert all(rule_holds(s.output_ids, model.config.vocab_size, 4) for s in sequences)
 
 
 def test_logit_bias_in_the_engine(tiny_model):
