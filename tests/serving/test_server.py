@@ -420,6 +420,28 @@ def test_a_requests_clock_starts_when_it_is_sent_not_when_the_engine_thread_adds
     assert sent <= request.arrival_s < released <= request.first_scheduled_s
 
 
+def test_assistant_tool_calls_in_history_reach_a_template_that_renders_them():
+    """An assistant turn's tool_calls and the tool's answer, as agent frameworks send the history:
+    Qwen3's template renders both (issue 31, item 6); SmolLM2's renders none, a 400 (test_server_errors)."""
+    from pathlib import Path
+
+    from minillm.serving.server.app import _check_tool_calls_render
+    from minillm.serving.server.protocol import ChatCompletionRequest
+
+    tokenizer = minillm.load_tokenizer("smollm2-135m-instruct")
+    tokenizer.chat_template = (Path(__file__).parent.parent / "chat_templates" / "qwen3.jinja").read_text()
+    body = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]})
+    chat = [m.as_template_message() for m in body.messages]
+    _check_tool_calls_render(chat, tokenizer)
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in text
+
+
 def test_chat_template_kwargs_reach_the_template():
     """vLLM's ``chat_template_kwargs``: {"enable_thinking": false} with Qwen3's template (ChatML, as
     SmolLM2's tokenizer is) opens the answer with an empty thought."""

@@ -102,9 +102,13 @@ CASES = {
                             "[-100, 100]"),
     "logit_bias by token text": ("completions", {"prompt": "hi", "logit_bias": {"hi": 5}}, 400, "logit_bias",
                                  "token ids"),
-    "assistant message with tool_calls": ("chat/completions", {"messages": [
+    "assistant tool_calls the template cannot render": ("chat/completions", {"messages": [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, 400,
+        "messages.0.tool_calls", "does not render tool calls"),
+    "tool call without its function": ("chat/completions", {"messages": [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}]}, 400,
-        "messages.0.tool_calls", "not supported by minillm"),
+        "messages.0.tool_calls.0.function", "required"),
     "chat max_completion_tokens 0": ("chat/completions", {"messages": USER, "max_completion_tokens": 0}, 400,
                                      "max_completion_tokens", "greater than or equal to 1"),
 }

@@ -168,6 +168,7 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
         _check_model(body.model, model_name)
         _log_ignored(request, body)
         chat = [m.as_template_message() for m in body.messages]
+        _check_tool_calls_render(chat, tokenizer)
         _refuse_unfittable(sum(len(m.get("content") or "") for m in chat), context, tokenizer, "messages")
         prompt_ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, chat, body.chat_template_kwargs)
         max_tokens = _max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids), context)
@@ -191,6 +192,7 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
             ids = await asyncio.to_thread(tokenizer.encode, body.prompt, special)
         else:
             chat = [m.as_template_message() for m in body.messages]
+            _check_tool_calls_render(chat, tokenizer)
             _refuse_unfittable(sum(len(m.get("content") or "") for m in chat), context, tokenizer, "messages")
             try:
                 text = tokenizer.apply_chat_template(chat, add_generation_prompt=body.add_generation_prompt,
@@ -419,6 +421,16 @@ async def _until_disconnect(coroutine, request: Request):
     except asyncio.CancelledError:
         task.cancel()
         raise
+
+
+def _check_tool_calls_render(chat: list[dict], tokenizer) -> None:
+    """APIError 400 when an assistant message carries tool_calls that the model's chat template
+    never reads (it would drop them, and the model would answer a different conversation)."""
+    with_calls = [i for i, message in enumerate(chat) if message.get("tool_calls")]
+    if with_calls and "tool_calls" not in str(tokenizer.chat_template):
+        raise APIError(400, f"messages[{with_calls[0]}] carries tool_calls, but this model's chat template does not "
+                            "render tool calls; send the calls' results as text content instead",
+                       f"messages.{with_calls[0]}.tool_calls")
 
 
 def _chat_prompt_ids(tokenizer, chat: list[dict], template_kwargs: dict | None = None) -> list[int]:

@@ -30,7 +30,7 @@ OPENAI_DEFAULT_TEMPERATURE = 1.0
 # Accepted and ignored: they change no token of the answer (OpenAI's bookkeeping, or tools turned off).
 IGNORED_FIELDS = ("store", "metadata", "user", "parallel_tool_calls", "tools", "tool_choice")
 # OpenAI's (and vLLM's) fields that would change the answer, which minillm does not implement.
-UNSUPPORTED_FIELDS = {"tools", "tool_choice", "tool_calls", "functions", "function_call", "prediction", "audio",
+UNSUPPORTED_FIELDS = {"tools", "tool_choice", "functions", "function_call", "prediction", "audio",
                       "modalities", "reasoning_effort", "web_search_options", "suffix", "best_of"}
 # /v1/completions' default max_tokens (OpenAI's legacy API and vLLM: 16). Chat has none: the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -206,11 +206,25 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    """A tool call an assistant made earlier in the conversation (OpenAI's message.tool_calls[i])."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None  # history only: minillm makes no tool calls itself
 
     def as_template_message(self) -> dict:
         """The dict a chat template reads: "developer" (OpenAI's newer name for "system") as
@@ -221,6 +235,8 @@ class ChatMessage(_Strict):
             message["role"] = "system"
         if isinstance(self.content, list):
             message["content"] = "\n".join(part.text for part in self.content)
+        if self.tool_calls:
+            message.setdefault("content", "")  # a turn of tool calls only: templates read its content
         return message
 
 
