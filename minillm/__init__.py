@@ -33,6 +33,8 @@ tokenizer.py and whatif.py are the doors to fast/ and formats/ (pyproject.toml's
                   one engine (minillm generate --student-dir)
     device.py, errors.py, paths.py, units.py   leaves: device and dtype, the errors, the weights
                   folder, number and byte formats
+    cpu_policy.py the minillm command's CPU threads on a shared machine (fewer while others are busy);
+                  the busy-machine note
 
 Packages around it:
 
@@ -53,7 +55,12 @@ Packages around it:
     cli/          the minillm command: argument parsing and printing; the work is in the library
 """
 
-from importlib import metadata as _metadata
+from . import cpu_policy as _cpu_policy
+
+if _cpu_policy.started_as_command():  # the minillm command, not `import minillm`: its thread governor's
+    _cpu_policy.command_started()  # first window opens before torch loads (cpu_policy.py)
+
+from importlib import metadata as _metadata  # noqa: E402
 
 from .config import ModelConfig
 from .errors import CacheFullError, ConfigError, MiniLLMError, ModelNotFoundError, WeightsError

@@ -36,7 +36,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from .. import __version__
+from .. import __version__, cpu_policy
 from ..errors import MiniLLMError
 from .bench import add_bench
 from .bench_serving import add_bench_serving
@@ -114,7 +114,8 @@ def _quiet_exit_on_closed_stdout() -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="minillm", description="An educational LLM inference engine in pure PyTorch.")
+    parser = Parser(prog="minillm", description="An educational LLM inference engine in pure PyTorch.",
+                    epilog=cpu_policy.describe())
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     parser.add_argument("--version", action="version", version=f"minillm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)

@@ -12,7 +12,7 @@ import sys
 
 from .common import (UsageError, chat_template_kwargs, ensure_model, model_options, thinking_option,
                      warn_if_template_ignores_thinking)
-from .generate import _sampling_options, _sampling_params
+from .generate import _busy_note, _sampling_options, _sampling_params, _thread_governor
 
 COMMANDS = {
     "/reset": "forget the conversation and empty the KV cache (the system message stays)",
@@ -54,6 +54,7 @@ def run_chat(args) -> int:
     warn_if_template_ignores_thinking(args, tokenizer)
     session = ChatSession(model, tokenizer, args.system, params, args.max_context,
                           chat_template_kwargs(args))
+    governor = _thread_governor(model)
     if args.max_context is not None:
         _check_room(session)
     interactive = sys.stdin.isatty()
@@ -69,7 +70,7 @@ def run_chat(args) -> int:
             if _command(line, session, state, status) == "exit":
                 break
         elif line:
-            _turn(session, line, state["trace"], status)
+            _turn(session, line, state["trace"], status, governor)
     return 0
 
 
@@ -133,15 +134,19 @@ def _command(line: str, session, state: dict, status) -> str | None:
     return None
 
 
-def _turn(session, text: str, traced: bool, status) -> None:
+def _turn(session, text: str, traced: bool, status, governor=None) -> None:
     """One turn: the answer streamed to stdout, then what it cost on stderr. Ctrl-C stops the answer."""
     from ..errors import CacheFullError
 
     trace = _new_trace(session) if traced else None
+    if governor is not None:  # fewer threads while other processes keep cores busy (minillm/cpu_policy.py)
+        governor.adjust(force=True)
     steps = session.send(text, trace=trace)
     try:
         for step in steps:
             print(step.text, end="", flush=True)
+            if governor is not None:
+                governor.adjust()
     except KeyboardInterrupt:
         steps.close()  # the conversation stays as before this message
         print()
@@ -155,7 +160,7 @@ def _turn(session, text: str, traced: bool, status) -> None:
     if turn.dropped_messages:
         status.print(f"[context full ({session.max_context} tokens): dropped the {turn.dropped_messages} "
                      "oldest messages; /reset starts over]", style="dim", markup=False)
-    status.print(_summary(turn), style="dim", markup=False)
+    status.print(_summary(turn, _busy_note()), style="dim", markup=False)
     if turn.finish_reason == "cache_full":
         status.print("[the answer filled the context and was cut; /reset or a larger --max-context]",
                      style="dim", markup=False)
@@ -167,11 +172,11 @@ def _turn(session, text: str, traced: bool, status) -> None:
         print_trace(trace, Console(), prompt=False)
 
 
-def _summary(turn) -> str:
+def _summary(turn, busy: str | None = None) -> str:
     n = len(turn.token_ids)
     tpot = f"{(turn.end_s - turn.start_s - turn.ttft_ms / 1e3) * 1e3 / (n - 1):.1f} ms" if n > 1 else "n/a"
     return (f"[{turn.reused_tokens} tokens reused, {turn.prefill_tokens} prefilled | generated {n} tok | "
-            f"TTFT {turn.ttft_ms:.1f} ms | TPOT {tpot} | stop: {turn.finish_reason}]")
+            f"TTFT {turn.ttft_ms:.1f} ms | TPOT {tpot} | stop: {turn.finish_reason}" + (f" | {busy}]" if busy else "]"))
 
 
 def _new_trace(session):

@@ -121,6 +121,7 @@ def run_generate(args) -> int:
     params = constrain(params, args, model, tokenizer, _eos_ids(model, tokenizer))  # --json-schema, --logit-bias ...
     prefix_cache = PrefixCache(model, block_size=args.block_size) if args.prefix_cache else None
     args.speculative_config = _speculative_config(args)
+    args.governor = _thread_governor(model)
     traced = bool(args.trace or args.trace_out or args.plots)
     warmup = traced if args.warmup is None else args.warmup
     if not warmup and getattr(model, "compiled_decode", None) is not None:
@@ -271,6 +272,7 @@ def _generate_one(args, model, tokenizer, prompt: str, params, prefix_cache, war
     from ..generate import generate
     from ..sweep import warm_up
 
+    _adjust_threads(args, force=True)
     if warmup:
         warm_up(model, len(_encode_prompt(tokenizer, prompt, args)))
     start = time.perf_counter()  # TTFT includes tokenizing, as a server's counts from the request's arrival
@@ -279,6 +281,7 @@ def _generate_one(args, model, tokenizer, prompt: str, params, prefix_cache, war
     for step in generate(model, prompt_ids, params, eos_token_ids=_eos_ids(model, tokenizer),
                          prefix_cache=prefix_cache, tokenizer=tokenizer, speculative=args.speculative_config):
         steps.append(step)
+        _adjust_threads(args)
         if not args.json:
             print(step.text, end="", flush=True)  # stop strings held back and never printed
     _finish_request(args, prompt, prompt_ids, steps, start, cold)
@@ -306,7 +309,29 @@ def _finish_request(args, prompt: str, prompt_ids, steps, start_s: float, cold: 
         print(json.dumps(_json_record(prompt, steps, metrics, cold, args.speculative_config is not None)), flush=True)
     else:
         print(flush=True)
-    print(_summary(metrics, steps, cold), file=sys.stderr)
+    print(_summary(metrics, steps, cold, _busy_note()), file=sys.stderr)
+
+
+def _thread_governor(model):
+    """The command's thread governor for a model on the CPU (minillm/cpu_policy.py: fewer threads while
+    other processes keep cores busy); None on a GPU, outside the minillm command, or where the user set the count."""
+    from .. import cpu_policy
+
+    return cpu_policy.command_governor() if next(model.parameters()).device.type == "cpu" else None
+
+
+def _adjust_threads(args, force: bool = False) -> None:
+    """Between steps: the governor's decision, when one is due (a clock read otherwise)."""
+    if getattr(args, "governor", None) is not None:
+        args.governor.adjust(force)
+
+
+def _busy_note() -> str | None:
+    """The note "machine busy: load X on N cores" when the 1-minute load average, read now at the end of
+    the run, exceeded the cores this process may use: other processes took CPU time from it (minillm/cpu_policy.py)."""
+    from .. import cpu_policy
+
+    return cpu_policy.busy_note(cpu_policy.load_average(), cpu_policy.usable_cores())
 
 
 def _sampling_params(args, generation_config=None):
@@ -360,14 +385,16 @@ def _encode_prompt(tokenizer, prompt: str, args) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _summary(m, steps, cold: bool) -> str:
+def _summary(m, steps, cold: bool, busy: str | None = None) -> str:
     """One line: tokens, TTFT ("cold": no warm-up pass ran before it), TPOT, and two rates named by
-    what they measure: decode = 1 / TPOT (as llama.cpp and Ollama print it), output = tokens / e2e."""
+    what they measure: decode = 1 / TPOT (as llama.cpp and Ollama print it), output = tokens / e2e;
+    ``busy``, the note that the machine was busy (:func:`_busy_note`), ends it when there is one."""
     cached = f" ({steps[0].cached_tokens} cached)" if steps[0].cached_tokens else ""
     tpot = f"{m.tpot_ms:.1f} ms | decode {1e3 / m.tpot_ms:.1f} tok/s" if m.tpot_ms else "n/a | decode n/a"
     return (f"[prompt {m.n_prompt_tokens} tok{cached} | generated {m.n_output_tokens} tok | "
             f"TTFT {m.ttft_ms:.1f} ms{' (cold)' if cold else ''} | TPOT {tpot} | "
-            f"output {m.output_throughput_tok_s:.1f} tok/s | stop: {steps[-1].finish_reason}]")
+            f"output {m.output_throughput_tok_s:.1f} tok/s | stop: {steps[-1].finish_reason}"
+            + (f" | {busy}]" if busy else "]"))
 
 
 def _json_record(prompt: str, steps, m, cold: bool, speculative: bool = False) -> dict:
@@ -406,6 +433,7 @@ def run_generate_traced(args, model, tokenizer, prompt: str, params, prefix_cach
     param = next(model.parameters())
     hw = get_hardware(param.device, param.dtype)  # measured once per machine, then cached
     console = Console(stderr=True)
+    _adjust_threads(args, force=True)
     warmup_ms = warm_up(model, len(_encode_prompt(tokenizer, prompt, args))) if warmup else None
     trace = Trace(args.trace or "steps", tokenizer=tokenizer, hardware=hw)
     if warmup_ms is not None:
@@ -419,6 +447,7 @@ def run_generate_traced(args, model, tokenizer, prompt: str, params, prefix_cach
     for step in generate(model, prompt_ids, params, eos_token_ids=_eos_ids(model, tokenizer), trace=trace,
                          prefix_cache=prefix_cache, tokenizer=tokenizer, speculative=args.speculative_config):
         steps.append(step)
+        _adjust_threads(args)
         if not args.json:
             print(step.text, end="", flush=True)
     if args.trace:
@@ -431,7 +460,7 @@ def run_generate_traced(args, model, tokenizer, prompt: str, params, prefix_cach
             console.print(_cached_prompt_panel(trace, prefix_cache))
         print_trace(trace, console, prompt=False)  # its summary panel stands for the summary line
         if args.speculative_config is not None:  # no per-token events under speculation: the lines instead
-            print(_summary(metrics, steps, cold), file=sys.stderr)
+            print(_summary(metrics, steps, cold, _busy_note()), file=sys.stderr)
             print(_speculative_summary(args.speculative_config, steps), file=sys.stderr)
     else:
         _finish_request(args, prompt, prompt_ids, steps, trace.start_s, cold)

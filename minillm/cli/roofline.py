@@ -7,6 +7,7 @@ import sys
 from ..formats import weights
 from ..units import fmt_bytes, fmt_num
 from .common import UsageError, ensure_model, warn
+from .generate import _busy_note
 
 
 def add_calibrate(sub) -> None:
@@ -33,6 +34,8 @@ def run_calibrate(args) -> int:
     console = Console()
     console.print(_hardware_table(hw, f"calibrated {args.device} {args.dtype} (saved to {calibration_path()})"))
     console.print(f"decode path of {args.model} on cpu float32: {_decode_path(args, console)}")
+    if args.device == "cpu" and (busy := _busy_note()) is not None:  # the peaks and timings above are the share the run got, not the machine's
+        warn(f"{busy}: other processes took CPU time from these measurements; calibrate again on a quiet machine")
     return 0
 
 

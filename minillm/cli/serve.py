@@ -9,6 +9,7 @@ import socket
 import sys
 
 from .common import UsageError, ensure_model, model_options
+from .generate import _thread_governor
 
 
 def add_serve(sub) -> None:
@@ -63,7 +64,9 @@ def run_serve(args) -> int:
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_chunked_prefill=args.enable_chunked_prefill,
                        enable_prefix_caching=args.enable_prefix_caching)
-    async_engine = AsyncEngine(engine, args.max_waiting_requests)
+    governor = _thread_governor(model) if not args.threads else None  # fewer threads while the CPU is busy
+    async_engine = AsyncEngine(engine, args.max_waiting_requests,
+                               before_step=None if governor is None else governor.adjust)
     name = args.served_model_name or str(args.model)
     app = create_app(async_engine, tokenizer, name, api_key=args.api_key)
     print(_banner(args.host, args.port, name, engine), file=sys.stderr, flush=True)

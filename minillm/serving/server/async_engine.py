@@ -58,19 +58,23 @@ class AsyncEngine:
         max_finished_requests: finished requests kept in ``engine.requests`` (for a web view);
             older ones are dropped, so a server's memory does not grow with every request it
             has answered (``engine.steps``, a few small tuples a step, is kept whole).
+        before_step: called in the engine thread before each step, outside ``lock`` (``minillm serve``:
+            the thread governor of minillm/cpu_policy.py, since torch's thread count is per thread).
 
     Attributes:
         engine, lock (a ``threading.Lock``: hold it to read engine state), max_waiting_requests.
     """
 
     def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
-                 on_finished: Callable[[Request], None] | None = None, max_finished_requests: int = 1000):
+                 on_finished: Callable[[Request], None] | None = None, max_finished_requests: int = 1000,
+                 before_step: Callable[[], object] | None = None):
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0 (or None: no limit), got {max_waiting_requests}")
         if max_finished_requests < 0:
             raise ValueError(f"max_finished_requests must be >= 0, got {max_finished_requests}")
         self.engine, self.max_waiting_requests, self.on_finished = engine, max_waiting_requests, on_finished
         self.max_finished_requests = max_finished_requests
+        self.before_step = before_step  # called in the engine thread before each step (minillm serve: threads)
         self._finished_ids: collections.deque[str] = collections.deque()  # oldest finished first
         self.lock = threading.Lock()
         self._wake = threading.Event()  # set when there is work: a command, or requests to step
@@ -189,6 +193,8 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopping:
             self._wake.wait()
+            if self.before_step is not None:
+                self.before_step()
             with self.lock:
                 try:
                     self._step()
