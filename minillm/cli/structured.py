@@ -29,8 +29,8 @@ def add_structured_options(p) -> None:
     one.add_argument("--choice", action="append", metavar="TEXT", help="the answer is exactly one of these; repeat "
                                                                       "for each choice")
     g.add_argument("--logit-bias", action="append", metavar="ID=BIAS",
-                   help="add BIAS (-100..100) to token ID's logit before sampling (OpenAI's logit_bias; -100 bans "
-                        "it); repeat for several")
+                   help="add BIAS (-100..100) to token ID's logit before sampling (OpenAI's logit_bias; -100 in "
+                        "effect bans it, unless a constraint allows no other token); repeat for several")
 
 
 def check_structured_args(args) -> None:
@@ -38,6 +38,8 @@ def check_structured_args(args) -> None:
     args.schema = None
     if getattr(args, "json_schema", None) is not None:
         path = Path(args.json_schema)
+        if path.is_dir():
+            raise UsageError(f"--json-schema: {path} is a folder, not a schema file")
         if not path.is_file():
             raise UsageError(f"--json-schema: no file {path}")
         try:
@@ -50,9 +52,12 @@ def check_structured_args(args) -> None:
         for item in args.logit_bias:
             token, _, value = item.partition("=")
             try:
-                bias[int(token)] = float(value)
+                token_id, token_bias = int(token), float(value)
             except ValueError:
                 raise UsageError(f"--logit-bias takes ID=BIAS (e.g. 28=-100), got {item!r}") from None
+            if token_id in bias:
+                raise UsageError(f"--logit-bias: token {token_id} given twice; give each token id once")
+            bias[token_id] = token_bias
         try:
             SamplingParams(logit_bias=bias)
         except ValueError as e:
@@ -81,6 +86,10 @@ def constrain(params, args, model, tokenizer, eos_token_ids):
             raise UsageError(f"{flag}: {e}") from None
     if grammar is None and not args.logit_bias_map:
         return params
+    vocab = model.config.vocab_size
+    if args.logit_bias_map and max(args.logit_bias_map) >= vocab:
+        raise UsageError(f"--logit-bias: token {max(args.logit_bias_map)} is not in the vocabulary "
+                         f"(size {vocab}: ids 0..{vocab - 1})")
     try:
         return dataclasses.replace(params, allowed_tokens=grammar, logit_bias=args.logit_bias_map)
     except ValueError as e:

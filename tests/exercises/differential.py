@@ -219,18 +219,24 @@ def _describe(x) -> str:
 
 
 def _mistake_line(exercise: str, what: str, inputs: Inputs, got=None, error: Exception | None = None) -> str:
-    """'this is the named mistake X: ...' when a mistake of mistakes.py gives the same answer."""
+    """A line naming the mistake of mistakes.py that gives the same answer on this input, or ""."""
     for m, wrong in _mistakes_of(exercise, what.split("(")[0]):
         args, kwargs = inputs()
         try:
             theirs = wrong(*args, **kwargs)
         except Exception as e:  # noqa: BLE001
             if error is not None and type(e) is type(error):
-                return f"this is the named mistake '{m.name}': {m.what}"
+                return _same_as(m)
             continue
         if error is None and difference(got, theirs) is None:
-            return f"this is the named mistake '{m.name}': {m.what}"
+            return _same_as(m)
     return ""
+
+
+def _same_as(m) -> str:
+    # one input cannot tell two mistakes apart: a hint to look at, not a diagnosis
+    return (f"on this input yours answers as the known mistake '{m.name}' does ({m.what}); it may be "
+            "yours, or another with the same answer here")
 
 
 def _mistakes_of(exercise: str, name: str):

@@ -18,8 +18,8 @@ SLO_LESSON = "lessons/06-metrics.md#slos"
 PERCENTILE = ("sort the values; the p-th percentile sits at the fractional rank r = (n - 1) · p / 100; "
               "interpolate between sorted[floor(r)] and sorted[ceil(r)] (numpy.percentile's default, vLLM's)")
 SLO = ("a request meets the SLOs when TTFT <= ttft_ms AND TPOT <= tpot_ms (<=: exactly on the limit is met); "
-       "an SLO left None is not checked; a one-token request has no TPOT and meets any TPOT SLO; "
-       "the result is a fraction in [0, 1]")
+       "an SLO left None is not checked; a one-token request has no TPOT and meets any TPOT SLO")
+SLO_ATTAINMENT = SLO + "; the attainment is the fraction of requests that meet them, in [0, 1]"
 GOODPUT = "goodput = (requests meeting every SLO) / duration_s, in requests per second; " + SLO
 
 
@@ -64,7 +64,7 @@ def test_slo_attainment_by_hand(impl):
                                  (100, None, 0.0)]:
         c = Case(f"slo_attainment(requests, ttft_ms={ttft}, tpot_ms={tpot})",
                  "5 requests (TTFT ms, TPOT ms): " + ", ".join(map(str, REQUESTS)) + " (None: a single token)",
-                 shapes="5 RequestMetrics", hint=SLO, lesson=SLO_LESSON)
+                 shapes="5 RequestMetrics", hint=SLO_ATTAINMENT, lesson=SLO_LESSON)
         c.close(c.call(impl.slo_attainment, ms, ttft, tpot), expected)
 
 
@@ -149,7 +149,8 @@ def test_slo_attainment_and_goodput_agree_with_the_reference(impl, data):
     duration = data.draw(st.sampled_from([1.0, 2.0, 0.5, 0.0, -1.0]) | st.floats(1e-3, 1e3), label="duration_s")
     ms = _requests(pairs)
     agree(impl.slo_attainment, REF.slo_attainment, lambda: ((kind(ms),), {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms}),
-          what="slo_attainment", exercise="ex13", lesson=SLO_LESSON, hint=SLO + "; ValueError for no requests")
+          what="slo_attainment", exercise="ex13", lesson=SLO_LESSON,
+          hint=SLO_ATTAINMENT + "; ValueError for no requests")
     agree(impl.goodput, REF.goodput, lambda: ((kind(ms), duration), {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms}),
           what="goodput", exercise="ex13", lesson=SLO_LESSON,
           hint=GOODPUT + "; ValueError for no requests or duration_s <= 0")
