@@ -39,7 +39,10 @@ def test_json_schema_answer_validates_and_the_trace_counts_allowed_tokens(tmp_pa
 
 @pytest.mark.parametrize("args, message", [
     (["--json-schema", "/no/such/schema.json"], "--json-schema: no file /no/such/schema.json"),
+    (["--json-schema", "/"], "--json-schema: / is a folder, not a schema file"),
     (["--regex", "a", "--choice", "b"], "not allowed with argument"),
+    (["--logit-bias", "4011=-100", "--logit-bias", "4011=100"], "--logit-bias: token 4011 given twice"),
+    (["--logit-bias", "999999=5"], "--logit-bias: token 999999 is not in the vocabulary (size 49152"),
     (["--logit-bias", "28"], "--logit-bias takes ID=BIAS (e.g. 28=-100), got '28'"),
     (["--logit-bias", "28=-500"], "logit_bias[28] must be a number in [-100, 100]"),
     (["--choice", "a", "--speculative", "ngram"], "--speculative does not go with --json-schema"),

@@ -559,7 +559,7 @@ def _sampling_params(body, max_tokens: int, defaults: dict, grammar=None) -> Sam
             seed=body.seed, max_new_tokens=max_tokens, stop=body.stop or (), ignore_eos=body.ignore_eos,
             logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()} or None, allowed_tokens=grammar)
     except ValueError as error:
-        raise APIError(400, str(error)) from None
+        raise APIError(400, str(error), _param_of(str(error))) from None
 
 
 def _engine_error(error: Exception) -> APIError:
@@ -569,4 +569,13 @@ def _engine_error(error: Exception) -> APIError:
         return APIError(503, str(error), code="server_shutting_down")
     if isinstance(error, EngineDeadError):
         return APIError(500, str(error))
-    return APIError(400, str(error))
+    return APIError(400, str(error), _param_of(str(error)))
+
+
+# the engine's own checks (Engine.add_request) as the request field they are about: the 400's "param"
+_ENGINE_PARAMS = (("n (sequences per request)", "n"), ("prompt ids must be in", "prompt"),
+                  ("logit_bias", "logit_bias"))
+
+
+def _param_of(message: str) -> str | None:
+    return next((param for start, param in _ENGINE_PARAMS if message.startswith(start)), None)
