@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import threading
 import time
 import uuid
@@ -31,6 +32,8 @@ from ...errors import MiniLLMError
 from ...sampling import SamplingParams
 from ..engine import LLMEngine, RequestOutput
 from ..request import Request, sequence_id
+
+logger = logging.getLogger(__name__)
 
 
 class QueueFullError(MiniLLMError):
@@ -160,6 +163,9 @@ class AsyncEngine:
         running, :meth:`close` stops it.
         """
         self._draining = True
+        if self._queues:
+            logger.warning("shutting down: refusing new requests, waiting up to %g s for %d running", timeout_s,
+                           len(self._queues))
         deadline = time.monotonic() + timeout_s
         while self._queues and time.monotonic() < deadline:
             await asyncio.sleep(poll_s)
