@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -72,6 +74,44 @@ PIECES = (
 
 class AssemblyError(Exception):
     """A student's piece gave an answer the engine cannot go on with (keys() disagreeing with write())."""
+
+
+class PieceTimeout(BaseException):
+    """A student's file or piece ran past the time limit (an endless loop?): the message names it.
+
+    A BaseException, so that the probes' ``except Exception`` (a crash: minillm's piece instead)
+    lets it through: a piece that never returns stops the whole run."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float | None, what: str, folder: Path):
+    """Raise PieceTimeout in whatever runs after ``seconds`` (SIGALRM: the student's code is Python,
+    so the alarm interrupts even ``while True: pass``). Only on the main thread of a system with
+    SIGALRM; no limit elsewhere, or when ``seconds`` is None. The previous handler is restored."""
+    if not seconds or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise PieceTimeout(f"{what}{_where_frame(frame, folder)} ran over {seconds:g} s and was stopped "
+                           "(an endless loop?); --timeout SECONDS sets the limit")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _where_frame(frame, folder: Path) -> str:
+    """' (ex01_causal_mask.py, line 3)': the innermost of the student's frames running at ``frame``."""
+    while frame is not None:
+        if Path(frame.f_code.co_filename).resolve().parent == folder:
+            return f" ({Path(frame.f_code.co_filename).name}, line {frame.f_lineno})"
+        frame = frame.f_back
+    return ""
 
 
 @dataclass(frozen=True)
@@ -166,12 +206,14 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 # -- the student's pieces -------------------------------------------------------------------------
 
 
-def load_pieces(student_dir: Path, model: Transformer) -> tuple[tuple[Piece, ...], dict[str, object], list]:
+def load_pieces(student_dir: Path, model: Transformer,
+                timeout_s: float | None = None) -> tuple[tuple[Piece, ...], dict[str, object], list]:
     """Import the student's files and probe each piece on a tiny input.
 
     Returns (the pieces and their status, {piece name: the student's object to use},
     the student's modules). The chosen objects are functions, except "RotaryEmbedding" and
     "KVCache" (the student's classes) with "KVCache.methods" (the set of methods written).
+    Raises PieceTimeout when importing a file or probing a piece takes over ``timeout_s`` seconds.
     """
     student_dir = Path(student_dir).resolve()
     _importable_kit()
@@ -181,7 +223,8 @@ def load_pieces(student_dir: Path, model: Transformer) -> tuple[tuple[Piece, ...
         if file in modules or file in load_errors or not (student_dir / file).is_file():
             continue
         try:
-            modules[file] = _load_module(student_dir / file)
+            with _time_limit(timeout_s, f"importing {file}", student_dir):
+                modules[file] = _load_module(student_dir / file)
         except Exception as e:  # noqa: BLE001 - a file that does not import: say so, use minillm's
             load_errors[file] = f"importing {file} raised {type(e).__name__}: {e}"
     probes = _probes(model)
@@ -196,7 +239,8 @@ def load_pieces(student_dir: Path, model: Transformer) -> tuple[tuple[Piece, ...
             if obj is None:
                 statuses[ex, name] = ("crashed", f"{file} defines no {name} (keep the names of the stub)")
                 continue
-            statuses[ex, name] = _probe(probes[ex, name], modules[file], student_dir)
+            with _time_limit(timeout_s, f"{ex}'s {name}", student_dir):
+                statuses[ex, name] = _probe(probes[ex, name], modules[file], student_dir)
     chosen: dict[str, object] = {}
     gqa = model.config.n_kv_heads != model.config.n_heads
     for name, ex in (("causal_mask", "ex01"), ("apply_rope", "ex03"), ("prefill", "ex06"),
@@ -373,22 +417,29 @@ def _where(error: BaseException, folder: Path | None) -> str:
 
 
 def assemble(model: Transformer, prompt_ids: list[int], params: SamplingParams, eos_token_ids,
-             student_dir: Path) -> AssemblyReport:
+             student_dir: Path, timeout_s: float | None = None) -> AssemblyReport:
     """Run ``model`` on ``prompt_ids`` with minillm's pieces, then with the student's; compare.
 
     ``model`` should be the lesson's plain PyTorch with eager attention (``load_model(...,
     fast=False, attn_impl="eager")``); raises ValueError otherwise, since the speed layer or
     SDPA would run instead of the student's attention and mask.
+
+    ``timeout_s``: the most seconds importing one of the student's files or probing one piece may
+    take, and the student's engine beyond the time minillm's took; past it, PieceTimeout (its
+    message names the file and line). None: no limit.
     """
     if model.attn_impl != "eager":
         raise ValueError("the assembled engine needs the lesson's eager attention: "
                          "load_model(..., fast=False, attn_impl='eager')")
     if getattr(model, "decode_path", None) is not None:
         raise ValueError("the assembled engine needs the lesson's plain PyTorch: load_model(..., fast=False)")
-    pieces, chosen, modules = load_pieces(student_dir, model)
+    folder = Path(student_dir).resolve()
+    pieces, chosen, modules = load_pieces(student_dir, model, timeout_s)
     eos = set(eos_token_ids)
     ours = run_engine(model, prompt_ids, params, eos, {}, [], None)
-    yours = run_engine(model, prompt_ids, params, eos, chosen, modules, Path(student_dir).resolve())
+    limit = None if timeout_s is None else timeout_s + ours.seconds
+    with _time_limit(limit, "your engine's run", folder):
+        yours = run_engine(model, prompt_ids, params, eos, chosen, modules, folder)
     return AssemblyReport(pieces, list(prompt_ids), params, yours, ours)
 
 
@@ -521,7 +572,10 @@ def report_lines(report: AssemblyReport, decode: Callable[[list[int]], str], whe
     ddiff, n = report.decode_diff
     lines.append(f"decode logits:  max |diff| {_num(ddiff)} over the {n} decode steps taken from the same tokens")
     lines.append("")
-    if report.equal:
+    if report.equal and n_yours == 0:  # minillm's pieces on both sides, and nothing of the student's ran
+        lines.append("None of the pieces are yours yet: minillm's engine ran on both sides, so there is nothing "
+                     "of yours to compare. Write an exercise (ex01 first) and run this again.")
+    elif report.equal:
         lines.append("Your engine equals minillm's: the same answer, the same logits.")
     else:
         why = []

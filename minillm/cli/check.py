@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from ..classroom import DEFAULT_TIMEOUT_S  # stdlib only: cheap to import with the parser
-from .common import UsageError
+from .common import UsageError, warn
 
 CORE_EXERCISES = ("ex01", "ex02", "ex03", "ex04", "ex05", "ex06", "ex07", "ex08", "ex14")  # the assembled engine's
 
@@ -40,6 +40,9 @@ def run_check(args) -> int:
     if not args.timeout > 0:
         raise UsageError(f"--timeout must be a number of seconds > 0, got {args.timeout:g}")
     dirs, named = _student_dirs(args.student_dir or [], known)
+    for folder in dirs:
+        if not any(folder.glob("ex[0-9][0-9]_*.py")):
+            warn(f"{folder} holds none of the exercise files (ex01_causal_mask.py ...): is it the right folder?")
     try:
         wanted = [normalize_exercise(e, known) for e in [*args.exercises, *named]] or known
     except ValueError as e:
@@ -69,11 +72,12 @@ def _check(args, root, dirs, wanted, known) -> int:
     failed = any(r.status == "failed" for rs in results.values() for r in rs)
     engine_ok = True
     if len(dirs) == 1 and args.engine and set(CORE_EXERCISES) <= set(wanted) and set(wanted) == set(known):
-        engine_ok = _assembled_engine(console, results[dirs[0]], dirs[0] or root / "lessons" / "exercises")
+        engine_ok = _assembled_engine(console, results[dirs[0]], dirs[0] or root / "lessons" / "exercises",
+                                      args.timeout)
     return 1 if failed or not engine_ok else 0
 
 
-def _assembled_engine(console, results, folder) -> bool:
+def _assembled_engine(console, results, folder, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
     """A full check ends with the student's engine answering, once its core exercises pass."""
     from argparse import Namespace
 
@@ -95,7 +99,7 @@ def _assembled_engine(console, results, folder) -> bool:
     console.print(f"\nAll core exercises pass: your pieces assembled into one engine ({command}).\n",
                   markup=False, highlight=False, soft_wrap=True)
     args = Namespace(model=DEFAULT_MODEL, weights_dir=None, device=None, chat=None, system=None, enable_thinking=None,
-                     max_new_tokens=_STUDENT_MAX_NEW_TOKENS)
+                     max_new_tokens=_STUDENT_MAX_NEW_TOKENS, timeout=timeout)
     start = time.perf_counter()
     code = assembled_engine(Path(folder), _DEFAULT_STUDENT_PROMPT, args)
     console.print(f"(assembled engine: {time.perf_counter() - start:.1f} s with loading the model)", markup=False,

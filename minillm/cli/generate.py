@@ -54,6 +54,10 @@ def add_generate(sub) -> None:
                         "in where written, and compare tokens and logits with minillm's own; exit 0 when equal, 1 "
                         f"when not (default prompt: {_DEFAULT_STUDENT_PROMPT!r}, --max-new-tokens "
                         f"{_STUDENT_MAX_NEW_TOKENS})")
+    p.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="with --student-dir: stop (exit 1) when importing one of DIR's files or running one piece "
+                        "takes over SECONDS, and your engine's run over SECONDS more than minillm's (an endless "
+                        "loop); default: minillm check's, 60")
     p.set_defaults(run=run_generate)
 
 
@@ -170,6 +174,8 @@ def run_student_engine(args) -> int:
         raise UsageError("--system needs chat mode: drop --no-chat, or put the text in the prompt")
     if args.temperature and args.seed is None:
         raise UsageError("--student-dir with --temperature > 0 needs --seed: both engines must draw the same numbers")
+    if args.timeout is not None and not args.timeout > 0:
+        raise UsageError(f"--timeout must be a number of seconds > 0, got {args.timeout:g}")
     prompt = _read_prompt(args.prompt[0]) if args.prompt else _DEFAULT_STUDENT_PROMPT
     if args.max_new_tokens is None:  # two runs of the lesson's slow engine: the answer, not an essay
         args.max_new_tokens = _STUDENT_MAX_NEW_TOKENS
@@ -178,24 +184,31 @@ def run_student_engine(args) -> int:
 
 def assembled_engine(student_dir, prompt: str, args) -> int:
     """Load the model as the lessons run it, assemble the student's pieces, print the report; 0 when equal."""
-    from ..classroom.assembly import assemble, report_lines
+    import dataclasses
+
+    from ..classroom.assembly import PieceTimeout, assemble, report_lines
+    from ..classroom.grading import DEFAULT_TIMEOUT_S
     from ..loading import load_model
     from ..tokenizer import load_tokenizer
 
+    print(f"prompt: {prompt!r}", flush=True)
+    print(f"running minillm's engine, then yours (pieces from {student_dir}) ...", flush=True)
     folder = ensure_model(args.model, args.weights_dir)
     model = load_model(folder, device=args.device, dtype="float32", attn_impl="eager", fast=False)
-    import dataclasses
-
     tokenizer = load_tokenizer(folder)
     params = _sampling_params(args, model.generation_config)
+    if not params.greedy and params.seed is None:  # a checkpoint that samples by default: both engines, the same draws
+        params = dataclasses.replace(params, seed=0)
     prompt_ids = _encode_prompt(tokenizer, prompt, args)
-    report = assemble(model, prompt_ids, params, _eos_ids(model, tokenizer), student_dir)
-    print(f"prompt: {prompt!r}", flush=True)
+    timeout = getattr(args, "timeout", None) or DEFAULT_TIMEOUT_S
+    try:
+        report = assemble(model, prompt_ids, params, _eos_ids(model, tokenizer), student_dir, timeout_s=timeout)
+    except PieceTimeout as e:
+        print(f"minillm: {e}", file=sys.stderr, flush=True)
+        return 1
     for line in report_lines(report, tokenizer.decode, str(student_dir)):
         print(line, flush=True)
     return 0 if report.equal else 1
-    if not params.greedy and params.seed is None:  # a checkpoint that samples by default: both engines, the same draws
-        params = dataclasses.replace(params, seed=0)
 
 
 def _check_generate_args(args) -> None:
@@ -204,6 +217,8 @@ def _check_generate_args(args) -> None:
         raise UsageError("--system needs chat mode: drop --no-chat, or put the text in the prompt")
     if args.enable_thinking is not None and args.chat is False:
         raise UsageError("--enable-thinking/--no-enable-thinking is a chat template variable: drop --no-chat")
+    if getattr(args, "timeout", None) is not None:
+        warn("--timeout is for --student-dir; it has no effect here")
     if args.block_size is not None and not args.prefix_cache:
         warn("--block-size has no effect without --prefix-cache")
     args.block_size = 16 if args.block_size is None else args.block_size

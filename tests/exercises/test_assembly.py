@@ -6,6 +6,8 @@ the real default model through `minillm generate --student-dir`: the references 
 with exit 0, a mask off by one differs with exit 1.
 """
 
+import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -14,7 +16,7 @@ import pytest
 from exercises.models import tiny_model
 
 from minillm.classroom import reference_answers
-from minillm.classroom.assembly import CORE_EXERCISES, assemble, report_lines
+from minillm.classroom.assembly import CORE_EXERCISES, PieceTimeout, assemble, report_lines
 from minillm.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=6)
@@ -52,6 +54,31 @@ def test_the_stubs_run_minillms_pieces_and_say_so():
 
     report = assemble(tiny_model("llama_gqa", "eager"), PROMPT, GREEDY, set(), find_checkout() / STUBS_DIR)
     assert {p.status for p in report.pieces} == {"not attempted"} and report.equal
+
+
+def test_the_stubs_say_none_of_the_pieces_are_theirs_yet():
+    from minillm.classroom.grading import STUBS_DIR, find_checkout
+
+    report = assemble(tiny_model("llama_gqa", "eager"), PROMPT, GREEDY, set(), find_checkout() / STUBS_DIR)
+    last = report_lines(report, str, "stubs")[-1]
+    assert last.startswith("None of the pieces are yours yet") and "equals" not in last and report.equal
+
+
+LOOP = "def causal_mask(*args, **kwargs):\n    while True:\n        pass\n"
+
+
+def test_a_piece_that_loops_forever_is_stopped_and_named(tmp_path):
+    folder = write(tmp_path, {"ex01_causal_mask.py": LOOP})
+    with pytest.raises(PieceTimeout, match=r"ex01's causal_mask \(ex01_causal_mask.py, line [23]\) ran over 1 s"):
+        assemble(tiny_model("llama_gqa", "eager"), PROMPT, GREEDY, set(), folder, timeout_s=1)
+    assert signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, signal.default_int_handler, None)  # restored
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_a_file_that_loops_on_import_is_stopped_and_named(tmp_path):
+    folder = write(tmp_path, {"ex03_rope.py": "while True:\n    pass\n"})
+    with pytest.raises(PieceTimeout, match=r"importing ex03_rope.py \(ex03_rope.py, line [12]\) ran over 1 s"):
+        assemble(tiny_model("llama_gqa", "eager"), PROMPT, GREEDY, set(), folder, timeout_s=1)
 
 
 def test_a_missing_file_and_a_crash_fall_back_to_minillm_and_fail(tmp_path):
@@ -193,6 +220,15 @@ def test_a_mask_off_by_one_differs_on_the_default_model(tmp_path, smollm2_dir):
     assert r.returncode == 1, r.stdout + r.stderr
     assert "ex01      causal_mask              yours" in r.stdout
     assert "Your engine differs from minillm's" in r.stdout and "the logits differ beyond the tolerance" in r.stdout
+
+
+def test_generate_stops_a_looping_piece_with_one_line_and_exit_1(tmp_path, smollm2_dir):
+    folder = write(tmp_path, {"ex01_causal_mask.py": LOOP})
+    r = minillm("generate", "--student-dir", str(folder), "--max-new-tokens", "2", "--timeout", "2")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stdout.startswith("prompt: 'What is the capital of France?'\n")  # said before the runs
+    assert re.fullmatch(r"minillm: ex01's causal_mask \(ex01_causal_mask\.py, line [23]\) ran over 2 s and was "
+                        r"stopped \(an endless loop\?\); --timeout SECONDS sets the limit", r.stderr.strip()), r.stderr
 
 
 def test_incompatible_flags_are_refused_in_one_line(references):

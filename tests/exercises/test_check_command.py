@@ -41,6 +41,15 @@ def test_a_students_folder_passed_failed_not_attempted(tmp_path):
     assert "hint:" in r.stdout and "lesson:   lessons/01-what-is-inference.md#attention" in r.stdout
 
 
+def test_a_folder_without_exercise_files_is_warned_about(tmp_path):
+    (tmp_path / "notes.txt").write_text("not an exercise")
+    r = minillm("check", "--student-dir", str(tmp_path), "ex01")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stderr == (f"minillm: warning: {tmp_path} holds none of the exercise files (ex01_causal_mask.py ...): "
+                        "is it the right folder?\n"), r.stderr
+    assert "not attempted" in r.stdout
+
+
 def test_unknown_exercise_is_a_usage_error():
     r = minillm("check", "ex99")
     assert r.returncode == 2 and "unknown exercise 'ex99'; known: ex01" in r.stderr
@@ -173,11 +182,12 @@ def test_the_engine_ends_a_check_once_the_core_passes(monkeypatch, tmp_path):
     from minillm.cli import check, generate
 
     calls = []
-    monkeypatch.setattr(generate, "assembled_engine", lambda folder, prompt, args: calls.append((folder, prompt)) or 1)
+    monkeypatch.setattr(generate, "assembled_engine",
+                        lambda folder, prompt, args: calls.append((folder, prompt, args.timeout)) or 1)
     passed = [ExerciseResult(ex, "t", "f.py", "l", (CheckResult("c", "passed"),)) for ex in check.CORE_EXERCISES]
     console = Console(record=True, width=200)
-    assert check._assembled_engine(console, passed, tmp_path) is False  # the engine differs: the check fails
-    assert calls == [(tmp_path, "What is the capital of France?")]
+    assert check._assembled_engine(console, passed, tmp_path, 7.0) is False  # the engine differs: the check fails
+    assert calls == [(tmp_path, "What is the capital of France?", 7.0)]  # check's --timeout bounds the engine too
     assert "All core exercises pass" in console.export_text()
     failed = [*passed[:-1], ExerciseResult("ex14", "t", "f.py", "l", (CheckResult("c", "failed"),))]
     assert check._assembled_engine(console, failed, tmp_path) is True and len(calls) == 1
