@@ -27,21 +27,32 @@ def tiny_folder(tmp_path_factory, smollm2_dir):
     return folder
 
 
-def test_serve_starts_answers_and_stops_on_ctrl_c(tiny_folder):
+def start_serve(folder, *options: str) -> tuple[subprocess.Popen, str]:
+    """`minillm serve` on a free port as a subprocess, once its /health answers: (process, base URL)."""
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", str(tiny_folder), "--port",
-                               str(port), "--max-num-seqs", "4", "--kv-cache-memory", "8MiB", "--api-key", "k3y"],
+    server = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", str(folder), "--port", str(port),
+                               "--kv-cache-memory", "8MiB", *options],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    try:
-        def up():
-            assert server.poll() is None, server.stderr.read()
-            try:
-                return httpx.get(f"{url}/health", timeout=1.0).status_code == 200
-            except httpx.TransportError:
-                return False
 
+    def up():
+        assert server.poll() is None, server.stderr.read()
+        try:
+            return httpx.get(f"{url}/health", timeout=1.0).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
         wait_until(up, TIMEOUT_S, poll_s=0.2)
+    except BaseException:
+        server.kill()
+        raise
+    return server, url
+
+
+def test_serve_starts_answers_and_stops_on_ctrl_c(tiny_folder):
+    server, url = start_serve(tiny_folder, "--max-num-seqs", "4", "--api-key", "k3y")
+    try:
         body, key = {"model": str(tiny_folder), "prompt": "Hi", "max_tokens": 3}, {"Authorization": "Bearer k3y"}
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT_S).status_code == 401
         r = httpx.post(f"{url}/v1/completions", json=body, headers=key, timeout=TIMEOUT_S)
@@ -60,20 +71,9 @@ def test_serve_starts_answers_and_stops_on_ctrl_c(tiny_folder):
 def test_sigterm_ends_an_open_stream_cleanly_and_exits_0(tiny_folder):
     """SIGTERM mid-stream, with --shutdown-timeout 0.5: the stream ends with OpenAI's error event and
     [DONE], the process exits 0, and nothing is logged as a traceback (issue 31, item 7)."""
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", str(tiny_folder), "--port",
-                               str(port), "--kv-cache-memory", "8MiB", "--shutdown-timeout", "0.5"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url, lines = f"http://127.0.0.1:{port}", []
+    server, url = start_serve(tiny_folder, "--shutdown-timeout", "0.5")
+    lines = []
     try:
-        def up():
-            assert server.poll() is None, server.stderr.read()
-            try:
-                return httpx.get(f"{url}/health", timeout=1.0).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(up, TIMEOUT_S, poll_s=0.2)
         body = {"prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT_S) as r:
             for line in r.iter_lines():
