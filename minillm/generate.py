@@ -25,7 +25,7 @@ from .kv_cache import KVCache
 from .model import Transformer
 from .phases import decode_step, prefill
 from .prefix_cache import PrefixCache
-from .sampling import SamplingParams, sample, sample_constrained
+from .sampling import SamplingParams, sample_constrained
 from .speculative import SpeculativeConfig, generate_speculative
 from .stopping import GenerationStep, TextStream, check_stop  # GenerationStep: minillm.generate's public name too
 
@@ -106,10 +106,8 @@ def generate(
         phase = "prefill"
         for n in range(1, params.max_new_tokens + 1):
             allowed = matcher.allowed() if matcher is not None else None  # constrained decoding: the grammar's mask
-            if allowed is None and not params.logit_bias:
-                token, logprob = sample(logits, params, generator, prompt_ids[None], [output_ids])
-            else:  # the mask (-inf where not allowed) and the bias first, then the same sample()
-                token, logprob = sample_constrained(logits, params, generator, prompt_ids[None], [output_ids], allowed)
+            # sample(), after the mask and logit_bias when there are any (sample() itself when not)
+            token, logprob = sample_constrained(logits, params, generator, prompt_ids[None], [output_ids], allowed)
             token_id = token.item()  # waits for the device: the token is now really known
             output_ids.append(token_id)
             if matcher is not None:

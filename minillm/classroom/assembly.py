@@ -485,8 +485,7 @@ def _swapped(model: Transformer, chosen: dict[str, object], modules: list, run: 
     new["decode_step"] = _recording(new["decode_step"], run.decode_logits)
     targets = [(model_module, "causal_mask"), (model_module, "eager_attention"), (model_module, "apply_rope"),
                (rope, "apply_rope"), (sampling, "filter_logits"), (sampling, "sample"), (phases, "prefill"),
-               (phases, "decode_step"), (generate_module, "prefill"), (generate_module, "decode_step"),
-               (generate_module, "sample")]
+               (phases, "decode_step"), (generate_module, "prefill"), (generate_module, "decode_step")]
     # the student's modules: names imported from minillm (ex02's causal_mask, ex14's prefill, ...)
     # and the modules the chosen functions were defined in (a file may import its loop from elsewhere)
     homes = [sys.modules[f.__module__] for f in chosen.values() if callable(f) and getattr(f, "__module__", None)
