@@ -32,8 +32,8 @@ echo "== bench cuda bfloat16 --compile" | tee "$OUT/bench.txt"
 COLUMNS=200 "$PY" -m minillm bench --device cuda --dtype bfloat16 --compile \
     --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plot "$OUT/bench.png" "$@" 2>&1 | tee -a "$OUT/bench.txt"
 
-echo "== bench-serving cuda (the GPU row of BENCHMARKS.md's Serving section)" | tee "$OUT/serving.txt"
+echo "== bench-serving cuda (for BENCHMARKS.md's GPU section)" | tee "$OUT/serving.txt"
 COLUMNS=200 "$PY" -m minillm bench-serving --device cuda --request-rate 4 16 inf --json "$OUT/serving.json" --plots "$OUT" 2>&1 | tee -a "$OUT/serving.txt"
 
-echo "== quantised decode cuda: bfloat16 vs int8 vs int4, CUDA graphs (BENCHMARKS.md, Weight-only quantisation)" | tee "$OUT/quantized.txt"
+echo "== quantised decode cuda: bfloat16 vs int8 vs int4, CUDA graphs (for BENCHMARKS.md's GPU section)" | tee "$OUT/quantized.txt"
 "$PY" benchmarks/quantized_decode.py --device cuda --compile 2>&1 | tee -a "$OUT/quantized.txt"

@@ -55,7 +55,7 @@ class SpeculativeConfig:
             num_speculative_tokens. (transformers' ``num_assistant_tokens_schedule``; minillm's name.)
         prompt_lookup_min, prompt_lookup_max: n-gram sizes tried, longest first (ngram only).
             Default 2..3: a one-token match proposes mostly wrong guesses in free text (on
-            SmolLM2, 1..3 kept 10-20 % of the drafts of a story, 2..3 35 %; BENCHMARKS.md).
+            SmolLM2, 1..3 kept 10-20 % of the drafts of a story, 2..3 35 %; BENCHMARKS-HISTORY.md).
         draft_model: the draft :class:`~minillm.model.Transformer` (draft_model only).
         draft: method "custom" (minillm's, not vLLM's): your own :class:`Draft` instance, used as is.
 

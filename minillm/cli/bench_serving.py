@@ -14,8 +14,9 @@ SERVING_DEFAULTS = dict(num_prompts=64, input_len="uniform:32-512", output_len="
                         max_num_batched_tokens=512, long_prompt_len=1536)
 SERVING_QUICK = dict(num_prompts=8, input_len="uniform:16-64", output_len="uniform:8-32",
                      max_num_batched_tokens=64, long_prompt_len=256)
-# SLOs for the default model, float32, on a 2-core CPU (BENCHMARKS.md, "Serving"): a 512-token
-# prompt alone prefills in about 1 s there and a decode step of 32 rows takes about 0.1-0.2 s.
+# SLOs for the default model, float32, on a 2-core CPU (BENCHMARKS-HISTORY.md, "Serving"): a
+# 512-token prompt alone prefills in about 1 s there and a decode step of 32 rows takes about
+# 0.1-0.2 s.
 TTFT_SLO_MS, TPOT_SLO_MS = 5000.0, 500.0
 
 

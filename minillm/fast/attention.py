@@ -4,8 +4,8 @@ Decode's attention reads each layer's K and V once for a few FLOPs a byte, and S
 spends its time elsewhere: a compiled SmolLM2-135M float32 step on the developers' 2-core EPYC took
 40.0-42.6 ms with the C loop (:func:`minillm.fast.kernels.decode_attention`, flash-decoding's split
 of the keys) against 44.3-44.7 ms with SDPA at 128 positions, and 45.8-50.7 against 52.8-59.1 ms at
-1,000 (BENCHMARKS.md). It runs for one float32 CPU query a sequence (T = 1) over a cache with
-contiguous rows, head_dim a multiple of 8, and no mask but a static buffer's (its unfilled end);
+1,000 (BENCHMARKS-HISTORY.md). It runs for one float32 CPU query a sequence (T = 1) over a cache
+with contiguous rows, head_dim a multiple of 8, and no mask but a static buffer's (its unfilled end);
 everything else is :class:`~minillm.model.Attention`'s own. Same values as SDPA up to float rounding.
 """
 

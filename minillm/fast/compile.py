@@ -56,7 +56,7 @@ class StaticKVView:
         (no sliding window: :func:`static_view_limit` keeps such models off the static view)."""
         # index_put_ into the whole [n_layers, ...] buffer, an input the graph updates in place. Writing
         # into the view k[layer] instead makes torch.compile copy that layer's whole buffer every step
-        # (3.4x slower decode at 1024 positions, BENCHMARKS.md).
+        # (3.4x slower decode at 1024 positions, BENCHMARKS-HISTORY.md).
         index = (torch.full_like(self.pos, layer), self.batch, self.heads, self.pos)
         self.k.index_put_(index, k)
         self.v.index_put_(index, v)

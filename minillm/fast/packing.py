@@ -16,7 +16,8 @@ zeros are per output row, so the stacked rows are exactly each member's.
 ``long_rows``: a decode step multiplies one row vector by each matrix, and MKL streams a matrix
 fastest along long contiguous rows; nn.Linear keeps [out, in] rows of length in, so a matrix with
 out >= in (q|k|v, gate|up, o, the LM head) can be stored transposed instead, strides (1, out)
-(BENCHMARKS.md has the numbers; CPU float16 products with transposed weights fall to a slow kernel).
+(BENCHMARKS-HISTORY.md has the numbers; CPU float16 products with transposed weights fall to a
+slow kernel).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ stream memory as fast as all the cores together. Two ways around it, for CPU flo
       x @ Wᵀ  =  [ x @ Wᵀ[:, block 0] | x @ Wᵀ[:, block 1] | ... ]      (views, no copies)
 
   On 2 cores this took a SmolLM2-135M decode step from 43.1 to 36.2 ms at batch 1 and from
-  103 to 71 ms at batch 8 (BENCHMARKS.md); a step of 30 decodes on the paged engine took
+  103 to 71 ms at batch 8 (BENCHMARKS-HISTORY.md); a step of 30 decodes on the paged engine took
   271 -> 222 ms.
 - :class:`MatvecLinear`: up to MATVEC_MAX_ROWS rows, a C loop (:mod:`minillm.fast.kernels`) gives
   each thread a share of the matrix's rows and reads each weight once for all of x's rows; it is

@@ -15,8 +15,8 @@ compiled constraint (shared, :class:`~minillm.sampling.AllowedTokens`); :class:`
 is one sequence's position in it (:class:`~minillm.sampling.TokenMatcher`): ``allowed()`` is the
 unpacked bitmask, ``accept(token)`` moves on. minillm.sampling sets the other logits to -inf.
 
-Why llguidance (benchmarks/structured_mask_cost.py, in BENCHMARKS.md): its mask costs tens of
-microseconds per token on SmolLM2's vocabulary, far below a decode step; it reads tokenizer.json
+Why llguidance (benchmarks/structured_mask_cost.py, in BENCHMARKS-HISTORY.md): its mask costs
+tens of microseconds per token on SmolLM2's vocabulary, far below a decode step; it reads tokenizer.json
 directly; and the wheel has no dependencies (xgrammar, as fast, pulls in triton: about 1 GB).
 """
 
