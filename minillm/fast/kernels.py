@@ -13,7 +13,7 @@ kernel must widen the codes to float as fast as it reads them. Measured on the d
     int8 this file                                  1.3-1.9 ms   (and ~10 us a call)
     int4 this file                                  1.3-2.2 ms
 
-(BENCHMARKS.md, "Weight-only quantisation", has the runs.) float32: SmolLM2-135M's 121 decode
+(BENCHMARKS-HISTORY.md, "Weight-only quantisation", has the runs.) float32: SmolLM2-135M's 121 decode
 products took 32-35 ms here (16 GB/s) against 40-42 ms for the split MKL product (13 GB/s)
 and 59-66 ms for one-core ``F.linear`` (same session); the "matvec" decode paths use it
 (minillm.fast.choose). Prefill's many rows are compute-bound:
@@ -23,7 +23,7 @@ PyTorch) for one float product.
 Decode's attention is here too (:func:`decode_attention`, on the "matvec" decode paths): one query
 a sequence against the cache reads each layer's K and V once for a few FLOPs a byte, and SDPA's CPU
 kernel spends its time elsewhere: on the developers' EPYC this loop took a compiled SmolLM2 step
-2-4 ms below SDPA's at 128 positions and 7-8 ms below at 1,000 (BENCHMARKS.md).
+2-4 ms below SDPA's at 128 positions and 7-8 ms below at 1,000 (BENCHMARKS-HISTORY.md).
 
 The C compiler is the one ``torch.compile`` also needs (``cc``, or ``$CC``); the build takes about a
 second, once per machine: it is kept in ``<weights_dir>/kernels/`` (``-march=native``: for this CPU
