@@ -1,0 +1,159 @@
+"""Tensor parallelism over 2 gloo processes on the CPU, against the single-process model as the oracle.
+
+Each spawned pair loads a tiny random-weight model (GPT-2, Llama with GQA, Qwen3 with QK-norm and its
+own head_dim), shards it, and rank 0 writes what it computed; the test compares that with the same
+model in this process: logits within 1e-5 (float32), greedy tokens equal, one trace event per
+all-reduce. A rank that dies mid-request must make rank 0 fail with a clear error, not hang.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from tiny_models import CONFIGS, LLAMA_BASE, build_hf, save_hf
+
+from minillm import load_model
+from minillm.config import ModelConfig
+from minillm.distributed.comm import TensorParallelError
+from minillm.distributed.tensor_parallel import TensorParallelSizeError, check_tensor_parallel_size, valid_sizes
+from minillm.generate import generate
+from minillm.sampling import SamplingParams
+from minillm.trace import Trace
+
+FAMILIES = ["gpt2", "llama_gqa", "qwen3"]
+PROMPT = [3, 17, 42, 5, 99, 64, 1, 7]
+N_NEW = 6
+JOIN_TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    out = {}
+    for name in FAMILIES:
+        family, kwargs = CONFIGS[name]
+        out[name] = str(save_hf(build_hf(family, kwargs), tmp_path_factory.mktemp(name)))
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(worker, args, world_size: int = 2) -> None:
+    """Start ``worker(rank, *args)`` on ``world_size`` spawned processes; kill them all past the timeout."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world_size))
+    context = mp.start_processes(worker, args=args, nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    try:
+        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"ranks still running after {JOIN_TIMEOUT_S} s: a hang")
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+
+
+def _join(rank: int, timeout_s: float = 20.0):
+    from minillm.distributed.launch import join_group
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    return join_group("cpu", timeout_s=timeout_s)
+
+
+def _sharded(folder: str, group):
+    from minillm.distributed.tensor_parallel import shard_model
+
+    return shard_model(load_model(folder, device="cpu", dtype="float32", fast=False), group)
+
+
+def _logits_and_tokens_worker(rank: int, folders: dict, out: str) -> None:
+    from minillm.distributed.launch import leave_group
+
+    group = _join(rank)
+    results = {}
+    for name, folder in folders.items():
+        model = _sharded(folder, group)
+        full = model(torch.tensor([PROMPT]))  # no cache: every position's logits
+        trace = Trace(keep=["logits"])
+        with group.recording(trace if rank == 0 else None):
+            steps = list(generate(model, PROMPT, SamplingParams(max_new_tokens=N_NEW), eos_token_ids=set(),
+                                  trace=trace))
+        results[name] = {"logits": full, "tokens": [s.token_id for s in steps],
+                         "cached_logits": torch.cat(trace.activations["logits"]),
+                         "kinds": [e["kind"] for e in trace.events], "kv_heads": model.config.n_kv_heads,
+                         "all_reduce_bytes": [e["bytes"] for e in trace.of("all_reduce")]}
+    if rank == 0:
+        torch.save(results, out)
+    leave_group()
+
+
+def test_tensor_parallel_logits_and_greedy_tokens_equal_single_process(folders, tmp_path):
+    out = tmp_path / "rank0.pt"
+    _run_ranks(_logits_and_tokens_worker, (folders, str(out)))
+    got = torch.load(out)
+    for name, folder in folders.items():
+        model = load_model(folder, device="cpu", dtype="float32", fast=False)
+        want = model(torch.tensor([PROMPT]))
+        trace = Trace(keep=["logits"])
+        steps = list(generate(model, PROMPT, SamplingParams(max_new_tokens=N_NEW), eos_token_ids=set(), trace=trace))
+        r = got[name]
+        torch.testing.assert_close(r["logits"], want, atol=1e-5, rtol=0, msg=f"{name}: full-sequence logits")
+        torch.testing.assert_close(r["cached_logits"], torch.cat(trace.activations["logits"]), atol=1e-5, rtol=0,
+                                   msg=f"{name}: logits of the prefill and decode steps (KV cache of local heads)")
+        assert r["tokens"] == [s.token_id for s in steps], name
+        assert r["kv_heads"] == model.config.n_kv_heads // 2  # each rank's cache holds its own heads
+        passes = 1 + N_NEW - 1  # one prefill, then a decode step per token but the last
+        assert r["kinds"].count("all_reduce") == 2 * model.config.n_layers * passes
+        assert r["kinds"].count("all_gather") == passes
+        # a prefill's all-reduce carries [1, T, d_model] float32; a decode step's [1, 1, d_model]
+        d = model.config.d_model
+        assert r["all_reduce_bytes"][0] == len(PROMPT) * d * 4 and r["all_reduce_bytes"][-1] == d * 4
+
+
+def _dying_worker(rank: int, folder: str, out: str) -> None:
+    group = _join(rank, timeout_s=15.0)
+    model = _sharded(folder, group)
+    if rank == 1:
+        model(torch.tensor([PROMPT]))  # one pass together, then gone without a word
+        os._exit(0)  # exit code 0: start_processes would otherwise kill rank 0 before it reports
+    try:
+        for _ in range(3):
+            model(torch.tensor([PROMPT]))
+        message = "no error"
+    except TensorParallelError as e:
+        message = str(e)
+    with open(out, "w") as f:
+        f.write(message)
+
+
+def test_a_rank_that_dies_fails_the_request_with_a_clear_error(folders, tmp_path):
+    out = tmp_path / "rank0.txt"
+    _run_ranks(_dying_worker, (folders["llama_gqa"], str(out)))
+    message = out.read_text()
+    assert message.startswith("rank 0 of 2: the all-reduce of blocks.0.attn.o_proj failed, another rank died")
+    assert "the request cannot finish" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("n_heads, n_kv_heads, d_mlp, size, bad", [
+    (4, 2, 128, 3, "n_heads = 4 and n_kv_heads = 2 and d_mlp = 128"),
+    (4, 1, 128, 2, "n_kv_heads = 1"),
+    (6, 6, 100, 4, "n_heads = 6 and n_kv_heads = 6"),
+])
+def test_sizes_that_do_not_split_heads_are_refused_by_name(n_heads, n_kv_heads, d_mlp, size, bad):
+    config = ModelConfig.from_hf(dict(LLAMA_BASE, model_type="llama", num_attention_heads=n_heads,
+                                      num_key_value_heads=n_kv_heads, intermediate_size=d_mlp, head_dim=16))
+    with pytest.raises(TensorParallelSizeError) as e:
+        check_tensor_parallel_size(config, size)
+    valid = [n for n in range(1, 7) if n_heads % n == 0 and n_kv_heads % n == 0 and d_mlp % n == 0]
+    assert str(e.value) == (f"tensor-parallel size {size} does not divide this model's {bad} (each rank holds "
+                            f"whole heads); valid sizes: {', '.join(map(str, valid))}")
+    assert valid_sizes(config) == valid
