@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.showwarning = _show_warning
     try:
         args = build_parser().parse_args(argv)
+        args.argv = argv  # what a command that starts copies of itself (--tensor-parallel-size) passes on
         return args.run(args) or 0
     except UsageError as e:
         print(f"minillm: error: {e}", file=sys.stderr)

@@ -48,6 +48,12 @@ def add_generate(sub) -> None:
                    help="reuse the K/V of prompt prefixes seen before in this run (automatic prefix caching)")
     p.add_argument("--block-size", type=int, help="prefix cache block size in tokens (default: 16)")
     _speculative_options(p)
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, metavar="N",
+                   help="split the model over N processes, each holding 1/N of every layer (minillm/distributed: "
+                        "whole heads per rank, two all-reduces a layer; gloo on the CPU, each rank pinned to a core "
+                        "with one thread; NCCL on GPUs, one per rank); runs the lesson's model (no fast layer). "
+                        "Started by this command, or by 'torchrun --nproc-per-node N -m minillm generate ...' "
+                        "(default: 1, one process)")
     p.add_argument("--student-dir", metavar="DIR",
                    help="the classroom's assembled engine: run the lesson's plain PyTorch model with the exercises "
                         "of DIR (mask, attention, RoPE, KV cache, prefill, decode, sampling, generate loop) swapped "
@@ -103,19 +109,38 @@ _SAMPLE_ONLY_FLAGS = ("top_k", "top_p", "min_p", "seed")  # no effect on greedy 
 
 
 def run_generate(args) -> int:
-    from ..loading import load_model
-    from ..prefix_cache import PrefixCache
-    from ..tokenizer import load_tokenizer
-
     _sampling_params(args)  # bad values are usage errors before the model loads
     if args.student_dir is not None:
         return run_student_engine(args)
     _check_generate_args(args)
     check_structured_args(args)
-    prompts = [_read_prompt(p) for p in args.prompt] or [_read_prompt(None)]
+    if _tensor_parallel_size(args) > 1:
+        return _run_tensor_parallel(args)
+    return _run_generate(args)
+
+
+def _run_generate(args, group=None) -> int:
+    """The prompts, one after another, on this process's model; with a tensor-parallel ``group``, rank 0
+    runs them and the other ranks follow (minillm/distributed/follow.py), printing nothing."""
+    from ..loading import load_model
+    from ..prefix_cache import PrefixCache
+    from ..tokenizer import load_tokenizer
+
+    leader = group is None or group.rank == 0
+    prompts = ([_read_prompt(p) for p in args.prompt] or [_read_prompt(None)]) if leader else []
     folder = ensure_model(args.model, args.weights_dir)
-    model = load_model(folder, device=args.device, dtype=args.dtype, quantize=args.quantize, fast=args.fast)
+    model = load_model(folder, device=group.device if group else args.device, dtype=args.dtype,
+                       quantize=args.quantize, fast=args.fast and group is None)
     tokenizer = load_tokenizer(folder)
+    args.tp_group = group
+    if group is not None:
+        from ..distributed.follow import follow
+        from ..distributed.tensor_parallel import shard_model
+
+        shard_model(model, group)
+        if not leader:
+            follow(model, group, tokenizer)
+            return 0
     warn_if_template_ignores_thinking(args, tokenizer)
     if args.chat and not tokenizer.has_chat_template:
         raise UsageError(f"--chat needs a chat template and {args.model} has none; drop --chat")
@@ -125,7 +150,7 @@ def run_generate(args) -> int:
     params = constrain(params, args, model, tokenizer, _eos_ids(model, tokenizer))  # --json-schema, --logit-bias ...
     prefix_cache = PrefixCache(model, block_size=args.block_size) if args.prefix_cache else None
     args.speculative_config = _speculative_config(args)
-    args.governor = _thread_governor(model)
+    args.governor = _thread_governor(model) if group is None else None  # a rank: one thread on its own core
     traced = bool(args.trace or args.trace_out or args.plots)
     warmup = traced if args.warmup is None else args.warmup
     if not warmup and getattr(model, "compiled_decode", None) is not None:
@@ -141,7 +166,63 @@ def run_generate(args) -> int:
             run_generate_traced(args, model, tokenizer, prompt, params, prefix_cache, warmup, cold)
         else:
             _generate_one(args, model, tokenizer, prompt, params, prefix_cache, warmup and i == 0, cold)
+    if group is not None:
+        from ..distributed.follow import lead
+
+        lead(group, None)  # the followers stop
     return 0
+
+
+# what a tensor-parallel run cannot do yet: each would need its state kept the same on every rank
+_NOT_WITH_TENSOR_PARALLEL = {"quantize": "--quantize", "speculative": "--speculative", "prefix_cache": "--prefix-cache",
+                             "json_schema": "--json-schema", "regex": "--regex", "choice": "--choice"}
+
+
+def _tensor_parallel_size(args) -> int:
+    """N from --tensor-parallel-size or torchrun's WORLD_SIZE (1: one process); usage errors for what N
+    cannot go with, said before any process starts."""
+    import os
+
+    from ..distributed.launch import launched_by_torchrun
+
+    n = args.tensor_parallel_size
+    if launched_by_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if n is not None and n != world:
+            raise UsageError(f"--tensor-parallel-size {n} but torchrun started {world} processes; drop the flag "
+                             "or make them equal")
+        n = world
+    n = 1 if n is None else n
+    if n < 1:
+        raise UsageError(f"--tensor-parallel-size must be >= 1, got {n}")
+    given = [flag for name, flag in _NOT_WITH_TENSOR_PARALLEL.items() if getattr(args, name, None) not in (None, False)]
+    if n > 1 and given:
+        raise UsageError(f"{given[0]} does not go with tensor parallelism yet (every rank would have to keep the "
+                         "same state); drop one")
+    return n
+
+
+def _run_tensor_parallel(args) -> int:
+    """This process as rank 0 of --tensor-parallel-size N, ranks 1..N-1 started here (or every rank by torchrun):
+    the sizes checked, the group joined, each CPU rank pinned to its own core, then :func:`_run_generate`."""
+    from ..config import ModelConfig
+    from ..distributed.launch import (join_group, launched_by_torchrun, leave_group, pin_to_core, start_workers,
+                                      stop_workers)
+    from ..distributed.tensor_parallel import check_tensor_parallel_size
+
+    n = _tensor_parallel_size(args)
+    check_tensor_parallel_size(ModelConfig.from_json(ensure_model(args.model, args.weights_dir)), n)
+    workers = [] if launched_by_torchrun() else start_workers(n, getattr(args, "argv", None) or sys.argv[1:])
+    try:
+        group = join_group(args.device)
+        if group.device.type == "cpu":
+            pin_to_core(group.rank)
+        try:
+            return _run_generate(args, group)
+        finally:
+            leave_group()
+    finally:
+        stop_workers(workers)
 
 
 # flags the assembled engine cannot honour: the exercises' loop has no trace, prefix cache, stop
@@ -154,7 +235,7 @@ _NOT_WITH_STUDENT_DIR = {"trace": "--trace", "trace_out": "--trace-out", "plots"
                          "min_p": "--min-p", "repetition_penalty": "--repetition-penalty",
                          "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
                          "json_schema": "--json-schema", "regex": "--regex", "choice": "--choice",
-                         "logit_bias": "--logit-bias"}
+                         "logit_bias": "--logit-bias", "tensor_parallel_size": "--tensor-parallel-size"}
 
 
 def run_student_engine(args) -> int:
@@ -285,13 +366,13 @@ def _trace_format(path: str) -> str | None:
 def _generate_one(args, model, tokenizer, prompt: str, params, prefix_cache, warmup: bool, cold: bool) -> None:
     """One request: the answer streamed to stdout (or its JSON record), the summary line to stderr."""
     from ..generate import generate
-    from ..sweep import warm_up
 
     _adjust_threads(args, force=True)
     if warmup:
-        warm_up(model, len(_encode_prompt(tokenizer, prompt, args)))
+        _warm_up(args, model, len(_encode_prompt(tokenizer, prompt, args)))
     start = time.perf_counter()  # TTFT includes tokenizing, as a server's counts from the request's arrival
     prompt_ids = _encode_prompt(tokenizer, prompt, args)
+    prompt_ids, params = _lead_request(args, model, tokenizer, prompt_ids, params)
     steps = []
     for step in generate(model, prompt_ids, params, eos_token_ids=_eos_ids(model, tokenizer),
                          prefix_cache=prefix_cache, tokenizer=tokenizer, speculative=args.speculative_config):
@@ -302,6 +383,35 @@ def _generate_one(args, model, tokenizer, prompt: str, params, prefix_cache, war
     _finish_request(args, prompt, prompt_ids, steps, start, cold)
     if args.speculative_config is not None:
         print(_speculative_summary(args.speculative_config, steps), file=sys.stderr)
+
+
+def _warm_up(args, model, n_tokens: int) -> float:
+    """The untimed warm-up pass (minillm/sweep.py), run by every rank of a tensor-parallel group; ms."""
+    from ..sweep import warm_up
+
+    if getattr(args, "tp_group", None) is not None:
+        from ..distributed.follow import lead
+
+        lead(args.tp_group, "warmup", n_tokens)
+    return warm_up(model, n_tokens)
+
+
+def _lead_request(args, model, tokenizer, prompt_ids, params):
+    """Tensor parallel: the request sent to the other ranks, with the sampling seed they all use; else unchanged."""
+    if getattr(args, "tp_group", None) is None:
+        return prompt_ids, params
+    from ..distributed.follow import lead
+
+    prompt_ids, params, _ = lead(args.tp_group, "generate", prompt_ids, params, _eos_ids(model, tokenizer))
+    return prompt_ids, params
+
+
+def _recording_collectives(args, trace):
+    """Tensor parallel: the group's collectives recorded into ``trace``; else a block that does nothing."""
+    from contextlib import nullcontext
+
+    group = getattr(args, "tp_group", None)
+    return nullcontext() if group is None else group.recording(trace)
 
 
 def _speculative_summary(config, steps) -> str:
@@ -442,14 +552,13 @@ def run_generate_traced(args, model, tokenizer, prompt: str, params, prefix_cach
     from ..generate import generate
     from ..hardware import get_hardware
     from ..views.terminal import print_trace, prompt_panel
-    from ..sweep import warm_up
     from ..trace import Trace
 
     param = next(model.parameters())
     hw = get_hardware(param.device, param.dtype)  # measured once per machine, then cached
     console = Console(stderr=True)
     _adjust_threads(args, force=True)
-    warmup_ms = warm_up(model, len(_encode_prompt(tokenizer, prompt, args))) if warmup else None
+    warmup_ms = _warm_up(args, model, len(_encode_prompt(tokenizer, prompt, args))) if warmup else None
     trace = Trace(args.trace or "steps", tokenizer=tokenizer, hardware=hw)
     if warmup_ms is not None:
         trace.record("warmup", time_ms=warmup_ms)
@@ -458,13 +567,15 @@ def run_generate_traced(args, model, tokenizer, prompt: str, params, prefix_cach
     event.update(n_tokens=len(prompt_ids), token_ids=prompt_ids, token_strings=tokenizer.token_strings(prompt_ids))
     if args.trace and prefix_cache is None:  # with a prefix cache: shown after, with the cached tokens marked
         console.print(prompt_panel(trace, plain=console.color_system is None))
+    prompt_ids, params = _lead_request(args, model, tokenizer, prompt_ids, params)
     steps = []
-    for step in generate(model, prompt_ids, params, eos_token_ids=_eos_ids(model, tokenizer), trace=trace,
-                         prefix_cache=prefix_cache, tokenizer=tokenizer, speculative=args.speculative_config):
-        steps.append(step)
-        _adjust_threads(args)
-        if not args.json:
-            print(step.text, end="", flush=True)
+    with _recording_collectives(args, trace):  # tensor parallel: an event per all-reduce
+        for step in generate(model, prompt_ids, params, eos_token_ids=_eos_ids(model, tokenizer), trace=trace,
+                             prefix_cache=prefix_cache, tokenizer=tokenizer, speculative=args.speculative_config):
+            steps.append(step)
+            _adjust_threads(args)
+            if not args.json:
+                print(step.text, end="", flush=True)
     if args.trace:
         from ..metrics import RequestMetrics
 

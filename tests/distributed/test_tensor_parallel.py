@@ -8,8 +8,12 @@ all-reduce. A rank that dies mid-request must make rank 0 fail with a clear erro
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -157,3 +161,41 @@ def test_sizes_that_do_not_split_heads_are_refused_by_name(n_heads, n_kv_heads, 
     assert str(e.value) == (f"tensor-parallel size {size} does not divide this model's {bad} (each rank holds "
                             f"whole heads); valid sizes: {', '.join(map(str, valid))}")
     assert valid_sizes(config) == valid
+
+
+def _minillm(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, input=stdin,
+                          timeout=120)
+
+
+@pytest.fixture(scope="module")
+def cli_folder(tmp_path_factory, smollm2_dir):
+    """A tiny random Llama (GQA) with SmolLM2's tokenizer, so the command line runs it."""
+    family, kwargs = CONFIGS["llama_gqa"]
+    folder = save_hf(build_hf(family, dict(kwargs, vocab_size=49152)), tmp_path_factory.mktemp("cli"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, folder / name)
+    return str(folder)
+
+
+def test_generate_with_tensor_parallel_size_2_samples_what_one_process_samples(cli_folder):
+    flags = ["--model", cli_folder, "--no-chat", "--max-new-tokens", "8", "--temperature", "0.8", "--seed", "3",
+             "--json"]
+    command = [sys.executable, "-m", "minillm", "generate"]
+    two = subprocess.Popen([*command, "-", "--tensor-parallel-size", "2", *flags], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    one = _minillm("generate", "The capital of France is", "--no-fast", *flags)  # meanwhile
+    two_out, two_err = two.communicate("The capital of France is", timeout=120)
+    assert two.returncode == 0 and one.returncode == 0, two_err + one.stderr
+    assert len(two_out.splitlines()) == 1  # rank 0 prints, rank 1 is quiet
+    assert json.loads(two_out)["text"] == json.loads(one.stdout)["text"]
+
+
+@pytest.mark.parametrize("flags, code, message", [
+    (["--tensor-parallel-size", "3"], 1, "tensor-parallel size 3 does not divide this model's n_heads = 4 and "
+                                         "n_kv_heads = 2 and d_mlp = 128 (each rank holds whole heads); valid sizes: 1, 2"),
+    (["--tp", "2", "--quantize", "int8"], 2, "--quantize does not go with tensor parallelism yet"),
+])
+def test_generate_refuses_what_tensor_parallelism_cannot_run(cli_folder, flags, code, message):
+    r = _minillm("generate", "hi", "--model", cli_folder, *flags)
+    assert r.returncode == code and r.stderr.startswith(f"minillm: error: {message}"), r.stderr
