@@ -163,6 +163,53 @@ def kv_transfer_seconds(config: ModelConfig, prompt_tokens: int, dtype_bytes: in
     return n_bytes / (link_gbit_s * 1e9 / 8)
 
 
+def all_reduce_seconds(n_bytes: float, world_size: int, interconnect_gb_s: float, latency_s: float = 0.0) -> float:
+    """Seconds of one ring all-reduce of an ``n_bytes`` tensor over ``world_size`` ranks (the α-β model).
+
+        seconds = 2(N-1) · latency_s  +  2(N-1)/N · n_bytes / (interconnect_gb_s · 1e9)
+
+    A ring all-reduce is a reduce-scatter then an all-gather, N-1 steps each; in every step each
+    rank sends 1/N of the tensor to its neighbour (Thakur, Rabenseifner & Gropp 2005, "Optimization
+    of Collective Communication Operations in MPICH", section 4; Patarasuk & Yuan 2009). So each rank
+    sends 2(N-1)/N of the bytes whatever N is, and pays 2(N-1) message latencies. With ``latency_s``
+    0 it is a floor, bandwidth alone.
+
+    Args:
+        n_bytes: bytes of the tensor every rank holds (e.g. T · d_model · dtype_bytes).
+        world_size: N >= 1 (1: no communication, 0.0).
+        interconnect_gb_s: each rank's bandwidth in one direction, GB/s (1e9 bytes/s; NVLink 4 on
+            an H100: 450 GB/s each way; PCIe 5 x16: about 64).
+        latency_s: the time one message takes however small, seconds (NCCL on NVLink: ~10 µs per
+            all-reduce; gloo over loopback TCP: tens of µs).
+
+    Raises ValueError for n_bytes < 0, world_size < 1, interconnect_gb_s not > 0 or latency_s < 0.
+    """
+    _check(n_bytes >= 0, f"n_bytes must be >= 0, got {n_bytes}")
+    _check(world_size >= 1, f"world_size must be >= 1, got {world_size}")
+    _check(interconnect_gb_s > 0, f"interconnect_gb_s must be > 0 (GB/s, one direction), got {interconnect_gb_s}")
+    _check(latency_s >= 0, f"latency_s must be >= 0, got {latency_s}")
+    if world_size == 1:
+        return 0.0
+    steps = 2 * (world_size - 1)
+    return steps * latency_s + steps / world_size * n_bytes / (interconnect_gb_s * 1e9)
+
+
+def tensor_parallel_comm_seconds(config: ModelConfig, n_tokens: int, dtype_bytes: int, world_size: int,
+                                 interconnect_gb_s: float, latency_s: float = 0.0) -> float:
+    """Seconds a tensor-parallel forward pass of ``n_tokens`` (all sequences of the batch) spends in all-reduces.
+
+    Megatron-style tensor parallelism (minillm/distributed/tensor_parallel.py) sums two partial
+    outputs per layer, after attention's o_proj and after the MLP's down_proj: 2 · n_layers ring
+    all-reduces of [n_tokens, d_model] (:func:`all_reduce_seconds`). The logits' all-gather
+    ([rows, vocab/N] from each rank) is left out: it is one per pass, not one per layer.
+
+    Raises ValueError as :func:`all_reduce_seconds` does, or for n_tokens < 0.
+    """
+    _check(n_tokens >= 0, f"n_tokens must be >= 0, got {n_tokens}")
+    one = all_reduce_seconds(n_tokens * config.d_model * dtype_bytes, world_size, interconnect_gb_s, latency_s)
+    return 2 * config.n_layers * one
+
+
 def kv_positions_read(config: ModelConfig, n_tokens: int, cached_tokens: int = 0) -> int:
     """Cache positions a pass of n_tokens after cached_tokens reads, summed over layers.
 

@@ -10,6 +10,16 @@ where floor(cost) = max(FLOPs / peak_flops, bytes / mem_bandwidth) (Williams et 
 costs from :mod:`minillm.costs`). These are lower bounds: real systems reach perhaps
 50-80% of them (datasheet peaks are optimistic; kernels, launches and scheduling add time).
 
+Tensor parallelism over N devices (``tensor_parallel_size``): each device does 1/N of the FLOPs and
+reads 1/N of the bytes, then waits for the pass's 2 · n_layers all-reduces of [tokens, d_model]
+(:func:`~minillm.costs.tensor_parallel_comm_seconds`, on the critical path: a layer cannot start
+before the previous one's sum is in):
+
+    floor_N(pass) = floor(pass) / N  +  2 · n_layers · all_reduce(tokens · d_model · dtype_bytes)
+
+Communication does not shrink with N, so past some N, or on a slow interconnect, it eats what the
+split saves: decode (one token, microseconds of bytes) pays mostly the latency, prefill the bandwidth.
+
 Example configs ship in ``minillm/configs/`` (the models' Hugging Face config.json):
 ``gpt2-124m``, ``llama-2-7b``, ``llama-3-8b``, ``mistral-7b``, ``qwen2.5-0.5b``, ``qwen3-0.6b``,
 ``smollm2-135m-instruct``.
@@ -23,7 +33,8 @@ from importlib import resources
 from pathlib import Path
 
 from .config import ModelConfig
-from .costs import PhaseCost, decode_cost, kv_bytes_per_token, kv_transfer_seconds, prefill_cost, weights_bytes
+from .costs import (PhaseCost, decode_cost, kv_bytes_per_token, kv_transfer_seconds, prefill_cost,
+                    tensor_parallel_comm_seconds, weights_bytes)
 from .errors import ConfigError
 from .hardware import HardwareProfile
 
@@ -49,6 +60,12 @@ class WhatIf:
         kv_bytes_per_request: (prompt + output tokens) · kv_bytes_per_token, one sequence.
         memory_bytes_needed: weights + KV of the whole batch at the end of generation.
         fits_in_memory: memory_bytes_needed <= hardware.memory_bytes (None if unknown).
+        tensor_parallel_size: N devices sharing the model (1: one device); with N > 1, the
+            times include the all-reduces and memory_bytes_needed is one device's share (its 1/N
+            of the weights and KV, plus the replicated embedding table).
+        interconnect_gb_s, latency_us: each device's link, GB/s one direction, and one message's latency.
+        prefill_comm_ms: the prefill's all-reduce time (0 with N = 1), part of ttft_ms.
+        decode_comm_ms: one decode step's all-reduce time, part of tpot_ms.
     """
 
     hardware: HardwareProfile
@@ -70,6 +87,11 @@ class WhatIf:
     kv_bytes_per_request: int
     memory_bytes_needed: int
     fits_in_memory: bool | None
+    tensor_parallel_size: int = 1
+    interconnect_gb_s: float | None = None
+    latency_us: float = 0.0
+    prefill_comm_ms: float = 0.0
+    decode_comm_ms: float = 0.0
 
 
 def predict(
@@ -79,6 +101,9 @@ def predict(
     output_tokens: int,
     dtype_bytes: int = 2,
     batch_size: int = 1,
+    tensor_parallel_size: int = 1,
+    interconnect_gb_s: float | None = None,
+    latency_us: float = 0.0,
 ) -> WhatIf:
     """Roofline-floor TTFT, TPOT and e2e of batch_size requests of the same shape.
 
@@ -86,22 +111,39 @@ def predict(
     in lockstep, one token per request per step (static batching: weights are read once
     per step for the whole batch, KV per request). Each decode step k (k = 1..output_tokens-1)
     feeds the k-th output token, so its context after the write is prompt_tokens + k.
-    Raises ValueError for prompt_tokens < 1, output_tokens < 1 or batch_size < 1.
+    With ``tensor_parallel_size`` N > 1, every pass is split over N devices joined by links of
+    ``interconnect_gb_s`` (GB/s, one direction) and ``latency_us`` per message (module docstring).
+    Raises ValueError for prompt_tokens < 1, output_tokens < 1, batch_size < 1, N < 1, or N > 1
+    without an interconnect bandwidth > 0.
     """
     if prompt_tokens < 1 or output_tokens < 1:
         raise ValueError(f"prompt and output tokens must be >= 1, got {prompt_tokens} and {output_tokens}")
+    N = tensor_parallel_size
+    if N < 1 or (N > 1 and not (interconnect_gb_s or 0) > 0):
+        raise ValueError(f"tensor_parallel_size must be >= 1 (got {N}), and > 1 needs interconnect_gb_s > 0 "
+                         f"(got {interconnect_gb_s})")
+
+    def comm_s(n_tokens: int) -> float:
+        if N == 1:
+            return 0.0
+        return tensor_parallel_comm_seconds(config, n_tokens, dtype_bytes, N, interconnect_gb_s, latency_us * 1e-6)
+
     prefill = prefill_cost(config, prompt_tokens, dtype_bytes, batch_size=batch_size)
-    prefill_compute, prefill_memory = _floors(prefill, hw)
+    prefill_compute, prefill_memory = (t / N for t in _floors(prefill, hw))
     steps = [decode_cost(config, prompt_tokens + k, dtype_bytes, batch_size) for k in range(1, output_tokens)]
-    floors = [_floors(step, hw) for step in steps]
-    decode_s = sum(max(f) for f in floors)
+    floors = [tuple(t / N for t in _floors(step, hw)) for step in steps]
+    step_comm_s = comm_s(batch_size)
+    decode_s = sum(max(f) + step_comm_s for f in floors)
     tpot_s = decode_s / len(steps) if steps else None
-    ttft_s = max(prefill_compute, prefill_memory)
+    prefill_comm_s = comm_s(batch_size * prompt_tokens)
+    ttft_s = max(prefill_compute, prefill_memory) + prefill_comm_s
 
     kv_token = kv_bytes_per_token(config, dtype_bytes)
     kv_request = (prompt_tokens + output_tokens) * kv_token
     w_bytes = weights_bytes(config, dtype_bytes)
-    needed = w_bytes + batch_size * kv_request
+    embed_bytes = config.vocab_size * config.d_model * dtype_bytes  # replicated on every device
+    needed = (w_bytes - embed_bytes + batch_size * kv_request) / N + embed_bytes if N > 1 else \
+        w_bytes + batch_size * kv_request
     return WhatIf(
         hardware=hw,
         prompt_tokens=prompt_tokens,
@@ -120,8 +162,13 @@ def predict(
         weights_bytes=w_bytes,
         kv_bytes_per_token=kv_token,
         kv_bytes_per_request=kv_request,
-        memory_bytes_needed=needed,
+        memory_bytes_needed=int(needed),
         fits_in_memory=needed <= hw.memory_bytes if hw.memory_bytes else None,
+        tensor_parallel_size=N,
+        interconnect_gb_s=interconnect_gb_s,
+        latency_us=latency_us,
+        prefill_comm_ms=prefill_comm_s * 1e3,
+        decode_comm_ms=step_comm_s * 1e3,
     )
 
 

@@ -87,6 +87,15 @@ def add_whatif(sub) -> None:
                    help="default bfloat16; with --hardware this, the dtype the model runs in on --device "
                         "(float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--batch-size", type=int, default=1, help="requests decoded together")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N",
+                   help="split the model over N devices: each does 1/N of the work, then 2 all-reduces a layer "
+                        "(default: 1)")
+    p.add_argument("--interconnect-gb-s", type=float, metavar="GB/S",
+                   help="with --tensor-parallel-size: each device's link, GB/s one direction (NVLink 4: 450, "
+                        "PCIe 5 x16: 64, PCIe 4 x16: 32, 100 GbE: 12.5)")
+    p.add_argument("--interconnect-latency-us", type=float, default=0.0, metavar="US",
+                   help="with --tensor-parallel-size: time of one message however small, µs (NCCL on NVLink: "
+                        "about 10; default 0: bandwidth alone, a floor)")
     p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     p.set_defaults(run=run_whatif)
 
@@ -97,8 +106,15 @@ def run_whatif(args) -> int:
 
     from ..whatif import load_config, predict
 
-    if min(args.prompt_tokens, args.output_tokens, args.batch_size) < 1:
-        raise UsageError("--prompt-tokens, --output-tokens and --batch-size must be >= 1")
+    if min(args.prompt_tokens, args.output_tokens, args.batch_size, args.tensor_parallel_size) < 1:
+        raise UsageError("--prompt-tokens, --output-tokens, --batch-size and --tensor-parallel-size must be >= 1")
+    tp = args.tensor_parallel_size > 1
+    if tp and not (args.interconnect_gb_s or 0) > 0:
+        raise UsageError("--tensor-parallel-size > 1 needs --interconnect-gb-s > 0 (NVLink 4: 450, PCIe 5 x16: 64)")
+    if not tp and (args.interconnect_gb_s is not None or args.interconnect_latency_us):
+        warn("--interconnect-gb-s and --interconnect-latency-us have no effect without --tensor-parallel-size > 1")
+    if args.interconnect_latency_us < 0:
+        raise UsageError(f"--interconnect-latency-us must be >= 0, got {args.interconnect_latency_us:g}")
     if args.device and args.hardware != "this":
         warn(f"--device has no effect with --hardware {args.hardware} (a datasheet); it picks the calibration "
              "of --hardware this")
@@ -110,8 +126,14 @@ def run_whatif(args) -> int:
         warn(f"{args.prompt_tokens:,} prompt + {args.output_tokens:,} output tokens exceed {args.config}'s "
              f"{config.max_seq_len:,}-token context: the model cannot run this request; the floors are extrapolated")
     dtype_bytes = 4 if args.dtype == "float32" else 2
-    w = predict(config, hw, args.prompt_tokens, args.output_tokens, dtype_bytes, args.batch_size)
-    table = Table(title=f"{args.config} on {hw.name}, {args.dtype}, batch {w.batch_size} (roofline floors)",
+    if tp:
+        from ..distributed.tensor_parallel import check_tensor_parallel_size
+
+        check_tensor_parallel_size(config, args.tensor_parallel_size)
+    w = predict(config, hw, args.prompt_tokens, args.output_tokens, dtype_bytes, args.batch_size,
+                args.tensor_parallel_size, args.interconnect_gb_s, args.interconnect_latency_us)
+    devices = f" x {w.tensor_parallel_size}" if tp else ""
+    table = Table(title=f"{args.config} on {hw.name}{devices}, {args.dtype}, batch {w.batch_size} (roofline floors)",
                   show_header=False)
     fits = {True: "fits", False: "does NOT fit", None: "capacity unknown"}[w.fits_in_memory]
     na = "n/a (one output token)"
@@ -130,10 +152,30 @@ def run_whatif(args) -> int:
         ("TPOT", f"{w.tpot_ms:.3f} ms ({w.output_throughput_tok_s:,.0f} tok/s)" if w.tpot_ms else na),
         ("e2e", f"{w.e2e_ms:.1f} ms"),
     ]
+    if tp:
+        rows[5] = ("memory needed", f"{fmt_bytes(w.memory_bytes_needed)} per device ({fits})")
+        rows += _tensor_parallel_rows(w, predict(config, hw, args.prompt_tokens, args.output_tokens, dtype_bytes,
+                                                 args.batch_size))
     for key, value in rows:
         table.add_row(key, value)
     Console().print(table)
     return 0
+
+
+def _tensor_parallel_rows(w, one) -> list[tuple[str, str]]:
+    """What the all-reduces cost, and the split against ``one``, the same request on one device."""
+    link = f"{w.interconnect_gb_s:g} GB/s each way" + (f", {w.latency_us:g} µs a message" if w.latency_us else "")
+    comm = f"prefill {w.prefill_comm_ms:.3f} ms ({100 * w.prefill_comm_ms / w.ttft_ms:.0f}% of TTFT)"
+    if w.tpot_ms:
+        comm += f", decode {w.decode_comm_ms:.4f} ms a step ({100 * w.decode_comm_ms / w.tpot_ms:.0f}% of TPOT)"
+    faster = [f"TTFT {one.ttft_ms / w.ttft_ms:.2f}x"] + ([f"TPOT {one.tpot_ms / w.tpot_ms:.2f}x"] if w.tpot_ms else [])
+    slower = w.ttft_ms > one.ttft_ms or (w.tpot_ms or 0) > (one.tpot_ms or 0)
+    verdict = "the all-reduces cost more than the split saves" if slower else \
+        f"{w.tensor_parallel_size}x would be ideal"
+    return [("tensor parallel", f"{w.tensor_parallel_size} devices, {link}; 2 ring all-reduces of "
+                                "tokens x d_model a layer, each device sending 2(N-1)/N of its bytes"),
+            ("all-reduces", comm),
+            ("vs 1 device", f"speed-up {', '.join(faster)} ({verdict})")]
 
 
 def _whatif_dtype(hardware: str, device: str) -> str:
