@@ -27,6 +27,12 @@ once, C a little later)::
 - "continuous": the engine, chunked prefill off, a budget of at least the longest prompt
   plus ``max_num_seqs`` (a whole prompt always fits next to a full batch of decodes).
 - "continuous+chunked": the engine, chunked prefill on, budget ``max_num_batched_tokens``.
+- "disaggregated" (only when asked; not in :data:`POLICIES`, the default set): lesson 10's split,
+  a prefill worker and a decode worker in two processes, one core each
+  (:class:`~minillm.distributed.disaggregated.DisaggregatedEngine`), each with continuous's
+  budget and ``max_num_seqs`` and its own ``kv_cache_memory`` pool; the prompt's K/V crosses
+  from one to the other over torch.distributed (gloo). Its run also carries the hand-offs
+  measured (:class:`~minillm.distributed.disaggregated.TransferSummary`).
 
 The engine policies get requests when their arrival time has passed, and sleep until
 the next arrival when idle. Prefix caching is off in every run: this measures batching,
@@ -61,6 +67,8 @@ from ..serving.step_trace import StepRecord
 from .workload import WorkloadRequest, make_workload
 
 POLICIES = ("one-at-a-time", "static", "continuous", "continuous+chunked")
+DISAGGREGATED = "disaggregated"
+ALL_POLICIES = POLICIES + (DISAGGREGATED,)  # POLICIES is the default set: this one starts two processes
 OFFLINE = math.inf  # the rate of an offline run: every request at t = 0
 
 Progress = Callable[[str, float, int, int], None]  # (policy, rate_req_s, n_finished, n_requests)
@@ -128,7 +136,8 @@ class PolicyRun:
         summary: :func:`~minillm.serving.run_metrics.summarize_run` of its requests.
         requests: the finished :class:`Request` objects (ids "0", "1", ... in workload order).
         steps: one :class:`StepRecord` per step (one-at-a-time: per generate step, no blocks).
-        kv_memory: the paged pool at its peak; None for one-at-a-time.
+        kv_memory: the paged pool at its peak; None for one-at-a-time and disaggregated.
+        transfer: disaggregated only: its K/V hand-offs (a ``TransferSummary``), else None.
     """
 
     policy: str
@@ -137,6 +146,7 @@ class PolicyRun:
     requests: list[Request]
     steps: list[StepRecord]
     kv_memory: KVMemory | None = None
+    transfer: object = None
 
     def output_ids(self) -> dict[str, list[int]]:
         return {r.request_id: list(r.output_ids) for r in self.requests}
@@ -153,7 +163,8 @@ class PolicyRun:
         return {"policy": self.policy, "rate_req_s": _json_rate(self.rate_req_s), "summary": self.summary.to_dict(),
                 "kv_memory": None if self.kv_memory is None else
                 {**asdict(self.kv_memory), "paged_over_held": self.kv_memory.paged_over_held},
-                "num_steps": len(self.steps), "requests": per_request}
+                "num_steps": len(self.steps), "requests": per_request,
+                "transfer": None if self.transfer is None else self.transfer.to_dict()}
 
 
 # -- the policies -----------------------------------------------------------------------
@@ -167,22 +178,24 @@ def run_policy(model, workload: Sequence[WorkloadRequest], policy: str, config: 
     called as (policy, rate_req_s, n_finished, n_requests) after each request finishes.
     Raises ValueError for an unknown policy, an empty workload, or a request the engine refuses.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; use one of {', '.join(POLICIES)}")
+    if policy not in ALL_POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; use one of {', '.join(ALL_POLICIES)}")
     if not workload:
         raise ValueError("empty workload; make one with workload.make_workload(...)")
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival_s)
     done = _progress_counter(progress, policy, rate_req_s, len(workload))
-    engine = None
+    engine = transfer = None
     if policy == "one-at-a-time":
         requests, steps = _one_at_a_time(model, workload, order, done)
+    elif policy == DISAGGREGATED:
+        (requests, transfer), steps = _disaggregated(model, workload, order, config, done), []
     else:
         engine = _engine_for(model, workload, policy, config)
         requests = _replay_on_engine(engine, workload, order, policy == "static", config.max_num_seqs, done)
         steps = engine.steps
     summary = summarize_run(requests, span_s(requests), config.ttft_slo_ms, config.tpot_slo_ms)
     kv = kv_memory_at_peak(engine) if engine is not None else None
-    return PolicyRun(policy, rate_req_s, summary, requests, steps, kv)
+    return PolicyRun(policy, rate_req_s, summary, requests, steps, kv, transfer)
 
 
 def greedy_params(request: WorkloadRequest) -> SamplingParams:
@@ -220,6 +233,31 @@ def _one_at_a_time(model, workload, order, done) -> tuple[list[Request], list[St
         req.status, req.finish_s = FINISHED, time.perf_counter()
         done()
     return requests, steps
+
+
+def _disaggregated(model, workload, order, config: ServingConfig, done):
+    """The workload through a prefill and a decode worker (continuous's budget, no chunking), fed at
+    the arrival times; returns (the requests in workload order, the TransferSummary). The workers
+    start, load the model and warm up before the clock starts."""
+    from ..distributed.disaggregated import DisaggregatedConfig, DisaggregatedEngine
+
+    longest = max(len(w.prompt_ids) for w in workload)
+    budget = max(config.max_num_batched_tokens, longest + config.max_num_seqs)
+    settings = DisaggregatedConfig(config.max_num_seqs, budget, enable_chunked_prefill=False,
+                                   kv_cache_memory=config.kv_cache_memory, block_size=config.block_size,
+                                   eos_token_ids=())
+    with DisaggregatedEngine(model, settings) as engine:
+        pending, t0 = deque(order), time.perf_counter()
+        while pending or engine.has_unfinished_requests():
+            while pending and t0 + workload[pending[0]].arrival_s <= time.perf_counter():
+                i = pending.popleft()
+                engine.add_request(list(workload[i].prompt_ids), greedy_params(workload[i]), request_id=str(i),
+                                   arrival_s=t0 + workload[i].arrival_s)
+            wait_s = t0 + workload[pending[0]].arrival_s - time.perf_counter() if pending else 0.5
+            for request_id in engine.poll(min(max(wait_s, 0.0), 0.5)):
+                if engine.requests[request_id].finished:
+                    done()
+        return [engine.requests[str(i)] for i in range(len(workload))], engine.transfer_summary()
 
 
 def _engine_for(model, workload, policy: str, config: ServingConfig) -> LLMEngine:
@@ -353,8 +391,8 @@ def run_serving_bench(model, workloads: dict[float, Sequence[WorkloadRequest]], 
     from .workload import describe
 
     for policy in policies:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}; use one of {', '.join(POLICIES)}")
+        if policy not in ALL_POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; use one of {', '.join(ALL_POLICIES)}")
     if not workloads or any(not w for w in workloads.values()):
         raise ValueError("no workload to run; give at least one rate with at least one request")
     machine = machine_state(model)

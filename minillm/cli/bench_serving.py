@@ -21,7 +21,7 @@ TTFT_SLO_MS, TPOT_SLO_MS = 5000.0, 500.0
 
 
 def add_bench_serving(sub) -> None:
-    from ..bench.serving import POLICIES
+    from ..bench.serving import ALL_POLICIES, POLICIES
     from .bench_serving_http import add_http_options
 
     p = sub.add_parser("bench-serving", help="a workload through one-at-a-time, static and continuous batching: "
@@ -39,8 +39,9 @@ def add_bench_serving(sub) -> None:
                                                         "(default uniform:16-256; --quick uniform:8-32)")
     p.add_argument("--dataset", metavar="FILE.jsonl", help='real prompts instead: one {"prompt": ..., "max_tokens": ...}'
                                                           " a line (the first --num-prompts; default: random ids)")
-    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES, metavar="POLICY",
-                   help=f"which policies, in this order (default: {' '.join(POLICIES)})")
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=ALL_POLICIES, metavar="POLICY",
+                   help=f"which policies, in this order (default: {' '.join(POLICIES)}); also disaggregated: a "
+                        "prefill and a decode worker process, one core each, the K/V sent between them (lesson 10)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="most requests in a batch, the static batch size too")
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="continuous+chunked's token budget per step; continuous uses at least the longest prompt "
@@ -228,9 +229,27 @@ def _print_result(out, result) -> None:
                   f"{fmt_num(c.max_itl_ms['no chunking'])} vs {fmt_num(c.max_itl_ms['chunked'])} ms; the long "
                   f"prompt's TTFT {fmt_num(c.long_ttft_ms['no chunking'])} vs {fmt_num(c.long_ttft_ms['chunked'])} "
                   f"ms ({c.long_prefill_steps['no chunking']} vs {c.long_prefill_steps['chunked']} steps)")
+    for run in (r for r in result.runs if r.transfer is not None):
+        _print_transfer(out, run)
     m = result.machine
     out.print(f"[dim]{m.get('model', '')} on {m['device']}, {m['dtype']}, {m['torch_threads']} threads; load average "
               f"(1/5/15 min) {_load(m['loadavg_before'])} before, {_load(m['loadavg_after'])} after the runs[/dim]")
+
+
+def _print_transfer(out, run) -> None:
+    """The disaggregated run's K/V hand-offs, measured, against lesson 10's kv_transfer_seconds."""
+    from ..units import fmt_bytes, fmt_num
+
+    t = run.transfer
+    if not t.num_hand_offs:
+        return
+    hand_off = t.to_dict()["p50_hand_off_ms"]
+    out.print(f"Disaggregated @ {shared.rate_text(run.rate_req_s)}: K/V of {t.num_hand_offs} prompts sent, "
+              f"{fmt_bytes(t.num_bytes)} = {t.prompt_tokens:,} tokens x {t.kv_bytes_per_token:,} bytes; measured "
+              f"{fmt_num(t.measured_s_per_token * 1e6)} us/token ({fmt_num(t.measured_bytes_s / 1e9)} GB/s); "
+              f"kv_transfer_seconds at the link's {fmt_num(t.link_bytes_s / 1e9)} GB/s (gloo over 127.0.0.1, "
+              f"measured at start): {fmt_num(t.predicted_s_per_token * 1e6)} us/token; first token -> K/V in the "
+              f"decode pool p50 {fmt_num(hand_off)} ms")
 
 
 def _print_ratios(out, result) -> None:
@@ -271,14 +290,15 @@ def _write_outputs(args, result) -> None:
 
         wrote(write_chrome_trace(args.trace_out, shown.steps, shown.requests,
                                  {"policy": shown.policy, "rate_req_s": shared.rate_text(shown.rate_req_s)}))
-    if args.plots:
+    if args.plots and shown is not None:
         for path in _save_plots(args.plots, result, shown):
             wrote(path)
 
 
 def _shown_run(result):
     """The run the timeline and the trace show: continuous at the first rate, else the first engine run."""
-    engine_runs = [r for r in result.runs if r.policy != "one-at-a-time"] or result.runs
+    with_steps = [r for r in result.runs if r.steps]  # a disaggregated run's steps stay in its workers
+    engine_runs = [r for r in with_steps if r.policy != "one-at-a-time"] or with_steps
     return next((r for r in engine_runs if r.policy == "continuous"), engine_runs[0] if engine_runs else None)
 
 

@@ -60,6 +60,8 @@ class TransferSummary:
         transfer_s: the time the K/V took on the link, summed (s; the decode worker's receive,
             header in to last byte).
         link_bytes_s: the link's one-way bandwidth, measured once at start-up (bytes/s).
+        predicted_s_per_token: lesson 10's floor for one token's K/V over that link,
+            :func:`~minillm.costs.kv_transfer_seconds` (given the link in Gb/s, as links are quoted).
         hand_off_ms: per request, first token sampled -> K/V in the decode worker's pool (ms): the
             transfer plus the wait for the decode step under way.
     """
@@ -70,6 +72,7 @@ class TransferSummary:
     kv_bytes_per_token: int
     transfer_s: float
     link_bytes_s: float
+    predicted_s_per_token: float
     hand_off_ms: list[float]
 
     @property
@@ -82,15 +85,11 @@ class TransferSummary:
         """num_bytes / transfer_s: the bandwidth the hand-offs got (bytes/s)."""
         return self.num_bytes / self.transfer_s if self.transfer_s else math.nan
 
-    def predicted_s_per_token(self, config, dtype_bytes: int) -> float:
-        """Lesson 10's floor, :func:`~minillm.costs.kv_transfer_seconds` for one token, over a link of
-        the measured ``link_bytes_s`` (given to it in Gb/s, as links are quoted)."""
-        return kv_transfer_seconds(config, 1, dtype_bytes, self.link_bytes_s * 8 / 1e9)
-
     def to_dict(self) -> dict:
         return {"num_hand_offs": self.num_hand_offs, "prompt_tokens": self.prompt_tokens, "num_bytes": self.num_bytes,
                 "kv_bytes_per_token": self.kv_bytes_per_token, "transfer_s": self.transfer_s,
-                "link_bytes_s": self.link_bytes_s, "measured_s_per_token": self.measured_s_per_token,
+                "link_bytes_s": self.link_bytes_s, "predicted_s_per_token": self.predicted_s_per_token,
+                "measured_s_per_token": self.measured_s_per_token,
                 "measured_bytes_s": self.measured_bytes_s,
                 "p50_hand_off_ms": statistics.median(self.hand_off_ms) if self.hand_off_ms else None}
 
@@ -265,11 +264,12 @@ class DisaggregatedEngine:
 
     def transfer_summary(self) -> TransferSummary:
         """The hand-offs so far, summed (see :class:`TransferSummary`)."""
-        dtype_bytes = next(self.model.parameters()).element_size()
+        config, dtype_bytes = self.model.config, next(self.model.parameters()).element_size()
+        link = self.link_bytes_s or math.nan
+        predicted = kv_transfer_seconds(config, 1, dtype_bytes, link * 8 / 1e9) if link > 0 else math.nan
         return TransferSummary(len(self.hand_offs), sum(h[1] for h in self.hand_offs),
-                               sum(h[2] for h in self.hand_offs),
-                               self.model.config.kv_bytes_per_token(dtype_bytes),
-                               sum(h[3] for h in self.hand_offs), self.link_bytes_s or math.nan,
+                               sum(h[2] for h in self.hand_offs), config.kv_bytes_per_token(dtype_bytes),
+                               sum(h[3] for h in self.hand_offs), link, predicted,
                                [h[4] * 1e3 for h in self.hand_offs])
 
     # -- events -----------------------------------------------------------------------

@@ -13,12 +13,17 @@ import signal
 
 import pytest
 import torch
+from rich.console import Console
 from tiny_models import CONFIGS, build_hf, save_hf
 
 from minillm import LLMEngine, SamplingParams, load_model
+from minillm.bench.serving import DISAGGREGATED, ServingConfig, run_policy
+from minillm.bench.workload import make_workload
+from minillm.cli.bench_serving import _print_transfer
 from minillm.distributed.disaggregated import DisaggregatedConfig, DisaggregatedEngine, WorkerDiedError
 from minillm.distributed.disaggregated_transfer import gather_prompt_kv, scatter_prompt_kv
 from minillm.serving.paged_cache import PagedKVCache
+from minillm.units import fmt_bytes
 
 PROMPTS = [[3, 17, 42, 5, 99, 64, 1, 7], [11] * 21, [5, 9, 2], list(range(40, 77))]  # 1 to 3 blocks of 16
 N_NEW = 6
@@ -60,6 +65,24 @@ def test_outputs_equal_colocated_and_bytes_follow_the_formula(model, engine):
         (r.request_id, len(p), len(p) * per_token) for r, p in zip(done, PROMPTS))
     assert summary.num_bytes == sum(map(len, PROMPTS)) * per_token
     assert summary.num_hand_offs == len(PROMPTS) and summary.link_bytes_s > 0
+    # lesson 10's floor at the measured link: bytes per token / bytes per second
+    assert summary.predicted_s_per_token == pytest.approx(per_token / summary.link_bytes_s, rel=1e-12)
+
+
+def test_bench_serving_policy_gives_the_continuous_tokens(model):
+    """``minillm bench-serving --policies continuous disaggregated``'s two runs, on a tiny workload."""
+    workload = make_workload(3, "uniform:5-40", "4", seed=0, vocab_size=model.config.vocab_size)
+    config = ServingConfig(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory="1MiB")
+    continuous = run_policy(model, workload, "continuous", config)
+    disaggregated = run_policy(model, workload, DISAGGREGATED, config)
+    assert disaggregated.output_ids() == continuous.output_ids()
+    assert disaggregated.summary.n_completed == 3 and disaggregated.summary.total_output_tokens == 12
+    transfer = disaggregated.to_dict()["transfer"]
+    n_prompt = sum(len(w.prompt_ids) for w in workload)
+    assert transfer["num_bytes"] == n_prompt * transfer["kv_bytes_per_token"]
+    out = Console(width=400, record=True)
+    _print_transfer(out, disaggregated)
+    assert f"K/V of 3 prompts sent, {fmt_bytes(transfer['num_bytes'])} = {n_prompt} tokens x" in out.export_text()
 
 
 def test_a_killed_decode_worker_ends_the_requests_with_an_error(engine):
