@@ -57,8 +57,8 @@ class TransferSummary:
         prompt_tokens: their prompt positions, summed.
         num_bytes: K and V bytes sent (prompt_tokens · kv_bytes_per_token).
         kv_bytes_per_token: 2 · n_layers · n_kv_heads · head_dim · dtype bytes.
-        transfer_s: the time the K/V took on the link, summed (s; the decode worker's receive,
-            header in to last byte).
+        transfer_s: the time the K/V took on the link, summed (s; per hand-off from the later of
+            the send started and the receive posted, to the last byte received).
         link_bytes_s: the link's one-way bandwidth, measured once at start-up (bytes/s).
         predicted_s_per_token: lesson 10's floor for one token's K/V over that link,
             :func:`~minillm.costs.kv_transfer_seconds` (given the link in Gb/s, as links are quoted).

@@ -25,8 +25,8 @@ InfiniBand, or NIXL's RDMA reads in vLLM's and Dynamo's connectors), never throu
 ``dist.send``/``dist.recv`` are that path: the same code runs on gloo (CPU tensors, TCP over
 127.0.0.1 here) and on NCCL (GPU tensors), and the bytes really cross a link that can be timed
 against the formula. Shared memory would be faster on one machine, and would measure nothing.
-A send completes only once the receiver has posted its receive (a rendezvous), so the receiver's
-time from posting to the last byte is the link's time for those bytes.
+A send completes only once the receiver has posted its receive (a rendezvous), so the link's time
+for the bytes runs from the later of the two to the last byte received (:func:`receive_kv`).
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ class HandOff:
             Linux, CLOCK_MONOTONIC).
         generator_state: the request's sampling generator after its first draw
             (``torch.Generator.get_state()``), or None for the global one (greedy needs none).
-        sent_s: when the prefill worker's sender started on it (its queue may have held it).
+        sent_s: when the prefill worker's sender started on it, just before the notice and the sends
+            (its queue may have held it before).
     """
 
     request_id: str
@@ -80,7 +81,8 @@ class Received:
         k, v: [n_layers, P, n_kv_heads, head_dim], the model's dtype.
         num_bytes: bytes of k and v together (P · kv_bytes_per_token; the small HandOff notice is not
             counted, as the formula does not count it).
-        transfer_s: from posting the receive of k to the last byte of v (s): the link's time for them.
+        transfer_s: the link's time for k and v (s): from the later of the receive posted and the send
+            started (``HandOff.sent_s``) to the last byte of v.
         received_s: when the last byte arrived (``time.perf_counter()``).
     """
 
@@ -156,7 +158,7 @@ class HandOffSender:
                 continue
             hand_off, k, v = job
             try:
-                hand_off.sent_s = time.perf_counter()
+                hand_off.sent_s = time.perf_counter()  # the notice carries it, so it is taken just before
                 self.control.put(hand_off)
                 dist.send(k, DECODE_RANK)
                 dist.send(v, DECODE_RANK)
@@ -170,13 +172,15 @@ def receive_kv(hand_off: HandOff, n_layers: int, n_kv_heads: int, head_dim: int,
 
     Raises RuntimeError (gloo's) when the prefill worker is gone or stops mid-message.
     """
-    start = time.perf_counter()
     k = torch.empty(n_layers, len(hand_off.prompt_ids), n_kv_heads, head_dim, dtype=dtype)
     v = torch.empty_like(k)
+    posted = time.perf_counter()
     dist.recv(k, PREFILL_RANK)
     dist.recv(v, PREFILL_RANK)
     end = time.perf_counter()
-    return Received(hand_off, k, v, k.nbytes + v.nbytes, end - start, end)
+    # The bytes move once both sides are there (a rendezvous): from the later of the two to the end
+    # (one clock for both processes: perf_counter is CLOCK_MONOTONIC on Linux).
+    return Received(hand_off, k, v, k.nbytes + v.nbytes, end - max(posted, hand_off.sent_s), end)
 
 
 def measure_link_bytes_s(rank: int, num_bytes: int = 64 * 2**20, repeats: int = 3) -> float | None:
