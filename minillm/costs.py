@@ -194,6 +194,35 @@ def all_reduce_seconds(n_bytes: float, world_size: int, interconnect_gb_s: float
     return steps * latency_s + steps / world_size * n_bytes / (interconnect_gb_s * 1e9)
 
 
+def all_reduce_bytes_per_layer(config: ModelConfig, n_tokens: int, world_size: int, dtype_bytes: int) -> float:
+    """Bytes each rank sends over the ring in one tensor-parallel layer (and receives: as many).
+
+        tensor      = n_tokens · d_model · dtype_bytes          the activations [n_tokens, d_model]
+        per layer   = 2 all-reduces · 2(N-1)/N · tensor         after o_proj and after down_proj
+
+    Megatron-style tensor parallelism sums two partial outputs a layer, both of the residual
+    stream's width d_model (not d_mlp: down_proj's output is d_model wide). A ring all-reduce is
+    a reduce-scatter then an all-gather, N-1 steps each, every step sending 1/N of the tensor to
+    the next rank: 2(N-1)/N of it per rank, whatever N (Thakur, Rabenseifner & Gropp 2005;
+    Patarasuk & Yuan 2009). The activations travel in the model's dtype. N = 1 sends nothing.
+    Times n_layers for a whole pass; :func:`all_reduce_seconds` turns one all-reduce into time.
+
+    Args:
+        config: the model; only d_model matters.
+        n_tokens: tokens of the pass, all sequences of the batch (a decode step of B sequences: B), >= 0.
+        world_size: N, the ranks, >= 1.
+        dtype_bytes: bytes of one activation (2 for bfloat16, 4 for float32), >= 1.
+
+    Returns bytes, a float.
+    Raises ValueError for n_tokens < 0, world_size < 1 or dtype_bytes < 1.
+    """
+    _check(n_tokens >= 0, f"n_tokens must be >= 0, got {n_tokens}")
+    _check(world_size >= 1, f"world_size must be >= 1, got {world_size}")
+    _check(dtype_bytes >= 1, f"dtype_bytes must be >= 1, got {dtype_bytes}")
+    tensor_bytes = n_tokens * config.d_model * dtype_bytes
+    return 2 * (2 * (world_size - 1) / world_size * tensor_bytes)
+
+
 def tensor_parallel_comm_seconds(config: ModelConfig, n_tokens: int, dtype_bytes: int, world_size: int,
                                  interconnect_gb_s: float, latency_s: float = 0.0) -> float:
     """Seconds a tensor-parallel forward pass of ``n_tokens`` (all sequences of the batch) spends in all-reduces.

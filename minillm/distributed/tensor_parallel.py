@@ -38,7 +38,8 @@ from ..model import SwiGLU, Transformer
 from .comm import TensorParallelError, TensorParallelGroup, TensorParallelSizeError
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelLMHead", "check_tensor_parallel_size",
-           "shard_model", "valid_sizes", "TensorParallelError", "TensorParallelSizeError"]
+           "column_shard", "heads_of_rank", "row_shard", "shard_model", "valid_sizes", "TensorParallelError",
+           "TensorParallelSizeError"]
 
 
 def valid_sizes(config: ModelConfig) -> list[int]:
@@ -62,6 +63,98 @@ def check_tensor_parallel_size(config: ModelConfig, world_size: int) -> None:
         raise TensorParallelSizeError(
             f"tensor-parallel size {world_size} does not divide this model's {' and '.join(bad)} (each rank "
             f"holds whole heads); valid sizes: {', '.join(map(str, valid_sizes(config)))}")
+
+
+def column_shard(weight: torch.Tensor, rank: int, world_size: int, unit: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s shard of a column-parallel layer's weight: its block of whole output rows (a view).
+
+        weight [out, in] -> weight[r·out/N : (r+1)·out/N]     [out/N, in]     (a bias [out] -> [out/N])
+
+    A column-parallel layer (q, k, v, gate, up) splits its outputs: rank r computes out/N of them
+    from the whole input. Rows come in units that must stay whole: ``head_dim`` rows are one head
+    of q_proj, k_proj or v_proj (attention is per head, so a rank must hold all of a head's
+    dimensions), one row is one unit of the MLP. So out/unit units are split N ways, in order:
+    rank r holds units r·U/N .. (r+1)·U/N - 1 (U = out/unit). Megatron-LM (Shoeybi et al. 2019),
+    section 3; :class:`ColumnParallelLinear` is this slice, copied.
+
+    Args:
+        weight: an nn.Linear's weight [out_features, in_features] (or its bias [out_features]), any dtype.
+        rank: r, 0 <= r < world_size.
+        world_size: N >= 1.
+        unit: rows that stay together, >= 1 (head_dim for q/k/v, 1 for gate/up).
+
+    Returns a view of ``weight``: [out/N, in] (or [out/N]).
+    Raises ValueError for world_size < 1, rank outside [0, world_size), unit < 1, out_features not a
+    multiple of unit, or a number of units (heads) that N does not divide.
+    """
+    n = _units_per_rank(weight.shape[0], rank, world_size, unit, "out_features (rows)")
+    return weight[rank * n:(rank + 1) * n]
+
+
+def row_shard(weight: torch.Tensor, rank: int, world_size: int, unit: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s shard of a row-parallel layer's weight: its block of whole input columns (a view).
+
+        weight [out, in] -> weight[:, r·in/N : (r+1)·in/N]     [out, in/N]
+
+    A row-parallel layer (o_proj, down_proj) splits its inputs: rank r holds the columns that read
+    the features it computed (its heads' attention outputs, ``head_dim`` columns a head; its MLP
+    units, one column each), so x_r @ W_rᵀ is a partial sum [.., out] and an all-reduce adds the N
+    of them. Its bias is not split: it is added once, after the sum. The columns must match the
+    column-parallel layer before it: rank r's units r·U/N .. (r+1)·U/N - 1 (U = in/unit).
+    Megatron-LM (Shoeybi et al. 2019), section 3; :class:`RowParallelLinear` is this slice, copied.
+
+    Args:
+        weight: an nn.Linear's weight [out_features, in_features], any dtype (2-D).
+        rank: r, 0 <= r < world_size.
+        world_size: N >= 1.
+        unit: columns that stay together, >= 1 (head_dim for o_proj, 1 for down_proj).
+
+    Returns a view of ``weight``: [out, in/N].
+    Raises ValueError for a weight that is not 2-D, world_size < 1, rank outside [0, world_size),
+    unit < 1, in_features not a multiple of unit, or a number of units (heads) that N does not divide.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"row_shard splits a 2-D weight [out, in] by its columns, got shape {list(weight.shape)}")
+    n = _units_per_rank(weight.shape[1], rank, world_size, unit, "in_features (columns)")
+    return weight[:, rank * n:(rank + 1) * n]
+
+
+def heads_of_rank(config: ModelConfig, rank: int, world_size: int) -> tuple[range, range]:
+    """The query heads and the K/V heads rank ``rank`` of ``world_size`` holds (and caches).
+
+        query heads  r·H/N   .. (r+1)·H/N - 1        H = n_heads
+        K/V heads    r·Hkv/N .. (r+1)·Hkv/N - 1      Hkv = n_kv_heads
+
+    Contiguous blocks, as :func:`column_shard` cuts q_proj and k_proj/v_proj. With GQA, query head h
+    reads K/V head h // (H/Hkv); rank r's query heads all read K/V heads of its own block, so
+    attention needs no communication, and each rank's KV cache holds only its Hkv/N heads.
+
+    Args:
+        config: the model; only n_heads and n_kv_heads matter.
+        rank: r, 0 <= r < world_size.
+        world_size: N >= 1, dividing n_heads and n_kv_heads (each rank holds whole heads).
+
+    Returns (query heads, K/V heads), two ranges of head indices.
+    Raises ValueError for world_size < 1, rank outside [0, world_size), or N not dividing n_heads
+    or n_kv_heads.
+    """
+    q = _units_per_rank(config.n_heads, rank, world_size, 1, "n_heads")
+    kv = _units_per_rank(config.n_kv_heads, rank, world_size, 1, "n_kv_heads")
+    return range(rank * q, (rank + 1) * q), range(rank * kv, (rank + 1) * kv)
+
+
+def _units_per_rank(size: int, rank: int, world_size: int, unit: int, what: str) -> int:
+    """Rows (or columns, or heads) each rank gets: size/N, after checking that whole units split N ways."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if unit < 1 or size % unit:
+        raise ValueError(f"{what} = {size} is not a whole number of units of {unit}")
+    if (size // unit) % world_size:
+        raise ValueError(f"{size // unit} units of {unit} ({what} = {size}) do not split into {world_size} "
+                         "ranks whole: a rank would hold part of a head")
+    return size // world_size
 
 
 class ColumnParallelLinear(nn.Linear):
