@@ -7,7 +7,7 @@
 # Needs the default model in the weights dir (minillm download; MINILLM_WEIGHTS to point
 # elsewhere) and transformers for the comparison. Writes OUT_DIR/{env.txt, tests.txt,
 # calibrate.txt, bench.txt, bench.json, bench.md, bench.png, serving.txt, serving.json, serving_*.png,
-# quantized.txt}.
+# quantized.txt, tensor_parallel.txt}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-benchmarks/gpu-results}"
@@ -37,3 +37,6 @@ COLUMNS=200 "$PY" -m minillm bench-serving --device cuda --request-rate 4 16 inf
 
 echo "== quantised decode cuda: bfloat16 vs int8 vs int4, CUDA graphs (for BENCHMARKS.md's GPU section)" | tee "$OUT/quantized.txt"
 "$PY" benchmarks/quantized_decode.py --device cuda --compile 2>&1 | tee -a "$OUT/quantized.txt"
+
+echo "== tensor parallelism over NCCL: TP=2 vs one GPU (for BENCHMARKS.md's GPU section; skipped with one GPU)" | tee "$OUT/tensor_parallel.txt"
+"$PY" benchmarks/tensor_parallel.py --device cuda 2>&1 | grep -v '^W[0-9]' | tee -a "$OUT/tensor_parallel.txt"

@@ -67,6 +67,10 @@ event has ``kind`` and ``t_ms`` (when it was recorded); times are ms since
     warmup     time_ms (the CLI's warm-up pass before the request; not part of it)
     prefix_*   prefix cache events (prefix_lookup, prefix_hit, prefix_insert, prefix_evict),
                fields as minillm.prefix_cache records them
+    all_reduce, all_gather   a tensor-parallel model's collectives, recorded by minillm.distributed.comm
+               while the group records into this trace (rank 0): name (the module, e.g.
+               "blocks.3.attn.o_proj"), shape, bytes, ring_bytes_per_rank, world_size, backend,
+               start_ms, time_ms (waiting for the slowest rank included)
 
 Shapes are lists, e.g. ``[B, n_kv_heads, S, head_dim]`` = ``[1, 3, 40, 64]``.
 """

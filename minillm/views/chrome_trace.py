@@ -12,6 +12,7 @@ times in MICROSECONDS). One process, one track (tid) per kind of work
       tid 3 sampling                                  |s|        |s|        |s|
       tid 4 layers (level "layers")     |b0|b1|...|   |..|       |..|
       tid 5 prefix cache           ^lookup        ^insert
+      tid 6 all-reduce (tensor parallel)  |||||||||    | | |      | | |    (each collective of rank 0)
       counters: KV cache length {tokens}, KV cache size {bytes} (Perfetto: "KV cache length tokens")
 """
 
@@ -22,9 +23,10 @@ from pathlib import Path
 from ..formats.trace_events import complete, counter, instant, process_name, thread_name, thread_sort_index, write
 
 PID = 1
-TRACKS = {"request": 1, "passes": 2, "sampling": 3, "layers": 4, "prefix cache": 5}
+TRACKS = {"request": 1, "passes": 2, "sampling": 3, "layers": 4, "prefix cache": 5, "collectives": 6}
 TRACK_NAMES = {"request": "request", "passes": "prefill / decode", "sampling": "sampling",
-               "layers": "layers", "prefix cache": "prefix cache"}
+               "layers": "layers", "prefix cache": "prefix cache", "collectives": "all-reduce (tensor parallel)"}
+_COLLECTIVES = ("all_reduce", "all_gather")
 _TIMES = ("kind", "t_ms", "start_ms", "end_ms", "time_ms", "sample_ms")
 _SAMPLING = ("next_token_id", "next_token_text", "next_token_prob", "next_token_logprob", "next_token_rank",
              "candidates", "sampling", "finish_reason")
@@ -44,6 +46,7 @@ def trace_to_chrome_events(trace) -> list[dict]:
     - sampling: from the pass's end to ``end_ms`` (``sample_ms``), args the chosen token;
     - layers (level "layers"): one box per layer per pass, ``start_ms`` lasting ``time_ms``;
     - prefix cache: lookup, hit, insert and evict as instants;
+    - all-reduce (tensor parallel, :mod:`minillm.distributed`): each all-reduce and all-gather as a box;
     - counters "KV cache length" {"tokens"} and "KV cache size" {"bytes"}: before the first
       pass, then after each pass.
 
@@ -87,6 +90,8 @@ def _tracks_used(trace) -> list[str]:
         used.append("layers")
     if any(k.startswith("prefix_") for k in kinds):
         used.append("prefix cache")
+    if kinds & set(_COLLECTIVES):
+        used.append("collectives")
     return used
 
 
@@ -101,7 +106,8 @@ def _request_events(trace) -> list[dict]:
         kind = e["kind"]
         if kind in _NOT_ON_A_TRACK or kind in ("prefill", "decode", "layer"):
             continue
-        track = TRACKS["prefix cache"] if kind.startswith("prefix_") else TRACKS["request"]
+        track = TRACKS["prefix cache"] if kind.startswith("prefix_") else \
+            TRACKS["collectives"] if kind in _COLLECTIVES else TRACKS["request"]
         if "start_ms" in e and "time_ms" in e:  # a span: it has its own start
             events.append(complete(kind, _us(e["start_ms"]), _us(e["time_ms"]), PID, track, kind, _args(e)))
         else:

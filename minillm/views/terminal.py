@@ -220,6 +220,14 @@ def summary_panel(trace: Trace) -> Panel | None:
     model = trace.first("model")
     if model is not None and model.get("decode_path"):
         grid.add_row("path", f"{model['decode_path']}  decode path (minillm/fast/choose.py)")
+    collectives = trace.of("all_reduce") + trace.of("all_gather")
+    if collectives:  # tensor parallel (minillm/distributed): the time this rank spent communicating
+        comm_ms = sum(e["time_ms"] for e in collectives)
+        pass_ms = sum(e["time_ms"] for e in trace.steps)
+        grid.add_row("all-reduce", f"{comm_ms:9.1f} ms  in {len(trace.of('all_reduce'))} all-reduces and "
+                     f"{len(trace.of('all_gather'))} all-gathers ({fmt_bytes(sum(e['bytes'] for e in collectives))}), "
+                     f"{100 * comm_ms / pass_ms:.0f}% of the passes' time, over {collectives[0]['world_size']} "
+                     f"ranks ({collectives[0]['backend']})")
     return Panel(grid, title="Summary", title_align="left")
 
 

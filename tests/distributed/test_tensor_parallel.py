@@ -199,3 +199,38 @@ def test_generate_with_tensor_parallel_size_2_samples_what_one_process_samples(c
 def test_generate_refuses_what_tensor_parallelism_cannot_run(cli_folder, flags, code, message):
     r = _minillm("generate", "hi", "--model", cli_folder, *flags)
     assert r.returncode == code and r.stderr.startswith(f"minillm: error: {message}"), r.stderr
+
+
+@pytest.fixture
+def group_of_one():
+    """A gloo group of this process alone (world size 1): the collectives run, nothing is split."""
+    import torch.distributed as dist
+
+    from minillm.distributed.comm import TensorParallelGroup
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield TensorParallelGroup(0, 1, "gloo", torch.device("cpu"), 10.0)
+    dist.destroy_process_group()
+
+
+def test_the_trace_views_show_each_collective(folders, group_of_one):
+    from rich.console import Console
+
+    from minillm.distributed.tensor_parallel import shard_model
+    from minillm.views.chrome_trace import trace_to_chrome_events
+    from minillm.views.terminal import summary_panel
+
+    model = shard_model(load_model(folders["gpt2"], device="cpu", dtype="float32", fast=False), group_of_one)
+    trace = Trace()
+    with group_of_one.recording(trace):
+        list(generate(model, PROMPT, SamplingParams(max_new_tokens=3), eos_token_ids=set(), trace=trace))
+    console = Console(record=True, width=200)
+    console.print(summary_panel(trace))
+    n_layers, passes = model.config.n_layers, 3
+    row = next(line for line in console.export_text().splitlines() if "all-reduce " in line)
+    assert f"in {2 * n_layers * passes} all-reduces and {passes} all-gathers" in row and "over 1 ranks (gloo)" in row
+    events = trace_to_chrome_events(trace)
+    track = next(e["tid"] for e in events if e.get("args", {}).get("name") == "all-reduce (tensor parallel)")
+    boxes = [e for e in events if e.get("tid") == track and e["ph"] == "X"]
+    assert [b["name"] for b in boxes] == ["all_reduce"] * (2 * n_layers) + ["all_gather"] + \
+        (["all_reduce"] * (2 * n_layers) + ["all_gather"]) * (passes - 1)
