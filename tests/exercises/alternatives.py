@@ -697,3 +697,57 @@ def speedup_as_time_per_token(acceptance_rate, k, draft_cost, verify_cost=1.0):
     tokens = tokens_as_a_sum(acceptance_rate, k)
     seconds_per_token = (k * draft_cost + verify_cost) / tokens
     return 1.0 / seconds_per_token
+
+
+# -- ex21 ------------------------------------------------------------------------------------------
+
+
+def _split_whole(size, rank, world_size, unit):
+    """(first, count) of rank's elements along a dimension of ``size``, units whole, or ValueError."""
+    if not (world_size >= 1 and 0 <= rank < world_size and unit >= 1):
+        raise ValueError(f"rank {rank} of {world_size}, unit {unit}")
+    units, rest = divmod(size, unit)
+    if rest or units % world_size:
+        raise ValueError(f"{size} in units of {unit} do not split {world_size} ways")
+    count = units // world_size * unit
+    return rank * count, count
+
+
+@alternative("ex21", "column_shard")
+def column_shard_by_chunk(weight, rank, world_size, unit=1):
+    """torch.chunk into N pieces after the checks (equal pieces, since the units divide)."""
+    _split_whole(weight.shape[0], rank, world_size, unit)
+    return torch.chunk(weight, world_size, dim=0)[rank]
+
+
+@alternative("ex21", "row_shard")
+def row_shard_by_index_select(weight, rank, world_size, unit=1):
+    """Gather the columns by index: a copy, not a view (the docstring's view is not demanded)."""
+    if weight.dim() != 2:
+        raise ValueError(f"a 2-D weight, got {weight.dim()}-D")
+    first, count = _split_whole(weight.shape[1], rank, world_size, unit)
+    return weight.index_select(1, torch.arange(first, first + count))
+
+
+@alternative("ex21", "heads_of_rank")
+def heads_from_the_groups(config, rank, world_size):
+    """The K/V heads as the groups of the rank's query heads: h // (H / Hkv) for each of them."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of {world_size}")
+    if config.n_heads % world_size or config.n_kv_heads % world_size:
+        raise ValueError(f"{world_size} ranks do not split {config.n_heads} and {config.n_kv_heads} heads")
+    per_rank = config.n_heads // world_size
+    queries = range(rank * per_rank, (rank + 1) * per_rank)
+    group = config.n_heads // config.n_kv_heads
+    kv = sorted({h // group for h in queries})
+    return queries, range(kv[0], kv[-1] + 1)
+
+
+@alternative("ex21", "all_reduce_bytes_per_layer")
+def all_reduce_bytes_step_by_step(config, n_tokens, world_size, dtype_bytes):
+    """Walk the ring: 2(N-1) steps an all-reduce, a chunk of 1/N of the tensor each, two all-reduces."""
+    if n_tokens < 0 or world_size < 1 or dtype_bytes < 1:
+        raise ValueError(f"n_tokens {n_tokens}, world_size {world_size}, dtype_bytes {dtype_bytes}")
+    chunk = n_tokens * config.d_model * dtype_bytes / world_size
+    steps = 2 * (world_size - 1)
+    return 2.0 * steps * chunk

@@ -2539,3 +2539,181 @@ def speedup_never_checks_the_costs(acceptance_rate, k, draft_cost, verify_cost=1
     """No check of draft_cost and verify_cost: a negative, zero or NaN cost gives a number, not a ValueError."""
     _spec_checked(acceptance_rate, k)  # MISTAKE: draft_cost >= 0, verify_cost > 0, both finite
     return _expected_tokens(acceptance_rate, k) / (k * draft_cost + verify_cost)
+
+
+# -- ex21 tensor parallelism: each rank's shards and the all-reduce bytes (issue 33) -------------------
+
+from minillm.costs import all_reduce_bytes_per_layer as _all_reduce_bytes  # noqa: E402
+from minillm.distributed.tensor_parallel import column_shard as _column_shard  # noqa: E402
+from minillm.distributed.tensor_parallel import heads_of_rank as _heads_of_rank  # noqa: E402
+
+
+def _shard_checked(size, rank, world_size, unit):
+    if world_size < 1 or not 0 <= rank < world_size or unit < 1 or size % unit or (size // unit) % world_size:
+        raise ValueError("bad shard")
+    return size // world_size
+
+
+@mistake("ex21", "column_shard")
+def column_shard_rank_off_by_one(weight, rank, world_size, unit=1):
+    """Ranks counted from 1: rank r takes the rows of rank r + 1 (the last rank's block runs off the end)."""
+    n = _shard_checked(weight.shape[0], rank, world_size, unit)
+    return weight[(rank + 1) * n:(rank + 2) * n]  # MISTAKE: rank · n
+
+
+@mistake("ex21", "column_shard")
+def column_shard_splits_the_columns(weight, rank, world_size, unit=1):
+    """Splits in_features: a column-parallel layer named after its columns, but it keeps whole output rows."""
+    n = _shard_checked(weight.shape[-1], rank, world_size, unit)
+    return weight[..., rank * n:(rank + 1) * n]  # MISTAKE: weight[rank · n : (rank + 1) · n]
+
+
+@mistake("ex21", "column_shard")
+def column_shard_cuts_heads(weight, rank, world_size, unit=1):
+    """Checks only that the rows split N ways, not the heads: 2 heads over 3 ranks cut each head in pieces."""
+    if world_size < 1 or not 0 <= rank < world_size or unit < 1 or weight.shape[0] % world_size:  # MISTAKE: units
+        raise ValueError("bad shard")
+    n = weight.shape[0] // world_size
+    return weight[rank * n:(rank + 1) * n]
+
+
+@mistake("ex21", "column_shard")
+def column_shard_round_robin(weight, rank, world_size, unit=1):
+    """Rows r, r + N, r + 2N, ...: every head's dimensions dealt out to all the ranks."""
+    _shard_checked(weight.shape[0], rank, world_size, unit)
+    return weight[rank::world_size]  # MISTAKE: a contiguous block of whole heads
+
+
+@mistake("ex21", "column_shard")
+def column_shard_without_checks(weight, rank, world_size, unit=1):
+    """No check of rank, world_size or the units: a bad rank gives an empty or short slice, not a ValueError."""
+    n = weight.shape[0] // max(world_size, 1)  # MISTAKE: ValueError for what does not split
+    return weight[rank * n:(rank + 1) * n]
+
+
+@mistake("ex21", "row_shard")
+def row_shard_splits_the_rows(weight, rank, world_size, unit=1):
+    """Splits out_features like column_shard: o_proj's output rows, so each rank's sum covers part of d_model."""
+    if weight.dim() != 2:
+        raise ValueError("2-D")
+    return _column_shard(weight, rank, world_size, unit)  # MISTAKE: weight[:, columns]
+
+
+@mistake("ex21", "row_shard")
+def row_shard_takes_the_other_ranks_columns(weight, rank, world_size, unit=1):
+    """Rank r takes rank N-1-r's columns: they no longer read the heads rank r computed."""
+    if weight.dim() != 2:
+        raise ValueError("2-D")
+    n = _shard_checked(weight.shape[1], rank, world_size, unit)
+    other = world_size - 1 - rank  # MISTAKE: rank
+    return weight[:, other * n:(other + 1) * n]
+
+
+@mistake("ex21", "row_shard")
+def row_shard_accepts_a_bias(weight, rank, world_size, unit=1):
+    """No check for a 2-D weight: a bias [out] gets sliced, though a row-parallel bias is added once, whole."""
+    n = _shard_checked(weight.shape[-1], rank, world_size, unit)  # MISTAKE: ValueError unless weight is 2-D
+    return weight[..., rank * n:(rank + 1) * n]
+
+
+def _heads_checked(config, rank, world_size):
+    if world_size < 1 or not 0 <= rank < world_size or config.n_heads % world_size or config.n_kv_heads % world_size:
+        raise ValueError("bad split")
+    return config.n_heads // world_size, config.n_kv_heads // world_size
+
+
+@mistake("ex21", "heads_of_rank")
+def heads_kv_split_like_the_query_heads(config, rank, world_size):
+    """K/V heads r·H/N .. (r+1)·H/N - 1: the query heads' block, as if every query head had a K/V head."""
+    q, _ = _heads_checked(config, rank, world_size)
+    return range(rank * q, (rank + 1) * q), range(rank * q, (rank + 1) * q)  # MISTAKE: n_kv_heads / N
+
+
+@mistake("ex21", "heads_of_rank")
+def heads_kv_replicated_on_every_rank(config, rank, world_size):
+    """Every rank keeps all K/V heads: N copies of the KV cache, and each rank's k_proj is not its shard."""
+    q, _ = _heads_checked(config, rank, world_size)
+    return range(rank * q, (rank + 1) * q), range(config.n_kv_heads)  # MISTAKE: this rank's Hkv/N heads
+
+
+@mistake("ex21", "heads_of_rank")
+def heads_gqa_group_from_n_kv_heads(config, rank, world_size):
+    """The K/V heads from the query heads divided by n_kv_heads, not by the group size H/Hkv."""
+    q, _ = _heads_checked(config, rank, world_size)
+    first, last = rank * q, (rank + 1) * q
+    return range(first, last), range(first // config.n_kv_heads, last // config.n_kv_heads)  # MISTAKE: // (H/Hkv)
+
+
+@mistake("ex21", "heads_of_rank")
+def heads_round_robin(config, rank, world_size):
+    """Heads r, r + N, r + 2N, ...: not the contiguous blocks column_shard cuts q_proj and k_proj into."""
+    _heads_checked(config, rank, world_size)
+    return range(rank, config.n_heads, world_size), range(rank, config.n_kv_heads, world_size)  # MISTAKE: blocks
+
+
+@mistake("ex21", "heads_of_rank")
+def heads_check_only_the_query_heads(config, rank, world_size):
+    """Checks that N divides n_heads but not n_kv_heads: 3 K/V heads 'split' over 9 ranks."""
+    if world_size < 1 or not 0 <= rank < world_size or config.n_heads % world_size:  # MISTAKE: and n_kv_heads
+        raise ValueError("bad split")
+    q, kv = config.n_heads // world_size, config.n_kv_heads // world_size
+    return range(rank * q, (rank + 1) * q), range(rank * kv, (rank + 1) * kv)
+
+
+def _bytes_checked(n_tokens, world_size, dtype_bytes):
+    if n_tokens < 0 or world_size < 1 or dtype_bytes < 1:
+        raise ValueError("bad input")
+
+
+@mistake("ex21", "all_reduce_bytes_per_layer")
+def all_reduce_bytes_forgets_the_ring_factor(config, n_tokens, world_size, dtype_bytes):
+    """2 · tensor: each all-reduce sends the whole tensor once, the ring's 2(N-1)/N forgotten."""
+    _bytes_checked(n_tokens, world_size, dtype_bytes)
+    return float(2 * n_tokens * config.d_model * dtype_bytes) if world_size > 1 else 0.0  # MISTAKE: · 2(N-1)/N
+
+
+@mistake("ex21", "all_reduce_bytes_per_layer")
+def all_reduce_bytes_one_all_reduce_per_layer(config, n_tokens, world_size, dtype_bytes):
+    """One all-reduce a layer: the one after the MLP, forgetting the one after attention's o_proj."""
+    return _all_reduce_bytes(config, n_tokens, world_size, dtype_bytes) / 2  # MISTAKE: 2 all-reduces a layer
+
+
+@mistake("ex21", "all_reduce_bytes_per_layer")
+def all_reduce_bytes_in_float32(config, n_tokens, world_size, dtype_bytes):
+    """The activations counted as float32 (4 bytes) whatever the model's dtype."""
+    _bytes_checked(n_tokens, world_size, dtype_bytes)
+    return _all_reduce_bytes(config, n_tokens, world_size, 4)  # MISTAKE: dtype_bytes
+
+
+@mistake("ex21", "all_reduce_bytes_per_layer")
+def all_reduce_bytes_naive_ring(config, n_tokens, world_size, dtype_bytes):
+    """2(N-1) · tensor per all-reduce: whole tensors passed round the ring, not 1/N chunks of them."""
+    _bytes_checked(n_tokens, world_size, dtype_bytes)
+    return 2 * 2 * (world_size - 1) * n_tokens * config.d_model * dtype_bytes * 1.0  # MISTAKE: / N
+
+
+@mistake("ex21", "all_reduce_bytes_per_layer")
+def all_reduce_bytes_of_the_whole_ring(config, n_tokens, world_size, dtype_bytes):
+    """N · 2(N-1)/N: the bytes all ranks send together, not what each rank sends."""
+    return world_size * _all_reduce_bytes(config, n_tokens, world_size, dtype_bytes)  # MISTAKE: per rank
+
+
+@mistake("ex21", "all_reduce_bytes_per_layer")
+def all_reduce_bytes_mlp_sized_by_d_mlp(config, n_tokens, world_size, dtype_bytes):
+    """The MLP's all-reduce sized [n_tokens, d_mlp]: down_proj's output is d_model wide, its input d_mlp."""
+    _bytes_checked(n_tokens, world_size, dtype_bytes)
+    ring = 2 * (world_size - 1) / world_size
+    return ring * n_tokens * (config.d_model + config.d_mlp) * dtype_bytes  # MISTAKE: d_model twice
+
+
+@mistake("ex21", "all_reduce_bytes_per_layer")
+def all_reduce_bytes_times_n_layers(config, n_tokens, world_size, dtype_bytes):
+    """Multiplied by n_layers: a whole pass, not one layer."""
+    return config.n_layers * _all_reduce_bytes(config, n_tokens, world_size, dtype_bytes)  # MISTAKE: one layer
+
+
+@mistake("ex21", "all_reduce_bytes_per_layer")
+def all_reduce_bytes_one_over_n_of_the_tensor(config, n_tokens, world_size, dtype_bytes):
+    """Each rank sends its 1/N share once per all-reduce: 2 · tensor / N, not 2 · 2(N-1)/N · tensor."""
+    _bytes_checked(n_tokens, world_size, dtype_bytes)
+    return 2 * n_tokens * config.d_model * dtype_bytes / world_size  # MISTAKE: 2(N-1)/N per all-reduce

@@ -115,6 +115,11 @@ EXERCISES = {ex.id: ex for ex in [
              "lessons/09-optimisations.md#how-many-tokens-a-pass-makes",
              {"expected_tokens_per_pass": "minillm.speculative", "speculative_speedup": "minillm.speculative"},
              ("expected_tokens_per_pass", "speculative_speedup")),
+    Exercise("ex21", "TP shards, all-reduce bytes", "ex21_tensor_parallel",
+             "lessons/12-tensor-parallelism.md#the-megatron-split-of-one-layer",
+             {"column_shard": "minillm.distributed.tensor_parallel", "row_shard": "minillm.distributed.tensor_parallel",
+              "heads_of_rank": "minillm.distributed.tensor_parallel", "all_reduce_bytes_per_layer": "minillm.costs"},
+             ("column_shard", "row_shard", "heads_of_rank", "all_reduce_bytes_per_layer")),
 ]}
 
 

@@ -40,6 +40,18 @@ REQUIRED = {
     "speedup_ignores_the_verify_cost": "ex20",
     "speedup_runs_the_draft_k_plus_1_times": "ex20",
     "speedup_never_checks_the_costs": "ex20",
+    # issue 33 (ex21): the rank off by one, heads cut mid-head, the GQA group, the ring's 2(N-1)/N, two
+    # all-reduces a layer, the model's dtype
+    "column_shard_rank_off_by_one": "ex21",
+    "column_shard_cuts_heads": "ex21",
+    "column_shard_round_robin": "ex21",
+    "row_shard_splits_the_rows": "ex21",
+    "heads_kv_split_like_the_query_heads": "ex21",
+    "heads_gqa_group_from_n_kv_heads": "ex21",
+    "all_reduce_bytes_forgets_the_ring_factor": "ex21",
+    "all_reduce_bytes_one_all_reduce_per_layer": "ex21",
+    "all_reduce_bytes_in_float32": "ex21",
+    "all_reduce_bytes_mlp_sized_by_d_mlp": "ex21",
     "attention_without_scale": "ex02",
     "mask_off_by_one": "ex01",
     "rope_positions_restart_at_zero": "ex03",
