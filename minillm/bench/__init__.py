@@ -17,6 +17,8 @@ The serving benchmark (``minillm bench-serving``), on the batching engine of :mo
     workload.py        seeded Poisson arrivals, prompt and output lengths
     http_client.py     the same workload sent to a server over HTTP, timed on the client
     metrics_scrape.py  a server's own latencies from two /metrics scrapes (before/after a run)
+    peers.py           the peers (vLLM's CPU build, llama-server, transformers) started as servers for it
+    transformers_cb_server.py  transformers' continuous batching behind /v1/completions (token ids, ignore_eos)
 
 The floors come from the cost model (:mod:`minillm.costs`) and the calibrated peaks
 (:func:`minillm.hardware.get_hardware`), via :func:`minillm.hardware.roofline`:

