@@ -49,6 +49,7 @@ from . import kernels
 from .attention import FastAttention, c_decode_fits
 from .compile import compile_decode_step
 from .packing import PackedSwiGLU, Stack, relayout
+from .paged_attention import use_fast_paged_attention
 from .products import LINEARS, swap_class
 
 ENV_VAR = "MINILLM_DECODE_PATH"
@@ -144,6 +145,7 @@ def apply_decode_path(model: Transformer, name: str) -> Transformer:
             if id(p) in originals:
                 setattr(module, param_name, torch.nn.Parameter(p.detach().clone(), requires_grad=False))
     model.compiled_decode = _compiled_step() if path.compiled else None
+    use_fast_paged_attention(model)  # the serving engine's decodes: attention over the pool's blocks in C
     model.decode_path = path.name
     return model
 

@@ -163,6 +163,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i64, i64, i64, i64,
                                      ctypes.c_float, i32]
     lib.decode_attention.restype = i32
+    lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32,
+                                           ctypes.c_float, i32]
+    lib.paged_decode_attention.restype = i32
     return lib
 
 
@@ -445,3 +448,52 @@ def _decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: tor
     if status:
         raise MemoryError("decode_attention could not allocate its partial results")
     return out
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                           first: torch.Tensor, last: torch.Tensor, scale: float, check: bool = True) -> torch.Tensor:
+    """Decode attention read from a paged pool in place (matvec_kernels.c's ``paged_decode_attention``).
+
+    q [B, heads, head_dim] float32; k_pool, v_pool one layer's pool [num_blocks, block_size, kv_heads,
+    head_dim] float32, contiguous; block_tables [B, max_blocks] int64; first, last [B] int64: sequence b
+    attends over its positions first[b] <= j < last[b]. Returns [B, heads, head_dim] float32, softmax(scale ·
+    q·kᵀ) · v over those keys. Raises ValueError for other shapes, dtypes or devices, or (with ``check``)
+    a block id outside the pool or a range outside its table (a caller that calls once a layer with the
+    same tables checks them once: the check reads the tensors, ~0.1 ms); MemoryError when the partial
+    results cannot be allocated.
+    """
+    B, n_heads, head_dim = q.shape if q.dim() == 3 else (0, 0, 0)
+    num_blocks, block_size, kv_heads = k_pool.shape[:3] if k_pool.dim() == 4 else (0, 0, 0)
+    ok = (B > 0 and head_dim % 8 == 0 and head_dim > 0 and k_pool.shape == v_pool.shape
+          and k_pool.shape[3] == head_dim and kv_heads > 0 and n_heads % kv_heads == 0
+          and q.dtype == k_pool.dtype == v_pool.dtype == torch.float32
+          and q.device.type == k_pool.device.type == v_pool.device.type == "cpu"
+          and k_pool.is_contiguous() and v_pool.is_contiguous()
+          and block_tables.dim() == 2 and block_tables.shape[0] == B and first.shape == last.shape == (B,)
+          and block_tables.dtype == first.dtype == last.dtype == torch.int64
+          and block_tables.device.type == first.device.type == last.device.type == "cpu")
+    if not ok or (check and not paged_ranges_fit(block_tables, first, last, num_blocks, block_size)):
+        raise ValueError(f"paged_decode_attention takes float32 CPU q [B, heads, D] (D a multiple of 8), contiguous "
+                         f"pools [num_blocks, block_size, kv_heads, D], int64 block_tables [B, max_blocks] of the "
+                         f"pool's blocks and int64 first < last [B] within the tables; got q {q.dtype} "
+                         f"{list(q.shape)}, k_pool {k_pool.dtype} {list(k_pool.shape)}, block_tables "
+                         f"{block_tables.dtype} {list(block_tables.shape)}, first {first.tolist()}, "
+                         f"last {last.tolist()}")
+    keys_per_task = max(n for n in range(1, 33) if block_size % n == 0)  # a chunk within one block, <= 32 keys
+    tables, first, last = block_tables.contiguous(), first.contiguous(), last.contiguous()
+    q, out = q.contiguous(), _output(B, n_heads, head_dim)
+    status = kernels().paged_decode_attention(
+        q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(), first.data_ptr(),
+        last.data_ptr(), B, n_heads, kv_heads, head_dim, block_size, tables.shape[1], keys_per_task, scale,
+        torch.get_num_threads())
+    if status:
+        raise MemoryError("paged_decode_attention could not allocate its partial results")
+    return out
+
+
+def paged_ranges_fit(block_tables: torch.Tensor, first: torch.Tensor, last: torch.Tensor, num_blocks: int,
+                      block_size: int) -> bool:
+    """0 <= first < last <= the tables' positions, and every block id a block of the pool."""
+    return (bool((first >= 0).all()) and bool((first < last).all())
+            and int(last.max()) <= block_tables.shape[1] * block_size
+            and 0 <= int(block_tables.min()) and int(block_tables.max()) < num_blocks)

@@ -262,9 +262,9 @@ static __m256 hsum8(const __m256 *a) {
 }
 #endif
 
-/* s[j] = scale · q·k_j for n <= KEYS_PER_TASK rows of k (D apart); returns max_j s[j]. AVX2: 8 keys
- * at a time, each its own vector sum, the 8 reduced together. */
-static float scores(const float *q, const float *k, int n, int D, float scale, float *s) {
+/* s[j] = scale · q·k_j for n <= KEYS_PER_TASK rows of k (`stride` floats apart); returns max_j s[j].
+ * AVX2: 8 keys at a time, each its own vector sum, the 8 reduced together. */
+static float scores(const float *q, const float *k, int n, int D, int64_t stride, float scale, float *s) {
     int j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     for (; j + 8 <= n; j += 8) {
@@ -273,14 +273,14 @@ static float scores(const float *q, const float *k, int n, int D, float scale, f
         for (int d = 0; d < D; d += 8) {
             __m256 qd = _mm256_loadu_ps(q + d);
             for (int u = 0; u < 8; u++)
-                acc[u] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + (int64_t)(j + u) * D + d), acc[u]);
+                acc[u] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + (int64_t)(j + u) * stride + d), acc[u]);
         }
         _mm256_storeu_ps(s + j, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
     }
 #endif
     for (; j < n; j++) {
         float sum = 0.0f;
-        for (int d = 0; d < D; d++) sum += q[d] * k[(int64_t)j * D + d];
+        for (int d = 0; d < D; d++) sum += q[d] * k[(int64_t)j * stride + d];
         s[j] = scale * sum;
     }
     float m = -INFINITY;
@@ -306,8 +306,9 @@ static float exps(float *s, int n, float m) {
     return l;
 }
 
-/* acc[0:D] = Σ_j p[j] · v_j over n rows of v (D apart). AVX2: 64 columns at a time, in 8 vector sums. */
-static void weighted_sum(const float *p, const float *v, int n, int D, float *acc) {
+/* acc[0:D] = Σ_j p[j] · v_j over n rows of v (`stride` floats apart). AVX2: 64 columns at a time, in 8
+ * vector sums. */
+static void weighted_sum(const float *p, const float *v, int n, int D, int64_t stride, float *acc) {
     int d = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     for (; d + 64 <= D; d += 64) {
@@ -316,15 +317,29 @@ static void weighted_sum(const float *p, const float *v, int n, int D, float *ac
         for (int j = 0; j < n; j++) {
             __m256 pj = _mm256_set1_ps(p[j]);
             for (int u = 0; u < 8; u++)
-                sum[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + (int64_t)j * D + d + 8 * u), sum[u]);
+                sum[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + (int64_t)j * stride + d + 8 * u), sum[u]);
         }
         for (int u = 0; u < 8; u++) _mm256_storeu_ps(acc + d + 8 * u, sum[u]);
     }
 #endif
     for (; d < D; d++) {
         acc[d] = 0.0f;
-        for (int j = 0; j < n; j++) acc[d] += p[j] * v[(int64_t)j * D + d];
+        for (int j = 0; j < n; j++) acc[d] += p[j] * v[(int64_t)j * stride + d];
     }
+}
+
+/* out[0:D] from the partials of chunks first..last-1 (`part` floats apart: acc[D], m, l), D + 2 numbers a
+ * chunk: out = Σ_c exp(m_c - M) · acc_c / Σ_c exp(m_c - M) · l_c, M = max_c m_c. */
+static void merge(const float *p, int first, int last, int64_t part, int D, float *o) {
+    float M = -INFINITY, L = 0.0f;
+    for (int c = first; c < last; c++) M = p[c * part + D] > M ? p[c * part + D] : M;
+    for (int d = 0; d < D; d++) o[d] = 0.0f;
+    for (int c = first; c < last; c++) {
+        float w = expf(p[c * part + D] - M);
+        L += w * p[c * part + D + 1];
+        for (int d = 0; d < D; d++) o[d] += w * p[c * part + d];
+    }
+    for (int d = 0; d < D; d++) o[d] /= L;
 }
 
 /* Layouts: q, out float32 [batch, heads, head_dim]; k, v float32 with each head's rows contiguous
@@ -347,23 +362,62 @@ int decode_attention(const float *q, const float *k, const float *v, float *out,
         for (int g = 0; g < G; g++) {
             int64_t bh = (int64_t)b * heads + kvh * G + g;
             float *acc = partials + (bh * chunks + c) * part, *s = acc + D + 2;
-            float m = scores(q + bh * D, kc, n, D, scale, s), l = exps(s, n, m);
-            weighted_sum(s, vc, n, D, acc);
+            float m = scores(q + bh * D, kc, n, D, D, scale, s), l = exps(s, n, m);
+            weighted_sum(s, vc, n, D, D, acc);
             acc[D] = m;
             acc[D + 1] = l;
         }
     }
-    for (int bh = 0; bh < batch * heads; bh++) {  /* the merge: D + 2 numbers a chunk */
-        const float *p = partials + (int64_t)bh * chunks * part;
-        float M = -INFINITY, L = 0.0f, *o = out + (int64_t)bh * D;
-        for (int c = 0; c < chunks; c++) M = p[c * part + D] > M ? p[c * part + D] : M;
-        for (int d = 0; d < D; d++) o[d] = 0.0f;
-        for (int c = 0; c < chunks; c++) {
-            float w = expf(p[c * part + D] - M);
-            L += w * p[c * part + D + 1];
-            for (int d = 0; d < D; d++) o[d] += w * p[c * part + d];
+    for (int bh = 0; bh < batch * heads; bh++)
+        merge(partials + (int64_t)bh * chunks * part, 0, chunks, part, D, out + (int64_t)bh * D);
+    free(partials);
+    return 0;
+}
+
+/* Decode attention over the paged pool (minillm/serving/paged_cache.py), reading each sequence's blocks
+ * where they lie instead of gathering them into a contiguous copy first (vLLM's paged_attention kernel
+ * does the same on a GPU). The same split-K as decode_attention, a chunk being `keys_per_task` keys of
+ * one block (it divides block_size, at most KEYS_PER_TASK):
+ *
+ *   key j of sequence b:  pool[tables[b, j / block_size], j % block_size, kv head, :]
+ *
+ * Sequence b attends over its keys first[b] <= j < last[b] (first > 0: a sliding window).
+ * Layouts: q, out float32 [batch, heads, head_dim]; k_pool, v_pool one layer's float32
+ * [num_blocks, block_size, kv_heads, head_dim], contiguous; tables int64 [batch, max_blocks]; first,
+ * last int64 [batch]. Returns 0, or 1 when the partials cannot be allocated. */
+int paged_decode_attention(const float *q, const float *k_pool, const float *v_pool, float *out,
+                           const int64_t *tables, const int64_t *first, const int64_t *last, int batch,
+                           int heads, int kv_heads, int head_dim, int block_size, int max_blocks,
+                           int keys_per_task, float scale, int threads) {
+    int G = heads / kv_heads, D = head_dim, per_block = block_size / keys_per_task;
+    int chunks = max_blocks * per_block;
+    int64_t part = D + 2 + KEYS_PER_TASK, row = (int64_t)kv_heads * D;  /* row: one position's K of all heads */
+    float *partials = (float *)malloc(sizeof(float) * (size_t)batch * heads * chunks * part);
+    if (partials == NULL) return 1;
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
+    for (int task = 0; task < batch * kv_heads * chunks; task++) {
+        int b = task / (kv_heads * chunks), kvh = task / chunks % kv_heads, c = task % chunks;
+        int64_t start = (int64_t)c * keys_per_task, end = start + keys_per_task;
+        start = start > first[b] ? start : first[b];
+        end = end < last[b] ? end : last[b];
+        if (start >= end) continue;  /* outside this sequence's keys: the merge skips it */
+        int64_t block = tables[(int64_t)b * max_blocks + start / block_size];
+        int64_t offset = (block * block_size + start % block_size) * row + (int64_t)kvh * D;
+        int n = (int)(end - start);
+        for (int g = 0; g < G; g++) {
+            int64_t bh = (int64_t)b * heads + kvh * G + g;
+            float *acc = partials + (bh * chunks + c) * part, *s = acc + D + 2;
+            float m = scores(q + bh * D, k_pool + offset, n, D, row, scale, s), l = exps(s, n, m);
+            weighted_sum(s, v_pool + offset, n, D, row, acc);
+            acc[D] = m;
+            acc[D + 1] = l;
         }
-        for (int d = 0; d < D; d++) o[d] /= L;
+    }
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int bh = 0; bh < batch * heads; bh++) {
+        int b = bh / heads;
+        merge(partials + (int64_t)bh * chunks * part, (int)(first[b] / keys_per_task),
+              (int)((last[b] + keys_per_task - 1) / keys_per_task), part, D, out + (int64_t)bh * D);
     }
     free(partials);
     return 0;

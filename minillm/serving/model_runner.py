@@ -43,11 +43,13 @@ def prompt_logits_spans(scheduled: ScheduledBatch) -> list[tuple[Request, int, i
     return spans
 
 
-def prepare_batch(cache: PagedKVCache, scheduled: ScheduledBatch) -> tuple[PagedBatch, list[Request]]:
+def prepare_batch(cache: PagedKVCache, scheduled: ScheduledBatch, batch_cls=PagedBatch
+                  ) -> tuple[PagedBatch, list[Request]]:
     """Lay the scheduled tokens end to end (see :class:`PagedBatch`).
 
-    Returns the batch and the requests that sample this step, in the order of its logits rows;
-    the rows of :func:`prompt_logits_spans` follow theirs, span after span.
+    Returns the batch (built by ``batch_cls``, PagedBatch's arguments) and the requests that sample
+    this step, in the order of its logits rows; the rows of :func:`prompt_logits_spans` follow theirs,
+    span after span.
     """
     device, block_size = cache.k.device, cache.block_size
     tables = cache.allocator.block_tables
@@ -76,7 +78,7 @@ def prepare_batch(cache: PagedKVCache, scheduled: ScheduledBatch) -> tuple[Paged
     width = max((len(t) for t in decode_tables), default=1)
     padded = [t + [0] * (width - len(t)) for t in decode_tables]  # block 0 is a stand-in: masked out
     as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-    batch = PagedBatch(cache, as_long(token_ids), as_long(positions), as_long(slots), as_long(decode_rows),
+    batch = batch_cls(cache, as_long(token_ids), as_long(positions), as_long(slots), as_long(decode_rows),
                        as_long(padded).reshape(len(padded), width), as_long(decode_lens), prefills,
                        as_long(logits_rows))
     return batch, sampling
@@ -95,8 +97,9 @@ def run_model(model, cache: PagedKVCache, scheduled: ScheduledBatch) -> tuple[li
     """One forward pass over the scheduled tokens: (requests that sample, their logits [R, vocab] float32).
 
     With prompt logprobs asked, the logits hold more rows: the R sampling rows, then those of
-    :func:`prompt_logits_spans` in its order."""
-    batch, sampling = prepare_batch(cache, scheduled)
+    :func:`prompt_logits_spans` in its order. The speed layer may give the model its own batch
+    (``model.paged_batch``: attention over the blocks in place, minillm/fast/paged_attention.py)."""
+    batch, sampling = prepare_batch(cache, scheduled, getattr(model, "paged_batch", None) or PagedBatch)
     return sampling, forward_batch(model, batch)
 
 

@@ -97,16 +97,20 @@ class PagedBatch:
         self.cache.write(layer, k[0].transpose(0, 1), v[0].transpose(0, 1), self.slots)
         out = torch.empty_like(q)
         if len(self.decode_rows):
-            keys, values = self.cache.gather(layer, self.decode_block_tables)  # [B_dec, n_kv_heads, S, head_dim]
-            q_dec = q[0, :, self.decode_rows].transpose(0, 1).unsqueeze(2)  # [B_dec, n_heads, 1, head_dim]
-            o = attention(q_dec, keys, values, self._decode_mask(window))
-            out[0, :, self.decode_rows] = o.squeeze(2).transpose(0, 1)
+            q_dec = q[0, :, self.decode_rows].transpose(0, 1)  # [B_dec, n_heads, head_dim]
+            out[0, :, self.decode_rows] = self.attend_decodes(layer, q_dec, attention, window).transpose(0, 1)
         for chunk in self.prefills:
             keys, values = self.cache.gather(layer, chunk.block_table[None])
             keys, values = keys[:, :, : chunk.context_len], values[:, :, : chunk.context_len]
             mask = causal_mask(chunk.end - chunk.start, chunk.context_len, q.device, window)
             out[:, :, chunk.start : chunk.end] = attention(q[:, :, chunk.start : chunk.end], keys, values, mask)
         return out
+
+    def attend_decodes(self, layer: int, q_dec: torch.Tensor, attention, window: int | None) -> torch.Tensor:
+        """The decodes' attention, all in one call: q_dec [B_dec, n_heads, head_dim] (one query each) ->
+        [B_dec, n_heads, head_dim], each over its own K/V, gathered and padded to the longest, masked."""
+        keys, values = self.cache.gather(layer, self.decode_block_tables)  # [B_dec, n_kv_heads, S, head_dim]
+        return attention(q_dec.unsqueeze(2), keys, values, self._decode_mask(window)).squeeze(2)
 
 
 def forward_batch(model: Transformer, batch: PagedBatch) -> torch.Tensor:

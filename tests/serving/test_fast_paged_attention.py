@@ -1,0 +1,110 @@
+"""The fast paged decode attention (minillm/fast/paged_attention.py) against the reference path.
+
+The kernel: random pools with shuffled block tables, lengths that end inside a block, GQA, block sizes
+below, at and above the kernel's 32 keys a task, and sliding windows, against the reference's gather
+and masked SDPA. The engine: the same requests through the reference batch and the fast one give the
+same greedy tokens and the same logits within float32 rounding, on tiny models and SmolLM2-135M.
+"""
+
+import pytest
+import torch
+
+import minillm.serving.engine as engine_module
+from minillm import LLMEngine, SamplingParams
+from minillm.fast import kernels
+from minillm.fast.paged_attention import FastPagedBatch
+from minillm.model import sdpa_attention
+from minillm.serving.model_runner import run_model
+from minillm.serving.paged_cache import PagedKVCache
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C kernels need a C compiler")
+
+
+def reference(q, cache, layer, tables, lens, window):
+    """The reference path: gather, mask past each length (and before the window), SDPA."""
+    keys, values = cache.gather(layer, tables)
+    positions = torch.arange(keys.shape[2])
+    mask = positions[None] < lens[:, None]
+    if window is not None:
+        mask &= positions[None] >= lens[:, None] - window
+    return sdpa_attention(q.unsqueeze(2), keys, values, mask[:, None, None]).squeeze(2)
+
+
+@pytest.mark.parametrize("block_size", [4, 16, 48])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(6, 2, 16), (9, 3, 64), (4, 4, 8)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_kernel_equals_gather_and_sdpa(block_size, heads, kv_heads, head_dim, window):
+    g = torch.Generator().manual_seed(block_size + heads + head_dim)
+    num_blocks, max_blocks, layer = 40, 6, 1
+    cache = PagedKVCache(2, kv_heads, head_dim, num_blocks, block_size)
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+    lens = torch.tensor([1, block_size, block_size + 1, max_blocks * block_size, 2 * block_size - 1])
+    tables = torch.randperm(num_blocks, generator=g)[: len(lens) * max_blocks].reshape(len(lens), max_blocks)
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    first = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
+    got = kernels.paged_decode_attention(q, cache.k[layer], cache.v[layer], tables, first, lens, 0.3)
+    want = reference(q * 0.3 * head_dim**0.5, cache, layer, tables, lens, window)  # SDPA scales by 1/√D
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_kernel_refuses_tables_outside_the_pool():
+    cache = PagedKVCache(1, 2, 16, 8, 4)
+    q, lens = torch.randn(1, 2, 16), torch.tensor([5])
+    with pytest.raises(ValueError, match="block_tables"):  # block 8 of an 8-block pool
+        kernels.paged_decode_attention(q, cache.k[0], cache.v[0], torch.tensor([[0, 8]]), lens * 0, lens, 1.0)
+    with pytest.raises(ValueError, match="block_tables"):  # 9 positions, 2 blocks of 4
+        kernels.paged_decode_attention(q, cache.k[0], cache.v[0], torch.tensor([[0, 1]]), lens * 0, lens + 4, 1.0)
+
+
+def run(model, prompts, paged_batch, monkeypatch, max_new_tokens, **knobs):
+    """Greedy tokens and every sampled logits row, with ``model.paged_batch`` set for this run."""
+    monkeypatch.setattr(model, "paged_batch", paged_batch, raising=False)
+    rows = []
+
+    def recording_run_model(model, cache, scheduled):
+        sampling, logits = run_model(model, cache, scheduled)
+        rows.append(logits.clone())
+        return sampling, logits
+
+    monkeypatch.setattr(engine_module, "run_model", recording_run_model)
+    engine = LLMEngine(model, eos_token_ids=(), **knobs)
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))
+    monkeypatch.undo()
+    return [o.token_ids for o in outputs], torch.cat(rows)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen3", "gpt2", "llama_mqa_tied"])
+def test_engine_fast_equals_reference_on_tiny_models(tiny_model, monkeypatch, name):
+    model = tiny_model(name)
+    assert model.paged_batch.func is FastPagedBatch
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 4, 30, 9)]
+    knobs = dict(num_blocks=64, block_size=4, max_num_batched_tokens=16)  # chunks beside decodes
+    fast_tokens, fast_logits = run(model, prompts, model.paged_batch, monkeypatch, 10, **knobs)
+    ref_tokens, ref_logits = run(model, prompts, None, monkeypatch, 10, **knobs)
+    assert fast_tokens == ref_tokens
+    torch.testing.assert_close(fast_logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_engine_fast_equals_reference_on_smollm2(smollm2, monkeypatch):
+    model, _ = smollm2
+    assert model.paged_batch is not None and model.paged_batch.func is FastPagedBatch
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (5, 40, 21)]
+    knobs = dict(num_blocks=16, max_num_batched_tokens=32)  # the 40-token prompt in two chunks, beside decodes
+    fast_tokens, fast_logits = run(model, prompts, model.paged_batch, monkeypatch, 4, **knobs)
+    ref_tokens, ref_logits = run(model, prompts, None, monkeypatch, 4, **knobs)
+    assert fast_tokens == ref_tokens
+    torch.testing.assert_close(fast_logits, ref_logits, atol=1e-3, rtol=1e-4)
+
+
+def test_no_fast_model_runs_the_reference(tmp_path):
+    from tiny_models import CONFIGS, build_hf, save_hf
+
+    import minillm
+
+    family, kwargs = CONFIGS["llama_gqa"]
+    folder = save_hf(build_hf(family, kwargs), tmp_path)
+    assert getattr(minillm.load_model(folder, device="cpu", fast=False), "paged_batch", None) is None
+    assert minillm.load_model(folder, device="cpu").paged_batch.func is FastPagedBatch
