@@ -150,7 +150,7 @@ def test_c_kernel_equals_dequantise_then_linear(fmt, out_features, in_features, 
     assert layer._kernels_apply(x)
     fast, reference = layer._product(x), layer.forward_reference(x)
     assert (fast - reference).abs().max() <= 1e-5 * reference.abs().max()
-    assert torch.equal(layer(x), fast)  # (at most QUANTIZED_MAX_ROWS rows: the product in C)
+    assert torch.equal(layer(x), fast)  # (at most QUANTIZED_TILED_MAX_ROWS rows: the products in C)
     assert (layer._unpacked() - layer.dequantize()).abs().max() <= 1e-6 * layer.dequantize().abs().max()
 
 

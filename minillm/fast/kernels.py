@@ -20,6 +20,11 @@ and 59-66 ms for one-core ``F.linear`` (same session); the "matvec" decode paths
 there the C loops only unpack each matrix to float (int4: 31 ms for SmolLM2's blocks, 204 ms in
 PyTorch) for one float product.
 
+Between the two, a serving step's batch of decodes (4-256 rows: one a sequence) runs
+:func:`int8_matmul` / :func:`int4_matmul`: each thread dequantises a tile of the matrix into a float
+buffer that stays in cache, once, and multiplies it with every row (benchmarks/quantized_batches.py
+has the numbers against float32).
+
 Decode's attention is here too (:func:`decode_attention`, on the "matvec" decode paths): one query
 a sequence against the cache reads each layer's K and V once for a few FLOPs a byte, and SDPA's CPU
 kernel spends its time elsewhere: on the developers' EPYC this loop took a compiled SmolLM2 step
@@ -159,6 +164,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.int4_dequantize.restype = None
     lib.int8_dequantize.argtypes = [ptr, ptr, ptr, i32, i32, i32]
     lib.int8_dequantize.restype = None
+    lib.int8_matmul.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i32, i32]
+    lib.int8_matmul.restype = i32
+    lib.int4_matmul.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32]
+    lib.int4_matmul.restype = i32
     i64 = ctypes.c_int64
     lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i64, i64, i64, i64,
                                      ctypes.c_float, i32]
@@ -225,6 +234,24 @@ def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     return _int4_dequantize(kernels(), packed, scale, zero, group_size)
 
 
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A batch of rows: x [rows, in] float32, q [out, in] int8, scale [out] float32 -> x @ ŵᵀ [rows, out]
+    float32, ŵ = q · scale[o], the matrix dequantised a tile at a time (matvec_kernels.c says how).
+
+    Same values as :func:`int8_matvec` up to float rounding; faster from a few rows (a serving step's
+    decodes), where int8_matvec widens every code once a row. Raises MemoryError when its scratch
+    buffers cannot be allocated."""
+    return _int8_matmul(kernels(), x, q, scale)
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                group_size: int) -> torch.Tensor:
+    """A batch of rows, int4 (the layouts of :func:`int4_matvec`): x @ ŵᵀ [rows, out] float32, ŵ = (q -
+    zero) · scale per group, the matrix dequantised a tile at a time. Needs G a multiple of 16 dividing
+    in. Raises MemoryError when its scratch buffers cannot be allocated."""
+    return _int4_matmul(kernels(), x, packed, scale, zero, group_size)
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: int | torch.Tensor,
                      scale: float) -> torch.Tensor:
     """Decode's attention: softmax(scale · q·kᵀ) · v over the first ``n_keys`` keys.
@@ -247,7 +274,7 @@ def _decode_attention_fake(q, k, v, n_keys):
     return q.new_empty(q.shape)
 
 
-# The same six as torch ops (torch.ops.minillm.f32_matvec, ...) for compiled code; eager code calls
+# The same kernels as torch ops (torch.ops.minillm.f32_matvec, ...) for compiled code; eager code calls
 # the functions above (an op's dispatch costs eager code ~20 us a call, 4 ms of a SmolLM2 decode
 # step). Here: their schemas and fakes (the output's shape and dtype, for tracing); their CPU
 # implementations come with prepare_for_compile.
@@ -261,6 +288,10 @@ _OPS = {
     "int8_dequantize": ("(Tensor q, Tensor scale) -> Tensor", lambda q, scale: scale.new_empty(q.shape)),
     "int4_dequantize": ("(Tensor packed, Tensor scale, Tensor zero, int group_size) -> Tensor",
                         lambda packed, scale, zero, group_size: scale.new_empty(packed.shape[0], packed.shape[1] * 2)),
+    "int8_matmul": ("(Tensor x, Tensor q, Tensor scale) -> Tensor",
+                    lambda x, q, scale: x.new_empty(x.shape[0], q.shape[0])),
+    "int4_matmul": ("(Tensor x, Tensor packed, Tensor scale, Tensor zero, int group_size) -> Tensor",
+                    lambda x, packed, scale, zero, group_size: x.new_empty(x.shape[0], packed.shape[0])),
     # n_keys a tensor: in a compiled step it is the position, data that changes every step
     "decode_attention": ("(Tensor q, Tensor k, Tensor v, Tensor n_keys, float scale) -> Tensor",
                          lambda q, k, v, n_keys, scale: _decode_attention_fake(q, k, v, n_keys)),
@@ -421,6 +452,29 @@ def _int4_dequantize(lib: ctypes.CDLL, packed: torch.Tensor, scale: torch.Tensor
     lib.int4_dequantize(packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), w.data_ptr(),
                         out, in_features, group_size, torch.get_num_threads())
     return w
+
+
+def _int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    _check_codes("int8_matmul", q, scale, x=x)
+    x = x.contiguous()
+    y = _output(x.shape[0], q.shape[0])
+    status = lib.int8_matmul(x.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(),
+                             x.shape[0], q.shape[0], q.shape[1], torch.get_num_threads())
+    if status:
+        raise MemoryError(f"int8_matmul could not allocate {x.numel() * 4:,} bytes for a copy of x and a tile a thread")
+    return y
+
+
+def _int4_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                 zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    _check_codes("int4_matmul", packed, scale, zero, group_size, x)
+    x = x.contiguous()
+    y = _output(x.shape[0], packed.shape[0])
+    status = lib.int4_matmul(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), y.data_ptr(),
+                             x.shape[0], packed.shape[0], x.shape[1], group_size, torch.get_num_threads())
+    if status:
+        raise MemoryError(f"int4_matmul could not allocate {x.numel() * 4:,} bytes for a copy of x and a tile a thread")
+    return y
 
 
 def _decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

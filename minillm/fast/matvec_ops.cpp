@@ -18,6 +18,7 @@
 #include <math.h>  /* the C file's headers, included first as C++: within extern "C" they are then skipped */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -89,6 +90,28 @@ at::Tensor int4_matvec_op(const at::Tensor &x, const at::Tensor &packed, const a
     return y;
 }
 
+at::Tensor int8_matmul_op(const at::Tensor &x, const at::Tensor &q, const at::Tensor &scale) {
+    check_codes(q, scale, nullptr, 0, "int8_matmul");
+    check_x(x, q.size(1), "int8_matmul");
+    at::Tensor xc = x.contiguous(), y = output(xc, q.size(0));
+    int status = int8_matmul(xc.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), y.data_ptr<float>(),
+                             xc.size(0), q.size(0), q.size(1), at::get_num_threads());
+    TORCH_CHECK(status == 0, "int8_matmul could not allocate its copy of x and its tiles");
+    return y;
+}
+
+at::Tensor int4_matmul_op(const at::Tensor &x, const at::Tensor &packed, const at::Tensor &scale,
+                          const at::Tensor &zero, int64_t group_size) {
+    check_codes(packed, scale, &zero, group_size, "int4_matmul");
+    check_x(x, packed.size(1) * 2, "int4_matmul");
+    at::Tensor xc = x.contiguous(), y = output(xc, packed.size(0));
+    int status = int4_matmul(xc.data_ptr<float>(), packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                             zero.data_ptr<uint8_t>(), y.data_ptr<float>(), xc.size(0), packed.size(0), xc.size(1),
+                             group_size, at::get_num_threads());
+    TORCH_CHECK(status == 0, "int4_matmul could not allocate its copy of x and its tiles");
+    return y;
+}
+
 at::Tensor int8_dequantize_op(const at::Tensor &q, const at::Tensor &scale) {
     check_codes(q, scale, nullptr, 0, "int8_dequantize");
     at::Tensor w = at::empty(q.sizes(), scale.options());
@@ -133,6 +156,8 @@ TORCH_LIBRARY_IMPL(minillm, CPU, m) {
     m.impl("f32_matvec", &f32_matvec_op);
     m.impl("int8_matvec", &int8_matvec_op);
     m.impl("int4_matvec", &int4_matvec_op);
+    m.impl("int8_matmul", &int8_matmul_op);
+    m.impl("int4_matmul", &int4_matmul_op);
     m.impl("int8_dequantize", &int8_dequantize_op);
     m.impl("int4_dequantize", &int4_dequantize_op);
     m.impl("decode_attention", &decode_attention_op);

@@ -17,9 +17,15 @@ stream memory as fast as all the cores together. Two ways around it, for CPU flo
   also an op a compiled step calls (inductor's own code for the product is slower). Row-major
   weights only.
 
-:class:`FastQuantizedLinear` does the same for :class:`~minillm.quantize.QuantizedLinear`: decode
-multiplies the int8/int4 codes directly in C, prefill unpacks a float matrix in C for one float
-product; on CUDA int8 runs ``torch._weight_int8pack_mm``.
+:class:`FastQuantizedLinear` does the same for :class:`~minillm.quantize.QuantizedLinear`, in C
+(:mod:`minillm.fast.kernels`), by the number of rows::
+
+    rows 1-3        int8_matvec / int4_matvec    each code read once, widened to float once a row
+    rows 4-256      int8_matmul / int4_matmul    a tile of the matrix dequantised once (L1-sized),
+                    (a serving step's decodes)   then multiplied with every row: no float matrix
+    more (prefill)  int8/int4_dequantize + F.linear   the whole float matrix, one MKL product
+
+On CUDA int8 runs ``torch._weight_int8pack_mm``.
 
 Everything else (prefill's many rows, a GPU, 16-bit floats, autograd) runs ``F.linear``, which
 already spreads a big product over every core. Same values as ``F.linear`` up to float rounding.
@@ -36,7 +42,10 @@ from . import kernels
 
 SPLIT_MAX_ROWS = 64  # decode rows (one per sequence); above, MKL's own threading of a product wins
 MATVEC_MAX_ROWS = 16  # a decode step's or a speculative verify pass's rows; above, MKL's blocked product wins
-QUANTIZED_MAX_ROWS = 8  # above, the codes are unpacked once to float for one float product
+# measured (benchmarks/quantized_batches.py): at 3 rows the two kernels are within 10 % either way, at 4 the
+# tiled one is faster; from ~256 rows (prefill) MKL's product of the unpacked matrix catches up
+QUANTIZED_MATVEC_MAX_ROWS = 3  # above, a tile dequantised once for every row beats widening each code a row
+QUANTIZED_TILED_MAX_ROWS = 256  # above, the codes are unpacked once to float for one float product
 PRODUCTS = ("linear", "split", "matvec")
 
 
@@ -93,10 +102,11 @@ LINEARS = {"linear": nn.Linear, "split": SplitLinear, "matvec": MatvecLinear}
 class FastQuantizedLinear(QuantizedLinear):
     """:class:`~minillm.quantize.QuantizedLinear` (same buffers) with its products in C on a CPU.
 
-    Decode (at most QUANTIZED_MAX_ROWS rows) runs a fused dequantise-multiply-reduce that reads only
-    the packed bytes; prefill (many rows, compute-bound) unpacks the float matrix in one pass and runs
-    one float product. The C kernels need float32 on a CPU and (int4) whole groups of a multiple of 16;
-    elsewhere the reference path runs.
+    Decode (at most QUANTIZED_TILED_MAX_ROWS rows: one a sequence) reads only the packed bytes: a
+    fused dequantise-multiply-reduce for up to three rows, a tile of the matrix dequantised once for
+    all rows above (the module docstring's table); prefill (many rows, compute-bound) unpacks the
+    float matrix in one pass and runs one float product. The C kernels need float32 on a CPU and
+    (int4) whole groups of a multiple of 16; elsewhere the reference path runs.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,7 +115,7 @@ class FastQuantizedLinear(QuantizedLinear):
             y = torch._weight_int8pack_mm(x.reshape(rows, -1), self.qweight, self.scale.to(x.dtype))
         elif not self._kernels_apply(x):
             return self.forward_reference(x)
-        elif 0 < rows <= QUANTIZED_MAX_ROWS:
+        elif 0 < rows <= QUANTIZED_TILED_MAX_ROWS:
             y = self._product(x.reshape(rows, -1))
         else:
             return F.linear(x, self._unpacked(), self.bias)
@@ -118,9 +128,13 @@ class FastQuantizedLinear(QuantizedLinear):
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         k = kernels.functions()
+        if x.shape[0] <= QUANTIZED_MATVEC_MAX_ROWS:
+            if self.fmt == "int8":
+                return k.int8_matvec(x, self.qweight, self.scale)
+            return k.int4_matvec(x, self.qweight, self.scale, self.zero, self.group_size)
         if self.fmt == "int8":
-            return k.int8_matvec(x, self.qweight, self.scale)
-        return k.int4_matvec(x, self.qweight, self.scale, self.zero, self.group_size)
+            return k.int8_matmul(x, self.qweight, self.scale)
+        return k.int4_matmul(x, self.qweight, self.scale, self.zero, self.group_size)
 
     def _unpacked(self) -> torch.Tensor:
         k = kernels.functions()

@@ -1,0 +1,119 @@
+"""A batch of rows through a quantised matrix: the tiled C kernels (int8_matmul, int4_matmul) that a
+serving step's decodes run, against the reference path (dequantise the whole matrix, then F.linear).
+
+The oracle is ``QuantizedLinear.forward_reference``; the kernels use the same dequantised values and
+only sum in another order, so they agree within float32 rounding. The engine test runs 20 requests at
+once (decode steps of 20 rows: the tiled kernel) and compares every greedy token with the same engine
+run on the plain quantised modules (fast=False).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import CONFIGS, build_hf, save_hf
+
+from minillm import LLMEngine, SamplingParams, load_model
+from minillm.fast import kernels
+from minillm.fast.products import QUANTIZED_MATVEC_MAX_ROWS, QUANTIZED_TILED_MAX_ROWS, FastQuantizedLinear
+from minillm.quantize import QuantizedLinear
+
+# (format, out_features, in_features, group_size): odd sizes, a last tile that is not whole, int4 groups of
+# 16 (two groups in one 32-weight vector), 32 and 64, and a K that is no multiple of any vector width
+SHAPES = [("int8", 7, 37, None), ("int8", 50, 577, None), ("int8", 29, 1536, None), ("int4", 13, 48, 16),
+          ("int4", 33, 96, 32), ("int4", 61, 576, 64)]
+
+
+def close(got: torch.Tensor, reference: torch.Tensor) -> bool:
+    """Equal within float32 rounding of sums of a few hundred products."""
+    return bool((got - reference).abs().max() <= 1e-5 * reference.abs().max())
+
+
+@pytest.mark.parametrize("fmt, out_features, in_features, group_size", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_row_count_equals_dequantise_then_linear(fmt, out_features, in_features, group_size, bias):
+    """Rows 1..40 (the fused kernel, the tiled one with every remainder of its 4-row blocks), with and
+    without a bias, through FastQuantizedLinear's forward."""
+    g = torch.Generator().manual_seed(out_features)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    layer = FastQuantizedLinear(w, b, fmt, **({"group_size": group_size} if group_size else {}))
+    for rows in range(1, 41):
+        x = torch.randn(rows, in_features, generator=g)
+        assert layer._kernels_apply(x)
+        got, reference = layer(x), layer.forward_reference(x)
+        assert close(got, reference), f"{rows} rows: max error {(got - reference).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_the_forward_picks_the_kernel_by_rows(fmt, monkeypatch):
+    """Up to QUANTIZED_MATVEC_MAX_ROWS rows the fused kernel, up to QUANTIZED_TILED_MAX_ROWS the tiled
+    one, more the unpacked float matrix."""
+    calls = []
+    for name in (f"{fmt}_matvec", f"{fmt}_matmul", f"{fmt}_dequantize"):
+        original = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _name=name, _f=original, **k: calls.append(_name) or _f(*a, **k))
+    layer = FastQuantizedLinear(torch.randn(16, 64), None, fmt)
+    expected = {}
+    for rows in (1, QUANTIZED_MATVEC_MAX_ROWS, QUANTIZED_MATVEC_MAX_ROWS + 1, 20, QUANTIZED_TILED_MAX_ROWS,
+                 QUANTIZED_TILED_MAX_ROWS + 1):
+        calls.clear()
+        layer(torch.randn(rows, 64))
+        expected[rows] = calls[:]
+    matvec, matmul, unpack = [f"{fmt}_matvec"], [f"{fmt}_matmul"], [f"{fmt}_dequantize"]
+    assert expected == {1: matvec, QUANTIZED_MATVEC_MAX_ROWS: matvec, QUANTIZED_MATVEC_MAX_ROWS + 1: matmul,
+                        20: matmul, QUANTIZED_TILED_MAX_ROWS: matmul, QUANTIZED_TILED_MAX_ROWS + 1: unpack}
+
+
+@pytest.mark.parametrize("flags", [["-O2"], ["-O3", "-march=native"]], ids=["portable", "native"])
+def test_tiled_kernels_of_each_build_equal_the_reference(tmp_path, flags):
+    """Built without -march=native (the portable branches another CPU compiles: 4-float vectors, scalar
+    int4 unpacking) and with it (AVX2 or AVX-512 here); several thread counts split the tiles."""
+    lib, why = kernels._build(flag_sets=(flags,), cache_dir=tmp_path)
+    assert lib is not None, why
+    g = torch.Generator().manual_seed(1)
+    for fmt, out_features, in_features, group_size in SHAPES:
+        layer = QuantizedLinear(torch.randn(out_features, in_features, generator=g), None, fmt, group_size or 64)
+        args = (layer.qweight, layer.scale) if fmt == "int8" else (layer.qweight, layer.scale, layer.zero, group_size)
+        for rows, threads in ((3, 1), (9, 2), (32, 3)):
+            x = torch.randn(rows, in_features, generator=g)
+            with_threads = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                got = getattr(kernels, f"_{fmt}_matmul")(lib, x, *args)
+            finally:
+                torch.set_num_threads(with_threads)
+            assert close(got, layer.forward_reference(x)), (fmt, out_features, in_features, rows, threads)
+
+
+def test_tiled_kernel_refuses_codes_it_would_misread():
+    layer = QuantizedLinear(torch.randn(8, 64), None, "int4")
+    with pytest.raises(ValueError, match="group_size must be a positive multiple of 16"):
+        kernels.int4_matmul(torch.randn(4, 64), layer.qweight, layer.scale, layer.zero, 24)
+    with pytest.raises(ValueError, match=r"x must be float32 \[rows, 64\]"):
+        kernels.int4_matmul(torch.randn(4, 63), layer.qweight, layer.scale, layer.zero, 64)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return save_hf(build_hf(*CONFIGS["llama_gqa"]), tmp_path_factory.mktemp("quantized_batches") / "llama_gqa")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_batch_of_20_requests_gives_the_reference_greedy_tokens(tiny_llama, fmt, monkeypatch):
+    """20 requests in one engine (decode steps of 20 rows: the tiled kernel) on the quantised fast model
+    give the greedy tokens of the same engine on the plain quantised modules (fast=False: dequantise,
+    then F.linear), request by request."""
+    rows_seen = []
+    original = getattr(kernels, f"{fmt}_matmul")
+    monkeypatch.setattr(kernels, f"{fmt}_matmul", lambda x, *a: rows_seen.append(x.shape[0]) or original(x, *a))
+    prompts = [[(7 * i + j) % 120 + 3 for j in range(3 + i % 6)] for i in range(20)]
+    params = SamplingParams(max_new_tokens=6)
+    tokens = {}
+    for fast in (True, False):
+        model = load_model(tiny_llama, device="cpu", quantize=fmt, fast=fast)
+        engine = LLMEngine(model, num_blocks=48, block_size=16, max_num_seqs=32)
+        tokens[fast] = [out.token_ids for out in engine.generate(prompts, params)]
+    for i, (got, expected) in enumerate(zip(tokens[True], tokens[False])):
+        assert got == expected, f"request {i}: fast {got}, reference {expected}"
+    assert 20 in rows_seen  # the decode steps ran the tiled kernel on the whole batch
