@@ -83,28 +83,30 @@ def build_app(model_dir: str, dtype: str, served_name: str, max_num_seqs: int = 
         manager.register_result_handler(request_id, outputs.put_nowait)  # before add_request: no output missed
         manager.add_request(prompt, request_id=request_id, max_new_tokens=max_tokens, streaming=True,
                             eos_token_id=-1 if body.get("ignore_eos") else None)
-        return StreamingResponse(_events(request_id, outputs, tokenizer, len(prompt), served_name),
+        return StreamingResponse(_events(manager, request_id, outputs, tokenizer, len(prompt), served_name),
                                  media_type="text/event-stream")
 
     return app
 
 
-async def _events(request_id: str, outputs: asyncio.Queue, tokenizer, n_prompt: int, model: str):
-    """The SSE stream of one request: a chunk per delivery with its new token ids, then the usage."""
-    sent = 0
-    while True:
-        out = await outputs.get()
-        if out.error is not None:
-            yield _sse({"error": {"message": str(out.error)}})
-            return
-        new = out.generated_tokens[sent:]
-        sent = len(out.generated_tokens)
-        if new:
-            yield _sse({"id": request_id, "object": "text_completion", "model": model,
-                        "choices": [{"index": 0, "text": tokenizer.decode(new), "token_ids": new,
-                                     "finish_reason": None}]})
-        if out.is_finished():
-            break
+async def _events(manager, request_id: str, outputs: asyncio.Queue, tokenizer, n_prompt: int, model: str):
+    """The SSE stream of one request: a chunk per delivery with its new token ids, then the usage.
+    A client that goes away (the benchmark's timeout) cancels its request in the manager."""
+    sent, finished = 0, False
+    try:
+        while not finished:
+            out = await outputs.get()
+            if out.error is not None:
+                yield _sse({"error": {"message": str(out.error)}})
+                return
+            new, sent, finished = out.generated_tokens[sent:], len(out.generated_tokens), out.is_finished()
+            if new:
+                yield _sse({"id": request_id, "object": "text_completion", "model": model,
+                            "choices": [{"index": 0, "text": tokenizer.decode(new), "token_ids": new,
+                                         "finish_reason": None}]})
+    finally:
+        if not finished:
+            manager.cancel_request(request_id)
     usage = {"prompt_tokens": n_prompt, "completion_tokens": sent, "total_tokens": n_prompt + sent}
     yield _sse({"id": request_id, "object": "text_completion", "model": model,
                 "choices": [{"index": 0, "text": "", "finish_reason": "length"}], "usage": usage})
