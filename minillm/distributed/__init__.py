@@ -12,4 +12,6 @@ carries the messages: gloo on the CPU, NCCL on GPUs.
     launch.py           joining a group (torchrun's environment variables), starting N ranks
                         (``--tensor-parallel-size N``), pinning each rank to a core
     follow.py           rank 0 decides and the other ranks follow: each request sent to every rank
+    engine.py           the serving engine split the same way: rank 0 schedules and samples, the others
+                        run each step's batch on their shard of the paged KV cache
 """

@@ -6,6 +6,8 @@
                    ───── all-gather ─────────                         the same full logits
     lead(group, None)                          -> follow() returns
 
+    (serving: lead_engine(engine) sends "engine", then every step's batch: minillm/distributed/engine.py)
+
 Each rank runs the same loop over the same logits (the all-gather hands every rank the whole row),
 so each picks the same token: greedy trivially, sampling because rank 0 fixes the seed it sends
 (a fresh one when the user gave none). No token needs to travel back.
@@ -19,6 +21,7 @@ import random
 from ..generate import generate
 from ..sweep import warm_up
 from .comm import TensorParallelGroup
+from .engine import follow_engine
 
 
 def lead(group: TensorParallelGroup, kind: str | None, *payload):
@@ -35,12 +38,14 @@ def lead(group: TensorParallelGroup, kind: str | None, *payload):
 
 
 def follow(model, group: TensorParallelGroup, tokenizer=None) -> None:
-    """On ranks 1..N-1: run what rank 0 sends until it says stop. ``tokenizer``: the one rank 0's
-    generate() gets (stop strings are matched on text). Raises TensorParallelError when rank 0 is gone."""
-    while True:
-        kind, payload = group.broadcast_object()
-        if kind is None:
-            return
+    """On ranks 1..N-1: run what rank 0 sends (a generate() request, a warm-up, an engine's steps) until
+    it says stop. ``tokenizer``: the one rank 0's generate() gets (stop strings are matched on text).
+    Raises TensorParallelError when rank 0 is gone."""
+    kind, payload = group.broadcast_object()
+    while kind is not None:
+        if kind == "engine":  # rank 0 serves: its steps' batches follow until it sends something else
+            kind, payload = follow_engine(model, *payload, receive=group.broadcast_object)
+            continue
         if kind == "warmup":
             warm_up(model, *payload)
         elif kind == "generate":
@@ -49,3 +54,4 @@ def follow(model, group: TensorParallelGroup, tokenizer=None) -> None:
                 pass
         else:
             raise ValueError(f"rank {group.rank}: unknown request kind {kind!r} from rank 0")
+        kind, payload = group.broadcast_object()

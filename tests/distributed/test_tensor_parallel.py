@@ -234,3 +234,55 @@ def test_the_trace_views_show_each_collective(folders, group_of_one):
     boxes = [e for e in events if e.get("tid") == track and e["ph"] == "X"]
     assert [b["name"] for b in boxes] == ["all_reduce"] * (2 * n_layers) + ["all_gather"] + \
         (["all_reduce"] * (2 * n_layers) + ["all_gather"]) * (passes - 1)
+
+
+ENGINE_REQUESTS = [  # (prompt, params, n)
+    (PROMPT, SamplingParams(max_new_tokens=N_NEW), 1),
+    ([5, 6, 7], SamplingParams(max_new_tokens=N_NEW, temperature=0.9, seed=4), 1),
+    (list(range(20, 41)), SamplingParams(max_new_tokens=N_NEW, temperature=0.9, seed=5), 2),  # copy on write
+]
+
+
+def _serve(model) -> dict:
+    """Every request of ENGINE_REQUESTS through one engine; (request, index) -> (tokens, their logprobs)."""
+    from minillm.serving import LLMEngine
+
+    # small blocks and token budget: chunked prefills, decodes and prefills in one step, several blocks a request
+    engine = LLMEngine(model, num_blocks=64, block_size=4, max_num_batched_tokens=10, eos_token_ids=set())
+    if getattr(model, "tensor_parallel", None) is not None:
+        from minillm.distributed.engine import lead_engine
+
+        lead_engine(engine)
+    ids = [engine.add_request(prompt, params, n=n, logprobs=0) for prompt, params, n in ENGINE_REQUESTS]
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[(ids.index(out.request_id), out.index)] = (out.token_ids, [lp for lp, _ in out.logprobs])
+    return final
+
+
+def _engine_worker(rank: int, folder: str, out: str) -> None:
+    from minillm.distributed.follow import follow, lead
+    from minillm.distributed.launch import leave_group
+
+    group = _join(rank)
+    model = _sharded(folder, group)
+    if rank == 0:
+        final = _serve(model)
+        lead(group, None)
+        torch.save(final, out)
+    else:
+        follow(model, group)
+    leave_group()
+
+
+def test_the_engine_with_tensor_parallelism_answers_as_one_process(folders, tmp_path):
+    out = tmp_path / "rank0.pt"
+    _run_ranks(_engine_worker, (folders["llama_gqa"], str(out)))
+    want = _serve(load_model(folders["llama_gqa"], device="cpu", dtype="float32", fast=False))
+    got = torch.load(out)
+    assert len(want) == 4 and all(len(tokens) == N_NEW for tokens, _ in want.values())
+    assert {k: tokens for k, (tokens, _) in got.items()} == {k: tokens for k, (tokens, _) in want.items()}
+    for key, (_, logprobs) in want.items():  # the copied block's K/V too: the forked sequence reads it
+        torch.testing.assert_close(torch.tensor(got[key][1]), torch.tensor(logprobs), atol=1e-5, rtol=0, msg=str(key))
