@@ -44,6 +44,8 @@ Packages around it:
                   without it)
     serving/      many users at once (lesson 11): paged KV cache, block allocator, scheduler, LLMEngine;
                   serving/server/: minillm serve, the engine behind an OpenAI-compatible HTTP API
+    distributed/  one model over several processes (lesson 12): tensor parallelism (Megatron's split,
+                  the all-reduces, minillm generate --tp N); prefill and decode workers (lesson 10)
     formats/      files: model names and downloads (weights.py), GGUF in (gguf_convert.py) and out for
                   llama.cpp (gguf_export.py), chat templates (chat_template.py), Chrome's Trace Event
                   Format (trace_events.py)
