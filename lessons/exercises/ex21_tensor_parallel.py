@@ -105,7 +105,8 @@ def heads_of_rank(config: ModelConfig, rank: int, world_size: int) -> tuple[rang
     )
 
 
-def all_reduce_bytes_per_layer(config: ModelConfig, n_tokens: int, world_size: int, dtype_bytes: int) -> float:
+def all_reduce_bytes_per_layer(config: ModelConfig, n_tokens: int, world_size: int,
+                               dtype_bytes: int) -> float:
     """Bytes each rank sends over the ring in one tensor-parallel layer (and receives: as many).
 
         tensor      = n_tokens · d_model · dtype_bytes          the activations [n_tokens, d_model]

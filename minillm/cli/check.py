@@ -165,14 +165,15 @@ def _print_exercise_results(console, results, where: str, seconds: float | None 
 
 
 def _class_table(results: dict):
-    """One row per student, one narrow column per exercise (its number): 18 exercises fit in 80 columns."""
+    """One row per student, one narrow column per exercise (its number): 21 exercises fit in 80 columns,
+    a long student name cut short (…) to make room, never the passed count."""
     from rich import box
     from rich.table import Table
 
     ids = [r.id for r in next(iter(results.values()))]
     table = Table(title="class results", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, padding=(0, 0),
                   caption="columns: exercises   + passed   x failed   . not attempted")
-    table.add_column("student", no_wrap=True, max_width=16)
+    table.add_column("student", max_width=16, overflow="ellipsis")
     for ex_id in ids:
         table.add_column(ex_id.removeprefix("ex"), justify="center", min_width=2, no_wrap=True)
     table.add_column("passed", justify="right", no_wrap=True)

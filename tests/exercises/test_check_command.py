@@ -97,6 +97,12 @@ def test_class_table_has_a_row_per_student(tmp_path):
     rows = {line.split()[0]: line for line in console.export_text().splitlines() if line.strip()}
     assert rows["bartholomew"].split()[1:] == [*"+x." * 6, "6/18"], "18 exercises must fit in 80 columns"
 
+    twenty_one = {tmp_path / name: results(*"+x." * 7) for name in ("alice", "bartholomew")}
+    console = Console(width=80, record=True)
+    console.print(_class_table(twenty_one))
+    rows = [line.split() for line in console.export_text().splitlines() if line.strip().startswith(("alice", "barth"))]
+    assert [row[1:] for row in rows] == [[*"+x." * 7, "7/21"]] * 2, "21 exercises fit in 80 columns, the count whole"
+
 
 def test_a_hang_or_a_crash_stops_only_its_own_exercise(tmp_path):
     files = {

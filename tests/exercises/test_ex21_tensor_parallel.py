@@ -148,8 +148,8 @@ def gqa_attention_by_ranks(impl, x, wq, wk, wv, wo, n_heads, n_kv_heads, head_di
 
 def test_the_attention_shards_add_up_to_attention(impl):
     H, Hkv, hd, d, T = 8, 4, 3, 10, 6  # GQA: 2 query heads per K/V head; head_dim 3, not d_model / n_heads
-    x, wq, wk, wv = randn(T, d, seed=5), randn(H * hd, d, seed=6), randn(Hkv * hd, d, seed=7), randn(Hkv * hd, d, seed=8)
-    wo = randn(d, H * hd, seed=9)
+    x, wq, wo = randn(T, d, seed=5), randn(H * hd, d, seed=6), randn(d, H * hd, seed=9)
+    wk, wv = randn(Hkv * hd, d, seed=7), randn(Hkv * hd, d, seed=8)
     full = [F.linear(x, w).view(1, T, -1, hd).transpose(1, 2) for w in (wq, wk, wv)]
     want = F.linear(eager_attention(*full).transpose(1, 2).reshape(T, H * hd), wo)
     for n in (1, 2, 4):
@@ -323,7 +323,8 @@ def test_bytes_agree_with_the_reference(impl, data):
     n_tokens = data.draw(st.integers(-2, 3) | st.integers(0, 1_000_000), label="n_tokens")
     n = data.draw(st.integers(-1, 3) | st.sampled_from([4, 8, 16, 64]), label="world_size")
     dtype_bytes = data.draw(st.sampled_from([1, 2, 4, 0, -1]), label="dtype_bytes")
-    agree(impl.all_reduce_bytes_per_layer, REF.all_reduce_bytes_per_layer, lambda: ((cfg, n_tokens, n, dtype_bytes), {}),
+    agree(impl.all_reduce_bytes_per_layer, REF.all_reduce_bytes_per_layer,
+          lambda: ((cfg, n_tokens, n, dtype_bytes), {}),
           what="all_reduce_bytes_per_layer", exercise="ex21", lesson=COMM,
           hint=BYTES + "; ValueError for n_tokens < 0, world_size < 1, dtype_bytes < 1", tol=(0.0, 1e-12))
 
