@@ -11,6 +11,7 @@ fingerprints and the logits stay the same up to float rounding. ``load_model(...
     kernels.py    the C loops (matvec_kernels.c) and their torch ops (matvec_ops.cpp), built at first use
     packing.py    q|k|v and gate|up stacked into one product each, float or quantised
     attention.py  Attention with the stacked q|k|v, and decode's attention in C
+    paged_attention.py  the serving batch's decodes attending in C over the KV pool's blocks in place
     compile.py    the decode step compiled over a static view of the KV cache
     choose.py     which of these a model gets: by rule when it loads; measured only when asked
 """

@@ -25,7 +25,9 @@ queries the band of :func:`~minillm.model.causal_mask`. The pool still holds eve
 (the blocks do not roll), so the window saves compute here, not memory.
 
 A production kernel (vLLM's paged_attention, FlashInfer) reads the blocks in place
-without the gather copy; on a CPU the gather costs one extra read and write of the K/V.
+without the gather copy; on a CPU the gather costs one extra read and write of the K/V, and
+the decodes' padding to the longest is attended too. The speed layer's version of the decodes'
+half does the same in C (:mod:`minillm.fast.paged_attention`, swapped in by ``load_model``).
 """
 
 from __future__ import annotations
