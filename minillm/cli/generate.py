@@ -13,6 +13,7 @@ from ..units import fmt_bytes
 from .common import (UsageError, chat_template_kwargs, check_out_dir, check_out_file, ensure_model, model_options,
                      thinking_option, warn, warn_if_template_ignores_thinking, wrote)
 from .structured import add_structured_options, check_structured_args, constrain
+from .tensor_parallel import run_tensor_parallel, tensor_parallel_option, tensor_parallel_size
 
 
 def add_generate(sub) -> None:
@@ -48,12 +49,7 @@ def add_generate(sub) -> None:
                    help="reuse the K/V of prompt prefixes seen before in this run (automatic prefix caching)")
     p.add_argument("--block-size", type=int, help="prefix cache block size in tokens (default: 16)")
     _speculative_options(p)
-    p.add_argument("--tensor-parallel-size", "--tp", type=int, metavar="N",
-                   help="split the model over N processes, each holding 1/N of every layer (minillm/distributed: "
-                        "whole heads per rank, two all-reduces a layer; gloo on the CPU, each rank pinned to a core "
-                        "with one thread; NCCL on GPUs, one per rank); runs the lesson's model (no fast layer). "
-                        "Started by this command, or by 'torchrun --nproc-per-node N -m minillm generate ...' "
-                        "(default: 1, one process)")
+    tensor_parallel_option(p, "reads the prompt and prints")
     p.add_argument("--student-dir", metavar="DIR",
                    help="the classroom's assembled engine: run the lesson's plain PyTorch model with the exercises "
                         "of DIR (mask, attention, RoPE, KV cache, prefill, decode, sampling, generate loop) swapped "
@@ -114,9 +110,8 @@ def run_generate(args) -> int:
         return run_student_engine(args)
     _check_generate_args(args)
     check_structured_args(args)
-    if _tensor_parallel_size(args) > 1:
-        return _run_tensor_parallel(args)
-    return _run_generate(args)
+    n = tensor_parallel_size(args, _NOT_WITH_TENSOR_PARALLEL)
+    return run_tensor_parallel(args, n, _run_generate) if n > 1 else _run_generate(args)
 
 
 def _run_generate(args, group=None) -> int:
@@ -176,66 +171,6 @@ def _run_generate(args, group=None) -> int:
 # what a tensor-parallel run cannot do yet: each would need its state kept the same on every rank
 _NOT_WITH_TENSOR_PARALLEL = {"quantize": "--quantize", "speculative": "--speculative", "prefix_cache": "--prefix-cache",
                              "json_schema": "--json-schema", "regex": "--regex", "choice": "--choice"}
-
-
-def _tensor_parallel_size(args) -> int:
-    """N from --tensor-parallel-size or torchrun's WORLD_SIZE (1: one process); usage errors for what N
-    cannot go with, said before any process starts."""
-    import os
-
-    from ..distributed.launch import launched_by_torchrun
-
-    n = args.tensor_parallel_size
-    if launched_by_torchrun():
-        world = int(os.environ["WORLD_SIZE"])
-        if n is not None and n != world:
-            raise UsageError(f"--tensor-parallel-size {n} but torchrun started {world} processes; drop the flag "
-                             "or make them equal")
-        n = world
-    n = 1 if n is None else n
-    if n < 1:
-        raise UsageError(f"--tensor-parallel-size must be >= 1, got {n}")
-    given = [flag for name, flag in _NOT_WITH_TENSOR_PARALLEL.items() if getattr(args, name, None) not in (None, False)]
-    if n > 1 and given:
-        raise UsageError(f"{given[0]} does not go with tensor parallelism yet (every rank would have to keep the "
-                         "same state); drop one")
-    return n
-
-
-def _run_tensor_parallel(args) -> int:
-    """This process as rank 0 of --tensor-parallel-size N, ranks 1..N-1 started here (or every rank by torchrun):
-    the sizes checked, the group joined, each CPU rank pinned to its own core, then :func:`_run_generate`."""
-    from ..config import ModelConfig
-    from ..distributed.launch import (join_group, launched_by_torchrun, leave_group, pin_to_core, start_workers,
-                                      stop_workers)
-    from ..distributed.tensor_parallel import check_tensor_parallel_size
-
-    n = _tensor_parallel_size(args)
-    check_tensor_parallel_size(ModelConfig.from_json(ensure_model(args.model, args.weights_dir)), n)
-    workers = [] if launched_by_torchrun() else start_workers(n, getattr(args, "argv", None) or sys.argv[1:])
-    try:
-        group = join_group(args.device)
-        if group.device.type == "cpu":
-            pin_to_core(group.rank)
-        try:
-            return _run_generate(args, group)
-        finally:
-            leave_group()
-    finally:
-        stop_workers(workers)
-
-
-# flags the assembled engine cannot honour: the exercises' loop has no trace, prefix cache, stop
-# strings, penalties or speculation, and its logits are compared in float32
-_NOT_WITH_STUDENT_DIR = {"trace": "--trace", "trace_out": "--trace-out", "plots": "--plots", "json": "--json",
-                         "prefix_cache": "--prefix-cache", "block_size": "--block-size", "warmup": "--warmup",
-                         "speculative": "--speculative", "num_speculative_tokens": "--num-speculative-tokens",
-                         "draft_model": "--draft-model", "prompt_lookup_min": "--prompt-lookup-min",
-                         "prompt_lookup_max": "--prompt-lookup-max", "quantize": "--quantize", "stop": "--stop",
-                         "min_p": "--min-p", "repetition_penalty": "--repetition-penalty",
-                         "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
-                         "json_schema": "--json-schema", "regex": "--regex", "choice": "--choice",
-                         "logit_bias": "--logit-bias", "tensor_parallel_size": "--tensor-parallel-size"}
 
 
 def run_student_engine(args) -> int:

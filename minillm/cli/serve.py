@@ -10,6 +10,7 @@ import sys
 
 from .common import UsageError, ensure_model, model_options
 from .generate import _thread_governor
+from .tensor_parallel import run_tensor_parallel, tensor_parallel_option, tensor_parallel_size
 
 
 def add_serve(sub) -> None:
@@ -36,6 +37,7 @@ def add_serve(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 requests (vLLM's flag; default: "
                         "$MINILLM_API_KEY, else no key)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    tensor_parallel_option(p, "schedules, samples and answers the clients; the others run each step's batch")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM or Ctrl-C, let running requests finish for this long, then end them with an "
                         "error (default: 30; a second Ctrl-C quits at once)")
@@ -43,15 +45,24 @@ def add_serve(sub) -> None:
 
 
 def run_serve(args) -> int:
-    _check_args(args)
+    n = tensor_parallel_size(args, {"quantize": "--quantize", "threads": "--threads"})
+    if n == 1 or int(os.environ.get("RANK", 0)) == 0:  # a follower's port is rank 0's
+        _check_args(args)
     try:
-        from ..serving.server.app import create_app, serve
+        from ..serving.server.app import create_app, serve  # noqa: F401  (the extra is there)
     except ImportError as error:  # the serve extra is optional
         raise UsageError(f"minillm serve needs the serve extra ({error.name} is missing): "
                          "pip install 'minillm[serve]'") from None
+    return run_tensor_parallel(args, n, _run_serve) if n > 1 else _run_serve(args)
+
+
+def _run_serve(args, group=None) -> int:
+    """Load, build the engine, serve until stopped; with a tensor-parallel ``group``, rank 0 serves and the
+    other ranks follow its steps (minillm/distributed/engine.py)."""
     from ..loading import load_model
-    from ..serving.server.async_engine import AsyncEngine
     from ..serving.engine import LLMEngine
+    from ..serving.server.app import create_app, serve
+    from ..serving.server.async_engine import AsyncEngine
     from ..tokenizer import load_tokenizer
 
     if args.threads:
@@ -59,12 +70,26 @@ def run_serve(args) -> int:
 
         torch.set_num_threads(args.threads)
     folder = ensure_model(args.model, args.weights_dir)
-    model, tokenizer = load_model(folder, device=args.device, dtype=args.dtype, quantize=args.quantize, fast=args.fast), load_tokenizer(folder)
+    model = load_model(folder, device=group.device if group else args.device, dtype=args.dtype,
+                       quantize=args.quantize, fast=args.fast and group is None)
+    tokenizer = load_tokenizer(folder)
+    if group is not None:
+        from ..distributed.follow import follow, lead
+        from ..distributed.tensor_parallel import shard_model
+
+        shard_model(model, group)
+        if group.rank:
+            follow(model, group)
+            return 0
     engine = LLMEngine(model, tokenizer, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_chunked_prefill=args.enable_chunked_prefill,
                        enable_prefix_caching=args.enable_prefix_caching)
-    governor = _thread_governor(model) if not args.threads else None  # fewer threads while the CPU is busy
+    if group is not None:
+        from ..distributed.engine import lead_engine
+
+        lead_engine(engine)  # each step's batch goes to the other ranks first
+    governor = _thread_governor(model) if not args.threads and group is None else None  # fewer threads while busy
     async_engine = AsyncEngine(engine, args.max_waiting_requests,
                                before_step=None if governor is None else governor.adjust)
     name = args.served_model_name or str(args.model)
@@ -76,6 +101,8 @@ def run_serve(args) -> int:
         serve(app, args.host, args.port, args.shutdown_timeout)
     finally:
         async_engine.close()
+        if group is not None:
+            lead(group, None)  # the followers stop
     return 0
 
 

@@ -16,7 +16,6 @@ one line, instead of waiting forever.
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -43,7 +42,10 @@ class TensorParallelGroup:
         world_size: N, how many ranks share the model.
         backend: "gloo" (CPU) or "nccl" (CUDA).
         device: where this rank's shard lives (cpu, or cuda:LOCAL_RANK).
-        timeout_s: how long a collective waits for the other ranks before it fails.
+        timeout_s: how long a collective of a forward pass waits for the other ranks before it fails.
+        control: the gloo process group rank 0's messages travel on (:meth:`broadcast_object`), with a
+            timeout of its own: a follower waits for the next request as long as a server stays idle.
+            None: the default group.
         trace: the :class:`~minillm.trace.Trace` collectives record into, set by :meth:`recording`; None: no timing.
     """
 
@@ -52,6 +54,7 @@ class TensorParallelGroup:
     backend: str
     device: torch.device
     timeout_s: float
+    control: object | None = field(default=None, repr=False)
     trace: object | None = field(default=None, repr=False)
 
     @contextmanager
@@ -91,8 +94,9 @@ class TensorParallelGroup:
         Raises TensorParallelError when another rank is gone.
         """
         box = [obj]
-        with self._failures("a broadcast from rank 0"):
-            dist.broadcast_object_list(box, src=0, device=self.device if self.backend == "nccl" else None)
+        on_nccl = self.control is None and self.backend == "nccl"
+        with self._failures("a message from rank 0"):
+            dist.broadcast_object_list(box, src=0, group=self.control, device=self.device if on_nccl else None)
         return box[0]
 
     @contextmanager
@@ -119,7 +123,7 @@ class TensorParallelGroup:
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise TensorParallelError(
                 f"rank {self.rank} of {self.world_size}: {what} failed, another rank died or did not answer "
-                f"within {self.timeout_s:g} s ({first_line[:160]}); the request cannot finish") from None
+                f"in time ({first_line[:160]}); the request cannot finish") from None
 
 
 def _nbytes(x: torch.Tensor) -> int:

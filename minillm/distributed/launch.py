@@ -29,7 +29,10 @@ import torch.distributed as dist
 from ..device import resolve_device
 from .comm import TensorParallelGroup
 
-DEFAULT_TIMEOUT_S = 60.0  # a rank that does not answer a collective within this fails the request
+DEFAULT_TIMEOUT_S = 60.0  # a rank that does not answer a forward pass's collective within this fails the request
+# How long a follower waits for rank 0's next message: a server may stay idle for hours. A rank that
+# died is noticed at once either way (its connections close); this bounds only a rank that hangs.
+CONTROL_TIMEOUT_S = 7 * 24 * 3600.0
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -91,7 +94,8 @@ def join_group(device=None, timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParal
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), rank=rank, world_size=world_size,
                             **({"device_id": device} if backend == "nccl" else {}))
-    return TensorParallelGroup(rank, world_size, backend, device, timeout_s)
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
+    return TensorParallelGroup(rank, world_size, backend, device, timeout_s, control)
 
 
 def leave_group() -> None:

@@ -1,0 +1,65 @@
+"""--tensor-parallel-size for the commands that run a model (generate, serve): the flag, its checks, and
+starting the ranks (minillm/distributed/launch.py) around the command's own run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from .common import UsageError, ensure_model
+
+
+def tensor_parallel_option(p, what: str) -> None:
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, metavar="N",
+                   help="split the model over N processes, each holding 1/N of every layer (minillm/distributed: "
+                        "whole heads per rank, two all-reduces a layer; gloo on the CPU, each rank pinned to a core "
+                        "with one thread; NCCL on GPUs, one per rank); runs the lesson's model (no fast layer); "
+                        f"rank 0 {what}. Started by this command, or by 'torchrun --nproc-per-node N -m minillm ...' "
+                        "(default: 1, one process)")
+
+
+def tensor_parallel_size(args, not_with: dict[str, str]) -> int:
+    """N from --tensor-parallel-size or torchrun's WORLD_SIZE (1: one process); usage errors for what N
+    cannot go with (``not_with``: argument name -> flag), said before any process starts."""
+    from ..distributed.launch import launched_by_torchrun
+
+    n = args.tensor_parallel_size
+    if launched_by_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if n is not None and n != world:
+            raise UsageError(f"--tensor-parallel-size {n} but torchrun started {world} processes; drop the flag "
+                             "or make them equal")
+        n = world
+    n = 1 if n is None else n
+    if n < 1:
+        raise UsageError(f"--tensor-parallel-size must be >= 1, got {n}")
+    given = [flag for name, flag in not_with.items() if getattr(args, name, None) not in (None, False)]
+    if n > 1 and given:
+        raise UsageError(f"{given[0]} does not go with tensor parallelism yet (every rank would have to keep the "
+                         "same state); drop one")
+    return n
+
+
+def run_tensor_parallel(args, n: int, run) -> int:
+    """This process as rank 0 of N, ranks 1..N-1 started here (or every rank by torchrun): the sizes checked,
+    the group joined, each CPU rank pinned to its own core, then ``run(args, group)`` on every rank."""
+    from ..config import ModelConfig
+    from ..distributed.launch import (join_group, launched_by_torchrun, leave_group, pin_to_core, start_workers,
+                                      stop_workers)
+    from ..distributed.tensor_parallel import check_tensor_parallel_size
+
+    check_tensor_parallel_size(ModelConfig.from_json(ensure_model(args.model, args.weights_dir)), n)
+    workers = [] if launched_by_torchrun() else start_workers(n, getattr(args, "argv", None) or sys.argv[1:])
+    try:
+        group = join_group(args.device)
+        if group.device.type == "cpu":
+            pin_to_core(group.rank)
+        if group.rank:  # Ctrl-C in a terminal reaches every rank: rank 0 decides (serve drains) and tells them
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            return run(args, group)
+        finally:
+            leave_group()
+    finally:
+        stop_workers(workers)
