@@ -92,7 +92,7 @@ def add_whatif(sub) -> None:
                         "(default: 1)")
     p.add_argument("--interconnect-gb-s", type=float, metavar="GB/S",
                    help="with --tensor-parallel-size: each device's link, GB/s one direction (NVLink 4: 450, "
-                        "PCIe 5 x16: 64, PCIe 4 x16: 32, 100 GbE: 12.5)")
+                        "PCIe 5 x16: 64, PCIe 4 x16: 32, 100 GbE: 12.5; default: none, required with N > 1)")
     p.add_argument("--interconnect-latency-us", type=float, default=0.0, metavar="US",
                    help="with --tensor-parallel-size: time of one message however small, µs (NCCL on NVLink: "
                         "about 10; default 0: bandwidth alone, a floor)")
