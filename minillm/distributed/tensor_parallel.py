@@ -164,10 +164,10 @@ class ColumnParallelLinear(nn.Linear):
     """
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, rank: int, world_size: int) -> "ColumnParallelLinear":
-        n = linear.out_features // world_size
-        rows = slice(rank * n, (rank + 1) * n)
-        return _build(cls, linear.weight[rows], None if linear.bias is None else linear.bias[rows], copy=True)
+    def from_linear(cls, linear: nn.Linear, rank: int, world_size: int, unit: int) -> "ColumnParallelLinear":
+        """Rank ``rank``'s :func:`column_shard` of ``linear`` (and of its bias), ``unit`` rows kept whole."""
+        bias = None if linear.bias is None else column_shard(linear.bias, rank, world_size, unit)
+        return _build(cls, column_shard(linear.weight, rank, world_size, unit), bias, copy=True)
 
 
 class RowParallelLinear(nn.Linear):
@@ -181,10 +181,9 @@ class RowParallelLinear(nn.Linear):
     name: str
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: TensorParallelGroup, name: str) -> "RowParallelLinear":
-        n = linear.in_features // group.world_size
-        cols = slice(group.rank * n, (group.rank + 1) * n)
-        layer = _build(cls, linear.weight[:, cols], linear.bias, copy=True)
+    def from_linear(cls, linear: nn.Linear, group: TensorParallelGroup, name: str, unit: int) -> "RowParallelLinear":
+        """Rank ``group.rank``'s :func:`row_shard` of ``linear`` (``unit`` columns kept whole), the bias whole."""
+        layer = _build(cls, row_shard(linear.weight, group.rank, group.world_size, unit), linear.bias, copy=True)
         layer.group, layer.name = group, name
         return layer
 
@@ -233,13 +232,13 @@ def shard_model(model: Transformer, group: TensorParallelGroup) -> Transformer:
     for i, block in enumerate(model.blocks):
         attn, mlp = block.attn, block.mlp
         for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), r, N))
-        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group, f"blocks.{i}.attn.o_proj")
+            setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), r, N, config.head_dim))
+        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group, f"blocks.{i}.attn.o_proj", config.head_dim)
         attn.n_heads, attn.n_kv_heads = config.n_heads // N, config.n_kv_heads // N
         columns = ("gate_proj", "up_proj") if isinstance(mlp, SwiGLU) else ("up_proj",)  # GPT2MLP: up only
         for name in columns:
-            setattr(mlp, name, ColumnParallelLinear.from_linear(getattr(mlp, name), r, N))
-        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group, f"blocks.{i}.mlp.down_proj")
+            setattr(mlp, name, ColumnParallelLinear.from_linear(getattr(mlp, name), r, N, 1))
+        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group, f"blocks.{i}.mlp.down_proj", 1)
     tied = model.lm_head.weight is model.embed.weight
     model.lm_head = VocabParallelLMHead.from_linear(model.lm_head, group, tied)
     model.config = replace(config, n_heads=config.n_heads // N, n_kv_heads=config.n_kv_heads // N,
