@@ -44,12 +44,18 @@ def tensor_parallel_size(args, not_with: dict[str, str]) -> int:
 def run_tensor_parallel(args, n: int, run) -> int:
     """This process as rank 0 of N, ranks 1..N-1 started here (or every rank by torchrun): the sizes checked,
     the group joined, each CPU rank pinned to its own core, then ``run(args, group)`` on every rank."""
+    import torch
+
     from ..config import ModelConfig
+    from ..device import resolve_device
     from ..distributed.launch import (join_group, launched_by_torchrun, leave_group, pin_to_core, start_workers,
                                       stop_workers)
     from ..distributed.tensor_parallel import check_tensor_parallel_size
 
     check_tensor_parallel_size(ModelConfig.from_json(ensure_model(args.model, args.weights_dir)), n)
+    if resolve_device(args.device).type == "cuda" and torch.cuda.device_count() < n:  # say it before any rank waits
+        raise UsageError(f"--tensor-parallel-size {n} runs a rank a GPU and this machine has "
+                         f"{torch.cuda.device_count()}; use --device cpu or at most {torch.cuda.device_count()}")
     workers = [] if launched_by_torchrun() else start_workers(n, getattr(args, "argv", None) or sys.argv[1:])
     try:
         group = join_group(args.device)
