@@ -20,7 +20,7 @@ and 59-66 ms for one-core ``F.linear`` (same session); the "matvec" decode paths
 there the C loops only unpack each matrix to float (int4: 31 ms for SmolLM2's blocks, 204 ms in
 PyTorch) for one float product.
 
-Between the two, a serving step's batch of decodes (4-256 rows: one a sequence) runs
+Between the two, a serving step's batch of decodes (4-128 rows: one a sequence) runs
 :func:`int8_matmul` / :func:`int4_matmul`: each thread dequantises a tile of the matrix into a float
 buffer that stays in cache, once, and multiplies it with every row (benchmarks/quantized_batches.py
 has the numbers against float32).

@@ -21,7 +21,7 @@ stream memory as fast as all the cores together. Two ways around it, for CPU flo
 (:mod:`minillm.fast.kernels`), by the number of rows::
 
     rows 1-3        int8_matvec / int4_matvec    each code read once, widened to float once a row
-    rows 4-256      int8_matmul / int4_matmul    a tile of the matrix dequantised once (L1-sized),
+    rows 4-128      int8_matmul / int4_matmul    a tile of the matrix dequantised once (L1-sized),
                     (a serving step's decodes)   then multiplied with every row: no float matrix
     more (prefill)  int8/int4_dequantize + F.linear   the whole float matrix, one MKL product
 
@@ -42,10 +42,11 @@ from . import kernels
 
 SPLIT_MAX_ROWS = 64  # decode rows (one per sequence); above, MKL's own threading of a product wins
 MATVEC_MAX_ROWS = 16  # a decode step's or a speculative verify pass's rows; above, MKL's blocked product wins
-# measured (benchmarks/quantized_batches.py): at 3 rows the two kernels are within 10 % either way, at 4 the
-# tiled one is faster; from ~256 rows (prefill) MKL's product of the unpacked matrix catches up
+# measured (benchmarks/quantized_batches.py, SmolLM2's shapes): at 3 rows the two kernels are within 10 % either
+# way, at 4 the tiled one is faster; at 128 rows MKL's product of the unpacked matrix is as fast (for the LM head
+# slower), at 256 faster
 QUANTIZED_MATVEC_MAX_ROWS = 3  # above, a tile dequantised once for every row beats widening each code a row
-QUANTIZED_TILED_MAX_ROWS = 256  # above, the codes are unpacked once to float for one float product
+QUANTIZED_TILED_MAX_ROWS = 128  # above, the codes are unpacked once to float for one float product
 PRODUCTS = ("linear", "split", "matvec")
 
 
