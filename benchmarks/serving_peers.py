@@ -63,7 +63,7 @@ from minillm.paths import weights_dir
 from minillm.tokenizer import load_tokenizer
 from minillm.units import fmt_num
 
-WARM_UP_REQUESTS = 8
+WARM_UP_REQUESTS = 2  # enough for first batches and lazy compiles; each costs a slow peer minutes
 
 
 def parse_args(argv=None):
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(model_dir)
     ids = safe_token_ids(tokenizer)
     lengths = make_workload(args.num_prompts, args.input_len, args.output_len, None, args.seed, token_ids=ids)
-    warm = make_workload(WARM_UP_REQUESTS, args.input_len, "8", None, args.seed + 1, token_ids=ids)
+    warm = make_workload(WARM_UP_REQUESTS, args.input_len, "4", None, args.seed + 1, token_ids=ids)
     gguf = llama_gguf(model_dir) if llama_server_binary(args.llama_server) else None
     specs, skipped = find_peers(model_dir, gguf, args.threads, args.vllm_python, args.llama_server,
                                 not args.no_transformers, args.llama_parallel)
@@ -190,6 +190,8 @@ def main(argv=None) -> int:
             round_runs = [measure(urls[name], workload, args.timeout, name, r) for name in round_order(list(urls), r)]
             runs += round_runs
             out.print(round_table(round_runs, r, args.num_prompts))
+            if args.json:  # after every round: a long run cut short keeps the rounds it finished
+                write_json(args, lengths, skipped, specs, seen, runs)
     dtypes = {spec.name: spec.dtype for spec in specs}
     summaries = summarize_peers(runs)
     table = Table(*SUMMARY_HEAD, box=box.SIMPLE_HEAD,
@@ -207,15 +209,19 @@ def main(argv=None) -> int:
         for row in summary_rows(summaries, dtypes):
             out.print("| " + " | ".join(row) + " |")
     if args.json:
-        doc = {"commit": git_commit(), "config": vars(args), "workload": describe(lengths), "skipped": skipped,
-               "peers": [{"name": s.name, "dtype": s.dtype, "dtype_in_log": seen.get(s.name), "command": list(s.command),
-                          "env": s.env} for s in specs],
-               "runs": [{"peer": r.peer, "round": r.round, "n_failed": r.n_failed, "loadavg_before": r.loadavg_before,
-                         "loadavg_after": r.loadavg_after, "summary": r.summary.to_dict()} for r in runs],
-               "summary": [s.__dict__ for s in summaries]}
-        Path(args.json).write_text(json.dumps(doc, indent=1))
+        write_json(args, lengths, skipped, specs, seen, runs)
         out.print(f"wrote {args.json}")
     return 0
+
+
+def write_json(args, lengths, skipped, specs, seen, runs) -> None:
+    doc = {"commit": git_commit(), "config": vars(args), "workload": describe(lengths), "skipped": skipped,
+           "peers": [{"name": s.name, "dtype": s.dtype, "dtype_in_log": seen.get(s.name), "command": list(s.command),
+                      "env": s.env} for s in specs],
+           "runs": [{"peer": r.peer, "round": r.round, "n_failed": r.n_failed, "loadavg_before": r.loadavg_before,
+                     "loadavg_after": r.loadavg_after, "summary": r.summary.to_dict()} for r in runs],
+           "summary": [s.__dict__ for s in summarize_peers(runs)]}
+    Path(args.json).write_text(json.dumps(doc, indent=1))
 
 
 if __name__ == "__main__":

@@ -224,12 +224,14 @@ def vllm_spec(python: str, model_dir: Path, threads: int, max_num_seqs: int = 32
 
 
 def llama_server_spec(binary: str, gguf_path: Path, threads: int, parallel: int = 8) -> PeerSpec:
-    """llama-server on ``gguf_path``: ``parallel`` slots of 1,024 positions, continuous batching."""
+    """llama-server on ``gguf_path``: ``parallel`` slots of 1,024 positions, continuous batching.
+    Its log, at the default verbosity, names neither the weights' nor the KV cache's type: the
+    dtype is the flags' and the GGUF's (minillm writes every tensor float32)."""
     return PeerSpec(LLAMA_CPP, (binary, "-m", str(gguf_path), "--host", "127.0.0.1", "--port", "{port}",
                                 "-a", "llama.cpp", "-t", str(threads), "-tb", str(threads), "-np", str(parallel),
                                 "-cb", "-c", str(1024 * parallel), "--cache-type-k", "f32", "--cache-type-v", "f32",
                                 "--cache-ram", "0", "--cache-reuse", "0"),
-                    "F32 GGUF, float32 KV cache", dtype_in_log=r"file type += [^\n]+|[KV] \(\w+\)")
+                    "F32 GGUF (every tensor float32), float32 KV cache")
 
 
 def transformers_spec(model_dir: Path, threads: int, max_num_seqs: int = 32) -> PeerSpec:
