@@ -2,7 +2,7 @@
 
     python benchmarks/quantized_batches.py [--rows 1 8 9 16 24 32] [--batches 16 32] [--repeats 15]
                                            [--engine-rounds 3] [--threads N] [--model NAME] [--no-engine]
-                                           [--clock wall|cpu]
+                                           [--clock wall|cpu] [--kernel-rows 3 4 128 256]
 
 Loads the model three times (float32, quantize="int8", quantize="int4"), each with the speed layer and
 the decode path load_model chooses, and times what a serving step runs:
@@ -14,7 +14,11 @@ the decode path load_model chooses, and times what a serving step runs:
    of the medians (below 1: the quantised product is faster) and of the mins. "best float" is the
    fastest of the model's float32 module, ``F.linear`` (MKL) and ``split_product``: the ratios are
    also given against it, so a faster float32 product cannot hide behind the one the model picked.
-2. **Engine steps** (unless --no-engine). Per batch size B: an ``LLMEngine`` per format with
+2. **The quantised kernels by rows** (with --kernel-rows): for each quantised matrix, the three
+   products FastQuantizedLinear chooses between by the number of rows (minillm/fast/products.py):
+   the fused kernel (``int8_matvec``), the tiled one (``int8_matmul``) and the unpacked float matrix
+   with ``F.linear``, interleaved; the medians, and the fastest. Where its thresholds come from.
+3. **Engine steps** (unless --no-engine). Per batch size B: an ``LLMEngine`` per format with
    max_num_seqs=B, B requests of --prompt-len tokens and --new-tokens new tokens each added at once;
    the median ms of the steps that are only decodes of B rows (the forward pass, sampling and
    bookkeeping). Formats interleaved round by round; the median over all rounds' steps.
@@ -39,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from minillm import LLMEngine, SamplingParams, load_model
+from minillm.fast import kernels
 from minillm.fast.products import split_product
 from minillm.formats.weights import DEFAULT_MODEL
 
@@ -93,6 +98,26 @@ def time_products(models: dict, rows_list: list[int], repeats: int, clock) -> No
                   flush=True)
 
 
+def time_kernels(models: dict, rows_list: list[int], repeats: int, clock) -> None:
+    print(f"\nthe quantised kernels by rows, median ms\n{'matrix':>8} {'format':>6} {'rows':>4} | {'fused':>8} "
+          f"{'tiled':>8} {'unpacked':>8} | fastest | load")
+    for fmt in ("int8", "int4"):
+        for name, m in layer0_products(models[fmt]).items():
+            codes = (m.qweight, m.scale) if fmt == "int8" else (m.qweight, m.scale, m.zero, m.group_size)
+            fns = {"fused": lambda x: getattr(kernels, f"{fmt}_matvec")(x, *codes),
+                   "tiled": lambda x: getattr(kernels, f"{fmt}_matmul")(x, *codes),
+                   "unpacked": lambda x: F.linear(x, m._unpacked())}
+            for rows in rows_list:
+                x = torch.randn(rows, m.in_features)
+                times = {k: [] for k in fns}
+                for _ in range(repeats if m.out_features < 10_000 else max(3, repeats // 3)):
+                    for k, fn in fns.items():
+                        times[k].append(timed_ms(fn, x, clock))
+                med = {k: statistics.median(v) for k, v in times.items()}
+                print(f"{name:>8} {fmt:>6} {rows:4} | " + " ".join(f"{med[k]:8.3f}" for k in fns)
+                      + f" | {min(med, key=med.get):>8} | {os.getloadavg()[0]:.2f}", flush=True)
+
+
 def decode_steps_ms(model, batch: int, prompt_len: int, new_tokens: int, seed: int, step_clock) -> list[float]:
     """Run ``batch`` requests at once; the ms of each step that decoded all ``batch`` of them."""
     g = torch.Generator().manual_seed(seed)
@@ -138,6 +163,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--no-engine", action="store_true", help="time the products only")
+    p.add_argument("--kernel-rows", type=int, nargs="*", default=[],
+                   help="also time the three quantised kernels against each other at these rows (e.g. 3 4 128 256)")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="wall seconds, or CPU seconds (use with --threads 1 on a busy machine)")
     args = p.parse_args()
@@ -149,6 +176,8 @@ def main() -> None:
     print(f"{args.model}, {args.threads} threads, {args.clock} clock, decode path {models['float32'].decode_path}, "
           f"load average {os.getloadavg()[0]:.2f} at start")
     time_products(models, args.rows, args.repeats, clock)
+    if args.kernel_rows:
+        time_kernels(models, args.kernel_rows, args.repeats, clock)
     if not args.no_engine:
         time_engine(models, args.batches, args.engine_rounds, args.prompt_len, args.new_tokens, step_clock)
 
