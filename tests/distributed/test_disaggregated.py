@@ -65,8 +65,20 @@ def test_outputs_equal_colocated_and_bytes_follow_the_formula(model, engine):
         (r.request_id, len(p), len(p) * per_token) for r, p in zip(done, PROMPTS))
     assert summary.num_bytes == sum(map(len, PROMPTS)) * per_token
     assert summary.num_hand_offs == len(PROMPTS) and summary.link_bytes_s > 0
+    assert summary.predicted_s_per_token > 0
     # lesson 10's floor at the measured link: bytes per token / bytes per second
     assert summary.predicted_s_per_token == pytest.approx(per_token / summary.link_bytes_s, rel=1e-12)
+
+
+def test_seeded_sampling_continues_where_the_prefill_worker_left_its_generator(model, engine):
+    """The first token is drawn on the prefill worker, the rest on the decode worker: the generator's
+    state crosses with the K/V, so a seeded request draws what it draws in one engine."""
+    params = [SamplingParams(temperature=1.0, top_k=50, seed=seed, max_new_tokens=N_NEW) for seed in (1, 2, 3, 4)]
+    colocated = LLMEngine(model, kv_cache_memory="1MiB", max_num_batched_tokens=64, eos_token_ids=[],
+                          enable_prefix_caching=False).generate(PROMPTS, params)
+    done = [engine.generate([prompt], p)[0] for prompt, p in zip(PROMPTS, params)]
+    assert [r.output_ids for r in done] == [out.token_ids for out in colocated]
+    assert len({tuple(r.output_ids) for r in done}) == len(PROMPTS)
 
 
 def test_bench_serving_policy_gives_the_continuous_tokens(model):
