@@ -513,8 +513,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     attends over its positions first[b] <= j < last[b]. Returns [B, heads, head_dim] float32, softmax(scale ·
     q·kᵀ) · v over those keys. Raises ValueError for other shapes, dtypes or devices, or (with ``check``)
     a block id outside the pool or a range outside its table (a caller that calls once a layer with the
-    same tables checks them once: the check reads the tensors, ~0.1 ms); MemoryError when the partial
-    results cannot be allocated.
+    same tables checks them once: the check reads the tensors, ~0.1 ms).
     """
     B, n_heads, head_dim = q.shape if q.dim() == 3 else (0, 0, 0)
     num_blocks, block_size, kv_heads = k_pool.shape[:3] if k_pool.dim() == 4 else (0, 0, 0)
@@ -536,12 +535,10 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     keys_per_task = max(n for n in range(1, 33) if block_size % n == 0)  # a chunk within one block, <= 32 keys
     tables, first, last = block_tables.contiguous(), first.contiguous(), last.contiguous()
     q, out = q.contiguous(), _output(B, n_heads, head_dim)
-    status = kernels().paged_decode_attention(
+    kernels().paged_decode_attention(
         q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(), first.data_ptr(),
         last.data_ptr(), B, n_heads, kv_heads, head_dim, block_size, tables.shape[1], keys_per_task, scale,
         torch.get_num_threads())
-    if status:
-        raise MemoryError("paged_decode_attention could not allocate its partial results")
     return out
 
 

@@ -568,49 +568,72 @@ int decode_attention(const float *q, const float *k, const float *v, float *out,
 
 /* Decode attention over the paged pool (minillm/serving/paged_cache.py), reading each sequence's blocks
  * where they lie instead of gathering them into a contiguous copy first (vLLM's paged_attention kernel
- * does the same on a GPU). The same split-K as decode_attention, a chunk being `keys_per_task` keys of
- * one block (it divides block_size, at most KEYS_PER_TASK):
+ * does the same on a GPU):
  *
  *   key j of sequence b:  pool[tables[b, j / block_size], j % block_size, kv head, :]
  *
- * Sequence b attends over its keys first[b] <= j < last[b] (first > 0: a sliding window).
+ * Sequence b attends over its keys first[b] <= j < last[b] (first > 0: a sliding window). One task a
+ * (sequence, K/V head): a batch of decodes has enough of them for every thread, so the keys are not
+ * split (as decode_attention's single sequence needs) and no partials are merged. The task walks its
+ * keys a chunk at a time (keys_per_task of one block, <= KEYS_PER_TASK) with the online softmax (Milakov
+ * & Gimelshein 2018), for each of its G query heads: with m the running maximum, l the running sum,
+ *
+ *   m' = max(m, max_j s_j),   c = exp(m - m'),   l = c · l + Σ_j exp(s_j - m'),
+ *   acc = c · acc + Σ_j exp(s_j - m') · v_j,     out = acc / l at the end;
+ *
+ * each chunk of K and V (3 KiB a head at 16 keys of head_dim 64) is read from memory once for the G heads.
  * Layouts: q, out float32 [batch, heads, head_dim]; k_pool, v_pool one layer's float32
  * [num_blocks, block_size, kv_heads, head_dim], contiguous; tables int64 [batch, max_blocks]; first,
- * last int64 [batch]. Returns 0, or 1 when the partials cannot be allocated. */
+ * last int64 [batch]; head_dim a multiple of 8. Returns 0. */
+static void rescale_add(const float *p, const float *v, int n, int D, int64_t stride, float c, float *acc) {
+    /* acc[0:D] = c · acc + Σ_j p[j] · v_j over n rows of v (`stride` floats apart) */
+    for (int d = 0; d < D; d += 8) {
+#if defined(__AVX2__) && defined(__FMA__)
+        __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(acc + d), _mm256_set1_ps(c));
+        for (int j = 0; j < n; j++)
+            sum = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + (int64_t)j * stride + d), sum);
+        _mm256_storeu_ps(acc + d, sum);
+#else
+        for (int u = d; u < d + 8; u++) {
+            float sum = c * acc[u];
+            for (int j = 0; j < n; j++) sum += p[j] * v[(int64_t)j * stride + u];
+            acc[u] = sum;
+        }
+#endif
+    }
+}
+
 int paged_decode_attention(const float *q, const float *k_pool, const float *v_pool, float *out,
                            const int64_t *tables, const int64_t *first, const int64_t *last, int batch,
                            int heads, int kv_heads, int head_dim, int block_size, int max_blocks,
                            int keys_per_task, float scale, int threads) {
-    int G = heads / kv_heads, D = head_dim, per_block = block_size / keys_per_task;
-    int chunks = max_blocks * per_block;
-    int64_t part = D + 2 + KEYS_PER_TASK, row = (int64_t)kv_heads * D;  /* row: one position's K of all heads */
-    float *partials = (float *)malloc(sizeof(float) * (size_t)batch * heads * chunks * part);
-    if (partials == NULL) return 1;
-    #pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
-    for (int task = 0; task < batch * kv_heads * chunks; task++) {
-        int b = task / (kv_heads * chunks), kvh = task / chunks % kv_heads, c = task % chunks;
-        int64_t start = (int64_t)c * keys_per_task, end = start + keys_per_task;
-        start = start > first[b] ? start : first[b];
-        end = end < last[b] ? end : last[b];
-        if (start >= end) continue;  /* outside this sequence's keys: the merge skips it */
-        int64_t block = tables[(int64_t)b * max_blocks + start / block_size];
-        int64_t offset = (block * block_size + start % block_size) * row + (int64_t)kvh * D;
-        int n = (int)(end - start);
-        for (int g = 0; g < G; g++) {
-            int64_t bh = (int64_t)b * heads + kvh * G + g;
-            float *acc = partials + (bh * chunks + c) * part, *s = acc + D + 2;
-            float m = scores(q + bh * D, k_pool + offset, n, D, row, scale, s), l = exps(s, n, m);
-            weighted_sum(s, v_pool + offset, n, D, row, acc);
-            acc[D] = m;
-            acc[D + 1] = l;
+    int G = heads / kv_heads, D = head_dim;
+    int64_t row = (int64_t)kv_heads * D;  /* one position's K (or V) of every head, in floats */
+    #pragma omp parallel for num_threads(threads) schedule(dynamic)
+    for (int task = 0; task < batch * kv_heads; task++) {
+        int b = task / kv_heads, kvh = task % kv_heads;
+        float acc[G * D], m[G], l[G], s[KEYS_PER_TASK];
+        for (int i = 0; i < G * D; i++) acc[i] = 0.0f;
+        for (int g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
+        const float *qb = q + ((int64_t)b * heads + (int64_t)kvh * G) * D;
+        for (int64_t start = first[b]; start < last[b];) {
+            int64_t chunk_end = (start / keys_per_task + 1) * keys_per_task;  /* chunks stay inside a block */
+            int n = (int)((chunk_end < last[b] ? chunk_end : last[b]) - start);
+            int64_t block = tables[(int64_t)b * max_blocks + start / block_size];
+            int64_t offset = (block * block_size + start % block_size) * row + (int64_t)kvh * D;
+            for (int g = 0; g < G; g++) {
+                float chunk_max = scores(qb + (int64_t)g * D, k_pool + offset, n, D, row, scale, s);
+                float m_new = chunk_max > m[g] ? chunk_max : m[g];
+                float c = expf(m[g] - m_new);  /* 0 at the first chunk (m = -inf) */
+                l[g] = c * l[g] + exps(s, n, m_new);
+                rescale_add(s, v_pool + offset, n, D, row, c, acc + (int64_t)g * D);
+                m[g] = m_new;
+            }
+            start += n;
         }
+        float *ob = out + ((int64_t)b * heads + (int64_t)kvh * G) * D;
+        for (int g = 0; g < G; g++)
+            for (int d = 0; d < D; d++) ob[(int64_t)g * D + d] = acc[(int64_t)g * D + d] / l[g];
     }
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int bh = 0; bh < batch * heads; bh++) {
-        int b = bh / heads;
-        merge(partials + (int64_t)bh * chunks * part, (int)(first[b] / keys_per_task),
-              (int)((last[b] + keys_per_task - 1) / keys_per_task), part, D, out + (int64_t)bh * D);
-    }
-    free(partials);
     return 0;
 }
