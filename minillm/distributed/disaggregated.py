@@ -103,7 +103,8 @@ class DisaggregatedEngine:
             same one from ``model.source`` (see :class:`WorkerModel`). This process runs no model.
         config: :class:`DisaggregatedConfig`.
         cores: the cores of the prefill and the decode worker; default the first two this
-            process may use (both on one core when it has one).
+            process may use (both on one core when it has one; not pinned where the OS has no
+            ``sched_setaffinity``, e.g. macOS).
 
     Attributes:
         requests: id -> :class:`~minillm.serving.request.Request`, updated by :meth:`poll` (output ids,
@@ -120,8 +121,10 @@ class DisaggregatedEngine:
     def __init__(self, model, config: DisaggregatedConfig = DisaggregatedConfig(),
                  cores: Sequence[int] | None = None):
         self.model, self.config, self.spec = model, config, WorkerModel.of(model)
-        allowed = sorted(os.sched_getaffinity(0))
-        self.cores = list(cores) if cores is not None else [allowed[0], allowed[1 % len(allowed)]]
+        if cores is None and hasattr(os, "sched_getaffinity"):
+            allowed = sorted(os.sched_getaffinity(0))
+            cores = [allowed[0], allowed[1 % len(allowed)]]
+        self.cores = list(cores) if cores is not None else [None, None]  # None: not pinned (no affinity API)
         self.requests: dict[str, Request] = {}
         self.hand_offs: list[tuple[str, int, int, float, float]] = []
         self.link_bytes_s: float | None = None
