@@ -1,7 +1,7 @@
 """Tensor parallelism on this machine: decode TPOT and prefill time of 2 ranks against one process, and
 the all-reduces' share of a step (minillm/distributed).
 
-    python benchmarks/tensor_parallel.py                      # 3 rounds, ~3-5 min on 2 cores
+    python benchmarks/tensor_parallel.py                      # 3 rounds: 7-12 min on the busy 2-core VM
     python benchmarks/tensor_parallel.py --rounds 5 --decode-steps 64
     python benchmarks/tensor_parallel.py --device cuda        # NCCL, one GPU a rank (needs 2 GPUs)
     python benchmarks/tensor_parallel.py --check-default-model   # SmolLM2-135M's logits, TP=3 vs one process
