@@ -188,10 +188,16 @@ def all_reduce_seconds(n_bytes: float, world_size: int, interconnect_gb_s: float
     _check(world_size >= 1, f"world_size must be >= 1, got {world_size}")
     _check(interconnect_gb_s > 0, f"interconnect_gb_s must be > 0 (GB/s, one direction), got {interconnect_gb_s}")
     _check(latency_s >= 0, f"latency_s must be >= 0, got {latency_s}")
-    if world_size == 1:
-        return 0.0
-    steps = 2 * (world_size - 1)
-    return steps * latency_s + steps / world_size * n_bytes / (interconnect_gb_s * 1e9)
+    return 2 * (world_size - 1) * latency_s + ring_all_reduce_bytes(n_bytes, world_size) / (interconnect_gb_s * 1e9)
+
+
+def ring_all_reduce_bytes(n_bytes: float, world_size: int) -> float:
+    """Bytes each rank sends in one ring all-reduce of an ``n_bytes`` tensor: 2(N-1)/N · n_bytes.
+
+    N-1 reduce-scatter steps then N-1 all-gather steps, each sending 1/N of the tensor to the
+    next rank (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009). N = 1 sends nothing.
+    """
+    return 2 * (world_size - 1) / world_size * n_bytes
 
 
 def all_reduce_bytes_per_layer(config: ModelConfig, n_tokens: int, world_size: int, dtype_bytes: int) -> float:
@@ -219,8 +225,7 @@ def all_reduce_bytes_per_layer(config: ModelConfig, n_tokens: int, world_size: i
     _check(n_tokens >= 0, f"n_tokens must be >= 0, got {n_tokens}")
     _check(world_size >= 1, f"world_size must be >= 1, got {world_size}")
     _check(dtype_bytes >= 1, f"dtype_bytes must be >= 1, got {dtype_bytes}")
-    tensor_bytes = n_tokens * config.d_model * dtype_bytes
-    return 2 * (2 * (world_size - 1) / world_size * tensor_bytes)
+    return 2 * ring_all_reduce_bytes(n_tokens * config.d_model * dtype_bytes, world_size)
 
 
 def tensor_parallel_comm_seconds(config: ModelConfig, n_tokens: int, dtype_bytes: int, world_size: int,
