@@ -8,9 +8,9 @@ prompts drawn uniform 32-512 (seed 0) are prefilled until all decode, then ``--s
 are timed:
 
 - decode: the B requests decode one token each;
-- mixed: 512-token prompts arrive (the workload's longest; one output token each, so each leaves once
-  prefilled), and each step runs B decodes plus (512 - B) prompt tokens: a chunk of one prompt, or
-  the end of one and the start of the next.
+- mixed: prompts of 512 - B tokens arrive (near the workload's longest; one output token each, so
+  each leaves once prefilled), and each step runs B decodes plus one whole such prompt: the budget's
+  512 tokens.
 
 Each part is timed by wrapping what the engine calls (no change to the library): the scheduler's
 ``schedule``, ``prepare_batch`` (the flat batch's Python and tensors), every matrix product (the
@@ -141,10 +141,10 @@ def profile_batch(model, timers: Timers, batch: int, steps: int, rounds: int, se
         engine.step()
     result = defaultdict(list)
     for kind in ("decode", "mixed"):
-        if kind == "mixed":  # 512-token prompts (the workload's longest), one token each: every step runs
-            one = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)  # a chunk beside the decodes
+        if kind == "mixed":  # prompts of (512 - batch) tokens, one output token each: every step prefills
+            one = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)  # one whole beside the decodes
             for _ in range(rounds * len(variants) * (steps + 1) + 2):
-                engine.add_request([rng.randrange(vocab) for _ in range(512)], one)
+                engine.add_request([rng.randrange(vocab) for _ in range(512 - batch)], one)
         for _ in range(rounds):
             for name, paged_batch in variants.items():
                 model.paged_batch = paged_batch
