@@ -179,8 +179,8 @@ def all_reduce_seconds(n_bytes: float, world_size: int, interconnect_gb_s: float
         world_size: N >= 1 (1: no communication, 0.0).
         interconnect_gb_s: each rank's bandwidth in one direction, GB/s (1e9 bytes/s; NVLink 4 on
             an H100: 450 GB/s each way; PCIe 5 x16: about 64).
-        latency_s: the time one message takes however small, seconds (NCCL on NVLink: ~10 µs per
-            all-reduce; gloo over loopback TCP: tens of µs).
+        latency_s: the time one ring step's message takes however small, seconds; the all-reduce pays
+            it 2(N-1) times (a measured small all-reduce's time divided by 2(N-1) gives it).
 
     Raises ValueError for n_bytes < 0, world_size < 1, interconnect_gb_s not > 0 or latency_s < 0.
     """

@@ -63,7 +63,7 @@ class WhatIf:
         tensor_parallel_size: N devices sharing the model (1: one device); with N > 1, the
             times include the all-reduces and memory_bytes_needed is one device's share (its 1/N
             of the weights and KV, plus the replicated embedding table).
-        interconnect_gb_s, latency_us: each device's link, GB/s one direction, and one message's latency.
+        interconnect_gb_s, latency_us: each device's link, GB/s one direction, and one ring step's latency (an all-reduce pays 2(N-1)).
         prefill_comm_ms: the prefill's all-reduce time (0 with N = 1), part of ttft_ms.
         decode_comm_ms: one decode step's all-reduce time, part of tpot_ms.
     """
@@ -112,7 +112,7 @@ def predict(
     per step for the whole batch, KV per request). Each decode step k (k = 1..output_tokens-1)
     feeds the k-th output token, so its context after the write is prompt_tokens + k.
     With ``tensor_parallel_size`` N > 1, every pass is split over N devices joined by links of
-    ``interconnect_gb_s`` (GB/s, one direction) and ``latency_us`` per message (module docstring).
+    ``interconnect_gb_s`` (GB/s, one direction) and ``latency_us`` per ring step (module docstring).
     Raises ValueError for prompt_tokens < 1, output_tokens < 1, batch_size < 1, N < 1, or N > 1
     without an interconnect bandwidth > 0.
     """

@@ -94,8 +94,9 @@ def add_whatif(sub) -> None:
                    help="with --tensor-parallel-size: each device's link, GB/s one direction (NVLink 4: 450, "
                         "PCIe 5 x16: 64, PCIe 4 x16: 32, 100 GbE: 12.5; default: none, required with N > 1)")
     p.add_argument("--interconnect-latency-us", type=float, default=0.0, metavar="US",
-                   help="with --tensor-parallel-size: time of one message however small, µs (NCCL on NVLink: "
-                        "about 10; default 0: bandwidth alone, a floor)")
+                   help="with --tensor-parallel-size: time of one ring step's message however small, µs; an "
+                        "all-reduce pays it 2(N-1) times (measure a small all-reduce and divide; default 0: "
+                        "bandwidth alone, a floor)")
     p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     p.set_defaults(run=run_whatif)
 
@@ -164,13 +165,14 @@ def run_whatif(args) -> int:
 
 def _tensor_parallel_rows(w, one) -> list[tuple[str, str]]:
     """What the all-reduces cost, and the split against ``one``, the same request on one device."""
-    link = f"{w.interconnect_gb_s:g} GB/s each way" + (f", {w.latency_us:g} µs a message" if w.latency_us else "")
+    link = f"{w.interconnect_gb_s:g} GB/s each way" + (f", {w.latency_us:g} µs a ring step" if w.latency_us else "")
     comm = f"prefill {w.prefill_comm_ms:.3f} ms ({100 * w.prefill_comm_ms / w.ttft_ms:.0f}% of TTFT)"
     if w.tpot_ms:
         comm += f", decode {w.decode_comm_ms:.4f} ms a step ({100 * w.decode_comm_ms / w.tpot_ms:.0f}% of TPOT)"
     faster = [f"TTFT {one.ttft_ms / w.ttft_ms:.2f}x"] + ([f"TPOT {one.tpot_ms / w.tpot_ms:.2f}x"] if w.tpot_ms else [])
-    slower = w.ttft_ms > one.ttft_ms or (w.tpot_ms or 0) > (one.tpot_ms or 0)
-    verdict = "the all-reduces cost more than the split saves" if slower else \
+    slower = [phase for phase, split, alone in (("prefill", w.ttft_ms, one.ttft_ms), ("decode", w.tpot_ms, one.tpot_ms))
+              if split and alone and split > alone]
+    verdict = f"{' and '.join(slower)}: the all-reduces cost more than the split saves" if slower else \
         f"{w.tensor_parallel_size}x would be ideal"
     return [("tensor parallel", f"{w.tensor_parallel_size} devices, {link}; 2 ring all-reduces of "
                                 "tokens x d_model a layer, each device sending 2(N-1)/N of its bytes"),
