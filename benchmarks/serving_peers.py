@@ -60,6 +60,7 @@ from minillm.bench.workload import describe, make_workload, safe_token_ids
 from minillm.errors import MiniLLMError
 from minillm.formats.weights import resolve_model
 from minillm.paths import weights_dir
+from minillm.serving.run_metrics import RunSummary
 from minillm.tokenizer import load_tokenizer
 from minillm.units import fmt_num
 
@@ -84,6 +85,7 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=1800.0, help="one run's limit (s); unfinished requests fail")
     p.add_argument("--json", metavar="FILE", help="write every run and the summary as JSON")
     p.add_argument("--markdown", action="store_true", help="also print the summary as a markdown table")
+    p.add_argument("--report", metavar="FILE", help="start nothing: print the tables of a --json file again")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.num_prompts < 1 or args.threads < 1:
         p.error("--rounds, --num-prompts and --threads must be >= 1")
@@ -157,6 +159,8 @@ def git_commit() -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Console(highlight=False) if sys.stdout.isatty() else Console(width=200, highlight=False)
+    if args.report:
+        return report(out, args.report, args.markdown)
     model_dir = resolve_model(args.model, download=False)
     tokenizer = load_tokenizer(model_dir)
     ids = safe_token_ids(tokenizer)
@@ -192,10 +196,19 @@ def main(argv=None) -> int:
             out.print(round_table(round_runs, r, args.num_prompts))
             if args.json:  # after every round: a long run cut short keeps the rounds it finished
                 write_json(args, lengths, skipped, specs, seen, runs)
-    dtypes = {spec.name: spec.dtype for spec in specs}
+    print_summary(out, runs, {spec.name: spec.dtype for spec in specs}, args.markdown)
+    if args.json:
+        write_json(args, lengths, skipped, specs, seen, runs)
+        out.print(f"wrote {args.json}")
+    return 0
+
+
+def print_summary(out, runs: list[PeerRun], dtypes: dict[str, str], markdown: bool) -> None:
+    """The medians over the rounds with minillm's ratio to each peer (and as markdown)."""
     summaries = summarize_peers(runs)
+    n_rounds = len({r.round for r in runs})
     table = Table(*SUMMARY_HEAD, box=box.SIMPLE_HEAD,
-                  title=f"Medians over {args.rounds} rounds; minillm / peer: > 1x is minillm faster (tok/s), "
+                  title=f"Medians over {n_rounds} rounds; minillm / peer: > 1x is minillm faster (tok/s), "
                         "slower (TTFT, TPOT)")
     for row in summary_rows(summaries, dtypes):
         table.add_row(*row)
@@ -204,13 +217,21 @@ def main(argv=None) -> int:
         if s.peer != MINILLM and s.out_tok_s_ratio is not None:
             out.print(f"minillm serve / {s.peer}: {s.out_tok_s_ratio:.2f}x the output tok/s, "
                       f"{ratio(s.ttft_ratio)} the TTFT p50, {ratio(s.tpot_ratio)} the TPOT p50")
-    if args.markdown:
+    if markdown:
         out.print("| " + " | ".join(SUMMARY_HEAD) + " |\n|" + "---|" * len(SUMMARY_HEAD))
         for row in summary_rows(summaries, dtypes):
             out.print("| " + " | ".join(row) + " |")
-    if args.json:
-        write_json(args, lengths, skipped, specs, seen, runs)
-        out.print(f"wrote {args.json}")
+
+
+def report(out, path: str, markdown: bool) -> int:
+    """The tables again from a --json file: every round it holds (one written by a run cut short too)."""
+    doc = json.loads(Path(path).read_text())
+    runs = [PeerRun(r["peer"], r["round"], RunSummary(**r["summary"]), r["n_failed"], tuple(r["loadavg_before"]),
+                    tuple(r["loadavg_after"])) for r in doc["runs"]]
+    out.print(f"{path}: commit {doc['commit']}, workload {doc['workload']}")
+    for r in sorted({run.round for run in runs}):
+        out.print(round_table([run for run in runs if run.round == r], r, doc["workload"]["n_requests"]))
+    print_summary(out, runs, {p["name"]: p["dtype"] for p in doc["peers"]}, markdown)
     return 0
 
 
