@@ -184,7 +184,7 @@ def test_the_script_end_to_end_on_minillm_serve_and_transformers(tiny_folder, tm
     ours, theirs = doc["summary"]
     assert theirs["out_tok_s_ratio"] == pytest.approx(ours["output_tok_s"] / theirs["output_tok_s"])
     assert f"minillm serve / {TRANSFORMERS}: {theirs['out_tok_s_ratio']:.2f}x the output tok/s" in printed
-    assert script.main(["--report", str(out), "--markdown"]) == 0  # the same tables again from the JSON
+    assert script.main(["--report", str(out)]) == 0  # the same tables again from the JSON
     again = capsys.readouterr().out
     assert printed[printed.index("Round 1"):printed.index("wrote")].strip() == \
         again[again.index("Round 1"):].strip()
