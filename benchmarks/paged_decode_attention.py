@@ -1,0 +1,70 @@
+"""One layer's decode attention over the paged pool: the reference's gather + masked SDPA against the C kernel.
+
+    OMP_NUM_THREADS=1 python benchmarks/paged_decode_attention.py [--threads 1] [--reps 30]
+
+For batches of 8, 16 and 32 decodes with contexts uniform 100-600 (seed 0), SmolLM2-135M's attention
+shape (9 query heads, 3 K/V heads, head_dim 64), block size 16, the blocks shuffled over a pool of 2,000:
+the reference path of minillm/serving/paged_attention.py (``PagedKVCache.gather``, then SDPA with the mask
+that hides each row's padding) and ``minillm.fast.kernels.paged_decode_attention`` (the blocks read in
+place), checked equal, then called in turn ``--reps`` times each. Prints min and median ms a call of the
+process's CPU time (with one thread, what other processes on a busy machine barely change) and the load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+import torch
+
+from minillm.fast import kernels
+from minillm.model import sdpa_attention
+from minillm.serving.paged_cache import PagedKVCache
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rng = random.Random(0)
+    block_size, num_blocks, heads, kv_heads, head_dim = 16, 2000, 9, 3, 64
+    cache = PagedKVCache(1, kv_heads, head_dim, num_blocks, block_size)
+    cache.k.normal_()
+    cache.v.normal_()
+    for batch in (8, 16, 32):
+        lens = torch.tensor([rng.randint(100, 600) for _ in range(batch)])
+        n_blocks = (lens + block_size - 1) // block_size
+        tables = torch.zeros(batch, int(n_blocks.max()), dtype=torch.long)
+        free = torch.randperm(num_blocks).tolist()
+        for b in range(batch):
+            tables[b, : n_blocks[b]] = torch.tensor([free.pop() for _ in range(int(n_blocks[b]))])
+        q = torch.randn(batch, heads, head_dim)
+        mask = (torch.arange(tables.shape[1] * block_size)[None] < lens[:, None])[:, None, None]
+
+        def reference():
+            keys, values = cache.gather(0, tables)
+            return sdpa_attention(q.unsqueeze(2), keys, values, mask).squeeze(2)
+
+        def fast():
+            return kernels.paged_decode_attention(q, cache.k[0], cache.v[0], tables, torch.zeros_like(lens), lens,
+                                                  head_dim**-0.5, check=False)
+
+        torch.testing.assert_close(fast(), reference(), atol=1e-5, rtol=1e-4)
+        times = {"gather + SDPA": [], "C kernel": []}
+        for _ in range(args.reps):
+            for name, call in (("gather + SDPA", reference), ("C kernel", fast)):
+                start = time.process_time()
+                call()
+                times[name].append((time.process_time() - start) * 1e3)
+        print(f"batch {batch}: " + "; ".join(f"{name} min {min(t):.2f} median {statistics.median(t):.2f} ms"
+                                              for name, t in times.items())
+              + f"; load average {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
