@@ -171,7 +171,8 @@ def main(argv=None) -> int:
                                 not args.no_transformers, args.llama_parallel)
     for line in skipped:
         out.print(line)
-    out.print(f"workload: {describe(lengths)}; commit {git_commit()}; {os.cpu_count()} CPUs")
+    commit = git_commit()  # when the servers start: what minillm serve runs
+    out.print(f"workload: {describe(lengths)}; commit {commit}; {os.cpu_count()} CPUs")
     runs: list[PeerRun] = []
     with contextlib.ExitStack() as stack:
         log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="serving_peers_")))
@@ -195,10 +196,10 @@ def main(argv=None) -> int:
             runs += round_runs
             out.print(round_table(round_runs, r, args.num_prompts))
             if args.json:  # after every round: a long run cut short keeps the rounds it finished
-                write_json(args, lengths, skipped, specs, seen, runs)
+                write_json(args, commit, lengths, skipped, specs, seen, runs)
     print_summary(out, runs, {spec.name: spec.dtype for spec in specs}, args.markdown)
     if args.json:
-        write_json(args, lengths, skipped, specs, seen, runs)
+        write_json(args, commit, lengths, skipped, specs, seen, runs)
         out.print(f"wrote {args.json}")
     return 0
 
@@ -235,7 +236,7 @@ def report(out, path: str, markdown: bool) -> int:
     return 0
 
 
-def write_json(args, lengths, skipped, specs, seen, runs) -> None:
+def write_json(args, commit, lengths, skipped, specs, seen, runs) -> None:
     doc = {"commit": git_commit(), "config": vars(args), "workload": describe(lengths), "skipped": skipped,
            "peers": [{"name": s.name, "dtype": s.dtype, "dtype_in_log": seen.get(s.name), "command": list(s.command),
                       "env": s.env} for s in specs],
