@@ -237,7 +237,7 @@ def report(out, path: str, markdown: bool) -> int:
 
 
 def write_json(args, commit, lengths, skipped, specs, seen, runs) -> None:
-    doc = {"commit": git_commit(), "config": vars(args), "workload": describe(lengths), "skipped": skipped,
+    doc = {"commit": commit, "config": vars(args), "workload": describe(lengths), "skipped": skipped,
            "peers": [{"name": s.name, "dtype": s.dtype, "dtype_in_log": seen.get(s.name), "command": list(s.command),
                       "env": s.env} for s in specs],
            "runs": [{"peer": r.peer, "round": r.round, "n_failed": r.n_failed, "loadavg_before": r.loadavg_before,
