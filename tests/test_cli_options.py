@@ -115,3 +115,10 @@ def test_a_read_only_output_file_is_refused(tmp_path, capsys):
     out.chmod(0o444)
     assert main(["generate", "hi", "--trace-out", str(out)]) == 2
     assert "is read-only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["bench-serving", "--tp", "3"], ["whatif", "--model", "llama-3-8b", "--prompt", "10"]])
+def test_an_abbreviated_option_is_refused_not_read_as_a_longer_one(argv, capsys):
+    """`bench-serving --tp 3` once ran as --tpot-slo-ms 3: argparse's prefix matching is off."""
+    assert main(argv) == 2
+    assert f"unrecognized arguments: {' '.join(argv[-2:])}" in capsys.readouterr().err

@@ -34,6 +34,8 @@ class HelpFormatter(argparse.HelpFormatter):
 class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
+        # No prefixes: `bench-serving --tp 3` would otherwise run as --tpot-slo-ms 3 without a word.
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def error(self, message):  # argparse would print the whole usage block; one line is kinder
