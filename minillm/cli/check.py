@@ -156,12 +156,21 @@ def _print_exercise_results(console, results, where: str, seconds: float | None 
             console.print(f"\n[red]FAILED[/red] {r.id} {r.file}: {', '.join(names)}")
             console.print(message, markup=False, highlight=False, soft_wrap=True)
     totals = {s: sum(r.status == s for r in results) for s in _STATUS_STYLE}
-    todo = "" if totals["passed"] == len(results) else (
-        f" Write them in {where}/exNN_*.py; 'minillm check exNN -v' shows tracebacks.")
+    todo = _to_do([r for r in results if r.status != "passed"], where)
     took = "" if seconds is None else (f" in {seconds:.1f} s (the checks {sum(r.seconds for r in results):.1f} s, "
                                        "the rest starting Python and pytest)")
     console.print("\n" + ", ".join(f"{n} {s}" for s, n in totals.items()) + f" (of {len(results)} exercises)"
                   + took + "." + todo, markup=False, soft_wrap=True)
+
+
+def _to_do(unfinished, where: str) -> str:
+    """What to open next: the files of the exercises not passed yet (their docstrings say what to write)."""
+    if not unfinished:
+        return ""
+    files = ", ".join(f"{where}/{r.file}" for r in unfinished[:3]) + (", ..." if len(unfinished) > 3 else "")
+    first = unfinished[0].id
+    return (f" Next: {files} (each file's docstring says what to write and which lesson explains it); "
+            f"'minillm check {first} -v' shows tracebacks.")
 
 
 def _class_table(results: dict):
