@@ -31,6 +31,11 @@ class ModelNotFoundError(MiniLLMError):
     """A model name or path that cannot be found locally or downloaded."""
 
 
+class EngineLostError(MiniLLMError):
+    """The engine cannot run another step: a part of it is gone for good (a tensor-parallel rank died).
+    A server answers /health with 503 and refuses new requests from then on."""
+
+
 class OutputPathError(MiniLLMError):
     """An output folder that cannot be created or written to."""
 

@@ -58,7 +58,11 @@ def run_serve(args) -> int:
 
 def _run_serve(args, group=None) -> int:
     """Load, build the engine, serve until stopped; with a tensor-parallel ``group``, rank 0 serves and the
-    other ranks follow its steps (minillm/distributed/engine.py)."""
+    other ranks follow its steps (minillm/distributed/engine.py).
+
+    When a rank dies, the step in flight fails its requests with one line naming the rank, and the server
+    stays up but unhealthy: /health answers 503 and new requests are refused (an orchestrator's health check
+    restarts it), rather than exiting as vLLM does when its engine dies, so a client still gets a reason."""
     from ..loading import load_model
     from ..serving.engine import LLMEngine
     from ..serving.server.app import create_app, serve
@@ -101,9 +105,9 @@ def _run_serve(args, group=None) -> int:
         serve(app, args.host, args.port, args.shutdown_timeout)
     finally:
         async_engine.close()
-        if group is not None:
-            lead(group, None)  # the followers stop
-    return 0
+        if group is not None and async_engine.lost is None:
+            lead(group, None)  # the followers stop (after a rank died, rank 0's launcher stops them)
+    return 0 if group is None or async_engine.lost is None else 1
 
 
 def _check_args(args) -> None:

@@ -9,6 +9,8 @@ import sys
 
 from .common import UsageError, ensure_model
 
+FOLLOWER_LOST_EXIT = 1  # a follower whose leader or peer is gone: failed, but rank 0 is the one that says why
+
 
 def tensor_parallel_option(p, what: str) -> None:
     p.add_argument("--tensor-parallel-size", "--tp", type=int, metavar="N",
@@ -43,13 +45,18 @@ def tensor_parallel_size(args, not_with: dict[str, str]) -> int:
 
 def run_tensor_parallel(args, n: int, run) -> int:
     """This process as rank 0 of N, ranks 1..N-1 started here (or every rank by torchrun): the sizes checked,
-    the group joined, each CPU rank pinned to its own core, then ``run(args, group)`` on every rank."""
+    the group joined, each CPU rank pinned to its own core, then ``run(args, group)`` on every rank.
+
+    Rank 0 reports, the others stay quiet: a follower whose collective fails (rank 0 or a peer is gone)
+    exits with FOLLOWER_LOST_EXIT and prints nothing. When rank 0 ends early (Ctrl-C, an error, ``| head``)
+    it stops the ranks it started at once (SIGTERM, then SIGKILL), before it leaves the group."""
     import torch
 
     from ..config import ModelConfig
     from ..device import resolve_device
-    from ..distributed.launch import (join_group, launched_by_torchrun, leave_group, pin_to_core, start_workers,
-                                      stop_workers)
+    from ..distributed.comm import TensorParallelError
+    from ..distributed.launch import (dead_worker, join_group, launched_by_torchrun, leave_group, pin_to_core,
+                                      start_workers, stop_workers)
     from ..distributed.tensor_parallel import check_tensor_parallel_size
 
     check_tensor_parallel_size(ModelConfig.from_json(ensure_model(args.model, args.weights_dir)), n)
@@ -57,15 +64,26 @@ def run_tensor_parallel(args, n: int, run) -> int:
         raise UsageError(f"--tensor-parallel-size {n} runs a rank a GPU and this machine has "
                          f"{torch.cuda.device_count()}; use --device cpu or at most {torch.cuda.device_count()}")
     workers = [] if launched_by_torchrun() else start_workers(n, getattr(args, "argv", None) or sys.argv[1:])
+    finished = False
     try:
         group = join_group(args.device)
+        if workers:
+            group.who_died = lambda: dead_worker(workers)
         if group.device.type == "cpu":
             pin_to_core(group.rank)
         if group.rank:  # Ctrl-C in a terminal reaches every rank: rank 0 decides (serve drains) and tells them
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            return run(args, group)
+            code = run(args, group)
+            finished = code == 0  # else (serve lost a rank) the others may wait on it forever: stop them now
+            return code
+        except TensorParallelError:
+            if group.rank:  # the leader, or a peer, is gone: rank 0 says so (or has been interrupted), not each rank
+                return FOLLOWER_LOST_EXIT
+            raise
         finally:
+            if not finished:  # before leaving the group: a follower must not see it close and report that
+                stop_workers(workers, finished=False)
             leave_group()
     finally:
-        stop_workers(workers)
+        stop_workers(workers, finished)

@@ -16,17 +16,20 @@ one line, instead of waiting forever.
 
 from __future__ import annotations
 
+import pickle
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from ..errors import MiniLLMError
+from ..errors import EngineLostError, MiniLLMError
 
 
-class TensorParallelError(MiniLLMError):
-    """A collective failed: another rank died or did not answer within the group's timeout."""
+class TensorParallelError(EngineLostError):
+    """A collective failed: another rank died or did not answer within the group's timeout. One line: the
+    operation, and which rank died when rank 0's launcher knows (no gloo/NCCL internals)."""
 
 
 class TensorParallelSizeError(MiniLLMError, ValueError):
@@ -47,6 +50,8 @@ class TensorParallelGroup:
             timeout of its own: a follower waits for the next request as long as a server stays idle.
             None: the default group.
         trace: the :class:`~minillm.trace.Trace` collectives record into, set by :meth:`recording`; None: no timing.
+        who_died: on rank 0 when it started the other ranks: returns "rank R (pid P) died (killed by SIGKILL)"
+            or None (:func:`~minillm.distributed.launch.dead_worker`), named in a failed collective's error.
     """
 
     rank: int
@@ -56,6 +61,7 @@ class TensorParallelGroup:
     timeout_s: float
     control: object | None = field(default=None, repr=False)
     trace: object | None = field(default=None, repr=False)
+    who_died: Callable[[], str | None] | None = field(default=None, repr=False)
 
     @contextmanager
     def recording(self, trace):
@@ -119,11 +125,20 @@ class TensorParallelGroup:
     def _failures(self, what: str):
         try:
             yield
-        except RuntimeError as e:  # gloo and NCCL raise RuntimeError subclasses (DistBackendError, ...)
-            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise TensorParallelError(
-                f"rank {self.rank} of {self.world_size}: {what} failed, another rank died or did not answer "
-                f"in time ({first_line[:160]}); the request cannot finish") from None
+        # gloo and NCCL raise RuntimeError subclasses (DistBackendError, ...); a broadcast cut off mid-message
+        # (its sender died) leaves the next one's bytes misread: an unpickling error, not a message
+        except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
+            raise TensorParallelError(f"rank {self.rank} of {self.world_size}: {what} failed: {self._cause(e)}") \
+                from None
+
+    def _cause(self, error: Exception) -> str:
+        """Why a collective failed, in our words: gloo's own text names its source files, not the rank."""
+        died = self.who_died() if self.who_died is not None else None
+        if died:
+            return died
+        if "timed out" in str(error).lower() or "timeout" in str(error).lower():
+            return f"another rank did not answer within {self.timeout_s:g} s"
+        return "another rank is gone (its connection closed)"
 
 
 def _nbytes(x: torch.Tensor) -> int:

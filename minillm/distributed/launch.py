@@ -17,9 +17,11 @@ another's cache or time slices.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from datetime import timedelta
 
@@ -61,15 +63,49 @@ def start_workers(world_size: int, argv: list[str]) -> list[subprocess.Popen]:
             for r in range(1, world_size)]
 
 
-def stop_workers(workers: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
-    """Wait for the workers to finish (they stop when rank 0 says so, or when its group is gone); kill
-    any still running after ``timeout_s``."""
+def stop_workers(workers: list[subprocess.Popen], finished: bool, timeout_s: float = 10.0,
+                 kill_after_s: float = 1.0) -> None:
+    """End the workers. ``finished``: rank 0 told them to stop, so wait up to ``timeout_s`` for them to exit;
+    else (rank 0 interrupted, failed, or its reader went away) stop them at once. Any still running then
+    gets SIGTERM, and SIGKILL ``kill_after_s`` later: no rank outlives rank 0."""
+    deadline = time.monotonic() + (timeout_s if finished else 0.0)
     for w in workers:
         try:
-            w.wait(timeout=timeout_s)
+            w.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    running = [w for w in workers if w.poll() is None]
+    for w in running:
+        w.terminate()
+    deadline = time.monotonic() + kill_after_s
+    for w in running:
+        try:
+            w.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             w.kill()
             w.wait()
+
+
+def dead_worker(workers: list[subprocess.Popen], wait_s: float = 0.5) -> str | None:
+    """On rank 0, after a collective failed: "rank R (pid P) died (killed by SIGKILL)" for the first of
+    ``workers`` (ranks 1..N-1, from :func:`start_workers`) that has ended, or None when all still run.
+    Waits up to ``wait_s`` for one to end: its connections close a moment before the OS reports its exit."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for rank, w in enumerate(workers, start=1):
+            code = w.poll()
+            if code is not None:
+                if code < 0:
+                    try:
+                        how = f"killed by {signal.Signals(-code).name}"
+                    except ValueError:
+                        how = f"killed by signal {-code}"
+                else:
+                    how = f"exit code {code}"
+                return f"rank {rank} (pid {w.pid}) died ({how})"
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.02)
 
 
 def join_group(device=None, timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallelGroup:

@@ -7,7 +7,8 @@
     POST /tokenize              vLLM's: a prompt or messages -> token ids, count, max_model_len
     POST /detokenize            vLLM's: token ids -> text
     GET  /tokenizer_info        vLLM's: the special tokens and chat template (lm-eval's remote tokenizer)
-    GET  /health                200 while the engine thread is alive (HEAD too: no body)
+    GET  /health                200 while the engine thread is alive and can step (HEAD too: no body);
+                                503 once it stopped or lost a tensor-parallel rank (the server keeps running)
     GET  /metrics               Prometheus text: vLLM's metric names under ``minillm:``
     GET  /                      the live view of the engine (web_view.py)
 
@@ -115,6 +116,8 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(request: Request):
+        if async_engine.lost is not None:  # a tensor-parallel rank died: every step would fail
+            raise APIError(503, f"the engine cannot run: {async_engine.lost}; restart the server")
         if not async_engine.is_alive():
             raise APIError(503, "the engine thread has stopped; restart the server")
         return Response(status_code=200) if request.method == "HEAD" else {"status": "ok"}

@@ -28,7 +28,7 @@ import time
 import uuid
 from typing import AsyncIterator, Callable
 
-from ...errors import MiniLLMError
+from ...errors import EngineLostError, MiniLLMError
 from ...sampling import SamplingParams
 from ..engine import LLMEngine, RequestOutput
 from ..request import Request, sequence_id
@@ -82,6 +82,7 @@ class AsyncEngine:
         self.lock = threading.Lock()
         self._wake = threading.Event()  # set when there is work: a command, or requests to step
         self._stopping = False
+        self.lost: str | None = None  # why the engine can run no more steps (EngineLostError): /health says 503
         self._draining = False  # set by drain(): new requests are refused, running ones go on
         self._commands: collections.deque[tuple] = collections.deque()  # appended by clients, popped by the thread
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -96,8 +97,9 @@ class AsyncEngine:
         self._wake.set()
 
     def is_alive(self) -> bool:
-        """True while the engine thread runs (False after :meth:`close`)."""
-        return self._thread.is_alive()
+        """True while the engine thread runs and can step (False after :meth:`close`, or once a step raised
+        :class:`~minillm.errors.EngineLostError`: a tensor-parallel rank died; ``lost`` says why)."""
+        return self._thread.is_alive() and self.lost is None
 
     # -- the client side (coroutines in the server's event loop) ---------------------------
 
@@ -206,6 +208,8 @@ class AsyncEngine:
                     self._step()
                 except Exception as error:  # a bug or a device error: fail the requests in flight, keep serving
                     self._fail_all(error)
+                    if isinstance(error, EngineLostError):  # a rank died: no step can run again; refuse from now on
+                        self.lost = str(error)
             # threading.Lock is not fair: released and taken again at once, it can starve a reader
             # (the web view, /metrics) for several steps. Yielding the GIL lets a waiter in first
             # (measured: /engine/state round trip 252 -> 183 ms median during 3 decodes).
@@ -236,7 +240,9 @@ class AsyncEngine:
         """Add a request, or refuse it (full queue, bad prompt, stopping); tell its client which."""
         error = None
         waiting = len(self.engine.scheduler.waiting)
-        if self._stopping or self._draining:
+        if self.lost is not None:
+            error = EngineDeadError(f"the engine cannot run: {self.lost}; restart the server")
+        elif self._stopping or self._draining:
             error = ShuttingDownError("the server is shutting down; send the request again when it is back")
         elif self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
             error = QueueFullError(f"the waiting queue is full ({waiting} requests, limit {self.max_waiting_requests}: "
