@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -111,6 +112,8 @@ def run_generate(args) -> int:
     _check_generate_args(args)
     check_structured_args(args)
     n = tensor_parallel_size(args, _NOT_WITH_TENSOR_PARALLEL)
+    if n > 1 and int(os.environ.get("RANK", 0)) == 0:  # rank 0's prompts read (and checked) before any rank starts
+        args.prompts = _read_prompts(args)
     return run_tensor_parallel(args, n, _run_generate) if n > 1 else _run_generate(args)
 
 
@@ -122,7 +125,7 @@ def _run_generate(args, group=None) -> int:
     from ..tokenizer import load_tokenizer
 
     leader = group is None or group.rank == 0
-    prompts = ([_read_prompt(p) for p in args.prompt] or [_read_prompt(None)]) if leader else []
+    prompts = (getattr(args, "prompts", None) or _read_prompts(args)) if leader else []
     folder = ensure_model(args.model, args.weights_dir)
     model = load_model(folder, device=group.device if group else args.device, dtype=args.dtype,
                        quantize=args.quantize, fast=args.fast and group is None)
@@ -168,9 +171,8 @@ def _run_generate(args, group=None) -> int:
     return 0
 
 
-# what a tensor-parallel run cannot do yet: each would need its state kept the same on every rank
-_NOT_WITH_TENSOR_PARALLEL = {"quantize": "--quantize", "speculative": "--speculative", "prefix_cache": "--prefix-cache",
-                             "json_schema": "--json-schema", "regex": "--regex", "choice": "--choice"}
+# what a tensor-parallel run cannot do yet (each flag's reason: minillm/cli/tensor_parallel.py)
+_NOT_WITH_TENSOR_PARALLEL = ["quantize", "speculative", "prefix_cache", "json_schema", "regex", "choice"]
 
 
 def run_student_engine(args) -> int:
@@ -369,7 +371,7 @@ def _finish_request(args, prompt: str, prompt_ids, steps, start_s: float, cold: 
         print(json.dumps(_json_record(prompt, steps, metrics, cold, args.speculative_config is not None)), flush=True)
     else:
         print(flush=True)
-    print(_summary(metrics, steps, cold, _busy_note()), file=sys.stderr)
+    print(_summary(metrics, steps, cold, _busy_note(getattr(args, "tp_group", None))), file=sys.stderr)
 
 
 def _thread_governor(model):
@@ -386,12 +388,14 @@ def _adjust_threads(args, force: bool = False) -> None:
         args.governor.adjust(force)
 
 
-def _busy_note() -> str | None:
+def _busy_note(group=None) -> str | None:
     """The note "machine busy: load X on N cores" when the 1-minute load average, read now at the end of
-    the run, exceeded the cores this process may use: other processes took CPU time from it (minillm/cpu_policy.py)."""
+    the run, exceeded the cores this process may use: other processes took CPU time from it (minillm/cpu_policy.py).
+    With a tensor-parallel ``group``: the cores of all its ranks together (``group.cores``), not rank 0's one."""
     from .. import cpu_policy
 
-    return cpu_policy.busy_note(cpu_policy.load_average(), cpu_policy.usable_cores())
+    cores = group.cores if group is not None and group.cores else cpu_policy.usable_cores()
+    return cpu_policy.busy_note(cpu_policy.load_average(), cores)
 
 
 def _sampling_params(args, generation_config=None):
@@ -417,6 +421,11 @@ def _sampling_params(args, generation_config=None):
 def _eos_ids(model, tokenizer) -> set[int]:
     """The tokenizer's EOS and the checkpoint's (generation_config.json's, else config.json's)."""
     return tokenizer.eos_token_ids | set(model.generation_config.eos_token_ids)
+
+
+def _read_prompts(args) -> list[str]:
+    """The prompt arguments, or stdin's text as the one prompt (:func:`_read_prompt`)."""
+    return [_read_prompt(p) for p in args.prompt] or [_read_prompt(None)]
 
 
 def _read_prompt(prompt: str | None) -> str:
@@ -521,7 +530,7 @@ def run_generate_traced(args, model, tokenizer, prompt: str, params, prefix_cach
             console.print(_cached_prompt_panel(trace, prefix_cache))
         print_trace(trace, console, prompt=False)  # its summary panel stands for the summary line
         if args.speculative_config is not None:  # no per-token events under speculation: the lines instead
-            print(_summary(metrics, steps, cold, _busy_note()), file=sys.stderr)
+            print(_summary(metrics, steps, cold, _busy_note(getattr(args, "tp_group", None))), file=sys.stderr)
             print(_speculative_summary(args.speculative_config, steps), file=sys.stderr)
     else:
         _finish_request(args, prompt, prompt_ids, steps, trace.start_s, cold)

@@ -45,7 +45,7 @@ def add_serve(sub) -> None:
 
 
 def run_serve(args) -> int:
-    n = tensor_parallel_size(args, {"quantize": "--quantize", "threads": "--threads"})
+    n = tensor_parallel_size(args, ["quantize", "threads"])
     if n == 1 or int(os.environ.get("RANK", 0)) == 0:  # a follower's port is rank 0's
         _check_args(args)
     try:
@@ -107,7 +107,10 @@ def _run_serve(args, group=None) -> int:
         async_engine.close()
         if group is not None and async_engine.lost is None:
             lead(group, None)  # the followers stop (after a rank died, rank 0's launcher stops them)
-    return 0 if group is None or async_engine.lost is None else 1
+    if group is not None and async_engine.lost is not None:
+        print(f"minillm: error: {async_engine.lost}", file=sys.stderr)  # what /health said since
+        return 1
+    return 0
 
 
 def _check_args(args) -> None:

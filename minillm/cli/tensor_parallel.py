@@ -21,9 +21,10 @@ def tensor_parallel_option(p, what: str) -> None:
                         "(default: 1, one process)")
 
 
-def tensor_parallel_size(args, not_with: dict[str, str]) -> int:
+def tensor_parallel_size(args, not_with: list[str]) -> int:
     """N from --tensor-parallel-size or torchrun's WORLD_SIZE (1: one process); usage errors for what N
-    cannot go with (``not_with``: argument name -> flag), said before any process starts."""
+    cannot go with (``not_with``: argument names, each refused with its reason from NOT_WITH_TENSOR_PARALLEL),
+    said before any process starts."""
     from ..distributed.launch import launched_by_torchrun
 
     n = args.tensor_parallel_size
@@ -36,11 +37,26 @@ def tensor_parallel_size(args, not_with: dict[str, str]) -> int:
     n = 1 if n is None else n
     if n < 1:
         raise UsageError(f"--tensor-parallel-size must be >= 1, got {n}")
-    given = [flag for name, flag in not_with.items() if getattr(args, name, None) not in (None, False)]
+    not_with = {name: NOT_WITH_TENSOR_PARALLEL[name] for name in not_with}
+    given = [name for name in not_with if getattr(args, name, None) not in (None, False)]
     if n > 1 and given:
-        raise UsageError(f"{given[0]} does not go with tensor parallelism yet (every rank would have to keep the "
-                         "same state); drop one")
+        raise UsageError(not_with[given[0]])
     return n
+
+
+# why each flag cannot go with tensor parallelism, each in its own words (argument name -> the error)
+_SAME_STATE = "does not go with tensor parallelism yet (every rank would have to keep the same state); drop one"
+NOT_WITH_TENSOR_PARALLEL = {
+    "quantize": "--quantize does not go with tensor parallelism yet: shard_model splits float nn.Linear layers only "
+                "(minillm/distributed/tensor_parallel.py), not quantized ones; drop one",
+    "threads": "--threads does not go with tensor parallelism: each rank runs one torch thread pinned to a core of "
+               "its own (N ranks use N cores); drop --threads",
+    "speculative": f"--speculative {_SAME_STATE}",
+    "prefix_cache": f"--prefix-cache {_SAME_STATE}",
+    "json_schema": f"--json-schema {_SAME_STATE}",
+    "regex": f"--regex {_SAME_STATE}",
+    "choice": f"--choice {_SAME_STATE}",
+}
 
 
 def run_tensor_parallel(args, n: int, run) -> int:
@@ -52,6 +68,7 @@ def run_tensor_parallel(args, n: int, run) -> int:
     it stops the ranks it started at once (SIGTERM, then SIGKILL), before it leaves the group."""
     import torch
 
+    from .. import cpu_policy
     from ..config import ModelConfig
     from ..device import resolve_device
     from ..distributed.comm import TensorParallelError
@@ -70,6 +87,7 @@ def run_tensor_parallel(args, n: int, run) -> int:
         if workers:
             group.who_died = lambda: dead_worker(workers)
         if group.device.type == "cpu":
+            group.cores = min(n, cpu_policy.usable_cores())  # read before this rank is pinned to one of them
             pin_to_core(group.rank)
         if group.rank:  # Ctrl-C in a terminal reaches every rank: rank 0 decides (serve drains) and tells them
             signal.signal(signal.SIGINT, signal.SIG_IGN)

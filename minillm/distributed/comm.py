@@ -50,6 +50,8 @@ class TensorParallelGroup:
             timeout of its own: a follower waits for the next request as long as a server stays idle.
             None: the default group.
         trace: the :class:`~minillm.trace.Trace` collectives record into, set by :meth:`recording`; None: no timing.
+        cores: the CPU cores all ranks run on together (N ranks pinned one a core: min(N, cores)), set when they
+            are pinned; what a "machine busy" note compares the load with, not this rank's one core. None: unpinned.
         who_died: on rank 0 when it started the other ranks: returns "rank R (pid P) died (killed by SIGKILL)"
             or None (:func:`~minillm.distributed.launch.dead_worker`), named in a failed collective's error.
     """
@@ -61,6 +63,7 @@ class TensorParallelGroup:
     timeout_s: float
     control: object | None = field(default=None, repr=False)
     trace: object | None = field(default=None, repr=False)
+    cores: int | None = None
     who_died: Callable[[], str | None] | None = field(default=None, repr=False)
 
     @contextmanager
@@ -101,7 +104,7 @@ class TensorParallelGroup:
         """
         box = [obj]
         on_nccl = self.control is None and self.backend == "nccl"
-        with self._failures("a message from rank 0"):
+        with self._failures("a message from rank 0" if self.rank else "sending a message to the other ranks"):
             dist.broadcast_object_list(box, src=0, group=self.control, device=self.device if on_nccl else None)
         return box[0]
 

@@ -216,13 +216,47 @@ def test_generate_with_tensor_parallel_size_2_samples_what_one_process_samples(c
 @pytest.mark.parametrize("flags, code, message", [
     (["--tensor-parallel-size", "3"], 1, "tensor-parallel size 3 does not divide this model's n_heads = 4 and "
                                          "n_kv_heads = 2 and d_mlp = 128 (each rank holds whole heads); valid sizes: 1, 2"),
-    (["--tp", "2", "--quantize", "int8"], 2, "--quantize does not go with tensor parallelism yet"),
+    (["--tp", "2", "--quantize", "int8"], 2, "--quantize does not go with tensor parallelism yet: shard_model "
+                                             "splits float nn.Linear layers only"),
+    (["--tp", "2", "--prefix-cache"], 2, "--prefix-cache does not go with tensor parallelism yet (every rank would "
+                                         "have to keep the same state); drop one"),
 ])
 def test_generate_refuses_what_tensor_parallelism_cannot_run(cli_folder, flags, code, message, capsys):
     from minillm.cli import main
 
     assert main(["generate", "hi", "--model", cli_folder, *flags]) == code  # before any rank starts
     assert capsys.readouterr().err.startswith(f"minillm: error: {message}")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--tp", "2", "--threads", "2"], "--threads does not go with tensor parallelism: each rank runs one "
+                                               "torch thread pinned to a core of its own"),
+    (["generate", "", "--tp", "2"], "the prompt is empty"),
+])
+def test_tensor_parallel_usage_errors_come_before_any_rank_starts(cli_folder, argv, message, capsys, monkeypatch):
+    from minillm.cli import main
+    from minillm.distributed import launch
+
+    def no_ranks(*args):
+        raise AssertionError("ranks started before the usage error")
+
+    monkeypatch.setattr(launch, "start_workers", no_ranks)
+    assert main([*argv, "--model", cli_folder]) == 2
+    assert capsys.readouterr().err.startswith(f"minillm: error: {message}")
+
+
+@pytest.mark.parametrize("load, note", [(1.9, None), (2.5, "machine busy: load 2.5 on 2 cores")])
+def test_the_busy_note_counts_the_cores_of_every_rank(load, note, monkeypatch):
+    """3 ranks pinned over a 2-core machine run on 2 cores: load 1.9 leaves them room, though rank 0 alone
+    is pinned to 1 core (the note used to compare the load with that one)."""
+    from types import SimpleNamespace
+
+    from minillm import cpu_policy
+    from minillm.cli.generate import _busy_note
+
+    monkeypatch.setattr(cpu_policy, "load_average", lambda: load)
+    monkeypatch.setattr(cpu_policy, "usable_cores", lambda: 1)  # rank 0, pinned
+    assert _busy_note(SimpleNamespace(cores=2)) == note
 
 
 def _generate_long(cli_folder) -> subprocess.Popen:
