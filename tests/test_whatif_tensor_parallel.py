@@ -58,6 +58,10 @@ def test_cli_whatif_tensor_parallel(capsys, monkeypatch):
 @pytest.mark.parametrize("argv, message", [
     (["--tp", "2"], "--tensor-parallel-size > 1 needs --interconnect-gb-s > 0"),
     (["--tp", "3", "--interconnect-gb-s", "450"], "tensor-parallel size 3 does not divide this model's n_heads = 32"),
+    (["--tp", "0"], "minillm: error: --tensor-parallel-size must be >= 1, got 0\n"),  # the one wrong flag only
+    (["--tp", "2", "--interconnect-gb-s", "inf"], "minillm: error: --interconnect-gb-s must be a finite number, got inf"),
+    (["--tp", "2", "--interconnect-gb-s", "450", "--interconnect-latency-us", "nan"],
+     "minillm: error: --interconnect-latency-us must be a finite number, got nan"),
 ])
 def test_cli_whatif_tensor_parallel_refusals(capsys, argv, message):
     assert main(["whatif", "--model", "llama-3-8b", *argv]) in (1, 2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 
 from ..formats import weights
@@ -107,8 +108,14 @@ def run_whatif(args) -> int:
 
     from ..whatif import load_config, predict
 
-    if min(args.prompt_tokens, args.output_tokens, args.batch_size, args.tensor_parallel_size) < 1:
-        raise UsageError("--prompt-tokens, --output-tokens, --batch-size and --tensor-parallel-size must be >= 1")
+    for flag, value in (("--prompt-tokens", args.prompt_tokens), ("--output-tokens", args.output_tokens),
+                        ("--batch-size", args.batch_size), ("--tensor-parallel-size", args.tensor_parallel_size)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    for flag, value in (("--interconnect-gb-s", args.interconnect_gb_s),
+                        ("--interconnect-latency-us", args.interconnect_latency_us)):
+        if value is not None and not math.isfinite(value):  # inf GB/s would predict free all-reduces
+            raise UsageError(f"{flag} must be a finite number, got {value:g}")
     tp = args.tensor_parallel_size > 1
     if tp and not (args.interconnect_gb_s or 0) > 0:
         raise UsageError("--tensor-parallel-size > 1 needs --interconnect-gb-s > 0 (NVLink 4: 450, PCIe 5 x16: 64)")
