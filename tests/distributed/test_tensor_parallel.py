@@ -284,7 +284,8 @@ def test_the_followers_end_quietly_with_rank_0(cli_folder, signal_name):
     else:
         process.kill()
     _, err = process.communicate(timeout=30)  # returns at EOF: the follower, holding stderr too, is gone
-    lines = [line for line in err.splitlines() if "ranks on" not in line]  # the 2-core machine's warning
+    # less each answer's summary line, and the warning of a machine with fewer cores than ranks
+    lines = [line for line in err.splitlines() if not line.startswith("[prompt") and "ranks on" not in line]
     assert lines == (["minillm: interrupted"] if signal_name == "SIGINT" else []), err
     assert process.returncode == (130 if signal_name == "SIGINT" else -signal.SIGKILL)
 

@@ -217,6 +217,30 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(tiny_chat):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
+def test_a_lost_tensor_parallel_rank_makes_the_server_unhealthy(tiny_chat):
+    """A step that raises EngineLostError (minillm/distributed/comm.py's TensorParallelError: a rank died) fails
+    its request with the rank named; from then on /health answers 503 and new requests are refused."""
+    from minillm.distributed.comm import TensorParallelError
+
+    model, tokenizer = tiny_chat
+    with live_server(model, tokenizer, num_blocks=64) as url:
+        engine = app_of(url).state.async_engine.engine
+        lost = "rank 0 of 2: the all-reduce of blocks.0.mlp.down_proj failed: rank 1 (pid 123) died (killed by SIGKILL)"
+
+        def lost_step():
+            raise TensorParallelError(lost)
+
+        assert httpx.get(f"{url}/health", timeout=TIMEOUT_S).status_code == 200
+        engine.step = lost_step
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=TIMEOUT_S)
+        assert r.status_code == 500 and lost in r.json()["error"]["message"]
+        health = httpx.get(f"{url}/health", timeout=TIMEOUT_S)
+        assert health.status_code == 503
+        assert health.json()["error"]["message"] == f"the engine cannot run: {lost}; restart the server"
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=TIMEOUT_S)
+        assert r.status_code == 500 and r.json()["error"]["message"] == health.json()["error"]["message"]
+
+
 def test_api_key_is_required_on_v1_when_set(tiny_chat):
     model, tokenizer = tiny_chat
     with live_server(model, tokenizer, num_blocks=16, api_key="s3cret") as url:
