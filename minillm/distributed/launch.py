@@ -48,7 +48,7 @@ def start_workers(world_size: int, argv: list[str]) -> list[subprocess.Popen]:
     """Make this process rank 0 of ``world_size`` and start ranks 1..N-1 as ``python -m minillm ARGV``.
 
     They get torchrun's variables (a free port on 127.0.0.1), no stdin and no stdout (rank 0 prints;
-    their errors still reach stderr) and ``OMP_NUM_THREADS=1``. Returns their processes, for
+    their errors still reach stderr), ``OMP_NUM_THREADS=1`` and SIGINT ignored (rank 0 answers Ctrl-C). Returns their processes, for
     :func:`stop_workers`.
     """
     with socket.socket() as s:  # a free port; the small race until rank 0 binds it is torchrun's too
@@ -59,8 +59,16 @@ def start_workers(world_size: int, argv: list[str]) -> list[subprocess.Popen]:
     os.environ.update(common, RANK="0", LOCAL_RANK="0")
     return [subprocess.Popen([sys.executable, "-m", "minillm", *argv], stdin=subprocess.DEVNULL,
                              stdout=subprocess.DEVNULL, env={**os.environ, **common, "RANK": str(r),
-                                                             "LOCAL_RANK": str(r)})
+                                                             "LOCAL_RANK": str(r)},
+                             preexec_fn=_ignore_ctrl_c)
             for r in range(1, world_size)]
+
+
+def _ignore_ctrl_c() -> None:
+    """In a worker before it runs Python: Ctrl-C reaches the terminal's whole process group, and rank 0 is the
+    one that answers it (and stops the workers); ignored from the start, Python never installs its
+    KeyboardInterrupt handler, so a worker still importing torch prints no traceback either."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def stop_workers(workers: list[subprocess.Popen], finished: bool, timeout_s: float = 10.0,
