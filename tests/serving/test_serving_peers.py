@@ -16,8 +16,8 @@ import torch
 from tiny_models import CONFIGS, build_hf, save_hf
 
 from minillm.bench import peers
-from minillm.bench.peers import (LLAMA_CPP, MINILLM, TRANSFORMERS, VLLM, PeerRun, PeerSpec, PeerStartError,
-                                 find_peers, redraw_prompts, round_order, running, summarize_peers)
+from minillm.bench.peers import (LLAMA_CPP, LLAMA_CPP_CMAKE, MINILLM, TRANSFORMERS, VLLM, PeerRun, PeerSpec,
+                                 PeerStartError, find_peers, redraw_prompts, round_order, running, summarize_peers)
 from minillm.bench.workload import make_workload
 from minillm.formats.weights import resolve_model
 from minillm.serving.run_metrics import RunSummary
@@ -84,7 +84,11 @@ def test_missing_peers_are_skipped_with_one_line_each(tmp_path, monkeypatch):
     assert skipped[1].startswith("llama.cpp skipped") and "--target llama-server" in skipped[1]
     _, skipped = find_peers(tmp_path, None, 2, vllm_python="/no/python", llama_server="/no/llama-server",
                             transformers=False)
-    assert "/no/python is not a file" in skipped[0] and "/no/llama-server is not a file" in skipped[1]
+    assert skipped[0].startswith("vLLM skipped: /no/python is not a file; install its CPU build: python3 -m venv")
+    assert skipped[1].startswith("llama.cpp skipped: /no/llama-server is not a file; build it from")
+    assert not any("no --" in line for line in skipped)  # a path was given: the line must not say none was
+    assert LLAMA_CPP_CMAKE in skipped[1] and "-DGGML_AMX_INT8=OFF" in LLAMA_CPP_CMAKE
+    assert LLAMA_CPP_CMAKE in load_script().__doc__  # the docstring's recipe and the skip line agree
     binary = tmp_path / "llama-server"
     binary.touch()
     _, skipped = find_peers(tmp_path, None, 2, llama_server=str(binary), transformers=False)
@@ -163,10 +167,49 @@ def test_transformers_shim_streams_transformers_own_greedy_tokens(tiny_folder):
     assert bad.status_code == 400 and "token ids" in bad.json()["error"]["message"]
 
 
-def test_the_script_end_to_end_on_minillm_serve_and_transformers(tiny_folder, tmp_path, monkeypatch, capsys):
+def load_script():
     spec = importlib.util.spec_from_file_location("serving_peers", SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_no_server_started_ends_in_one_line_naming_why(tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "junk"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(resolve_model("smollm2-135m-instruct") / name, folder / name)
+    (folder / "model.safetensors").write_bytes(b"junk")
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no llama-server
+    assert load_script().main(["--model", str(folder), "--no-transformers", "--vllm-python", "/no/python",
+                               "--rounds", "1", "--num-prompts", "2"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("serving_peers.py: error: no server started; nothing to measure")
+    assert "model.safetensors" in err  # why: the last lines of minillm serve's log
+
+
+def test_a_bad_report_file_ends_in_one_line(tmp_path, capsys):
+    script = load_script()
+    (tmp_path / "text.json").write_text("hello")
+    (tmp_path / "foreign.json").write_text('{"a": 1}')
+    (tmp_path / "list.json").write_text("[1, 2]")
+    expected = {tmp_path / "missing.json": "cannot read --report", tmp_path: "cannot read --report",
+                tmp_path / "text.json": "is not a serving_peers.py --json file (Expecting value",
+                tmp_path / "foreign.json": "foreign.json is not a serving_peers.py --json file",
+                tmp_path / "list.json": "list.json is not a serving_peers.py --json file"}
+    for path, message in expected.items():
+        assert script.main(["--report", str(path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.startswith("serving_peers.py: error: ") and message in err, err
+    for argv in (["--input-len", "banana"], ["--output-len", "0"], ["--timeout", "0"], ["--rounds", "0"]):
+        with pytest.raises(SystemExit) as refused:
+            script.parse_args(argv)
+        assert refused.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"serving_peers.py: error: argument {argv[0]}")
+
+
+def test_the_script_end_to_end_on_minillm_serve_and_transformers(tiny_folder, tmp_path, monkeypatch, capsys):
+    script = load_script()
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no llama-server
     out = tmp_path / "peers.json"
     assert script.main(["--model", str(tiny_folder), "--rounds", "2", "--num-prompts", "3", "--input-len",
