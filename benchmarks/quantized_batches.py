@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from minillm import LLMEngine, SamplingParams, load_model
+from minillm.bench.arg_types import positive_int
 from minillm.fast import kernels
 from minillm.fast.products import split_product
 from minillm.formats.weights import DEFAULT_MODEL
@@ -155,15 +156,15 @@ def time_engine(models: dict, batches: list[int], rounds: int, prompt_len: int, 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 9, 16, 24, 32])
-    p.add_argument("--batches", type=int, nargs="+", default=[16, 32])
-    p.add_argument("--repeats", type=int, default=15, help="calls per format and shape (a third for the LM head)")
-    p.add_argument("--engine-rounds", type=int, default=3)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--rows", type=positive_int, nargs="+", default=[1, 8, 9, 16, 24, 32])
+    p.add_argument("--batches", type=positive_int, nargs="+", default=[16, 32])
+    p.add_argument("--repeats", type=positive_int, default=15, help="calls per format and shape (a third for the LM head)")
+    p.add_argument("--engine-rounds", type=positive_int, default=3)
+    p.add_argument("--prompt-len", type=positive_int, default=32)
+    p.add_argument("--new-tokens", type=positive_int, default=16)
+    p.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     p.add_argument("--no-engine", action="store_true", help="time the products only")
-    p.add_argument("--kernel-rows", type=int, nargs="*", default=[],
+    p.add_argument("--kernel-rows", type=positive_int, nargs="*", default=[],
                    help="also time the three quantised kernels against each other at these rows (e.g. 3 4 128 256)")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="wall seconds, or CPU seconds (use with --threads 1 on a busy machine)")
@@ -173,7 +174,8 @@ def main() -> None:
     torch.manual_seed(0)
     models = {fmt: load_model(args.model, device="cpu", dtype="float32", quantize=None if fmt == "float32" else fmt)
               for fmt in FORMATS}
-    print(f"{args.model}, {args.threads} threads, {args.clock} clock, decode path {models['float32'].decode_path}, "
+    threads = f"{args.threads} thread{'s' if args.threads != 1 else ''}"
+    print(f"{args.model}, {threads}, {args.clock} clock, decode path {models['float32'].decode_path}, "
           f"load average {os.getloadavg()[0]:.2f} at start")
     time_products(models, args.rows, args.repeats, clock)
     if args.kernel_rows:

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from minillm import load_model
+from minillm.bench.arg_types import positive_int
 from minillm.fast import kernels
 from minillm.sampling import SamplingParams
 from minillm.serving import engine as engine_module
@@ -173,10 +174,10 @@ def print_table(batch: int, kind: str, rows_by_variant: dict[str, list[dict[str,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32])
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant and round")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--steps", type=positive_int, default=3, help="timed steps per variant and round")
+    parser.add_argument("--rounds", type=positive_int, default=2)
+    parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -188,7 +189,8 @@ def main() -> None:
     if getattr(model, "paged_batch", None) is not None:
         variants["fast"] = model.paged_batch  # minillm/fast/paged_attention.py
     path = getattr(model, "decode_path", "plain (--no-fast)")
-    print(f"SmolLM2-135M float32, {args.threads} threads, decode path {path}, block size 16, budget 512; "
+    threads = f"{args.threads} thread{'s' if args.threads != 1 else ''}"
+    print(f"SmolLM2-135M float32, {threads}, decode path {path}, block size 16, budget 512; "
           f"variants: {', '.join(variants)} (paged attention); {args.clock} clock")
     timers = Timers(time.perf_counter if args.clock == "wall" else time.process_time)
     instrument(model, timers)

@@ -105,7 +105,7 @@ def run_bench_serving(args) -> int:
         if args.long_prompt_len:
             result.chunked_prefill = run_chunked_prefill_experiment(
                 model, **_experiment_sizes(args), token_ids=token_ids, seed=args.seed, progress=advance.experiment)
-    result.machine["model"] = str(args.model)
+    result.machine.update(model=str(args.model), quantize=args.quantize, fast=args.fast)
     # piped: don't wrap; no highlighting: rich would colour parts of numbers such as x3.08
     out = Console(highlight=False) if sys.stdout.isatty() else Console(width=160, highlight=False)
     _print_result(out, result)
@@ -232,7 +232,11 @@ def _print_result(out, result) -> None:
     for run in (r for r in result.runs if r.transfer is not None):
         _print_transfer(out, run)
     m = result.machine
-    out.print(f"[dim]{m.get('model', '')} on {m['device']}, {m['dtype']}, {m['torch_threads']} threads; load average "
+    # quantised matrices keep their scales in the float dtype: name the weights' format, not only the dtype
+    weights = f"{m['quantize']} weights, {m['dtype']} activations" if m.get("quantize") else m["dtype"]
+    plain = ", --no-fast (plain PyTorch)" if m.get("fast") is False else ""
+    threads = f"{m['torch_threads']} thread{'s' if m['torch_threads'] != 1 else ''}"
+    out.print(f"[dim]{m.get('model', '')} on {m['device']}, {weights}{plain}, {threads}; load average "
               f"(1/5/15 min) {_load(m['loadavg_before'])} before, {_load(m['loadavg_after'])} after the runs[/dim]")
 
 
