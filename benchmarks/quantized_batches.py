@@ -158,7 +158,8 @@ def main() -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--rows", type=positive_int, nargs="+", default=[1, 8, 9, 16, 24, 32])
     p.add_argument("--batches", type=positive_int, nargs="+", default=[16, 32])
-    p.add_argument("--repeats", type=positive_int, default=15, help="calls per format and shape (a third for the LM head)")
+    p.add_argument("--repeats", type=positive_int, default=15,
+                   help="calls per format and shape (a third for the LM head)")
     p.add_argument("--engine-rounds", type=positive_int, default=3)
     p.add_argument("--prompt-len", type=positive_int, default=32)
     p.add_argument("--new-tokens", type=positive_int, default=16)

@@ -84,7 +84,8 @@ def parse_args(argv=None):
     p.add_argument("--output-len", type=length_spec, default="uniform:16-128")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=positive_int, default=2, help="compute threads of every peer (default 2)")
-    p.add_argument("--timeout", type=positive_float, default=1800.0, help="one run's limit (s); unfinished requests fail")
+    p.add_argument("--timeout", type=positive_float, default=1800.0,
+                   help="one run's limit (s); unfinished requests fail")
     p.add_argument("--json", metavar="FILE", help="write every run and the summary as JSON")
     p.add_argument("--markdown", action="store_true", help="also print the summary as a markdown table")
     p.add_argument("--report", metavar="FILE", help="start nothing: print the tables of a --json file again")
@@ -226,8 +227,9 @@ def print_summary(out, runs: list[PeerRun], dtypes: dict[str, str], markdown: bo
     """The medians over the rounds with minillm's ratio to each peer (and as markdown)."""
     summaries = summarize_peers(runs)
     n_rounds = len({r.round for r in runs})
+    rounds = f"{n_rounds} round{'s' if n_rounds != 1 else ''}"
     table = Table(*SUMMARY_HEAD, box=box.SIMPLE_HEAD,
-                  title=f"Medians over {n_rounds} round{'s' if n_rounds != 1 else ''}; minillm / peer: > 1x is minillm faster (tok/s), "
+                  title=f"Medians over {rounds}; minillm / peer: > 1x is minillm faster (tok/s), "
                         "slower (TTFT, TPOT)")
     for row in summary_rows(summaries, dtypes):
         table.add_row(*row)

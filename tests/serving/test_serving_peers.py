@@ -205,7 +205,8 @@ def test_a_bad_report_file_ends_in_one_line(tmp_path, capsys):
         with pytest.raises(SystemExit) as refused:
             script.parse_args(argv)
         assert refused.value.code == 2
-        assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"serving_peers.py: error: argument {argv[0]}")
+        last_line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last_line.startswith(f"serving_peers.py: error: argument {argv[0]}")
 
 
 def test_the_script_end_to_end_on_minillm_serve_and_transformers(tiny_folder, tmp_path, monkeypatch, capsys):
