@@ -175,6 +175,19 @@ def _run_generate(args, group=None) -> int:
 _NOT_WITH_TENSOR_PARALLEL = ["quantize", "speculative", "prefix_cache", "json_schema", "regex", "choice"]
 
 
+# flags the assembled engine cannot honour: the exercises' loop has no trace, prefix cache, stop
+# strings, penalties or speculation, and its logits are compared in float32
+_NOT_WITH_STUDENT_DIR = {"trace": "--trace", "trace_out": "--trace-out", "plots": "--plots", "json": "--json",
+                         "prefix_cache": "--prefix-cache", "block_size": "--block-size", "warmup": "--warmup",
+                         "speculative": "--speculative", "num_speculative_tokens": "--num-speculative-tokens",
+                         "draft_model": "--draft-model", "prompt_lookup_min": "--prompt-lookup-min",
+                         "prompt_lookup_max": "--prompt-lookup-max", "quantize": "--quantize", "stop": "--stop",
+                         "min_p": "--min-p", "repetition_penalty": "--repetition-penalty",
+                         "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
+                         "json_schema": "--json-schema", "regex": "--regex", "choice": "--choice",
+                         "logit_bias": "--logit-bias", "tensor_parallel_size": "--tensor-parallel-size"}
+
+
 def run_student_engine(args) -> int:
     """``minillm generate --student-dir DIR``: the assembled engine against minillm's (minillm/classroom/assembly.py)."""
     from pathlib import Path
