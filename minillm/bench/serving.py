@@ -171,11 +171,14 @@ class PolicyRun:
 
 
 def run_policy(model, workload: Sequence[WorkloadRequest], policy: str, config: ServingConfig = ServingConfig(),
-               rate_req_s: float = OFFLINE, progress: Progress | None = None) -> PolicyRun:
+               rate_req_s: float = OFFLINE, progress: Progress | None = None,
+               before_step: Callable[[], object] | None = None) -> PolicyRun:
     """Replay ``workload`` in real time through ``policy``; every request to its full ``max_tokens``.
 
     ``rate_req_s`` only labels the run (the arrivals are in the workload). ``progress`` is
-    called as (policy, rate_req_s, n_finished, n_requests) after each request finishes.
+    called as (policy, rate_req_s, n_finished, n_requests) after each request finishes;
+    ``before_step`` before each forward pass in this process (the command's thread governor,
+    minillm/cpu_policy.py; the disaggregated workers pin their own single thread).
     Raises ValueError for an unknown policy, an empty workload, or a request the engine refuses.
     """
     if policy not in ALL_POLICIES:
@@ -186,12 +189,13 @@ def run_policy(model, workload: Sequence[WorkloadRequest], policy: str, config: 
     done = _progress_counter(progress, policy, rate_req_s, len(workload))
     engine = transfer = None
     if policy == "one-at-a-time":
-        requests, steps = _one_at_a_time(model, workload, order, done)
+        requests, steps = _one_at_a_time(model, workload, order, done, before_step)
     elif policy == DISAGGREGATED:
         (requests, transfer), steps = _disaggregated(model, workload, order, config, done), []
     else:
         engine = _engine_for(model, workload, policy, config)
-        requests = _replay_on_engine(engine, workload, order, policy == "static", config.max_num_seqs, done)
+        requests = _replay_on_engine(engine, workload, order, policy == "static", config.max_num_seqs, done,
+                                     before_step)
         steps = engine.steps
     summary = summarize_run(requests, span_s(requests), config.ttft_slo_ms, config.tpot_slo_ms)
     kv = kv_memory_at_peak(engine) if engine is not None else None
@@ -207,7 +211,7 @@ def greedy_params_of(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_new_tokens=max_tokens)
 
 
-def _one_at_a_time(model, workload, order, done) -> tuple[list[Request], list[StepRecord]]:
+def _one_at_a_time(model, workload, order, done, before_step=None) -> tuple[list[Request], list[StepRecord]]:
     """generate() per request in arrival order; returns the requests (workload order) and a step per token."""
     t0 = time.perf_counter()
     arrivals = sorted(t0 + w.arrival_s for w in workload)
@@ -219,6 +223,8 @@ def _one_at_a_time(model, workload, order, done) -> tuple[list[Request], list[St
         req.status, req.first_scheduled_s = RUNNING, time.perf_counter()
         start = req.first_scheduled_s
         for step in generate(model, req.prompt_ids, req.params, eos_token_ids=[]):
+            if before_step is not None:  # between two of generate's passes: the next one runs after this
+                before_step()
             req.output_ids.append(step.token_id)
             req.token_times_s.append(step.time_s)
             rows = ((req.request_id, step.prefill_tokens, 0) if step.phase == "prefill" else (req.request_id, 0, 1),)
@@ -274,7 +280,8 @@ def _engine_for(model, workload, policy: str, config: ServingConfig) -> LLMEngin
                      enable_chunked_prefill=chunked, enable_prefix_caching=False, eos_token_ids=[])
 
 
-def _replay_on_engine(engine: LLMEngine, workload, order, static: bool, max_num_seqs: int, done) -> list[Request]:
+def _replay_on_engine(engine: LLMEngine, workload, order, static: bool, max_num_seqs: int, done,
+                      before_step=None) -> list[Request]:
     """Add each request when its arrival has passed (static: only between batches); step; sleep when idle."""
     pending = deque(order)
     t0 = time.perf_counter()
@@ -292,6 +299,8 @@ def _replay_on_engine(engine: LLMEngine, workload, order, static: bool, max_num_
         if not engine.has_unfinished_requests():
             _sleep_until(t0 + workload[pending[0]].arrival_s)
             continue
+        if before_step is not None:
+            before_step()
         for out in engine.step():
             if out.finished and not static:
                 done()
@@ -383,8 +392,11 @@ class ServingBenchResult:
 
 
 def run_serving_bench(model, workloads: dict[float, Sequence[WorkloadRequest]], policies: Sequence[str] = POLICIES,
-                      config: ServingConfig = ServingConfig(), progress: Progress | None = None) -> ServingBenchResult:
+                      config: ServingConfig = ServingConfig(), progress: Progress | None = None,
+                      before_step: Callable[[], object] | None = None) -> ServingBenchResult:
     """Every policy on the workload of every rate (rate -> workload; math.inf: offline), after one warm-up.
+
+    ``progress`` and ``before_step`` as in :func:`run_policy`.
 
     Raises ValueError for an unknown policy or an empty workload (before any run).
     """
@@ -397,7 +409,8 @@ def run_serving_bench(model, workloads: dict[float, Sequence[WorkloadRequest]], 
         raise ValueError("no workload to run; give at least one rate with at least one request")
     machine = machine_state(model)
     warm_up(model)
-    runs = [run_policy(model, w, p, config, rate, progress) for rate, w in workloads.items() for p in policies]
+    runs = [run_policy(model, w, p, config, rate, progress, before_step) for rate, w in workloads.items()
+            for p in policies]
     machine["loadavg_after"] = list(os.getloadavg())
     return ServingBenchResult(runs, config, describe(next(iter(workloads.values()))), machine)
 

@@ -55,8 +55,9 @@ def add_bench_serving(sub) -> None:
                    help="the chunked-prefill experiment: a prompt this long joins running decodes (0: skip; "
                         "default 1536; --quick 256)")
     p.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
-    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice; on a CPU shared with "
-                                               "other jobs, 1 can be much faster)")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads, fixed for the whole run (default: one thread "
+                                               "per core that other processes leave free, re-checked between steps, "
+                                               "as generate and serve do: minillm/cpu_policy.py)")
     p.add_argument("--plots", metavar="DIR", help="write serving_rate_sweep.png, serving_timeline.png, "
                                                   "serving_itl.png there (default: none)")
     p.add_argument("--trace-out", metavar="FILE.json", help="Chrome trace of the continuous run (first rate), "
@@ -73,6 +74,7 @@ def run_bench_serving(args) -> int:
 
     from ..loading import load_model
     from ..bench.serving import ServingConfig, run_chunked_prefill_experiment, run_serving_bench
+    from .generate import _thread_governor
 
     for name, value in (SERVING_QUICK if args.quick else SERVING_DEFAULTS).items():
         if getattr(args, name) is None:  # an option given explicitly wins over the preset
@@ -100,12 +102,15 @@ def run_bench_serving(args) -> int:
     config = ServingConfig(args.max_num_seqs, args.max_num_batched_tokens, args.kv_cache_memory, args.block_size,
                            args.ttft_slo_ms, args.tpot_slo_ms)
     token_ids = shared.safe_ids(tokenizer)
+    governor = None if args.threads else _thread_governor(model)  # fewer threads while other processes are busy
     with shared.progress_bar(args, len(rates) * len(args.policies) * len(next(iter(workloads.values())))) as advance:
-        result = run_serving_bench(model, workloads, args.policies, config, progress=advance.request)
+        result = run_serving_bench(model, workloads, args.policies, config, progress=advance.request,
+                                   before_step=None if governor is None else governor.adjust)
         if args.long_prompt_len:
             result.chunked_prefill = run_chunked_prefill_experiment(
                 model, **_experiment_sizes(args), token_ids=token_ids, seed=args.seed, progress=advance.experiment)
-    result.machine.update(model=str(args.model), quantize=args.quantize, fast=args.fast)
+    result.machine.update(model=str(args.model), quantize=args.quantize, fast=args.fast,
+                          thread_governor=governor is not None)
     # piped: don't wrap; no highlighting: rich would colour parts of numbers such as x3.08
     out = Console(highlight=False) if sys.stdout.isatty() else Console(width=160, highlight=False)
     _print_result(out, result)
@@ -236,6 +241,8 @@ def _print_result(out, result) -> None:
     weights = f"{m['quantize']} weights, {m['dtype']} activations" if m.get("quantize") else m["dtype"]
     plain = ", --no-fast (plain PyTorch)" if m.get("fast") is False else ""
     threads = f"{m['torch_threads']} thread{'s' if m['torch_threads'] != 1 else ''}"
+    if m.get("thread_governor"):
+        threads += " (the thread governor: fewer while other processes keep cores busy)"
     out.print(f"[dim]{m.get('model', '')} on {m['device']}, {weights}{plain}, {threads}; load average "
               f"(1/5/15 min) {_load(m['loadavg_before'])} before, {_load(m['loadavg_after'])} after the runs[/dim]")
 

@@ -240,3 +240,14 @@ def test_requests_beyond_the_context_are_a_usage_error(tiny_folder, capsys):
     assert main(["bench-serving", "--model", str(tiny_folder), "--quick", "--input-len", "120"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "exceeds the model's context (128)" in err
+
+
+def test_before_step_runs_before_every_forward_pass(model):
+    """bench-serving's thread governor (minillm/cpu_policy.py) is called between the passes of each policy here."""
+    workload = make_workload(3, "4", "3", seed=1, vocab_size=128)
+    for policy in ("one-at-a-time", "continuous"):
+        calls = []
+        run = sb.run_policy(model, workload, policy, CONFIG, before_step=lambda: calls.append(1))
+        # one-at-a-time: a pass per output token (the prefill gives the first); continuous: one per engine step
+        passes = sum(len(r.output_ids) for r in run.requests) if policy == "one-at-a-time" else len(run.steps)
+        assert len(calls) == passes, policy
