@@ -25,6 +25,10 @@ class ShownConfig(ModelConfig):
         return describe(self)
 
 
+# the configs minillm ships (minillm/configs), drawn by the exercises' differential checks
+SHIPPED_NAMES = ["llama-3-8b", "llama-2-7b", "mistral-7b", "qwen3-0.6b", "smollm2-135m-instruct", "gpt2-124m"]
+
+
 @lru_cache(maxsize=None)
 def shipped(name: str) -> ModelConfig:
     """A config of minillm/configs (llama-3-8b, mistral-7b, qwen3-0.6b, gpt2-124m, ...)."""

@@ -2,17 +2,16 @@
 
 import dataclasses
 import math
-from importlib.resources import files
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from exercises.checking import Case
+from exercises.cost_configs import SHIPPED_NAMES, shipped
 from exercises.differential import CHECKS, agree
 from exercises.models import tiny_config
 from exercises.registry import EXERCISES, reference
-from minillm import ModelConfig
 from minillm.costs import LINKS_GBIT_S, prefill_cost
 from minillm.hardware import PROFILES, HardwareProfile
 
@@ -24,10 +23,6 @@ TRANSFER = ("bytes = prompt_tokens · 2 (K and V) · n_layers · n_kv_heads · h
             "seconds = bytes / (link_gbit_s · 1e9 / 8): link speeds are quoted in BITS per second")
 RATIO = ("transfer seconds / prefill seconds, the prefill's floor being max(FLOPs / peak_flops, bytes / "
          "mem_bandwidth) of prefill_cost(config, prompt_tokens, dtype_bytes): whichever bound is larger")
-
-
-def shipped(name: str) -> ModelConfig:
-    return ModelConfig.from_json(files("minillm") / "configs" / f"{name}.json")
 
 
 def oracle_ratio(cfg, prompt_tokens, dtype_bytes, link_gbit_s, hw):
@@ -129,14 +124,11 @@ def test_ratio_errors(impl):
 
 # -- differential: every config, prompt, dtype, link and GPU the docstrings allow, and every invalid one --
 
-CONFIG_NAMES = ["llama-3-8b", "llama-2-7b", "mistral-7b", "qwen3-0.6b", "smollm2-135m-instruct", "gpt2-124m"]
-
-
 @st.composite
 def configs(draw):
     """A shipped config, or a tiny one with any layers, heads, KV heads, head_dim and sliding window."""
     if draw(st.booleans(), label="shipped config"):
-        return shipped(draw(st.sampled_from(CONFIG_NAMES), label="config"))
+        return shipped(draw(st.sampled_from(SHIPPED_NAMES), label="config"))
     n_kv = draw(st.integers(1, 4), label="n_kv_heads")
     return dataclasses.replace(tiny_config("llama_gqa"), n_layers=draw(st.integers(1, 40), label="n_layers"),
                                n_heads=n_kv * draw(st.integers(1, 4), label="query heads per KV head"), n_kv_heads=n_kv,

@@ -5,7 +5,6 @@ student's shards and added up (the all-reduce, here a plain sum in one process),
 """
 
 import dataclasses
-from importlib.resources import files
 
 import pytest
 import torch
@@ -14,10 +13,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from exercises.checking import Case
+from exercises.cost_configs import SHIPPED_NAMES, shipped
 from exercises.differential import CHECKS, agree
 from exercises.models import randn
 from exercises.registry import EXERCISES, reference
-from minillm import ModelConfig
 from minillm.model import eager_attention
 
 pytestmark = pytest.mark.ex21
@@ -37,10 +36,6 @@ HEADS = ("query heads r·H/N .. (r+1)·H/N - 1 and K/V heads r·Hkv/N .. (r+1)·
 BYTES = ("per layer 2 all-reduces (after o_proj, after down_proj) of [n_tokens, d_model] in the model's dtype; "
          "a ring all-reduce sends 2(N-1)/N of the tensor from each rank: 2 · 2(N-1)/N · n_tokens · d_model · "
          "dtype_bytes, a float (0.0 for N = 1)")
-
-
-def shipped(name: str) -> ModelConfig:
-    return ModelConfig.from_json(files("minillm") / "configs" / f"{name}.json")
 
 
 def numbered(rows: int, cols: int) -> torch.Tensor:
@@ -293,13 +288,10 @@ def test_row_shard_agrees_with_the_reference(impl, data):
           exercise="ex21", lesson=SPLIT, hint=ROW)
 
 
-CONFIG_NAMES = ["llama-3-8b", "llama-2-7b", "mistral-7b", "qwen3-0.6b", "smollm2-135m-instruct", "gpt2-124m"]
-
-
 @st.composite
 def configs(draw):
     if draw(st.booleans(), label="shipped config"):
-        return shipped(draw(st.sampled_from(CONFIG_NAMES), label="config"))
+        return shipped(draw(st.sampled_from(SHIPPED_NAMES), label="config"))
     n_kv = draw(st.integers(1, 12), label="n_kv_heads")
     return dataclasses.replace(shipped("llama-3-8b"), n_kv_heads=n_kv,
                                n_heads=n_kv * draw(st.integers(1, 6), label="query heads per K/V head"),
