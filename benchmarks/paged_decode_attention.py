@@ -1,13 +1,18 @@
 """One layer's decode attention over the paged pool: the reference's gather + masked SDPA against the C kernel.
 
     OMP_NUM_THREADS=1 python benchmarks/paged_decode_attention.py [--threads 1] [--reps 30]
+    python benchmarks/paged_decode_attention.py --threads 2 --layers 30 --reps 10    # a whole step's
+
+With ``--layers N`` a call runs N layers, each over its own pool (as an engine step does): the pools
+(1.5 GB at 30) no longer fit in the CPU's caches, so memory, not the arithmetic, sets the pace.
 
 For batches of 8, 16 and 32 decodes with contexts uniform 100-600 (seed 0), SmolLM2-135M's attention
 shape (9 query heads, 3 K/V heads, head_dim 64), block size 16, the blocks shuffled over a pool of 2,000:
 the reference path of minillm/serving/paged_attention.py (``PagedKVCache.gather``, then SDPA with the mask
 that hides each row's padding) and ``minillm.fast.kernels.paged_decode_attention`` (the blocks read in
 place), checked equal, then called in turn ``--reps`` times each. Prints min and median ms a call of the
-process's CPU time (with one thread, what other processes on a busy machine barely change) and the load.
+process's CPU time (with one thread, what other processes on a busy machine barely change), the
+median wall time, and the load.
 """
 
 from __future__ import annotations
@@ -29,11 +34,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--layers", type=int, default=1, help="layers a call runs, each over its own pool")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
     block_size, num_blocks, heads, kv_heads, head_dim = 16, 2000, 9, 3, 64
-    cache = PagedKVCache(1, kv_heads, head_dim, num_blocks, block_size)
+    cache = PagedKVCache(args.layers, kv_heads, head_dim, num_blocks, block_size)
     cache.k.normal_()
     cache.v.normal_()
     for batch in (8, 16, 32):
@@ -47,21 +53,28 @@ def main() -> None:
         mask = (torch.arange(tables.shape[1] * block_size)[None] < lens[:, None])[:, None, None]
 
         def reference():
-            keys, values = cache.gather(0, tables)
-            return sdpa_attention(q.unsqueeze(2), keys, values, mask).squeeze(2)
+            for layer in range(args.layers):
+                keys, values = cache.gather(layer, tables)
+                out = sdpa_attention(q.unsqueeze(2), keys, values, mask).squeeze(2)
+            return out
 
         def fast():
-            return kernels.paged_decode_attention(q, cache.k[0], cache.v[0], tables, torch.zeros_like(lens), lens,
-                                                  head_dim**-0.5, check=False)
+            for layer in range(args.layers):
+                out = kernels.paged_decode_attention(q, cache.k[layer], cache.v[layer], tables, torch.zeros_like(lens),
+                                                     lens, head_dim**-0.5, check=False)
+            return out
 
         torch.testing.assert_close(fast(), reference(), atol=1e-5, rtol=1e-4)
         times = {"gather + SDPA": [], "C kernel": []}
+        walls = {name: [] for name in times}
         for _ in range(args.reps):
             for name, call in (("gather + SDPA", reference), ("C kernel", fast)):
-                start = time.process_time()
+                start, wall = time.process_time(), time.perf_counter()
                 call()
                 times[name].append((time.process_time() - start) * 1e3)
-        print(f"batch {batch}: " + "; ".join(f"{name} min {min(t):.2f} median {statistics.median(t):.2f} ms"
+                walls[name].append((time.perf_counter() - wall) * 1e3)
+        print(f"batch {batch}: " + "; ".join(f"{name} CPU min {min(t):.2f} median {statistics.median(t):.2f} ms, wall "
+                                              f"median {statistics.median(walls[name]):.2f} ms"
                                               for name, t in times.items())
               + f"; load average {os.getloadavg()[0]:.2f}")
 
