@@ -18,7 +18,10 @@ view, then scaled dot-product attention with the mask that hides what it must no
 - the decodes, together: queries [B_dec, heads, 1, head_dim] against their gathered K/V
   padded to the longest, with a mask hiding positions past each one's length;
 - each prefill chunk on its own: its queries against its K/V with the causal mask offset
-  by the positions already in the cache (the same rectangular mask as a prefix-cache hit).
+  by the positions already in the cache (the same rectangular mask as a prefix-cache hit):
+  the chunk's queries are the last of the keys, the case ``Attention`` masks itself when
+  handed no mask (and a first chunk's square is SDPA's ``is_causal``, which skips the
+  masked half).
 
 A sliding-window layer (W) masks more: a decode sees only its last W positions, a chunk's
 queries the band of :func:`~minillm.model.causal_mask`. The pool still holds every position
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model import Transformer, causal_mask
+from ..model import Transformer
 from .paged_cache import PagedKVCache
 
 
@@ -101,11 +104,10 @@ class PagedBatch:
         if len(self.decode_rows):
             q_dec = q[0, :, self.decode_rows].transpose(0, 1)  # [B_dec, n_heads, head_dim]
             out[0, :, self.decode_rows] = self.attend_decodes(layer, q_dec, attention, window).transpose(0, 1)
-        for chunk in self.prefills:
+        for chunk in self.prefills:  # its queries are the last of its keys: mask None, the causal case
             keys, values = self.cache.gather(layer, chunk.block_table[None])
             keys, values = keys[:, :, : chunk.context_len], values[:, :, : chunk.context_len]
-            mask = causal_mask(chunk.end - chunk.start, chunk.context_len, q.device, window)
-            out[:, :, chunk.start : chunk.end] = attention(q[:, :, chunk.start : chunk.end], keys, values, mask)
+            out[:, :, chunk.start : chunk.end] = attention(q[:, :, chunk.start : chunk.end], keys, values, None)
         return out
 
     def attend_decodes(self, layer: int, q_dec: torch.Tensor, attention, window: int | None) -> torch.Tensor:

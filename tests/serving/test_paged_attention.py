@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minillm.model import causal_mask
+from minillm.model import causal_mask, sdpa_attention
 from minillm.sampling import SamplingParams
 from minillm.serving.block_allocator import slot_mapping
 from minillm.serving.model_runner import prepare_batch
@@ -66,8 +66,8 @@ def check(lengths, chunks, block_size):
     cache, scheduled, q, k, v, full_k, full_v = make_case(lengths, chunks, block_size)
     batch, _ = prepare_batch(cache, scheduled)
     scale = HEAD_DIM**-0.5
-    def sdpa(q, keys, values, mask):  # what Attention hands a cache: attention with the cache's mask
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    def sdpa(q, keys, values, mask):  # what Attention hands a cache: the cache's mask, or None: causal, the
+        return sdpa_attention(q, keys, values, mask, scale)  # queries being the last of the keys
 
     out = batch.attend(0, q, k, v, sdpa)
     start = 0
