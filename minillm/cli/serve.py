@@ -69,33 +69,36 @@ def _run_serve(args, group=None) -> int:
     from ..serving.server.async_engine import AsyncEngine
     from ..tokenizer import load_tokenizer
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     folder = ensure_model(args.model, args.weights_dir)
-    model = load_model(folder, device=group.device if group else args.device, dtype=args.dtype,
-                       quantize=args.quantize, fast=args.fast and group is None)
-    tokenizer = load_tokenizer(folder)
-    if group is not None:
-        from ..distributed.follow import follow, lead
-        from ..distributed.tensor_parallel import shard_model
+    if group is not None and group.rank:  # a follower: no engine, no server
+        from ..distributed.follow import follow
 
-        shard_model(model, group)
-        if group.rank:
-            follow(model, group)
-            return 0
-    engine = LLMEngine(model, tokenizer, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       enable_chunked_prefill=args.enable_chunked_prefill,
-                       enable_prefix_caching=args.enable_prefix_caching)
-    if group is not None:
-        from ..distributed.engine import lead_engine
+        follow(_load_sharded(args, folder, group), group)
+        return 0
 
-        lead_engine(engine)  # each step's batch goes to the other ranks first
-    governor = _thread_governor(model) if not args.threads and group is None else None  # fewer threads while busy
-    async_engine = AsyncEngine(engine, args.max_waiting_requests,
-                               before_step=None if governor is None else governor.adjust)
+    def build_engine() -> LLMEngine:  # in the engine thread, which then steps it (AsyncEngine._build says why)
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        model = _load_sharded(args, folder, group) if group is not None else load_model(
+            folder, device=args.device, dtype=args.dtype, quantize=args.quantize, fast=args.fast)
+        engine = LLMEngine(model, load_tokenizer(folder), kv_cache_memory=args.kv_cache_memory,
+                           block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           enable_chunked_prefill=args.enable_chunked_prefill,
+                           enable_prefix_caching=args.enable_prefix_caching)
+        if group is not None:
+            from ..distributed.engine import lead_engine
+
+            lead_engine(engine)  # each step's batch goes to the other ranks first
+        return engine
+
+    async_engine = AsyncEngine(build_engine, args.max_waiting_requests)
+    engine, tokenizer = async_engine.engine, async_engine.engine.tokenizer
+    governor = _thread_governor(engine.model) if not args.threads and group is None else None
+    if governor is not None:  # fewer threads while busy
+        async_engine.before_step = governor.adjust
     name = args.served_model_name or str(args.model)
     app = create_app(async_engine, tokenizer, name, api_key=args.api_key)
     print(_banner(args.host, args.port, name, engine), file=sys.stderr, flush=True)
@@ -106,11 +109,22 @@ def _run_serve(args, group=None) -> int:
     finally:
         async_engine.close()
         if group is not None and async_engine.lost is None:
+            from ..distributed.follow import lead
+
             lead(group, None)  # the followers stop (after a rank died, rank 0's launcher stops them)
     if group is not None and async_engine.lost is not None:
         print(f"minillm: error: {async_engine.lost}", file=sys.stderr)  # what /health said since
         return 1
     return 0
+
+
+def _load_sharded(args, folder, group):
+    """This rank's shard of the model (tensor parallelism: the lesson's float model, minillm/distributed)."""
+    from ..distributed.tensor_parallel import shard_model
+    from ..loading import load_model
+
+    return shard_model(load_model(folder, device=group.device, dtype=args.dtype, quantize=args.quantize, fast=False),
+                       group)
 
 
 def _check_args(args) -> None:

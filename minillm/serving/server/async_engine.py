@@ -52,7 +52,10 @@ class AsyncEngine:
     """Runs ``engine`` in a background thread; :meth:`generate` streams a request's outputs.
 
     Args:
-        engine: the :class:`LLMEngine` to drive (no one else should step it).
+        engine: the :class:`LLMEngine` to drive (no one else should step it), or a function that
+            builds it (loads the model, makes the engine): called in the engine thread, and the
+            constructor returns once it has, raising what it raised. ``minillm serve`` builds so,
+            for the reason under :meth:`_build`.
         max_waiting_requests: refuse new requests (:class:`QueueFullError`) while this many are
             waiting for a first slot; None: no limit (vLLM answers 503 the same way when its
             queue is full).
@@ -68,14 +71,16 @@ class AsyncEngine:
         engine, lock (a ``threading.Lock``: hold it to read engine state), max_waiting_requests.
     """
 
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_waiting_requests: int | None = None,
                  on_finished: Callable[[Request], None] | None = None, max_finished_requests: int = 1000,
                  before_step: Callable[[], object] | None = None):
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0 (or None: no limit), got {max_waiting_requests}")
         if max_finished_requests < 0:
             raise ValueError(f"max_finished_requests must be >= 0, got {max_finished_requests}")
-        self.engine, self.max_waiting_requests, self.on_finished = engine, max_waiting_requests, on_finished
+        build = None if isinstance(engine, LLMEngine) else engine
+        self.engine = None if build else engine
+        self.max_waiting_requests, self.on_finished = max_waiting_requests, on_finished
         self.max_finished_requests = max_finished_requests
         self.before_step = before_step  # called in the engine thread before each step (minillm serve: threads)
         self._finished_ids: collections.deque[str] = collections.deque()  # oldest finished first
@@ -86,8 +91,14 @@ class AsyncEngine:
         self._draining = False  # set by drain(): new requests are refused, running ones go on
         self._commands: collections.deque[tuple] = collections.deque()  # appended by clients, popped by the thread
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
+        self._build_error: BaseException | None = None
+        built = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(build, built), name="minillm-engine", daemon=True)
         self._thread.start()
+        if build is not None:
+            built.wait()
+            if self._build_error is not None:
+                raise self._build_error
 
     def __repr__(self) -> str:
         return f"AsyncEngine({self.engine!r}, streams={len(self._queues)}, running={self._thread.is_alive()})"
@@ -198,7 +209,29 @@ class AsyncEngine:
 
     # -- the engine thread ---------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _build(self, build: Callable[[], LLMEngine] | None, built: threading.Event) -> bool:
+        """Call ``build`` here, in the engine thread; False when it raised (the thread then ends).
+
+        Why here: on a CPU, torch's threads are an OpenMP team of the thread that starts parallel work,
+        one team per such thread, and GNU OpenMP keeps a team's threads spinning between parallel regions
+        only while it manages no more threads than there are cores. A model loaded by the main thread
+        leaves it a team; the engine thread then makes a second, and every region's threads go to sleep
+        and must be woken: the issue 32 workload's steps took 24.2 s in all, against 19.6 s with the
+        loading and the steps on one thread (2 cores, 2026-12-02)."""
+        if build is None:
+            return True
+        try:
+            self.engine = build()
+        except BaseException as error:  # raised again by the constructor, in its own thread
+            self._build_error = error
+            return False
+        finally:
+            built.set()
+        return True
+
+    def _run(self, build: Callable[[], LLMEngine] | None, built: threading.Event) -> None:
+        if not self._build(build, built):
+            return
         while not self._stopping:
             self._wake.wait()
             if self.before_step is not None:
