@@ -6,7 +6,8 @@ why with those flags), kept running for all the rounds. Each round sends the sam
 one after the other, in an order rotated every round, through the client of `minillm bench-serving
 --base-url` (streaming /v1/completions, token-id prompts, `ignore_eos`, greedy, latencies taken on
 the client): by default 32 requests at t=0, prompts uniform 32-512 tokens, outputs uniform 16-128,
-seed 0, 2 threads and float32 for everyone. The prompt lengths and max_tokens are the seed's; the
+seed 0, 2 threads and float32 for everyone (``--max-num-batched-tokens`` gives minillm and vLLM one
+step budget; by default each runs its own). The prompt lengths and max_tokens are the seed's; the
 prompt ids are drawn anew each round (the same for every peer in a round), so no server finds a
 previous round's prompt in a prefix cache. The load average is read before and after every run.
 Prints a table per round, then each peer's medians over the rounds and minillm's ratio to it.
@@ -84,6 +85,8 @@ def parse_args(argv=None):
     p.add_argument("--output-len", type=length_spec, default="uniform:16-128")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=positive_int, default=2, help="compute threads of every peer (default 2)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int,
+                   help="one step budget for minillm and vLLM (default: each its own, 512 and vLLM CPU's 2048)")
     p.add_argument("--timeout", type=positive_float, default=1800.0,
                    help="one run's limit (s); unfinished requests fail")
     p.add_argument("--json", metavar="FILE", help="write every run and the summary as JSON")
@@ -182,7 +185,8 @@ def run(args) -> int:
     warm = make_workload(WARM_UP_REQUESTS, args.input_len, "4", None, args.seed + 1, token_ids=ids)
     gguf = llama_gguf(model_dir) if llama_server_binary(args.llama_server) else None
     specs, skipped = find_peers(model_dir, gguf, args.threads, args.vllm_python, args.llama_server,
-                                not args.no_transformers, args.llama_parallel)
+                                not args.no_transformers, args.llama_parallel,
+                                max_num_batched_tokens=args.max_num_batched_tokens)
     for line in skipped:
         out.print(line)
     commit = git_commit()  # when the servers start: what minillm serve runs

