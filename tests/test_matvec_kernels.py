@@ -12,7 +12,7 @@ from torch import nn
 
 from minillm.fast import kernels as matvec_kernels
 from minillm.fast.choose import apply_decode_path
-from minillm.fast.products import LINEARS, MATVEC_MAX_ROWS, SPLIT_MAX_ROWS
+from minillm.fast.products import LINEARS, MATVEC_MAX_ROWS, PACKED_MAX_ROWS, SPLIT_MAX_ROWS
 
 
 def _linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
@@ -386,3 +386,20 @@ def test_decode_attention_refuses_an_n_keys_or_scale_it_would_misread(n_keys, sc
     kernels = torch.ops.minillm if where == "ops" else matvec_kernels
     with pytest.raises((ValueError, RuntimeError), match=message):
         kernels.decode_attention(q, k, k, n_keys, scale)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs torch built with oneDNN")
+def test_packed_rows_follow_the_weight_when_it_is_edited_or_replaced():
+    """Between MATVEC_MAX_ROWS and PACKED_MAX_ROWS rows the product reads a packed copy of the matrix:
+    equal to the float64 oracle, and packed again after an in-place edit or a new weight tensor."""
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(48, 64, generator=g), torch.randn(PACKED_MAX_ROWS, 64, generator=g)
+    linear = _linear("matvec", w)
+    with torch.no_grad():
+        for rows in (MATVEC_MAX_ROWS + 1, PACKED_MAX_ROWS):
+            assert (linear(x[:rows]).double() - _oracle(x[:rows], w)).abs().max() <= 1e-5 * _oracle(x, w).abs().max()
+        before = linear(x)
+        linear.weight.mul_(2)  # in place: the packed copy is stale
+        assert torch.allclose(linear(x), 2 * before, atol=1e-4)
+        linear.weight = torch.nn.Parameter(-linear.weight, requires_grad=False)  # another tensor
+        assert torch.allclose(linear(x), -2 * before, atol=1e-4)

@@ -15,7 +15,11 @@ stream memory as fast as all the cores together. Two ways around it, for CPU flo
 - :class:`MatvecLinear`: up to MATVEC_MAX_ROWS rows, a C loop (:mod:`minillm.fast.kernels`) gives
   each thread a share of the matrix's rows and reads each weight once for all of x's rows; it is
   also an op a compiled step calls (inductor's own code for the product is slower). Row-major
-  weights only.
+  weights only. Above, up to PACKED_MAX_ROWS (a serving step's decodes), oneDNN's product on a
+  copy of the matrix packed once into oneDNN's blocked layout (vLLM's CPU linear does the same):
+  MKL repacks the matrix at every call, which at 9-40 rows costs more than the product. The
+  copy is made at the first such batch (``generate``'s one row never makes it): a float32
+  model's matrices take twice the memory in a server.
 
 :class:`FastQuantizedLinear` does the same for :class:`~minillm.quantize.QuantizedLinear`, in C
 (:mod:`minillm.fast.kernels`), by the number of rows::
@@ -41,7 +45,13 @@ from ..quantize import QuantizedLinear
 from . import kernels
 
 SPLIT_MAX_ROWS = 64  # decode rows (one per sequence); above, MKL's own threading of a product wins
-MATVEC_MAX_ROWS = 16  # a decode step's or a speculative verify pass's rows; above, MKL's blocked product wins
+MATVEC_MAX_ROWS = 8  # a decode step's or a speculative verify pass's rows; above, oneDNN's packed product wins
+PACKED_MAX_ROWS = 40  # a serving step's decodes; above, MKL's product is as fast
+# measured (SmolLM2-135M's 120 decoder matrices, 2 threads, Intel Xeon with AVX-512, 2026-12-02), ms for all:
+#   rows        1     4     8    12    16    32    48
+#   F.linear  14.7  26.5  33.1  38.6  36.6  41.5  49.3
+#   C loop    16.3  22.8  26.4  31.9  36.2  69.3  98.5
+#   packed    21.3  23.0  25.7  28.0  30.1  38.5  50.3
 # measured (benchmarks/quantized_batches.py, SmolLM2's shapes): at 3 rows the two kernels are within 10 % either
 # way, at 4 the tiled one is faster; at 128 rows MKL's product of the unpacked matrix is as fast (for the LM head
 # slower), at 256 faster
@@ -91,10 +101,26 @@ class SplitLinear(nn.Linear):
 
 
 class MatvecLinear(nn.Linear):
-    """``nn.Linear`` (same parameters, same state-dict names) computed by :func:`matvec_product`."""
+    """``nn.Linear`` (same parameters, same state-dict names) computed by :func:`matvec_product`, or by
+    oneDNN on a packed copy of the matrix for MATVEC_MAX_ROWS < rows <= PACKED_MAX_ROWS (the module
+    docstring)."""
+
+    _packed: tuple | None = None  # (the weight it was packed from, its version, the packed copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matvec_product(x, self.weight, self.bias)
+        rows = _few_float32_rows(x, self.weight, PACKED_MAX_ROWS)
+        if rows is None or rows <= MATVEC_MAX_ROWS or not torch.backends.mkldnn.is_available():
+            return matvec_product(x, self.weight, self.bias)
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), self._packed_weight(), self.bias, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _packed_weight(self) -> torch.Tensor:
+        """The matrix in oneDNN's layout, packed again when the weight is another tensor or was edited."""
+        weight = self.weight
+        version = 0 if weight.is_inference() else weight._version  # (an inference tensor cannot be edited)
+        if self._packed is None or self._packed[0] is not weight or self._packed[1] != version:
+            self._packed = (weight, version, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
+        return self._packed[2]
 
 
 LINEARS = {"linear": nn.Linear, "split": SplitLinear, "matvec": MatvecLinear}
