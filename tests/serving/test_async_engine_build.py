@@ -49,3 +49,25 @@ def test_an_error_while_building_is_raised_by_the_constructor():
 
     with pytest.raises(ValueError, match="^model.safetensors is truncated: download it again$"):
         AsyncEngine(build)
+
+
+def test_ctrl_c_while_building_waits_for_the_build_then_raises(tiny_model):
+    """Ctrl-C during the build: the constructor lets the build finish and the engine thread end before it
+    raises KeyboardInterrupt (a program ending while that thread is inside torch aborts)."""
+    import _thread
+    import time
+
+    model, finished = tiny_model("llama_gqa"), []
+    threads = []
+
+    def build() -> LLMEngine:
+        threads.append(threading.current_thread())
+        time.sleep(0.1)  # the constructor is now waiting for the build
+        _thread.interrupt_main()  # as Ctrl-C: KeyboardInterrupt in the main thread, while this one still works
+        time.sleep(0.2)
+        finished.append(True)
+        return LLMEngine(model, num_blocks=16)
+
+    with pytest.raises(KeyboardInterrupt):
+        AsyncEngine(build)
+    assert finished == [True] and not threads[0].is_alive()

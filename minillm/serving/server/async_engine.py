@@ -96,7 +96,13 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, args=(build, built), name="minillm-engine", daemon=True)
         self._thread.start()
         if build is not None:
-            built.wait()
+            try:
+                built.wait()
+            except KeyboardInterrupt:  # Ctrl-C while it loads: the program must not end while the thread is in
+                self._stopping = True  # torch (it aborts), so wait for the build, then let the thread end
+                self._wake.set()
+                self._thread.join()  # (a second Ctrl-C leaves at once)
+                raise
             if self._build_error is not None:
                 raise self._build_error
 
