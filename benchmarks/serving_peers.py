@@ -79,16 +79,18 @@ def parse_args(argv=None):
                    help="the llama-server binary (default: $MINILLM_LLAMA_SERVER, else llama-server on PATH)")
     p.add_argument("--llama-parallel", type=positive_int, default=8, help="llama-server's slots, -np (default 8)")
     p.add_argument("--no-transformers", action="store_true", help="skip transformers' continuous batching")
-    p.add_argument("--rounds", type=positive_int, default=3)
-    p.add_argument("--num-prompts", type=positive_int, default=32)
-    p.add_argument("--input-len", type=length_spec, default="uniform:32-512")
-    p.add_argument("--output-len", type=length_spec, default="uniform:16-128")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=positive_int, default=3, help="rounds, the order rotated each (default 3)")
+    p.add_argument("--num-prompts", type=positive_int, default=32, help="requests a run, all at t=0 (default 32)")
+    p.add_argument("--input-len", type=length_spec, default="uniform:32-512",
+                   help="prompt lengths, as bench-serving's (default uniform:32-512)")
+    p.add_argument("--output-len", type=length_spec, default="uniform:16-128",
+                   help="output lengths, max_tokens with ignore_eos (default uniform:16-128)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the lengths and prompt ids (default 0)")
     p.add_argument("--threads", type=positive_int, default=2, help="compute threads of every peer (default 2)")
     p.add_argument("--max-num-batched-tokens", type=positive_int,
                    help="one step budget for minillm and vLLM (default: each its own, 512 and vLLM CPU's 2048)")
     p.add_argument("--timeout", type=positive_float, default=1800.0,
-                   help="one run's limit (s); unfinished requests fail")
+                   help="one run's limit (s); unfinished requests fail (default 1800)")
     p.add_argument("--json", metavar="FILE", help="write every run and the summary as JSON")
     p.add_argument("--markdown", action="store_true", help="also print the summary as a markdown table")
     p.add_argument("--report", metavar="FILE", help="start nothing: print the tables of a --json file again")

@@ -36,7 +36,10 @@ def add_serve(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("MINILLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 requests (vLLM's flag; default: "
                         "$MINILLM_API_KEY, else no key)")
-    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--threads", type=int,
+                   help="torch.set_num_threads, fixed: fastest on an idle machine, several times slower while "
+                        "other processes keep cores busy (default: one thread per core they leave free, "
+                        "re-measured every second)")
     tensor_parallel_option(p, "schedules, samples and answers the clients; the others run each step's batch")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM or Ctrl-C, let running requests finish for this long, then end them with an "
