@@ -79,7 +79,7 @@ def _run_serve(args, group=None) -> int:
         follow(_load_sharded(args, folder, group), group)
         return 0
 
-    def build_engine() -> LLMEngine:  # in the engine thread, which then steps it (AsyncEngine._build says why)
+    def build_engine() -> LLMEngine:  # in the engine thread, which then steps it (AsyncEngine._run says why)
         if args.threads:
             import torch
 

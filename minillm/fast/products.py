@@ -47,6 +47,7 @@ from . import kernels
 SPLIT_MAX_ROWS = 64  # decode rows (one per sequence); above, MKL's own threading of a product wins
 MATVEC_MAX_ROWS = 8  # a decode step's or a speculative verify pass's rows; above, oneDNN's packed product wins
 PACKED_MAX_ROWS = 40  # a serving step's decodes; above, MKL's product is as fast
+ONEDNN = torch.backends.mkldnn.is_available()  # torch built with oneDNN: the packed product exists
 # measured (SmolLM2-135M's 120 decoder matrices, 2 threads, Intel Xeon with AVX-512, 2026-12-02), ms for all:
 #   rows        1     4     8    12    16    32    48
 #   F.linear  14.7  26.5  33.1  38.6  36.6  41.5  49.3
@@ -84,10 +85,10 @@ def split_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y if bias is None else y + bias
 
 
-def matvec_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weightᵀ + bias by the C loop for up to MATVEC_MAX_ROWS rows of a row-major matrix, else F.linear."""
-    rows = _few_float32_rows(x, weight, MATVEC_MAX_ROWS)
-    if rows is None or not weight.is_contiguous() or not kernels.available():
+def c_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """x @ weightᵀ + bias for x's ``rows`` rows (<= MATVEC_MAX_ROWS) by the C loop, where the matrix is
+    row-major and the kernels built; else F.linear."""
+    if not weight.is_contiguous() or not kernels.available():
         return F.linear(x, weight, bias)
     y = kernels.functions().f32_matvec(x.reshape(rows, -1), weight).view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
@@ -101,16 +102,18 @@ class SplitLinear(nn.Linear):
 
 
 class MatvecLinear(nn.Linear):
-    """``nn.Linear`` (same parameters, same state-dict names) computed by :func:`matvec_product`, or by
-    oneDNN on a packed copy of the matrix for MATVEC_MAX_ROWS < rows <= PACKED_MAX_ROWS (the module
-    docstring)."""
+    """``nn.Linear`` (same parameters, same state-dict names) computed by the row count (the module
+    docstring): up to MATVEC_MAX_ROWS by :func:`c_product`, up to PACKED_MAX_ROWS by oneDNN on a packed
+    copy of the matrix, above (or for other dtypes, devices, autograd) by F.linear."""
 
     _packed: tuple | None = None  # (the weight it was packed from, its version, the packed copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _few_float32_rows(x, self.weight, PACKED_MAX_ROWS)
-        if rows is None or rows <= MATVEC_MAX_ROWS or not torch.backends.mkldnn.is_available():
-            return matvec_product(x, self.weight, self.bias)
+        if rows is not None and rows <= MATVEC_MAX_ROWS:
+            return c_product(x, self.weight, self.bias, rows)
+        if rows is None or not ONEDNN:
+            return F.linear(x, self.weight, self.bias)
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), self._packed_weight(), self.bias, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
 

@@ -1,6 +1,6 @@
 """AsyncEngine built in its own thread (what ``minillm serve`` does): the function that loads the model
 and makes the engine runs on the engine thread, the thread that then steps it (so torch's CPU work has
-one OpenMP team, see AsyncEngine._build); the constructor returns the built engine, or raises what
+one OpenMP team, see AsyncEngine._run); the constructor returns the built engine, or raises what
 building raised."""
 
 import asyncio

@@ -55,7 +55,7 @@ class AsyncEngine:
         engine: the :class:`LLMEngine` to drive (no one else should step it), or a function that
             builds it (loads the model, makes the engine): called in the engine thread, and the
             constructor returns once it has, raising what it raised. ``minillm serve`` builds so,
-            for the reason under :meth:`_build`.
+            for the reason under :meth:`_run`.
         max_waiting_requests: refuse new requests (:class:`QueueFullError`) while this many are
             waiting for a first slot; None: no limit (vLLM answers 503 the same way when its
             queue is full).
@@ -215,29 +215,24 @@ class AsyncEngine:
 
     # -- the engine thread ---------------------------------------------------------------
 
-    def _build(self, build: Callable[[], LLMEngine] | None, built: threading.Event) -> bool:
-        """Call ``build`` here, in the engine thread; False when it raised (the thread then ends).
-
-        Why here: on a CPU, torch's threads are an OpenMP team of the thread that starts parallel work,
-        one team per such thread, and GNU OpenMP keeps a team's threads spinning between parallel regions
-        only while it manages no more threads than there are cores. A model loaded by the main thread
-        leaves it a team; the engine thread then makes a second, and every region's threads go to sleep
-        and must be woken: the issue 32 workload's steps took 24.2 s in all, against 19.6 s with the
-        loading and the steps on one thread (2 cores, 2026-12-02)."""
-        if build is None:
-            return True
-        try:
-            self.engine = build()
-        except BaseException as error:  # raised again by the constructor, in its own thread
-            self._build_error = error
-            return False
-        finally:
-            built.set()
-        return True
-
     def _run(self, build: Callable[[], LLMEngine] | None, built: threading.Event) -> None:
-        if not self._build(build, built):
-            return
+        """The engine thread: ``build`` the engine first when given one (the constructor waits for
+        ``built``), then step it until stopped.
+
+        Why the build runs here: on a CPU, torch's threads are an OpenMP team of the thread that starts
+        parallel work, one team per such thread, and GNU OpenMP keeps a team's threads spinning between
+        parallel regions only while it manages no more threads than there are cores. A model loaded by
+        the main thread leaves it a team; the engine thread then makes a second, and every region's
+        threads go to sleep and must be woken: the issue 32 workload's steps took 24.2 s in all, against
+        19.6 s with the loading and the steps on one thread (2 cores, 2026-12-02)."""
+        if build is not None:
+            try:
+                self.engine = build()
+            except BaseException as error:  # raised again by the constructor, in its own thread
+                self._build_error = error
+                return
+            finally:
+                built.set()
         while not self._stopping:
             self._wake.wait()
             if self.before_step is not None:
