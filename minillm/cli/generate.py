@@ -177,24 +177,20 @@ _NOT_WITH_TENSOR_PARALLEL = ["quantize", "speculative", "prefix_cache", "json_sc
 
 # flags the assembled engine cannot honour: the exercises' loop has no trace, prefix cache, stop
 # strings, penalties or speculation, and its logits are compared in float32
-_NOT_WITH_STUDENT_DIR = {"trace": "--trace", "trace_out": "--trace-out", "plots": "--plots", "json": "--json",
-                         "prefix_cache": "--prefix-cache", "block_size": "--block-size", "warmup": "--warmup",
-                         "speculative": "--speculative", "num_speculative_tokens": "--num-speculative-tokens",
-                         "draft_model": "--draft-model", "prompt_lookup_min": "--prompt-lookup-min",
-                         "prompt_lookup_max": "--prompt-lookup-max", "quantize": "--quantize", "stop": "--stop",
-                         "min_p": "--min-p", "repetition_penalty": "--repetition-penalty",
-                         "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
-                         "json_schema": "--json-schema", "regex": "--regex", "choice": "--choice",
-                         "logit_bias": "--logit-bias", "tensor_parallel_size": "--tensor-parallel-size"}
+_NOT_WITH_STUDENT_DIR = ["trace", "trace_out", "plots", "json", "prefix_cache", "block_size", "warmup", "speculative",
+                         "num_speculative_tokens", "draft_model", "prompt_lookup_min", "prompt_lookup_max", "quantize",
+                         "stop", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "json_schema",
+                         "regex", "choice", "logit_bias", "tensor_parallel_size"]
 
 
 def run_student_engine(args) -> int:
     """``minillm generate --student-dir DIR``: the assembled engine against minillm's (minillm/classroom/assembly.py)."""
     from pathlib import Path
 
-    given = [flag for name, flag in _NOT_WITH_STUDENT_DIR.items() if getattr(args, name, None) not in (None, False)]
-    if given:
-        raise UsageError(f"{given[0]} does not go with --student-dir (the exercises' engine has none); drop it")
+    given = [name for name in _NOT_WITH_STUDENT_DIR if getattr(args, name, None) not in (None, False)]
+    if given:  # each argument's flag is its name with dashes
+        flag = "--" + given[0].replace("_", "-")
+        raise UsageError(f"{flag} does not go with --student-dir (the exercises' engine has none); drop it")
     if args.dtype not in (None, "float32"):
         raise UsageError("--student-dir compares float32 logits: drop --dtype")
     if len(args.prompt) > 1:
