@@ -8,7 +8,8 @@ from pathlib import Path
 
 from ..formats.weights import DEFAULT_MODEL
 from . import bench_serving_shared as shared
-from .common import UsageError, check_out_dir, check_out_file, ensure_model, model_options, warn, wrote
+from .common import (UsageError, check_out_dir, check_out_file, ensure_model, keep_freed_memory_in_command,
+                     model_options, warn, wrote)
 
 SERVING_DEFAULTS = dict(num_prompts=64, input_len="uniform:32-512", output_len="uniform:16-256",
                         max_num_batched_tokens=512, long_prompt_len=1536)
@@ -90,6 +91,7 @@ def run_bench_serving(args) -> int:
         if given:
             warn(f"{name} has no effect without --base-url (it is for a run against a server)")
     args.model = args.model or DEFAULT_MODEL  # None only tells run_over_http that --model was not given
+    keep_freed_memory_in_command()
     if args.threads:
         import torch
 

@@ -152,3 +152,12 @@ def check_out_dir(flag: str, path: str) -> None:
 def write_text(path, text: str):
     Path(path).write_text(text)
     return path
+
+
+def keep_freed_memory_in_command() -> None:
+    """The serving commands' allocator setting (minillm/malloc_policy.py), in the ``minillm`` command's own
+    process only: a program (or a test) that calls :func:`minillm.cli.main` keeps its allocator."""
+    from .. import cpu_policy, malloc_policy
+
+    if cpu_policy.started_as_command():
+        malloc_policy.keep_freed_memory()

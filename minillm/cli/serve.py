@@ -8,7 +8,7 @@ import os
 import socket
 import sys
 
-from .common import UsageError, ensure_model, model_options
+from .common import UsageError, ensure_model, keep_freed_memory_in_command, model_options
 from .generate import _thread_governor
 from .tensor_parallel import run_tensor_parallel, tensor_parallel_option, tensor_parallel_size
 
@@ -56,6 +56,7 @@ def run_serve(args) -> int:
     except ImportError as error:  # the serve extra is optional
         raise UsageError(f"minillm serve needs the serve extra ({error.name} is missing): "
                          "pip install 'minillm[serve]'") from None
+    keep_freed_memory_in_command()
     return run_tensor_parallel(args, n, _run_serve) if n > 1 else _run_serve(args)
 
 

@@ -590,20 +590,25 @@ int decode_attention(const float *q, const float *k, const float *v, float *out,
  * [num_blocks, block_size, kv_heads, head_dim], contiguous; tables int64 [batch, max_blocks]; first,
  * last int64 [batch]; head_dim a multiple of 8. Returns 0. */
 static void rescale_add(const float *p, const float *v, int n, int D, int64_t stride, float c, float *acc) {
-    /* acc[0:D] = c · acc + Σ_j p[j] · v_j over n rows of v (`stride` floats apart) */
-    for (int d = 0; d < D; d += 8) {
+    /* acc[0:D] = c · acc + Σ_j p[j] · v_j over n rows of v (`stride` floats apart). AVX2: 64 columns at a
+     * time in 8 vector sums, so that 8 FMA chains run side by side (one chain waits ~4 cycles an FMA) */
+    int d = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-        __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(acc + d), _mm256_set1_ps(c));
-        for (int j = 0; j < n; j++)
-            sum = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + (int64_t)j * stride + d), sum);
-        _mm256_storeu_ps(acc + d, sum);
-#else
-        for (int u = d; u < d + 8; u++) {
-            float sum = c * acc[u];
-            for (int j = 0; j < n; j++) sum += p[j] * v[(int64_t)j * stride + u];
-            acc[u] = sum;
+    for (; d + 64 <= D; d += 64) {
+        __m256 sum[8];
+        for (int u = 0; u < 8; u++) sum[u] = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 8 * u), _mm256_set1_ps(c));
+        for (int j = 0; j < n; j++) {
+            __m256 pj = _mm256_set1_ps(p[j]);
+            for (int u = 0; u < 8; u++)
+                sum[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + (int64_t)j * stride + d + 8 * u), sum[u]);
         }
+        for (int u = 0; u < 8; u++) _mm256_storeu_ps(acc + d + 8 * u, sum[u]);
+    }
 #endif
+    for (; d < D; d++) {
+        float sum = c * acc[d];
+        for (int j = 0; j < n; j++) sum += p[j] * v[(int64_t)j * stride + d];
+        acc[d] = sum;
     }
 }
 
