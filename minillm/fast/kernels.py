@@ -175,6 +175,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32,
                                            ctypes.c_float, i32]
     lib.paged_decode_attention.restype = i32
+    lib.silu_mul.argtypes = [ptr, ptr, i64, i32, i32]
+    lib.silu_mul.restype = None
     return lib
 
 
@@ -548,3 +550,19 @@ def paged_ranges_fit(block_tables: torch.Tensor, first: torch.Tensor, last: torc
     return (bool((first >= 0).all()) and bool((first < last).all())
             and int(last.max()) <= block_tables.shape[1] * block_size
             and 0 <= int(block_tables.min()) and int(block_tables.max()) < num_blocks)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation in one pass (matvec_kernels.c's ``silu_mul``): gate_up [..., 2F] float32 CPU,
+    contiguous (the stacked gate|up product) -> silu(gate) · up [..., F] float32, gate and up its two
+    halves (``chunk(2, -1)``). Same values as ``F.silu(gate) * up`` up to float rounding. Raises
+    ValueError for another dtype, device or layout."""
+    if (gate_up.dtype != torch.float32 or gate_up.device.type != "cpu" or not gate_up.is_contiguous()
+            or gate_up.dim() == 0 or gate_up.shape[-1] % 2):
+        raise ValueError(f"silu_mul takes a contiguous float32 CPU tensor [..., 2F], got {gate_up.dtype} "
+                         f"{list(gate_up.shape)} on {gate_up.device.type}; use F.silu(gate) * up")
+    F = gate_up.shape[-1] // 2
+    out = _output(*gate_up.shape[:-1], F)
+    if out.numel():
+        kernels().silu_mul(gate_up.data_ptr(), out.data_ptr(), out.numel() // F, F, torch.get_num_threads())
+    return out
