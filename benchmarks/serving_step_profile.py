@@ -19,7 +19,8 @@ blocks, the attention kernel (SDPA, or the C kernel of the fast paged path), ``s
 forward" is the rest of the forward pass (norms, RoPE, SiLU, residual adds, views, masks, Python),
 "engine rest" the step's bookkeeping (append tokens, cache full blocks, the step record).
 Prints a table per batch size: median ms per step of each part and its share of the step, with
-the machine's load average. Wall times by default (the CPU runs the ops synchronously); ``--clock cpu``
+the machine's load average. The allocator is set as ``minillm serve`` sets it (minillm/malloc_policy.py;
+``--glibc-defaults`` leaves glibc's: each step's large tensors then fault their pages in again). Wall times by default (the CPU runs the ops synchronously); ``--clock cpu``
 takes the process's CPU time instead, which with ``--threads 1`` a busy machine barely changes.
 """
 
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from minillm import load_model
 from minillm.bench.arg_types import positive_int
 from minillm.fast import kernels
+from minillm.malloc_policy import keep_freed_memory
 from minillm.sampling import SamplingParams
 from minillm.serving import engine as engine_module
 from minillm.serving import model_runner
@@ -182,7 +184,10 @@ def main() -> None:
     parser.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="wall time, or the process's CPU time (robust to a busy machine with --threads 1)")
+    parser.add_argument("--glibc-defaults", action="store_true",
+                        help="keep glibc's allocator settings (default: serve's, minillm/malloc_policy.py)")
     args = parser.parse_args()
+    allocator = "glibc's defaults" if args.glibc_defaults else (keep_freed_memory() or "serve's (freed memory kept)")
     torch.set_num_threads(args.threads)
     model = load_model("smollm2-135m-instruct", device="cpu", dtype="float32", fast=args.fast)
     variants = {"reference": None}  # the gather + SDPA of minillm/serving/paged_attention.py
@@ -191,7 +196,7 @@ def main() -> None:
     path = getattr(model, "decode_path", "plain (--no-fast)")
     threads = f"{args.threads} thread{'s' if args.threads != 1 else ''}"
     print(f"SmolLM2-135M float32, {threads}, decode path {path}, block size 16, budget 512; "
-          f"variants: {', '.join(variants)} (paged attention); {args.clock} clock")
+          f"variants: {', '.join(variants)} (paged attention); {args.clock} clock; allocator {allocator}")
     timers = Timers(time.perf_counter if args.clock == "wall" else time.process_time)
     instrument(model, timers)
     for batch in args.batches:
