@@ -57,29 +57,17 @@ static inline __attribute__((always_inline)) void f32_dots(const float *w, const
                                                            float *y, int64_t y_stride) {
     int i = 0;
     float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#if defined(__AVX512F__)
-    __m512 acc[4][2];  /* 16 lanes: half the loads and multiply-adds of AVX2's */
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (; i + 32 <= n; i += 32) {
-        __m512 w0 = _mm512_loadu_ps(w + i), w1 = _mm512_loadu_ps(w + i + 16);
-        for (int r = 0; r < R; r++) {
-            acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * n + i), acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * n + i + 16), acc[r][1]);
-        }
-    }
-    for (int r = 0; r < R; r++) sum[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
-#endif
 #if defined(__AVX2__) && defined(__FMA__)
-    __m256 acc8[4][2];
-    for (int r = 0; r < R; r++) acc8[r][0] = acc8[r][1] = _mm256_setzero_ps();
+    __m256 acc[4][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (; i + 16 <= n; i += 16) {
         __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
         for (int r = 0; r < R; r++) {
-            acc8[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * n + i), acc8[r][0]);
-            acc8[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * n + i + 8), acc8[r][1]);
+            acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * n + i), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * n + i + 8), acc[r][1]);
         }
     }
-    for (int r = 0; r < R; r++) sum[r] += hsum(_mm256_add_ps(acc8[r][0], acc8[r][1]));
+    for (int r = 0; r < R; r++) sum[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 #endif
     for (int r = 0; r < R; r++) {
         for (int j = i; j < n; j++) sum[r] += w[j] * x[r * n + j];
@@ -482,23 +470,6 @@ static __m256 hsum8(const __m256 *a) {
  * AVX2: 8 keys at a time, each its own vector sum, the 8 reduced together. */
 static float scores(const float *q, const float *k, int n, int D, int64_t stride, float scale, float *s) {
     int j = 0;
-#if defined(__AVX512F__)
-    /* 16 lanes: half the multiply-adds; each key's 16-lane sum is folded to 8 lanes, then reduced as above */
-    for (; D % 16 == 0 && j + 8 <= n; j += 8) {
-        __m512 acc[8];
-        for (int u = 0; u < 8; u++) acc[u] = _mm512_setzero_ps();
-        for (int d = 0; d < D; d += 16) {
-            __m512 qd = _mm512_loadu_ps(q + d);
-            for (int u = 0; u < 8; u++)
-                acc[u] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + (int64_t)(j + u) * stride + d), acc[u]);
-        }
-        __m256 half[8];
-        for (int u = 0; u < 8; u++)
-            half[u] = _mm256_add_ps(_mm512_castps512_ps256(acc[u]),
-                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[u]), 1)));
-        _mm256_storeu_ps(s + j, _mm256_mul_ps(hsum8(half), _mm256_set1_ps(scale)));
-    }
-#endif
 #if defined(__AVX2__) && defined(__FMA__)
     for (; j + 8 <= n; j += 8) {
         __m256 acc[8];
@@ -636,18 +607,6 @@ static void rescale_add(const float *p, const float *v, int n, int D, int64_t st
     /* acc[0:D] = c · acc + Σ_j p[j] · v_j over n rows of v (`stride` floats apart). AVX2: 64 columns at a
      * time in 8 vector sums, so that 8 FMA chains run side by side (one chain waits ~4 cycles an FMA) */
     int d = 0;
-#if defined(__AVX512F__)
-    for (; d + 64 <= D; d += 64) {  /* 4 chains of 16 lanes: half the multiply-adds */
-        __m512 sum[4];
-        for (int u = 0; u < 4; u++) sum[u] = _mm512_mul_ps(_mm512_loadu_ps(acc + d + 16 * u), _mm512_set1_ps(c));
-        for (int j = 0; j < n; j++) {
-            __m512 pj = _mm512_set1_ps(p[j]);
-            for (int u = 0; u < 4; u++)
-                sum[u] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + (int64_t)j * stride + d + 16 * u), sum[u]);
-        }
-        for (int u = 0; u < 4; u++) _mm512_storeu_ps(acc + d + 16 * u, sum[u]);
-    }
-#endif
 #if defined(__AVX2__) && defined(__FMA__)
     for (; d + 64 <= D; d += 64) {
         __m256 sum[8];
@@ -658,6 +617,12 @@ static void rescale_add(const float *p, const float *v, int n, int D, int64_t st
                 sum[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + (int64_t)j * stride + d + 8 * u), sum[u]);
         }
         for (int u = 0; u < 8; u++) _mm256_storeu_ps(acc + d + 8 * u, sum[u]);
+    }
+    for (; d + 8 <= D; d += 8) {  /* what is left of a head_dim such as 80 or 96, one chain */
+        __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(acc + d), _mm256_set1_ps(c));
+        for (int j = 0; j < n; j++)
+            sum = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + (int64_t)j * stride + d), sum);
+        _mm256_storeu_ps(acc + d, sum);
     }
 #endif
     for (; d < D; d++) {

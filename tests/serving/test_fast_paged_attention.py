@@ -31,7 +31,7 @@ def reference(q, cache, layer, tables, lens, window):
 
 
 @pytest.mark.parametrize("block_size", [4, 16, 48])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(6, 2, 16), (9, 3, 64), (4, 4, 8)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(6, 2, 16), (9, 3, 64), (4, 4, 8), (4, 2, 80)])
 @pytest.mark.parametrize("window", [None, 5])
 def test_kernel_equals_gather_and_sdpa(block_size, heads, kv_heads, head_dim, window):
     g = torch.Generator().manual_seed(block_size + heads + head_dim)
