@@ -12,8 +12,8 @@ from minillm.cli import common
 
 GLIBC = malloc_policy._glibc() is not None and hasattr(ctypes.CDLL(None), "mallinfo2")
 
-# Allocate and free a 64 MiB block; print how much of it glibc mapped on its own (hblkhd, bytes) and how
-# much freed memory it then kept in its heap (fordblks), each as the change over that step.
+# Allocate and free a 64 MiB block; print how much of it glibc mapped on its own (the change in hblkhd,
+# bytes) and how much free memory its heap then holds (fordblks: a fresh interpreter's heap holds little).
 PROBE = """
 import ctypes, sys
 from minillm.malloc_policy import keep_freed_memory
@@ -31,7 +31,7 @@ before = libc.mallinfo2()
 block = libc.malloc(64 << 20)
 mapped = libc.mallinfo2().hblkhd - before.hblkhd
 libc.free(ctypes.c_void_p(block))
-print(mapped, libc.mallinfo2().fordblks - before.fordblks)
+print(mapped, libc.mallinfo2().fordblks)
 """
 
 
