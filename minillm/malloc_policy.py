@@ -3,21 +3,25 @@
 Every step of the serving engine allocates and frees the same large tensors (a batch's activations,
 its [rows, vocab] logits, a prefill chunk's [512, 3072] gate|up output). By default glibc's malloc
 hands a block above its mmap threshold (128 KiB, rising with what is freed up to 32 MiB) its own
-``mmap`` and unmaps it at ``free``, and gives the heap's free top back to the OS past 128 KiB
-(``M_TRIM_THRESHOLD``). The next step's tensors then fault their pages in again: the kernel zeroes
-every 4 KiB page, and with two threads both wait. Measured on the issue 32 workload in process
-(``minillm bench-serving --policies continuous+chunked``, 32 prompts of 32-512 tokens, 2 threads,
-SmolLM2-135M float32, 2026-12-03): 112-115 output tok/s by default, 147 with both thresholds at 1 GiB;
-a batch-32 decode step 100-250 ms (varying step to step) against 94-98 ms. Either threshold alone did
-not help (the trim threshold alone made it worse). vLLM's CPU guide recommends tcmalloc for the same
-reason; this keeps glibc and sets two of its documented knobs (``mallopt(3)``).
+``mmap`` and unmaps it at ``free``, and gives the heap's free top back to the OS past its trim
+threshold (128 KiB, rising with the mmap threshold). The next step's tensors then fault their pages
+in again: the kernel zeroes every 4 KiB page, and with two threads both wait. Measured on the issue
+32 workload in process (``minillm bench-serving --policies continuous+chunked``, 32 prompts of 32-512
+tokens, 2 threads, SmolLM2-135M float32, 2026-12-03): 125-126 output tok/s with this module off
+(``MINILLM_MALLOC_POLICY=off``), 148-149 with it on; a batch-32 decode step 100-250 ms (varying step
+to step) against 94-98 ms. Either threshold alone did not help (the trim threshold alone made it
+worse). vLLM's CPU guide recommends tcmalloc for the same reason; this keeps glibc and sets two of
+its documented knobs (``mallopt(3)``).
 
 So ``minillm serve`` and ``minillm bench-serving`` (the command, not a program that imports minillm)
-call :func:`keep_freed_memory` at start: blocks up to 1 GiB come from the heap, and up to 1 GiB of
-freed memory stays mapped for the next step. The cost: the process's resident memory stays at its
-peak instead of shrinking between steps. A program that runs the engine itself can call it too.
-Left alone where the user chose an allocator or its settings (the variables in :data:`USER_SETTINGS`),
-with ``MINILLM_MALLOC_POLICY=off``, and where the C library is not glibc (macOS, musl).
+call :func:`keep_freed_memory` at start: blocks up to MMAP_BYTES (32 MiB, the largest mmap threshold
+every glibc accepts; a thread's own heap holds up to 64 MiB, so the engine thread's blocks fit too)
+come from the heap, and up to TRIM_BYTES of freed memory stays mapped for the next step. The cost:
+the process's resident memory stays near its peak instead of shrinking between steps (~20 MB more for
+SmolLM2-135M after a few requests). A program that runs the engine itself can call it too. Left
+alone where the user chose an allocator or its settings (the variables in :data:`USER_SETTINGS`, a
+``glibc.malloc`` tunable), with ``MINILLM_MALLOC_POLICY=off``, and where the C library is not glibc
+(macOS, musl).
 """
 
 from __future__ import annotations
@@ -29,28 +33,33 @@ from typing import Mapping
 
 OPT_OUT = "MINILLM_MALLOC_POLICY"  # "off" (or 0, no, false): glibc's defaults
 USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX",
-                 "GLIBC_TUNABLES", "LD_PRELOAD")  # the user tuned glibc, or preloaded tcmalloc / jemalloc
-KEEP_BYTES = 1 << 30
+                 "LD_PRELOAD")  # the user tuned glibc, or preloaded tcmalloc / jemalloc
+MMAP_BYTES = 32 << 20  # glibc before 2.35 refuses a larger M_MMAP_THRESHOLD (HEAP_MAX_SIZE / 2 on 64-bit)
+TRIM_BYTES = 1 << 30
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
 
 
 def keep_freed_memory(environ: Mapping[str, str] | None = None) -> str | None:
-    """Tell glibc's malloc to serve blocks up to KEEP_BYTES from its heap and to keep up to KEEP_BYTES
+    """Tell glibc's malloc to serve blocks up to MMAP_BYTES from its heap and to keep up to TRIM_BYTES
     of freed memory instead of returning it to the OS (the module docstring says why).
 
     Returns None when applied, else why not (one phrase: the user's own setting, the opt-out, not
-    glibc). Never raises: the allocator's defaults are slower, not wrong.
+    glibc, or which setting glibc refused). Never raises: the allocator's defaults are slower, not wrong.
     """
     environ = os.environ if environ is None else environ
     if environ.get(OPT_OUT, "").strip().lower() in ("off", "0", "no", "false"):
         return f"{OPT_OUT}={environ[OPT_OUT]}"
     if users := [name for name in USER_SETTINGS if environ.get(name)]:
         return f"{users[0]} is set: the allocator is yours"
+    if "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
+        return "GLIBC_TUNABLES sets glibc.malloc: the allocator is yours"
     libc = _glibc()
     if libc is None:
         return "the C library is not glibc"
-    ok = libc.mallopt(M_MMAP_THRESHOLD, KEEP_BYTES) and libc.mallopt(M_TRIM_THRESHOLD, KEEP_BYTES)
-    return None if ok else "glibc refused mallopt"
+    refused = [name for name, param, value in (("M_MMAP_THRESHOLD", M_MMAP_THRESHOLD, MMAP_BYTES),
+                                               ("M_TRIM_THRESHOLD", M_TRIM_THRESHOLD, TRIM_BYTES))
+               if not libc.mallopt(param, value)]
+    return f"glibc refused mallopt({', '.join(refused)})" if refused else None
 
 
 def _glibc() -> ctypes.CDLL | None:

@@ -159,5 +159,5 @@ def keep_freed_memory_in_command() -> None:
     process only: a program (or a test) that calls :func:`minillm.cli.main` keeps its allocator."""
     from .. import cpu_policy, malloc_policy
 
-    if cpu_policy.started_as_command():
-        malloc_policy.keep_freed_memory()
+    if cpu_policy.started_as_command() and (why := malloc_policy.keep_freed_memory()) and "refused" in why:
+        warn(f"{why}: each step's large tensors will fault their pages in again (slower, not wrong)")

@@ -15,7 +15,10 @@ from .tensor_parallel import run_tensor_parallel, tensor_parallel_option, tensor
 
 def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
-                                     "/v1/models, /metrics) on the batching engine")
+                                     "/v1/models, /metrics) on the batching engine",
+                       epilog="Memory: the server keeps what it frees for the next step (glibc's malloc; "
+                              "MINILLM_MALLOC_POLICY=off, or your own MALLOC_* or LD_PRELOAD, leaves the allocator "
+                              "as it is): 125 -> 148 output tok/s on BENCHMARKS.md's serving workload, in process.")
     model_options(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; 0.0.0.0 opens it to every machine that can reach this one "
