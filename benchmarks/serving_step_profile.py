@@ -20,8 +20,9 @@ forward" is the rest of the forward pass (norms, RoPE, SiLU, residual adds, view
 "engine rest" the step's bookkeeping (append tokens, cache full blocks, the step record).
 Prints a table per batch size: median ms per step of each part and its share of the step, with
 the machine's load average. The allocator is set as ``minillm serve`` sets it (minillm/malloc_policy.py;
-``--glibc-defaults`` leaves glibc's: each step's large tensors then fault their pages in again). Wall times by default (the CPU runs the ops synchronously); ``--clock cpu``
-takes the process's CPU time instead, which with ``--threads 1`` a busy machine barely changes.
+``--glibc-defaults`` leaves glibc's: each step's large tensors then fault their pages in again). Wall
+times by default (the CPU runs the ops synchronously); ``--clock cpu`` takes the process's CPU time
+instead, which with ``--threads 1`` a busy machine barely changes.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import MutableMapping
+from typing import Mapping, MutableMapping
 
 OPT_OUT = "MINILLM_CPU_POLICY"  # "off" (or 0, no, false): torch's thread count, fixed
 THREADS_SETTINGS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # the user's thread count: the command keeps it
@@ -61,8 +61,9 @@ def command_started() -> None:
     _START = _mark(time.monotonic)
 
 
-def _opted_out(environ: MutableMapping[str, str]) -> bool:
-    return environ.get(OPT_OUT, "").strip().lower() in ("off", "0", "no", "false")
+def opted_out(environ: Mapping[str, str], name: str = OPT_OUT) -> bool:
+    """Whether the variable ``name`` turns a policy of the command off: "off", "0", "no" or "false", any case."""
+    return environ.get(name, "").strip().lower() in ("off", "0", "no", "false")
 
 
 def describe(environ: MutableMapping[str, str] | None = None) -> str:
@@ -70,7 +71,7 @@ def describe(environ: MutableMapping[str, str] | None = None) -> str:
     environ = os.environ if environ is None else environ
     if users := [f"{n}={environ[n]}" for n in THREADS_SETTINGS if environ.get(n)]:
         return f"CPU threads: {', '.join(users)}, as your environment sets it (minillm keeps the count)"
-    if _opted_out(environ):
+    if opted_out(environ):
         return f"CPU threads: torch's count, fixed ({OPT_OUT}=off)"
     return ("CPU threads: torch's count (one a core), fewer while other processes keep cores busy, re-measured "
             f"every second; OMP_NUM_THREADS, serve's --threads or {OPT_OUT}=off fix it")
@@ -208,7 +209,7 @@ def command_governor(user_threads: int | None = None, environ=None) -> ThreadGov
     environ = os.environ if environ is None else environ
     if _START is None or user_threads or any(environ.get(n) for n in THREADS_SETTINGS):
         return None
-    if _opted_out(environ) or read_cpu_times() is None:
+    if opted_out(environ) or read_cpu_times() is None:
         return None
     import torch
 

@@ -31,6 +31,8 @@ import ctypes.util
 import os
 from typing import Mapping
 
+from .cpu_policy import opted_out
+
 OPT_OUT = "MINILLM_MALLOC_POLICY"  # "off" (or 0, no, false): glibc's defaults
 USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX",
                  "LD_PRELOAD")  # the user tuned glibc, or preloaded tcmalloc / jemalloc
@@ -47,7 +49,7 @@ def keep_freed_memory(environ: Mapping[str, str] | None = None) -> str | None:
     glibc, or which setting glibc refused). Never raises: the allocator's defaults are slower, not wrong.
     """
     environ = os.environ if environ is None else environ
-    if environ.get(OPT_OUT, "").strip().lower() in ("off", "0", "no", "false"):
+    if opted_out(environ, OPT_OUT):
         return f"{OPT_OUT}={environ[OPT_OUT]}"
     if users := [name for name in USER_SETTINGS if environ.get(name)]:
         return f"{users[0]} is set: the allocator is yours"

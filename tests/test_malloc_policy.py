@@ -12,8 +12,9 @@ from minillm.cli import common
 
 GLIBC = malloc_policy._glibc() is not None and hasattr(ctypes.CDLL(None), "mallinfo2")
 
-# Allocate and free a 16 MiB block (a prefill chunk's activations); print how much of it glibc mapped on its own (the change in hblkhd,
-# bytes) and how much free memory its heap then holds (fordblks: a fresh interpreter's heap holds little).
+# Allocate and free a 16 MiB block (a prefill chunk's activations); print how much of it glibc mapped on its
+# own (the change in hblkhd, bytes) and how much free memory its heap then holds (fordblks: a fresh
+# interpreter's heap holds little).
 PROBE = """
 import ctypes, sys
 from minillm.malloc_policy import keep_freed_memory

@@ -75,18 +75,18 @@ static inline __attribute__((always_inline)) void f32_dots(const float *w, const
     }
 }
 
-/* The float32 product of a decode step or a verify pass: MKL's product of a few rows runs on one
- * core, which cannot stream memory as fast as all of them (minillm.model.linear says more). */
-/* Each thread walks its share of the matrix row by row; the CPU's prefetcher alone left the loop waiting on
- * memory (all 120 SmolLM2-135M matrices out of cache, 2 threads, Intel Xeon, 2026-12-03: 1/4/8 rows 19.4/25.3/
- * 30.6 ms), so the row PREFETCH_ROWS ahead is requested while this one computes (17.9/21.1/24.4 ms; 2 or 8
- * rows ahead were slower). */
 #define PREFETCH_ROWS 4
 
-static void prefetch_bytes(const void *p, int64_t n) {
+static void prefetch_bytes(const void *p, int64_t n) {  /* each 64-byte line of p[0:n], into the caches */
     for (int64_t b = 0; b < n; b += 64) __builtin_prefetch((const char *)p + b);
 }
 
+/* The float32 product of a decode step or a verify pass: MKL's product of a few rows runs on one
+ * core, which cannot stream memory as fast as all of them (minillm.model.linear says more). Each thread
+ * walks its share of the matrix row by row; the CPU's prefetcher alone left the loop waiting on memory
+ * (all 120 SmolLM2-135M matrices out of cache, 2 threads, Intel Xeon, 2026-12-03: 1/4/8 rows 19.4/25.3/
+ * 30.6 ms), so the row PREFETCH_ROWS ahead is requested while this one computes (17.9/21.1/24.4 ms; 2 or 8
+ * rows ahead were slower). */
 void f32_matvec(const float *x, const float *w, float *y, int rows, int out, int in, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int o = 0; o < out; o++) {
@@ -665,9 +665,10 @@ int paged_decode_attention(const float *q, const float *k_pool, const float *v_p
                 float c = expf(m[h] - m_new);  /* 0 at the first chunk (m = -inf) */
                 l[h] = c * l[h] + exps(s, n, m_new);
                 rescale_add(s, v_pool + kv, n, D, row, c, acc + (int64_t)h * D);
-                for (int64_t byte = h * share; nk != NULL && byte < (h + 1) * share && byte < bytes; byte += 64) {
-                    __builtin_prefetch(nk + byte);
-                    __builtin_prefetch(nv + byte);
+                if (nk != NULL && h * share < bytes) {
+                    int64_t part = bytes - h * share < share ? bytes - h * share : share;
+                    prefetch_bytes(nk + h * share, part);
+                    prefetch_bytes(nv + h * share, part);
                 }
                 m[h] = m_new;
             }

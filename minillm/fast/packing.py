@@ -110,14 +110,14 @@ class PackedSwiGLU(SwiGLU):
         if self.gate_up is None or not self.gate_up.fresh(self):
             return super().forward(x)
         gate_up = self.gate_up.module(x)
-        if gate_up.numel() >= SILU_MUL_MIN_ELEMENTS and _fused_silu_mul(gate_up):
+        if _fused_silu_mul(gate_up):
             return self.down_proj(kernels.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(torch.nn.functional.silu(gate) * up)
 
 
 def _fused_silu_mul(gate_up: torch.Tensor) -> bool:
-    return (gate_up.dtype == torch.float32 and gate_up.is_cpu and gate_up.is_contiguous()
+    return (gate_up.numel() >= SILU_MUL_MIN_ELEMENTS and gate_up.dtype == torch.float32 and gate_up.is_cpu and gate_up.is_contiguous()
             and not (torch.is_grad_enabled() and gate_up.requires_grad) and kernels.available())
 
 
