@@ -7,12 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 from torch import nn
 
 from minillm.fast import kernels as matvec_kernels
 from minillm.fast.choose import apply_decode_path
-from minillm.fast.products import LINEARS, MATVEC_MAX_ROWS, PACKED_MAX_ROWS, SPLIT_MAX_ROWS
+from minillm.fast.products import LINEARS, MATVEC_MAX_ROWS, PANEL_MAX_ROWS, SPLIT_MAX_ROWS
 
 
 def _linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
@@ -50,6 +52,49 @@ def test_portable_f32_loop_equals_float64_linear(tmp_path):
     w, x = torch.randn(40, 100, generator=g), torch.randn(2, 100, generator=g)
     y = matvec_kernels._f32_matvec(lib, x, w)
     assert (y.double() - _oracle(x, w)).abs().max() <= 1e-5 * _oracle(x, w).abs().max()
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), out_features=st.integers(1, 100), in_features=st.integers(0, 90),
+       seed=st.integers(0, 2**16))
+def test_f32_panel_matmul_equals_float64_linear(rows, out_features, in_features, seed):
+    """The panel micro-kernel over hypothesis' shapes: rows across one to four row blocks, outputs
+    that leave the last panel part-filled, any in (0 too: y is zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    w, x = torch.randn(out_features, in_features, generator=g), torch.randn(rows, in_features, generator=g)
+    packed = matvec_kernels.f32_pack_panels(w)
+    width = packed.shape[2]
+    assert packed.shape == (-(-out_features // width), in_features, width)
+    assert torch.equal(packed.transpose(1, 2).reshape(packed.shape[0] * width, in_features)[:out_features], w)
+    y = matvec_kernels.f32_panel_matmul(x, packed, out_features)
+    assert y.shape == (rows, out_features) and y.dtype == torch.float32
+    assert (y.double() - _oracle(x, w)).abs().max() <= 1e-5 * max(1.0, _oracle(x, w).abs().max())
+
+
+def test_portable_panel_kernel_equals_float64_linear(tmp_path):
+    """Built without -march=native: 4-float vectors, 8-output panels, 6-row blocks."""
+    lib, why = matvec_kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
+    assert lib is not None, why
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(45, 100, generator=g), torch.randn(23, 100, generator=g)
+    y = matvec_kernels._f32_panel_matmul(lib, x, matvec_kernels._f32_pack_panels(lib, w), 45)
+    assert (y.double() - _oracle(x, w)).abs().max() <= 1e-5 * _oracle(x, w).abs().max()
+
+
+def test_panel_kernel_refuses_a_copy_that_does_not_fit():
+    w = torch.randn(40, 16)
+    packed = matvec_kernels.f32_pack_panels(w)
+    with pytest.raises(ValueError, match=r"f32_panel_matmul multiplies float32 x \[rows, in\] by f32_pack_panels"):
+        matvec_kernels.f32_panel_matmul(torch.randn(3, 17), packed, 40)  # in differs
+    with pytest.raises(ValueError, match="pack the matrix with f32_pack_panels"):
+        matvec_kernels.f32_panel_matmul(torch.randn(3, 16), packed, 40 + packed.shape[2])  # more outputs than packed
+    with pytest.raises(ValueError, match="pack the matrix with f32_pack_panels"):
+        matvec_kernels.f32_panel_matmul(torch.randn(3, 16), w, 40)  # the row-major matrix itself
+    with pytest.raises(ValueError, match=r"f32_pack_panels packs a contiguous float32 CPU matrix \[out, in\], "
+                                         r"got torch.float64"):
+        matvec_kernels.f32_pack_panels(w.double())
+    with pytest.raises(ValueError, match="f32_pack_panels packs a contiguous"):
+        matvec_kernels.f32_pack_panels(w.t())
 
 
 @pytest.mark.parametrize("name", LINEARS)
@@ -388,18 +433,23 @@ def test_decode_attention_refuses_an_n_keys_or_scale_it_would_misread(n_keys, sc
         kernels.decode_attention(q, k, k, n_keys, scale)
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs torch built with oneDNN")
-def test_packed_rows_follow_the_weight_when_it_is_edited_or_replaced():
-    """Between MATVEC_MAX_ROWS and PACKED_MAX_ROWS rows the product reads a packed copy of the matrix:
-    equal to the float64 oracle, and packed again after an in-place edit or a new weight tensor."""
+def test_packed_rows_follow_the_weight_when_it_is_edited_or_replaced(monkeypatch):
+    """Between MATVEC_MAX_ROWS and PANEL_MAX_ROWS rows the product reads a packed copy of the matrix
+    (above, F.linear): equal to the float64 oracle, and packed again after an in-place edit or a new
+    weight tensor."""
     g = torch.Generator().manual_seed(3)
-    w, x = torch.randn(48, 64, generator=g), torch.randn(PACKED_MAX_ROWS, 64, generator=g)
+    w, x = torch.randn(48, 64, generator=g), torch.randn(PANEL_MAX_ROWS + 1, 64, generator=g)
+    packs = []
+    pack = matvec_kernels.f32_pack_panels
+    monkeypatch.setattr(matvec_kernels, "f32_pack_panels", lambda weight: packs.append(1) or pack(weight))
     linear = _linear("matvec", w)
     with torch.no_grad():
-        for rows in (MATVEC_MAX_ROWS + 1, PACKED_MAX_ROWS):
+        for rows in (MATVEC_MAX_ROWS, MATVEC_MAX_ROWS + 1, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1):
             assert (linear(x[:rows]).double() - _oracle(x[:rows], w)).abs().max() <= 1e-5 * _oracle(x, w).abs().max()
+        assert len(packs) == 1  # at the first product of more than MATVEC_MAX_ROWS rows, once
+        x = x[:PANEL_MAX_ROWS]
         before = linear(x)
         linear.weight.mul_(2)  # in place: the packed copy is stale
-        assert torch.allclose(linear(x), 2 * before, atol=1e-4)
+        assert torch.allclose(linear(x), 2 * before, atol=1e-4) and len(packs) == 2
         linear.weight = torch.nn.Parameter(-linear.weight, requires_grad=False)  # another tensor
-        assert torch.allclose(linear(x), -2 * before, atol=1e-4)
+        assert torch.allclose(linear(x), -2 * before, atol=1e-4) and len(packs) == 3

@@ -156,6 +156,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.f32_matvec.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32]
     lib.f32_matvec.restype = None
+    lib.f32_panel_width.argtypes = []
+    lib.f32_panel_width.restype = i32
+    lib.f32_pack_panels.argtypes = [ptr, ptr, i32, i32, i32]
+    lib.f32_pack_panels.restype = None
+    lib.f32_panel_matmul.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32]
+    lib.f32_panel_matmul.restype = None
     lib.int8_matvec.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i32, i32]
     lib.int8_matvec.restype = None
     lib.int4_matvec.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32]
@@ -207,6 +213,21 @@ def functions():
 def f32_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [rows, in] float32, weight [out, in] float32 (row-major) -> x @ weightᵀ [rows, out] float32."""
     return _f32_matvec(kernels(), x, weight)
+
+
+def f32_pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] float32 (row-major) -> its copy in panels [ceil(out / P), in, P] float32,
+    ``packed[p, i, l] = weight[p·P + l, i]`` (zeros past out), P the build's panel width (32 floats
+    with AVX-512, 16 with AVX2): what :func:`f32_panel_matmul` reads. Raises ValueError for another
+    dtype, device or layout."""
+    return _f32_pack_panels(kernels(), weight)
+
+
+def f32_panel_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [rows, in] float32 @ wᵀ -> [rows, out_features] float32, w given as :func:`f32_pack_panels`'
+    copy (matvec_kernels.c says how; F.linear's values up to float rounding). Raises ValueError when
+    the shapes do not fit the copy."""
+    return _f32_panel_matmul(kernels(), x, packed, out_features)
 
 
 def int8_matvec(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -384,6 +405,32 @@ def _f32_matvec(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torc
     y = _output(x.shape[0], weight.shape[0])
     lib.f32_matvec(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1],
                    torch.get_num_threads())
+    return y
+
+
+def _f32_pack_panels(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2 or not weight.is_contiguous():
+        raise ValueError(f"f32_pack_panels packs a contiguous float32 CPU matrix [out, in], got {weight.dtype} "
+                         f"{list(weight.shape)} on {weight.device.type}")
+    width = lib.f32_panel_width()
+    out, in_features = weight.shape
+    packed = torch.empty(-(-out // width), in_features, width, dtype=torch.float32)
+    lib.f32_pack_panels(weight.data_ptr(), packed.data_ptr(), out, in_features, torch.get_num_threads())
+    return packed
+
+
+def _f32_panel_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    width = lib.f32_panel_width()
+    if (x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or packed.dim() != 3
+            or packed.dtype != torch.float32 or not packed.is_contiguous() or packed.shape[2] != width
+            or packed.shape[1] != x.shape[1] or out_features < 0 or packed.shape[0] != -(-out_features // width)):
+        raise ValueError(f"f32_panel_matmul multiplies float32 x [rows, in] by f32_pack_panels' copy of a "
+                         f"[{out_features}, in] matrix, got x {x.dtype} {list(x.shape)} and a copy {packed.dtype} "
+                         f"{list(packed.shape)}; pack the matrix with f32_pack_panels")
+    x = x.contiguous()
+    y = _output(x.shape[0], out_features)
+    lib.f32_panel_matmul(x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.shape[0], out_features, x.shape[1],
+                         torch.get_num_threads())
     return y
 
 

@@ -15,11 +15,11 @@ stream memory as fast as all the cores together. Two ways around it, for CPU flo
 - :class:`MatvecLinear`: up to MATVEC_MAX_ROWS rows, a C loop (:mod:`minillm.fast.kernels`) gives
   each thread a share of the matrix's rows and reads each weight once for all of x's rows; it is
   also an op a compiled step calls (inductor's own code for the product is slower). Row-major
-  weights only. Above, up to PACKED_MAX_ROWS (a serving step's decodes), oneDNN's product on a
-  copy of the matrix packed once into oneDNN's blocked layout (vLLM's CPU linear does the same):
-  MKL repacks the matrix at every call, which at 9-40 rows costs more than the product. The
-  copy is made at the first such batch (``generate``'s one row never makes it): a float32
-  model's matrices take twice the memory in a server.
+  weights only. Above, up to PANEL_MAX_ROWS (a serving step's decodes, a short prefill chunk), a C
+  GEMM micro-kernel on a copy of the matrix packed once into panels of outputs (matvec_kernels.c):
+  MKL repacks the matrix at every call, which at 9-40 rows costs more than the product. The copy
+  is made at the first such batch (``generate``'s one row never makes it): a float32 model's
+  matrices take twice the memory in a server.
 
 :class:`FastQuantizedLinear` does the same for :class:`~minillm.quantize.QuantizedLinear`, in C
 (:mod:`minillm.fast.kernels`), by the number of rows::
@@ -45,14 +45,14 @@ from ..quantize import QuantizedLinear
 from . import kernels
 
 SPLIT_MAX_ROWS = 64  # decode rows (one per sequence); above, MKL's own threading of a product wins
-MATVEC_MAX_ROWS = 8  # a decode step's or a speculative verify pass's rows; above, oneDNN's packed product wins
-PACKED_MAX_ROWS = 40  # a serving step's decodes; above, MKL's product is as fast
-ONEDNN = torch.backends.mkldnn.is_available()  # torch built with oneDNN: the packed product exists
-# measured (SmolLM2-135M's 120 decoder matrices, 2 threads, Intel Xeon with AVX-512, 2026-12-02), ms for all:
-#   rows        1     4     8    12    16    32    48
-#   F.linear  14.7  26.5  33.1  38.6  36.6  41.5  49.3
-#   C loop    16.3  22.8  26.4  31.9  36.2  69.3  98.5
-#   packed    21.3  23.0  25.7  28.0  30.1  38.5  50.3
+MATVEC_MAX_ROWS = 8  # a decode step's or a speculative verify pass's rows: no packed copy needed
+PANEL_MAX_ROWS = 256  # a serving step's decodes or a short chunk; above, MKL's product is as fast
+# measured (SmolLM2-135M's 120 decoder matrices out of cache, 2 threads, Intel Xeon with AVX-512,
+# 2026-12-03), ms for all:
+#   rows        1     8    16    32    40   128   256   512
+#   F.linear  15.6  33.3  35.9  40.2  43.6  89.8   160   279
+#   C loop    17.9  24.4  39.3  76.2
+#   panels    14.1  17.8  20.8  25.8  28.7  72.9   143   285
 # measured (benchmarks/quantized_batches.py, SmolLM2's shapes): at 3 rows the two kernels are within 10 % either
 # way, at 4 the tiled one is faster; at 128 rows MKL's product of the unpacked matrix is as fast (for the LM head
 # slower), at 256 faster
@@ -103,27 +103,30 @@ class SplitLinear(nn.Linear):
 
 class MatvecLinear(nn.Linear):
     """``nn.Linear`` (same parameters, same state-dict names) computed by the row count (the module
-    docstring): up to MATVEC_MAX_ROWS by :func:`c_product`, up to PACKED_MAX_ROWS by oneDNN on a packed
-    copy of the matrix, above (or for other dtypes, devices, autograd) by F.linear."""
+    docstring): up to MATVEC_MAX_ROWS by :func:`c_product`, up to PANEL_MAX_ROWS by the C micro-kernel
+    on a packed copy of the matrix, above (or for other dtypes, devices, autograd, compiled code) by
+    F.linear."""
 
-    _packed: tuple | None = None  # (the weight it was packed from, its version, the packed copy)
+    _panels: tuple | None = None  # (the weight it was packed from, its version, the packed copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = _few_float32_rows(x, self.weight, PACKED_MAX_ROWS)
+        rows = _few_float32_rows(x, self.weight, PANEL_MAX_ROWS)
         if rows is not None and rows <= MATVEC_MAX_ROWS:
             return c_product(x, self.weight, self.bias, rows)
-        if rows is None or not ONEDNN:
+        if (rows is None or not self.weight.is_contiguous() or torch.compiler.is_compiling()
+                or not kernels.available()):
             return F.linear(x, self.weight, self.bias)
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), self._packed_weight(), self.bias, "none", [], "")
-        return y.view(*x.shape[:-1], self.out_features)
+        y = kernels.f32_panel_matmul(x.reshape(rows, -1), self._packed_weight(), self.out_features)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
 
     def _packed_weight(self) -> torch.Tensor:
-        """The matrix in oneDNN's layout, packed again when the weight is another tensor or was edited."""
+        """The matrix in panels, packed again when the weight is another tensor or was edited."""
         weight = self.weight
         version = 0 if weight.is_inference() else weight._version  # (an inference tensor cannot be edited)
-        if self._packed is None or self._packed[0] is not weight or self._packed[1] != version:
-            self._packed = (weight, version, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
-        return self._packed[2]
+        if self._panels is None or self._panels[0] is not weight or self._panels[1] != version:
+            self._panels = (weight, version, kernels.f32_pack_panels(weight.detach()))
+        return self._panels[2]
 
 
 LINEARS = {"linear": nn.Linear, "split": SplitLinear, "matvec": MatvecLinear}
