@@ -114,7 +114,7 @@ def sample_rows(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int
     tokens, logprobs = [0] * len(requests), [0.0] * len(requests)
     plain = [i for i, r in enumerate(requests) if r.params.greedy and r.params.is_plain]
     if plain:
-        rows = logits[plain]
+        rows = logits if len(plain) == len(requests) else logits[plain]  # (indexing copies every row)
         ids, lps = sample(rows, requests[plain[0]].params)
         for i, token, lp in zip(plain, ids.tolist(), lps.tolist()):
             tokens[i], logprobs[i] = token, lp
