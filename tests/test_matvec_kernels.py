@@ -453,3 +453,97 @@ def test_packed_rows_follow_the_weight_when_it_is_edited_or_replaced(monkeypatch
         assert torch.allclose(linear(x), 2 * before, atol=1e-4) and len(packs) == 2
         linear.weight = torch.nn.Parameter(-linear.weight, requires_grad=False)  # another tensor
         assert torch.allclose(linear(x), -2 * before, atol=1e-4) and len(packs) == 3
+
+
+def _causal_oracle(q, k, v, scale):
+    """softmax(scale · q·kᵀ) · v in float64, query t (the last T of S positions) seeing keys 0 .. S-T+t,
+    written out: GQA by repeating K/V heads, the mask from the positions."""
+    T, S, rep = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(rep, dim=1) for t in (k, v))
+    scores = (q.double() @ k.transpose(-1, -2)) * scale
+    visible = torch.arange(S)[None, :] <= (S - T + torch.arange(T))[:, None]
+    return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
+
+
+@pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 2), kv_heads=st.integers(1, 3), group=st.integers(1, 3), width=st.integers(1, 2),
+       queries=st.integers(1, 70), cached=st.integers(0, 90), seed=st.integers(0, 2**16))
+def test_causal_attention_equals_float64_softmax(batch, kv_heads, group, width, queries, cached, seed):
+    """Prefill's C attention over hypothesis' shapes: GQA groups, head_dim one or two panels, chunks of
+    1-70 queries after 0-90 cached positions (row blocks and key panels cut anywhere), q a transposed
+    projection and k, v a transposed gather (the layouts the model and the serving batch hand it)."""
+    g = torch.Generator().manual_seed(seed)
+    D, heads, S = width * matvec_kernels.panel_width(), kv_heads * group, cached + queries
+    q = torch.randn(batch, queries, heads, D, generator=g).transpose(1, 2)
+    k, v = (torch.randn(batch, S, kv_heads, D, generator=g).transpose(1, 2) for _ in range(2))
+    out = matvec_kernels.causal_attention(q, k, v, 0.3)
+    assert out.shape == (batch, heads, queries, D) and out.is_contiguous()
+    assert (out.double() - _causal_oracle(q, k, v, 0.3)).abs().max() <= 1e-5
+
+
+@pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
+def test_causal_attention_equals_sdpa_on_a_long_prompt_and_keeps_a_nan_visible():
+    """A prompt of 300 positions (SDPA's is_causal the oracle, float32 both), far-apart scores (the
+    online softmax's rescaling), and a NaN key: NaN for the queries that see it, as SDPA gives."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 9, 300, 64, generator=g) * 4, torch.randn(1, 3, 300, 64, generator=g), \
+        torch.randn(1, 3, 300, 64, generator=g)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=0.5)
+    assert (matvec_kernels.causal_attention(q, k, v, 0.5) - expected).abs().max() <= 1e-4
+    k[0, 1, 150, 3] = float("nan")
+    out = matvec_kernels.causal_attention(q, k, v, 0.5)
+    sees_nan = out.isnan().any(-1)[0]  # [heads, T]
+    assert sees_nan[3:6, 150:].all() and not sees_nan[3:6, :150].any() and not sees_nan[:3].any()
+
+
+def test_portable_causal_attention_equals_float64_softmax(tmp_path):
+    """Built without -march=native: 8-float panels, the scalar exp."""
+    lib, why = matvec_kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
+    assert lib is not None, why
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(2, 4, 19, 16, generator=g), torch.randn(2, 2, 40, 16, generator=g), \
+        torch.randn(2, 2, 40, 16, generator=g)
+    out = matvec_kernels._causal_attention(lib, q, k, v, 0.25)
+    assert (out.double() - _causal_oracle(q, k, v, 0.25)).abs().max() <= 1e-5
+
+
+@pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
+@pytest.mark.parametrize("change, message", [
+    (lambda q, k: (q, k[:, :, :5]), r"T <= S"),  # more queries than keys
+    (lambda q, k: (q[:, :5], k), r"heads a multiple of kv_heads"),
+    (lambda q, k: (q[..., :24], k[..., :24]), r"D a multiple of"),
+    (lambda q, k: (q.double(), k), r"got q torch.float64"),
+    (lambda q, k: (q, k.transpose(2, 3)), r"a contiguous last dimension"),
+])
+def test_causal_attention_refuses_what_it_would_misread(change, message):
+    D = 2 * matvec_kernels.panel_width()
+    q, k = change(torch.randn(1, 6, 10, D), torch.randn(1, 2, 10, D))
+    with pytest.raises(ValueError, match=message):
+        matvec_kernels.causal_attention(q, k, k.clone() if k.is_contiguous() else k, 0.1)
+
+
+@pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
+@pytest.mark.parametrize("window", [None, 40])
+def test_prefill_runs_attention_in_c_on_the_matvec_path(window, monkeypatch, tmp_path):
+    """A 120-token prefill on the matvec path gives the plain model's logits, its attention in C; a
+    short one (below PREFILL_MIN_SCORES) and a sliding window keep SDPA."""
+    from tiny_models import LLAMA_BASE, build_hf, save_hf
+
+    from minillm import KVCache, load_model, prefill
+    from minillm.fast.attention import PREFILL_MIN_SCORES
+
+    config = dict(LLAMA_BASE, head_dim=matvec_kernels.panel_width(), sliding_window=window)
+    model = load_model(save_hf(build_hf("mistral", config), tmp_path), device="cpu", fast=False)
+    calls = []
+    real = matvec_kernels.causal_attention
+    monkeypatch.setattr(matvec_kernels, "causal_attention", lambda *a: calls.append(a[0].shape[2]) or real(*a))
+    ids = torch.randint(0, model.config.vocab_size, (120,), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for apply in (lambda: None, lambda: apply_decode_path(model, "matvec")):
+        apply()
+        logits.append(prefill(model, ids, KVCache.for_model(model, max_seq_len=128)))
+        prefill(model, ids[:8], KVCache.for_model(model, max_seq_len=128))  # 64 query-key pairs: SDPA
+    assert 8 * 8 < PREFILL_MIN_SCORES <= 120 * 120
+    assert (logits[1] - logits[0]).abs().max() <= 1e-4
+    assert calls == ([] if window else [120] * model.config.n_layers)

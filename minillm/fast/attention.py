@@ -1,4 +1,4 @@
-"""Attention, faster: q|k|v in one product, and decode's attention in C.
+"""Attention, faster: q|k|v in one product, and decode's and prefill's attention in C.
 
 Decode's attention reads each layer's K and V once for a few FLOPs a byte, and SDPA's CPU kernel
 spends its time elsewhere: a compiled SmolLM2-135M float32 step on the developers' 2-core EPYC took
@@ -7,6 +7,13 @@ of the keys) against 44.3-44.7 ms with SDPA at 128 positions, and 45.8-50.7 agai
 1,000 (BENCHMARKS-HISTORY.md). It runs for one float32 CPU query a sequence (T = 1) over a cache
 with contiguous rows, head_dim a multiple of 8, and no mask but a static buffer's (its unfilled end);
 everything else is :class:`~minillm.model.Attention`'s own. Same values as SDPA up to float rounding.
+
+Prefill's causal attention (many queries, the last T of the S positions, no mask) runs
+:func:`minillm.fast.kernels.causal_attention`, a flash-attention loop that never computes the masked
+half: SDPA's CPU kernel took as long for causal as for full attention. SmolLM2-135M's shapes (9 heads,
+3 K/V heads, head_dim 64, 2 threads, Intel Xeon, 2026-12-03): T = S = 480 1.31 against 2.13 ms a
+layer, T = 512 onto 488 cached 3.99 against 5.30, T = S = 2048 18.95 against 21.67. Below
+PREFILL_MIN_SCORES query-key pairs (T = S = 64: 69 against 54 us) SDPA's lighter set-up wins and runs.
 """
 
 from __future__ import annotations
@@ -19,13 +26,17 @@ from ..model import Attention
 from . import kernels
 from .packing import Stack
 
+PREFILL_MIN_SCORES = 8192  # T·S; measured: T = S = 96 (9,216) 104 against SDPA's 137 us, T = S = 64 69 against 54
+
 
 class FastAttention(Attention):
     """:class:`~minillm.model.Attention` with the same parameters, q|k|v stacked (``qkv``) and, with
-    ``c_decode`` (set where :func:`c_decode_fits`), decode's attention in C."""
+    ``c_decode`` (set where :func:`c_decode_fits`), decode's attention in C, and with ``c_prefill`` (also
+    head_dim a multiple of the kernels' panel width) prefill's causal attention in C."""
 
     qkv: Stack | None = None
     c_decode: bool = False
+    c_prefill: bool = False
 
     def _apply(self, fn, recurse=True):
         self.qkv = None  # .to(), .double(), .cuda() make new tensors: the stack would be stale; the members stay
@@ -38,16 +49,28 @@ class FastAttention(Attention):
         return self.qkv.module(x).split((self.n_heads * self.head_dim, kv_size, kv_size), dim=-1)
 
     def attend(self, q, k, v, mask, impl, hook):
+        if impl == "sdpa" and self._prefill_in_c(q, k, v, mask):
+            return kernels.causal_attention(q, k, v, self._scale())
         if not (impl == "sdpa" and self._in_c(q, k, mask)):
             return super().attend(q, k, v, mask, impl, hook)
         if self.window is not None and mask is None:  # as Attention.attend: the keys the window still sees
             k, v = k[:, :, -self.window:], v[:, :, -self.window:]
         n_keys = k.shape[2] if mask is None else mask.sum(-1)  # a static buffer masks its unfilled end
-        scale = 1 / math.sqrt(self.head_dim) if self.scale is None else self.scale
-        return kernels.functions().decode_attention(q, k, v, n_keys, scale)
+        return kernels.functions().decode_attention(q, k, v, n_keys, self._scale())
+
+    def _scale(self) -> float:
+        return 1 / math.sqrt(self.head_dim) if self.scale is None else self.scale
 
     def impl_name(self, n_queries: int, impl: str) -> str:
-        return "c" if self.c_decode and impl == "sdpa" and n_queries == 1 else impl
+        in_c = self.c_decode if n_queries == 1 else self.c_prefill and n_queries * n_queries >= PREFILL_MIN_SCORES
+        return "c" if in_c and impl == "sdpa" else impl
+
+    def _prefill_in_c(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+        """A causal pass of many queries (a window or a mask: SDPA's)."""
+        return (self.c_prefill and mask is None and self.window is None and q.shape[2] > 1
+                and q.shape[2] * k.shape[2] >= PREFILL_MIN_SCORES and q.dtype == k.dtype == v.dtype == torch.float32
+                and q.device.type == "cpu" and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+                and not (torch.is_grad_enabled() and q.requires_grad) and not torch.compiler.is_compiling())
 
     def _in_c(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:
         return (self.c_decode and q.shape[2] == 1 and q.device.type == "cpu" and q.dtype == torch.float32

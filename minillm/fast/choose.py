@@ -126,11 +126,13 @@ def apply_decode_path(model: Transformer, name: str) -> Transformer:
     path = _default_path(model) if name == "default" else _candidate(name)
     linear_cls = LINEARS[path.products]
     c_decode = path.products == "matvec" and c_decode_fits(model)
+    c_prefill = c_decode and model.config.head_dim % kernels.panel_width() == 0
     tied = model.lm_head.weight is model.embed.weight if hasattr(model.lm_head, "weight") else False
     originals = {id(p): p for p in model.parameters()}  # (holding them keeps their ids unique)
     for block in model.blocks:
         attn, mlp = swap_class(block.attn, FastAttention), block.mlp
-        attn.qkv, attn.c_decode = Stack(attn, ("q_proj", "k_proj", "v_proj"), linear_cls, path.long_rows), c_decode
+        attn.qkv = Stack(attn, ("q_proj", "k_proj", "v_proj"), linear_cls, path.long_rows)
+        attn.c_decode, attn.c_prefill = c_decode, c_prefill
         relayout(attn.o_proj, linear_cls, path.long_rows)
         if isinstance(mlp, SwiGLU):
             swap_class(mlp, PackedSwiGLU).gate_up = Stack(mlp, ("gate_proj", "up_proj"), linear_cls, path.long_rows)

@@ -181,6 +181,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32,
                                            ctypes.c_float, i32]
     lib.paged_decode_attention.restype = i32
+    lib.causal_attention.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i64, i64, i64, i64, i64, i64,
+                                     i64, i64, i64, ctypes.c_float, i32]
+    lib.causal_attention.restype = i32
     lib.silu_mul.argtypes = [ptr, ptr, i64, i32, i32]
     lib.silu_mul.restype = None
     return lib
@@ -287,6 +290,24 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: 
     inputs the C loop would misread, MemoryError when its scratch cannot be allocated.
     """
     return _decode_attention(kernels(), q, k, v, n_keys, scale)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Prefill's attention: the T queries are the last T of the S positions, each attending causally,
+    softmax(scale · q·kᵀ + causal mask) · v, by a flash-attention loop in C (matvec_kernels.c).
+
+    q [B, H, T, D], k, v [B, Hkv, S, D] float32, any strides but a contiguous last dimension (a KV
+    cache's buffer, a transposed gather), T <= S, H a multiple of Hkv (GQA), D a multiple of :func:`panel_width`.
+    Returns [B, H, T, D] float32, ``F.scaled_dot_product_attention``'s values (``is_causal`` when T ==
+    S) up to float rounding. Raises ValueError for inputs the loop would misread, MemoryError when its
+    scratch cannot be allocated."""
+    return _causal_attention(kernels(), q, k, v, scale)
+
+
+def panel_width() -> int:
+    """The floats of one panel in this build (32 with AVX-512, 16 with AVX): f32_pack_panels' last
+    dimension, and what causal_attention's head_dim must be a multiple of."""
+    return kernels().f32_panel_width()
 
 
 def _decode_attention_fake(q, k, v, n_keys):
@@ -432,6 +453,28 @@ def _f32_panel_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, o
     lib.f32_panel_matmul(x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.shape[0], out_features, x.shape[1],
                          torch.get_num_threads())
     return y
+
+
+def _causal_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    B, H, T, D = q.shape if q.dim() == 4 else (0, 0, 0, 0)
+    ok = (k.dim() == 4 and k.shape == v.shape and k.shape[0] == B and k.shape[1] > 0 and H % k.shape[1] == 0
+          and k.shape[3] == D and 0 < T <= k.shape[2] and D > 0 and D % lib.f32_panel_width() == 0
+          and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v))
+          and q.stride(3) == k.stride(3) == v.stride(3) == 1
+          and isinstance(scale, (int, float)) and not isinstance(scale, bool))
+    if not ok:
+        raise ValueError(f"causal_attention takes float32 CPU q [B, heads, T, D] and k, v [B, kv_heads, S, D] with "
+                         f"a contiguous last dimension, T <= S, heads a multiple of kv_heads, D a multiple of "
+                         f"{lib.f32_panel_width()}, and a number scale; got q {q.dtype} {list(q.shape)}, k {k.dtype} "
+                         f"{list(k.shape)} strides {list(k.stride())}, v {list(v.shape)}, scale {scale!r}")
+    out = _output(B, H, T, D)
+    failed = lib.causal_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), B, H, k.shape[1], T,
+                                  k.shape[2], D, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+                                  k.stride(2), v.stride(0), v.stride(1), v.stride(2), scale, torch.get_num_threads())
+    if failed:
+        raise MemoryError("causal_attention could not allocate its scratch buffers")
+    return out
 
 
 def _output(*shape: int) -> torch.Tensor:

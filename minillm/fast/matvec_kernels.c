@@ -470,22 +470,30 @@ void f32_pack_panels(const float *w, float *packed, int out, int in, int threads
             }
 }
 
-/* y[r, 0:valid] = x[r, :] @ panel for R <= PANEL_ROWS rows of x (inlined with R a constant: its loops
- * unroll and the sums get registers); prefetches a row of `next` every `every` steps. */
-static inline __attribute__((always_inline)) void panel_rows(const float *x, const float *panel, int in, int R,
-                                                             float *y, int out, int valid, const char *next,
-                                                             int every) {
+/* y[r·y_stride + l] (+)= Σ_i x[r·x_stride + i] · panel[i·panel_stride + l], l < valid, for R <= PANEL_ROWS
+ * rows of x and a panel of PANEL columns (inlined with R a constant: its loops unroll and the sums get
+ * registers); `add`: y's values are added to (valid == PANEL only). With every > 0, prefetches a row of
+ * `next` every `every` steps. */
+static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t x_stride, const float *panel,
+                                                             int64_t panel_stride, int in, int R, float *y,
+                                                             int64_t y_stride, int valid, int add,
+                                                             const char *next, int every) {
     vecf acc[PANEL_ROWS][2];
     memset(acc, 0, sizeof acc);
+    for (int r = 0; add && r < R; r++) {
+        acc[r][0] = load_vec(y + (int64_t)r * y_stride);
+        acc[r][1] = load_vec(y + (int64_t)r * y_stride + VEC);
+    }
     int wait = every;
     for (int i = 0; i < in; i++) {
-        vecf w0 = load_vec(panel + (int64_t)i * PANEL), w1 = load_vec(panel + (int64_t)i * PANEL + VEC);
+        const float *w = panel + (int64_t)i * panel_stride;
+        vecf w0 = load_vec(w), w1 = load_vec(w + VEC);
         for (int r = 0; r < R; r++) {
-            float xr = x[(int64_t)r * in + i];
+            float xr = x[(int64_t)r * x_stride + i];
             acc[r][0] += w0 * xr;
             acc[r][1] += w1 * xr;
         }
-        if (--wait == 0) {  /* (a counter: a division a step cost more than the prefetch saves) */
+        if (every && --wait == 0) {  /* (a counter: a division a step cost more than the prefetch saves) */
             wait = every;
             __builtin_prefetch(next, 0, 2);
             __builtin_prefetch(next + 64, 0, 2);
@@ -493,10 +501,23 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, con
         }
     }
     for (int r = 0; r < R; r++) {
-        float *yr = y + (int64_t)r * out, last[PANEL];
+        float *yr = y + (int64_t)r * y_stride, last[PANEL];
         store_vec(valid == PANEL ? yr : last, acc[r][0]);
         store_vec(valid == PANEL ? yr + VEC : last + VEC, acc[r][1]);
         if (valid < PANEL) memcpy(yr, last, sizeof(float) * valid);
+    }
+}
+
+/* panel_rows for any R in 1..PANEL_ROWS: a constant in each call */
+static void panel_block(const float *x, int64_t x_stride, const float *panel, int64_t panel_stride, int in, int R,
+                        float *y, int64_t y_stride, int valid, int add, const char *next, int every) {
+    switch (R) {
+#define ROWS(n) case n: panel_rows(x, x_stride, panel, panel_stride, in, n, y, y_stride, valid, add, next, every); break;
+        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
+#if PANEL_ROWS > 6
+        ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12)
+#endif
+#undef ROWS
     }
 }
 
@@ -511,17 +532,9 @@ void f32_panel_matmul(const float *x, const float *packed, float *y, int rows, i
         int valid = out - p * PANEL < PANEL ? out - p * PANEL : PANEL, done = 0;
         for (int b = 0; b < blocks; b++) {
             int R = (rows - done) / (blocks - b);  /* the rows shared evenly: 16 as 8 + 8, not 12 + 4 */
-            const float *xb = x + (int64_t)done * in;
-            float *yb = y + (int64_t)done * out + (int64_t)p * PANEL;
             const char *share = next + (int64_t)in * PANEL * 4 * b / blocks;  /* this block's share of it */
-            switch (R) {
-#define ROWS(n) case n: panel_rows(xb, panel, in, n, yb, out, valid, share, blocks); break;
-                ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
-#if PANEL_ROWS > 6
-                ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12)
-#endif
-#undef ROWS
-            }
+            panel_block(x + (int64_t)done * in, in, panel, PANEL, in, R, y + (int64_t)done * out + (int64_t)p * PANEL,
+                        out, valid, 0, share, blocks);
             done += R;
         }
     }
@@ -600,16 +613,45 @@ static float scores(const float *q, const float *k, int n, int D, int64_t stride
     return m;
 }
 
+#if defined(__AVX512F__)
+/* exp8's polynomial on 16 lanes; 2^n by scalef (the same values) */
+static __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
 /* s[j] = exp(s[j] - m); returns Σ_j s[j] */
 static float exps(float *s, int n, float m) {
     float l = 0.0f;
     int j = 0;
+#if defined(__AVX512F__)
+    __m512 sum16 = _mm512_setzero_ps();
+    for (; j + 16 <= n; j += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(m)));
+        _mm512_storeu_ps(s + j, e);
+        sum16 = _mm512_add_ps(sum16, e);
+    }
+    l = _mm512_reduce_add_ps(sum16);
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
+    __m256 sum = _mm256_setzero_ps();
     for (; j + 8 <= n; j += 8) {
         __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m)));
         _mm256_storeu_ps(s + j, e);
-        l += hsum(e);
+        sum = _mm256_add_ps(sum, e);
     }
+    l += hsum(sum);
 #endif
     for (; j < n; j++) {
         s[j] = expf(s[j] - m);
@@ -812,4 +854,103 @@ void silu_mul(const float *gate_up, float *out, int64_t rows, int F, int threads
 #endif
         for (; i < F; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
+}
+
+/* max_j s[j] over n values (-inf for none) */
+static float row_max(const float *s, int n) {
+    float m = -INFINITY;
+    int j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (n >= 8) {
+        __m256 v = _mm256_loadu_ps(s);
+        for (j = 8; j + 8 <= n; j += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(s + j));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    }
+#endif
+    for (; j < n; j++) m = s[j] > m ? s[j] : m;
+    return m;
+}
+
+/* Prefill's attention: T queries, the last T of S positions, each over the keys up to its own (causal),
+ *
+ *   out[b, h, t] = Σ_{j <= S-T+t} softmax_j(scale · q[b, h, t]·k[b, h/G, j]) · v[b, h/G, j],
+ *
+ * as flash attention computes it (Dao et al. 2022, "FlashAttention"): a block of PANEL_ROWS queries
+ * walks the keys a panel (PANEL keys) at a time, keeping per query the running max m, the running sum
+ * l of exp(s - m) and the running output; each panel rescales them by exp(m_old - m_new). The scores
+ * of a panel are one panel_rows product of the queries by the keys packed as a panel (kᵀ: D rows of
+ * PANEL keys, packed once for all queries), the output's share one panel_rows product of the panel's
+ * probabilities by the panel's values (V's rows are already PANEL columns wide, D a multiple of
+ * PANEL). A block stops at its last query's last key: the causal half is never computed. SDPA's CPU
+ * flash kernel took as long for causal as for full attention (2.07 against 2.12 ms at T = S = 480,
+ * 9 heads, D = 64, 2 threads, Intel Xeon, 2026-12-03).
+ *
+ * q [B, H, T, D], k, v [B, Hkv, S, D], each with contiguous rows (D floats) and the given strides (in
+ * floats) between batches, heads and positions; out [B, H, T, D] contiguous. D a multiple of PANEL.
+ * Returns 0, or 1 when a scratch buffer cannot be allocated. */
+int causal_attention(const float *q, const float *k, const float *v, float *out, int B, int H, int Hkv, int T,
+                     int S, int D, int64_t q_sb, int64_t q_sh, int64_t q_st, int64_t k_sb, int64_t k_sh,
+                     int64_t k_st, int64_t v_sb, int64_t v_sh, int64_t v_st, float scale, int threads) {
+    int G = H / Hkv, key_panels = (S + PANEL - 1) / PANEL, query_blocks = (T + PANEL_ROWS - 1) / PANEL_ROWS;
+    int64_t panel_floats = (int64_t)D * PANEL, failed = 0;
+    float *kt = (float *)malloc(sizeof(float) * (size_t)B * Hkv * key_panels * panel_floats);  /* kᵀ, in panels */
+    if (kt == NULL) return 1;
+    #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
+    for (int bg = 0; bg < B * Hkv; bg++)
+        for (int p = 0; p < key_panels; p++) {
+            const float *kh = k + (int64_t)(bg / Hkv) * k_sb + (int64_t)(bg % Hkv) * k_sh;
+            float *panel = kt + ((int64_t)bg * key_panels + p) * panel_floats;
+            for (int l = 0; l < PANEL; l++) {
+                int j = p * PANEL + l;
+                for (int d = 0; d < D; d++) panel[(int64_t)d * PANEL + l] = j < S ? scale * kh[(int64_t)j * k_st + d] : 0.0f;
+            }
+        }
+    #pragma omp parallel num_threads(threads) reduction(|:failed)
+    {
+        /* per thread: a block's scores s [PANEL_ROWS, PANEL] and running output acc [PANEL_ROWS, D] */
+        float *s = (float *)malloc(sizeof(float) * PANEL_ROWS * (PANEL + (size_t)D));
+        float *acc = s + PANEL_ROWS * PANEL;
+        failed = s == NULL;
+        #pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int bh = 0; bh < B * H; bh++)
+            for (int qb = query_blocks - 1; qb >= 0; qb--) {  /* the longest blocks first: the threads end together */
+                if (s == NULL) continue;
+                int b = bh / H, h = bh % H, t0 = qb * PANEL_ROWS, R = T - t0 < PANEL_ROWS ? T - t0 : PANEL_ROWS;
+                const float *qr = q + (int64_t)b * q_sb + (int64_t)h * q_sh + (int64_t)t0 * q_st;
+                const float *vh = v + (int64_t)b * v_sb + (int64_t)(h / G) * v_sh;
+                const float *kth = kt + ((int64_t)b * Hkv + h / G) * key_panels * panel_floats;
+                int first_pos = S - T + t0, last_pos = first_pos + R - 1;  /* the block's queries' positions */
+                float m[PANEL_ROWS], l[PANEL_ROWS];
+                for (int r = 0; r < R; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
+                memset(acc, 0, sizeof(float) * R * D);
+                for (int p = 0; p <= last_pos / PANEL; p++) {
+                    int j0 = p * PANEL, n = S - j0 < PANEL ? S - j0 : PANEL;
+                    panel_block(qr, q_st, kth + p * panel_floats, PANEL, D, R, s, PANEL, PANEL, 0, NULL, 0);
+                    for (int r = 0; r < R; r++) {
+                        float *sr = s + r * PANEL;
+                        int visible = first_pos + r - j0 + 1;  /* keys j0 .. j0 + visible - 1 */
+                        visible = visible < n ? visible : n;
+                        float m_new = fmaxf(m[r], row_max(sr, visible));
+                        if (m_new != m[r]) {  /* the running sums rescaled: exp(-inf) = 0 at the first panel */
+                            float c = expf(m[r] - m_new);
+                            l[r] *= c;
+                            for (int d = 0; d < D; d++) acc[r * D + d] *= c;
+                            m[r] = m_new;
+                        }
+                        l[r] += visible > 0 ? exps(sr, visible, m_new) : 0.0f;
+                        for (int j = visible > 0 ? visible : 0; j < PANEL; j++) sr[j] = 0.0f;  /* masked: weight 0 */
+                    }
+                    for (int c0 = 0; c0 < D; c0 += PANEL)  /* acc += p · v, PANEL columns of v at a time */
+                        panel_block(s, PANEL, vh + (int64_t)j0 * v_st + c0, v_st, n, R, acc + c0, D, PANEL, 1, NULL, 0);
+                }
+                float *o = out + (((int64_t)b * H + h) * T + t0) * D;
+                for (int r = 0; r < R; r++)
+                    for (int d = 0; d < D; d++) o[(int64_t)r * D + d] = acc[r * D + d] / l[r];
+            }
+        free(s);
+    }
+    free(kt);
+    return failed;
 }
