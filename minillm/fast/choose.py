@@ -47,6 +47,7 @@ from ..model import SwiGLU, Transformer
 from ..phases import decode_step, prefill
 from . import kernels
 from .attention import FastAttention, c_decode_fits
+from .block import FastBlock
 from .compile import compile_decode_step
 from .packing import PackedSwiGLU, Stack, relayout
 from .paged_attention import use_fast_paged_attention
@@ -130,6 +131,8 @@ def apply_decode_path(model: Transformer, name: str) -> Transformer:
     tied = model.lm_head.weight is model.embed.weight if hasattr(model.lm_head, "weight") else False
     originals = {id(p): p for p in model.parameters()}  # (holding them keeps their ids unique)
     for block in model.blocks:
+        if c_decode:  # (the C kernels' paths: the norms in C too)
+            swap_class(block, FastBlock)
         attn, mlp = swap_class(block.attn, FastAttention), block.mlp
         attn.qkv = Stack(attn, ("q_proj", "k_proj", "v_proj"), linear_cls, path.long_rows)
         attn.c_decode, attn.c_prefill = c_decode, c_prefill

@@ -184,6 +184,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.causal_attention.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i64, i64, i64, i64, i64, i64,
                                      i64, i64, i64, ctypes.c_float, i32]
     lib.causal_attention.restype = i32
+    lib.rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, ctypes.c_float, i32]
+    lib.rms_norm.restype = None
     lib.silu_mul.argtypes = [ptr, ptr, i64, i32, i32]
     lib.silu_mul.restype = None
     return lib
@@ -477,6 +479,21 @@ def _causal_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: tor
     return out
 
 
+def _rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float,
+              delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    tensors = (x, weight) if delta is None else (x, weight, delta)
+    if (any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
+            or x.dim() == 0 or weight.shape != x.shape[-1:] or (delta is not None and delta.shape != x.shape)):
+        raise ValueError(f"rms_norm takes contiguous float32 CPU x [..., dim], weight [dim] (and delta as x), got x "
+                         f"{x.dtype} {list(x.shape)}, weight {weight.dtype} {list(weight.shape)}"
+                         + ("" if delta is None else f", delta {delta.dtype} {list(delta.shape)}"))
+    out, total = _output(*x.shape), x if delta is None else _output(*x.shape)
+    if x.numel():
+        lib.rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), total.data_ptr(), weight.data_ptr(),
+                     out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, torch.get_num_threads())
+    return total, out
+
+
 def _output(*shape: int) -> torch.Tensor:
     """An uninitialised float32 CPU tensor for a C loop to fill: float32 whatever torch's default dtype
     (the loops write float32 bits)."""
@@ -640,6 +657,15 @@ def paged_ranges_fit(block_tables: torch.Tensor, first: torch.Tensor, last: torc
     return (bool((first >= 0).all()) and bool((first < last).all())
             and int(last.max()) <= block_tables.shape[1] * block_size
             and 0 <= int(block_tables.min()) and int(block_tables.max()) < num_blocks)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm in one pass (matvec_kernels.c's ``rms_norm``): x [..., dim] float32 CPU, contiguous, weight
+    [dim] float32 -> (x, x · 1/sqrt(mean(x²) + eps) · weight) [..., dim], minillm.model.RMSNorm's values
+    up to float rounding. With ``delta`` (x's shape), the residual add first: returns (x + delta, its
+    norm), the sum in a new tensor. Raises ValueError for other dtypes, devices, layouts or shapes."""
+    return _rms_norm(kernels(), x, weight, eps, delta)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,80 @@
+"""The block with its RMSNorms in C (minillm/fast/block.py, matvec_kernels.c's rms_norm): the kernel
+against float64 RMSNorm over drawn shapes, with and without the residual add, and the block against
+the lesson's."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiny_models import CONFIGS, build_hf, save_hf
+
+from minillm import KVCache, decode_step, load_model, prefill
+from minillm.fast import kernels
+from minillm.fast.block import FastBlock
+from minillm.fast.choose import apply_decode_path
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the C kernels")
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm written out in float64 (Zhang & Sennrich 2019)."""
+    x = x.double()
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+@settings(max_examples=50, deadline=None)
+@given(rows=st.integers(0, 80), dim=st.integers(1, 100), scale=st.sampled_from([1e-3, 1.0, 50.0]),
+       add=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_rms_norm_equals_float64(rows, dim, scale, add, seed):
+    """Dims on and off the vector width, rows on both sides of the threads' threshold, the add or not."""
+    g = torch.Generator().manual_seed(seed)
+    x, delta, weight = torch.randn(rows, dim, generator=g) * scale, torch.randn(rows, dim, generator=g), \
+        torch.randn(dim, generator=g)
+    total, out = kernels.rms_norm(x, weight, 1e-5, delta=delta if add else None)
+    expected_total = x.double() + delta.double() if add else x.double()
+    torch.testing.assert_close(total.double(), expected_total, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.double(), reference(expected_total, weight, 1e-5), rtol=1e-5, atol=1e-5)
+    assert total is x if not add else (total.data_ptr() not in (x.data_ptr(), delta.data_ptr()) or rows == 0)
+
+
+def test_portable_rms_norm_equals_float64(tmp_path):
+    """Built without -march=native: 4-float vectors."""
+    lib, why = kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
+    assert lib is not None, why
+    g = torch.Generator().manual_seed(0)
+    x, delta, weight = torch.randn(5, 37, generator=g), torch.randn(5, 37, generator=g), torch.randn(37, generator=g)
+    total, out = kernels._rms_norm(lib, x, weight, 1e-6, delta)
+    torch.testing.assert_close(out.double(), reference(x.double() + delta.double(), weight, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("x, weight, delta", [
+    (torch.zeros(3, 8, dtype=torch.float64), torch.ones(8), None),
+    (torch.zeros(3, 8), torch.ones(7), None),
+    (torch.zeros(8, 3).t(), torch.ones(8), None),
+    (torch.zeros(3, 8), torch.ones(8), torch.zeros(2, 8)),
+])
+def test_rms_norm_refuses_what_it_would_misread(x, weight, delta):
+    with pytest.raises(ValueError, match="rms_norm takes contiguous float32 CPU x"):
+        kernels.rms_norm(x, weight, 1e-5, delta=delta)
+
+
+@pytest.mark.parametrize("family", ["llama_gqa", "gpt2"])
+def test_the_fast_block_gives_the_lessons_logits(family, tmp_path):
+    """Prefill and decode on the matvec path (FastBlock) against the plain model; hooks still see every
+    block's output (a hooked pass runs the lesson's forward); GPT-2's LayerNorm keeps the lesson's too."""
+    name, kwargs = CONFIGS[family]
+    model = load_model(save_hf(build_hf(name, kwargs), tmp_path), device="cpu", fast=False)
+    ids = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for apply in (lambda: None, lambda: apply_decode_path(model, "matvec")):
+        apply()
+        cache = KVCache.for_model(model, max_seq_len=64)
+        logits.append((prefill(model, ids, cache), decode_step(model, torch.tensor([5]), cache)))
+    assert all(isinstance(b, FastBlock) for b in model.blocks)
+    for plain, fast in zip(*logits):
+        assert (plain - fast).abs().max() <= 1e-4
+    seen = []
+    with torch.inference_mode():
+        model(ids[None], hook=lambda name, t: seen.append(name))
+    assert sum(n.endswith("hook_resid_post") for n in seen) == model.config.n_layers
