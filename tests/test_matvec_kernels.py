@@ -434,9 +434,9 @@ def test_decode_attention_refuses_an_n_keys_or_scale_it_would_misread(n_keys, sc
 
 
 def test_packed_rows_follow_the_weight_when_it_is_edited_or_replaced(monkeypatch):
-    """Between MATVEC_MAX_ROWS and PANEL_MAX_ROWS rows the product reads a packed copy of the matrix
-    (above, F.linear): equal to the float64 oracle, and packed again after an in-place edit or a new
-    weight tensor."""
+    """Between MATVEC_MAX_ROWS and PANEL_MAX_ROWS rows a server's product (``panels``) reads a packed copy
+    of the matrix (above, F.linear): equal to the float64 oracle, and packed again after an in-place edit
+    or a new weight tensor."""
     g = torch.Generator().manual_seed(3)
     w, x = torch.randn(48, 64, generator=g), torch.randn(PANEL_MAX_ROWS + 1, 64, generator=g)
     packs = []
@@ -444,6 +444,9 @@ def test_packed_rows_follow_the_weight_when_it_is_edited_or_replaced(monkeypatch
     monkeypatch.setattr(matvec_kernels, "f32_pack_panels", lambda weight: packs.append(1) or pack(weight))
     linear = _linear("matvec", w)
     with torch.no_grad():
+        linear(x[:PANEL_MAX_ROWS])
+        assert packs == []  # not a server's module: F.linear, no copy
+        linear.panels = True
         for rows in (MATVEC_MAX_ROWS, MATVEC_MAX_ROWS + 1, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1):
             assert (linear(x[:rows]).double() - _oracle(x[:rows], w)).abs().max() <= 1e-5 * _oracle(x, w).abs().max()
         assert len(packs) == 1  # at the first product of more than MATVEC_MAX_ROWS rows, once
@@ -547,3 +550,31 @@ def test_prefill_runs_attention_in_c_on_the_matvec_path(window, monkeypatch, tmp
     assert 8 * 8 < PREFILL_MIN_SCORES <= 120 * 120
     assert (logits[1] - logits[0]).abs().max() <= 1e-4
     assert calls == ([] if window else [120] * model.config.n_layers)
+
+
+@pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
+def test_only_a_model_that_serves_batches_packs_panels(tmp_path):
+    """generate's prefill of 30 tokens keeps F.linear (no copy of the weights); the serving engine's
+    first step turns the panels on for every product, and a step of 30 rows packs the decoder's, with
+    the same greedy tokens as generate."""
+    from tiny_models import LLAMA_BASE, build_hf, save_hf
+
+    from minillm import LLMEngine, SamplingParams, generate, load_model
+    from minillm.fast.packing import product_modules
+    from minillm.fast.products import MatvecLinear
+
+    model = load_model(save_hf(build_hf("llama", LLAMA_BASE), tmp_path), device="cpu", fast=False)
+    apply_decode_path(model, "matvec")
+    products = [m for m in product_modules(model) if isinstance(m, MatvecLinear)]
+    run = [m for b in model.blocks for m in (b.attn.qkv.module, b.attn.o_proj, b.mlp.gate_up.module, b.mlp.down_proj)]
+    prompt = list(range(3, 33))
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    alone = [step.token_id for step in generate(model, prompt, params, eos_token_ids=())]
+    assert products and not any(m.panels or m._panels for m in products)
+    engine = LLMEngine(model, num_blocks=16)
+    engine.add_request(prompt, params)
+    finished = []
+    while not finished:
+        finished = [o for o in engine.step() if o.finished]
+    assert all(m.panels for m in products) and all(m._panels is not None for m in run)  # (the head saw 1 row)
+    assert finished[0].token_ids == alone

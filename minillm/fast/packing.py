@@ -93,6 +93,15 @@ class Stack:
                    for n, (m, t, address) in zip(self.names, self.members))
 
 
+def product_modules(model: nn.Module) -> list[nn.Module]:
+    """Every module that runs one of ``model``'s products: its own submodules, and the stacks' modules
+    (a :class:`Stack` is no submodule: its module is not in ``model.modules()``)."""
+    found = list(model.modules())
+    for m in list(found):
+        found += [s.module for s in vars(m).values() if isinstance(s, Stack)]
+    return found
+
+
 class PackedSwiGLU(SwiGLU):
     """:class:`~minillm.model.SwiGLU` with gate|up computed by one product (see the module docstring)."""
 

@@ -24,6 +24,8 @@ import torch
 from ..serving.paged_attention import PagedBatch
 from . import kernels
 from .attention import c_decode_fits
+from .packing import product_modules
+from .products import MatvecLinear
 
 
 class FastPagedBatch(PagedBatch):
@@ -60,9 +62,20 @@ class FastPagedBatch(PagedBatch):
 def use_fast_paged_attention(model) -> None:
     """Give the serving engine :class:`FastPagedBatch` for ``model`` (``model.paged_batch``, which
     :func:`minillm.serving.model_runner.run_model` calls to build each step's batch) where the C kernel
-    runs (:func:`~minillm.fast.attention.c_decode_fits`); elsewhere the reference stays (None)."""
+    runs (:func:`~minillm.fast.attention.c_decode_fits`); elsewhere the reference stays (None). A model
+    that serves batches also gets its products of a few dozen rows on packed panels
+    (:class:`~minillm.fast.products.MatvecLinear`): the copy pays for itself over a server's many steps,
+    not over ``generate``'s one prefill."""
     if not c_decode_fits(model):
         model.paged_batch = None
         return
     scales = tuple(block.attn.scale for block in model.blocks)
-    model.paged_batch = partial(FastPagedBatch, scales)
+    products = [m for m in product_modules(model) if isinstance(m, MatvecLinear)]
+    model.paged_batch = partial(_serving_batch, scales, products)
+
+
+def _serving_batch(scales: tuple[float, ...], products: list[MatvecLinear], *args, **kwargs) -> FastPagedBatch:
+    if products and not products[0].panels:
+        for m in products:
+            m.panels = True
+    return FastPagedBatch(scales, *args, **kwargs)

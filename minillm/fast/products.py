@@ -15,11 +15,12 @@ stream memory as fast as all the cores together. Two ways around it, for CPU flo
 - :class:`MatvecLinear`: up to MATVEC_MAX_ROWS rows, a C loop (:mod:`minillm.fast.kernels`) gives
   each thread a share of the matrix's rows and reads each weight once for all of x's rows; it is
   also an op a compiled step calls (inductor's own code for the product is slower). Row-major
-  weights only. Above, up to PANEL_MAX_ROWS (a serving step's decodes, a short prefill chunk), a C
-  GEMM micro-kernel on a copy of the matrix packed once into panels of outputs (matvec_kernels.c):
-  MKL repacks the matrix at every call, which at 9-40 rows costs more than the product. The copy
-  is made at the first such batch (``generate``'s one row never makes it): a float32 model's
-  matrices take twice the memory in a server.
+  weights only. Above, up to PANEL_MAX_ROWS (a serving step's decodes, a short prefill chunk), in a
+  model that serves batches (``panels``, set by :mod:`minillm.fast.paged_attention`), a C GEMM
+  micro-kernel on a copy of the matrix packed once into panels of outputs (matvec_kernels.c): MKL
+  repacks the matrix at every call, which at 9-40 rows costs more than the product. The copy is made
+  at the server's first such batch: a float32 model's matrices take twice the memory in a server
+  (``generate`` never makes it: packing costs more than one prefill gains).
 
 :class:`FastQuantizedLinear` does the same for :class:`~minillm.quantize.QuantizedLinear`, in C
 (:mod:`minillm.fast.kernels`), by the number of rows::
@@ -103,17 +104,18 @@ class SplitLinear(nn.Linear):
 
 class MatvecLinear(nn.Linear):
     """``nn.Linear`` (same parameters, same state-dict names) computed by the row count (the module
-    docstring): up to MATVEC_MAX_ROWS by :func:`c_product`, up to PANEL_MAX_ROWS by the C micro-kernel
-    on a packed copy of the matrix, above (or for other dtypes, devices, autograd, compiled code) by
-    F.linear."""
+    docstring): up to MATVEC_MAX_ROWS by :func:`c_product`, up to PANEL_MAX_ROWS (with ``panels``: a
+    server's batches) by the C micro-kernel on a packed copy of the matrix, else (or for other dtypes,
+    devices, autograd, compiled code) by F.linear."""
 
+    panels: bool = False  # products of more than MATVEC_MAX_ROWS rows on a packed copy
     _panels: tuple | None = None  # (the weight it was packed from, its version, the packed copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _few_float32_rows(x, self.weight, PANEL_MAX_ROWS)
         if rows is not None and rows <= MATVEC_MAX_ROWS:
             return c_product(x, self.weight, self.bias, rows)
-        if (rows is None or not self.weight.is_contiguous() or torch.compiler.is_compiling()
+        if (rows is None or not self.panels or not self.weight.is_contiguous() or torch.compiler.is_compiling()
                 or not kernels.available()):
             return F.linear(x, self.weight, self.bias)
         y = kernels.f32_panel_matmul(x.reshape(rows, -1), self._packed_weight(), self.out_features)
