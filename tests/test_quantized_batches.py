@@ -1,5 +1,6 @@
-"""A batch of rows through a quantised matrix: the tiled C kernels (int8_matmul, int4_matmul) that a
-serving step's decodes run, against the reference path (dequantise the whole matrix, then F.linear).
+"""A batch of rows through a quantised matrix: the tiled C kernels (int8_matmul, int4_matmul) and, in a
+server, the panel kernel (quantized_panel_matmul) that a serving step's decodes run, against the
+reference path (dequantise the whole matrix, then F.linear).
 
 The oracle is ``QuantizedLinear.forward_reference``; the kernels use the same dequantised values and
 only sum in another order, so they agree within float32 rounding. The engine test runs 20 requests at
@@ -101,12 +102,13 @@ def tiny_llama(tmp_path_factory):
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_batch_of_20_requests_gives_the_reference_greedy_tokens(tiny_llama, fmt, monkeypatch):
-    """20 requests in one engine (decode steps of 20 rows: the tiled kernel) on the quantised fast model
-    give the greedy tokens of the same engine on the plain quantised modules (fast=False: dequantise,
-    then F.linear), request by request."""
+    """20 requests in one engine (decode steps of 20 rows: a server's panel kernel, or the tiled one where
+    the build cannot convert codes in vectors) on the quantised fast model give the greedy tokens of the
+    same engine on the plain quantised modules (fast=False: dequantise, then F.linear), request by request."""
     rows_seen = []
-    original = getattr(kernels, f"{fmt}_matmul")
-    monkeypatch.setattr(kernels, f"{fmt}_matmul", lambda x, *a: rows_seen.append(x.shape[0]) or original(x, *a))
+    name = "quantized_panel_matmul" if kernels.quantized_panels_vectorised() else f"{fmt}_matmul"
+    original = getattr(kernels, name)
+    monkeypatch.setattr(kernels, name, lambda x, *a: rows_seen.append(x.shape[0]) or original(x, *a))
     prompts = [[(7 * i + j) % 120 + 3 for j in range(3 + i % 6)] for i in range(20)]
     params = SamplingParams(max_new_tokens=6)
     tokens = {}
@@ -116,4 +118,42 @@ def test_a_batch_of_20_requests_gives_the_reference_greedy_tokens(tiny_llama, fm
         tokens[fast] = [out.token_ids for out in engine.generate(prompts, params)]
     for i, (got, expected) in enumerate(zip(tokens[True], tokens[False])):
         assert got == expected, f"request {i}: fast {got}, reference {expected}"
-    assert 20 in rows_seen  # the decode steps ran the tiled kernel on the whole batch
+    assert 20 in rows_seen  # the decode steps ran the kernel on the whole batch
+
+
+@pytest.mark.parametrize("flags", [["-O2"], ["-O3", "-march=native"]], ids=["portable", "native"])
+def test_quantized_panels_of_each_build_equal_the_reference(tmp_path, flags):
+    """The panel kernel (a server's batches: codes copied into panels, dequantised in registers) on
+    every shape, across its row blocks and part-filled last panel, both builds."""
+    lib, why = kernels._build(flag_sets=(flags,), cache_dir=tmp_path)
+    assert lib is not None, why
+    g = torch.Generator().manual_seed(2)
+    for fmt, out_features, in_features, group_size in SHAPES:
+        layer = QuantizedLinear(torch.randn(out_features, in_features, generator=g), None, fmt, group_size or 64)
+        zero = layer.zero if fmt == "int4" else None
+        panels = kernels._quantized_pack_panels(lib, layer.qweight, layer.scale, zero, group_size)
+        for rows in (1, 4, 13, 32):
+            x = torch.randn(rows, in_features, generator=g)
+            got = kernels._quantized_panel_matmul(lib, x, panels, out_features)
+            assert close(got, layer.forward_reference(x)), f"{fmt} {out_features}x{in_features}, {rows} rows"
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_servers_layer_runs_panels_and_repacks_after_an_edit(fmt, monkeypatch):
+    """With ``panels`` (set by the serving batch), 4-128 rows run the panel kernel on a copy packed
+    once; an in-place edit of the codes packs them again; 1-3 rows keep the fused kernel."""
+    packs = []
+    pack = kernels.quantized_pack_panels
+    monkeypatch.setattr(kernels, "quantized_pack_panels", lambda *a: packs.append(1) or pack(*a))
+    g = torch.Generator().manual_seed(3)
+    layer = FastQuantizedLinear(torch.randn(40, 64, generator=g), None, fmt)
+    layer.panels = True
+    for rows in (1, QUANTIZED_MATVEC_MAX_ROWS + 1, 20, QUANTIZED_TILED_MAX_ROWS):
+        x = torch.randn(rows, 64, generator=g)
+        assert close(layer(x), layer.forward_reference(x))
+    assert len(packs) == (1 if kernels.quantized_panels_vectorised() else 0)
+    with torch.no_grad():
+        layer.qweight.copy_(layer.qweight.flip(0))  # in place: the packed copy is stale
+    x = torch.randn(20, 64, generator=g)
+    assert close(layer(x), layer.forward_reference(x))
+    assert len(packs) == (2 if kernels.quantized_panels_vectorised() else 0)

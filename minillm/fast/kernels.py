@@ -162,6 +162,14 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.f32_pack_panels.restype = None
     lib.f32_panel_matmul.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32]
     lib.f32_panel_matmul.restype = None
+    lib.int8_pack_panels.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32]
+    lib.int8_pack_panels.restype = None
+    lib.int4_pack_panels.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32]
+    lib.int4_pack_panels.restype = None
+    lib.quantized_panel_matmul.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32]
+    lib.quantized_panel_matmul.restype = None
+    lib.quantized_panels_vectorised.argtypes = []
+    lib.quantized_panels_vectorised.restype = i32
     lib.int8_matvec.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i32, i32]
     lib.int8_matvec.restype = None
     lib.int4_matvec.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32]
@@ -233,6 +241,31 @@ def f32_panel_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -
     copy (matvec_kernels.c says how; F.linear's values up to float rounding). Raises ValueError when
     the shapes do not fit the copy."""
     return _f32_panel_matmul(kernels(), x, packed, out_features)
+
+
+def quantized_pack_panels(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
+                          group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The codes of an int8 matrix (codes [out, in] int8, scale [out] float32) or an int4 one (codes
+    [out, in/2] uint8, scale [out, in/G] float32, zero [out, in/G] uint8, G = group_size) copied into
+    panels of P outputs (:func:`panel_width`), what :func:`quantized_panel_matmul` reads: (codes [panels,
+    in, P] int8, or [panels, in, P/2] uint8 with two outputs a byte; scales and offsets [panels, groups,
+    P] float32, ŵ = q · scale + offset). Raises ValueError for codes the kernels would misread."""
+    return _quantized_pack_panels(kernels(), codes, scale, zero, group_size)
+
+
+def quantized_panels_vectorised() -> bool:
+    """Whether this build converts codes in :func:`quantized_panel_matmul` with vector instructions (AVX2 or
+    AVX-512); elsewhere the tiled kernels (:func:`int8_matmul`) are faster."""
+    return bool(kernels().quantized_panels_vectorised())
+
+
+def quantized_panel_matmul(x: torch.Tensor, panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                           out_features: int) -> torch.Tensor:
+    """A server's batch of rows over quantised weights: x [rows, in] float32 @ ŵᵀ -> [rows, out_features]
+    float32 from :func:`quantized_pack_panels`' copy, each weight dequantised in registers as the panel
+    micro-kernel loads it (matvec_kernels.c). Same values as :func:`int8_matmul` / :func:`int4_matmul`
+    up to float rounding. Raises ValueError when x or ``out_features`` does not fit the copy."""
+    return _quantized_panel_matmul(kernels(), x, panels, out_features)
 
 
 def int8_matvec(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -492,6 +525,44 @@ def _rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: floa
         lib.rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), total.data_ptr(), weight.data_ptr(),
                      out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, torch.get_num_threads())
     return total, out
+
+
+def _quantized_pack_panels(lib: ctypes.CDLL, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                           group_size: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_codes("quantized_pack_panels", codes, scale, zero, group_size)
+    int4, width, out = zero is not None, lib.f32_panel_width(), codes.shape[0]
+    in_features, panels, threads = codes.shape[1] * (2 if int4 else 1), -(-out // width), torch.get_num_threads()
+    groups = in_features // group_size if int4 else 1
+    scales, offsets = _output(panels, groups, width), _output(panels, groups, width)
+    if not int4:
+        packed = torch.empty(panels, in_features, width, dtype=torch.int8)
+        lib.int8_pack_panels(codes.data_ptr(), scale.data_ptr(), packed.data_ptr(), scales.data_ptr(),
+                             offsets.data_ptr(), out, in_features, threads)
+    else:
+        packed = torch.empty(panels, in_features, width // 2, dtype=torch.uint8)
+        lib.int4_pack_panels(codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), packed.data_ptr(), scales.data_ptr(),
+                             offsets.data_ptr(), out, in_features, group_size, threads)
+    return packed, scales, offsets
+
+
+def _quantized_panel_matmul(lib: ctypes.CDLL, x: torch.Tensor, panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                            out_features: int) -> torch.Tensor:
+    codes, scales, offsets = panels
+    width, int4 = lib.f32_panel_width(), codes.dtype == torch.uint8
+    n_panels, in_features, groups = codes.shape[0], codes.shape[1], scales.shape[1]
+    if (x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != in_features
+            or out_features < 0 or n_panels != -(-out_features // width) or not codes.is_contiguous()
+            or codes.shape[2] != (width // 2 if int4 else width) or in_features % groups
+            or scales.shape != offsets.shape or scales.shape != (n_panels, groups, width)):
+        raise ValueError(f"quantized_panel_matmul multiplies float32 x [rows, in] by quantized_pack_panels' copy of a "
+                         f"[{out_features}, in] matrix, got x {x.dtype} {list(x.shape)} and codes {codes.dtype} "
+                         f"{list(codes.shape)}; pack the matrix with quantized_pack_panels")
+    x = x.contiguous()
+    y = _output(x.shape[0], out_features)
+    lib.quantized_panel_matmul(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(), y.data_ptr(),
+                               x.shape[0], out_features, in_features, in_features // groups, int(int4),
+                               torch.get_num_threads())
+    return y
 
 
 def _output(*shape: int) -> torch.Tensor:

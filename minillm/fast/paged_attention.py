@@ -25,7 +25,7 @@ from ..serving.paged_attention import PagedBatch
 from . import kernels
 from .attention import c_decode_fits
 from .packing import product_modules
-from .products import MatvecLinear
+from .products import FastQuantizedLinear, MatvecLinear
 
 
 class FastPagedBatch(PagedBatch):
@@ -63,18 +63,18 @@ def use_fast_paged_attention(model) -> None:
     """Give the serving engine :class:`FastPagedBatch` for ``model`` (``model.paged_batch``, which
     :func:`minillm.serving.model_runner.run_model` calls to build each step's batch) where the C kernel
     runs (:func:`~minillm.fast.attention.c_decode_fits`); elsewhere the reference stays (None). A model
-    that serves batches also gets its products of a few dozen rows on packed panels
-    (:class:`~minillm.fast.products.MatvecLinear`): the copy pays for itself over a server's many steps,
-    not over ``generate``'s one prefill."""
+    that serves batches also gets its products of a few dozen rows on packed panels (``panels`` of
+    :class:`~minillm.fast.products.MatvecLinear` and :class:`~minillm.fast.products.FastQuantizedLinear`):
+    the copy pays for itself over a server's many steps, not over ``generate``'s one prefill."""
     if not c_decode_fits(model):
         model.paged_batch = None
         return
     scales = tuple(block.attn.scale for block in model.blocks)
-    products = [m for m in product_modules(model) if isinstance(m, MatvecLinear)]
+    products = [m for m in product_modules(model) if isinstance(m, (MatvecLinear, FastQuantizedLinear))]
     model.paged_batch = partial(_serving_batch, scales, products)
 
 
-def _serving_batch(scales: tuple[float, ...], products: list[MatvecLinear], *args, **kwargs) -> FastPagedBatch:
+def _serving_batch(scales: tuple[float, ...], products: list, *args, **kwargs) -> FastPagedBatch:
     if products and not products[0].panels:
         for m in products:
             m.panels = True
