@@ -224,8 +224,9 @@ class Attention(nn.Module):
             return eager_attention(q, k, v, hook, self.name, self.scale, self.window)
         return sdpa_attention(q, k, v, mask, self.scale, self.window)
 
-    def impl_name(self, n_queries: int, impl: str) -> str:
-        """The attention implementation a pass of ``n_queries`` queries runs (what a trace records)."""
+    def impl_name(self, n_queries: int, impl: str, n_keys: int | None = None) -> str:
+        """The attention implementation a pass of ``n_queries`` queries over ``n_keys`` positions (None:
+        as many as queries) runs: what a trace records."""
         return impl
 
     def forward(self, x, rope_cos_sin, cache, impl: str, hook: Hook | None) -> torch.Tensor:

@@ -238,7 +238,8 @@ class Trace:
                 logits = model(token_ids, cache=cache, hook=observer, last_only=last_only)
             _sync(cache.k.device)
             end, cpu_time_s = time.perf_counter(), time.process_time() - cpu_start
-            impl = model.blocks[0].attn.impl_name(token_ids.shape[1], model.attn_impl)  # "c": minillm.fast
+            impl = model.blocks[0].attn.impl_name(token_ids.shape[1], model.attn_impl,  # "c": minillm.fast
+                                                  length_before + token_ids.shape[1])
         finally:
             model.attn_impl = previous_impl
         event = self._record_pass(phase, step, model, token_ids, cache, length_before, start, end, impl)

@@ -62,11 +62,11 @@ def test_f32_panel_matmul_equals_float64_linear(rows, out_features, in_features,
     that leave the last panel part-filled, any in (0 too: y is zeros)."""
     g = torch.Generator().manual_seed(seed)
     w, x = torch.randn(out_features, in_features, generator=g), torch.randn(rows, in_features, generator=g)
-    packed = matvec_kernels.f32_pack_panels(w)
-    width = packed.shape[2]
-    assert packed.shape == (-(-out_features // width), in_features, width)
-    assert torch.equal(packed.transpose(1, 2).reshape(packed.shape[0] * width, in_features)[:out_features], w)
-    y = matvec_kernels.f32_panel_matmul(x, packed, out_features)
+    panels = matvec_kernels.f32_pack_panels(w)
+    width, data = matvec_kernels.panel_width(), panels.data
+    assert data.shape == (-(-out_features // width), in_features, width) and panels.out_features == out_features
+    assert torch.equal(data.transpose(1, 2).reshape(data.shape[0] * width, in_features)[:out_features], w)
+    y = matvec_kernels.f32_panel_matmul(x, panels)
     assert y.shape == (rows, out_features) and y.dtype == torch.float32
     assert (y.double() - _oracle(x, w)).abs().max() <= 1e-5 * max(1.0, _oracle(x, w).abs().max())
 
@@ -77,19 +77,18 @@ def test_portable_panel_kernel_equals_float64_linear(tmp_path):
     assert lib is not None, why
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(45, 100, generator=g), torch.randn(23, 100, generator=g)
-    y = matvec_kernels._f32_panel_matmul(lib, x, matvec_kernels._f32_pack_panels(lib, w), 45)
+    y = matvec_kernels._f32_panel_matmul(lib, x, matvec_kernels._f32_pack_panels(lib, w))
     assert (y.double() - _oracle(x, w)).abs().max() <= 1e-5 * _oracle(x, w).abs().max()
 
 
 def test_panel_kernel_refuses_a_copy_that_does_not_fit():
     w = torch.randn(40, 16)
-    packed = matvec_kernels.f32_pack_panels(w)
-    with pytest.raises(ValueError, match=r"f32_panel_matmul multiplies float32 x \[rows, in\] by f32_pack_panels"):
-        matvec_kernels.f32_panel_matmul(torch.randn(3, 17), packed, 40)  # in differs
-    with pytest.raises(ValueError, match="pack the matrix with f32_pack_panels"):
-        matvec_kernels.f32_panel_matmul(torch.randn(3, 16), packed, 40 + packed.shape[2])  # more outputs than packed
-    with pytest.raises(ValueError, match="pack the matrix with f32_pack_panels"):
-        matvec_kernels.f32_panel_matmul(torch.randn(3, 16), w, 40)  # the row-major matrix itself
+    panels = matvec_kernels.f32_pack_panels(w)
+    with pytest.raises(ValueError, match=r"f32_panel_matmul multiplies float32 CPU x \[rows, in\] by f32_pack_panels"):
+        matvec_kernels.f32_panel_matmul(torch.randn(3, 17), panels)  # in differs
+    for bad in (panels._replace(out_features=70), panels._replace(data=panels.data.to("meta")), (w, 40), w):
+        with pytest.raises(ValueError, match="pack the matrix with f32_pack_panels"):  # (was: zeros; a crash on meta)
+            matvec_kernels.f32_panel_matmul(torch.randn(3, 16), bad)
     with pytest.raises(ValueError, match=r"f32_pack_panels packs a contiguous float32 CPU matrix \[out, in\], "
                                          r"got torch.float64"):
         matvec_kernels.f32_pack_panels(w.double())
@@ -550,6 +549,10 @@ def test_prefill_runs_attention_in_c_on_the_matvec_path(window, monkeypatch, tmp
     assert 8 * 8 < PREFILL_MIN_SCORES <= 120 * 120
     assert (logits[1] - logits[0]).abs().max() <= 1e-4
     assert calls == ([] if window else [120] * model.config.n_layers)
+    attn = model.blocks[0].attn  # what a trace records: the pairs of a pass after a cached prefix count
+    assert 70 * 70 < PREFILL_MIN_SCORES <= 70 * 128
+    assert [attn.impl_name(t, "sdpa", s) for t, s in ((70, 128), (8, 8), (1, 50))] == \
+        (["sdpa", "sdpa", "c"] if window else ["c", "sdpa", "c"])
 
 
 @pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")

@@ -61,14 +61,19 @@ class FastAttention(Attention):
     def _scale(self) -> float:
         return 1 / math.sqrt(self.head_dim) if self.scale is None else self.scale
 
-    def impl_name(self, n_queries: int, impl: str) -> str:
-        in_c = self.c_decode if n_queries == 1 else self.c_prefill and n_queries * n_queries >= PREFILL_MIN_SCORES
+    def impl_name(self, n_queries: int, impl: str, n_keys: int | None = None) -> str:
+        n_keys = n_queries if n_keys is None else n_keys
+        in_c = self.c_decode if n_queries == 1 else self._prefill_fits(n_queries, n_keys)
         return "c" if in_c and impl == "sdpa" else impl
 
+    def _prefill_fits(self, n_queries: int, n_keys: int) -> bool:
+        """A causal pass of many queries, enough of them to pay for the C loop (a window: SDPA's)."""
+        return (self.c_prefill and self.window is None and n_queries > 1
+                and n_queries * n_keys >= PREFILL_MIN_SCORES)
+
     def _prefill_in_c(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
-        """A causal pass of many queries (a window or a mask: SDPA's)."""
-        return (self.c_prefill and mask is None and self.window is None and q.shape[2] > 1
-                and q.shape[2] * k.shape[2] >= PREFILL_MIN_SCORES and q.dtype == k.dtype == v.dtype == torch.float32
+        return (mask is None and self._prefill_fits(q.shape[2], k.shape[2])
+                and q.dtype == k.dtype == v.dtype == torch.float32
                 and q.device.type == "cpu" and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
                 and not (torch.is_grad_enabled() and q.requires_grad) and not torch.compiler.is_compiling())
 

@@ -1,11 +1,11 @@
-"""The transformer block, faster: each RMSNorm in one C pass, the second fused with the residual add.
+"""The transformer block, faster: each RMSNorm one C call, the second fused with the residual add.
 
-:class:`~minillm.model.Block` computes ``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``; each RMSNorm is
-seven PyTorch ops and each add one more, every one a dispatch from Python that costs more than its
-arithmetic on a decode step's few rows. :class:`FastBlock` runs the same arithmetic as three calls
-(:func:`minillm.fast.kernels.rms_norm`; the add and ln2 as one, as vLLM's ``fused_add_rms_norm``)
-where it can: float32 on a CPU, RMSNorm (Llama-family) norms, no hook, no autograd. Same values as the
-block up to float rounding.
+:class:`~minillm.model.Block` computes ``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``: each RMSNorm is
+six PyTorch ops (pow, mean, add, rsqrt and two products) and each residual add one more, 14 a block,
+every one a dispatch from Python that costs more than its arithmetic on a decode step's few rows.
+:class:`FastBlock` runs the same arithmetic in three calls: ln1 (:func:`minillm.fast.kernels.rms_norm`),
+the first add with ln2 (as vLLM's ``fused_add_rms_norm``), and the second add; where it can: float32 on
+a CPU, RMSNorm (Llama-family) norms, no hook, no autograd. Same values as the block up to float rounding.
 """
 
 from __future__ import annotations
@@ -31,5 +31,6 @@ class FastBlock(Block):
         return (isinstance(self.ln1, RMSNorm) and isinstance(self.ln2, RMSNorm) and x.dtype == torch.float32
                 and x.device.type == "cpu" and x.is_contiguous()
                 and self.ln1.weight.dtype == self.ln2.weight.dtype == torch.float32
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.ln1.weight.requires_grad))
+                and not (torch.is_grad_enabled()
+                         and (x.requires_grad or self.ln1.weight.requires_grad or self.ln2.weight.requires_grad))
                 and not torch.compiler.is_compiling() and kernels.available())

@@ -58,6 +58,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -228,28 +229,46 @@ def f32_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _f32_matvec(kernels(), x, weight)
 
 
-def f32_pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] float32 (row-major) -> its copy in panels [ceil(out / P), in, P] float32,
-    ``packed[p, i, l] = weight[p·P + l, i]`` (zeros past out), P the build's panel width (32 floats
-    with AVX-512, 16 with AVX2): what :func:`f32_panel_matmul` reads. Raises ValueError for another
-    dtype, device or layout."""
+class Panels(NamedTuple):
+    """A float32 matrix [out_features, in] copied into panels of P outputs (:func:`f32_pack_panels`):
+    ``data[p, i, l] = weight[p·P + l, i]``, [ceil(out_features / P), in, P] float32, zeros past
+    out_features; P the build's panel width (:func:`panel_width`)."""
+
+    data: torch.Tensor
+    out_features: int
+
+
+class QuantizedPanels(NamedTuple):
+    """An int8 or int4 matrix [out_features, in] copied into panels (:func:`quantized_pack_panels`):
+    ``codes`` [panels, in, P] int8, or [panels, in, P/2] uint8 (the outputs l and l + P/2 in one byte,
+    low and high nibble); ``scales`` and ``offsets`` [panels, groups, P] float32 (int8: one group),
+    ŵ = q · scale + offset (offset = -zero · scale: quantize.py's values)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    out_features: int
+
+
+def f32_pack_panels(weight: torch.Tensor) -> Panels:
+    """weight [out, in] float32 CPU (row-major) -> its copy in :class:`Panels`, what
+    :func:`f32_panel_matmul` reads. Raises ValueError for another dtype, device or layout."""
     return _f32_pack_panels(kernels(), weight)
 
 
-def f32_panel_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [rows, in] float32 @ wᵀ -> [rows, out_features] float32, w given as :func:`f32_pack_panels`'
-    copy (matvec_kernels.c says how; F.linear's values up to float rounding). Raises ValueError when
-    the shapes do not fit the copy."""
-    return _f32_panel_matmul(kernels(), x, packed, out_features)
+def f32_panel_matmul(x: torch.Tensor, panels: Panels) -> torch.Tensor:
+    """x [rows, in] float32 @ wᵀ -> [rows, out_features] float32, w given as its :class:`Panels`
+    (matvec_kernels.c says how; F.linear's values up to float rounding). Raises ValueError when x does
+    not fit the copy."""
+    return _f32_panel_matmul(kernels(), x, panels)
 
 
 def quantized_pack_panels(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
-                          group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          group_size: int | None = None) -> QuantizedPanels:
     """The codes of an int8 matrix (codes [out, in] int8, scale [out] float32) or an int4 one (codes
     [out, in/2] uint8, scale [out, in/G] float32, zero [out, in/G] uint8, G = group_size) copied into
-    panels of P outputs (:func:`panel_width`), what :func:`quantized_panel_matmul` reads: (codes [panels,
-    in, P] int8, or [panels, in, P/2] uint8 with two outputs a byte; scales and offsets [panels, groups,
-    P] float32, ŵ = q · scale + offset). Raises ValueError for codes the kernels would misread."""
+    :class:`QuantizedPanels`, what :func:`quantized_panel_matmul` reads. Raises ValueError for codes the
+    kernels would misread."""
     return _quantized_pack_panels(kernels(), codes, scale, zero, group_size)
 
 
@@ -259,13 +278,12 @@ def quantized_panels_vectorised() -> bool:
     return bool(kernels().quantized_panels_vectorised())
 
 
-def quantized_panel_matmul(x: torch.Tensor, panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                           out_features: int) -> torch.Tensor:
+def quantized_panel_matmul(x: torch.Tensor, panels: QuantizedPanels) -> torch.Tensor:
     """A server's batch of rows over quantised weights: x [rows, in] float32 @ ŵᵀ -> [rows, out_features]
-    float32 from :func:`quantized_pack_panels`' copy, each weight dequantised in registers as the panel
+    float32 from the :class:`QuantizedPanels`, each weight dequantised in registers as the panel
     micro-kernel loads it (matvec_kernels.c). Same values as :func:`int8_matmul` / :func:`int4_matmul`
-    up to float rounding. Raises ValueError when x or ``out_features`` does not fit the copy."""
-    return _quantized_panel_matmul(kernels(), x, panels, out_features)
+    up to float rounding. Raises ValueError when x does not fit the copy."""
+    return _quantized_panel_matmul(kernels(), x, panels)
 
 
 def int8_matvec(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -328,8 +346,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: 
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Prefill's attention: the T queries are the last T of the S positions, each attending causally,
-    softmax(scale · q·kᵀ + causal mask) · v, by a flash-attention loop in C (matvec_kernels.c).
+    """Prefill's attention: the T queries are the last T of the S positions, each attending causally
+    (query t sees keys 0 .. S - T + t: the mask aligned to the bottom right, as a chunk after a cached
+    prefix needs, unlike SDPA's ``is_causal`` when T < S), softmax(scale · q·kᵀ + mask) · v, by a
+    flash-attention loop in C (matvec_kernels.c).
 
     q [B, H, T, D], k, v [B, Hkv, S, D] float32, any strides but a contiguous last dimension (a KV
     cache's buffer, a transposed gather), T <= S, H a multiple of Hkv (GQA), D a multiple of :func:`panel_width`.
@@ -340,8 +360,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def panel_width() -> int:
-    """The floats of one panel in this build (32 with AVX-512, 16 with AVX): f32_pack_panels' last
-    dimension, and what causal_attention's head_dim must be a multiple of."""
+    """The floats of one panel in this build: 32 with AVX-512, 16 with AVX or AVX2, 8 in a portable build
+    (:class:`Panels`' last dimension, and what causal_attention's head_dim must be a multiple of)."""
     return kernels().f32_panel_width()
 
 
@@ -464,28 +484,29 @@ def _f32_matvec(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torc
     return y
 
 
-def _f32_pack_panels(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+def _f32_pack_panels(lib: ctypes.CDLL, weight: torch.Tensor) -> Panels:
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2 or not weight.is_contiguous():
         raise ValueError(f"f32_pack_panels packs a contiguous float32 CPU matrix [out, in], got {weight.dtype} "
                          f"{list(weight.shape)} on {weight.device.type}")
     width = lib.f32_panel_width()
     out, in_features = weight.shape
-    packed = torch.empty(-(-out // width), in_features, width, dtype=torch.float32)
-    lib.f32_pack_panels(weight.data_ptr(), packed.data_ptr(), out, in_features, torch.get_num_threads())
-    return packed
+    data = torch.empty(-(-out // width), in_features, width, dtype=torch.float32)
+    lib.f32_pack_panels(weight.data_ptr(), data.data_ptr(), out, in_features, torch.get_num_threads())
+    return Panels(data, out)
 
 
-def _f32_panel_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    width = lib.f32_panel_width()
-    if (x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or packed.dim() != 3
-            or packed.dtype != torch.float32 or not packed.is_contiguous() or packed.shape[2] != width
-            or packed.shape[1] != x.shape[1] or out_features < 0 or packed.shape[0] != -(-out_features // width)):
-        raise ValueError(f"f32_panel_matmul multiplies float32 x [rows, in] by f32_pack_panels' copy of a "
-                         f"[{out_features}, in] matrix, got x {x.dtype} {list(x.shape)} and a copy {packed.dtype} "
-                         f"{list(packed.shape)}; pack the matrix with f32_pack_panels")
+def _f32_panel_matmul(lib: ctypes.CDLL, x: torch.Tensor, panels: Panels) -> torch.Tensor:
+    data, out_features = panels if isinstance(panels, Panels) else (x.new_empty(0), -1)
+    if (out_features < 0 or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
+            or data.device.type != "cpu" or data.dtype != torch.float32 or data.dim() != 3 or not data.is_contiguous()
+            or data.shape[2] != lib.f32_panel_width() or data.shape[1] != x.shape[1]
+            or data.shape[0] != -(-out_features // data.shape[2])):
+        raise ValueError(f"f32_panel_matmul multiplies float32 CPU x [rows, in] by f32_pack_panels' Panels of a "
+                         f"[out, in] matrix, got x {x.dtype} {list(x.shape)} on {x.device.type} and {panels!r:.120}; "
+                         "pack the matrix with f32_pack_panels")
     x = x.contiguous()
     y = _output(x.shape[0], out_features)
-    lib.f32_panel_matmul(x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.shape[0], out_features, x.shape[1],
+    lib.f32_panel_matmul(x.data_ptr(), data.data_ptr(), y.data_ptr(), x.shape[0], out_features, x.shape[1],
                          torch.get_num_threads())
     return y
 
@@ -516,10 +537,12 @@ def _rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: floa
               delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     tensors = (x, weight) if delta is None else (x, weight, delta)
     if (any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
-            or x.dim() == 0 or weight.shape != x.shape[-1:] or (delta is not None and delta.shape != x.shape)):
-        raise ValueError(f"rms_norm takes contiguous float32 CPU x [..., dim], weight [dim] (and delta as x), got x "
-                         f"{x.dtype} {list(x.shape)}, weight {weight.dtype} {list(weight.shape)}"
-                         + ("" if delta is None else f", delta {delta.dtype} {list(delta.shape)}"))
+            or x.dim() == 0 or weight.shape != x.shape[-1:] or (delta is not None and delta.shape != x.shape)
+            or isinstance(eps, bool) or not isinstance(eps, (int, float))):
+        raise ValueError(f"rms_norm takes contiguous float32 CPU x [..., dim], weight [dim] (and delta as x) and a "
+                         f"number eps, got x {x.dtype} {list(x.shape)} on {x.device.type}, weight {weight.dtype} "
+                         f"{list(weight.shape)}" + ("" if delta is None else f", delta {delta.dtype} {list(delta.shape)}")
+                         + f", eps {eps!r}")
     out, total = _output(*x.shape), x if delta is None else _output(*x.shape)
     if x.numel():
         lib.rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), total.data_ptr(), weight.data_ptr(),
@@ -528,8 +551,10 @@ def _rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: floa
 
 
 def _quantized_pack_panels(lib: ctypes.CDLL, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                           group_size: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           group_size: int | None) -> QuantizedPanels:
     _check_codes("quantized_pack_panels", codes, scale, zero, group_size)
+    if codes.device.type != "cpu":
+        raise ValueError(f"quantized_pack_panels packs codes on the CPU, got them on {codes.device.type}")
     int4, width, out = zero is not None, lib.f32_panel_width(), codes.shape[0]
     in_features, panels, threads = codes.shape[1] * (2 if int4 else 1), -(-out // width), torch.get_num_threads()
     groups = in_features // group_size if int4 else 1
@@ -542,25 +567,32 @@ def _quantized_pack_panels(lib: ctypes.CDLL, codes: torch.Tensor, scale: torch.T
         packed = torch.empty(panels, in_features, width // 2, dtype=torch.uint8)
         lib.int4_pack_panels(codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), packed.data_ptr(), scales.data_ptr(),
                              offsets.data_ptr(), out, in_features, group_size, threads)
-    return packed, scales, offsets
+    return QuantizedPanels(packed, scales, offsets, out)
 
 
-def _quantized_panel_matmul(lib: ctypes.CDLL, x: torch.Tensor, panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                            out_features: int) -> torch.Tensor:
-    codes, scales, offsets = panels
+def _quantized_panel_matmul(lib: ctypes.CDLL, x: torch.Tensor, panels: QuantizedPanels) -> torch.Tensor:
+    if not isinstance(panels, QuantizedPanels):
+        raise ValueError(f"quantized_panel_matmul multiplies x by quantized_pack_panels' QuantizedPanels, got "
+                         f"{type(panels).__name__}; pack the matrix with quantized_pack_panels")
+    codes, scales, offsets, out_features = panels
     width, int4 = lib.f32_panel_width(), codes.dtype == torch.uint8
-    n_panels, in_features, groups = codes.shape[0], codes.shape[1], scales.shape[1]
-    if (x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != in_features
-            or out_features < 0 or n_panels != -(-out_features // width) or not codes.is_contiguous()
-            or codes.shape[2] != (width // 2 if int4 else width) or in_features % groups
-            or scales.shape != offsets.shape or scales.shape != (n_panels, groups, width)):
-        raise ValueError(f"quantized_panel_matmul multiplies float32 x [rows, in] by quantized_pack_panels' copy of a "
-                         f"[{out_features}, in] matrix, got x {x.dtype} {list(x.shape)} and codes {codes.dtype} "
-                         f"{list(codes.shape)}; pack the matrix with quantized_pack_panels")
+    fits = (codes.dim() == 3 and scales.dim() == 3
+            and codes.dtype in (torch.int8, torch.uint8) and codes.is_contiguous()
+            and all(t.device.type == "cpu" for t in (x, codes, scales, offsets))
+            and scales.dtype == offsets.dtype == torch.float32 and scales.is_contiguous() and offsets.is_contiguous()
+            and codes.shape[2] == (width // 2 if int4 else width) and codes.shape[0] == -(-out_features // width)
+            and scales.shape == offsets.shape == (codes.shape[0], scales.shape[1], width)
+            and scales.shape[1] > 0 and codes.shape[1] % scales.shape[1] == 0)
+    if not fits or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != codes.shape[1]:
+        raise ValueError(f"quantized_panel_matmul multiplies float32 CPU x [rows, in] by quantized_pack_panels' "
+                         f"QuantizedPanels, got x {x.dtype} {list(x.shape)} on {x.device.type} and codes "
+                         f"{codes.dtype} {list(codes.shape)} on {codes.device.type}; pack the matrix with "
+                         "quantized_pack_panels")
+    in_features = codes.shape[1]
     x = x.contiguous()
     y = _output(x.shape[0], out_features)
     lib.quantized_panel_matmul(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(), y.data_ptr(),
-                               x.shape[0], out_features, in_features, in_features // groups, int(int4),
+                               x.shape[0], out_features, in_features, in_features // scales.shape[1], int(int4),
                                torch.get_num_threads())
     return y
 

@@ -1123,9 +1123,9 @@ int causal_attention(const float *q, const float *k, const float *v, float *out,
  *   out[r, i] = x[r, i] · 1/sqrt(mean_i x[r, i]² + eps) · w[i]
  *
  * With `delta` (not NULL), the residual add before it, as vLLM's fused_add_rms_norm: x + delta is
- * written to `sum` (the residual stream) and normed. One pass over each row where PyTorch's ops make
- * seven (pow, mean, add, rsqrt, two products, the add), each a dispatch: ~2 ms of a 32-sequence decode
- * step's 60 norms. */
+ * written to `sum` (the residual stream) and normed. One call where PyTorch's ops make seven (pow,
+ * mean, add, rsqrt, two products, the residual add), each a dispatch from Python; each row is read
+ * from cache two or three times. */
 void rms_norm(const float *x, const float *delta, float *sum, const float *w, float *out, int64_t rows, int dim,
               float eps, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim > 32768)

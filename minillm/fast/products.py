@@ -53,11 +53,11 @@ SPLIT_MAX_ROWS = 64  # decode rows (one per sequence); above, MKL's own threadin
 MATVEC_MAX_ROWS = 8  # a decode step's or a speculative verify pass's rows: no packed copy needed
 PANEL_MAX_ROWS = 256  # a serving step's decodes or a short chunk; above, MKL's product is as fast
 # measured (SmolLM2-135M's 120 decoder matrices out of cache, 2 threads, Intel Xeon with AVX-512,
-# 2026-12-03), ms for all:
+# 2026-12-03; the panels' table in matvec_kernels.c has more row counts), ms for all:
 #   rows        1     8    16    32    40   128   256   512
 #   F.linear  15.6  33.3  35.9  40.2  43.6  89.8   160   279
 #   C loop    17.9  24.4  39.3  76.2
-#   panels    14.1  17.8  20.8  25.8  28.7  72.9   143   285
+#   panels    14.9  20.0  22.1  26.9  29.6  72.9   143   285
 # measured (benchmarks/quantized_batches.py, SmolLM2's shapes): at 3 rows the two kernels are within 10 % either
 # way, at 4 the tiled one is faster; at 128 rows MKL's product of the unpacked matrix is as fast (for the LM head
 # slower), at 256 faster
@@ -122,11 +122,11 @@ class MatvecLinear(nn.Linear):
         if (rows is None or not self.panels or not self.weight.is_contiguous() or torch.compiler.is_compiling()
                 or not kernels.available()):
             return F.linear(x, self.weight, self.bias)
-        y = kernels.f32_panel_matmul(x.reshape(rows, -1), self._packed_weight(), self.out_features)
+        y = kernels.f32_panel_matmul(x.reshape(rows, -1), self._packed_weight())
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
-    def _packed_weight(self) -> torch.Tensor:
+    def _packed_weight(self) -> kernels.Panels:
         """The matrix in panels, packed again when the weight is another tensor or was edited."""
         weight = self.weight
         version = 0 if weight.is_inference() else weight._version  # (an inference tensor cannot be edited)
@@ -175,12 +175,12 @@ class FastQuantizedLinear(QuantizedLinear):
                 return k.int8_matvec(x, self.qweight, self.scale)
             return k.int4_matvec(x, self.qweight, self.scale, self.zero, self.group_size)
         if self.panels and not torch.compiler.is_compiling() and kernels.quantized_panels_vectorised():
-            return kernels.quantized_panel_matmul(x, self._packed_codes(), self.out_features)
+            return kernels.quantized_panel_matmul(x, self._packed_codes())
         if self.fmt == "int8":
             return k.int8_matmul(x, self.qweight, self.scale)
         return k.int4_matmul(x, self.qweight, self.scale, self.zero, self.group_size)
 
-    def _packed_codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _packed_codes(self) -> kernels.QuantizedPanels:
         """The codes in panels, packed again when the codes are another tensor or were edited."""
         codes = self.qweight
         version = 0 if codes.is_inference() else codes._version
