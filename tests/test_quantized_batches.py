@@ -141,7 +141,7 @@ def test_quantized_panels_of_each_build_equal_the_reference(tmp_path, flags):
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_servers_layer_runs_panels_and_repacks_after_an_edit(fmt, monkeypatch):
     """With ``panels`` (set by the serving batch), 4-128 rows run the panel kernel on a copy packed
-    once; an in-place edit of the codes packs them again; 1-3 rows keep the fused kernel."""
+    once; an edit of the codes or the scales packs them again; 1-3 rows keep the fused kernel."""
     packs = []
     pack = kernels.quantized_pack_panels
     monkeypatch.setattr(kernels, "quantized_pack_panels", lambda *a: packs.append(1) or pack(*a))
@@ -152,8 +152,23 @@ def test_a_servers_layer_runs_panels_and_repacks_after_an_edit(fmt, monkeypatch)
         x = torch.randn(rows, 64, generator=g)
         assert close(layer(x), layer.forward_reference(x))
     assert len(packs) == (1 if kernels.quantized_panels_vectorised() else 0)
-    with torch.no_grad():
-        layer.qweight.copy_(layer.qweight.flip(0))  # in place: the packed copy is stale
-    x = torch.randn(20, 64, generator=g)
-    assert close(layer(x), layer.forward_reference(x))
-    assert len(packs) == (2 if kernels.quantized_panels_vectorised() else 0)
+    vectorised = kernels.quantized_panels_vectorised()
+    for n, edit in enumerate((lambda: layer.qweight.copy_(layer.qweight.flip(0)), lambda: layer.scale.mul_(2),
+                              lambda: setattr(layer, "scale", layer.scale * 3)), start=2):
+        with torch.no_grad():
+            edit()  # the codes or the scales, in place or replaced (was: the scales' edits kept a stale copy)
+        x = torch.randn(20, 64, generator=g)
+        assert close(layer(x), layer.forward_reference(x))
+        assert len(packs) == (n if vectorised else 0)
+
+
+def test_codes_on_another_device_are_refused_not_read():
+    """Was: scales on the meta device crashed the process (the C loop read their null pointer)."""
+    layer = QuantizedLinear(torch.randn(40, 64), None, "int4", 32)
+    for args in ((layer.qweight, layer.scale.to("meta"), layer.zero, 32), (layer.qweight, layer.scale, layer.zero.to("meta"), 32)):
+        with pytest.raises(ValueError, match="the C kernels read CPU tensors"):
+            kernels.quantized_pack_panels(*args)
+    with pytest.raises(ValueError, match="group_size must be an int"):
+        kernels.quantized_pack_panels(layer.qweight, layer.scale, layer.zero, 32.0)
+    with pytest.raises(ValueError, match="f32_matvec takes float32 CPU tensors"):
+        kernels.f32_matvec(torch.randn(2, 64), torch.randn(40, 64, device="meta"))

@@ -232,7 +232,8 @@ def f32_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class Panels(NamedTuple):
     """A float32 matrix [out_features, in] copied into panels of P outputs (:func:`f32_pack_panels`):
     ``data[p, i, l] = weight[p·P + l, i]``, [ceil(out_features / P), in, P] float32, zeros past
-    out_features; P the build's panel width (:func:`panel_width`)."""
+    out_features; P the build's panel width (:func:`panel_width`). Made by f32_pack_panels, not by
+    hand: an out_features changed within the last panel cannot be told from the data."""
 
     data: torch.Tensor
     out_features: int
@@ -471,9 +472,9 @@ def _load_ops(path: Path) -> bool:
 
 
 def _f32_matvec(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or weight.device.type != "cpu":
         raise ValueError(f"f32_matvec takes float32 CPU tensors, got x {x.dtype} on {x.device.type} and weight "
-                         f"{weight.dtype}; use F.linear")
+                         f"{weight.dtype} on {weight.device.type}; use F.linear")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or not weight.is_contiguous():
         raise ValueError(f"f32_matvec multiplies x [rows, in] by a contiguous weight [out, in], got x "
                          f"{list(x.shape)} and weight {list(weight.shape)} (contiguous: {weight.is_contiguous()})")
@@ -497,12 +498,14 @@ def _f32_pack_panels(lib: ctypes.CDLL, weight: torch.Tensor) -> Panels:
 
 def _f32_panel_matmul(lib: ctypes.CDLL, x: torch.Tensor, panels: Panels) -> torch.Tensor:
     data, out_features = panels if isinstance(panels, Panels) else (x.new_empty(0), -1)
-    if (out_features < 0 or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
+    if (isinstance(out_features, bool) or not isinstance(out_features, int) or out_features < 0 or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
             or data.device.type != "cpu" or data.dtype != torch.float32 or data.dim() != 3 or not data.is_contiguous()
             or data.shape[2] != lib.f32_panel_width() or data.shape[1] != x.shape[1]
             or data.shape[0] != -(-out_features // data.shape[2])):
+        what = (f"Panels of data {data.dtype} {list(data.shape)} on {data.device.type}, out_features {out_features!r}"
+                if isinstance(panels, Panels) else type(panels).__name__)
         raise ValueError(f"f32_panel_matmul multiplies float32 CPU x [rows, in] by f32_pack_panels' Panels of a "
-                         f"[out, in] matrix, got x {x.dtype} {list(x.shape)} on {x.device.type} and {panels!r:.120}; "
+                         f"[out, in] matrix, got x {x.dtype} {list(x.shape)} on {x.device.type} and {what}; "
                          "pack the matrix with f32_pack_panels")
     x = x.contiguous()
     y = _output(x.shape[0], out_features)
@@ -576,7 +579,7 @@ def _quantized_panel_matmul(lib: ctypes.CDLL, x: torch.Tensor, panels: Quantized
                          f"{type(panels).__name__}; pack the matrix with quantized_pack_panels")
     codes, scales, offsets, out_features = panels
     width, int4 = lib.f32_panel_width(), codes.dtype == torch.uint8
-    fits = (codes.dim() == 3 and scales.dim() == 3
+    fits = (isinstance(out_features, int) and not isinstance(out_features, bool) and codes.dim() == 3 and scales.dim() == 3
             and codes.dtype in (torch.int8, torch.uint8) and codes.is_contiguous()
             and all(t.device.type == "cpu" for t in (x, codes, scales, offsets))
             and scales.dtype == offsets.dtype == torch.float32 and scales.is_contiguous() and offsets.is_contiguous()
@@ -609,6 +612,12 @@ def _check_codes(op: str, codes: torch.Tensor, scale: torch.Tensor, zero: torch.
     Each message is formatted only on failure: this runs on every product of a decode step."""
     int4 = zero is not None
     code_dtype = torch.uint8 if int4 else torch.int8
+    if any(t is not None and t.device.type != "cpu" for t in (codes, scale, zero, x)):  # (was: a crash)
+        raise ValueError(f"{op}: the C kernels read CPU tensors, got codes on {codes.device.type}, scale on "
+                         f"{scale.device.type}" + ("" if zero is None else f", zero on {zero.device.type}")
+                         + ("" if x is None else f", x on {x.device.type}"))
+    if int4 and (isinstance(group_size, bool) or not isinstance(group_size, int)):
+        raise ValueError(f"{op}: group_size must be an int, got {group_size!r}")
     if codes.dim() != 2 or not codes.is_contiguous() or codes.dtype != code_dtype:
         raise ValueError(f"{op}: codes must be a contiguous 2-D {_name(code_dtype)} tensor, got {codes.dtype} "
                          f"{list(codes.shape)}")

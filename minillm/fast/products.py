@@ -149,7 +149,7 @@ class FastQuantizedLinear(QuantizedLinear):
     """
 
     panels: bool = False  # (a server's batches) 4-128 rows on a copy of the codes in panels
-    _panels: tuple | None = None  # (the codes it was packed from, their version, the packed copy)
+    _panels: tuple | None = None  # (((tensor, version) it was packed from, ...), the packed copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -181,14 +181,16 @@ class FastQuantizedLinear(QuantizedLinear):
         return k.int4_matmul(x, self.qweight, self.scale, self.zero, self.group_size)
 
     def _packed_codes(self) -> kernels.QuantizedPanels:
-        """The codes in panels, packed again when the codes are another tensor or were edited."""
-        codes = self.qweight
-        version = 0 if codes.is_inference() else codes._version
-        if self._panels is None or self._panels[0] is not codes or self._panels[1] != version:
-            zero = self.zero if self.fmt == "int4" else None
+        """The codes in panels, packed again when the codes, scales or zero points are other tensors or
+        were edited."""
+        zero = self.zero if self.fmt == "int4" else None
+        sources = tuple((t, 0 if t.is_inference() else t._version) for t in (self.qweight, self.scale, zero)
+                        if t is not None)
+        if self._panels is None or len(sources) != len(self._panels[0]) or any(
+                t is not old or v != old_v for (t, v), (old, old_v) in zip(sources, self._panels[0])):
             group = self.group_size if self.fmt == "int4" else None
-            self._panels = (codes, version, kernels.quantized_pack_panels(codes, self.scale, zero, group))
-        return self._panels[2]
+            self._panels = (sources, kernels.quantized_pack_panels(self.qweight, self.scale, zero, group))
+        return self._panels[1]
 
     def _unpacked(self) -> torch.Tensor:
         k = kernels.functions()
