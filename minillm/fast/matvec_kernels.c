@@ -470,6 +470,29 @@ void f32_pack_panels(const float *w, float *packed, int out, int in, int threads
             }
 }
 
+/* One step of a micro-kernel's spread prefetch: every `every` steps (0: never), the 128 bytes at *next,
+ * then *next moves on by `step` bytes. */
+static inline __attribute__((always_inline)) void prefetch_every(int *wait, int every, const char **next,
+                                                                 int64_t step) {
+    if (every && --*wait == 0) {  /* (a counter: a division a step cost more than the prefetch saves) */
+        *wait = every;
+        __builtin_prefetch(*next, 0, 2);
+        __builtin_prefetch(*next + 64, 0, 2);
+        *next += step;
+    }
+}
+
+/* y[r·y_stride + l] = acc[r][l / VEC][l % VEC] for r < R, l < valid */
+static inline __attribute__((always_inline)) void store_rows(vecf acc[PANEL_ROWS][2], int R, float *y,
+                                                             int64_t y_stride, int valid) {
+    for (int r = 0; r < R; r++) {
+        float *yr = y + (int64_t)r * y_stride, last[PANEL];
+        store_vec(valid == PANEL ? yr : last, acc[r][0]);
+        store_vec(valid == PANEL ? yr + VEC : last + VEC, acc[r][1]);
+        if (valid < PANEL) memcpy(yr, last, sizeof(float) * valid);
+    }
+}
+
 /* y[r·y_stride + l] (+)= Σ_i x[r·x_stride + i] · panel[i·panel_stride + l], l < valid, for R <= PANEL_ROWS
  * rows of x and a panel of PANEL columns (inlined with R a constant: its loops unroll and the sums get
  * registers); `add`: y's values are added to (valid == PANEL only). With every > 0, prefetches a row of
@@ -493,19 +516,9 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
             acc[r][0] += w0 * xr;
             acc[r][1] += w1 * xr;
         }
-        if (every && --wait == 0) {  /* (a counter: a division a step cost more than the prefetch saves) */
-            wait = every;
-            __builtin_prefetch(next, 0, 2);
-            __builtin_prefetch(next + 64, 0, 2);
-            next += PANEL * 4;
-        }
+        prefetch_every(&wait, every, &next, PANEL * 4);
     }
-    for (int r = 0; r < R; r++) {
-        float *yr = y + (int64_t)r * y_stride, last[PANEL];
-        store_vec(valid == PANEL ? yr : last, acc[r][0]);
-        store_vec(valid == PANEL ? yr + VEC : last + VEC, acc[r][1]);
-        if (valid < PANEL) memcpy(yr, last, sizeof(float) * valid);
-    }
+    store_rows(acc, R, y, y_stride, valid);
 }
 
 /* panel_rows for any R in 1..PANEL_ROWS: a constant in each call */
@@ -928,7 +941,7 @@ static inline __attribute__((always_inline)) void quantized_panel_rows(
     vecf acc[PANEL_ROWS][2];
     memset(acc, 0, sizeof acc);
     vecf s0 = {0}, s1 = {0}, z0 = {0}, z1 = {0};
-    int wait = every, left = 0;  /* (counters: a division a step costs more than the step) */
+    int wait = every, left = 0;  /* (a counter for the groups too: no division a step) */
     for (int i = 0; i < in; i++) {
         if (left-- == 0) {  /* a group's scales and offsets */
             s0 = load_vec(scales), s1 = load_vec(scales + VEC), z0 = load_vec(offsets), z1 = load_vec(offsets + VEC);
@@ -974,19 +987,9 @@ static inline __attribute__((always_inline)) void quantized_panel_rows(
             acc[r][0] += w0 * xr;
             acc[r][1] += w1 * xr;
         }
-        if (--wait == 0) {
-            wait = every;
-            __builtin_prefetch(next, 0, 2);
-            __builtin_prefetch(next + 64, 0, 2);
-            next += 128;
-        }
+        prefetch_every(&wait, every, &next, 128);
     }
-    for (int r = 0; r < R; r++) {
-        float *yr = y + (int64_t)r * out, last[PANEL];
-        store_vec(valid == PANEL ? yr : last, acc[r][0]);
-        store_vec(valid == PANEL ? yr + VEC : last + VEC, acc[r][1]);
-        if (valid < PANEL) memcpy(yr, last, sizeof(float) * valid);
-    }
+    store_rows(acc, R, y, out, valid);
 }
 
 /* 1 where quantized_panel_matmul converts codes with vector instructions (AVX2, AVX-512); elsewhere the

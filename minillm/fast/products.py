@@ -76,6 +76,16 @@ def _few_float32_rows(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> i
     return rows if 0 < rows <= max_rows else None
 
 
+def _stamp(*tensors: torch.Tensor | None) -> tuple:
+    """What a packed copy was made from: each tensor (not None) with its version (0 for an inference
+    tensor, which cannot be edited); another tensor or an in-place edit makes the copy stale."""
+    return tuple((t, 0 if t.is_inference() else t._version) for t in tensors if t is not None)
+
+
+def _same(stamp: tuple, other: tuple) -> bool:
+    return len(stamp) == len(other) and all(t is u and v == w for (t, v), (u, w) in zip(stamp, other))
+
+
 def split_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weightᵀ + bias with the matrix cut into one column block per thread (see the module docstring)."""
     rows = _few_float32_rows(x, weight, SPLIT_MAX_ROWS)
@@ -113,7 +123,7 @@ class MatvecLinear(nn.Linear):
     devices, autograd, compiled code) by F.linear."""
 
     panels: bool = False  # products of more than MATVEC_MAX_ROWS rows on a packed copy
-    _panels: tuple | None = None  # (the weight it was packed from, its version, the packed copy)
+    _panels: tuple | None = None  # (the _stamp of the weight it was packed from, the packed copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _few_float32_rows(x, self.weight, PANEL_MAX_ROWS)
@@ -128,11 +138,10 @@ class MatvecLinear(nn.Linear):
 
     def _packed_weight(self) -> kernels.Panels:
         """The matrix in panels, packed again when the weight is another tensor or was edited."""
-        weight = self.weight
-        version = 0 if weight.is_inference() else weight._version  # (an inference tensor cannot be edited)
-        if self._panels is None or self._panels[0] is not weight or self._panels[1] != version:
-            self._panels = (weight, version, kernels.f32_pack_panels(weight.detach()))
-        return self._panels[2]
+        stamp = _stamp(self.weight)
+        if self._panels is None or not _same(self._panels[0], stamp):
+            self._panels = (stamp, kernels.f32_pack_panels(self.weight.detach()))
+        return self._panels[1]
 
 
 LINEARS = {"linear": nn.Linear, "split": SplitLinear, "matvec": MatvecLinear}
@@ -149,7 +158,7 @@ class FastQuantizedLinear(QuantizedLinear):
     """
 
     panels: bool = False  # (a server's batches) 4-128 rows on a copy of the codes in panels
-    _panels: tuple | None = None  # (((tensor, version) it was packed from, ...), the packed copy)
+    _panels: tuple | None = None  # (the _stamp of the tensors it was packed from, the packed copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -184,12 +193,10 @@ class FastQuantizedLinear(QuantizedLinear):
         """The codes in panels, packed again when the codes, scales or zero points are other tensors or
         were edited."""
         zero = self.zero if self.fmt == "int4" else None
-        sources = tuple((t, 0 if t.is_inference() else t._version) for t in (self.qweight, self.scale, zero)
-                        if t is not None)
-        if self._panels is None or len(sources) != len(self._panels[0]) or any(
-                t is not old or v != old_v for (t, v), (old, old_v) in zip(sources, self._panels[0])):
+        stamp = _stamp(self.qweight, self.scale, zero)
+        if self._panels is None or not _same(self._panels[0], stamp):
             group = self.group_size if self.fmt == "int4" else None
-            self._panels = (sources, kernels.quantized_pack_panels(self.qweight, self.scale, zero, group))
+            self._panels = (stamp, kernels.quantized_pack_panels(self.qweight, self.scale, zero, group))
         return self._panels[1]
 
     def _unpacked(self) -> torch.Tensor:
