@@ -183,11 +183,17 @@ def _prefill_loop(model, config: DisaggregatedConfig, inbox, control, events) ->
         firsts = [(r.request_id, None, None, r.first_scheduled_s, r.finish_reason, r.message) for r in batch.finished]
         if batch:
             sampling, logits = run_model(model, cache, batch)
-            tokens, _ = sample_rows(logits, sampling)
+            tokens, _, failures = sample_rows(logits, sampling)
             now = time.perf_counter()
             for request, n in zip(batch.requests, batch.num_tokens):
                 request.num_computed_tokens += n
+            for row, (part, why) in failures.items():  # that request alone ends (the engine's rule)
+                request, message = sampling[row], f"the request's {part} failed before its first token: {why}"
+                firsts.append((request.request_id, None, None, request.first_scheduled_s, "error", message))
+                scheduler.finish(request, "error", part, message)
             for request, token in zip(sampling, tokens):
+                if token is None:
+                    continue
                 request.output_ids.append(token)
                 request.token_times_s.append(now)
                 reason, _, _ = check_stop(token, 1, eos, request.params, request.num_tokens > context, None)

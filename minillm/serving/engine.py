@@ -13,6 +13,13 @@ Each :meth:`LLMEngine.step` is the same four moves::
 
 A request's tokens do not depend on what else is in the batch: each one attends only to
 its own K/V, so its greedy output equals :func:`~minillm.generate.generate`'s alone.
+
+And no request can harm another. What belongs to one request is checked at admission where it
+can be (:meth:`LLMEngine.add_request`), and contained where it runs: its logits row, its
+constraint's matcher, its logit_bias and penalties, its stop strings and its text. When one of
+those fails during a step, that request alone finishes with ``finish_reason == "error"`` and the
+reason in its ``message``; the others get exactly the tokens they would have had without it.
+Only a failure no request owns (the forward pass itself) makes :meth:`LLMEngine.step` raise.
 """
 
 from __future__ import annotations
@@ -46,11 +53,15 @@ class RequestOutput:
         new_token_ids: tokens generated in this step (0 or 1).
         token_ids: every token generated so far.
         finished: True on the request's last output.
-        finish_reason: "eos", "stop", "length" or "abort" when finished, else None.
-        stop_reason: the stop id or stop string that ended it, else None.
+        finish_reason: "eos", "stop", "length", "abort" or "error" when finished, else None
+            ("error": a part of this request failed during a step; ``message`` says which and why).
+        stop_reason: the stop id or stop string that ended it; for "error", the part of the request
+            that failed ("allowed_tokens": its constraint, "logits": a NaN or +inf in its row,
+            "sampling", "stop": its stop strings or text, "prompt_logprobs"); else None.
         num_cached_tokens: prompt tokens served from the prefix cache (vLLM's name).
         text: with a tokenizer, the answer so far (stop strings cut out), else None.
-        message: why "length" or "abort" came early (e.g. a pool too small), else None.
+        message: why "length", "abort" or "error" came early (a pool too small, a failed
+            constraint), else None.
         logprobs: with ``add_request(..., logprobs=k)``, one ``(logprob, [(id, logprob), ...k])`` per
             token of ``token_ids``: its log-probability and the k most likely tokens at that
             position (natural log of the model's raw distribution, as OpenAI and vLLM report
@@ -151,7 +162,8 @@ class LLMEngine:
         Raises ValueError for text instead of ids, an empty prompt, ids outside the vocabulary,
         a prompt beyond the model's context or the whole pool, a prompt longer than
         ``max_num_batched_tokens`` without chunked prefill, a duplicate request id, or an ``n``
-        outside [1, max_num_seqs].
+        outside [1, max_num_seqs], and for a constraint whose matcher cannot be made (any error
+        its ``matcher()`` raises, as one line).
         """
         if isinstance(prompt_ids, str):
             raise ValueError("add_request takes token ids, not text; encode it first: "
@@ -177,11 +189,8 @@ class LLMEngine:
         request = Request(request_id, prompt, params, time.perf_counter() if arrival_s is None else arrival_s,
                           generator=params.make_generator(device), num_logprobs=logprobs,
                           num_prompt_logprobs=prompt_logprobs)
-        if self.tokenizer is not None:
-            request.text_stream = TextStream(self.tokenizer, params.stop)
         request.num_forks = n - 1
-        if params.allowed_tokens is not None:  # constrained decoding: the request's own matcher
-            request.matcher = params.allowed_tokens.matcher()
+        _attach_sequence_state(request, self.tokenizer)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -244,43 +253,71 @@ class LLMEngine:
         forked: list[Request] = []
         if scheduled:
             spans = prompt_logits_spans(scheduled)  # before num_computed_tokens moves on
-            sampling, logits = run_model(self.model, self.cache, scheduled)
+            sampling, logits = run_model(self.model, self.cache, scheduled)  # raises: no request owns it
             if spans:
-                _keep_prompt_logprobs(spans, logits[len(sampling):])
+                self._keep_prompt_logprobs(spans, logits[len(sampling):])
                 logits = logits[: len(sampling)]
-            tokens, _ = sample_rows(logits, sampling)
+            sampling, tokens, logits = self._sample(logits, sampling)
             now = time.perf_counter()
             for request, n in zip(scheduled.requests, scheduled.num_tokens):
+                if request.finished:  # failed this step: its blocks are already free
+                    continue
                 request.num_computed_tokens += n
                 self.cache.allocator.cache_full_blocks(request.request_id, request.all_token_ids,
                                                        request.num_computed_tokens)
             if any(r.num_forks for r in sampling):  # n > 1: a prefill just completed
-                forked, tokens, logits = self._fork(sampling, tokens, logits)
-                sampling = sampling + forked
+                forked, sampling, tokens, logits = self._fork(sampling, tokens, logits)
             for row, (request, token) in enumerate(zip(sampling, tokens)):
-                if request.num_logprobs is not None:
-                    request.output_logprobs.append(_token_logprobs(logits[row], token, request.num_logprobs))
-                self._append_token(request, token, now)
-                new_tokens[request.request_id] = token
+                if self._append_token(request, token, now, logits[row]):
+                    new_tokens[request.request_id] = token
         changed = [r for r in scheduled.requests + forked if r.request_id in new_tokens or r.finished]
         changed += [r for r in scheduled.finished if r not in changed]
         self._record(scheduled, rows, start, changed)
         return [self._output(r, new_tokens.get(r.request_id)) for r in changed]
 
+    def _sample(self, logits: torch.Tensor, requests: list[Request]):
+        """:func:`sample_rows`, each failed row ending its request alone (finish_reason "error").
+        Returns the survivors: (requests, tokens, logits rows), in the same order; a request that
+        had already failed this step (its prompt logprobs) is left out too."""
+        tokens, _, failures = sample_rows(logits, requests)
+        for row, (part, why) in failures.items():
+            self._fail(requests[row], part, why)
+        keep = [row for row, request in enumerate(requests) if not request.finished]
+        if len(keep) == len(requests):
+            return requests, tokens, logits
+        return [requests[row] for row in keep], [tokens[row] for row in keep], logits[keep]
+
+    def _keep_prompt_logprobs(self, spans, logits: torch.Tensor) -> None:
+        """Each span's prompt logprobs to its request (rows in span order); a span that fails ends
+        its request alone."""
+        row = 0
+        for request, position, count in spans:
+            try:
+                _append_prompt_logprobs(request, position, logits[row : row + count])
+            except Exception as error:
+                self._fail(request, "prompt_logprobs", f"{type(error).__name__}: {error}")
+            row += count
+
+    def _fail(self, request: Request, part: str, why: str) -> None:
+        """End one request on a failure of its own ``part`` (its stop_reason: "allowed_tokens", "logits",
+        "sampling", "stop", "prompt_logprobs"): its blocks are freed; its message says why, in one line."""
+        where = f"after {len(request.output_ids)} output tokens" if request.output_ids else "before its first token"
+        self.scheduler.finish(request, "error", part, f"the request's {part} failed {where}: {why}")
+
     def _fork(self, sampling: list[Request], tokens: list[int], logits: torch.Tensor):
         """Parallel sampling: each request with n > 1 whose prefill just completed forks into its
         n - 1 other sequences. Each shares its block table (no K/V copied) and samples its own first
-        token from the same logits row, with its own generator. Returns (the new sequences, all
-        the step's tokens, all the logits rows), the new ones after those of ``sampling``."""
+        token from the same logits row, with its own generator. Returns (the new sequences, then the
+        step's sampling requests, tokens and logits rows with the new ones that sampled after those
+        of ``sampling``)."""
         children, rows = [], []
         for row, parent in enumerate(sampling):
             for index in range(1, parent.num_forks + 1):
                 children.append(self._fork_sequence(parent, index))
                 rows.append(row)
             parent.num_forks = 0
-        child_logits = logits[rows]
-        child_tokens, _ = sample_rows(child_logits, children)
-        return children, tokens + child_tokens, torch.cat([logits, child_logits])
+        sampled, child_tokens, child_logits = self._sample(logits[rows], children)
+        return children, sampling + sampled, tokens + child_tokens, torch.cat([logits, child_logits])
 
     def _fork_sequence(self, parent: Request, index: int) -> Request:
         """Sequence ``index`` of ``parent``'s request: its tokens and cache state so far, its block
@@ -294,22 +331,39 @@ class LLMEngine:
                         first_scheduled_s=parent.first_scheduled_s, generator=generator,
                         num_logprobs=parent.num_logprobs, index=index, parent_id=parent.request_id)
         child.num_prompt_logprobs, child.prompt_logprobs = parent.num_prompt_logprobs, list(parent.prompt_logprobs)
-        if self.tokenizer is not None:
-            child.text_stream = TextStream(self.tokenizer, params.stop)
-        if params.allowed_tokens is not None:  # forked before any output token: a fresh matcher
-            child.matcher = params.allowed_tokens.matcher()
         self.cache.allocator.fork(parent.request_id, child_id)
         self.requests[child_id] = child
         self.scheduler.running.append(child)
+        try:  # forked before any output token: a fresh matcher
+            _attach_sequence_state(child, self.tokenizer)
+        except ValueError as error:
+            self._fail(child, "allowed_tokens", str(error))
         return child
 
-    def _append_token(self, request: Request, token: int, now: float) -> None:
-        """Add a sampled token; finish the request on EOS, a stop id or string, max tokens, or the context
-        (minillm/stopping.py's rules, as generate's)."""
-        request.output_ids.append(token)
-        request.token_times_s.append(now)
-        if request.matcher is not None:  # the constraint moves past every token the request keeps
-            request.matcher.accept(token)
+    def _append_token(self, request: Request, token: int, now: float, logits: torch.Tensor) -> bool:
+        """Add a sampled token (and its logprobs from its ``logits`` row [vocab], if asked); finish the
+        request on EOS, a stop id or string, max tokens, or the context (minillm/stopping.py's rules,
+        as generate's). Returns False when a part of the request failed on it: the token is taken
+        back and the request ends alone with "error"."""
+        kept = len(request.output_ids)
+        part = "allowed_tokens"
+        try:
+            if request.matcher is not None:  # the constraint moves past every token the request keeps
+                request.matcher.accept(token)
+            part = "stop"  # its stop strings and its text
+            if request.num_logprobs is not None:
+                request.output_logprobs.append(_token_logprobs(logits, token, request.num_logprobs))
+            request.output_ids.append(token)
+            request.token_times_s.append(now)
+            self._check_stop(request, token)
+        except Exception as error:  # its constraint, stop strings or text: it alone fails
+            del request.output_ids[kept:], request.token_times_s[kept:], request.output_logprobs[kept:]
+            self._fail(request, part, f"on token {token}: {type(error).__name__}: {error}")
+            return False
+        return True
+
+    def _check_stop(self, request: Request, token: int) -> None:
+        """Finish the request if ``token``, just appended, ends it (the text stream is told the token)."""
         context = self.model.config.max_seq_len
         no_room = request.num_tokens > context  # no position left to decode this token
         reason, stop_reason, _ = check_stop(token, len(request.output_ids), self.eos_token_ids, request.params,
@@ -389,17 +443,27 @@ def _token_logprobs(logits, token: int, k: int) -> tuple[float, list[tuple[int, 
     return logprobs[token].item(), list(zip(top.indices.tolist(), top.values.tolist()))
 
 
-def _keep_prompt_logprobs(spans, logits) -> None:
-    """Append each span's prompt logprobs to its request: position p's row scores token p + 1."""
-    row = 0
-    for request, position, count in spans:
-        logprobs = torch.log_softmax(logits[row : row + count].float(), dim=-1)
-        row += count
-        chosen = torch.tensor(request.prompt_ids[position + 1 : position + 1 + count], device=logprobs.device)
-        values = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
-        top = logprobs.topk(request.num_prompt_logprobs, dim=-1)
-        for value, ids, top_values in zip(values, top.indices.tolist(), top.values.tolist()):
-            request.prompt_logprobs.append((value, list(zip(ids, top_values))))
+def _append_prompt_logprobs(request: Request, position: int, logits: torch.Tensor) -> None:
+    """Append a span's prompt logprobs to its request: the span's row for position p [count, vocab]
+    scores prompt token p + 1, from ``position`` on."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = torch.tensor(request.prompt_ids[position + 1 : position + 1 + len(logits)], device=logprobs.device)
+    values = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+    top = logprobs.topk(request.num_prompt_logprobs, dim=-1)
+    for value, ids, top_values in zip(values, top.indices.tolist(), top.values.tolist()):
+        request.prompt_logprobs.append((value, list(zip(ids, top_values))))
+
+
+def _attach_sequence_state(request: Request, tokenizer) -> None:
+    """A new sequence's own parts: its text stream (stop strings) and its constraint's matcher.
+    ValueError, one line, when the constraint cannot make a matcher (any error of ``matcher()``)."""
+    if tokenizer is not None:
+        request.text_stream = TextStream(tokenizer, request.params.stop)
+    if request.params.allowed_tokens is not None:
+        try:
+            request.matcher = request.params.allowed_tokens.matcher()
+        except Exception as error:
+            raise ValueError(f"the constraint (allowed_tokens) cannot start: {type(error).__name__}: {error}") from None
 
 
 def _is_nested(prompt_ids) -> bool:

@@ -103,27 +103,51 @@ def run_model(model, cache: PagedKVCache, scheduled: ScheduledBatch) -> tuple[li
     return sampling, forward_batch(model, batch)
 
 
-def sample_rows(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[float]]:
+def sample_rows(logits: torch.Tensor, requests: list[Request]
+                ) -> tuple[list[int | None], list[float], dict[int, tuple[str, str]]]:
     """Each request's next token from its row of logits, with its own params and generator.
 
     The same :func:`~minillm.sampling.sample` call that :func:`~minillm.generate.generate`
     makes, row by row, so a seeded request draws the same tokens in a batch as alone.
     Greedy rows without penalties, bias or constraint are one batched argmax. A request with a
     matcher (constrained decoding) samples among the tokens its ``matcher.allowed()`` gives.
+
+    What belongs to one request fails that row alone (vLLM's per-request errors): a NaN or +inf
+    in its logits row, its constraint's matcher raising, its logit_bias or penalties failing.
+    Returns (tokens [R], logprobs [R], failures): ``failures`` maps a failed row to (the part that
+    failed: "logits", "allowed_tokens" or "sampling"; one line saying why); its token is None and its
+    logprob 0. The other rows are exactly what they would be without it.
     """
-    tokens, logprobs = [0] * len(requests), [0.0] * len(requests)
-    plain = [i for i, r in enumerate(requests) if r.params.greedy and r.params.is_plain]
+    tokens, logprobs = [None] * len(requests), [0.0] * len(requests)
+    failures = _non_finite_rows(logits)
+    plain = [i for i, r in enumerate(requests) if r.params.greedy and r.params.is_plain and i not in failures]
     if plain:
         rows = logits if len(plain) == len(requests) else logits[plain]  # (indexing copies every row)
         ids, lps = sample(rows, requests[plain[0]].params)
         for i, token, lp in zip(plain, ids.tolist(), lps.tolist()):
             tokens[i], logprobs[i] = token, lp
     for i, request in enumerate(requests):
-        if request.params.greedy and request.params.is_plain:
+        if tokens[i] is not None or i in failures:
             continue
-        prompt = torch.tensor(request.prompt_ids, device=logits.device)[None]
-        allowed = request.matcher.allowed() if request.matcher is not None else None
-        token, lp = sample_constrained(logits[i : i + 1], request.params, request.generator, prompt,
-                                       [request.output_ids], allowed)
-        tokens[i], logprobs[i] = token.item(), lp.item()
-    return tokens, logprobs
+        part = "allowed_tokens"
+        try:  # the request's own constraint, bias or penalties: it alone fails
+            allowed = request.matcher.allowed() if request.matcher is not None else None
+            part = "sampling"
+            tokens[i], logprobs[i] = _sample_one(logits[i : i + 1], request, allowed)
+        except Exception as error:
+            failures[i] = (part, f"{type(error).__name__}: {error}")
+    return tokens, logprobs, failures
+
+
+def _sample_one(logits: torch.Tensor, request: Request, allowed: torch.Tensor | None) -> tuple[int, float]:
+    """One request's token from its logits row [1, vocab]: its penalties, bias, allowed tokens, generator."""
+    prompt = torch.tensor(request.prompt_ids, device=logits.device)[None]
+    token, lp = sample_constrained(logits, request.params, request.generator, prompt, [request.output_ids], allowed)
+    return token.item(), lp.item()
+
+
+def _non_finite_rows(logits: torch.Tensor) -> dict[int, str]:
+    """Rows whose logits hold NaN or +inf, or no finite value (a row's max shows all three in one pass)."""
+    bad = (~torch.isfinite(logits.amax(dim=-1))).nonzero().flatten().tolist()
+    return {row: ("logits", "its logits row holds NaN or +inf, or no finite value (a numerical failure of the "
+                            "model on this request; try another dtype)") for row in bad}

@@ -36,9 +36,12 @@ class Request:
         status: "waiting", "running" or "finished".
         num_computed_tokens: tokens whose K/V is in the paged cache.
         num_cached_tokens: prompt tokens that were prefix-cache hits when first scheduled.
-        finish_reason: None while running; "eos", "stop", "length" or "abort".
-        stop_reason: the stop id or stop string that ended it, else None.
-        message: why an "abort" or "length" ended it early (a full pool), else None.
+        finish_reason: None while running; "eos", "stop", "length", "abort" or "error" (a part of
+            this request failed during a step; it alone ended).
+        stop_reason: the stop id or stop string that ended it; for "error", the part that failed
+            (see :attr:`~minillm.serving.engine.RequestOutput.stop_reason`); else None.
+        message: why an "abort", "length" or "error" ended it early (a full pool, a failed
+            constraint), else None.
         first_scheduled_s, finish_s: when it first got a slot in a batch, when it finished.
         token_times_s: when each output token was known.
         num_preemptions, preempted_s: how often it lost its blocks, and when.
