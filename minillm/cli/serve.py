@@ -12,6 +12,10 @@ from .common import UsageError, ensure_model, keep_freed_memory_in_command, mode
 from .generate import _thread_governor
 from .tensor_parallel import run_tensor_parallel, tensor_parallel_option, tensor_parallel_size
 
+# After the engine is lost (a tensor-parallel rank died), how long the server answers 503 with the reason before
+# it exits: long enough for the failed requests' error events and for a client or a health check to read why.
+ENGINE_DEATH_GRACE_S = 2.0
+
 
 def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
@@ -47,6 +51,11 @@ def add_serve(sub) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM or Ctrl-C, let running requests finish for this long, then end them with an "
                         "error (default: 30; a second Ctrl-C quits at once)")
+    p.add_argument("--keep-alive-on-engine-death", action="store_true",
+                   help="when the engine is lost for good (a tensor-parallel rank died), keep serving: every "
+                        "request and /health get 503 with the reason until the server is stopped. Default: "
+                        f"503 for {ENGINE_DEATH_GRACE_S:g} s, then exit with status 1, so that a supervisor "
+                        "restarts it (vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH)")
     p.set_defaults(run=run_serve)
 
 
@@ -67,9 +76,11 @@ def _run_serve(args, group=None) -> int:
     """Load, build the engine, serve until stopped; with a tensor-parallel ``group``, rank 0 serves and the
     other ranks follow its steps (minillm/distributed/engine.py).
 
-    When a rank dies, the step in flight fails its requests with one line naming the rank, and the server
-    stays up but unhealthy: /health answers 503 and new requests are refused (an orchestrator's health check
-    restarts it), rather than exiting as vLLM does when its engine dies, so a client still gets a reason."""
+    When a rank dies, the step in flight fails its requests with one line naming the rank (a stream: an error
+    event, then ``[DONE]``) and the launcher stops the other ranks. New requests and /health get 503 with that
+    line for ENGINE_DEATH_GRACE_S, then the server shuts down as on SIGTERM and this prints the line and
+    returns 1: a server that cannot serve exits, and a supervisor restarts it, as vLLM's does when its engine
+    dies. ``--keep-alive-on-engine-death`` keeps answering 503 until stopped instead."""
     from ..loading import load_model
     from ..serving.engine import LLMEngine
     from ..serving.server.app import create_app, serve
@@ -112,7 +123,8 @@ def _run_serve(args, group=None) -> int:
     if args.api_key:
         print("  /v1 needs the header 'Authorization: Bearer <the --api-key>'", file=sys.stderr, flush=True)
     try:
-        serve(app, args.host, args.port, args.shutdown_timeout)
+        serve(app, args.host, args.port, args.shutdown_timeout,
+              exit_on_lost_s=None if args.keep_alive_on_engine_death else ENGINE_DEATH_GRACE_S)
     finally:
         async_engine.close()
         if group is not None and async_engine.lost is None:

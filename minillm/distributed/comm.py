@@ -53,7 +53,8 @@ class TensorParallelGroup:
         cores: the CPU cores all ranks run on together (N ranks pinned one a core: min(N, cores)), set when they
             are pinned; what a "machine busy" note compares the load with, not this rank's one core. None: unpinned.
         who_died: on rank 0 when it started the other ranks: returns "rank R (pid P) died (killed by SIGKILL)"
-            or None (:func:`~minillm.distributed.launch.dead_worker`), named in a failed collective's error.
+            or None, named in a failed collective's error (:func:`~minillm.distributed.launch.stop_lost_workers`,
+            which then stops the other ranks too: a group whose collective failed runs no other).
     """
 
     rank: int

@@ -116,6 +116,15 @@ def dead_worker(workers: list[subprocess.Popen], wait_s: float = 0.5) -> str | N
         time.sleep(0.02)
 
 
+def stop_lost_workers(workers: list[subprocess.Popen]) -> str | None:
+    """On rank 0, after a collective failed: name the rank that died (:func:`dead_worker`), then stop the
+    others and reap them all. A failed group runs no collective again, so a follower left running would only
+    wait, then fail, and end defunct while rank 0 lives on (a server kept up after it lost its engine)."""
+    died = dead_worker(workers)
+    stop_workers(workers, finished=False)
+    return died
+
+
 def join_group(device=None, timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallelGroup:
     """Join the process group torchrun's variables describe; returns this rank's :class:`TensorParallelGroup`.
 

@@ -195,9 +195,11 @@ def _minillm(*args, stdin=None):
 
 @pytest.fixture(scope="module")
 def cli_folder(tmp_path_factory, smollm2_dir):
-    """A tiny random Llama (GQA) with SmolLM2's tokenizer, so the command line runs it."""
+    """A tiny random Llama (GQA) with SmolLM2's tokenizer, so the command line runs it; 4096 positions, so that a
+    stream lasts long enough to lose a rank in the middle of it."""
     family, kwargs = CONFIGS["llama_gqa"]
-    folder = save_hf(build_hf(family, dict(kwargs, vocab_size=49152)), tmp_path_factory.mktemp("cli"))
+    folder = save_hf(build_hf(family, dict(kwargs, vocab_size=49152, max_position_embeddings=4096)),
+                     tmp_path_factory.mktemp("cli"))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(smollm2_dir / name, folder / name)
     return str(folder)
@@ -406,3 +408,108 @@ def test_serve_with_tensor_parallel_size_2_answers_as_one_process_and_stops_on_c
         server.send_signal(signal.SIGINT)
         _, err = server.communicate(timeout=JOIN_TIMEOUT_S)
     assert server.returncode == 0, err
+
+
+def _start_serve(folder: str, *flags: str) -> tuple[subprocess.Popen, str, int]:
+    """``minillm serve --tp 2`` on 127.0.0.1, once /health answers; returns the server, its URL and rank 1's pid."""
+    import httpx
+
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", folder, "--tp", "2", "--port",
+                               str(port), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + JOIN_TIMEOUT_S
+    try:
+        while True:
+            try:
+                httpx.get(f"{url}/health", timeout=1).raise_for_status()
+                break
+            except httpx.TransportError:
+                assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.3)
+        (rank_1,) = _children(server.pid)
+    except BaseException:
+        server.kill()  # its follower then finds rank 0 gone and exits
+        raise
+    return server, url, rank_1
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The child processes of ``pid`` (from /proc), each with its state: R, S, ..., Z for defunct (a zombie)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, parent = f.read().rsplit(")", 1)[1].split()[:2]  # after "pid (command)"
+        except (OSError, ValueError):
+            continue  # not a process, or one that has just ended
+        if int(parent) == pid:
+            children[int(entry)] = state
+    return children
+
+
+def _stream_and_kill(url: str, rank_1: int) -> list[str]:
+    """Start a long stream, SIGKILL rank 1 once its first chunk arrives; returns the stream's data lines after it."""
+    import signal
+
+    import httpx
+
+    body = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=JOIN_TIMEOUT_S) as r:
+        assert r.status_code == 200
+        lines = (line for line in r.iter_lines() if line)
+        assert json.loads(next(lines).removeprefix("data: "))["choices"]
+        os.kill(rank_1, signal.SIGKILL)
+        return list(lines)
+
+
+def _check_lost(url: str, rank_1: int, rest: list[str]) -> str:
+    """The stream ended with an error event naming rank 1, then [DONE]; a new request gets 503 "engine_dead" with
+    the reason. Returns the reason (the server's error line)."""
+    import httpx
+
+    died = f"rank 1 (pid {rank_1}) died (killed by SIGKILL)"
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    assert died in json.loads(rest[-2].removeprefix("data: "))["error"]["message"], rest[-2]
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=JOIN_TIMEOUT_S)
+    error = r.json()["error"]
+    assert r.status_code == 503 and error["code"] == "engine_dead" and died in error["message"], r.text
+    return error["message"].removeprefix("the engine cannot run: ").removesuffix("; restart the server")
+
+
+def test_serve_exits_after_it_loses_a_rank(cli_folder):
+    """Rank 1 killed mid-stream: the stream ends with an error event and [DONE], a request sent right after gets
+    503 with the reason, and within a bounded time the server exits with status 1 and one error line, its ranks
+    all reaped (none defunct), so a supervisor that restarts on exit brings it back."""
+    server, url, rank_1 = _start_serve(cli_folder)
+    try:
+        reason = _check_lost(url, rank_1, _stream_and_kill(url, rank_1))
+        assert _children(server.pid) == {}  # rank 1 reaped (before the error event was sent), not left defunct
+        _, err = server.communicate(timeout=30)
+    finally:
+        server.kill()
+        server.wait()
+    assert server.returncode == 1, err
+    assert [line for line in err.splitlines() if "error" in line.lower()] == [f"minillm: error: {reason}"], err
+    assert "Traceback" not in err
+    assert not os.path.exists(f"/proc/{rank_1}")  # and no process at all now
+
+
+def test_serve_with_keep_alive_on_engine_death_stays_up_answering_503(cli_folder):
+    """The same loss with --keep-alive-on-engine-death: still up past the grace the default exits after, /health
+    and requests answer 503 with the reason, no rank left defunct; stopped, it says why it failed (status 1)."""
+    import httpx
+
+    from minillm.cli.serve import ENGINE_DEATH_GRACE_S
+
+    server, url, rank_1 = _start_serve(cli_folder, "--keep-alive-on-engine-death")
+    try:
+        _check_lost(url, rank_1, _stream_and_kill(url, rank_1))
+        with pytest.raises(subprocess.TimeoutExpired):  # past the grace the default would exit after
+            server.wait(timeout=ENGINE_DEATH_GRACE_S + 1)
+        health = httpx.get(f"{url}/health", timeout=JOIN_TIMEOUT_S)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        assert _children(server.pid) == {}  # no rank left defunct while it stays up
+    finally:
+        server.terminate()
+        _, err = server.communicate(timeout=JOIN_TIMEOUT_S)
+    assert server.returncode == 1 and f"rank 1 (pid {rank_1}) died" in err.splitlines()[-1], err

@@ -8,7 +8,8 @@
     POST /detokenize            vLLM's: token ids -> text
     GET  /tokenizer_info        vLLM's: the special tokens and chat template (lm-eval's remote tokenizer)
     GET  /health                200 while the engine thread is alive and can step (HEAD too: no body);
-                                503 once it stopped or lost a tensor-parallel rank (the server keeps running)
+                                503 once it stopped or lost a tensor-parallel rank (``minillm serve`` then
+                                exits, unless --keep-alive-on-engine-death)
     GET  /metrics               Prometheus text: vLLM's metric names under ``minillm:``
     GET  /                      the live view of the engine (web_view.py)
 
@@ -42,7 +43,7 @@ from starlette.requests import ClientDisconnect
 from ...generation_config import generation_config_of
 from ...sampling import SamplingParams
 from . import protocol
-from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, ShuttingDownError
+from .async_engine import AsyncEngine, EngineDeadError, EngineGoneError, QueueFullError, ShuttingDownError
 from .metrics import ServerMetrics
 from .web_view import router as web_view_router
 
@@ -117,7 +118,8 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(request: Request):
         if async_engine.lost is not None:  # a tensor-parallel rank died: every step would fail
-            raise APIError(503, f"the engine cannot run: {async_engine.lost}; restart the server")
+            raise APIError(503, f"the engine cannot run: {async_engine.lost}; restart the server",
+                           code="engine_dead")
         if not async_engine.is_alive():
             raise APIError(503, "the engine thread has stopped; restart the server")
         return Response(status_code=200) if request.method == "HEAD" else {"status": "ok"}
@@ -259,16 +261,30 @@ class DrainingServer(uvicorn.Server):
                            ended, self.drain_timeout_s)
         await super().shutdown(sockets)
 
+    def stop_after(self, delay_s: float) -> None:
+        """Shut down as on SIGTERM ``delay_s`` seconds from now; any thread may call it (a timer sets
+        ``should_exit``, which uvicorn's main loop reads every 0.1 s)."""
+        timer = threading.Timer(delay_s, setattr, (self, "should_exit", True))
+        timer.daemon = True
+        timer.start()
 
-def serve(app: FastAPI, host: str, port: int, drain_timeout_s: float) -> None:
+
+def serve(app: FastAPI, host: str, port: int, drain_timeout_s: float, exit_on_lost_s: float | None = None) -> None:
     """Serve ``app`` until SIGTERM or Ctrl-C, then shut down gracefully (:class:`DrainingServer`)
-    and return: a shutdown asked for is a normal end (exit status 0)."""
+    and return: a shutdown asked for is a normal end (exit status 0).
+
+    ``exit_on_lost_s``: once the engine is lost (``AsyncEngine.on_lost``: a tensor-parallel rank died), shut
+    down as on SIGTERM this many seconds later, new requests answered 503 meanwhile; the caller tells this end
+    by ``async_engine.lost``. None: keep answering 503 until stopped."""
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=_AFTER_DRAIN_S)
     # uvicorn raises the signal it stopped on again once it is done; caught here, not fatal
     previous = signal.signal(signal.SIGTERM, _raise_stopped)
     try:
-        DrainingServer(config, app.state.async_engine, drain_timeout_s).run()
+        server = DrainingServer(config, app.state.async_engine, drain_timeout_s)
+        if exit_on_lost_s is not None:
+            app.state.async_engine.on_lost = lambda reason: server.stop_after(exit_on_lost_s)
+        server.run()
     except (KeyboardInterrupt, _Stopped):
         pass
     finally:
@@ -570,6 +586,8 @@ def _engine_error(error: Exception) -> APIError:
         return APIError(503, str(error), code="queue_full")
     if isinstance(error, ShuttingDownError):
         return APIError(503, str(error), code="server_shutting_down")
+    if isinstance(error, EngineGoneError):
+        return APIError(503, str(error), code="engine_dead")
     if isinstance(error, EngineDeadError):
         return APIError(500, str(error))
     return APIError(400, str(error), _param_of(str(error)))
