@@ -7,6 +7,8 @@ import errno
 import os
 import socket
 import sys
+import threading
+import time
 
 from .common import UsageError, ensure_model, keep_freed_memory_in_command, model_options
 from .generate import _thread_governor
@@ -117,6 +119,8 @@ def _run_serve(args, group=None) -> int:
     governor = _thread_governor(engine.model) if not args.threads and group is None else None
     if governor is not None:  # fewer threads while busy
         async_engine.before_step = governor.adjust
+    if group is not None and group.first_dead is not None:
+        _watch_ranks(group, async_engine)
     name = args.served_model_name or str(args.model)
     app = create_app(async_engine, tokenizer, name, api_key=args.api_key)
     print(_banner(args.host, args.port, name, engine), file=sys.stderr, flush=True)
@@ -135,6 +139,22 @@ def _run_serve(args, group=None) -> int:
         print(f"minillm: error: {async_engine.lost}", file=sys.stderr)  # what /health said since
         return 1
     return 0
+
+
+RANK_POLL_S = 1.0  # how often rank 0 of an idle tensor-parallel server looks at the other ranks
+
+
+def _watch_ranks(group, async_engine) -> None:
+    """Rank 0's watchdog: a rank that dies while no step runs (no collective to fail) is seen within
+    RANK_POLL_S and handled as a step would handle it (AsyncEngine.lose), not at the next request."""
+    def watch() -> None:
+        while async_engine.is_alive():
+            time.sleep(RANK_POLL_S)
+            if group.first_dead() is not None:  # who_died names it and stops and reaps the others
+                async_engine.lose(f"rank 0 of {group.world_size}: {group.who_died()}, seen while idle")
+                return
+
+    threading.Thread(target=watch, name="minillm-rank-watchdog", daemon=True).start()
 
 
 def _load_sharded(args, folder, group):

@@ -72,8 +72,8 @@ def run_tensor_parallel(args, n: int, run) -> int:
     from ..config import ModelConfig
     from ..device import resolve_device
     from ..distributed.comm import TensorParallelError
-    from ..distributed.launch import (join_group, launched_by_torchrun, leave_group, pin_to_core, start_workers,
-                                      stop_lost_workers, stop_workers)
+    from ..distributed.launch import (dead_worker, join_group, launched_by_torchrun, leave_group, pin_to_core,
+                                      start_workers, stop_lost_workers, stop_workers)
     from ..distributed.tensor_parallel import check_tensor_parallel_size
 
     check_tensor_parallel_size(ModelConfig.from_json(ensure_model(args.model, args.weights_dir)), n)
@@ -86,6 +86,7 @@ def run_tensor_parallel(args, n: int, run) -> int:
         group = join_group(args.device)
         if workers:
             group.who_died = lambda: stop_lost_workers(workers)  # and the others stopped: the group is done
+            group.first_dead = lambda: dead_worker(workers, wait_s=0)
         if group.device.type == "cpu":
             group.cores = min(n, cpu_policy.usable_cores())  # read before this rank is pinned to one of them
             pin_to_core(group.rank)

@@ -55,6 +55,8 @@ class TensorParallelGroup:
         who_died: on rank 0 when it started the other ranks: returns "rank R (pid P) died (killed by SIGKILL)"
             or None, named in a failed collective's error (:func:`~minillm.distributed.launch.stop_lost_workers`,
             which then stops the other ranks too: a group whose collective failed runs no other).
+        first_dead: on rank 0 when it started the other ranks: the same words for a rank that has ended, or
+            None, asking without waiting and stopping nothing (a server's watchdog polls it while idle).
     """
 
     rank: int
@@ -66,6 +68,7 @@ class TensorParallelGroup:
     trace: object | None = field(default=None, repr=False)
     cores: int | None = None
     who_died: Callable[[], str | None] | None = field(default=None, repr=False)
+    first_dead: Callable[[], str | None] | None = field(default=None, repr=False)
 
     @contextmanager
     def recording(self, trace):

@@ -25,8 +25,8 @@ A run is then summed up the way vLLM's ``benchmarks/benchmark_serving.py``
                            (DistServe, Zhong et al. 2024; vLLM's --goodput)
 
 Throughput alone rewards a server that accepts everything and answers late; goodput
-counts only the requests served well enough. Requests with ``finish_reason == "abort"``
-(cancelled, or dropped for want of KV blocks) are counted (``n_aborted``) but left out
+counts only the requests served well enough. Requests with ``finish_reason`` "abort" or "error"
+(cancelled, dropped for want of KV blocks, or failed on their own part) are counted (``n_aborted``) but left out
 of every latency and throughput figure, as vLLM leaves out failed requests; they count
 as SLO misses, so dropping requests cannot raise the attainment.
 """
@@ -42,6 +42,7 @@ from ..metrics import RequestMetrics, goodput, percentile, slo_attainment, summa
 
 STATS = ("mean", "p50", "p90", "p99")
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_ms")
+UNSERVED = ("abort", "error")  # finish reasons of requests left out of the latencies, counted in n_aborted
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ def summarize_run(
 
     Args:
         requests: the run's finished requests (duck-typed, see :func:`request_metrics`);
-            those with ``finish_reason == "abort"`` are counted, and as SLO misses.
+            those with ``finish_reason`` "abort" or "error" are counted, and as SLO misses.
         duration_s: the run's wall-clock time, first request sent to last token (s);
             e.g. :func:`span_s` of the requests.
         ttft_slo_ms, tpot_slo_ms: SLOs for slo_attainment and goodput (ms); None: not checked.
@@ -159,8 +160,8 @@ def summarize_run(
     if not duration_s > 0:
         raise ValueError(f"duration_s must be > 0 s (the run's wall-clock time, e.g. span_s(requests)), "
                          f"got {duration_s}")
-    done = [r for r in requests if r.finish_reason != "abort"]
-    metrics = [_metrics_of(i, r) for i, r in enumerate(requests) if r.finish_reason != "abort"]
+    done = [r for r in requests if r.finish_reason not in UNSERVED]
+    metrics = [_metrics_of(i, r) for i, r in enumerate(requests) if r.finish_reason not in UNSERVED]
     n_in = sum(m.n_prompt_tokens for m in metrics)
     n_out = sum(m.n_output_tokens for m in metrics)
     return RunSummary(

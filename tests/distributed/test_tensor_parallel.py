@@ -513,3 +513,30 @@ def test_serve_with_keep_alive_on_engine_death_stays_up_answering_503(cli_folder
         server.terminate()
         _, err = server.communicate(timeout=JOIN_TIMEOUT_S)
     assert server.returncode == 1 and f"rank 1 (pid {rank_1}) died" in err.splitlines()[-1], err
+
+
+def test_serve_sees_a_rank_die_while_idle(cli_folder):
+    """Rank 1 killed while no request runs (no collective to fail): rank 0's watchdog sees it within a poll,
+    /health answers 503 naming it, and the server exits with status 1, rank 1 reaped, without a request."""
+    import signal
+
+    import httpx
+
+    server, url, rank_1 = _start_serve(cli_folder)
+    try:
+        os.kill(rank_1, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while (health := httpx.get(f"{url}/health", timeout=5)).status_code == 200:  # before the grace ends
+            assert time.monotonic() < deadline, "the watchdog did not see rank 1 die"
+            time.sleep(0.1)
+        assert health.status_code == 503 and f"rank 1 (pid {rank_1}) died" in health.json()["error"]["message"]
+        _, err = server.communicate(timeout=30)
+    finally:
+        server.kill()
+        server.wait()
+    assert server.returncode == 1, err
+    assert err.splitlines()[-1] == (f"minillm: error: rank 0 of 2: rank 1 (pid {rank_1}) died (killed by SIGKILL), "
+                                    "seen while idle"), err
+    assert not os.path.exists(f"/proc/{rank_1}")
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{url}/health", timeout=5)

@@ -233,12 +233,13 @@ def test_a_lost_tensor_parallel_rank_makes_the_server_unhealthy(tiny_chat):
         assert httpx.get(f"{url}/health", timeout=TIMEOUT_S).status_code == 200
         engine.step = lost_step
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=TIMEOUT_S)
-        assert r.status_code == 500 and lost in r.json()["error"]["message"]
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert lost in r.json()["error"]["message"]
         health = httpx.get(f"{url}/health", timeout=TIMEOUT_S)
-        assert health.status_code == 503
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
         assert health.json()["error"]["message"] == f"the engine cannot run: {lost}; restart the server"
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=TIMEOUT_S)
-        assert r.status_code == 500 and r.json()["error"]["message"] == health.json()["error"]["message"]
+        assert r.status_code == 503 and r.json()["error"]["message"] == health.json()["error"]["message"]
 
 
 def test_api_key_is_required_on_v1_when_set(tiny_chat):

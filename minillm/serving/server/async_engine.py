@@ -44,6 +44,18 @@ class EngineDeadError(MiniLLMError):
     """A step of the engine raised, or the server is stopping: the request was aborted (HTTP 500)."""
 
 
+class RequestFailedError(MiniLLMError):
+    """A part of this request failed during a step (its constraint, its logits row, its stop strings):
+    it alone was ended (the engine's ``finish_reason == "error"``; other requests go on).
+
+    Attributes: part (the engine's ``stop_reason``: "allowed_tokens", "logits", "sampling", "stop",
+    "prompt_logprobs")."""
+
+    def __init__(self, message: str, part: str | None):
+        super().__init__(message)
+        self.part = part
+
+
 class ShuttingDownError(EngineDeadError):
     """The server is shutting down: a new request is refused, an unfinished one ended (HTTP 503)."""
 
@@ -98,6 +110,7 @@ class AsyncEngine:
         self._stopping = False
         self.lost: str | None = None  # why the engine can run no more steps (EngineLostError): /health says 503
         self.on_lost: Callable[[str], object] | None = None  # told once, when ``lost`` is set
+        self.step_failure: str | None = None  # why the last step failed, until one succeeds: /health says 503
         self._draining = False  # set by drain(): new requests are refused, running ones go on
         self._commands: collections.deque[tuple] = collections.deque()  # appended by clients, popped by the thread
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -145,7 +158,9 @@ class AsyncEngine:
         takes a request in, before its engine core sees it).
 
         Raises ValueError as ``LLMEngine.add_request`` (a bad prompt), QueueFullError when
-        the waiting queue is at ``max_waiting_requests``, EngineDeadError when a step failed.
+        the waiting queue is at ``max_waiting_requests``, RequestFailedError when a part of this
+        request failed during a step (after the outputs before it), EngineDeadError when a whole
+        step failed.
         """
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         request_id = uuid.uuid4().hex if request_id is None else str(request_id)
@@ -168,6 +183,8 @@ class AsyncEngine:
                 out = await queue.get()
                 if isinstance(out, Exception):
                     raise out
+                if out.finish_reason == "error":  # n > 1: the finally aborts its other sequences
+                    raise RequestFailedError(out.message, out.stop_reason)
                 unfinished -= out.finished
                 finished = unfinished == 0
                 yield out
@@ -250,12 +267,11 @@ class AsyncEngine:
             with self.lock:
                 try:
                     self._step()
-                except Exception as error:  # a bug or a device error: fail the requests in flight, keep serving
+                except Exception as error:  # no request owns it (a bug, a device error): fail those in flight
+                    self.step_failure = f"{type(error).__name__}: {error}"
                     self._fail_all(error)
-                    if isinstance(error, EngineLostError) and self.lost is None:
-                        self.lost = str(error)  # a rank died: no step can run again; refuse from now on
-                        if self.on_lost is not None:
-                            self.on_lost(self.lost)
+                    if isinstance(error, EngineLostError):
+                        self._lose(str(error))
             # threading.Lock is not fair: released and taken again at once, it can starve a reader
             # (the web view, /metrics) for several steps. Yielding the GIL lets a waiter in first
             # (measured: /engine/state round trip 252 -> 183 ms median during 3 decodes).
@@ -269,7 +285,9 @@ class AsyncEngine:
             if self._commands:  # one came in between: do not sleep on it
                 self._wake.set()
             return
-        for out in self.engine.step():
+        outputs = self.engine.step()
+        self.step_failure = None
+        for out in outputs:
             if out.finished:
                 self._finished(self.engine.requests[sequence_id(out.request_id, out.index)])
             self._deliver(out.request_id, out)
@@ -279,8 +297,24 @@ class AsyncEngine:
             command = self._commands.popleft()
             if command[0] == "add":
                 self._add_now(*command[1:])
+            elif command[0] == "lost":
+                self._fail_all(EngineLostError(command[1]))
+                self._lose(command[1])
             else:
                 self._abort_now(command[1])
+
+    def lose(self, reason: str) -> None:
+        """The engine can run no more steps (a watchdog saw a tensor-parallel rank die while no step ran):
+        before the next step, the requests in flight fail with ``reason`` and new ones are refused, as when
+        a step finds it (:class:`EngineGoneError`, HTTP 503)."""
+        self._send(("lost", reason))
+
+    def _lose(self, reason: str) -> None:
+        """Under the lock: from now on refuse (``lost``), and tell ``on_lost`` once."""
+        if self.lost is None:
+            self.lost = reason
+            if self.on_lost is not None:
+                self.on_lost(reason)
 
     def _add_now(self, request_id, prompt_ids, params, logprobs, prompt_logprobs, n, arrival_s, added) -> None:
         """Add a request, or refuse it (full queue, bad prompt, stopping); tell its client which."""
@@ -332,9 +366,11 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
 
     def _fail_all(self, error: Exception) -> None:
-        """A step raised: abort every unfinished request and tell each client, one line.
-        (No metrics hook here: it may be what raised.)"""
-        message = EngineDeadError(f"the engine failed during a step: {type(error).__name__}: {error}")
+        """A step raised, and no request owns the failure (those the engine ends alone): abort every
+        unfinished request and tell each client, one line. (No metrics hook here: it may be what raised.)"""
+        gone = isinstance(error, EngineLostError)  # a rank died: these requests hear what later ones will (503)
+        message = (EngineGoneError if gone else EngineDeadError)(
+            f"the engine failed during a step: {type(error).__name__}: {error}")
         unfinished = {request_id for request_id, request in self.engine.requests.items() if not request.finished}
         for request_id in list(self.engine.requests):
             if request_id in unfinished:  # (aborting a request with n > 1 ends its other sequences too)
