@@ -46,6 +46,8 @@ def test_json_schema_answer_validates_and_the_trace_counts_allowed_tokens(tmp_pa
     (["--logit-bias", "28"], "--logit-bias takes ID=BIAS (e.g. 28=-100), got '28'"),
     (["--logit-bias", "28=-500"], "logit_bias[28] must be a number in [-100, 100]"),
     (["--choice", "a", "--speculative", "ngram"], "--speculative does not go with --json-schema"),
+    (["--regex", "(a{1000}){1000}"], "--regex: the regex exceeds the lexer fuel limit (initial_lexer_fuel"),
+    (["--regex", r"[^\s\S]"], "--regex: no text matches the regex"),
 ])
 def test_usage_errors_exit_2(args, message):
     r = minillm("generate", "hi", *args)

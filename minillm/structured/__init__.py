@@ -6,7 +6,8 @@ vocabulary) and ``accept(token_id)``. Sampling sets the disallowed logits to -in
 takes the best allowed token and sampling draws only among allowed ones. This package builds
 such objects with a grammar library (llguidance):
 
-    grammar.py         Grammar (JSON schema, regex, choices, Lark) and GrammarMatcher: the mask
+    grammar.py         Grammar (JSON schema, regex, choices, Lark or GBNF) and GrammarMatcher: the mask;
+                       a constraint that cannot work (over a limit, no text matches) refused when built
     request_fields.py  OpenAI's response_format and vLLM's structured_outputs / guided_* -> Grammar
 
 Imported by the CLI and the server only; the engine and generate() see just the hook.

@@ -61,10 +61,14 @@ class StreamOptions(_Strict):
 
 class ResponseFormat(_Strict):
     """OpenAI's ``response_format``: "text" (no constraint), "json_object" (any JSON object) or
-    "json_schema" with ``json_schema: {"name", "schema", "strict", "description"}``."""
+    "json_schema" with ``json_schema: {"name", "schema", "strict", "description"}``; also
+    "json_object" with a top-level ``schema`` (Together's and Anyscale's form, which instructor
+    <= 1.3's JSON_SCHEMA mode sends): JSON valid against that schema."""
 
+    model_config = ConfigDict(serialize_by_alias=True)  # dumped as "schema", the name clients send
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict | None = None
+    schema_: dict | None = Field(None, alias="schema")  # "schema" itself would shadow BaseModel.schema
 
     @field_validator("json_schema")
     @classmethod
@@ -79,8 +83,9 @@ class ResponseFormat(_Strict):
 
 class StructuredOutputs(_Strict):
     """vLLM's ``structured_outputs`` (its StructuredOutputsParams, vLLM >= 0.11): one of json (a
-    schema), regex, choice, grammar (Lark or GBNF) or json_object; the tuning flags of vLLM's
-    own backends are accepted and change nothing here."""
+    schema), regex, choice, grammar (Lark or GBNF) or json_object. Of the tuning flags of vLLM's
+    own backends, disable_any_whitespace and whitespace_pattern are honoured (JSON only); the
+    others are accepted and change nothing here."""
 
     json_: dict | str | None = Field(None, alias="json")  # "json" itself would shadow BaseModel.json
     regex: str | None = None
