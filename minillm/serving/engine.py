@@ -301,7 +301,8 @@ class LLMEngine:
     def _fail(self, request: Request, part: str, why: str) -> None:
         """End one request on a failure of its own ``part`` (its stop_reason: "allowed_tokens", "logits",
         "sampling", "stop", "prompt_logprobs"): its blocks are freed; its message says why, in one line."""
-        where = f"after {len(request.output_ids)} output tokens" if request.output_ids else "before its first token"
+        n = len(request.output_ids)
+        where = f"after {n} output token{'s' * (n > 1)}" if n else "before its first token"
         self.scheduler.finish(request, "error", part, f"the request's {part} failed {where}: {why}")
 
     def _fork(self, sampling: list[Request], tokens: list[int], logits: torch.Tensor):
