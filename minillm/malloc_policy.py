@@ -64,6 +64,18 @@ def keep_freed_memory(environ: Mapping[str, str] | None = None) -> str | None:
     return f"glibc refused mallopt({', '.join(refused)})" if refused else None
 
 
+def give_back_freed_memory() -> bool:
+    """glibc's ``malloc_trim(0)``: hand the free memory of every heap back to the OS now.
+
+    For after a one-off large allocation (a server tokenising megabytes of a prompt it then
+    refuses): :func:`keep_freed_memory`'s threshold would keep it all, for a next step that never
+    needs that much. Costs a walk over the heaps' free blocks (milliseconds). Returns whether glibc
+    gave any memory back; False where the C library is not glibc.
+    """
+    libc = _glibc()
+    return libc is not None and bool(libc.malloc_trim(0))
+
+
 def _glibc() -> ctypes.CDLL | None:
     """This process's C library when it is glibc (it has gnu_get_libc_version), else None."""
     try:

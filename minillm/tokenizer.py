@@ -26,6 +26,13 @@ from .formats.chat_template import SPECIAL_TOKEN_NAMES, normalize_messages, rend
 from .errors import ModelNotFoundError
 from .stopping import StreamDecoder  # noqa: F401 (the streaming detokenizer, importable here too)
 
+# A normalizer may merge characters before the vocabulary sees them (NFC composes e + U+0301
+# into one); four characters to one is beyond what any text does.
+NORMALIZER_SLACK = 4
+# Tokens_at_least counts a text of up to this many characters per token of its limit by encoding
+# it (a few ms); a longer one by pieces first. English runs about 4 characters a token.
+PREFIX_CHARS_PER_TOKEN = 8
+
 
 
 def load_tokenizer(name_or_path: str | Path, weights_dir: str | Path | None = None) -> Tokenizer:
@@ -119,15 +126,7 @@ class Tokenizer:
         bytes Python could not decode (a Latin-1 file, a terminal's argv: ``surrogateescape``
         keeps byte 0xe9 as U+DCE9) or a lone surrogate. The tokenizers library's own messages
         name neither ("TextInputSequence must be str")."""
-        if not isinstance(text, str):
-            raise ValueError(f"text must be a str, got {type(text).__name__}; decode ids with tok.decode")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            code = ord(text[e.start])
-            what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
-            raise ValueError(f"the text is not valid UTF-8: {what} at character {e.start}; give it as UTF-8 "
-                             "(e.g. iconv -f latin1 -t utf-8)") from None
+        _check_text(text)
         # encode_batch gives the same ids and releases the GIL while Rust works (encode holds it):
         # a server's other threads keep running while a long prompt is tokenised
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
@@ -142,6 +141,102 @@ class Tokenizer:
         """
         return max(len(token) for token in self.backend.get_vocab(with_added_tokens=True))
 
+    def tokens_at_least(self, text: str, enough: int) -> int:
+        """A lower bound on ``len(self.encode(text, add_special_tokens=False))`` that reaches
+        ``enough`` as soon as a prefix of ``text`` shows it, without tokenising the rest: a server
+        refuses a prompt too long for its context in a fraction of a second, not the seconds (and
+        hundreds of MB) that encoding megabytes takes. A text of at most ``PREFIX_CHARS_PER_TOKEN *
+        enough`` characters costs little to encode: the bound is then 0 (it says nothing).
+
+        Each prefix ``P = text[:c]`` (c doubling, moved back to the start of an added token it
+        would cut) is split into *pieces* by the tokenizer's own pipeline (added tokens,
+        normalizer, pre-tokenizer), with the model swapped for one that spells each piece as one
+        token (:attr:`_piece_splitter`: no BPE, which is what costs on a long word). With the
+        pieces of P, p_1 .. p_k, and a = where p_k starts:
+
+            text   |-- p_1 --|-- p_2 --| ... |-- p_k -----.------------------|
+                                              a           c (the cut)
+
+            tokens(text) >= sum_{i<k} ceil(|p_i| / L) + ceil((c - a) / L)
+
+        where L = max_token_chars (times NORMALIZER_SLACK when there is a normalizer: it may merge
+        that many characters into one) and |p| counts characters, or UTF-8 bytes for a byte-level
+        vocabulary without a normalizer (:attr:`_spells_bytes`). Why it holds:
+
+        1. p_1 .. p_(k-1) are pieces of the whole text too. Each stage splits by what it reads up
+           to the split and one character past it: an added token's match covers its characters
+           only (no lstrip, rstrip or single_word; else :attr:`_piece_splitter` is None) and none
+           crosses c; the pre-tokenizers' regexes (GPT-2's, Llama 3's, Qwen's; Metaspace,
+           digits) are alternatives of runs of one class of characters (letters, digits, other,
+           whitespace, with an optional first character or one character of lookahead), so a run
+           that goes on past c in the text matches, in P, a run up to c. Only p_k can differ.
+        2. The model encodes each piece on its own (``tokenizers``' pipeline), so the text's
+           tokens include each p_i's, and a piece of n characters is at least ceil(n / L) tokens:
+           no token spells more than L characters, and each character has a token (byte-level and
+           byte-fallback vocabularies, minillm's models'), so no piece is 0 tokens.
+        3. The characters [a, c) are spelled by the text's later tokens, at most L each.
+           (A byte-level token's L characters are L bytes, of which a character takes 1-4.)
+
+        Without a pre-tokenizer (SentencePiece-style tokenizer.json: one piece) this is c / L, the
+        length alone. Raises ValueError as :meth:`encode` does.
+        """
+        _check_text(text)
+        chars = PREFIX_CHARS_PER_TOKEN * enough
+        if len(text) <= chars or self._piece_splitter is None:
+            return 0
+        per_token = self.max_token_chars * (NORMALIZER_SLACK if self.backend.normalizer is not None else 1)
+        in_bytes = self._spells_bytes
+        while True:
+            cut = self._cut_before_added_tokens(text, chars) if chars < len(text) else len(text)
+            pieces = self._piece_splitter.encode_batch([text[:cut]], add_special_tokens=False)[0].offsets
+            spans = [(start, end) for start, end in pieces if end > start]
+            if spans and cut < len(text):  # the last piece may go on past the cut: counted up to it
+                spans[-1] = (spans[-1][0], cut)
+            sizes = (len(text[start:end].encode()) if in_bytes else end - start for start, end in spans)
+            bound = sum(-(-size // per_token) for size in sizes)
+            if bound >= enough or chars >= len(text):
+                return bound
+            chars *= 2
+
+    def _cut_before_added_tokens(self, text: str, cut: int) -> int:
+        """``cut``, moved back to the start of any added token written in ``text`` across it."""
+        moved = True
+        while moved:
+            moved = False
+            for content in self._added_contents:
+                start = text.rfind(content, max(0, cut - len(content) + 1), cut + len(content) - 1)
+                if start != -1 and start < cut:
+                    cut, moved = start, True
+        return cut
+
+    @functools.cached_property
+    def _spells_bytes(self) -> bool:
+        """A byte-level vocabulary with no normalizer: its tokens' characters are the text's UTF-8
+        bytes, so L (max_token_chars) bounds the bytes a token spells (a CJK character is 3)."""
+        pre_tokenizer = self.backend.pre_tokenizer
+        return self.backend.normalizer is None and pre_tokenizer is not None and (
+            b'"ByteLevel"' in pre_tokenizer.__getstate__())  # its JSON
+
+    @functools.cached_property
+    def _added_contents(self) -> list[str]:
+        return [token.content for token in self.backend.get_added_tokens_decoder().values() if token.content]
+
+    @functools.cached_property
+    def _piece_splitter(self) -> tokenizers.Tokenizer | None:
+        """This tokenizer with its model swapped for a WordLevel model that knows no word: each
+        piece of a text (an added token, a pre-tokenizer's split) becomes one unknown token, with
+        its character offsets (:meth:`tokens_at_least`). None when an added token's match depends
+        on characters beyond its own (lstrip, rstrip, single_word; or normalized, under a
+        normalizer): then a prefix's pieces tell nothing."""
+        added = self.backend.get_added_tokens_decoder().values()
+        if any(t.lstrip or t.rstrip or t.single_word or t.normalized and self.backend.normalizer for t in added):
+            return None
+        splitter = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        splitter.model = tokenizers.models.WordLevel({"<unk>": 0}, unk_token="<unk>")
+        splitter.no_truncation()
+        splitter.no_padding()
+        return splitter
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (an incomplete UTF-8 character at the end shows as U+FFFD).
 
@@ -154,14 +249,15 @@ class Tokenizer:
         """``ids`` as a list of Python ints, each one in the vocabulary.
 
         Raises ValueError naming the first bad id (the `tokenizers` library would turn an
-        unknown id into "" and a negative one into an OverflowError).
+        unknown id into "" and a negative or 33-bit one into an OverflowError).
         """
         try:
             checked = [_as_token_id(i) for i in ids]
         except TypeError:
             raise ValueError(f"token ids must be a sequence of integers, got {ids!r:.80}") from None
         for token_id in checked:
-            if token_id < 0 or self.backend.id_to_token(token_id) is None:  # also holes in the id range
+            # the library's ids are 32-bit (a larger one is an OverflowError); also holes in the id range
+            if not 0 <= token_id < 2**32 or self.backend.id_to_token(token_id) is None:
                 raise ValueError(f"token id {token_id} is not in the vocabulary (ids 0..{self.vocab_size - 1})")
         return checked
 
@@ -240,6 +336,19 @@ class Tokenizer:
             documents=documents,
             **kwargs,
         )
+
+
+def _check_text(text) -> None:
+    """ValueError unless ``text`` is a str UTF-8 can encode (:meth:`Tokenizer.encode` says why)."""
+    if not isinstance(text, str):
+        raise ValueError(f"text must be a str, got {type(text).__name__}; decode ids with tok.decode")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+        raise ValueError(f"the text is not valid UTF-8: {what} at character {e.start}; give it as UTF-8 "
+                         "(e.g. iconv -f latin1 -t utf-8)") from None
 
 
 def _as_token_id(value) -> int:

@@ -271,7 +271,8 @@ def test_encode_refuses_what_is_not_text(tok, text):
         tok.encode(text)
 
 
-BAD_IDS = {"past the end": 10**6, "vocab_size": 49152, "negative": -1, "float": 2.0, "string": "5", "bool": True}
+BAD_IDS = {"past the end": 10**6, "vocab_size": 49152, "negative": -1, "float": 2.0, "string": "5", "bool": True,
+           "past 32 bits": 2**40, "past 64 bits": 10**30}  # the last two: OverflowError in tokenizers
 
 
 @pytest.mark.parametrize("bad", BAD_IDS.values(), ids=BAD_IDS.keys())
@@ -302,3 +303,50 @@ def test_id_to_token_outside_the_vocabulary(tok):
     assert tok.id_to_token(10**6) is None and tok.id_to_token(-1) is None
     with pytest.raises(ValueError):
         tok.id_to_token(1.5)
+
+
+# Texts that make pieces of every kind: words, runs of spaces and newlines, digits (one piece
+# each), punctuation, contractions, a combining accent, CJK, an added token, a long word.
+PIECES = ["a", "b", " ", "  ", "\n", "\t", "7", "'s", ",", ".", "e\u0301", "\u6f22", "<|im_start|>", "x" * 200]
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(st.sampled_from(PIECES), min_size=1, max_size=120), enough=st.integers(1, 60))
+def test_tokens_at_least_is_a_lower_bound(tok, byte_fallback_tok, parts, enough):
+    """The bound never exceeds the real count, cut anywhere (``enough`` small: prefixes of a few
+    characters), for byte-level BPE (SmolLM2) and a SentencePiece-style tokenizer (a normalizer,
+    no pre-tokenizer: one piece)."""
+    text = "".join(parts)
+    for tokenizer in (tok, byte_fallback_tok):
+        assert tokenizer.tokens_at_least(text, enough) <= len(tokenizer.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("text", ["The sea, the sea. " * 200_000, "abcdefghij" * 250_000, "\u6f22\u5b57" * 420_000],
+                         ids=["words", "one long word", "CJK"])
+def test_tokens_at_least_refuses_megabytes_from_a_prefix(tok, text):
+    """A 2.4-3.6 MB text over a context of 8,192 tokens: the bound reaches it from a prefix, never
+    encoding the whole text (the pieces of a few hundred KB at most)."""
+    encoded = []
+    splitter = tok._piece_splitter
+    tok.__dict__["_piece_splitter"] = _Recording(splitter, encoded)
+    try:
+        assert tok.tokens_at_least(text, 8192) >= 8192
+    finally:
+        tok.__dict__["_piece_splitter"] = splitter
+    assert max(encoded) < len(text) and max(encoded) <= 2**20, encoded
+
+
+class _Recording:
+    """A tokenizers.Tokenizer that records the length of each text it encodes."""
+
+    def __init__(self, backend, lengths: list):
+        self.backend, self.lengths = backend, lengths
+
+    def encode_batch(self, texts, **kwargs):
+        self.lengths += [len(t) for t in texts]
+        return self.backend.encode_batch(texts, **kwargs)
+
+
+def test_tokens_at_least_says_nothing_about_a_short_text(tok):
+    """Up to 8 characters per token of ``enough`` it is cheaper to encode: the bound is 0."""
+    assert tok.tokens_at_least("word " * 1000, 1000) == 0

@@ -52,6 +52,29 @@ def test_health_and_models(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+# a body each POST route serves, and one it refuses (the routes read their bodies themselves)
+BODIES = {"/v1/completions": ({"prompt": "Hi", "max_tokens": 2, "logit_bias": {"5": -100}}, {"prompt": 5}),
+          "/v1/chat/completions": ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]},
+                                   {"messages": [{"role": "robot", "content": "Hi"}]}),
+          "/tokenize": ({"prompt": "Hi", "return_token_strs": True}, {"prompt": "Hi", "frobnicate": 1}),
+          "/detokenize": ({"tokens": [1, 2]}, {"tokens": ["a"]})}
+
+
+def test_openapi_documents_the_request_bodies(server):
+    """/openapi.json (and so /docs) describes each POST route's body: protocol.py's model, nested
+    models in components.schemas; a body the server serves fits it, one it refuses does not."""
+    jsonschema = pytest.importorskip("jsonschema")
+    document = httpx.get(f"{server}/openapi.json", timeout=TIMEOUT_S).json()
+    for path, (served, refused) in BODIES.items():
+        schema = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        schema = dict(schema, components=document["components"])  # its $refs: "#/components/schemas/..."
+        jsonschema.validate(served, schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(refused, schema)
+        assert httpx.post(f"{server}{path}", json=served, timeout=TIMEOUT_S).status_code == 200
+        assert httpx.post(f"{server}{path}", json=refused, timeout=TIMEOUT_S).status_code == 400
+
+
 def test_models_retrieve_and_head_health(server, client):
     model = client.models.retrieve(MODEL)
     assert (model.id, model.object, model.owned_by) == (MODEL, "model", "minillm")

@@ -3,6 +3,7 @@ names the field; the server keeps serving. Also the waiting-queue limit (503) an
 gives up on a non-streaming request (its request is aborted)."""
 
 import json
+import socket
 import threading
 
 import httpx
@@ -17,7 +18,8 @@ TIMEOUT_S = 60.0
 CONTEXT = 512  # tiny_chat's max_position_embeddings
 USER = [{"role": "user", "content": "Hi"}]
 
-# (endpoint, body: dict -> JSON, str/bytes -> sent as is, status, param, a piece of the message)
+# (endpoint under /v1, or a path from /; body: dict -> JSON, str/bytes -> sent as is; status, param, a piece
+# of the message)
 CASES = {
     "bad JSON": ("completions", '{"prompt": "hi",', 400, None, "not valid JSON"),
     "non-UTF-8 body": ("completions", b'{"prompt": "caf\xe9"}', 400, None, "not UTF-8"),
@@ -113,6 +115,25 @@ CASES = {
         "messages.0.tool_calls.0.function", "required"),
     "chat max_completion_tokens 0": ("chat/completions", {"messages": USER, "max_completion_tokens": 0}, 400,
                                      "max_completion_tokens", "greater than or equal to 1"),
+    # issue 40: found by hand and by the fuzzer (test_server_fuzz.py); each was a 500 or a 400 with param null
+    "logit_bias key a superscript digit": ("completions", {"prompt": "hi", "logit_bias": {"\u00b2": 5}}, 400,
+                                           "logit_bias", "token ids"),  # "²".isdigit(), but int("²") fails
+    "logit_bias key of 5,000 digits": ("completions", {"prompt": "hi", "logit_bias": {"9" * 5000: 5}}, 400,
+                                       "logit_bias", "5,000 digits) is beyond any vocabulary"),
+    "logit_bias key past 64 bits": ("completions", {"prompt": "hi", "logit_bias": {"1" + "0" * 19: 5}}, 400,
+                                    "logit_bias", "beyond any vocabulary"),
+    "logit_bias key past the vocabulary": ("completions", {"prompt": "hi", "logit_bias": {"4294967296": 5}}, 400,
+                                           "logit_bias", "not in the vocabulary"),
+    "prompt id past 64 bits": ("completions", {"prompt": [1, 10**30]}, 400, "prompt", "item 1 is 1000000"),
+    "detokenize id past 32 bits": ("/detokenize", {"tokens": [5, 2**40]}, 400, "tokens", "not in the vocabulary"),
+    "repetition_penalty 1e400 (infinite)": ("completions", '{"prompt": "hi", "repetition_penalty": 1e400}', 400,
+                                            "repetition_penalty", "finite"),
+    "unknown field with a line break": ("completions", {"prompt": "hi", "a\nb": 1}, 400, "a\nb", "a\\nb: unknown"),
+    "unknown field named like a union branch": ("completions", {"prompt": "hi", "str": 1}, 400, "str",
+                                                "unknown field"),
+    "unknown field with an empty name": ("/detokenize", {"tokens": [], "": None}, 400, "", "unknown field"),
+    "chat prompt over the context": ("chat/completions", {"messages": [{"role": "user", "content": "hi " * 600}]},
+                                     400, "messages", f"{CONTEXT} tokens"),
 }
 
 
@@ -134,13 +155,32 @@ def server(tiny_chat):
 def test_bad_request_gets_an_openai_error(server, name):
     endpoint, body, status, param, fragment = CASES[name]
     content = json.dumps(body) if isinstance(body, dict) else body
-    r = httpx.post(f"{server}/v1/{endpoint}", content=content, timeout=TIMEOUT_S,
-                   headers={"content-type": "application/json"})
+    url = f"{server}{endpoint}" if endpoint.startswith("/") else f"{server}/v1/{endpoint}"
+    r = httpx.post(url, content=content, timeout=TIMEOUT_S, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert fragment in error["message"] and "\n" not in error["message"]
+
+
+@pytest.mark.parametrize("raw", [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ten\r\n\r\n",
+                                 b"NOT HTTP AT ALL\r\n\r\n",
+                                 b"GET /v1/models HTTP/1.1\r\nHost: x\r\nA header without a colon\r\n\r\n"],
+                         ids=["bad Content-Length", "no request line", "bad header"])
+def test_malformed_http_gets_an_openai_error(server, raw):
+    """HTTP that uvicorn cannot parse never reaches the app: its protocol answers (was: text/plain
+    'Invalid HTTP request received.', now OpenAI's JSON; app.JSONErrorsHTTPProtocol)."""
+    with socket.create_connection(("127.0.0.1", httpx.URL(server).port), timeout=TIMEOUT_S) as connection:
+        connection.sendall(raw)
+        answer = b""
+        while chunk := connection.recv(65536):
+            answer += chunk
+    head, body = answer.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower()
+    assert json.loads(body) == {"error": {"message": "the HTTP request is malformed (the server could not parse its "
+                                                     "request line or headers); send HTTP/1.1",
+                                          "type": "invalid_request_error", "param": None, "code": None}}
 
 
 def test_server_keeps_serving_after_bad_requests(server):

@@ -33,6 +33,7 @@ import time
 import uuid
 
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -42,6 +43,8 @@ from starlette.requests import ClientDisconnect
 
 from ...generation_config import generation_config_of
 from ...sampling import SamplingParams
+from ...malloc_policy import give_back_freed_memory
+from ...tokenizer import NORMALIZER_SLACK
 from . import protocol
 from .async_engine import AsyncEngine, EngineDeadError, EngineGoneError, QueueFullError, ShuttingDownError
 from .metrics import ServerMetrics
@@ -79,6 +82,7 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
     if async_engine.engine.tokenizer is None:
         raise ValueError("the engine needs the tokenizer to stream text: LLMEngine(model, tokenizer, ...)")
     app = FastAPI(title="minillm", description="an OpenAI-compatible server on minillm's batching engine")
+    _describe_request_bodies(app)
     app.state.async_engine, app.state.tokenizer, app.state.model_name = async_engine, tokenizer, model_name
     app.state.metrics = metrics = ServerMetrics(async_engine)
     async_engine.on_finished = metrics.observe_finished
@@ -141,16 +145,16 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
         _check_model(model_id, model_name)
         return model_card
 
-    @app.post("/v1/completions", **v1)
+    @app.post("/v1/completions", **v1, openapi_extra=protocol.openapi_request_body(protocol.CompletionRequest))
     async def completions(request: Request):
         body = await _parse(request, protocol.CompletionRequest)
         _check_model(body.model, model_name)
         _log_ignored(request, body)
         if isinstance(body.prompt, str):
             _refuse_unfittable(len(body.prompt), context, tokenizer, "prompt")
-            prompt_ids = await asyncio.to_thread(tokenizer.encode, body.prompt)
+            prompt_ids = await asyncio.to_thread(_encode_prompt, tokenizer, body.prompt, context, "prompt")
         else:
-            prompt_ids = list(body.prompt)
+            prompt_ids = _check_prompt_ids(body.prompt, model.config.vocab_size)
         # max_tokens 0 (with echo): the engine makes its one token, which the answer leaves out (vLLM's way)
         requested = 1 if body.max_tokens == 0 else body.max_tokens
         grammar = await asyncio.to_thread(_grammar, body, tokenizer, async_engine.engine)
@@ -167,7 +171,7 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
                                         prompt_logprobs=prompt_logprobs, n=body.n)
         return await _respond(outputs, body, reply, request)
 
-    @app.post("/v1/chat/completions", **v1)
+    @app.post("/v1/chat/completions", **v1, openapi_extra=protocol.openapi_request_body(protocol.ChatCompletionRequest))
     async def chat_completions(request: Request):
         body = await _parse(request, protocol.ChatCompletionRequest)
         _check_model(body.model, model_name)
@@ -175,8 +179,8 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
         chat = [m.as_template_message() for m in body.messages]
         _check_tool_calls_render(chat, tokenizer)
         _refuse_unfittable(sum(len(m.get("content") or "") for m in chat), context, tokenizer, "messages")
-        prompt_ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, chat, body.chat_template_kwargs)
-        max_tokens = _max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids), context)
+        prompt_ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, chat, body.chat_template_kwargs, context)
+        max_tokens = _max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids), context, "messages")
         grammar = await asyncio.to_thread(_grammar, body, tokenizer, async_engine.engine)
         params = _sampling_params(body, max_tokens, defaults, grammar)
         if body.top_logprobs is not None and not body.logprobs:
@@ -186,7 +190,7 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
         outputs = async_engine.generate(prompt_ids, params, reply.id, logprobs=logprobs, n=body.n)
         return await _respond(outputs, body, reply, request)
 
-    @app.post("/tokenize", **v1)
+    @app.post("/tokenize", **v1, openapi_extra=protocol.openapi_request_body(protocol.TokenizeRequest))
     async def tokenize(request: Request):
         """vLLM's /tokenize: ``{"tokens", "count", "max_model_len", "token_strs"}``."""
         body = await _parse(request, protocol.TokenizeRequest)
@@ -208,7 +212,7 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
         return {"count": len(ids), "max_model_len": context, "tokens": ids,
                 "token_strs": tokenizer.token_strings(ids) if body.return_token_strs else None}
 
-    @app.post("/detokenize", **v1)
+    @app.post("/detokenize", **v1, openapi_extra=protocol.openapi_request_body(protocol.DetokenizeRequest))
     async def detokenize(request: Request):
         """vLLM's /detokenize: ``{"prompt": text}``, special tokens written out."""
         body = await _parse(request, protocol.DetokenizeRequest)
@@ -228,6 +232,25 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
         return tokenizer_info
 
     return app
+
+
+def _describe_request_bodies(app: FastAPI) -> None:
+    """/openapi.json (and /docs) with the nested models of the request bodies in
+    ``components.schemas``, where the routes' ``openapi_extra`` (protocol.openapi_request_body)
+    points: FastAPI generates the rest of the document (FastAPI's "Extending OpenAPI")."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schemas = generate().setdefault("components", {}).setdefault("schemas", {})
+            schemas.update(protocol.openapi_components(*_REQUEST_BODIES))
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+_REQUEST_BODIES = (protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.TokenizeRequest,
+                   protocol.DetokenizeRequest)
 
 
 def _detokenize(tokenizer, ids: list[int], param: str) -> str:
@@ -319,7 +342,7 @@ def run_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout_
     Raises RuntimeError if the server has not started (a port in use, a bad host) within ``timeout_s``.
     """
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
-                            timeout_graceful_shutdown=int(timeout_s))
+                            timeout_graceful_shutdown=int(timeout_s), http=JSONErrorsHTTPProtocol)
     engine = getattr(app.state, "async_engine", None)  # any ASGI app may be served here (tests)
     server = DrainingServer(config, engine, drain_timeout_s) if engine is not None else uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="minillm-uvicorn", daemon=True)
@@ -336,6 +359,21 @@ def run_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout_
     finally:
         server.should_exit = True
         thread.join(timeout_s + drain_timeout_s)
+
+
+class JSONErrorsHTTPProtocol(AutoHTTPProtocol):
+    """uvicorn's HTTP/1.1 protocol (httptools' where installed, else h11's) answering a request it
+    cannot parse (a bad request line, a header h11 refuses, a wrong Content-Length) with OpenAI's
+    error JSON instead of uvicorn's plain text. Such a request never reaches the app, so its
+    exception handlers cannot answer it. ``uvicorn.Config(app, http=JSONErrorsHTTPProtocol)``.
+    """
+
+    def send_400_response(self, msg: str) -> None:  # both of uvicorn's protocols call it, then nothing else
+        body = json.dumps(protocol.error_body(400, "the HTTP request is malformed (the server could not parse its "
+                                                   "request line or headers); send HTTP/1.1")).encode()
+        self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
 
 
 async def _respond(outputs, body, reply, request: Request):
@@ -452,14 +490,18 @@ def _check_tool_calls_render(chat: list[dict], tokenizer) -> None:
                        f"messages.{with_calls[0]}.tool_calls")
 
 
-def _chat_prompt_ids(tokenizer, chat: list[dict], template_kwargs: dict | None = None) -> list[int]:
+def _chat_prompt_ids(tokenizer, chat: list[dict], template_kwargs: dict | None = None,
+                     context: int | None = None) -> list[int]:
     """The chat template applied (with the assistant's turn opened, and the request's
-    ``chat_template_kwargs``), then encoded; APIError 400 when the template refuses the chat."""
+    ``chat_template_kwargs``), then encoded; APIError 400 when the template refuses the chat, or
+    (given the ``context``) when the prompt cannot fit it (:func:`_encode_prompt`)."""
     try:
         text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, **(template_kwargs or {}))
     except ValueError as error:
         raise APIError(400, str(error), "messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
+    if context is None:
+        return tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
+    return _encode_prompt(tokenizer, text, context, "messages", add_special_tokens=False)
 
 
 async def _parse(request: Request, model_class):
@@ -508,11 +550,6 @@ def max_model_len(engine) -> int:
     return min(engine.model.config.max_seq_len, pool.num_blocks * pool.block_size)
 
 
-# A normalizer may merge characters before the vocabulary sees them (NFC composes e + U+0301
-# into one); four characters to one is beyond what any text does.
-NORMALIZER_SLACK = 4
-
-
 def _refuse_unfittable(n_chars: int, context: int, tokenizer, param: str) -> None:
     """APIError 400 for a text that cannot fit the context whatever its tokens, decided from its
     length alone: tokenising megabytes only to refuse them would hold up every other request."""
@@ -524,13 +561,45 @@ def _refuse_unfittable(n_chars: int, context: int, tokenizer, param: str) -> Non
                        "context_length_exceeded")
 
 
-def _max_tokens(requested: int | None, prompt_len: int, context: int) -> int:
+def _check_prompt_ids(ids: list[int], vocab: int) -> list[int]:
+    """``ids``, or APIError 400 naming the prompt for an id outside [0, vocab): checked here, since
+    the engine's own check first makes a tensor, which an id past 64 bits fails in words about tensors."""
+    bad = next((i for i, token_id in enumerate(ids) if not 0 <= token_id < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"prompt ids must be in [0, {vocab}) (the vocabulary); item {bad} is {ids[bad]}",
+                       "prompt")
+    return list(ids)
+
+
+# After tokenising more than this (a MiB of characters: a few hundred thousand tokens, far past
+# any context), glibc is told to give the tokenizer's memory back.
+TRIM_AFTER_CHARS = 2**20
+
+
+def _encode_prompt(tokenizer, text: str, context: int, param: str, add_special_tokens: bool = True) -> list[int]:
+    """``text``'s token ids; APIError 400 naming ``param`` as soon as a prefix of the text shows
+    that it holds ``context`` tokens or more (Tokenizer.tokens_at_least): a prompt of megabytes
+    is refused in a fraction of a second, without tokenising it whole."""
+    try:
+        at_least = tokenizer.tokens_at_least(text, context)
+        if at_least >= context:
+            raise APIError(400, f"the prompt is {len(text):,} characters, at least {at_least:,} tokens, but this "
+                                f"server's maximum context length is {context} tokens (prompt and output together"
+                                f"{_POOL_NOTE}); shorten the prompt", param, "context_length_exceeded")
+        return tokenizer.encode(text, add_special_tokens)
+    finally:
+        if len(text) > TRIM_AFTER_CHARS:  # the tokenizer's buffers for it: the malloc policy would keep them
+            give_back_freed_memory()
+
+
+def _max_tokens(requested: int | None, prompt_len: int, context: int, prompt_param: str = "prompt") -> int:
     """``requested``, or the rest of the context; APIError 400 when prompt and output exceed the
-    context (OpenAI's and vLLM's rule, with their numbers in the message)."""
+    context (OpenAI's and vLLM's rule, with their numbers in the message). ``prompt_param``: the
+    field that holds the prompt ("messages" for a chat)."""
     if prompt_len >= context:
         raise APIError(400, f"the prompt is {prompt_len} tokens but this server's maximum context length is "
                             f"{context} tokens (prompt and output together{_POOL_NOTE}); shorten the prompt",
-                       "prompt", "context_length_exceeded")
+                       prompt_param, "context_length_exceeded")
     if requested is None:
         return context - prompt_len
     if prompt_len + requested > context:
@@ -577,8 +646,9 @@ def _sampling_params(body, max_tokens: int, defaults: dict, grammar=None) -> Sam
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
             seed=body.seed, max_new_tokens=max_tokens, stop=body.stop or (), ignore_eos=body.ignore_eos,
             logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()} or None, allowed_tokens=grammar)
-    except ValueError as error:
-        raise APIError(400, str(error), _param_of(str(error))) from None
+    except ValueError as error:  # SamplingParams' messages start with the knob's name
+        name = {"max_new_tokens": "max_tokens"}.get(str(error).split()[0], str(error).split()[0])
+        raise APIError(400, str(error), name if name in type(body).model_fields else _param_of(str(error))) from None
 
 
 def _engine_error(error: Exception) -> APIError:

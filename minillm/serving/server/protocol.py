@@ -40,10 +40,14 @@ MAX_N = 128
 MAX_COMPLETION_LOGPROBS = 20
 # vLLM's floor for -inf (a token the model rules out): JSON has no infinity
 LOGPROB_FLOOR = -9999.0
+# A token id has at most 10 digits: tokenizers' ids are 32-bit, no vocabulary comes near 10**10
+MAX_TOKEN_ID_DIGITS = 10
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # allow_inf_nan: JSON has no infinity, but 1e400 parses as one (a repetition_penalty of inf
+    # passed every bound here and failed later without naming its field)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -131,8 +135,13 @@ class _SamplingFields(_Strict):
     @classmethod
     def _bias_by_token_id(cls, bias):
         for key, value in (bias or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys are token ids (e.g. \"50256\"), got {key!r}")
+            # ASCII digits only: "²".isdigit() is True and int("²") fails; a 5,000-digit key would
+            # take int() seconds (Python refuses over 4,300) and name no token of any vocabulary
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias keys are token ids (e.g. \"50256\"), got {key!r:.40}")
+            if len(key.lstrip("0")) > MAX_TOKEN_ID_DIGITS:
+                raise ValueError(f"logit_bias keys are token ids; {key[:12]}... ({len(key):,} digits) is beyond "
+                                 "any vocabulary")
             if not -100 <= value <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {key}")
         return bias
@@ -317,6 +326,31 @@ class DetokenizeRequest(_Strict):
 
     model: str | None = None
     tokens: list[int]
+
+
+# -- the request bodies in the OpenAPI document ----------------------------------------------
+
+_COMPONENTS = "#/components/schemas/{model}"
+
+
+def openapi_request_body(model_class: type[BaseModel]) -> dict:
+    """A route's ``openapi_extra`` that describes its JSON body as ``model_class``.
+
+    The routes read their bodies themselves (app.py's ``_parse``: strict JSON, OpenAI's error
+    shape), so FastAPI does not know them; this puts each body's schema into /openapi.json and
+    /docs (and gives a fuzzer, tests/serving/test_server_fuzz.py, the fields to generate). The
+    nested models are references into ``components.schemas`` (:func:`openapi_components`).
+    """
+    schema = model_class.model_json_schema(ref_template=_COMPONENTS)
+    schema.pop("$defs", None)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def openapi_components(*model_classes: type[BaseModel]) -> dict:
+    """The nested models (``$defs``) of ``model_classes``' schemas, by name: the document's
+    ``components.schemas`` that :func:`openapi_request_body`'s references point into."""
+    return {name: schema for model_class in model_classes
+            for name, schema in model_class.model_json_schema(ref_template=_COMPONENTS).get("$defs", {}).items()}
 
 
 # -- responses -------------------------------------------------------------------------------
@@ -522,7 +556,9 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: 
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    """OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
+    """OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}``. The message is one
+    line: a line break the request put in it (an unknown key, a value quoted back) is escaped."""
+    message = message.replace("\r", "\\r").replace("\n", "\\n")
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code}}
 
@@ -535,7 +571,9 @@ def validation_message(error: ValidationError) -> tuple[str, str | None]:
     first = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]), key=lambda e: len(e["loc"]))
     # drop the union branch names pydantic puts in the path ("str", "list[TextPart]", "function-before[...]")
     loc = [part for part in first["loc"] if isinstance(part, int) or part.isidentifier() and part != "str"]
-    param = ".".join(str(part) for part in loc) or None
+    if first["type"] == "extra_forbidden" and loc[-1:] != list(first["loc"][-1:]):
+        loc.append(first["loc"][-1])  # an unknown field's name stays, whatever its characters
+    param = ".".join(str(part) for part in loc) if loc else None
     if first["type"] == "json_invalid":
         return f"the body is not valid JSON: {first['msg']}", None
     message = first["msg"].removeprefix("Value error, ")
@@ -546,4 +584,4 @@ def validation_message(error: ValidationError) -> tuple[str, str | None]:
         message = "unknown field (not an OpenAI or vLLM request field minillm accepts); remove it"
     elif first["type"] != "missing" and not isinstance(got, (dict, list)):
         message += f" (got {got!r:.60})"
-    return (f"{param}: {message}" if param else message), param
+    return (f"{param}: {message}" if loc else message), param
