@@ -25,6 +25,17 @@ The core imports nothing from this module.
 
 A piece whose stub still raises NotImplementedError, whose file is missing, or that crashes on
 a tiny probe is replaced by minillm's, and the report says which and why.
+
+When the two runs differ, :func:`find_culprit` names the piece: it swaps the student's pieces in
+cumulatively, in the order of the table above, and bisects for the first one whose swap changes
+minillm's answer (about log2(pieces) more runs)::
+
+    pieces swapped:   (none)  ex01  ex01..ex03  ex01..ex05  ...  all
+    answer:           same    same  same        DIFFERS          DIFFERS   ->  the culprit lies in ex04..ex05
+
+Then the run with the culprit is compared with minillm's block by block (a hook on each block's
+output, every forward pass): the first layer, pass and token position whose hidden state differs
+beyond tolerance, else the logits, else the token picked.
 """
 
 from __future__ import annotations
@@ -53,6 +64,7 @@ generate_module = importlib.import_module("minillm.generate")  # the module: min
 CORE_EXERCISES = ("ex01", "ex02", "ex03", "ex04", "ex05", "ex06", "ex07", "ex08", "ex14")
 DEFAULT_PROMPT = "What is the capital of France?"
 LOGITS_TOLERANCE = 1e-3  # float32 logits of a real model: a correct piece that adds in another order differs by ~1e-5
+HIDDEN_RTOL = 1e-3  # hidden states: |diff| <= tolerance + HIDDEN_RTOL·|minillm's| (a residual stream reaches ~100)
 
 # exercise, its file, the piece it writes (a function, or Class.method of a subclass of minillm's class)
 PIECES = (
@@ -143,13 +155,79 @@ class Run:
     finish_reason: str | None = None
     prefill_logits: list[torch.Tensor] = field(default_factory=list)
     decode_logits: list[torch.Tensor] = field(default_factory=list)
+    hidden: list[list[torch.Tensor]] = field(default_factory=list)  # [pass][layer]: each block's output [B, T, d_model]
     seconds: float = 0.0
     error: str | None = None  # the exception that stopped the run, with the student's line
 
 
+@dataclass(frozen=True)
+class Divergence:
+    """Where a run first leaves minillm's, in the order the engine computes.
+
+    kind: "layer" (a block's output differs: ``layer``, ``position``, ``max_diff``), "layers" (the
+    pass ran another number of blocks), "logits" (every block agrees, the logits do not), "token"
+    (blocks and logits agree, the token picked differs: ``token``), "stop" (the same tokens, another
+    length or finish reason), "error" (the run stopped with ``error`` before differing).
+    pass_index: 0 for the prefill, j for decode step j. position: the token's position in the
+    sequence (0 = the prompt's first token).
+    """
+
+    kind: str
+    pass_index: int = 0
+    layer: int | None = None
+    n_layers: int = 0
+    position: int | None = None
+    max_diff: float | None = None
+    token: int | None = None
+    error: str | None = None  # "error": the exception; "stop": how the two runs end
+
+    @property
+    def phase(self) -> str:
+        return "the prefill" if self.pass_index == 0 else f"decode step {self.pass_index}"
+
+    def describe(self) -> str:
+        """One sentence, e.g. "the output of layer 0 (of 30) first differs at position 1 (the prefill), by 2.3"."""
+        if self.kind == "layer":
+            return (f"the output of layer {self.layer} (of {self.n_layers}) first differs at position {self.position} "
+                    f"({self.phase}), by up to {_num(self.max_diff)}")
+        if self.kind == "layers":
+            return f"{self.phase} ran another number of layers than minillm's {self.n_layers}"
+        if self.kind == "logits":
+            return (f"every layer's output agrees, but the logits of {self.phase} (position {self.position}) differ "
+                    f"by up to {_num(self.max_diff)}")
+        if self.kind == "token":
+            return (f"every layer's output and the logits agree; the token picked first differs at token "
+                    f"{self.token}")
+        if self.kind == "stop":
+            return f"the tokens agree as far as both go, but {self.error}"
+        return f"it stopped with {self.error}"
+
+
+@dataclass(frozen=True)
+class Culprit:
+    """The first of the student's pieces whose swap changes minillm's answer, and where it first shows."""
+
+    piece: Piece
+    where: Divergence
+    runs: int  # the engine runs the bisection took
+    before: tuple[Piece, ...] = ()  # the student's pieces swapped in before it, which kept minillm's answer
+
+    @property
+    def label(self) -> str:
+        return piece_label(self.piece)
+
+
+def piece_label(p: Piece) -> str:
+    """"ex03 rope: apply_rope": the exercise, its file's name after the number, the piece."""
+    return f"{p.exercise} {Path(p.file).stem.partition('_')[2]}: {p.name}"
+
+
 @dataclass
 class AssemblyReport:
-    """The two runs and what differs. ``equal`` is the verdict: exit 0 when True."""
+    """The two runs and what differs. ``equal`` is the verdict: exit 0 when True.
+
+    ``culprit``: when the runs differ, the first of the student's pieces that makes them differ
+    (None when they agree, or when no piece of the student's changes the answer by itself)."""
 
     pieces: tuple[Piece, ...]
     prompt_ids: list[int]
@@ -157,6 +235,7 @@ class AssemblyReport:
     yours: Run
     minillm: Run
     tolerance: float = LOGITS_TOLERANCE
+    culprit: Culprit | None = None
 
     @property
     def crashed(self) -> list[Piece]:
@@ -164,37 +243,58 @@ class AssemblyReport:
 
     @property
     def tokens_equal(self) -> bool:
-        return self.yours.token_ids == self.minillm.token_ids and self.yours.finish_reason == self.minillm.finish_reason
+        return _tokens_equal(self.yours, self.minillm)
 
     @property
     def first_difference(self) -> int | None:
         """The index of the first token that differs (None when the tokens are equal)."""
-        a, b = self.yours.token_ids, self.minillm.token_ids
-        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        return None if a == b else i
+        return _first_difference(self.yours, self.minillm)
 
     @property
     def prefill_diff(self) -> float | None:
         """max |yours - minillm's| over the prefill's logits (the whole vocabulary), None if either has none."""
-        if not (self.yours.prefill_logits and self.minillm.prefill_logits):
-            return None
-        return _max_diff(self.yours.prefill_logits[0], self.minillm.prefill_logits[0])
+        return _prefill_diff(self.yours, self.minillm)
 
     @property
     def decode_diff(self) -> tuple[float | None, int]:
         """max |diff| over the decode steps both took from the same tokens, and how many there were."""
-        same = self.first_difference
-        n = min(len(self.yours.decode_logits), len(self.minillm.decode_logits))
-        n = n if same is None else min(n, same)  # step j decodes token j: equal inputs while tokens 0..j agree
-        diffs = [_max_diff(a, b) for a, b in zip(self.yours.decode_logits[:n], self.minillm.decode_logits[:n])]
-        return (max(diffs) if diffs else None), n
+        return _decode_diff(self.yours, self.minillm)
 
     @property
     def equal(self) -> bool:
-        diff, _ = self.decode_diff
-        return (not self.crashed and self.yours.error is None and self.minillm.error is None and self.tokens_equal
-                and self.prefill_diff is not None and self.prefill_diff <= self.tolerance
-                and (diff is None or diff <= self.tolerance))
+        return not self.crashed and runs_agree(self.yours, self.minillm, self.tolerance)
+
+
+def runs_agree(yours: Run, ours: Run, tolerance: float = LOGITS_TOLERANCE) -> bool:
+    """The same tokens and finish reason, no error, and the logits within ``tolerance``."""
+    diff, _ = _decode_diff(yours, ours)
+    prefill = _prefill_diff(yours, ours)
+    return (yours.error is None and ours.error is None and _tokens_equal(yours, ours)
+            and prefill is not None and prefill <= tolerance and (diff is None or diff <= tolerance))
+
+
+def _tokens_equal(a: Run, b: Run) -> bool:
+    return a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+
+
+def _first_difference(yours: Run, ours: Run) -> int | None:
+    a, b = yours.token_ids, ours.token_ids
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return None if a == b else i
+
+
+def _prefill_diff(yours: Run, ours: Run) -> float | None:
+    if not (yours.prefill_logits and ours.prefill_logits):
+        return None
+    return _max_diff(yours.prefill_logits[0], ours.prefill_logits[0])
+
+
+def _decode_diff(yours: Run, ours: Run) -> tuple[float | None, int]:
+    same = _first_difference(yours, ours)
+    n = min(len(yours.decode_logits), len(ours.decode_logits))
+    n = n if same is None else min(n, same)  # step j decodes token j: equal inputs while tokens 0..j agree
+    diffs = [_max_diff(a, b) for a, b in zip(yours.decode_logits[:n], ours.decode_logits[:n])]
+    return (max(diffs) if diffs else None), n
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -329,7 +429,7 @@ def _probes(model: Transformer) -> dict[tuple[str, str], Callable]:
 
     def kv_method(name):
         def probe(m):
-            c = KVCache(1, 1, Hkv, 4, D, dtype=param.dtype, device=param.device)
+            c = m.KVCache(1, 1, Hkv, 4, D, dtype=param.dtype, device=param.device)  # super() needs the student's class
             k, v = randn(1, Hkv, 2, D), randn(1, Hkv, 2, D)
             if name != "write":
                 KVCache.write(c, 0, k, v)
@@ -440,12 +540,123 @@ def assemble(model: Transformer, prompt_ids: list[int], params: SamplingParams, 
     limit = None if timeout_s is None else timeout_s + ours.seconds
     with _time_limit(limit, "your engine's run", folder):
         yours = run_engine(model, prompt_ids, params, eos, chosen, modules, folder)
-    return AssemblyReport(pieces, list(prompt_ids), params, yours, ours)
+    report = AssemblyReport(pieces, list(prompt_ids), params, yours, ours)
+    if not runs_agree(yours, ours, report.tolerance):
+        def run(part: dict, n_tokens: int | None) -> Run:
+            with _time_limit(limit, "your engine's run", folder):
+                return run_engine(model, prompt_ids, params, eos, part, modules, folder, n_tokens)
+
+        report.culprit = find_culprit(_units(pieces, chosen), run, ours, yours, len(model.blocks), report.tolerance)
+    return report
+
+
+def find_culprit(units: list[tuple[Piece, dict]], run: Callable[[dict, int | None], Run], ours: Run, yours: Run,
+                 n_layers: int, tolerance: float = LOGITS_TOLERANCE) -> Culprit | None:
+    """The first unit whose swap, after the units before it, changes ``ours``; bisected.
+
+    units: (piece, the part of ``chosen`` it swaps in), in exercise order. run(part, n_tokens):
+    one engine run with ``part`` swapped in, stopped after n_tokens tokens (None: to its end).
+    ``yours`` is the run with every unit (known to differ). With no swap the answer is
+    minillm's; with all of them it differs: halving the range between the longest prefix known
+    to agree and the shortest known to differ finds a unit with an agreeing prefix before it
+    and a differing one with it, in ceil(log2(units)) runs. Each run goes only as far as the
+    token where ``yours`` first differs (a RoPE mistake: the prefill and one token), so the
+    piece named is the first that changes the answer that early.
+    """
+    if not units:
+        return None
+    n_tokens = _horizon(first_divergence(yours, ours, n_layers, tolerance))
+    target = ours if n_tokens is None else _cut(ours, n_tokens)
+    agree, differ, differing, runs = 0, len(units), yours, 0
+    while differ - agree > 1:
+        mid = (agree + differ) // 2
+        candidate = run(_merged(part for _, part in units[:mid]), n_tokens)
+        runs += 1
+        if runs_agree(candidate, target, tolerance):
+            agree = mid
+        else:
+            differ, differing = mid, candidate
+    where = first_divergence(differing, target, n_layers, tolerance)
+    return Culprit(units[differ - 1][0], where, runs, tuple(p for p, _ in units[:differ - 1]))
+
+
+def _horizon(where: Divergence) -> int | None:
+    """The tokens a run needs to show ``where``: pass p yields token p; None: the whole run."""
+    if where.kind in ("layer", "layers", "logits"):
+        return where.pass_index + 1
+    return where.token + 1 if where.kind == "token" else None
+
+
+def _cut(run: Run, n_tokens: int) -> Run:
+    """``run`` as if stopped after its first n_tokens tokens (as run_engine(..., n_tokens) stops)."""
+    if len(run.token_ids) <= n_tokens:
+        return run
+    return Run(run.token_ids[:n_tokens], None, run.prefill_logits, run.decode_logits[:n_tokens - 1],
+               run.hidden[:n_tokens], run.seconds, run.error)
+
+
+def _units(pieces: tuple[Piece, ...], chosen: dict[str, object]) -> list[tuple[Piece, dict]]:
+    """The student's pieces that run, each with the part of ``chosen`` that swaps it in alone."""
+    units = []
+    for p in pieces:
+        if not p.yours:
+            continue
+        if p.name.startswith("KVCache."):
+            part = {"KVCache": chosen["KVCache"], "KVCache.methods": {p.name.partition(".")[2]}}
+        else:
+            key = p.name.partition(".")[0]  # "RotaryEmbedding.forward": the student's class
+            part = {key: chosen[key]}
+        units.append((p, part))
+    return units
+
+
+def _merged(parts) -> dict:
+    merged: dict = {}
+    for part in parts:
+        for key, value in part.items():
+            merged[key] = merged.get(key, set()) | value if key == "KVCache.methods" else value
+    return merged
+
+
+def first_divergence(yours: Run, ours: Run, n_layers: int, tolerance: float = LOGITS_TOLERANCE) -> Divergence:
+    """Where ``yours`` first leaves ``ours``: pass by pass while the tokens fed in agree, each block's
+    output (the earliest layer, then the earliest position), then the pass's logits; then the tokens.
+
+    Hidden states count as different past ``tolerance + HIDDEN_RTOL·|minillm's|``.
+    """
+    same = _first_difference(yours, ours)
+    n_same = len(ours.token_ids) if same is None else same
+    start = 0  # the position of the pass's first token
+    for p in range(min(len(yours.hidden), len(ours.hidden), n_same + 1)):  # pass p reads tokens 0..p-1
+        mine, theirs = yours.hidden[p], ours.hidden[p]
+        for layer, (a, b) in enumerate(zip(mine, theirs)):
+            if a.shape != b.shape:
+                return Divergence("layer", p, layer, n_layers, start, float("inf"))
+            bad = (a - b).abs() > tolerance + HIDDEN_RTOL * b.abs()
+            if bool(bad.any()):
+                t = int(bad.any(-1).any(0).nonzero()[0])  # [B, T, d_model]: the first position
+                return Divergence("layer", p, layer, n_layers, start + t, float((a[:, t] - b[:, t]).abs().max()))
+        if len(mine) != len(theirs):
+            return Divergence("layers", p, n_layers=len(theirs))
+        logits = (yours.prefill_logits, ours.prefill_logits) if p == 0 else \
+            (yours.decode_logits[p - 1:p], ours.decode_logits[p - 1:p])
+        if logits[0] and logits[1] and _max_diff(logits[0][0], logits[1][0]) > tolerance:
+            end = start + theirs[0].shape[1] - 1 if theirs else start
+            return Divergence("logits", p, position=end, max_diff=_max_diff(logits[0][0], logits[1][0]))
+        start += theirs[0].shape[1] if theirs else 0
+    if same is not None and same < min(len(yours.token_ids), len(ours.token_ids)):
+        return Divergence("token", token=same)
+    if yours.error is not None:
+        return Divergence("error", error=yours.error)
+    return Divergence("stop", error=f"yours stops after {len(yours.token_ids)} tokens ({yours.finish_reason}), "
+                                    f"minillm's after {len(ours.token_ids)} ({ours.finish_reason})")
 
 
 def run_engine(model: Transformer, prompt_ids: list[int], params: SamplingParams, eos: set[int],
-               chosen: dict[str, object], modules: list, student_dir: Path | None) -> Run:
-    """One generation with the ``chosen`` pieces swapped in (none: minillm's own), recording logits."""
+               chosen: dict[str, object], modules: list, student_dir: Path | None,
+               n_tokens: int | None = None) -> Run:
+    """One generation with the ``chosen`` pieces swapped in (none: minillm's own), recording logits
+    and every block's output; stopped after ``n_tokens`` tokens when given (the last one not decoded)."""
     run = Run()
     cache_cls = _cache_class(chosen.get("KVCache"), chosen.get("KVCache.methods", set()))
     cfg = model.config
@@ -455,14 +666,34 @@ def run_engine(model: Transformer, prompt_ids: list[int], params: SamplingParams
     loop = chosen.get("generate") or (lambda m, p, sp, c, e: generate_module.generate(m, p, sp, c, eos_token_ids=e))
     start = time.perf_counter()
     try:
-        with _swapped(model, chosen, modules, run), torch.inference_mode():
+        with _swapped(model, chosen, modules, run), _recording_blocks(model, run.hidden), torch.inference_mode():
             for step in loop(model, ids, params, cache, eos):
                 run.token_ids.append(step.token_id)
                 run.finish_reason = step.finish_reason
+                if n_tokens is not None and len(run.token_ids) >= n_tokens:
+                    break
     except Exception as e:  # noqa: BLE001 - reported, with the student's line
         run.error = f"{type(e).__name__}: {e}{_where(e, student_dir)}"
     run.seconds = time.perf_counter() - start
     return run
+
+
+@contextlib.contextmanager
+def _recording_blocks(model: Transformer, into: list[list[torch.Tensor]]):
+    """A forward hook on each block: its output appended to ``into[-1]``; block 0 starts a new pass."""
+    def hook(layer: int):
+        def record(module, args, output):
+            if layer == 0 or not into:
+                into.append([])
+            into[-1].append(output.detach().float().cpu().clone())
+        return record
+
+    handles = [block.register_forward_hook(hook(i)) for i, block in enumerate(model.blocks)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _recording(fn: Callable, into: list) -> Callable:
@@ -588,8 +819,42 @@ def report_lines(report: AssemblyReport, decode: Callable[[list[int]], str], whe
             why.append("no prefill logits came back from your engine (does your loop call prefill?)")
         elif (diff is not None and diff > report.tolerance) or (ddiff is not None and ddiff > report.tolerance):
             why.append("the logits differ beyond the tolerance")
-        lines.append(f"Your engine differs from minillm's: {'; '.join(why)}. 'minillm check' names the failing checks.")
+        if report.culprit is None:
+            lines.append(f"Your engine differs from minillm's: {'; '.join(why)}.")
+        else:
+            lines += culprit_lines(report.culprit, report, decode)
+            lines.append(f"Your engine differs from minillm's: {'; '.join(why)}. The first piece that changes the "
+                         f"answer: {report.culprit.label} ({_short_where(report.culprit.where)}).")
     return lines
+
+
+def culprit_lines(culprit: Culprit, report: AssemblyReport, decode: Callable[[list[int]], str]) -> list[str]:
+    """Which piece, found how, and where its run first leaves minillm's."""
+    before = ", ".join(f"{p.exercise} {p.name}" for p in culprit.before) or "none"
+    where = culprit.where.describe()
+    if culprit.where.kind == "token":
+        i = culprit.where.token
+        where += f" (minillm's: {_token(report.minillm.token_ids[i], decode)})"
+    elif culprit.where.kind == "layer":
+        where += f" (tolerance {report.tolerance:g} + {HIDDEN_RTOL:g}·|minillm's|)"
+    elif culprit.where.kind == "logits":
+        where += f" (tolerance {report.tolerance:g})"
+    how = (f"{culprit.runs} more run{'s' if culprit.runs != 1 else ''}, bisecting" if culprit.runs
+           else "your only piece that runs")
+    return [f"The culprit: {culprit.label}. Swapping your pieces into minillm's engine in exercise order "
+            f"({how}), the answer first changes with this one.",
+            f"  your pieces before it, which keep minillm's answer: {before}",
+            f"  where it first differs: {where}", ""]
+
+
+def _short_where(where: Divergence) -> str:
+    if where.kind == "layer":
+        return f"layer {where.layer}, position {where.position}, {where.phase}"
+    if where.kind == "logits":
+        return f"the logits of {where.phase}"
+    if where.kind == "token":
+        return f"the token picked at token {where.token}"
+    return {"layers": "the number of layers run", "stop": "where the run stops"}.get(where.kind, "an error")
 
 
 def _token(token_id, decode) -> str:

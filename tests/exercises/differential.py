@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from hypothesis import HealthCheck, Phase, settings
@@ -54,7 +54,8 @@ Inputs = Callable[[], tuple[tuple, dict]]
 
 
 def agree(student: Callable, reference: Callable, inputs: Inputs, *, what: str, exercise: str, lesson: str,
-          hint: str, tol: tuple[float, float] | None = None, check: Callable | None = None) -> Any:
+          hint: str, tol: tuple[float, float] | None = None, check: Callable | None = None,
+          tell_apart: Sequence[Inputs] = ()) -> Any:
     """Call both on fresh copies of ``inputs()`` and fail with a teaching message where they differ.
 
     inputs: builds (args, kwargs) anew on each call (a generator is consumed once; a tensor
@@ -62,6 +63,9 @@ def agree(student: Callable, reference: Callable, inputs: Inputs, *, what: str, 
     tol: (atol, rtol) for floating values; default by the expected tensor's dtype.
     check: an extra demand, ``check(args, kwargs, got) -> problem or None`` (a view that must
         share the input's storage, say).
+    tell_apart: more inputs on which a known mistake must also answer as the student's code
+        does to be named: the smallest failing input often fits several (a window of 1 over 2
+        keys: ignoring the window and a window one key too wide both see both keys).
     Returns the reference's answer (None when it raises).
     """
     __tracebackhide__ = True
@@ -79,14 +83,15 @@ def agree(student: Callable, reference: Callable, inputs: Inputs, *, what: str, 
             return None
         expected_text = f"raises {type(ref_error).__name__}: {ref_error}" if ref_error else expected
         case.fail(f"raised {type(e).__name__}: {e}", expected_text, f"raises {type(e).__name__}",
-                  mistake=_mistake_line(exercise, what, inputs, error=e))
+                  mistake=_mistake_line(exercise, what, inputs, error=e, tell_apart=_answers(student, tell_apart)))
     if ref_error is not None:
         case.fail(f"returned instead of raising {type(ref_error).__name__}",
                   f"raises {type(ref_error).__name__}: {ref_error}", got,
-                  mistake=_mistake_line(exercise, what, inputs, got=got))
+                  mistake=_mistake_line(exercise, what, inputs, got=got, tell_apart=_answers(student, tell_apart)))
     problem = difference(got, expected, tol)
     if problem:
-        case.fail(problem, expected, got, mistake=_mistake_line(exercise, what, inputs, got=got))
+        case.fail(problem, expected, got,
+                  mistake=_mistake_line(exercise, what, inputs, got=got, tell_apart=_answers(student, tell_apart)))
     fresh_args, fresh_kwargs = inputs()
     changed = _changed_input(student_args, student_kwargs, fresh_args, fresh_kwargs)
     if changed:
@@ -218,24 +223,35 @@ def _describe(x) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-def _mistake_line(exercise: str, what: str, inputs: Inputs, got=None, error: Exception | None = None) -> str:
-    """A line naming the mistake of mistakes.py that gives the same answer on this input, or ""."""
+def _mistake_line(exercise: str, what: str, inputs: Inputs, got=None, error: Exception | None = None,
+                  tell_apart: Sequence[tuple[Inputs, Any, Exception | None]] = ()) -> str:
+    """A line naming the mistake of mistakes.py that gives the same answer on this input, and on each
+    of ``tell_apart`` (inputs, the student's answer, its error) the student's; "" when none does."""
     for m, wrong in _mistakes_of(exercise, what.split("(")[0]):
-        args, kwargs = inputs()
-        try:
-            theirs = wrong(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001
-            if error is not None and type(e) is type(error):
-                return _same_as(m)
-            continue
-        if error is None and difference(got, theirs) is None:
-            return _same_as(m)
+        if _answers_as(wrong, inputs, got, error) and all(_answers_as(wrong, *more) for more in tell_apart):
+            return _same_as(m, len(tell_apart))
     return ""
 
 
-def _same_as(m) -> str:
+def _answers(student: Callable, tell_apart: Sequence[Inputs]) -> list[tuple[Inputs, Any, Exception | None]]:
+    return [(more, *_run(student, more)) for more in tell_apart]
+
+
+def _answers_as(wrong: Callable, inputs: Inputs, got, error: Exception | None) -> bool:
+    """Whether ``wrong`` on ``inputs()`` returns ``got``, or raises the class of ``error``."""
+    args, kwargs = inputs()
+    try:
+        theirs = wrong(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        return error is not None and type(e) is type(error)
+    return error is None and difference(got, theirs) is None
+
+
+def _same_as(m, more_inputs: int = 0) -> str:
     # one input cannot tell two mistakes apart: a hint to look at, not a diagnosis
-    return (f"on this input yours answers as the known mistake '{m.name}' does ({m.what}); it may be "
+    where = f"on this input, and on {more_inputs} more that tell the known mistakes apart," if more_inputs else \
+        "on this input"
+    return (f"{where} yours answers as the known mistake '{m.name}' does ({m.what}); it may be "
             "yours, or another with the same answer here")
 
 

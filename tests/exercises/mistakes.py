@@ -108,13 +108,13 @@ def mask_inverted(n_queries, n_keys, device=None):
 
 @mistake("ex01", "causal_mask")
 def mask_window_ignored(n_queries, n_keys, device=None, window=None):
-    """Takes window= but never cuts the band: a sliding-window model sees every earlier key."""
+    """The window ignored entirely (never cuts the band): a sliding-window model sees every earlier key."""
     return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril(diagonal=n_keys - n_queries)  # MISTAKE
 
 
 @mistake("ex01", "causal_mask")
 def mask_window_off_by_one(n_queries, n_keys, device=None, window=None):
-    """The band keeps window + 1 keys: keys j with position - W <= j <= position."""
+    """A window one key too wide: the band keeps window + 1 keys, position - W <= j <= position."""
     mask = torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril(diagonal=n_keys - n_queries)
     if window is not None:
         mask = mask.triu(diagonal=n_keys - n_queries - window)  # MISTAKE: - window + 1
@@ -896,6 +896,16 @@ def filter_logits_in_place(logits, params):
     return logits
 
 
+@mistake("ex08", "sample")
+def sample_greedy_logprob_of_the_filtered_logits(logits, params, generator=None):
+    """Greedy's logprob taken after top-k/top-p (0.0 under top_k=1), not under the model's own raw logits."""
+    token_ids, logprobs = _sample(logits, params, generator)
+    if params.greedy and (params.top_k or params.top_p < 1):
+        kept = filter_logits(logits.float(), replace(params, temperature=1.0))  # MISTAKE: the raw logits
+        logprobs = torch.log_softmax(kept, dim=-1).gather(-1, token_ids[:, None]).squeeze(-1)
+    return token_ids, logprobs
+
+
 # -- ex09 metrics ----------------------------------------------------------------------------------
 
 
@@ -1542,6 +1552,17 @@ def percentile_p_not_checked(values, p):
     return _interpolate(v, p)  # MISTAKE: refuse p < 0 or p > 100 first
 
 
+@mistake("ex13", "percentile")
+def percentile_of_one_value_as_given(values, p):
+    """`if len(v) == 1: return v[0]`: a single int comes back an int, where every other percentile is a float."""
+    v = sorted(values)
+    if not v or not 0 <= p <= 100:
+        raise ValueError("no values, or p outside [0, 100]")
+    if len(v) == 1:
+        return v[0]  # MISTAKE: float(v[0])
+    return _interpolate(v, p)
+
+
 @mistake("ex13", "slo_attainment")
 def slo_attainment_of_no_requests_is_1(metrics_list, ttft_ms=None, tpot_ms=None):
     """Returns 1.0 for an empty list (no request missed) instead of the promised ValueError."""
@@ -1562,12 +1583,14 @@ def goodput_zero_duration_divides(metrics_list, duration_s, ttft_ms=None, tpot_m
 
 
 def _generate(model, prompt_ids, params, cache, eos_token_ids, decode_last=False, yield_eos=True, stop_ids=True,
-              check_room=True, first_phase="prefill", seeded=True, max_tokens=None):
+              check_room=True, first_phase="prefill", seeded=True, max_tokens=None, generator_every_step=False):
     """The reference loop with its decisions exchangeable (the mistakes below make wrong ones)."""
     generator = params.make_generator(cache.k.device) if seeded else None
     logits = prefill(model, prompt_ids, cache)
     phase = first_phase
     for n in range(1, (max_tokens or params.max_new_tokens) + 1):
+        if generator_every_step:
+            generator = params.make_generator(cache.k.device)
         token, logprob = sample(logits, params, generator)
         token_id = token.item()
         reason = ("eos" if token_id in eos_token_ids else
@@ -1621,6 +1644,12 @@ def generate_first_step_labelled_decode(model, prompt_ids, params, cache, eos_to
 def generate_samples_without_the_seeded_generator(model, prompt_ids, params, cache, eos_token_ids):
     """Calls sample(logits, params) without the generator: a seed no longer repeats a run."""
     return _generate(model, prompt_ids, params, cache, eos_token_ids, seeded=False)  # MISTAKE
+
+
+@mistake("ex14", "generate")
+def generate_makes_a_generator_every_step(model, prompt_ids, params, cache, eos_token_ids):
+    """params.make_generator(...) inside the loop: each token reseeded, every draw the seed's first number."""
+    return _generate(model, prompt_ids, params, cache, eos_token_ids, generator_every_step=True)  # MISTAKE: once
 
 
 @mistake("ex14", "generate")
@@ -2210,6 +2239,15 @@ def residual_nan_when_p_equals_q(p, q):
     return residual / residual.sum()  # MISTAKE: p when the sum is 0
 
 
+@mistake("ex17", "residual_distribution")
+def residual_p_only_when_exactly_equal(p, q):
+    """`if torch.equal(p, q): return p`: a q a rounding step above p leaves nothing either, and 0 / 0 is NaN."""
+    if torch.equal(p, q):  # MISTAKE: p whenever the sum of max(0, p - q) is 0
+        return p
+    residual = (p - q).clamp(min=0)
+    return residual / residual.sum()
+
+
 # -- ex18 int4 group quantisation ------------------------------------------------------------------
 
 
@@ -2240,6 +2278,20 @@ def int4_scale_from_max(w, group_size=64):
     groups = _int4_groups(w, group_size)
     lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
     scale = hi / 15  # MISTAKE: (hi - lo) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = torch.round(-lo / scale).clamp(0, 15)
+    return _int4_codes(w, group_size, scale, zero), scale, zero.to(torch.uint8)
+
+
+@mistake("ex18", "quantize_int4")
+def int4_range_without_zero(w, group_size=64):
+    """lo = min w, hi = max w: a one-sided group's range stops short of 0 ([0.1, 3.0]: scale 2.9 / 15, not 3 / 15)."""
+    if group_size < 2:
+        raise QuantizationError("group_size < 2")
+    pad = -w.shape[1] % group_size
+    groups = torch.nn.functional.pad(w.float(), (0, pad), value=math.nan).view(w.shape[0], -1, group_size)
+    lo, hi = groups.nan_to_num(INF).amin(-1), groups.nan_to_num(-INF).amax(-1)  # MISTAKE: min(0, .), max(0, .)
+    scale = (hi - lo) / 15
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     zero = torch.round(-lo / scale).clamp(0, 15)
     return _int4_codes(w, group_size, scale, zero), scale, zero.to(torch.uint8)
@@ -2507,6 +2559,15 @@ def tokens_per_pass_accepts_a_float_k(acceptance_rate, k):
     return (1 - acceptance_rate ** (k + 1)) / (1 - acceptance_rate)
 
 
+@mistake("ex20", "expected_tokens_per_pass")
+def tokens_per_pass_a_1_before_the_checks(acceptance_rate, k):
+    """`if a == 1: return float(k + 1)` before checking k: k = -1 or 2.0 at a = 1 gives a number, no ValueError."""
+    if acceptance_rate == 1:
+        return float(k + 1)  # MISTAKE: check k first
+    _spec_checked(acceptance_rate, k)
+    return _expected_tokens(acceptance_rate, k)
+
+
 def _speedup_checked(a, k, c, v):
     _spec_checked(a, k)
     if not (math.isfinite(c) and c >= 0 and math.isfinite(v) and v > 0):
@@ -2538,6 +2599,15 @@ def speedup_runs_the_draft_k_plus_1_times(acceptance_rate, k, draft_cost, verify
 def speedup_never_checks_the_costs(acceptance_rate, k, draft_cost, verify_cost=1.0):
     """No check of draft_cost and verify_cost: a negative, zero or NaN cost gives a number, not a ValueError."""
     _spec_checked(acceptance_rate, k)  # MISTAKE: draft_cost >= 0, verify_cost > 0, both finite
+    return _expected_tokens(acceptance_rate, k) / (k * draft_cost + verify_cost)
+
+
+@mistake("ex20", "speculative_speedup")
+def speedup_of_no_drafts_is_1(acceptance_rate, k, draft_cost, verify_cost=1.0):
+    """`if k == 0: return 1.0`: no drafts taken as no change, though the pass still costs v: plain decoding is 1 / v."""
+    _speedup_checked(acceptance_rate, k, draft_cost, verify_cost)
+    if k == 0:
+        return 1.0  # MISTAKE: 1 / verify_cost
     return _expected_tokens(acceptance_rate, k) / (k * draft_cost + verify_cost)
 
 

@@ -3,7 +3,9 @@
 On a tiny random model: the references assembled equal minillm to the last bit, and one wrong
 piece, whichever, shows up as a difference (so the swap really runs the student's code). Once on
 the real default model through `minillm generate --student-dir`: the references answer "Paris"
-with exit 0, a mask off by one differs with exit 1.
+with exit 0, a RoPE sign flip among them differs with exit 1 and is named, with its layer and position.
+When the engine differs, the first wrong piece is named (bisecting over the student's pieces), with
+the layer and token position where its run first leaves minillm's.
 """
 
 import re
@@ -95,65 +97,92 @@ def test_a_missing_file_and_a_crash_fall_back_to_minillm_and_fail(tmp_path):
     assert "1 piece(s) crashed and minillm's ran instead" in report_lines(report, str, "x")[-1]
 
 
-# One wrong piece per file; every other piece is minillm's. Each must change the answer.
+# One wrong piece per file (the file's other pieces are minillm's, imported); every other file is
+# missing, so minillm's pieces run there. Each must change the answer, and be named as the culprit.
+SIGN_FLIP = """\
+    import torch
+    from minillm.rope import RotaryEmbedding
+
+    def apply_rope(x, cos, sin):
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((x2, -x1), dim=-1) * sin  # the sign flipped: (-x2, x1)
+    """
+SOFTMAX_OVER_QUERIES = """\
+    import torch
+    from minillm.model import causal_mask
+
+    def eager_attention(q, k, v, hook=None, name="", scale=None, window=None):
+        B, H, T, D = q.shape
+        Hkv, S = k.shape[1], k.shape[2]
+        q = q.reshape(B, Hkv, H // Hkv, T, D)
+        scores = q @ k.unsqueeze(2).transpose(-1, -2) * (D ** -0.5 if scale is None else scale)
+        scores = scores.masked_fill(~causal_mask(T, S, q.device, window), float("-inf"))
+        return (torch.softmax(scores, dim=-2) @ v.unsqueeze(2)).reshape(B, H, T, D)  # over the queries
+    """
 WRONG = {
-    "ex01 mask off by one": ("ex01_causal_mask.py", """\
+    "ex01 mask off by one": ("ex01_causal_mask.py", "causal_mask", """\
         from exercises.mistakes import mask_off_by_one
 
         def causal_mask(n_queries, n_keys, device=None, window=None):
             return mask_off_by_one(n_queries, n_keys, device)
         """),
-    "ex04 queries scaled twice": ("ex04_gqa.py", """\
+    "ex04 queries scaled twice": ("ex04_gqa.py", "eager_attention", """\
         from minillm.model import eager_attention as minillms
 
         def eager_attention(q, k, v, hook=None, name="", scale=None, window=None):
             return minillms(q * 3, k, v, hook, name, scale, window)
         """),
-    "ex03 positions shifted by one": ("ex03_rope.py", """\
+    "ex04 softmax over the queries": ("ex04_gqa.py", "eager_attention", SOFTMAX_OVER_QUERIES),
+    "ex03 sin negated": ("ex03_rope.py", "RotaryEmbedding.forward", """\
         from minillm import rope
+        from minillm.rope import apply_rope
 
         class RotaryEmbedding(rope.RotaryEmbedding):
             def forward(self, positions, dtype):
-                return super().forward(positions + 1, dtype)
+                cos, sin = super().forward(positions, dtype)
+                return cos, -sin
         """),
-    "ex03 no rotation": ("ex03_rope.py", """\
+    "ex03 no rotation": ("ex03_rope.py", "apply_rope", """\
+        from minillm.rope import RotaryEmbedding
+
         def apply_rope(x, cos, sin):
             return x
         """),
-    "ex05 values written as keys": ("ex05_kv_cache.py", """\
+    "ex03 rotation sign flipped": ("ex03_rope.py", "apply_rope", SIGN_FLIP),
+    "ex05 values written as keys": ("ex05_kv_cache.py", "KVCache.write", """\
         from minillm import kv_cache
 
         class KVCache(kv_cache.KVCache):
             def write(self, layer, k, v):
                 return super().write(layer, k, k)
         """),
-    "ex05 keys read back short": ("ex05_kv_cache.py", """\
+    "ex05 keys read back short": ("ex05_kv_cache.py", "KVCache.keys", """\
         from minillm import kv_cache
 
         class KVCache(kv_cache.KVCache):
             def keys(self, layer):
                 return super().keys(layer)[:, :, 1:]
         """),
-    "ex06 logits reversed": ("ex06_prefill.py", """\
+    "ex06 logits reversed": ("ex06_prefill.py", "prefill", """\
         from minillm.phases import prefill as minillms
 
         def prefill(model, token_ids, cache, hook=None, trace=None):
             return minillms(model, token_ids, cache, hook, trace).flip(-1)
         """),
-    "ex07 logits reversed": ("ex07_decode_step.py", """\
+    "ex07 logits reversed": ("ex07_decode_step.py", "decode_step", """\
         from minillm.phases import decode_step as minillms
 
         def decode_step(model, token_id, cache, hook=None, trace=None):
             return minillms(model, token_id, cache, hook, trace).flip(-1)
         """),
-    "ex08 the next token id": ("ex08_sampling.py", """\
-        from minillm.sampling import sample as minillms
+    "ex08 the next token id": ("ex08_sampling.py", "sample", """\
+        from minillm.sampling import filter_logits, sample as minillms
 
         def sample(logits, params, generator=None, prompt_ids=None, output_ids=None):
             token, logprob = minillms(logits, params, generator, prompt_ids, output_ids)
             return (token + 1) % logits.shape[-1], logprob
         """),
-    "ex14 the last token dropped": ("ex14_generate.py", """\
+    "ex14 the last token dropped": ("ex14_generate.py", "generate", """\
         from exercises.solutions import generate as reference
 
         def generate(model, prompt_ids, params, cache, eos_token_ids):
@@ -163,14 +192,69 @@ WRONG = {
 
 
 @pytest.mark.parametrize("mistake", WRONG)
-def test_one_wrong_piece_changes_the_answer(tmp_path, mistake):
-    file, text = WRONG[mistake]
+def test_one_wrong_piece_changes_the_answer_and_is_named(tmp_path, mistake):
+    file, piece, text = WRONG[mistake]
     report = assemble(tiny_model("llama_gqa", "eager"), PROMPT, GREEDY, set(), write(tmp_path, {file: text}))
     exercise = mistake.split()[0]
-    assert any(p.yours for p in report.pieces if p.exercise == exercise)
+    assert not report.crashed and [p.name for p in report.pieces if p.exercise == exercise and p.yours]
     assert not report.equal, f"{mistake}: the assembled engine did not run the student's piece"
-    assert report_lines(report, str, "x")[-1].startswith("Your engine differs from minillm's")
+    assert (report.culprit.piece.exercise, report.culprit.piece.name) == (exercise, piece)
+    last = report_lines(report, str, "x")[-1]
+    assert last.startswith("Your engine differs from minillm's") and f"answer: {report.culprit.label} (" in last
     assert report.minillm.error is None and report.minillm.token_ids  # minillm's own run is untouched
+
+
+def otherwise_reference(references, folder, file: str, text: str):
+    """A copy of the reference answers with one file replaced."""
+    for path in references.iterdir():
+        if path.suffix == ".py":
+            write(folder, {path.name: path.read_text()})
+    return write(folder, {file: text})
+
+
+# the culprit among every other piece of the reference's, and the first layer and position where it shows:
+# RoPE rotates position 0 by angle 0, so a sign flip first shows at position 1; attention over the
+# wrong axis changes the very first token's output
+PLANTED = {"ex03 rotation sign flipped": ("ex03 rope: apply_rope", 0, 1),
+           "ex04 softmax over the queries": ("ex04 gqa: eager_attention", 0, 0)}
+
+
+@pytest.mark.parametrize("mistake", PLANTED)
+def test_the_culprit_among_right_pieces_is_named_with_its_layer_and_position(references, tmp_path, mistake):
+    file, _, text = WRONG[mistake]
+    report = assemble(tiny_model("llama_gqa", "eager"), PROMPT, GREEDY, set(),
+                      otherwise_reference(references, tmp_path, file, text))
+    label, layer, position = PLANTED[mistake]
+    assert sum(p.yours for p in report.pieces) == 12 and not report.equal
+    culprit = report.culprit
+    assert culprit.label == label and 1 <= culprit.runs <= 4  # bisected: ceil(log2(12)) runs at most
+    assert (culprit.where.kind, culprit.where.pass_index, culprit.where.layer, culprit.where.position) == \
+        ("layer", 0, layer, position)
+    assert [p.exercise for p in culprit.before] == [p.exercise for p in report.pieces if p.yours][:len(culprit.before)]
+    lines = report_lines(report, str, "x")
+    assert f"The culprit: {label}." in "\n".join(lines)
+    assert f"where it first differs: the output of layer {layer} (of 2) first differs at position {position} " \
+           "(the prefill)" in "\n".join(lines)
+    assert lines[-1].endswith(f"answer: {label} (layer {layer}, position {position}, the prefill).")
+
+
+def test_the_first_of_two_wrong_pieces_is_named(references, tmp_path):
+    folder = otherwise_reference(references, tmp_path, WRONG["ex08 the next token id"][0],
+                                 WRONG["ex08 the next token id"][2])
+    write(folder, {WRONG["ex06 logits reversed"][0]: WRONG["ex06 logits reversed"][2]})
+    report = assemble(tiny_model("llama_gqa", "eager"), PROMPT, GREEDY, set(), folder)
+    assert report.culprit.label == "ex06 prefill: prefill"
+    assert report.culprit.where.kind == "logits" and report.culprit.where.pass_index == 0
+
+
+def test_a_wrong_sampler_is_named_by_the_token_it_picks(references, tmp_path):
+    folder = otherwise_reference(references, tmp_path, WRONG["ex08 the next token id"][0],
+                                 WRONG["ex08 the next token id"][2])
+    report = assemble(tiny_model("llama_gqa", "eager"), PROMPT, GREEDY, set(), folder)
+    assert report.culprit.label == "ex08 sampling: sample"
+    assert (report.culprit.where.kind, report.culprit.where.token) == ("token", 0)
+    assert "every layer's output and the logits agree; the token picked first differs at token 0 (minillm's: " \
+           in "\n".join(report_lines(report, str, "x"))
 
 
 def test_a_wrong_filter_changes_a_seeded_sample(tmp_path):
@@ -192,7 +276,7 @@ def test_the_swap_is_undone(references):
     model = tiny_model("llama_gqa", "eager")
     rope_class = type(model.rope)
     assemble(model, PROMPT, GREEDY, set(), write(references.parent / "rope", {"ex03_rope.py": WRONG[
-        "ex03 positions shifted by one"][1]}))
+        "ex03 sin negated"][2]}))
     assert (model_module.causal_mask, model_module.eager_attention, phases.prefill) == before
     assert type(model.rope) is rope_class
 
@@ -214,12 +298,15 @@ def test_the_references_answer_paris_on_the_default_model(references, smollm2_di
     assert "Your engine equals minillm's" in r.stdout
 
 
-def test_a_mask_off_by_one_differs_on_the_default_model(tmp_path, smollm2_dir):
-    folder = write(tmp_path, {WRONG["ex01 mask off by one"][0]: WRONG["ex01 mask off by one"][1]})
+def test_a_rope_sign_flip_is_named_on_the_default_model(references, tmp_path, smollm2_dir):
+    folder = otherwise_reference(references, tmp_path, "ex03_rope.py", SIGN_FLIP)
     r = minillm("generate", "--student-dir", str(folder), "--max-new-tokens", "3")
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "ex01      causal_mask              yours" in r.stdout
+    assert "ex03      apply_rope               yours" in r.stdout
     assert "Your engine differs from minillm's" in r.stdout and "the logits differ beyond the tolerance" in r.stdout
+    assert "The culprit: ex03 rope: apply_rope." in r.stdout
+    assert re.search(r"where it first differs: the output of layer 0 \(of 30\) first differs at position 1 "
+                     r"\(the prefill\)", r.stdout), r.stdout
 
 
 def test_generate_stops_a_looping_piece_with_one_line_and_exit_1(tmp_path, smollm2_dir):

@@ -46,6 +46,11 @@ def test_mask_is_made_on_the_given_device(impl):
     c.equal(got, mask(["1 0 0", "1 1 0", "1 1 1"]))
 
 
+# Windows that tell the window's mistakes apart where a tiny input cannot (causal_mask(1, 2, window=1):
+# a window ignored and a window one key too wide both answer "1 1"): 6 keys, bands of 2 and 3.
+WINDOWS = [lambda: ((4, 6), {"window": 2}), lambda: ((6, 6), {"window": 3})]
+
+
 @given(data=st.data())
 @CHECKS
 def test_agrees_with_the_reference_on_every_size_and_window(impl, data):
@@ -53,6 +58,6 @@ def test_agrees_with_the_reference_on_every_size_and_window(impl, data):
     n_queries = data.draw(st.integers(0, n_keys), label="n_queries")
     window = data.draw(st.none() | st.integers(1, n_keys + 2), label="window")
     agree(impl.causal_mask, REF.causal_mask, lambda: ((n_queries, n_keys), {"window": window}),
-          what="causal_mask", exercise="ex01", lesson=LESSON,
+          what="causal_mask", exercise="ex01", lesson=LESSON, tell_apart=WINDOWS,
           hint="query i sits at position n_keys - n_queries + i and sees keys j with position - window < j <= "
                "position (no lower bound without a window); sizes 0 and 1 are prompts too")

@@ -34,6 +34,14 @@ def test_greedy_takes_the_argmax(impl):
     c.equal(ids, torch.tensor([1, 0]))
     c.close(logprobs, torch.log_softmax(logits, -1)[[0, 1], [1, 0]],
             hint="the logprob is log_softmax(logits) at the chosen token")
+    c = Case("sample(logits, SamplingParams(temperature=0, top_k=2, top_p=0.5))", "greedy with top-k and top-p set: "
+             "the same tokens, and the same logprobs", shapes="logits [2, 5] -> (token_ids [2], logprobs [2])",
+             hint="greedy takes the argmax, which every filter keeps; its logprob is still log_softmax of the RAW "
+                  "logits (the docstring: before temperature and filtering), not of the filtered ones",
+             lesson=LESSON + "#greedy")
+    ids, logprobs = c.call(impl.sample, logits, SamplingParams(temperature=0.0, top_k=2, top_p=0.5))
+    c.equal(ids, torch.tensor([1, 0]))
+    c.close(logprobs, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])
 
 
 def test_temperature_divides_the_logits(impl):

@@ -51,6 +51,16 @@ def test_percentile_matches_numpy_on_latencies(impl):
         c.close(c.call(impl.percentile, ttfts, p), float(np.percentile(ttfts, p)))
 
 
+def test_one_value_is_every_percentile(impl):
+    for values, p in [([7], 0), ([7], 37.5), ((7,), 100)]:
+        c = Case(f"percentile({values!r}, {p})", "a single value: it is every percentile, as a float",
+                 shapes="1 value -> a float", lesson=LESSON,
+                 hint="n = 1: the rank (n - 1) · p / 100 is 0 for every p, so the answer is the value, returned as "
+                      "a float like every other percentile (7.0, not the int 7); " + PERCENTILE)
+        got = c.call(impl.percentile, values, p)
+        c.true(type(got) is float and got == 7.0, "not the value as a float", expected=7.0, got=repr(got))
+
+
 def test_percentile_errors(impl):
     for args, case in [(([], 50), "no values"), (([1.0, 2.0], 101), "p = 101"), (([1.0, 2.0], -1), "p = -1")]:
         c = Case(f"percentile{args}", case, shapes="", lesson=LESSON,

@@ -23,7 +23,8 @@ from minillm.sampling import SamplingParams
 
 pytestmark = pytest.mark.ex14
 LESSON = "lessons/02-prefill-and-decode.md#the-two-phases-at-a-glance"
-LOOP = ("logits = prefill(model, prompt_ids, cache); then for n = 1 .. max_new_tokens: token, logprob = "
+LOOP = ("generator = params.make_generator(cache.k.device), made once, before the loop; "
+        "logits = prefill(model, prompt_ids, cache); then for n = 1 .. max_new_tokens: token, logprob = "
         "sample(logits, params, generator); reason = the first of eos / stop / length / cache_full that applies; "
         "yield GenerationStep(token_id, logprob, phase, cache.length, time.perf_counter(), reason, "
         "prefill_tokens=T); return if reason; logits = decode_step(model, token, cache); phase = 'decode'")
@@ -57,14 +58,15 @@ def oracle(prompt_len: int, prefix: int, cache_len: int, params: SamplingParams,
 
 
 def compare(c, got, expected):
-    c.equal(len(got), len(expected), hint="one step per token, the last one carrying the finish reason; " + LOOP)
+    """Step by step, field by field; a failure's hint names the step and field, then the case's own hint."""
+    c.equal(len(got), len(expected), hint="one step per token, the last one carrying the finish reason; " + c.hint)
     for n, (g, e) in enumerate(zip(got, expected)):
         for field in FIELDS:
             want, have = getattr(e, field), getattr(g, field, None)
             if field == "logprob":
-                c.close(have, want, hint=f"step {n + 1}: GenerationStep.logprob; " + LOOP)
+                c.close(have, want, hint=f"step {n + 1}: GenerationStep.logprob; " + c.hint)
             else:
-                c.equal(have, want, hint=f"step {n + 1}: GenerationStep.{field}; " + LOOP)
+                c.equal(have, want, hint=f"step {n + 1}: GenerationStep.{field}; " + c.hint)
 
 
 def run_case(impl, what, case, params, eos, prompt_len=5, cache_len=32, prefix=0, hint=LOOP):
@@ -132,8 +134,9 @@ def test_seeded_sampling_matches(impl):
     run_case(impl, "generate(model, prompt_ids, SamplingParams(temperature=1.3, top_k=40, top_p=0.95, seed=7, "
                    "max_new_tokens=8), cache, set())", "seeded sampling: the same seed must draw the same tokens",
              params, NO_EOS,
-             hint="make ONE generator, generator = params.make_generator(cache.k.device), before the loop, and pass "
-                  "it to every sample(logits, params, generator) call; " + LOOP)
+             hint="make the generator once, before the loop: generator = params.make_generator(cache.k.device), "
+                  "then pass it to every sample(logits, params, generator) call (one made at every step starts "
+                  "each token's draw from the seed again)")
 
 
 def test_bad_prompts_are_refused(impl):
@@ -265,6 +268,6 @@ def _seeded_tokens(impl, global_seed: int, seed: int = 11) -> list[int]:
 def test_the_seed_alone_decides_the_tokens(impl):
     c = Case("generate(..., SamplingParams(temperature=1.5, seed=11, max_new_tokens=8), ...) twice",
              "the same seed after torch.manual_seed(1) and after torch.manual_seed(2)", shapes="prompt_ids [4]",
-             lesson=LESSON, hint="make ONE generator, params.make_generator(cache.k.device), before the loop and "
-                                 "pass it to every sample(...): the global RNG must not matter")
+             lesson=LESSON, hint="make the generator once, before the loop: params.make_generator(cache.k.device), "
+                                 "passed to every sample(...): the global RNG must not matter")
     c.equal(c.call(_seeded_tokens, impl, 2), c.call(_seeded_tokens, impl, 1))

@@ -59,6 +59,13 @@ def test_residual_by_hand(impl):
                  shapes="p, q: [vocab]", hint=RESIDUAL, lesson=LESSON)
         got = c.call(impl.residual_distribution, torch.tensor(p), torch.tensor(q))
         c.close(got, torch.tensor(expected))
+    p = torch.tensor([0.2, 0.3, 0.5])
+    c = Case("residual_distribution(p=[0.2, 0.3, 0.5], q=p one float32 step higher in every entry)",
+             "p == q up to rounding: max(0, p - q) is 0 everywhere, nothing left over, so p itself",
+             shapes="p, q: [vocab]", lesson=LESSON,
+             hint="test what is left (the sum of max(0, p - q) is 0), not torch.equal(p, q): rounding leaves p a "
+                  "hair below q, and 0 / 0 is NaN; " + RESIDUAL)
+    c.close(c.call(impl.residual_distribution, p, torch.nextafter(p, torch.ones_like(p))), p)
 
 
 def test_one_hot_p_keeps_drafts_until_the_first_miss(impl):

@@ -17,30 +17,58 @@ RULE = ("per group: lo = min(0, min w), hi = max(0, max w), scale = (hi - lo) / 
         "q = clamp(round(w / scale) + zero, 0, 15); byte j = q[2j] | q[2j+1] << 4")
 
 
+NIBBLES = "the earlier element goes in the LOW nibble: byte j = q[2j] | q[2j + 1] << 4"
+
+
+def equal_packed(c, packed, expected: torch.Tensor, hint: str) -> None:
+    """c.equal on packed bytes, saying so when each byte has its two nibbles the other way round."""
+    __tracebackhide__ = True
+    swapped = (expected << 4) | (expected >> 4)
+    if (isinstance(packed, torch.Tensor) and packed.shape == expected.shape and packed.dtype == expected.dtype
+            and not torch.equal(packed, expected) and torch.equal(packed, swapped)):
+        c.fail("the two codes of each byte are in the wrong order (high nibble first)", expected, packed,
+               hint=f"{NIBBLES}: yours puts q[2j] in the high nibble (q[2j] << 4 | q[2j + 1]), which no int4 kernel "
+                    "reads; swap the two")
+    c.equal(packed, expected, hint=hint)
+
+
 def test_codes_by_hand(impl):
     c = Case("quantize_int4(w=[[-1.0, 0.5]], group_size=2)", "one group: lo -1, hi 0.5, so scale 0.1 and zero 10; "
              "the codes are 0 and 15, packed into one byte 0 | 15 << 4 = 240",
-             shapes="packed [1, 1] uint8, scale [1, 1] float32, zero [1, 1] uint8", lesson=LESSON,
-             hint="scale = (max - min) / 15 spreads the 16 codes over the group's whole range, not max / 15; " + RULE)
+             shapes="packed [1, 1] uint8, scale [1, 1] float32, zero [1, 1] uint8", lesson=LESSON, hint=RULE)
     packed, scale, zero = c.call(impl.quantize_int4, torch.tensor([[-1.0, 0.5]]), 2)
-    c.close(scale, torch.tensor([[0.1]]))
-    c.equal(zero, torch.tensor([[10]], dtype=torch.uint8))
-    c.equal(packed, torch.tensor([[240]], dtype=torch.uint8))
+    c.close(scale, torch.tensor([[0.1]]), hint="the scale: (hi - lo) / 15 = (0.5 + 1) / 15 = 0.1 spreads the 16 codes "
+                                                "over the group's whole range, not max / 15; " + RULE)
+    c.equal(zero, torch.tensor([[10]], dtype=torch.uint8), hint="the zero point: round(-lo / scale) = round(1 / 0.1) "
+                                                                "= 10, the code that stands for 0.0; " + RULE)
+    equal_packed(c, packed, torch.tensor([[240]], dtype=torch.uint8),
+                 hint="the codes: round(-1 / 0.1) + 10 = 0 and round(0.5 / 0.1) + 10 = 15, one byte " + NIBBLES
+                      + " = 0 | 15 << 4 = 240; " + RULE)
 
 
-def _one_sided(impl, values, zero):  # a helper, not a check: checks take impl only
-    c = Case(f"quantize_int4(w=[{values}], group_size=4)", "a group of one sign: 0 is kept inside the range, so "
-             f"the zero point is {zero}", shapes="zero [1, 1] uint8", lesson=LESSON,
-             hint="lo = min(0, min w) and hi = max(0, max w): an all-positive group starts at 0 (zero point 0), "
-                  "an all-negative one ends at 0 (zero point 15); a symmetric scheme has no zero point at all")
-    _, scale, z = c.call(impl.quantize_int4, torch.tensor([values]), 4)
-    c.equal(z, torch.tensor([[zero]], dtype=torch.uint8))
-    c.close(scale, torch.tensor([[3.0 / 15]]))
+ONE_SIDED = (([0.5, 1.5, 3.0, 0.1], 0), ([-0.5, -1.5, -3.0, -0.1], 15))  # (a group of one sign, its zero point)
 
 
 def test_zero_points_of_one_sided_groups(impl):
-    _one_sided(impl, [0.5, 1.5, 3.0, 0.1], 0)
-    _one_sided(impl, [-0.5, -1.5, -3.0, -0.1], 15)
+    for values, zero in ONE_SIDED:
+        c = Case(f"the zero point of quantize_int4(w=[{values}], group_size=4)", "a group of one sign: 0 is kept "
+                 f"inside the range, so the zero point is {zero}", shapes="zero [1, 1] uint8", lesson=LESSON,
+                 hint="lo = min(0, min w) and hi = max(0, max w): an all-positive group starts at 0 (zero point 0), "
+                      "an all-negative one ends at 0 (zero point 15); a symmetric scheme has no zero point at all")
+        _, _, z = c.call(impl.quantize_int4, torch.tensor([values]), 4)
+        c.equal(z, torch.tensor([[zero]], dtype=torch.uint8))
+
+
+def test_scales_of_one_sided_groups(impl):
+    for values, _ in ONE_SIDED:
+        far = max(values, key=abs)
+        c = Case(f"the scale of quantize_int4(w=[{values}], group_size=4)", f"a group of one sign: its range runs "
+                 f"from 0 to {far}, so the scale is 3.0 / 15 = 0.2", shapes="scale [1, 1] float32", lesson=LESSON,
+                 hint="scale = (hi - lo) / 15 with lo = min(0, min w) and hi = max(0, max w): the range always "
+                      "reaches 0, so it is 3.0 wide and the scale 0.2 (not 2.9 / 15 = 0.1933 from the group's own min "
+                      "and max, which leaves 0 out, nor 3.0 / 7 from a symmetric scheme)")
+        _, scale, _ = c.call(impl.quantize_int4, torch.tensor([values]), 4)
+        c.close(scale, torch.tensor([[3.0 / 15]]))
 
 
 def test_constant_and_zero_groups_come_back_exactly(impl):
@@ -57,9 +85,9 @@ def test_nibble_order(impl):
     w = torch.tensor([[1.0 / 15, 2.0 / 15, 15.0 / 15, 0.0]])  # one group: scale 1/15, zero 0, codes 1, 2, 15, 0
     c = Case("quantize_int4(w, group_size=4)", "codes 1, 2, 15, 0 pack into bytes 0x21 and 0x0F",
              shapes="packed [1, 2] uint8", lesson=LESSON,
-             hint="the earlier element goes in the low nibble: byte j = q[2j] | q[2j + 1] << 4 (0x21 = 1 | 2 << 4)")
+             hint=NIBBLES + " (0x21 = 1 | 2 << 4)")
     packed, _, _ = c.call(impl.quantize_int4, w, 4)
-    c.equal(packed, torch.tensor([[0x21, 0x0F]], dtype=torch.uint8))
+    equal_packed(c, packed, torch.tensor([[0x21, 0x0F]], dtype=torch.uint8), hint=c.hint)
 
 
 def test_short_last_group(impl):
@@ -70,7 +98,7 @@ def test_short_last_group(impl):
                   "and zero of their own values (pad them, or slice them, but do not drop them)")
     packed, scale, zero = c.call(impl.quantize_int4, w, 32)
     ref_packed, ref_scale, ref_zero = quantize_int4(w, 32)
-    c.equal(packed, ref_packed)
+    equal_packed(c, packed, ref_packed, hint=c.hint)
     c.close(scale, ref_scale)
     c.equal(zero, ref_zero)
 

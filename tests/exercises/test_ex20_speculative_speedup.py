@@ -52,7 +52,10 @@ def test_no_acceptance_or_no_draft_is_plain_decoding(impl):
 
 def test_expected_tokens_errors(impl):
     for args, case in [((1.5, 3), "a = 1.5"), ((-0.1, 3), "a = -0.1"), ((math.nan, 3), "a = NaN"),
-                       ((0.5, -1), "k = -1"), ((0.5, 2.0), "k = 2.0, a float")]:
+                       ((0.5, -1), "k = -1"), ((0.5, 2.0), "k = 2.0, a float"),
+                       ((1.0, -1), "a = 1 (the k + 1 case) with k = -1: checked before the shortcut"),
+                       ((1, 2.0), "a = 1 (the k + 1 case) with k = 2.0"),
+                       ((0, -1), "a = 0 (the 1.0 case) with k = -1")]:
         c = Case(f"expected_tokens_per_pass({', '.join(map(repr, args))})", case, lesson=LESSON,
                  hint="the docstring promises a ValueError for a outside [0, 1] (NaN too: write `not 0 <= a <= 1`) "
                       "and for k not an integer >= 0")
@@ -78,6 +81,19 @@ def test_a_poor_draft_slows_decoding_down(impl):
              lesson=LESSON, shapes="a speed-up, a float",
              hint="E = (1 - 0.2⁶) / 0.8 = 1.24992 tokens for 5 · 0.1 + 1 = 1.5 steps: 0.833x, a slow-down; " + SPEEDUP)
     c.close(c.call(impl.speculative_speedup, 0.2, 5, 0.1), 1.24992 / 1.5, rtol=1e-9, atol=0)
+
+
+def test_plain_decoding_costs_its_verify_pass(impl):
+    for args, expected, case, why in [
+            ((0.8, 0, 0.05, 1.32), 1 / 1.32, "k = 0: no drafts, a verify pass costing 1.32 decode steps",
+             "E = 1 token for 0 · c + v = 1.32 steps: 1 / 1.32 = 0.758x (the docstring: k = 0 is plain decoding, "
+             "1 / v), not 1.0"),
+            ((0.3, 0, 0.0, 2.0), 1 / 2.0, "k = 0 with a verify pass twice a decode step", "1 / v = 0.5x"),
+            ((0, 4, 0.05, 1.32), 1 / (4 * 0.05 + 1.32), "a = 0: every first draft rejected, 4 drafts at 0.05",
+             "E = 1 token for 4 · 0.05 + 1.32 = 1.52 steps: 0.658x")]:
+        c = Case(f"speculative_speedup({', '.join(map(repr, args))})", case, lesson=LESSON,
+                 shapes="a speed-up, a float", hint=why + "; " + SPEEDUP)
+        c.close(c.call(impl.speculative_speedup, *args), expected, rtol=1e-9, atol=0)
 
 
 def test_speedup_errors(impl):

@@ -217,7 +217,37 @@ REQUIRED = {
     "token_as_a_tensor": "ex17",
     "draft_checked_against_the_next_row": "ex17",
     "residual_nan_when_p_equals_q": "ex17",
+    # issue 43: a documented special case paired with other parameters than the default ones
+    "speedup_of_no_drafts_is_1": "ex20",
+    "tokens_per_pass_a_1_before_the_checks": "ex20",
+    "sample_greedy_logprob_of_the_filtered_logits": "ex08",
+    "residual_p_only_when_exactly_equal": "ex17",
+    "percentile_of_one_value_as_given": "ex13",
+    # issue 43: mistakes whose message must name them (MESSAGES below)
+    "int4_range_without_zero": "ex18",
+    "generate_makes_a_generator_every_step": "ex14",
 }
+
+# issue 43: the message a planted mistake gets says what is wrong. (mistake, check, what the message must
+# say, what it must not); None: the check passes (it checks something the mistake gets right).
+MESSAGES = [
+    ("int4_symmetric", "test_zero_points_of_one_sided_groups", ["the zero point of quantize_int4", "got:      [8]"],
+     ["0.2000"]),
+    ("int4_range_without_zero", "test_zero_points_of_one_sided_groups", None, []),  # its zero points are right
+    ("int4_range_without_zero", "test_scales_of_one_sided_groups", ["the scale of quantize_int4", "[0.1933]"],
+     ["zero point"]),
+    ("int4_nibble_order_swapped", "test_codes_by_hand", ["in the wrong order (high nibble first)", "LOW nibble"],
+     ["max / 15"]),
+    ("int4_scale_from_max", "test_codes_by_hand", ["the scale: (hi - lo) / 15", "not max / 15"], ["nibble"]),
+    ("mask_window_off_by_one", "test_agrees_with_the_reference_on_every_size_and_window",
+     ["known mistake 'mask_window_off_by_one'"], ["mask_window_ignored"]),
+    ("mask_window_ignored", "test_agrees_with_the_reference_on_every_size_and_window",
+     ["known mistake 'mask_window_ignored'"], ["off_by_one"]),
+    ("generate_makes_a_generator_every_step", "test_seeded_sampling_matches",
+     ["make the generator once, before the loop"], []),
+    ("speedup_of_no_drafts_is_1", "test_plain_decoding_costs_its_verify_pass",
+     ["k = 0: no drafts", "1 / v", "got:      1"], []),
+]
 
 
 def checks_of(ex_id: str) -> list:
@@ -240,6 +270,23 @@ def test_mistake_is_rejected(m: Mistake):
             crashed.append(f"{check.__name__}: {type(e).__name__}: {e}")
     assert not crashed, f"{m.name} crashed checks instead of failing them with a message: {crashed}"
     assert rejected, f"no check of {m.exercise} rejects {m.name} ({m.what})"
+
+
+@pytest.mark.parametrize("name, check, says, never", [
+    pytest.param(*row, id=f"{row[0]}-{row[1]}", marks=getattr(pytest.mark, next(
+        m.exercise for m in MISTAKES if m.name == row[0]))) for row in MESSAGES])
+def test_a_mistake_gets_the_message_that_says_what_is_wrong(name, check, says, never):
+    m = next(m for m in MISTAKES if m.name == name)
+    [run] = [f for f in checks_of(m.exercise) if f.__name__ == check]
+    impl = swap_in(m, reference(EXERCISES[m.exercise]))
+    if says is None:
+        run(impl)  # passes: what this check checks, the mistake gets right
+        return
+    with pytest.raises(AssertionError) as failure:
+        run(impl)
+    message = str(failure.value)
+    assert all(text in message for text in says), f"{name} in {check}: the message does not say {says}:\n{message}"
+    assert not any(text in message for text in never), f"{name} in {check}: the message says {never}:\n{message}"
 
 
 def test_the_named_mistakes_are_all_there():
