@@ -62,7 +62,8 @@ def grammar_from_request(tokenizer, vocab_size: int, eos_token_ids, *, response_
         if value is not None:
             asked.append((name, LEGACY[name], value))
     if len(asked) > 1:
-        raise ValueError(f"give one structured output constraint, got {len(asked)}: {', '.join(a[0] for a in asked)}")
+        raise ValueError(f"{asked[1][0]}: give one structured output constraint, got {len(asked)}: "
+                         f"{', '.join(a[0] for a in asked)}; drop all but one")
     field, kind, value = asked[0] if asked else ("unconstrained text", None, None)
     if kind != "json" and (structured_outputs or {}).get("whitespace_pattern") is not None:
         raise ValueError(f"structured_outputs.whitespace_pattern applies to JSON output (json, json_object or "

@@ -42,11 +42,6 @@ BODY_MODELS = {"/v1/completions": protocol.CompletionRequest, "/v1/chat/completi
                "/tokenize": protocol.TokenizeRequest, "/detokenize": protocol.DetokenizeRequest}
 GENERATING = ("/v1/completions", "/v1/chat/completions")
 MAX_TOKENS = 8  # positive cases generate at most this many tokens: the fuzzer is after the HTTP layer
-# Problems found and left to the code's owners for now (issue 40): a piece of the problem -> where, why
-KNOWN_PROBLEMS = {
-    "give one structured output constraint": "app.py's _grammar (structured output, being changed elsewhere) "
-                                             "names no param for two constraints at once",
-}
 
 
 def openapi_schema(app):
@@ -122,11 +117,6 @@ def _sent_body(case, response):
         return json.loads(response.request.body or b"")
     except (ValueError, TypeError):
         return None
-
-
-def known(problem: str) -> str | None:
-    """Why ``problem`` is left for now (:data:`KNOWN_PROBLEMS`), or None for a new one."""
-    return next((why for piece, why in KNOWN_PROBLEMS.items() if piece in problem), None)
 
 
 def signature(case, problem: str) -> str:

@@ -222,7 +222,7 @@ def test_logit_bias_over_http_bans_and_forces(server, tiny_chat):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
      "response_format", "cannot compile the json schema"),
     ({"response_format": {"type": "xml"}}, "response_format.type", "'text', 'json_object' or 'json_schema'"),
-    ({"guided_regex": "(", "response_format": {"type": "json_object"}}, None, "give one structured output"),
+    ({"guided_regex": "(", "response_format": {"type": "json_object"}}, "guided_regex", "give one structured output"),
     ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "not supported by minillm"),
     ({"structured_outputs": {"jsn": {}}}, "structured_outputs.jsn", "unknown field"),
     ({"logit_bias": {"hello": 5}}, "logit_bias", "token ids"),

@@ -8,6 +8,7 @@
     POST /detokenize            vLLM's: token ids -> text
     GET  /tokenizer_info        vLLM's: the special tokens and chat template (lm-eval's remote tokenizer)
     GET  /health                200 while the engine thread is alive and can step (HEAD too: no body);
+                                503 while its last step failed with a failure no request owned;
                                 503 once it stopped or lost a tensor-parallel rank (``minillm serve`` then
                                 exits, unless --keep-alive-on-engine-death)
     GET  /metrics               Prometheus text: vLLM's metric names under ``minillm:``
@@ -46,7 +47,8 @@ from ...sampling import SamplingParams
 from ...malloc_policy import give_back_freed_memory
 from ...tokenizer import NORMALIZER_SLACK
 from . import protocol
-from .async_engine import AsyncEngine, EngineDeadError, EngineGoneError, QueueFullError, ShuttingDownError
+from .async_engine import (AsyncEngine, EngineDeadError, EngineGoneError, QueueFullError, RequestFailedError,
+                           ShuttingDownError)
 from .metrics import ServerMetrics
 from .web_view import router as web_view_router
 
@@ -119,13 +121,17 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:  # a bug: say so, keep serving
         return JSONResponse(protocol.error_body(500, f"internal error: {type(error).__name__}: {error}"), 500)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.head("/health", operation_id="health_head")  # one route per method: one OpenAPI operation id each
+    @app.get("/health", operation_id="health")
     async def health(request: Request):
         if async_engine.lost is not None:  # a tensor-parallel rank died: every step would fail
             raise APIError(503, f"the engine cannot run: {async_engine.lost}; restart the server",
                            code="engine_dead")
         if not async_engine.is_alive():
             raise APIError(503, "the engine thread has stopped; restart the server")
+        if async_engine.step_failure is not None:  # no request owned it; the next step that runs clears it
+            raise APIError(503, f"the engine's last step failed ({async_engine.step_failure}); the requests in it "
+                                "were ended, new ones are taken")
         return Response(status_code=200) if request.method == "HEAD" else {"status": "ok"}
 
     @app.get("/metrics")
@@ -300,7 +306,7 @@ def serve(app: FastAPI, host: str, port: int, drain_timeout_s: float, exit_on_lo
     down as on SIGTERM this many seconds later, new requests answered 503 meanwhile; the caller tells this end
     by ``async_engine.lost``. None: keep answering 503 until stopped."""
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
-                            timeout_graceful_shutdown=_AFTER_DRAIN_S)
+                            timeout_graceful_shutdown=_AFTER_DRAIN_S, http=JSONErrorsHTTPProtocol)
     # uvicorn raises the signal it stopped on again once it is done; caught here, not fatal
     previous = signal.signal(signal.SIGTERM, _raise_stopped)
     try:
@@ -383,17 +389,17 @@ async def _respond(outputs, body, reply, request: Request):
     ``n`` > 1 (parallel sampling): one reply per choice renders it (``reply.for_choice(i)``), the
     engine's outputs say which (``out.index``), and ``usage`` counts the prompt once."""
     replies = [reply] if body.n == 1 else [reply.for_choice(i) for i in range(body.n)]
-    first = await _until_disconnect(_next(outputs), request)
+    first = await _until_disconnect(_next(outputs, body), request)
     if not body.stream:
         if body.n > 1:
-            return protocol.response_n(replies, await _until_disconnect(_finals(first, outputs, body.n), request))
-        last = first if first.finished else await _until_disconnect(_last(outputs), request)
+            return protocol.response_n(replies, await _until_disconnect(_finals(first, outputs, body), request))
+        last = first if first.finished else await _until_disconnect(_last(outputs, body), request)
         return reply.response(last)
     usage_mode = body.stream_options.usage_mode if body.stream_options is not None else None
-    return StreamingResponse(_events(first, outputs, replies, usage_mode), media_type="text/event-stream")
+    return StreamingResponse(_events(first, outputs, replies, usage_mode, body), media_type="text/event-stream")
 
 
-async def _events(first, outputs, replies, usage_mode: str | None):
+async def _events(first, outputs, replies, usage_mode: str | None, body):
     """The SSE stream: one chunk per generated token, the usage chunk if asked, ``[DONE]``.
 
     With n > 1 the choices' chunks interleave as the engine steps, each with its ``index``, and
@@ -421,8 +427,8 @@ async def _events(first, outputs, replies, usage_mode: str | None):
             if len(latest) == len(replies) and all(o.finished for o in latest.values()):
                 break
             out = await outputs.__anext__()
-    except (EngineDeadError, QueueFullError, ValueError) as error:
-        api_error = _engine_error(error)
+    except _ENGINE_ERRORS as error:
+        api_error = _engine_error(error, body)
         yield event(protocol.error_body(api_error.status, api_error.message, api_error.param, api_error.code))
     else:
         if usage_mode is not None:
@@ -430,33 +436,33 @@ async def _events(first, outputs, replies, usage_mode: str | None):
     yield "data: [DONE]\n\n"
 
 
-async def _next(outputs):
+async def _next(outputs, body):
     try:
         return await outputs.__anext__()
-    except (QueueFullError, EngineDeadError, ValueError) as error:
-        raise _engine_error(error) from None
+    except _ENGINE_ERRORS as error:
+        raise _engine_error(error, body) from None
 
 
-async def _last(outputs):
+async def _last(outputs, body):
     last = None
     try:
         async for last in outputs:
             pass
-    except (QueueFullError, EngineDeadError, ValueError) as error:
-        raise _engine_error(error) from None
+    except _ENGINE_ERRORS as error:
+        raise _engine_error(error, body) from None
     return last
 
 
-async def _finals(first, outputs, n: int) -> list:
-    """The last output of each of the n choices, in index order."""
+async def _finals(first, outputs, body) -> list:
+    """The last output of each of the body's n choices, in index order."""
     finals = {first.index: first} if first.finished else {}
     try:
         async for out in outputs:
             if out.finished:
                 finals[out.index] = out
-    except (QueueFullError, EngineDeadError, ValueError) as error:
-        raise _engine_error(error) from None
-    return [finals[i] for i in range(n)]
+    except _ENGINE_ERRORS as error:
+        raise _engine_error(error, body) from None
+    return [finals[i] for i in range(body.n)]
 
 
 class ClientDisconnected(Exception):
@@ -651,7 +657,13 @@ def _sampling_params(body, max_tokens: int, defaults: dict, grammar=None) -> Sam
         raise APIError(400, str(error), name if name in type(body).model_fields else _param_of(str(error))) from None
 
 
-def _engine_error(error: Exception) -> APIError:
+_ENGINE_ERRORS = (QueueFullError, EngineDeadError, RequestFailedError, ValueError)
+
+
+def _engine_error(error: Exception, body=None) -> APIError:
+    """What the engine raised for a request, as its HTTP status and OpenAI's error fields."""
+    if isinstance(error, RequestFailedError):
+        return _request_failed(error, body)
     if isinstance(error, QueueFullError):
         return APIError(503, str(error), code="queue_full")
     if isinstance(error, ShuttingDownError):
@@ -661,6 +673,19 @@ def _engine_error(error: Exception) -> APIError:
     if isinstance(error, EngineDeadError):
         return APIError(500, str(error))
     return APIError(400, str(error), _param_of(str(error)))
+
+
+def _request_failed(error: RequestFailedError, body) -> APIError:
+    """A part of this request failed during a step, and it alone ended: its structured-output
+    constraint is the client's (400, naming the field that asked for it); a NaN logits row, its
+    sampling or its text are the server's (500), either way with code "request_failed"."""
+    if error.part == "allowed_tokens":
+        fields = body.structured_fields() if body is not None else {}
+        field = next((name for name, value in fields.items()
+                      if value is not None and value != {"type": "text"}), None)  # "text" asks for no constraint
+        return APIError(400, f"{error} (the structured output constraint could not go on; simplify it)", field,
+                        "request_failed")
+    return APIError(500, str(error), code="request_failed")
 
 
 # the engine's own checks (Engine.add_request) as the request field they are about: the 400's "param"
