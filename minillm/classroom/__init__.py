@@ -1,6 +1,8 @@
 """The classroom: grading the exercises (``minillm check``) and running the student's pieces as one engine.
 
     grading.py   run the checks of tests/exercises/ on a student's files, one result per exercise
+    sandbox.py   how a student's code is run: a child process with limits, in a scratch folder,
+                 walled off from the network, the homes and the other students where the machine allows
     assembly.py  the real model with the student's mask, attention, RoPE, KV cache, prefill,
                  decode, sampling and generate loop swapped in, against minillm's own
                  (``minillm generate --student-dir DIR``)

@@ -9,8 +9,10 @@ in a subprocess (a fresh interpreter imports the student's latest code) and read
 the line the checks write as each one starts and ends: for every check, passed, failed
 (with its teaching message) or "not attempted" (the stub still raises NotImplementedError).
 A check that hangs or takes the process down is stopped and reported, and the remaining
-exercises run in a fresh process. Both folders live in the repository, so this works from
-a clone of minillm, not from a wheel.
+exercises run in a fresh process. That process runs untrusted code, so it runs walled off
+(sandbox.py): a scratch copy of the folder, limits on CPU, memory, processes, open files, file
+size and output, and where the machine allows no network, another user, the homes hidden.
+Both folders live in the repository, so this works from a clone of minillm, not from a wheel.
 """
 
 from __future__ import annotations
@@ -18,22 +20,22 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
-import os
+import math
 import re
 import signal
-import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import MiniLLMError
+from . import sandbox
+from .sandbox import Limits
 
 CHECKS_DIR = Path("tests") / "exercises"
 STUBS_DIR = Path("lessons") / "exercises"
 DEFAULT_TIMEOUT_S = 60.0  # per exercise: the reference passes any exercise's checks in a few seconds
-POLL_S = 0.2  # how often the progress of a running check is read
+POLL_S = sandbox.POLL_S  # how often the progress of a running check is read
 
 
 @dataclass(frozen=True)
@@ -144,20 +146,26 @@ def pytest_command(root: Path, exercises: list[str], student_dir: Path | None, r
     # only the wanted exercises' check files: importing the others would just slow the start
     files = sorted(str(f) for ex in exercises for f in (root / CHECKS_DIR).glob(f"test_{ex}_*.py"))
     cmd = [sys.executable, "-m", "pytest", *files, "--impl", "student",
-           "-m", " or ".join(exercises), "--exercise-progress", str(report), "-p", "no:cacheprovider"]
+           "-m", " or ".join(exercises), "--exercise-progress", str(report), "-p", "no:cacheprovider",
+           "-s"]  # no capture: what the student's code prints comes to the grader's capped pipe (sandbox.run)
     if student_dir is not None:
         cmd += ["--student-dir", str(Path(student_dir).resolve())]
     return cmd + (["--tb=short", "-rfE"] if verbose else ["-q", "--tb=no", "-rN", "--no-header"])
 
 
 def run_checks(exercises: list[str], student_dir: Path | None = None, root: Path | None = None,
-               verbose: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[ExerciseResult]:
+               verbose: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+               limits: Limits | None = None) -> list[ExerciseResult]:
     """Run the checks of ``exercises`` (ids) on ``student_dir`` (default: the checkout's lessons/exercises).
 
     An exercise whose checks run longer than ``timeout_s`` seconds in all (an infinite loop) is
     stopped and failed with "timed out: an infinite loop?"; one whose code ends the Python
-    process (os._exit, a segfault) is failed with "crashed: ...". Either way the exercises
-    after it are checked in a fresh pytest process, so one broken file never hides the others.
+    process (os._exit, a segfault) is failed with "crashed: ..." ("exited during import of ..."
+    when the file's top level did it). Each pytest process runs in a sandbox (sandbox.py) with
+    ``limits`` (default :class:`Limits`, its CPU time the run's timeouts in all): past one (memory,
+    processes, output, file size, open files, CPU) or against a wall (a file outside its folder),
+    the check fails with one line naming it. Either way the exercises after a stopped one are
+    checked in a fresh pytest process, so one broken file never hides the others.
     (A SyntaxError or ImportError in a file is an ordinary failure of that exercise's checks.)
 
     With ``verbose`` pytest's own output (tracebacks) goes to the terminal; otherwise it is
@@ -170,31 +178,46 @@ def run_checks(exercises: list[str], student_dir: Path | None = None, root: Path
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
     root = find_checkout() if root is None else root
+    folder = Path(student_dir) if student_dir is not None else root / STUBS_DIR
+    limits = limits or Limits(cpu_s=_cpu_budget(timeout_s, len(exercises)))
     done: dict[str, _Exercise] = {}
     todo = list(exercises)
-    with tempfile.TemporaryDirectory() as tmp:
-        for attempt in itertools.count():  # one pytest process per hang or crash, plus one
-            progress, output = Path(tmp) / f"progress{attempt}.jsonl", Path(tmp) / f"output{attempt}.txt"
-            cmd = pytest_command(root, todo, student_dir, progress, verbose)
-            returncode, timed_out = _run_watched(cmd, root, progress, output, verbose, timeout_s)
-            events = _read_events(progress)
-            if not events:
-                raise MiniLLMError(f"the checks did not run (pytest exit code {returncode})" + _last_line(output))
-            unfinished = _collect(events, done)
-            if unfinished is None:
-                break
-            ex = done[unfinished["exercise"]]
-            ex.checks.append(CheckResult(unfinished["check"], "failed",
-                                         _stopped_message(unfinished, timed_out, returncode, timeout_s),
-                                         time.time() - unfinished["time"]))
-            ran = {c.name for c in ex.checks}
-            ex.checks += [CheckResult(name, "not run", "an earlier check of this exercise timed out or crashed")
-                          for name in _collected(events, ex.id) if name not in ran]
-            todo = todo[todo.index(unfinished["exercise"]) + 1:]
-            if not todo:
-                break
+    for _ in itertools.count():  # one pytest process per stop or crash, plus one
+        these = replace(limits, cpu_s=min(limits.cpu_s, _cpu_budget(timeout_s, len(todo))))
+        with sandbox.scratch(folder, sandbox.isolation().user) as box:
+            cmd = pytest_command(root, todo, box.folder, box.progress, verbose)
+            try:
+                ran = sandbox.run(cmd, box, these, root, lambda: _timed_out(_read_events(box.progress), timeout_s),
+                                  verbose)
+            except OSError as e:
+                raise MiniLLMError(f"the sandbox for the checks could not start: {e}") from e
+            events = [_explained(e, these, box) for e in _main_process(_read_events(box.progress))]
+        if not events:
+            raise MiniLLMError(f"the checks did not run (pytest exit code {ran.returncode})" + _last_line(ran.output))
+        blamed = _blamed(events, ran)
+        _collect([e for e in events[:blamed] if e["event"] != "imported"], done)  # (the first line: "collected")
+        if blamed == len(events):
+            break
+        start = events[blamed]
+        ex = done.setdefault(start["exercise"], _Exercise(start["exercise"], start["title"], start["file"],
+                                                          start["lesson"], []))
+        ex.checks.append(CheckResult(start["check"], "failed",
+                                     _stopped_message(start, ran, _importing(events[blamed:]), these),
+                                     time.time() - start["time"]))
+        ran_checks = {c.name for c in ex.checks}
+        ex.checks += [CheckResult(name, "not run", "an earlier check of this exercise was stopped (or crashed)")
+                      for name in _collected(events, ex.id) if name not in ran_checks]
+        todo = todo[todo.index(start["exercise"]) + 1:]
+        if not todo:
+            break
     return [ExerciseResult(e.id, e.title, e.file, e.lesson, tuple(e.checks)) for e in
             (done[ex_id] for ex_id in exercises if ex_id in done)]
+
+
+def _cpu_budget(timeout_s: float, n_exercises: int) -> int:
+    """The CPU seconds a pytest process may use: its wall-clock budget (the checks run one thread)
+    and a minute for starting Python, torch and pytest."""
+    return math.ceil(timeout_s * n_exercises) + 60
 
 
 @dataclass
@@ -208,26 +231,70 @@ class _Exercise:
     checks: list[CheckResult]
 
 
-def _run_watched(cmd, root: Path, progress: Path, output: Path, verbose: bool, timeout_s: float):
-    """Run pytest; kill it once one exercise has run for timeout_s. Returns (exit code, timed out)."""
-    with open(output, "w") as out:
-        sink = {} if verbose else {"stdout": out, "stderr": subprocess.STDOUT}
-        # its own process group (POSIX), so that killing it also ends anything the student's code started
-        proc = subprocess.Popen(cmd, cwd=root, start_new_session=os.name == "posix", **sink)
-        while proc.poll() is None:
-            started = _exercise_started(_read_events(progress))
-            if started is not None and time.time() - started > timeout_s:
-                _kill(proc)
-                return proc.wait(), True
-            time.sleep(POLL_S)
-    return proc.returncode, False
+def _timed_out(events: list[dict], timeout_s: float) -> str:
+    """Why to stop the run now (one line), if an exercise has run past ``timeout_s``; else ""."""
+    events = _main_process(events)
+    running = _running(events)
+    if running is None:
+        return ""
+    start = events[running]
+    first = next(e["time"] for e in events if e["event"] == "start" and e["exercise"] == start["exercise"])
+    if time.time() - first <= timeout_s:
+        return ""
+    if _importing(events[running:]):
+        return (f"timed out after {timeout_s:g} s while importing {start['file']}: a loop or a sleep at the top "
+                "level of the file?")
+    return (f"timed out: an infinite loop? {start['exercise']} was still running after {timeout_s:g} s; "
+            "look for a while loop whose condition never changes")
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    if os.name == "posix":
-        os.killpg(proc.pid, signal.SIGKILL)
-    else:
-        proc.kill()
+def _main_process(events: list[dict]) -> list[dict]:
+    """The lines of the pytest process itself (a copy forked by the student's code writes its own)."""
+    pid = events[0].get("pid") if events else None
+    return [e for e in events if e.get("pid") == pid]
+
+
+def _running(events: list[dict]) -> int | None:
+    """The index of the start line of the check now running (None between checks, before any)."""
+    running = None
+    for i, e in enumerate(events):
+        if e["event"] == "start":
+            running = i
+        elif e["event"] == "end":
+            running = None
+    return running
+
+
+def _importing(events: list[dict]) -> bool:
+    """Whether the check whose start line leads ``events`` was still importing the student's file."""
+    return not any(e["event"] in ("imported", "end") for e in events[1:])
+
+
+def _blamed(events: list[dict], ran: sandbox.Ran) -> int:
+    """The index of the start line of the check a stop or a crash is blamed on; len(events) if none.
+
+    The check that was running; for too many processes, the first check whose fork was refused if
+    one says so (pytest may have gone on to later checks before the watchdog looked).
+    """
+    if ran.stopped.startswith("started too many processes"):
+        refused = next((e for e in events if e["event"] == "end" and "started too many processes" in e["message"]),
+                       None)
+        if refused is not None:
+            return max(i for i, e in enumerate(events[:events.index(refused)])
+                       if e["event"] == "start" and e["check"] == refused["name"])
+    running = _running(events)
+    if running is not None:
+        return running
+    if ran.stopped:  # stopped between two checks: the last one to start
+        return max((i for i, e in enumerate(events) if e["event"] == "start"), default=len(events))
+    return len(events)
+
+
+def _explained(event: dict, limits: Limits, box: sandbox.Scratch) -> dict:
+    """A progress line whose failure message names the limit or the wall it ran into (sandbox.explain)."""
+    if event["event"] != "end" or event["outcome"] == "passed":
+        return event
+    return {**event, "message": sandbox.explain(event["message"], limits, box)}
 
 
 def _read_events(progress: Path) -> list[dict]:
@@ -241,14 +308,6 @@ def _read_events(progress: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return events
-
-
-def _exercise_started(events: list[dict]) -> float | None:
-    """When the exercise now running started its first check (None between exercises / before any)."""
-    if not events or events[-1]["event"] != "start":
-        return None
-    running = events[-1]["exercise"]
-    return next(e["time"] for e in events if e["event"] == "start" and e["exercise"] == running)
 
 
 def _collect(events: list[dict], done: dict[str, _Exercise]) -> dict | None:
@@ -267,16 +326,25 @@ def _collected(events: list[dict], exercise: str) -> list[str]:
     return next((e["checks"] for e in events if e["event"] == "collected" and e["exercise"] == exercise), [])
 
 
-def _stopped_message(start: dict, timed_out: bool, returncode: int, timeout_s: float) -> str:
+def _stopped_message(start: dict, ran: sandbox.Ran, importing: bool, limits: Limits) -> str:
+    """One line: why the check that ``start`` began was stopped or how its process ended."""
     after = f"(in check {start['check']}; the exercise's later checks did not run)"
-    if timed_out:
-        return (f"timed out: an infinite loop? {start['exercise']} was still running after {timeout_s:g} s {after}; "
-                "look for a while loop whose condition never changes")
-    how = f"killed by signal {signal.Signals(-returncode).name}" if returncode < 0 else f"exit code {returncode}"
+    if ran.stopped:
+        return f"{ran.stopped} {after}"
+    limit = sandbox.explain_crash(ran.returncode, ran.output, limits)
+    if limit:
+        return f"{limit} {after}"
+    code = ran.returncode
+    how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    if importing:
+        return (f"exited during import of {start['file']} ({how}) {after}: os._exit(), sys.exit() or a crash at "
+                "the top level of the file?")
+    memory = (f" (or out of the grader's {limits.memory_mib} MiB of memory: torch's native code may crash so)"
+              if -code in (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS) else "")
     return (f"crashed: the Python process ended ({how}) {after}; os._exit(), sys.exit() or a crash in "
-            "native code in your file?")
+            f"native code in your file?{memory}")
 
 
-def _last_line(output: Path) -> str:
-    lines = output.read_text().strip().splitlines() if output.is_file() else []
+def _last_line(output: str) -> str:
+    lines = output.strip().splitlines()
     return f": {lines[-1]}" if lines else ""

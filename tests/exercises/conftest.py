@@ -13,6 +13,7 @@ stub's NotImplementedError is reported as skipped, reason "not attempted".
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -64,11 +65,15 @@ def impl(request):
         return reference(ex)
     folder = student_dir(request.config)
     try:
-        return student(ex, folder)
+        loaded = student(ex, folder)
     except FileNotFoundError as e:
         pytest.skip(f"not attempted: {e}")
     except Exception as e:  # noqa: BLE001 - a syntax error in the student's file is a failed check
         pytest.fail(f"could not load {folder / ex.file}: {type(e).__name__}: {e}", pytrace=False)
+    progress = request.config.getoption("exercise_progress")
+    if progress:  # so `minillm check` tells a process that ended in the import from one that ended in the check
+        _append(progress, {"event": "imported", "exercise": ex.id})
+    return loaded
 
 
 @pytest.hookimpl(wrapper=True)
@@ -161,8 +166,10 @@ def pytest_collection_finish(session):
 
 
 def _append(path: str, line: dict) -> None:
+    """One progress line, with the writer's pid: a copy of pytest forked by a student's code writes
+    here too, and `minillm check` keeps only the first process's lines."""
     with open(path, "a") as f:
-        f.write(json.dumps(line) + "\n")
+        f.write(json.dumps({**line, "pid": os.getpid()}) + "\n")
 
 
 def _outcome(report) -> str | None:
