@@ -3,6 +3,8 @@
     grading.py   run the checks of tests/exercises/ on a student's files, one result per exercise
     sandbox.py   how a student's code is run: a child process with limits, in a scratch folder,
                  walled off from the network, the homes and the other students where the machine allows
+    reports.py   a whole class: graded min(cores, students) at a time, then its grades as files
+                 (CSV, JSON, Gradescope's results.json, an HTML page; ``--report-dir DIR``)
     assembly.py  the real model with the student's mask, attention, RoPE, KV cache, prefill,
                  decode, sampling and generate loop swapped in, against minillm's own
                  (``minillm generate --student-dir DIR``)

@@ -44,12 +44,15 @@ class CheckResult:
 
     outcome: "passed", "failed", "not attempted" (the stub is untouched) or "not run"
     (an earlier check of the exercise timed out or crashed the process).
+    mistake: for a failure, the known mistake (tests/exercises/mistakes.py, e.g.
+    "mask_window_ignored") that answers as the student's code did, when the check names one.
     """
 
     name: str
     outcome: str
     message: str = ""
     seconds: float = 0.0  # how long the check ran
+    mistake: str = ""
 
 
 @dataclass(frozen=True)
@@ -317,7 +320,8 @@ def _collect(events: list[dict], done: dict[str, _Exercise]) -> dict | None:
             continue
         ex = done.setdefault(e["exercise"], _Exercise(e["exercise"], e["title"], e["file"], e["lesson"], []))
         if e["event"] == "end":
-            ex.checks.append(CheckResult(e["name"], e["outcome"], e["message"], e.get("seconds", 0.0)))
+            ex.checks.append(CheckResult(e["name"], e["outcome"], e["message"], e.get("seconds", 0.0),
+                                         e.get("mistake", "")))
     return events[-1] if events[-1]["event"] == "start" else None
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..classroom import DEFAULT_TIMEOUT_S  # stdlib only: cheap to import with the parser
-from .common import UsageError, warn
+from .common import UsageError, check_out_dir, warn, wrote
 
 CORE_EXERCISES = ("ex01", "ex02", "ex03", "ex04", "ex05", "ex06", "ex07", "ex08", "ex14")  # the assembled engine's
 
@@ -24,6 +25,14 @@ def add_check(sub) -> None:
     p.add_argument("--reference", action="store_true",
                    help="grade the reference solutions (a folder of files importing minillm's), as a teacher's "
                         "check that every exercise passes; instead of --student-dir")
+    p.add_argument("--report-dir", metavar="DIR",
+                   help="also write the grades into DIR: grades.csv (a row per student), grades.json (every "
+                        "exercise's score, status, failing check, message, named mistakes), class_report.html "
+                        "and gradescope/STUDENT/results.json; 1 point per exercise whose checks all pass "
+                        "(default: the table only)")
+    p.add_argument("--jobs", "-j", type=int, metavar="N",
+                   help="grade N students at a time, each in its own pytest process (default: one per usable "
+                        "core, at most one per student; 1: one after the other)")
     p.add_argument("--no-engine", dest="engine", action="store_false",
                    help="skip the assembled engine that ends a full check once ex01-ex08 and ex14 pass "
                         "(the default model, two short generations)")
@@ -39,7 +48,12 @@ def run_check(args) -> int:
     known = exercise_ids(root)
     if not args.timeout > 0:
         raise UsageError(f"--timeout must be a number of seconds > 0, got {args.timeout:g}")
+    if args.jobs is not None and args.jobs < 1:
+        raise UsageError(f"--jobs must be a number of students >= 1, got {args.jobs}")
+    if args.report_dir is not None:
+        check_out_dir("--report-dir", args.report_dir)
     dirs, named = _student_dirs(args.student_dir or [], known)
+    _student_names(dirs)  # two students of one name would share their reports: refused before grading
     for folder in dirs:
         if not any(folder.glob("ex[0-9][0-9]_*.py")):
             warn(f"{folder} holds none of the exercise files (ex01_causal_mask.py ...): is it the right folder?")
@@ -59,9 +73,14 @@ def _check(args, root, dirs, wanted, known) -> int:
     from rich.console import Console
 
     from ..classroom import run_checks
+    from ..classroom.reports import grade_class, write_reports
 
     start = time.perf_counter()
-    results = {d: run_checks(wanted, d, root, args.verbose, args.timeout) for d in dirs}
+    if len(dirs) == 1:
+        results = {dirs[0]: run_checks(wanted, dirs[0], root, args.verbose, args.timeout)}
+    else:
+        with _progress_bar(len(dirs)) as graded:
+            results = grade_class(dirs, wanted, root, args.verbose, args.timeout, args.jobs, on_graded=graded)
     console = Console()
     if len(dirs) == 1:
         where = dirs[0] or root / "lessons" / "exercises"
@@ -69,6 +88,12 @@ def _check(args, root, dirs, wanted, known) -> int:
     else:
         console.print(_class_table(results))
         console.print(f"checked in {time.perf_counter() - start:.1f} s", markup=False, highlight=False)
+    if args.report_dir is not None:
+        named = dict(zip(_student_names(list(results)), results.values()))
+        for path in write_reports(named, Path(args.report_dir)):
+            if path.name != "results.json":
+                wrote(path)
+        wrote(Path(args.report_dir) / "gradescope" / f"*/results.json ({len(named)} student{'s' * (len(named) != 1)})")
     failed = any(r.status == "failed" for rs in results.values() for r in rs)
     engine_ok = True
     if len(dirs) == 1 and args.engine and set(CORE_EXERCISES) <= set(wanted) and set(wanted) == set(known):
@@ -129,6 +154,37 @@ def _student_dirs(values: list[str], known: list[str]):
     if values and not dirs:
         raise UsageError(f"--student-dir needs a folder before the exercise ids, got only {' '.join(values)}")
     return dirs, named
+
+
+def _student_names(dirs) -> list[str]:
+    """Each folder's name, the student's name in the reports (None: the checkout's lessons/exercises).
+
+    Raises UsageError when two different folders have one name (class1/alice, class2/alice)."""
+    names = [(Path(d).resolve().name if d is not None else "exercises") for d in dirs]
+    seen: dict[str, Path] = {}
+    for name, d in zip(names, dirs):
+        if d is not None and seen.setdefault(name, Path(d).resolve()) != Path(d).resolve():
+            raise UsageError(f"--student-dir: two folders are named {name} ({seen[name]} and {Path(d).resolve()}); "
+                             "each student's folder needs its own name")
+    return names
+
+
+@contextmanager
+def _progress_bar(students: int):
+    """A progress bar on stderr while a class is graded; yields the callback that advances it.
+
+    Redrawn as each student finishes, with no refresh thread: the grading pool forks its workers
+    after the bar starts, and a fork copies no other thread (nor the locks one might hold)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("grading"), BarColumn(), MofNCompleteColumn(), TextColumn("students"),
+               TimeElapsedColumn(), TextColumn("{task.description}"))
+    with Progress(*columns, console=Console(stderr=True), auto_refresh=False) as progress:
+        task = progress.add_task("", total=students)
+        progress.refresh()
+        yield lambda folder: progress.update(task, advance=1, description=f"last: {Path(folder).name}",
+                                             refresh=True)
 
 
 _STATUS_STYLE = {"passed": "green", "failed": "red", "not attempted": "dim"}

@@ -53,7 +53,10 @@ class Case:
     shapes: str = ""
 
     def fail(self, problem: str, expected=None, got=None, hint: str | None = None, detail: str = "",
-             mistake: str = "") -> NoReturn:
+             mistake: str = "", mistake_name: str = "") -> NoReturn:
+        """Raise the AssertionError that teaches; ``mistake`` is its line naming a known mistake, and
+        ``mistake_name`` that mistake's name in mistakes.py, carried on the error as ``.mistake``
+        (conftest.py writes it beside the message: minillm check's class report counts them)."""
         __tracebackhide__ = True
         lines = [f"{self.what}: {problem}", _field("case", self.case)]
         if self.shapes:
@@ -65,7 +68,9 @@ class Case:
         if mistake:
             lines.append(_field("mistake", mistake))
         lines += [_field("hint", hint or self.hint), _field("lesson", self.lesson)]
-        raise AssertionError("\n".join(lines))
+        error = AssertionError("\n".join(lines))
+        error.mistake = mistake_name
+        raise error
 
     def call(self, fn, *args, **kwargs):
         """fn(*args, **kwargs); a crash becomes a failure that names this case.

@@ -123,8 +123,15 @@ def pytest_runtest_makereport(item, call):
         previous = checks.get(item.name)
         if previous is None or previous["outcome"] == "passed":  # a teardown error overrides a pass
             checks[item.name] = {"name": item.name, "outcome": outcome,
-                                 "message": "" if outcome == "passed" else _message(report)}
+                                 "message": "" if outcome == "passed" else _message(report),
+                                 "mistake": "" if outcome == "passed" else _mistake(call)}
     return report
+
+
+def _mistake(call) -> str:
+    """The name of the known mistake (mistakes.py) the failure says the code answers like, or ""
+    (checking.Case.fail carries it on its AssertionError; differential checks name one)."""
+    return getattr(call.excinfo.value, "mistake", "") if call.excinfo is not None else ""
 
 
 @pytest.hookimpl(wrapper=True)

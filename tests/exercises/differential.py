@@ -83,15 +83,15 @@ def agree(student: Callable, reference: Callable, inputs: Inputs, *, what: str, 
             return None
         expected_text = f"raises {type(ref_error).__name__}: {ref_error}" if ref_error else expected
         case.fail(f"raised {type(e).__name__}: {e}", expected_text, f"raises {type(e).__name__}",
-                  mistake=_mistake_line(exercise, what, inputs, error=e, tell_apart=_answers(student, tell_apart)))
+                  **_known_mistake(exercise, what, inputs, error=e, tell_apart=_answers(student, tell_apart)))
     if ref_error is not None:
         case.fail(f"returned instead of raising {type(ref_error).__name__}",
                   f"raises {type(ref_error).__name__}: {ref_error}", got,
-                  mistake=_mistake_line(exercise, what, inputs, got=got, tell_apart=_answers(student, tell_apart)))
+                  **_known_mistake(exercise, what, inputs, got=got, tell_apart=_answers(student, tell_apart)))
     problem = difference(got, expected, tol)
     if problem:
         case.fail(problem, expected, got,
-                  mistake=_mistake_line(exercise, what, inputs, got=got, tell_apart=_answers(student, tell_apart)))
+                  **_known_mistake(exercise, what, inputs, got=got, tell_apart=_answers(student, tell_apart)))
     fresh_args, fresh_kwargs = inputs()
     changed = _changed_input(student_args, student_kwargs, fresh_args, fresh_kwargs)
     if changed:
@@ -223,14 +223,15 @@ def _describe(x) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-def _mistake_line(exercise: str, what: str, inputs: Inputs, got=None, error: Exception | None = None,
-                  tell_apart: Sequence[tuple[Inputs, Any, Exception | None]] = ()) -> str:
-    """A line naming the mistake of mistakes.py that gives the same answer on this input, and on each
-    of ``tell_apart`` (inputs, the student's answer, its error) the student's; "" when none does."""
+def _known_mistake(exercise: str, what: str, inputs: Inputs, got=None, error: Exception | None = None,
+                   tell_apart: Sequence[tuple[Inputs, Any, Exception | None]] = ()) -> dict:
+    """Case.fail's ``mistake`` (a line) and ``mistake_name`` for the mistake of mistakes.py that gives
+    the same answer on this input, and on each of ``tell_apart`` (inputs, the student's answer, its
+    error) the student's; {} when none does."""
     for m, wrong in _mistakes_of(exercise, what.split("(")[0]):
         if _answers_as(wrong, inputs, got, error) and all(_answers_as(wrong, *more) for more in tell_apart):
             return _same_as(m, len(tell_apart))
-    return ""
+    return {}
 
 
 def _answers(student: Callable, tell_apart: Sequence[Inputs]) -> list[tuple[Inputs, Any, Exception | None]]:
@@ -247,12 +248,13 @@ def _answers_as(wrong: Callable, inputs: Inputs, got, error: Exception | None) -
     return error is None and difference(got, theirs) is None
 
 
-def _same_as(m, more_inputs: int = 0) -> str:
+def _same_as(m, more_inputs: int = 0) -> dict:
     # one input cannot tell two mistakes apart: a hint to look at, not a diagnosis
     where = f"on this input, and on {more_inputs} more that tell the known mistakes apart," if more_inputs else \
         "on this input"
-    return (f"{where} yours answers as the known mistake '{m.name}' does ({m.what}); it may be "
-            "yours, or another with the same answer here")
+    return {"mistake": f"{where} yours answers as the known mistake '{m.name}' does ({m.what}); it may be "
+                       "yours, or another with the same answer here",
+            "mistake_name": m.name}
 
 
 def _mistakes_of(exercise: str, name: str):
