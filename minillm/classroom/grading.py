@@ -217,6 +217,49 @@ def run_checks(exercises: list[str], student_dir: Path | None = None, root: Path
             (done[ex_id] for ex_id in exercises if ex_id in done)]
 
 
+ENGINE_RUNS = 8  # the engine's budget in --timeout's: minillm's run, the student's, the culprit's search (log2 of 13)
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """How the sandboxed assembled engine ended: its exit code (0: equal to minillm's), its report
+    (the lines it printed, the student's folder named as given) and why it was stopped ("" if not)."""
+
+    returncode: int
+    output: str
+    stopped: str
+
+
+def run_assembled_engine(student_dir: Path, model_dir: Path, prompt: str, max_new_tokens: int,
+                         timeout_s: float = DEFAULT_TIMEOUT_S, root: Path | None = None,
+                         limits: Limits | None = None) -> EngineRun:
+    """``minillm generate --student-dir`` on a scratch copy of ``student_dir``, in the checks' sandbox.
+
+    The student's pieces run in a child process with the same walls and ``limits`` as the checks
+    (default :class:`Limits`: the reference's engine on SmolLM2-135M peaks at 1634 MiB of address
+    space, 814 MiB resident, under the 3072 MiB), its CPU time and wall clock ``ENGINE_RUNS``
+    times ``timeout_s`` and a minute. ``model_dir`` (the downloaded weights: no network inside) is
+    put back read-only; the child's ``--timeout`` names a piece that loops, as outside.
+    """
+    root = find_checkout() if root is None else root
+    budget = _cpu_budget(timeout_s, ENGINE_RUNS)
+    limits = replace(limits or Limits(), cpu_s=budget)
+    with sandbox.scratch(student_dir, sandbox.isolation().user) as box:
+        cmd = [sys.executable, "-m", "minillm", "generate", "--student-dir", str(box.folder), "--model",
+               str(Path(model_dir).resolve()), "--max-new-tokens", str(max_new_tokens), "--timeout", f"{timeout_s:g}",
+               prompt]
+        deadline = time.monotonic() + budget
+        stop = (lambda: f"timed out: the assembled engine was still running after {budget} s"
+                if time.monotonic() > deadline else "")
+        try:
+            ran = sandbox.run(cmd, box, limits, root, stop, read_only=(Path(model_dir).resolve(),))
+        except OSError as e:
+            raise MiniLLMError(f"the sandbox for the assembled engine could not start: {e}") from e
+        output = ran.output.replace(str(box.folder), str(box.source))
+    stopped = ran.stopped or sandbox.explain_crash(ran.returncode, output, limits)
+    return EngineRun(ran.returncode, output, stopped)
+
+
 def _cpu_budget(timeout_s: float, n_exercises: int) -> int:
     """The CPU seconds a pytest process may use: its wall-clock budget (the checks run one thread)
     and a minute for starting Python, torch and pytest."""

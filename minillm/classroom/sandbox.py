@@ -1,8 +1,9 @@
 """How a student's code is run: a child process with limits, in a scratch folder, walled off from the rest.
 
 Grading a student runs the exercises' checks in a pytest process that imports the student's files
-(grading.py): untrusted code. :func:`run` starts that process here, as strongly walled off as the
-machine allows (:func:`isolation` probes it once):
+(grading.py), and a full check ends with ``minillm generate --student-dir`` importing them as one
+engine (grading.run_assembled_engine): untrusted code. :func:`run` starts those processes here, as
+strongly walled off as the machine allows (:func:`isolation` probes it once):
 
     grader (root)
       │ copies the student's folder            /tmp/minillm-sandbox-XXXX/alice/  (cwd and HOME)
@@ -195,9 +196,10 @@ class Ran:
 
 
 def run(cmd: list[str], box: Scratch, limits: Limits, checkout: Path, watch: Callable[[], str] = lambda: "",
-        verbose: bool = False) -> Ran:
+        verbose: bool = False, read_only: tuple[Path, ...] = ()) -> Ran:
     """Run ``cmd`` (a Python command: ``cmd[0]`` is this interpreter) in ``box``, walled off as far as
-    :func:`isolation` allows. ``checkout`` (the minillm clone) stays visible, read-only, on PYTHONPATH.
+    :func:`isolation` allows. ``checkout`` (the minillm clone) stays visible, read-only, on PYTHONPATH;
+    so do the folders of ``read_only`` (a model's weights under a hidden home), bound back as the checkout is.
 
     Every 0.1 s ``watch()`` may return a reason to stop (a timeout, as one line); the output is
     read as it comes, echoed when ``verbose``, and the run is stopped once it passes
@@ -207,7 +209,7 @@ def run(cmd: list[str], box: Scratch, limits: Limits, checkout: Path, watch: Cal
     how = isolation()
     cgroup = _make_cgroup(limits.processes) if how.processes == "cgroup" else None
     try:
-        wrapper = _wrapper(cmd, box, limits, checkout, how, cgroup, verbose)
+        wrapper = _wrapper(cmd, box, limits, checkout, how, cgroup, verbose, read_only)
         proc = subprocess.Popen(wrapper, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True, env=_student_env(box, checkout, verbose))
         output, stopped = _watch(proc, limits, cgroup, watch, verbose)
@@ -223,12 +225,12 @@ def run(cmd: list[str], box: Scratch, limits: Limits, checkout: Path, watch: Cal
 
 
 def _wrapper(cmd: list[str], box: Scratch, limits: Limits, checkout: Path, how: Isolation, cgroup: Path | None = None,
-             verbose: bool = False) -> list[str]:
+             verbose: bool = False, read_only: tuple[Path, ...] = ()) -> list[str]:
     """The command line that starts ``cmd`` inside the walls: unshare, then this file as the wrapper."""
     spec = {"cmd": cmd, "cwd": str(box.folder), "env": _student_env(box, checkout, verbose),
             "rlimits": _rlimits(limits, how), "user": how.user, "cgroup": str(cgroup) if cgroup else None,
             "status": str(box.status), "init": how.namespaces,
-            "mounts": _mount_plan(box, checkout, limits) if how.namespaces else None}
+            "mounts": _mount_plan(box, checkout, limits, read_only) if how.namespaces else None}
     return [*(_unshare_prefix(os.geteuid() == 0) if how.namespaces else []),
             sys.executable, "-I", "-S", str(Path(__file__).resolve()), json.dumps(spec)]
 
@@ -441,12 +443,13 @@ def _remove_cgroup(cgroup: Path) -> None:
 # -- inside: the namespace's first process, then the student's ---------------------------------------
 
 
-def _mount_plan(box: Scratch, checkout: Path, limits: Limits) -> dict:
-    """The folders to replace with empty ones and those to put back (see the module's diagram)."""
+def _mount_plan(box: Scratch, checkout: Path, limits: Limits, read_only: tuple[Path, ...] = ()) -> dict:
+    """The folders to replace with empty ones and those to put back (see the module's diagram);
+    ``read_only``: more folders to put back, read-only (a model's weights)."""
     homes = {*HOMES, pwd.getpwuid(os.getuid()).pw_dir, os.environ.get("HOME", "/")} - {"/"}
     prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
     site = [p for p in sys.path if p and any(Path(p).is_relative_to(q) for q in prefixes) or "-packages" in p]
-    needed = {str(q) for p in [*prefixes, *site, str(checkout), str(Path(sys.executable).parent)]
+    needed = {str(q) for p in [*prefixes, *site, str(checkout), str(Path(sys.executable).parent), *map(str, read_only)]
               for q in (Path(p).absolute(), Path(p).resolve()) if q.is_dir()}
     class_folder = Path(box.source).resolve().parent  # the other students' folders, beside this one's
     close = [str(class_folder)] if class_folder != Path("/") and not any(

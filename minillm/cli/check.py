@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..classroom import DEFAULT_TIMEOUT_S  # stdlib only: cheap to import with the parser
-from .common import UsageError, check_out_dir, warn, wrote
+from .common import UsageError, check_out_dir, ensure_model, warn, wrote
 
 CORE_EXERCISES = ("ex01", "ex02", "ex03", "ex04", "ex05", "ex06", "ex07", "ex08", "ex14")  # the assembled engine's
 
@@ -103,11 +103,11 @@ def _check(args, root, dirs, wanted, known) -> int:
 
 
 def _assembled_engine(console, results, folder, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
-    """A full check ends with the student's engine answering, once its core exercises pass."""
-    from argparse import Namespace
-
+    """A full check ends with the student's engine answering, once its core exercises pass: in a child
+    process, in the checks' sandbox (classroom.grading.run_assembled_engine), its report printed here."""
+    from ..classroom.grading import run_assembled_engine
     from ..formats.weights import DEFAULT_MODEL
-    from .generate import _DEFAULT_STUDENT_PROMPT, _STUDENT_MAX_NEW_TOKENS, assembled_engine
+    from .generate import _DEFAULT_STUDENT_PROMPT, _STUDENT_MAX_NEW_TOKENS
 
     core = {r.id: r.status for r in results if r.id in CORE_EXERCISES}
     todo: dict[str, list[str]] = {}  # status -> the core exercises in it
@@ -123,13 +123,16 @@ def _assembled_engine(console, results, folder, timeout: float = DEFAULT_TIMEOUT
         return True
     console.print(f"\nAll core exercises pass: your pieces assembled into one engine ({command}).\n",
                   markup=False, highlight=False, soft_wrap=True)
-    args = Namespace(model=DEFAULT_MODEL, weights_dir=None, device=None, chat=None, system=None, enable_thinking=None,
-                     max_new_tokens=_STUDENT_MAX_NEW_TOKENS, timeout=timeout)
+    model_dir = ensure_model(DEFAULT_MODEL, None)  # fetched here: the sandbox has no network
     start = time.perf_counter()
-    code = assembled_engine(Path(folder), _DEFAULT_STUDENT_PROMPT, args)
-    console.print(f"(assembled engine: {time.perf_counter() - start:.1f} s with loading the model)", markup=False,
-                  highlight=False)
-    return code == 0
+    ran = run_assembled_engine(Path(folder), model_dir, _DEFAULT_STUDENT_PROMPT, _STUDENT_MAX_NEW_TOKENS, timeout)
+    console.print(ran.output.rstrip("\n"), markup=False, highlight=False, soft_wrap=True)
+    if ran.stopped:
+        console.print(f"minillm: the assembled engine was stopped: {ran.stopped}", markup=False, highlight=False,
+                      soft_wrap=True)
+    console.print(f"(assembled engine, in the sandbox: {time.perf_counter() - start:.1f} s with loading the model)",
+                  markup=False, highlight=False)
+    return ran.returncode == 0 and not ran.stopped
 
 
 def _student_dirs(values: list[str], known: list[str]):

@@ -5,19 +5,26 @@ piece, whichever, shows up as a difference (so the swap really runs the student'
 the real default model through `minillm generate --student-dir`: the references answer "Paris"
 with exit 0, a RoPE sign flip among them differs with exit 1 and is named, with its layer and position.
 When the engine differs, the first wrong piece is named (bisecting over the student's pieces), with
-the layer and token position where its run first leaves minillm's.
+the layer and token position where its run first leaves minillm's. `minillm check`'s engine runs in the
+checks' sandbox: its report (the culprit's lines too) reaches the teacher, and a piece that writes to the
+teacher's home or reads the student beside it when the engine calls it is refused.
 """
 
+import io
 import re
 import signal
 import subprocess
 import sys
 import textwrap
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from exercises.models import tiny_model
+from rich.console import Console
 
-from minillm.classroom import reference_answers
+from minillm.classroom import reference_answers, sandbox
 from minillm.classroom.assembly import CORE_EXERCISES, PieceTimeout, assemble, report_lines
 from minillm.sampling import SamplingParams
 
@@ -324,3 +331,64 @@ def test_incompatible_flags_are_refused_in_one_line(references):
                            (["--temperature", "0.7"], "needs --seed")):
         r = minillm("generate", "--student-dir", str(references), *flags)
         assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# -- minillm check's engine run: in the checks' sandbox ----------------------------------------------
+
+SUFFIX = uuid.uuid4().hex[:8]
+PWNED = Path.home() / f"pwned-engine-{SUFFIX}"  # what the hostile piece tries to write in the teacher's home
+WALLED = pytest.mark.skipif(not sandbox.isolation().namespaces,
+                            reason="no namespaces here: the homes and the class folder are not hidden")
+# an ex01 that passes (minillm's mask) but, when the engine calls it, writes to the teacher's home and
+# reads the student beside it; it prints what it could do, so the report shows it
+SNOOPING_MASK = """\
+    import os
+    from minillm.model import causal_mask as minillms
+
+    def causal_mask(n_queries, n_keys, device=None, window=None):
+        for what, act in (("write", lambda: open({pwned!r}, "w").write("pwned")),
+                          ("read", lambda: open({secret!r}).read())):
+            try:
+                print(f"engine-wall: {{what}} got {{act()!r}} as uid {{os.getuid()}}")
+            except OSError as e:
+                print(f"engine-wall: {{what}} refused: {{type(e).__name__}}")
+        return minillms(n_queries, n_keys, device, window)
+    """
+
+
+def check_engine(folder):
+    """minillm check's end (cli/check.py), as after a full check whose core exercises all passed."""
+    from minillm.cli.check import _assembled_engine
+
+    console = Console(file=io.StringIO(), width=200)
+    ok = _assembled_engine(console, [SimpleNamespace(id=ex, status="passed") for ex in CORE_EXERCISES], folder)
+    return ok, console.file.getvalue()
+
+
+def test_check_runs_the_references_engine_in_the_sandbox(references, smollm2_dir):
+    ok, out = check_engine(references)
+    assert ok, out
+    assert f"pieces from {references}" in out and "minillm-sandbox-" not in out  # the scratch copy's path put back
+    assert "yours:   'The capital of France is Paris.'" in out and "Your engine equals minillm's" in out
+    assert "(assembled engine, in the sandbox: " in out
+
+
+def test_check_shows_the_culprit_found_in_the_sandbox(references, tmp_path, smollm2_dir):
+    ok, out = check_engine(otherwise_reference(references, tmp_path, "ex03_rope.py", SIGN_FLIP))
+    assert not ok and "The culprit: ex03 rope: apply_rope." in out, out
+    assert "Your engine differs from minillm's" in out
+
+
+@WALLED
+def test_check_engine_run_cannot_touch_the_teachers_home_or_another_student(references, tmp_path, smollm2_dir):
+    secret = write(tmp_path / "class" / "bob", {"notes.txt": "bob's secret"}) / "notes.txt"
+    folder = otherwise_reference(references, tmp_path / "class" / "mallory", "ex01_causal_mask.py",
+                                 SNOOPING_MASK.format(pwned=str(PWNED), secret=str(secret)))
+    try:
+        ok, out = check_engine(folder)
+        assert not PWNED.exists()
+    finally:
+        PWNED.unlink(missing_ok=True)
+    assert "engine-wall: write refused: " in out and "engine-wall: read refused: " in out, out  # the piece ran
+    assert "bob's secret" not in out and "engine-wall: write got" not in out
+    assert ok and "Your engine equals minillm's" in out  # its mask is minillm's: the walls, not a failure, stopped it

@@ -185,16 +185,19 @@ def test_a_full_check_of_the_stubs_says_when_the_engine_will_run(tmp_path):
 def test_the_engine_ends_a_check_once_the_core_passes(monkeypatch, tmp_path):
     from rich.console import Console
 
-    from minillm.cli import check, generate
+    from minillm.classroom import grading
+    from minillm.cli import check
 
     calls = []
-    monkeypatch.setattr(generate, "assembled_engine",
-                        lambda folder, prompt, args: calls.append((folder, prompt, args.timeout)) or 1)
+    monkeypatch.setattr(check, "ensure_model", lambda name, weights_dir: tmp_path / name)  # no download
+    monkeypatch.setattr(grading, "run_assembled_engine", lambda folder, model_dir, prompt, max_new_tokens, timeout: (
+        calls.append((folder, prompt, timeout)) or grading.EngineRun(1, "Your engine differs\n", "")))
     passed = [ExerciseResult(ex, "t", "f.py", "l", (CheckResult("c", "passed"),)) for ex in check.CORE_EXERCISES]
     console = Console(record=True, width=200)
     assert check._assembled_engine(console, passed, tmp_path, 7.0) is False  # the engine differs: the check fails
     assert calls == [(tmp_path, "What is the capital of France?", 7.0)]  # check's --timeout bounds the engine too
-    assert "All core exercises pass" in console.export_text()
+    text = console.export_text()
+    assert "All core exercises pass" in text and "Your engine differs" in text  # the sandboxed run's report
     failed = [*passed[:-1], ExerciseResult("ex14", "t", "f.py", "l", (CheckResult("c", "failed"),))]
     assert check._assembled_engine(console, failed, tmp_path) is True and len(calls) == 1
     assert "not yet: failed ex14." in console.export_text()
