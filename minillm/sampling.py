@@ -272,6 +272,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         # of it already reach top_p, so the one that crosses the threshold stays.
         mass_before = probs.cumsum(dim=-1) - probs
         drop_sorted = mass_before >= params.top_p
+        drop_sorted[:, 0] = False  # the most likely token stays, even for a top_p below float32's smallest
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

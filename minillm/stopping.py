@@ -264,6 +264,19 @@ class StopStringMatcher:
         return held
 
     def _longest_partial_match(self, text: str) -> int:
-        """Length of the longest end of ``text`` that is a proper start of a stop string."""
-        return max((n for s in self.stop for n in range(1, min(len(s), len(text) + 1))
-                    if text.endswith(s[:n])), default=0)
+        """Length of the longest end of ``text`` that is a proper start of a stop string.
+
+        Each stop string s is tried from the longest candidate down: the places in the last
+        len(s) - 1 characters where s's first character occurs (``str.find`` jumps between them),
+        stopping at the first whose rest starts s. Per token that is about len(s) steps, not the
+        len(s)² of comparing every prefix of s (a 1 MB stop string stalled a server's every step)."""
+        longest = 0
+        for s in self.stop:
+            tail = text[len(text) - min(len(s) - 1, len(text)) :]
+            start = tail.find(s[0])
+            while start != -1 and len(tail) - start > longest:
+                if s.startswith(tail[start:]):
+                    longest = len(tail) - start
+                    break
+                start = tail.find(s[0], start + 1)
+        return longest

@@ -181,3 +181,12 @@ def test_any_accepted_params_sample_a_possible_token(rows, temperature, top_k, t
         assert torch.equal(tempered.gather(-1, tokens[:, None]), tempered.amax(dim=-1, keepdim=True))
     elif min_p == 1.0 or top_p == 1e-30:
         assert torch.equal(probs.gather(-1, tokens[:, None]), probs.amax(dim=-1, keepdim=True))
+
+
+@pytest.mark.parametrize("top_p", [1e-46, 1e-45, 1e-30])
+def test_a_top_p_below_float32s_smallest_keeps_the_most_likely_token(top_p):
+    """top_p rounds to 0 in float32: the mass before the first token (0) is already >= it, yet the most
+    likely token stays (the docstring's rule), so sampling is the argmax, not a NaN distribution."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    tokens, _ = sample(logits, SamplingParams(temperature=1.0, top_p=top_p), torch.Generator().manual_seed(1))
+    assert tokens.tolist() == logits.argmax(-1).tolist()

@@ -208,3 +208,13 @@ def test_trace_records_the_penalty_and_the_detokenized_text(model, tokenizer):
     assert trace.first("decode")["sampling"] == {"method": "greedy", "repetition_penalty": 1.5}
     detok = trace.first("detokenize")
     assert detok["n_tokens"] == 4 and detok["text"] == "".join(s.text for s in steps) and detok["time_ms"] >= 0
+
+
+@settings(max_examples=500, deadline=None)
+@given(text=st.text(alphabet="ab ", max_size=30), stops=st.lists(st.text(alphabet="ab ", min_size=1, max_size=8),
+                                                                  min_size=1, max_size=3))
+def test_the_held_back_end_is_the_longest_proper_start_of_a_stop_string(text, stops):
+    """Against the definition, prefix by prefix: the longest end of the text that is a proper start of one."""
+    by_definition = max((n for s in stops for n in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:n])),
+                        default=0)
+    assert StopStringMatcher(tuple(stops))._longest_partial_match(text) == by_definition

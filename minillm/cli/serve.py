@@ -54,8 +54,8 @@ def add_serve(sub) -> None:
                    help="on SIGTERM or Ctrl-C, let running requests finish for this long, then end them with an "
                         "error (default: 30; a second Ctrl-C quits at once)")
     p.add_argument("--keep-alive-on-engine-death", action="store_true",
-                   help="when the engine is lost for good (a tensor-parallel rank died), keep serving: every "
-                        "request and /health get 503 with the reason until the server is stopped. Default: "
+                   help="when the engine is lost for good (a tensor-parallel rank died), keep serving: completions, "
+                        "chat completions and /health get 503 with the reason until the server is stopped. Default: "
                         f"503 for {ENGINE_DEATH_GRACE_S:g} s, then exit with status 1, so that a supervisor "
                         "restarts it (vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH)")
     p.set_defaults(run=run_serve)

@@ -48,6 +48,12 @@ CASES = {
     "n 0": ("completions", {"prompt": "hi", "n": 0}, 400, "n", "greater than or equal to 1"),
     "n 129": ("chat/completions", {"messages": USER, "n": 129}, 400, "n", "less than or equal to 128"),
     "n over max_num_seqs": ("completions", {"prompt": "hi", "n": 33}, 400, "n", "max_num_seqs = 32"),
+    "stop string over 1,024 characters": ("completions", {"prompt": "hi", "stop": [" " * 1025]}, 400, "stop",
+                                          "at most 1,024 characters"),
+    "more messages than the context has tokens": ("chat/completions", {"messages": [{"role": "user", "content": ""}]
+                                                  * (CONTEXT + 1)}, 400, "messages", f"{CONTEXT + 1} messages"),
+    "tokenize more messages than the context": ("/tokenize", {"messages": [{"role": "user", "content": ""}]
+                                                * (CONTEXT + 1)}, 400, "messages", f"{CONTEXT + 1} messages"),
     "n a string": ("completions", {"prompt": "hi", "n": "2"}, 400, "n", "integer"),
     "best_of": ("completions", {"prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of", "not supported by minillm"),
     "empty stop string": ("completions", {"prompt": "hi", "stop": ""}, 400, "stop", "non-empty"),
@@ -318,3 +324,12 @@ def test_a_pool_smaller_than_the_context_is_the_servers_limit_said_up_front(tiny
         assert "176 tokens" in error["message"] and "250 were requested" in error["message"]
         fits = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 26, "ignore_eos": True})
         assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 26
+
+
+def test_a_logit_bias_key_with_thousands_of_leading_zeros_names_its_token(server):
+    """"00...01" is token 1 (as int() reads it), not a 400 in Python's words about its digit limit."""
+    body = {"prompt": "Hi", "max_tokens": 2, "temperature": 0, "logit_bias": {"0" * 4999 + "1": 100}}
+    r = httpx.post(f"{server}/v1/completions", json=body, timeout=TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    forced = httpx.post(f"{server}/v1/completions", timeout=TIMEOUT_S, json={**body, "logit_bias": {"1": 100}})
+    assert r.json()["choices"][0]["text"] == forced.json()["choices"][0]["text"]

@@ -184,7 +184,7 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
         _log_ignored(request, body)
         chat = [m.as_template_message() for m in body.messages]
         _check_tool_calls_render(chat, tokenizer)
-        _refuse_unfittable(sum(len(m.get("content") or "") for m in chat), context, tokenizer, "messages")
+        _refuse_unfittable_chat(chat, context, tokenizer)
         prompt_ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, chat, body.chat_template_kwargs, context)
         max_tokens = _max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids), context, "messages")
         grammar = await asyncio.to_thread(_grammar, body, tokenizer, async_engine.engine)
@@ -208,10 +208,11 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
         else:
             chat = [m.as_template_message() for m in body.messages]
             _check_tool_calls_render(chat, tokenizer)
-            _refuse_unfittable(sum(len(m.get("content") or "") for m in chat), context, tokenizer, "messages")
-            try:
-                text = tokenizer.apply_chat_template(chat, add_generation_prompt=body.add_generation_prompt,
-                                                     **(body.chat_template_kwargs or {}))
+            _refuse_unfittable_chat(chat, context, tokenizer)
+            try:  # in a thread, as the chat routes do: a long chat renders for a while
+                text = await asyncio.to_thread(tokenizer.apply_chat_template, chat,
+                                               add_generation_prompt=body.add_generation_prompt,
+                                               **(body.chat_template_kwargs or {}))
             except ValueError as error:
                 raise APIError(400, str(error), "messages") from None
             ids = await asyncio.to_thread(tokenizer.encode, text, bool(body.add_special_tokens))
@@ -565,6 +566,17 @@ def _refuse_unfittable(n_chars: int, context: int, tokenizer, param: str) -> Non
                             f"length of {context} tokens can hold (a token spells at most "
                             f"{tokenizer.max_token_chars} characters); shorten the prompt", param,
                        "context_length_exceeded")
+
+
+def _refuse_unfittable_chat(chat: list[dict], context: int, tokenizer) -> None:
+    """:func:`_refuse_unfittable` for a chat: its contents' characters, and its number of messages, which
+    may not exceed the context's tokens (a chat template writes at least a role marker per message, so
+    a million empty messages cannot fit, and rendering them alone would hold up the server for seconds)."""
+    if len(chat) > context:
+        raise APIError(400, f"the chat has {len(chat):,} messages, more than this server's maximum context length "
+                            f"of {context} tokens can hold (each message takes at least one token); send fewer",
+                       "messages", "context_length_exceeded")
+    _refuse_unfittable(sum(len(m.get("content") or "") for m in chat), context, tokenizer, "messages")
 
 
 def _check_prompt_ids(ids: list[int], vocab: int) -> list[int]:

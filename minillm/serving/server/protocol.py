@@ -42,6 +42,8 @@ MAX_COMPLETION_LOGPROBS = 20
 LOGPROB_FLOOR = -9999.0
 # A token id has at most 10 digits: tokenizers' ids are 32-bit, no vocabulary comes near 10**10
 MAX_TOKEN_ID_DIGITS = 10
+# Stop strings are words and markers; each token's check reads the last len(stop) characters of the text
+MAX_STOP_CHARS = 1024
 
 
 class _Strict(BaseModel):
@@ -143,8 +145,9 @@ class _SamplingFields(_Strict):
                 raise ValueError(f"logit_bias keys are token ids; {key[:12]}... ({len(key):,} digits) is beyond "
                                  "any vocabulary")
             if not -100 <= value <= 100:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {key}")
-        return bias
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {key:.12}")
+        # "007" is token 7; the zeros go, or int() refuses a key of over 4,300 digits that names token 1
+        return None if bias is None else {key.lstrip("0") or "0": value for key, value in bias.items()}
 
     def structured_fields(self) -> dict:
         """The structured-output fields the request set, for minillm.structured.grammar_from_request."""
@@ -168,6 +171,9 @@ class _SamplingFields(_Strict):
         stops = [stop] if isinstance(stop, str) else stop or []
         if len(stops) > 4 or not all(stops):
             raise ValueError("stop must be up to 4 non-empty strings (OpenAI's limit)")
+        if max(map(len, stops), default=0) > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS:,} characters, got "
+                             f"{max(map(len, stops)):,}; the text held back while it might be one grows with it")
         return stop
 
     def ignored_fields(self) -> list[str]:
