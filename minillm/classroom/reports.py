@@ -276,7 +276,9 @@ def _tip(record: dict) -> str:
     if record["status"] != "failed":
         return record["status"]
     named = f"; named mistake: {', '.join(record['mistakes'])}" if record["mistakes"] else ""
-    return f"{record['checks_passed']}/{record['checks']} checks pass; first failed: {record['failed_check']}{named}"
+    why = record["message"].strip().split("\n")[0][:200]  # what the sandbox stopped is said on this line
+    return (f"{record['checks_passed']}/{record['checks']} checks pass; first failed: {record['failed_check']}"
+            f"{named}: {why}")
 
 
 # -- the files ---------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tempfile
 import time
 from contextlib import contextmanager
@@ -87,6 +88,8 @@ def _check(args, root, dirs, wanted, known) -> int:
         _print_exercise_results(console, results[dirs[0]], str(where), time.perf_counter() - start)
     else:
         console.print(_class_table(results))
+        for line in _stopped_lines(results):
+            console.print(line, markup=False, highlight=False)
         console.print(f"checked in {time.perf_counter() - start:.1f} s", markup=False, highlight=False)
     if args.report_dir is not None:
         named = dict(zip(_student_names(list(results)), results.values()))
@@ -229,7 +232,23 @@ def _to_do(unfinished, where: str) -> str:
     files = ", ".join(f"{where}/{r.file}" for r in unfinished[:3]) + (", ..." if len(unfinished) > 3 else "")
     first = unfinished[0].id
     return (f" Next: {files} (each file's docstring says what to write and which lesson explains it); "
-            f"'minillm check {first} -v' shows tracebacks.")
+            f"'minillm check {first} -v --student-dir {where}' shows tracebacks.")
+
+
+# what the grader's process-level stops say first (grading.py, sandbox.py): the code did more than a wrong answer
+_STOPPED = re.compile(r"the grader|^timed out|^crashed|^exited during import")
+
+
+def _stopped_lines(results: dict) -> list[str]:
+    """One line per student's exercise that the sandbox or the watchdog stopped (a fork bomb, a memory
+    balloon, endless output, a write outside its folder, an exit, a hang): the table shows only an x."""
+    lines = []
+    for folder, rs in results.items():
+        for r in rs:
+            failed = next((c for c in r.checks if c.outcome == "failed"), None)
+            if failed is not None and _STOPPED.search(failed.message):
+                lines.append(f"{folder.name} {r.id}: {failed.message.strip().splitlines()[0][:200]}")
+    return lines
 
 
 def _class_table(results: dict):

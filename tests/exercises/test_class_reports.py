@@ -239,3 +239,22 @@ def test_write_reports_lays_out_the_folder(graded, tmp_path):
     assert [p.relative_to(tmp_path / "out").as_posix() for p in written] == [
         "grades.csv", "grades.json", "class_report.html",
         "gradescope/alice/results.json", "gradescope/bob/results.json", "gradescope/carol/results.json"]
+
+
+def test_what_the_sandbox_stopped_is_said_in_the_table_and_the_html():
+    """A fork bomb is not a wrong mask: the class run prints its one line under the table, and the HTML's cell
+    says it on hover (the JSON and Gradescope files carry the whole message)."""
+    from minillm.cli.check import _stopped_lines
+
+    bomb = "started too many processes (more than 64 at once, the grader's limit): a fork bomb?\nTraceback ..."
+    wrong = "the mask lets query 0 see key 1\nexpected ..."
+    results = {Path("/class/mallory"): [_exercise("ex01", bomb)], Path("/class/carol"): [_exercise("ex01", wrong)]}
+    assert _stopped_lines(results) == [f"mallory ex01: {bomb.splitlines()[0]}"]
+    page = class_html({folder.name: rs for folder, rs in results.items()})
+    assert f"first failed: test_mask: {bomb.splitlines()[0]}" in page.replace("&#39;", "'")
+    assert f"first failed: test_mask: {wrong.splitlines()[0]}" in page
+
+
+def _exercise(ex_id: str, message: str) -> ExerciseResult:
+    checks = (CheckResult("test_mask", "failed", message), CheckResult("test_shape", "passed"))
+    return ExerciseResult(ex_id, "causal mask", "ex01_causal_mask.py", "lessons/02-prefill-and-decode.md", checks)
