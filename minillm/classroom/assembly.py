@@ -782,7 +782,7 @@ def report_lines(report: AssemblyReport, decode: Callable[[list[int]], str], whe
     lines += ["", f"{n_yours} of {len(report.pieces)} pieces are yours. Prompt: {len(report.prompt_ids)} tokens, "
                   f"{mode}, at most {report.params.max_new_tokens} new tokens.", ""]
     for who, run in (("yours:  ", report.yours), ("minillm:", report.minillm)):
-        text = decode(run.token_ids).replace("\n", "\\n")
+        text = decode(run.token_ids)  # repr writes a newline as \n, once
         lines.append(f"{who} {text!r}  ({len(run.token_ids)} tokens, stop: {run.finish_reason}, {run.seconds:.2f} s)")
         if run.error:
             lines.append(f"         stopped by {run.error}")
