@@ -299,3 +299,20 @@ def test_instructor_json_schema_mode_json_object_with_a_schema(client):
         choice = reply.choices[0]
         assert choice.finish_reason == "stop", choice.message.content  # 4 gaps of <= 20 whitespace: it must end
         Colour.model_validate_json(choice.message.content)
+
+
+def test_vllms_older_whitespace_and_backend_fields_are_accepted(tiny_chat):
+    """guided_whitespace_pattern is structured_outputs.whitespace_pattern's older spelling; guided_decoding_backend
+    changes nothing here (one backend) and is logged as ignored, as vLLM's clients still send both."""
+    from minillm.serving.server.protocol import ChatCompletionRequest
+
+    _, tokenizer = tiny_chat
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                 "guided_json": COLOUR, "guided_whitespace_pattern": "[ ]{0,2}",
+                                                 "guided_decoding_backend": "xgrammar"})
+    assert body.structured_fields()["structured_outputs"] == {"whitespace_pattern": "[ ]{0,2}"}
+    assert body.ignored_fields() == ["guided_decoding_backend"]
+    older = grammar_from_request(tokenizer, 49152, [2], **body.structured_fields())
+    newer = grammar_from_request(tokenizer, 49152, [2], guided_json=COLOUR,
+                                 structured_outputs={"whitespace_pattern": "[ ]{0,2}"})
+    assert older._grammar == newer._grammar

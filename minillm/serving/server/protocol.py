@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 # OpenAI's documented default when a request gives no temperature (vLLM's too).
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 # Accepted and ignored: they change no token of the answer (OpenAI's bookkeeping, or tools turned off).
-IGNORED_FIELDS = ("store", "metadata", "user", "parallel_tool_calls", "tools", "tool_choice")
+IGNORED_FIELDS = ("store", "metadata", "user", "parallel_tool_calls", "tools", "tool_choice", "guided_decoding_backend")
 # OpenAI's (and vLLM's) fields that would change the answer, which minillm does not implement.
 UNSUPPORTED_FIELDS = {"tools", "tool_choice", "functions", "function_call", "prediction", "audio",
                       "modalities", "reasoning_effort", "web_search_options", "suffix", "best_of"}
@@ -132,6 +132,8 @@ class _SamplingFields(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None  # vLLM's older spelling of structured_outputs.whitespace_pattern
+    guided_decoding_backend: str | None = None  # vLLM's older backend choice: accepted, ignored (one backend here)
 
     @field_validator("logit_bias")
     @classmethod
@@ -156,6 +158,9 @@ class _SamplingFields(_Strict):
             fields["response_format"] = self.response_format.model_dump(exclude_none=True)
         if self.structured_outputs is not None:
             fields["structured_outputs"] = self.structured_outputs.model_dump(exclude_none=True, by_alias=True)
+        if self.guided_whitespace_pattern is not None:  # the older spelling joins the newer one's tuning fields
+            fields["structured_outputs"] = {**fields.get("structured_outputs", {}),
+                                            "whitespace_pattern": self.guided_whitespace_pattern}
         return fields
 
     @field_validator("stream_options")
