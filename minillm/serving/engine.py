@@ -177,9 +177,7 @@ class LLMEngine:
         for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if k is not None and not (type(k) is int and 0 <= k <= self.model.config.vocab_size):
                 raise ValueError(f"{name} must be None or a number of top tokens in [0, vocab size], got {k!r}")
-        if not (type(n) is int and 1 <= n <= self.scheduler.max_num_seqs):
-            raise ValueError(f"n (sequences per request) must be an integer in [1, max_num_seqs = "
-                             f"{self.scheduler.max_num_seqs}], got {n!r}")
+        self.check_n(n)
         if request_id is None:  # the next number the caller has not taken already
             request_id = next(i for i in map(str, self._ids) if i not in self.requests)
         request_id = str(request_id)
@@ -194,6 +192,13 @@ class LLMEngine:
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
+
+    def check_n(self, n) -> None:
+        """ValueError unless ``n`` (sequences per request) is an int in [1, max_num_seqs]: a request with more
+        could never be scheduled, however long it waited."""
+        if not (type(n) is int and 1 <= n <= self.scheduler.max_num_seqs):
+            raise ValueError(f"n (sequences per request) must be an integer in [1, max_num_seqs = "
+                             f"{self.scheduler.max_num_seqs}], got {n!r}")
 
     def _check_fits(self, prompt: list[int]) -> None:
         vocab, context, pool = self.model.config.vocab_size, self.model.config.max_seq_len, self.cache.allocator

@@ -333,3 +333,28 @@ def test_a_logit_bias_key_with_thousands_of_leading_zeros_names_its_token(server
     assert r.status_code == 200, r.text
     forced = httpx.post(f"{server}/v1/completions", timeout=TIMEOUT_S, json={**body, "logit_bias": {"1": 100}})
     assert r.json()["choices"][0]["text"] == forced.json()["choices"][0]["text"]
+
+
+def test_an_n_that_no_wait_can_fit_is_a_400_even_while_the_queue_is_full(tiny_chat):
+    """The queue is full (one request waits, the limit is 1): n = 1 hears 503, retry later; n = 2 with
+    max_num_seqs 1 would never fit, so it hears 400 naming n, not an invitation to retry."""
+    model, tokenizer = tiny_chat
+    with live_server(model, tokenizer, num_blocks=64, max_num_seqs=1, max_waiting_requests=1) as url:
+        async_engine = app_of(url).state.async_engine
+        replies = {}
+
+        def send(n):
+            replies[n] = httpx.post(f"{url}/v1/completions", timeout=TIMEOUT_S,
+                                    json={"prompt": "Hi", "max_tokens": 2, "n": n, "temperature": 1.0})
+
+        with async_engine.lock:  # no step runs: the request added here stays waiting while both adds apply
+            async_engine.engine.add_request([5] * 20, minillm.SamplingParams(max_new_tokens=100, ignore_eos=True))
+            clients = [threading.Thread(target=send, args=(n,)) for n in (1, 2)]
+            for client in clients:
+                client.start()
+            wait_until(lambda: len(async_engine._commands) == 2)
+        for client in clients:
+            client.join(TIMEOUT_S)
+    assert replies[1].status_code == 503 and replies[1].json()["error"]["code"] == "queue_full"
+    assert replies[2].status_code == 400 and replies[2].json()["error"]["param"] == "n"
+    assert "max_num_seqs = 1" in replies[2].json()["error"]["message"]

@@ -325,8 +325,13 @@ class AsyncEngine:
         elif self._stopping or self._draining:
             error = ShuttingDownError("the server is shutting down; send the request again when it is back")
         elif self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
-            error = QueueFullError(f"the waiting queue is full ({waiting} requests, limit {self.max_waiting_requests}: "
-                                   "--max-waiting-requests); retry later")
+            try:  # an n that no wait would make right is the client's to fix (400), not to retry (503)
+                self.engine.check_n(n)
+            except ValueError as bad:
+                error = bad
+            else:
+                error = QueueFullError(f"the waiting queue is full ({waiting} requests, limit "
+                                       f"{self.max_waiting_requests}: --max-waiting-requests); retry later")
         else:
             try:
                 self.engine.add_request(prompt_ids, params, request_id, arrival_s=arrival_s, logprobs=logprobs,
