@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
+import sys
 import time
+
+import httpx
 
 from minillm.serving.server.app import create_app, run_in_thread
 from minillm.serving.server.async_engine import AsyncEngine
@@ -59,3 +63,28 @@ def wait_until(predicate, timeout_s: float = 30.0, poll_s: float = 0.01) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"not true within {timeout_s} s: {getattr(predicate, '__name__', predicate)}")
         time.sleep(poll_s)
+
+
+def start_serve(folder, *options: str, kv_cache_memory: str = "8MiB", timeout_s: float = 60.0
+                ) -> tuple[subprocess.Popen, str]:
+    """`minillm serve` on a free port as a subprocess, once its /health answers: (process, base URL).
+    Its stdout and stderr are pipes (``communicate()`` reads them)."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", str(folder), "--port", str(port),
+                               "--kv-cache-memory", kv_cache_memory, *options],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        assert server.poll() is None, server.stderr.read()
+        try:
+            return httpx.get(f"{url}/health", timeout=1.0).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(up, timeout_s, poll_s=0.2)
+    except BaseException:
+        server.kill()
+        raise
+    return server, url

@@ -479,5 +479,5 @@ def test_chat_template_kwargs_reach_the_template():
         '{"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"enable_thinking": false}}')
     expected = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     chat = [m.as_template_message() for m in body.messages]
-    assert _chat_prompt_ids(tokenizer, chat, body.chat_template_kwargs) == tokenizer.encode(
+    assert _chat_prompt_ids(tokenizer, chat, body.chat_template_kwargs, 512) == tokenizer.encode(
         expected, add_special_tokens=False)

@@ -3,12 +3,10 @@
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 
 import httpx
 import pytest
-from live_server import free_port, wait_until
+from live_server import start_serve
 from tiny_models import CONFIGS, build_hf, save_hf
 
 from minillm.cli import main
@@ -25,29 +23,6 @@ def tiny_folder(tmp_path_factory, smollm2_dir):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(smollm2_dir / name, folder / name)
     return folder
-
-
-def start_serve(folder, *options: str) -> tuple[subprocess.Popen, str]:
-    """`minillm serve` on a free port as a subprocess, once its /health answers: (process, base URL)."""
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", str(folder), "--port", str(port),
-                               "--kv-cache-memory", "8MiB", *options],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-
-    def up():
-        assert server.poll() is None, server.stderr.read()
-        try:
-            return httpx.get(f"{url}/health", timeout=1.0).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    try:
-        wait_until(up, TIMEOUT_S, poll_s=0.2)
-    except BaseException:
-        server.kill()
-        raise
-    return server, url
 
 
 def test_serve_starts_answers_and_stops_on_ctrl_c(tiny_folder):

@@ -10,7 +10,6 @@ import threading
 
 import httpx
 import pytest
-import torch
 from live_server import app_of, live_server, wait_until
 
 from minillm.serving.server import app as api_server

@@ -6,13 +6,11 @@ from a prefix's pieces, and the memory its tokenising took is given back (issue 
 
 import os
 import shutil
-import subprocess
-import sys
 import threading
 
 import httpx
 import pytest
-from live_server import app_of, free_port, live_server, wait_until
+from live_server import app_of, live_server, start_serve
 from tiny_models import CONFIGS, build_hf, save_hf
 
 TIMEOUT_S = 120.0
@@ -128,21 +126,8 @@ def long_context_server(tmp_path_factory, smollm2_dir):
     folder = save_hf(build_hf(family, kwargs), tmp_path_factory.mktemp("tiny_8k"))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(smollm2_dir / name, folder / name)
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", str(folder), "--port", str(port),
-                               "--kv-cache-memory", "16MiB"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True)
-    url = f"http://127.0.0.1:{port}"
-
-    def up():
-        assert server.poll() is None, server.stderr.read()
-        try:
-            return httpx.get(f"{url}/health", timeout=1.0).status_code == 200
-        except httpx.TransportError:
-            return False
-
+    server, url = start_serve(folder, kv_cache_memory="16MiB", timeout_s=TIMEOUT_S)
     try:
-        wait_until(up, TIMEOUT_S, poll_s=0.2)
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"] == LONG_CONTEXT
         yield url, server.pid
     finally:

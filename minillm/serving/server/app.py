@@ -497,17 +497,14 @@ def _check_tool_calls_render(chat: list[dict], tokenizer) -> None:
                        f"messages.{with_calls[0]}.tool_calls")
 
 
-def _chat_prompt_ids(tokenizer, chat: list[dict], template_kwargs: dict | None = None,
-                     context: int | None = None) -> list[int]:
+def _chat_prompt_ids(tokenizer, chat: list[dict], template_kwargs: dict | None, context: int) -> list[int]:
     """The chat template applied (with the assistant's turn opened, and the request's
-    ``chat_template_kwargs``), then encoded; APIError 400 when the template refuses the chat, or
-    (given the ``context``) when the prompt cannot fit it (:func:`_encode_prompt`)."""
+    ``chat_template_kwargs``), then encoded (the template wrote the special tokens); APIError 400 when
+    the template refuses the chat, or when the prompt cannot fit the ``context`` (:func:`_encode_prompt`)."""
     try:
         text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, **(template_kwargs or {}))
     except ValueError as error:
         raise APIError(400, str(error), "messages") from None
-    if context is None:
-        return tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
     return _encode_prompt(tokenizer, text, context, "messages", add_special_tokens=False)
 
 
