@@ -46,6 +46,8 @@ class CheckResult:
     (an earlier check of the exercise timed out or crashed the process).
     mistake: for a failure, the known mistake (tests/exercises/mistakes.py, e.g.
     "mask_window_ignored") that answers as the student's code did, when the check names one.
+    stopped: for a failure that was more than a wrong answer, the one line that says what the code did
+    (a limit or a wall of the sandbox it ran into, a hang, an exit, a crash); else "".
     """
 
     name: str
@@ -53,6 +55,7 @@ class CheckResult:
     message: str = ""
     seconds: float = 0.0  # how long the check ran
     mistake: str = ""
+    stopped: str = ""
 
 
 @dataclass(frozen=True)
@@ -204,9 +207,8 @@ def run_checks(exercises: list[str], student_dir: Path | None = None, root: Path
         start = events[blamed]
         ex = done.setdefault(start["exercise"], _Exercise(start["exercise"], start["title"], start["file"],
                                                           start["lesson"], []))
-        ex.checks.append(CheckResult(start["check"], "failed",
-                                     _stopped_message(start, ran, _importing(events[blamed:]), these),
-                                     time.time() - start["time"]))
+        stopped = _stopped_message(start, ran, _importing(events[blamed:]), these)
+        ex.checks.append(CheckResult(start["check"], "failed", stopped, time.time() - start["time"], stopped=stopped))
         ran_checks = {c.name for c in ex.checks}
         ex.checks += [CheckResult(name, "not run", "an earlier check of this exercise was stopped (or crashed)")
                       for name in _collected(events, ex.id) if name not in ran_checks]
@@ -340,7 +342,8 @@ def _explained(event: dict, limits: Limits, box: sandbox.Scratch) -> dict:
     """A progress line whose failure message names the limit or the wall it ran into (sandbox.explain)."""
     if event["event"] != "end" or event["outcome"] == "passed":
         return event
-    return {**event, "message": sandbox.explain(event["message"], limits, box)}
+    wall = sandbox.wall_hit(event["message"], limits, box)
+    return {**event, "message": sandbox.explain(event["message"], limits, box), "stopped": wall}
 
 
 def _read_events(progress: Path) -> list[dict]:
@@ -364,7 +367,7 @@ def _collect(events: list[dict], done: dict[str, _Exercise]) -> dict | None:
         ex = done.setdefault(e["exercise"], _Exercise(e["exercise"], e["title"], e["file"], e["lesson"], []))
         if e["event"] == "end":
             ex.checks.append(CheckResult(e["name"], e["outcome"], e["message"], e.get("seconds", 0.0),
-                                         e.get("mistake", "")))
+                                         e.get("mistake", ""), e.get("stopped", "")))
     return events[-1] if events[-1]["event"] == "start" else None
 
 

@@ -237,21 +237,27 @@ def _wrapper(cmd: list[str], box: Scratch, limits: Limits, checkout: Path, how: 
 
 def explain(message: str, limits: Limits, box: Scratch) -> str:
     """A check's failure message, with the scratch folder's path put back to the student's, led by
-    the limit or the wall of the sandbox it ran into (one line) when it shows one."""
+    the limit or the wall of the sandbox it ran into (one line, :func:`wall_hit`) when it shows one."""
     message = message.replace(str(box.folder), str(box.source))
+    wall = wall_hit(message, limits, box)
+    return f"{wall}: {message}" if wall else message
+
+
+def wall_hit(message: str, limits: Limits, box: Scratch) -> str:
+    """The limit or the wall of the sandbox a failure ``message`` shows it ran into, in one line; else ""."""
     if re.search(r"MemoryError|can't allocate memory|Cannot allocate memory|std::bad_alloc", message):
-        return f"used more than {limits.memory_mib} MiB of memory (the grader's limit): {message}"
+        return f"used more than {limits.memory_mib} MiB of memory (the grader's limit)"
     if re.search(r"BlockingIOError: \[Errno 11\]|can't start new thread", message):
-        return f"{_too_many_processes(limits)}: {message}"
+        return _too_many_processes(limits)
     if "[Errno 27] File too large" in message:
-        return f"wrote a file larger than {limits.file_mib} MiB (the grader's limit): {message}"
+        return f"wrote a file larger than {limits.file_mib} MiB (the grader's limit)"
     if "[Errno 24] Too many open files" in message:
-        return f"opened more than {limits.open_files} files at once (the grader's limit): {message}"
+        return f"opened more than {limits.open_files} files at once (the grader's limit)"
     denied = re.search(r"\[Errno (?:13\] Permission denied|30\] Read-only file system): '(/[^']*)'", message)
-    if denied and not Path(denied.group(1)).is_relative_to(box.source):
+    if denied and not any(Path(denied.group(1)).is_relative_to(own) for own in (box.source, box.folder)):
         return (f"permission denied for {denied.group(1)}: outside its own folder (the grader runs each student's "
-                f"code walled off): {message}")
-    return message
+                "code walled off)")
+    return ""
 
 
 def explain_crash(returncode: int, output: str, limits: Limits) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import tempfile
 import time
 from contextlib import contextmanager
@@ -235,19 +234,15 @@ def _to_do(unfinished, where: str) -> str:
             f"'minillm check {first} -v --student-dir {where}' shows tracebacks.")
 
 
-# what the grader's process-level stops say first (grading.py, sandbox.py): the code did more than a wrong answer
-_STOPPED = re.compile(r"the grader|^timed out|^crashed|^exited during import")
-
-
 def _stopped_lines(results: dict) -> list[str]:
     """One line per student's exercise that the sandbox or the watchdog stopped (a fork bomb, a memory
     balloon, endless output, a write outside its folder, an exit, a hang): the table shows only an x."""
     lines = []
     for folder, rs in results.items():
         for r in rs:
-            failed = next((c for c in r.checks if c.outcome == "failed"), None)
-            if failed is not None and _STOPPED.search(failed.message):
-                lines.append(f"{folder.name} {r.id}: {failed.message.strip().splitlines()[0][:200]}")
+            stopped = next((c.stopped for c in r.checks if c.stopped), "")
+            if stopped:
+                lines.append(f"{folder.name} {r.id}: {stopped}")
     return lines
 
 

@@ -248,13 +248,14 @@ def test_what_the_sandbox_stopped_is_said_in_the_table_and_the_html():
 
     bomb = "started too many processes (more than 64 at once, the grader's limit): a fork bomb?\nTraceback ..."
     wrong = "the mask lets query 0 see key 1\nexpected ..."
-    results = {Path("/class/mallory"): [_exercise("ex01", bomb)], Path("/class/carol"): [_exercise("ex01", wrong)]}
+    results = {Path("/class/mallory"): [_exercise("ex01", bomb, stopped=bomb.splitlines()[0])],
+               Path("/class/carol"): [_exercise("ex01", wrong)]}
     assert _stopped_lines(results) == [f"mallory ex01: {bomb.splitlines()[0]}"]
     page = class_html({folder.name: rs for folder, rs in results.items()})
     assert f"first failed: test_mask: {bomb.splitlines()[0]}" in page.replace("&#39;", "'")
     assert f"first failed: test_mask: {wrong.splitlines()[0]}" in page
 
 
-def _exercise(ex_id: str, message: str) -> ExerciseResult:
-    checks = (CheckResult("test_mask", "failed", message), CheckResult("test_shape", "passed"))
+def _exercise(ex_id: str, message: str, stopped: str = "") -> ExerciseResult:
+    checks = (CheckResult("test_mask", "failed", message, stopped=stopped), CheckResult("test_shape", "passed"))
     return ExerciseResult(ex_id, "causal mask", "ex01_causal_mask.py", "lessons/02-prefill-and-decode.md", checks)

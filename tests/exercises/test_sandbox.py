@@ -110,8 +110,9 @@ def _processes_running_in(name: str) -> int:
                                      for name in HOSTILE])
 def test_a_hostile_student_gets_one_line_naming_it_and_a_zero(graded, student):
     ex01 = graded.results[student]
-    message = next(c.message for c in ex01.checks if c.outcome == "failed")
-    assert message.startswith(HOSTILE[student][1].format(bob_file=graded.bob_file)), message
+    failed = next(c for c in ex01.checks if c.outcome == "failed")
+    assert failed.message.startswith(HOSTILE[student][1].format(bob_file=graded.bob_file)), failed.message
+    assert failed.stopped and failed.message.startswith(failed.stopped)  # more than a wrong answer, said in a line
     assert ex01.status == "failed"  # a zero: 1 point only when every check passes
 
 
