@@ -322,7 +322,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     _check_logits(logits)
     raw = logits
     if params.has_penalties:
-        logits = apply_penalties(logits, params, _ids(prompt_ids, logits), _ids(output_ids, logits))
+        logits = apply_penalties(logits, params, as_token_ids(prompt_ids, logits), as_token_ids(output_ids, logits))
     if params.greedy:
         token_ids = logits.max(dim=-1).indices  # argmax's token (the first of equal maxima); on a CPU 2.5x faster
     else:
@@ -362,7 +362,7 @@ def _check_logits(logits: torch.Tensor) -> None:
                          "got NaN, +inf or an all -inf row (check the model's dtype and any mask applied)")
 
 
-def _ids(ids, logits: torch.Tensor) -> torch.Tensor:
+def as_token_ids(ids, logits: torch.Tensor) -> torch.Tensor:
     """Token ids as [B, T] int64 on the logits' device; None is no tokens."""
     if ids is None:
         return torch.zeros(logits.shape[0], 0, dtype=torch.long, device=logits.device)

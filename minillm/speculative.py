@@ -34,7 +34,7 @@ import torch
 from .kv_cache import KVCache
 from .model import Transformer
 from .phases import decode_step, prefill, verify
-from .sampling import SamplingParams, _ids, apply_penalties, filter_logits, sample
+from .sampling import SamplingParams, apply_penalties, as_token_ids, filter_logits, sample
 from .stopping import GenerationStep, TextStream, check_stop
 
 METHODS = ("ngram", "draft_model", "custom")
@@ -215,7 +215,7 @@ def token_probs(logits: torch.Tensor, params: SamplingParams, prompt_ids=None, o
     """
     logits = logits.float()
     if params.has_penalties:
-        logits = apply_penalties(logits, params, _ids(prompt_ids, logits), _ids(output_ids, logits))
+        logits = apply_penalties(logits, params, as_token_ids(prompt_ids, logits), as_token_ids(output_ids, logits))
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     shifted = logits - logits.amax(dim=-1, keepdim=True)  # as in sample(): a tiny temperature then gives 0, not NaN

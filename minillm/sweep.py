@@ -31,7 +31,7 @@ from rich.progress import Progress
 from .costs import decode_cost, prefill_cost, with_weights_bytes
 from .kv_cache import KVCache
 from .phases import decode_step, prefill
-from .trace import _sync
+from .trace import synchronize
 
 DEFAULT_PROMPT_LENGTHS = (16, 64, 128, 256)
 DEFAULT_CONTEXT_LENGTHS = (128, 1024, 2048, 4096)
@@ -101,7 +101,7 @@ def measure_ttft_ms(model, n_tokens: int, repeats: int = 3, seed: int = 0) -> fl
     for _ in range(repeats):
         cache = KVCache.for_model(model, max_seq_len=n_tokens)
         device = cache.k.device
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         prefill(model, ids, cache).argmax(dim=-1).item()  # .item(): the token is really known
         times.append((time.perf_counter() - start) * 1e3)
@@ -115,7 +115,7 @@ def measure_tpot_ms(model, context_len: int, decode_steps: int = 3) -> float:
     token = torch.zeros(1, dtype=torch.long)
     times = []
     for _ in range(decode_steps):
-        _sync(cache.k.device)
+        synchronize(cache.k.device)
         start = time.perf_counter()
         token = decode_step(model, token, cache).argmax(dim=-1)
         token.item()

@@ -230,13 +230,13 @@ class Trace:
         if self._keeps_pattern(model.config.n_layers):
             model.attn_impl = "eager"  # only eager attention materialises the pattern
         try:
-            _sync(cache.k.device)
+            synchronize(cache.k.device)
             start, cpu_start = time.perf_counter(), time.process_time()
             if compiled is not None and observer is None:
                 logits = compiled(model, token_ids, cache)[:, None]  # [B, vocab] -> [B, 1, vocab]
             else:
                 logits = model(token_ids, cache=cache, hook=observer, last_only=last_only)
-            _sync(cache.k.device)
+            synchronize(cache.k.device)
             end, cpu_time_s = time.perf_counter(), time.process_time() - cpu_start
             impl = model.blocks[0].attn.impl_name(token_ids.shape[1], model.attn_impl,  # "c": minillm.fast
                                                   length_before + token_ids.shape[1])
@@ -516,7 +516,7 @@ class _LayerObserver:
             return
         if name == "hook_embed":
             self.embed_shape = list(tensor.shape)
-            _sync(self.device)
+            synchronize(self.device)
             self.last_s = time.perf_counter()
             return
         match = _BLOCK_NAME.match(name)
@@ -527,7 +527,7 @@ class _LayerObserver:
         if point in _SHAPE_FIELDS:
             info[_SHAPE_FIELDS[point]] = list(tensor.shape)
         if point == "hook_resid_post":
-            _sync(self.device)
+            synchronize(self.device)
             now = time.perf_counter()
             info["start_ms"] = (self.last_s - self.trace.start_s) * 1e3
             info["time_ms"] = (now - self.last_s) * 1e3
@@ -591,7 +591,7 @@ def _host_load() -> dict:
     return {"load_average_1m": load, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work, so that the clock reads real time (no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

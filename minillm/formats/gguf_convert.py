@@ -121,7 +121,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
         OutputPathError: a file could not be written (a full disk); no ``.partial`` file is left.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    reader = _open_reader(gguf_path)
+    reader = open_reader(gguf_path)
     check_output_dir(out_dir)
     _check_supported(reader)
     config = _hf_config(reader)
@@ -137,7 +137,11 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
     return out_dir
 
 
-def _open_reader(path: Path) -> gguf.GGUFReader:
+def open_reader(path: Path) -> gguf.GGUFReader:
+    """The GGUF file at ``path``, opened (its metadata and tensors read lazily, memory-mapped).
+
+    Raises ModelNotFoundError when there is no file there or its bytes are not GGUF.
+    """
     if not path.is_file():
         raise ModelNotFoundError(f"no GGUF file at {path}")
     try:

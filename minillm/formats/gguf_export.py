@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import ModelNotFoundError, WeightsError
-from .gguf_convert import _open_reader
+from .gguf_convert import open_reader
 from ..model import Transformer
 
 # minillm parameter names -> llama.cpp's (the reverse of gguf_convert's tables, via HF's names).
@@ -50,7 +50,7 @@ def write_f32_gguf(model: Transformer, metadata_gguf: str | Path, out_path: str 
     """
     c = model.config
     _check_exportable(model)
-    reader = _open_reader(Path(metadata_gguf))
+    reader = open_reader(Path(metadata_gguf))
     n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
     if n_tokens != c.vocab_size:
         raise ValueError(f"{metadata_gguf} has a tokenizer of {n_tokens} tokens but the model's vocabulary is "

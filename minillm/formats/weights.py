@@ -407,9 +407,9 @@ def gguf_tensor_types(path: str | os.PathLike) -> list[GGUFTensorType]:
     attention and MLP matrices, a Q8_0 token embedding, F32 norms).
     Raises ModelNotFoundError when the file is not a readable GGUF.
     """
-    from .gguf_convert import _open_reader  # lazy, as in _convert_once: the gguf reader is slow to import
+    from .gguf_convert import open_reader  # lazy, as in _convert_once: the gguf reader is slow to import
 
-    reader = _open_reader(Path(path))
+    reader = open_reader(Path(path))
     by_type: dict[str, list] = {}
     for tensor in reader.tensors:
         by_type.setdefault(tensor.tensor_type.name, []).append(tensor)
