@@ -4,15 +4,16 @@ An HTTP server handles each request in a coroutine, but :class:`LLMEngine` is sy
 must run one step at a time. So the engine gets its own thread, and the two sides meet in
 queues (vLLM's ``AsyncLLMEngine`` / ``AsyncLLM``, in small)::
 
-    coroutines (one per HTTP request)         engine thread (one), in a loop
-    ─────────────────────────────────         ──────────────────────────────────────────
-    generate(): ("add", ...) ──commands──┐    with lock:
-    client gone: ("abort", id) ──────────┴──>     apply the commands, in order
-                                                  outputs = engine.step()
-                await its queue  <──────────────  each output -> its request's queue
+    coroutines (one per HTTP request)           engine thread (one), in a loop
+    ─────────────────────────────────           ──────────────────────────────────────────
+    generate(): AddRequest(...) ──commands──┐   with lock:
+    client gone: AbortRequest(id) ──────────┤       apply the commands, in order
+    a watchdog: LoseEngine(reason) ─────────┴──>    outputs = engine.step()
+                await its queue  <────────────────  each output -> its request's queue
                 yield RequestOutput
 
-Commands wait in a queue rather than each taking the lock: requests that arrive during a
+Commands are small frozen dataclasses, one per kind (:data:`Command`); the thread dispatches on
+their type. They wait in a queue rather than each taking the lock: requests that arrive during a
 step all join the next one (a lock taken per request could let only one in per step).
 ``lock`` is held around every ``engine.step()`` and every change to the engine; whoever reads
 engine state (a web view, /metrics) takes it too, so they never see a step half done.
@@ -26,6 +27,7 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from ...errors import EngineLostError, MiniLLMError
@@ -63,6 +65,39 @@ class ShuttingDownError(EngineDeadError):
 class EngineGoneError(EngineDeadError):
     """The engine is lost for good (``AsyncEngine.lost``: a tensor-parallel rank died): a new request is
     refused (HTTP 503, code "engine_dead"), until the server exits or is restarted."""
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Add a request to the engine (``LLMEngine.add_request``'s arguments), or refuse it; either way
+    resolve ``added``, a future of the client's event loop (an exception: refused, and why)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    logprobs: int | None
+    prompt_logprobs: int | None
+    n: int
+    arrival_s: float  # time.perf_counter() when the client sent it: TTFT and queue time count from here
+    added: asyncio.Future
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Abort a request (all n of its sequences); an unknown or finished id changes nothing."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class LoseEngine:
+    """The engine can run no more steps (a tensor-parallel rank died): fail the requests in flight
+    with ``reason``, refuse new ones."""
+
+    reason: str
+
+
+Command = AddRequest | AbortRequest | LoseEngine  # what clients send the engine thread
 
 
 class AsyncEngine:
@@ -112,7 +147,7 @@ class AsyncEngine:
         self.on_lost: Callable[[str], object] | None = None  # told once, when ``lost`` is set
         self.step_failure: str | None = None  # why the last step failed, until one succeeds: /health says 503
         self._draining = False  # set by drain(): new requests are refused, running ones go on
-        self._commands: collections.deque[tuple] = collections.deque()  # appended by clients, popped by the thread
+        self._commands: collections.deque[Command] = collections.deque()  # appended by clients, popped by the thread
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._build_error: BaseException | None = None
         built = threading.Event()
@@ -168,7 +203,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already streaming; give a new one or leave it out")
         added = loop.create_future()  # the engine thread resolves it when it has added the request
         self._queues[request_id] = (loop, queue)
-        self._send(("add", request_id, prompt_ids, params, logprobs, prompt_logprobs, n, time.perf_counter(), added))
+        self._send(AddRequest(request_id, prompt_ids, params, logprobs, prompt_logprobs, n, time.perf_counter(), added))
         try:
             await added
         except asyncio.CancelledError:  # the client left while the add was queued: the abort follows it
@@ -198,7 +233,7 @@ class AsyncEngine:
         """Abort a request before the engine's next step (its blocks are freed then); its client
         hears nothing more. Unknown or finished ids change nothing."""
         self._queues.pop(request_id, None)
-        self._send(("abort", request_id))
+        self._send(AbortRequest(request_id))
 
     async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
         """Refuse new requests (ShuttingDownError) and wait up to ``timeout_s`` seconds for the
@@ -224,7 +259,7 @@ class AsyncEngine:
                 self._deliver(request_id, stopped)
         return len(left)
 
-    def _send(self, command: tuple) -> None:
+    def _send(self, command: Command) -> None:
         self._commands.append(command)
         self.wake()
 
@@ -293,21 +328,24 @@ class AsyncEngine:
             self._deliver(out.request_id, out)
 
     def _apply_commands(self) -> None:
+        """Under the lock: apply the queued commands, oldest first."""
         while self._commands:
             command = self._commands.popleft()
-            if command[0] == "add":
-                self._add_now(*command[1:])
-            elif command[0] == "lost":
-                self._fail_all(EngineLostError(command[1]))
-                self._lose(command[1])
+            if isinstance(command, AddRequest):
+                self._add_now(command)
+            elif isinstance(command, AbortRequest):
+                self._abort_now(command.request_id)
+            elif isinstance(command, LoseEngine):
+                self._fail_all(EngineLostError(command.reason))
+                self._lose(command.reason)
             else:
-                self._abort_now(command[1])
+                raise TypeError(f"not a command of the engine thread: {command!r}")
 
     def lose(self, reason: str) -> None:
         """The engine can run no more steps (a watchdog saw a tensor-parallel rank die while no step ran):
         before the next step, the requests in flight fail with ``reason`` and new ones are refused, as when
         a step finds it (:class:`EngineGoneError`, HTTP 503)."""
-        self._send(("lost", reason))
+        self._send(LoseEngine(reason))
 
     def _lose(self, reason: str) -> None:
         """Under the lock: from now on refuse (``lost``), and tell ``on_lost`` once."""
@@ -316,7 +354,7 @@ class AsyncEngine:
             if self.on_lost is not None:
                 self.on_lost(reason)
 
-    def _add_now(self, request_id, prompt_ids, params, logprobs, prompt_logprobs, n, arrival_s, added) -> None:
+    def _add_now(self, add: AddRequest) -> None:
         """Add a request, or refuse it (full queue, bad prompt, stopping); tell its client which."""
         error = None
         waiting = len(self.engine.scheduler.waiting)
@@ -326,7 +364,7 @@ class AsyncEngine:
             error = ShuttingDownError("the server is shutting down; send the request again when it is back")
         elif self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
             try:  # an n that no wait would make right is the client's to fix (400), not to retry (503)
-                self.engine.check_n(n)
+                self.engine.check_n(add.n)
             except ValueError as bad:
                 error = bad
             else:
@@ -334,13 +372,12 @@ class AsyncEngine:
                                        f"{self.max_waiting_requests}: --max-waiting-requests); retry later")
         else:
             try:
-                self.engine.add_request(prompt_ids, params, request_id, arrival_s=arrival_s, logprobs=logprobs,
-                                        prompt_logprobs=prompt_logprobs, n=n)
+                self.engine.add_request(add.prompt_ids, add.params, add.request_id, arrival_s=add.arrival_s,
+                                        logprobs=add.logprobs, prompt_logprobs=add.prompt_logprobs, n=add.n)
             except ValueError as bad:
                 error = bad
-        loop = added.get_loop()
         try:
-            loop.call_soon_threadsafe(_resolve, added, error)
+            add.added.get_loop().call_soon_threadsafe(_resolve, add.added, error)
         except RuntimeError:  # the client's event loop is closed (server shutting down)
             pass
 
