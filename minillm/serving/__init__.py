@@ -14,8 +14,9 @@ One concept per file, in the order a request meets them:
 
 Around the engine, in other packages that import it (the engine imports neither server/ nor bench):
 
-    server/             minillm serve: AsyncEngine, the OpenAI-compatible FastAPI app, /metrics,
-                        the live web view
+    server/             minillm serve: AsyncEngine (typed commands into the engine thread), the
+                        OpenAI-compatible FastAPI app (admission checks, routes/ one module per endpoint
+                        group), /metrics, the live web view
     minillm.bench       serving.py, workload.py, http_client.py, metrics_scrape.py: the serving benchmark
     minillm.views       serving_terminal.py, serving_plots.py: the step trace as rich tables and plots
 """

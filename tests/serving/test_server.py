@@ -97,22 +97,22 @@ IGNORED = {"store": True, "metadata": {"project": "minillm"}, "user": "user-42",
 def test_a_field_that_changes_nothing_gives_the_same_answer_and_a_log_line(client, caplog, field):
     messages = [{"role": "user", "content": "Name a colour."}]
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0)
-    with caplog.at_level(logging.WARNING, logger="minillm.serving.server.app"):
+    with caplog.at_level(logging.WARNING, logger="minillm.serving.server.admission"):
         r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
                                            **{field: IGNORED[field]})
     assert r.choices[0].message.content == plain.choices[0].message.content
-    (line,) = [rec.getMessage() for rec in caplog.records if rec.name == "minillm.serving.server.app"]
+    (line,) = [rec.getMessage() for rec in caplog.records if rec.name == "minillm.serving.server.admission"]
     assert line.startswith("POST /v1/chat/completions: ignored fields") and line.endswith(f": {field}")
 
 
 def test_all_the_ignored_fields_at_once_and_user_on_completions(client, caplog):
-    with caplog.at_level(logging.WARNING, logger="minillm.serving.server.app"):
+    with caplog.at_level(logging.WARNING, logger="minillm.serving.server.admission"):
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
                                            temperature=0, **IGNORED)
         plain = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
         c = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0, user="user-42")
     assert r.usage.completion_tokens == 3 and c.choices[0].text == plain.choices[0].text
-    lines = [rec.getMessage() for rec in caplog.records if rec.name == "minillm.serving.server.app"]
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "minillm.serving.server.admission"]
     assert lines == ["POST /v1/chat/completions: ignored fields (accepted as OpenAI's clients send them; they "
                      "change nothing here): metadata, parallel_tool_calls, store, tool_choice, tools, user",
                      "POST /v1/completions: ignored fields (accepted as OpenAI's clients send them; they change "
@@ -448,7 +448,7 @@ def test_assistant_tool_calls_in_history_reach_a_template_that_renders_them():
     Qwen3's template renders both (issue 31, item 6); SmolLM2's renders none, a 400 (test_server_errors)."""
     from pathlib import Path
 
-    from minillm.serving.server.app import _check_tool_calls_render
+    from minillm.serving.server.admission import check_tool_calls_render
     from minillm.serving.server.protocol import ChatCompletionRequest
 
     tokenizer = minillm.load_tokenizer("smollm2-135m-instruct")
@@ -459,7 +459,7 @@ def test_assistant_tool_calls_in_history_reach_a_template_that_renders_them():
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]})
     chat = [m.as_template_message() for m in body.messages]
-    _check_tool_calls_render(chat, tokenizer)
+    check_tool_calls_render(chat, tokenizer)
     text = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     assert "<tool_response>\n18 C, sunny\n</tool_response>" in text
@@ -470,7 +470,7 @@ def test_chat_template_kwargs_reach_the_template():
     SmolLM2's tokenizer is) opens the answer with an empty thought."""
     from pathlib import Path
 
-    from minillm.serving.server.app import _chat_prompt_ids
+    from minillm.serving.server.admission import chat_prompt_ids
     from minillm.serving.server.protocol import ChatCompletionRequest
 
     tokenizer = minillm.load_tokenizer("smollm2-135m-instruct")
@@ -479,5 +479,5 @@ def test_chat_template_kwargs_reach_the_template():
         '{"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"enable_thinking": false}}')
     expected = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     chat = [m.as_template_message() for m in body.messages]
-    assert _chat_prompt_ids(tokenizer, chat, body.chat_template_kwargs, 512) == tokenizer.encode(
+    assert chat_prompt_ids(tokenizer, chat, body.chat_template_kwargs, 512) == tokenizer.encode(
         expected, add_special_tokens=False)

@@ -12,7 +12,7 @@ import pytest
 from live_server import app_of, live_server, wait_until
 
 import minillm
-from minillm.serving.server import app as api_server
+from minillm.serving.server import admission
 
 TIMEOUT_S = 60.0
 CONTEXT = 512  # tiny_chat's max_position_embeddings
@@ -301,7 +301,7 @@ def test_api_key_is_required_on_v1_when_set(tiny_chat):
 
 
 def test_a_body_over_the_limit_is_413(server, monkeypatch):
-    monkeypatch.setattr(api_server, "MAX_BODY_BYTES", 4096)
+    monkeypatch.setattr(admission, "MAX_BODY_BYTES", 4096)
     body = json.dumps({"prompt": "word " * 2000, "max_tokens": 2})  # 10 KB
     r = httpx.post(f"{server}/v1/completions", content=body, timeout=TIMEOUT_S)
     assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from live_server import app_of, live_server, wait_until
 
-from minillm.serving.server import app as api_server
+from minillm.serving.server.routes import completions
 from test_engine_isolation import FailsAfter
 
 pytest.importorskip("llguidance")
@@ -124,9 +124,9 @@ def test_a_constraint_failing_mid_stream_ends_that_stream_alone(server, quiet, m
     """A constraint that passes admission and fails at its 5th token (a grammar exhausting its budget
     mid-stream): its stream gets an error event naming its field, then [DONE]; a non-streaming one a 400."""
     vocab = app_of(server).state.async_engine.engine.model.config.vocab_size
-    real = api_server._grammar
-    monkeypatch.setattr(api_server, "_grammar", lambda body, *a: FailsAfter(5, vocab) if body.guided_regex == "x"
-                        else real(body, *a))
+    real = completions.compile_grammar
+    monkeypatch.setattr(completions, "compile_grammar",
+                        lambda body, *a: FailsAfter(5, vocab) if body.guided_regex == "x" else real(body, *a))
     outcome = {}
 
     def hostile():
