@@ -123,7 +123,7 @@ def test_router_serves_the_page_and_the_state_under_the_engines_lock(engine):
     fastapi = pytest.importorskip("fastapi", reason="the server extra is not installed (pip install -e '.[serve]')")
     from fastapi.testclient import TestClient
 
-    from minillm.serving.server import web_view
+    from minillm.serving.server.routes import web
 
     class Stub:  # what the router needs of AsyncEngine: the engine and the lock around its steps
         def __init__(self, engine):
@@ -131,7 +131,7 @@ def test_router_serves_the_page_and_the_state_under_the_engines_lock(engine):
 
     app = fastapi.FastAPI()
     app.state.async_engine = Stub(engine)
-    app.include_router(web_view.router)
+    app.include_router(web.router)
     a = engine.add_request(prompt(10, 2), SamplingParams(max_new_tokens=2))
     engine.step()
     with TestClient(app) as client:

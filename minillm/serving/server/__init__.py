@@ -14,6 +14,6 @@ Built on the engine (:mod:`minillm.serving`), which never imports this package:
     app.py           create_app: the shared state (app.state), the routers, the error handlers;
                      serve and run_in_thread, with a graceful shutdown
     metrics.py       /metrics: vLLM's Prometheus metrics under minillm:
-    web_view.py      engine_state(engine): the pool, the step, the queues as JSON; the live page
+    web_view.py      engine_state(engine): the pool, the step, the queues as JSON; the page (served by routes/web.py)
                      (web/index.html) at GET /
 """

@@ -12,7 +12,7 @@
                                 503 once it stopped or lost a tensor-parallel rank (``minillm serve`` then
                                 exits, unless --keep-alive-on-engine-death)
     GET  /metrics               Prometheus text: vLLM's metric names under ``minillm:``
-    GET  /                      the live view of the engine                              web_view.py
+    GET  /                      the live view of the engine                              routes/web.py
 
 Each HTTP request is a coroutine; all of them feed one :class:`AsyncEngine`, whose thread
 steps the engine and batches whatever requests are in flight. ``stream: true`` answers with
@@ -41,11 +41,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...generation_config import generation_config_of
-from . import protocol, web_view
+from . import protocol
 from .admission import APIError, ClientDisconnected
 from .async_engine import AsyncEngine
 from .metrics import ServerMetrics
-from .routes import completions, health, models, tokenize
+from .routes import completions, health, models, tokenize, web
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, api_key: s
     state.created_s = protocol.now_s()
     state.metrics = ServerMetrics(async_engine)
     async_engine.on_finished = state.metrics.observe_finished
-    for router in (web_view.router, health.router, models.router, completions.router, tokenize.router):
+    for router in (web.router, health.router, models.router, completions.router, tokenize.router):
         app.include_router(router)
     _describe_request_bodies(app)
     return app

@@ -1,11 +1,11 @@
 """The live web view of a serving engine: its state as JSON, and the page that draws it.
 
-``minillm serve`` mounts :data:`router` next to the OpenAI endpoints::
+``minillm serve`` serves it next to the OpenAI endpoints (routes/web.py)::
 
     GET /               the page (minillm/serving/server/web/index.html, one file, no CDN)
     GET /engine/state   engine_state(engine) as JSON, polled by the page a few times a second
 
-    browser ──GET /engine/state──> router ──(under async_engine.lock)──> engine_state(engine)
+    browser ──GET /engine/state──> routes/web.py ──(under async_engine.lock)──> engine_state(engine)
             <────── JSON: pool, latest step, queues, running and finished requests ───────┘
 
 :func:`engine_state` is a pure read of the engine, so a notebook can print it too. What the
@@ -16,7 +16,6 @@ several), the latest step's batch (prefill chunk or decode per request), and the
 
 import heapq
 import time
-from functools import cache
 from importlib import resources
 
 from ..run_metrics import request_metrics
@@ -130,34 +129,3 @@ def _finished_row(request) -> dict:
 def page_html() -> str:
     """The web view's page: one self-contained HTML file shipped as package data."""
     return resources.files("minillm.serving.server").joinpath("web", "index.html").read_text(encoding="utf-8")
-
-
-@cache
-def _make_router():
-    """The FastAPI router, built on first use so that :func:`engine_state` needs no FastAPI."""
-    from fastapi import APIRouter, Request
-    from fastapi.responses import HTMLResponse
-
-    router = APIRouter()
-
-    @router.get("/", response_class=HTMLResponse, include_in_schema=False)
-    def index() -> HTMLResponse:
-        return HTMLResponse(page_html(), headers={"Cache-Control": "no-store"})
-
-    # (No ``from __future__ import annotations`` in this module: FastAPI must see the real
-    # ``Request`` class here, not the string "Request".)
-    # A plain def, not async: FastAPI runs it in a worker thread, so waiting for the lock while
-    # a step runs (hundreds of ms on a CPU) does not stall the event loop that streams tokens.
-    @router.get("/engine/state")
-    def state(request: Request) -> dict:
-        async_engine = request.app.state.async_engine
-        with async_engine.lock:
-            return engine_state(async_engine.engine)
-
-    return router
-
-
-def __getattr__(name: str):  # ``web_view.router``: the one router, made on first access
-    if name == "router":
-        return _make_router()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,8 +1,8 @@
 """The HTTP endpoints, one module per group, each a FastAPI ``router`` of module-level handlers
 (vLLM's entrypoints are laid out the same way); ``create_app`` (app.py) includes them in this order:
 
-    ../web_view.py   GET  /, /engine/state                  the live view of the engine (its own module: the
-                                                            state it draws needs no FastAPI)
+    web.py           GET  /, /engine/state                  the live view of the engine (what it draws is
+                                                            ../web_view.py's, which needs no FastAPI)
     health.py        GET|HEAD /health, GET /metrics         for load balancers and Prometheus, no API key
     models.py        GET  /v1/models, /v1/models/{id}       the one model served
     completions.py   POST /v1/completions, /v1/chat/completions    generation, whole or streamed
