@@ -123,7 +123,7 @@ def reference_answers(folder: Path, root: Path | None = None) -> Path:
     """Fill ``folder`` with one file per exercise that imports the reference's names (``minillm check --reference``).
 
     ``ex01_causal_mask.py`` holds ``from minillm.model import causal_mask``, and so on (exercise 14's
-    loop comes from tests/exercises/solutions.py): checking the folder grades the references
+    ``from minillm.generate import generate``): checking the folder grades the references
     through the very path a student's files take. Returns ``folder``.
     """
     root = find_checkout() if root is None else root

@@ -91,9 +91,8 @@ EXERCISES = {ex.id: ex for ex in [
     Exercise("ex13", "percentiles, SLOs, goodput", "ex13_serving_metrics", "lessons/06-metrics.md#percentiles",
              {"percentile": "minillm.metrics", "slo_attainment": "minillm.metrics", "goodput": "minillm.metrics"},
              ("percentile", "slo_attainment", "goodput")),
-    # minillm's generate also runs a prefix cache, a trace and stop strings: the reference is the loop alone
     Exercise("ex14", "the generate loop", "ex14_generate", "lessons/02-prefill-and-decode.md#the-two-phases-at-a-glance",
-             {"generate": "exercises.solutions"}, ("generate",)),
+             {"generate": "minillm.generate"}, ("generate",)),
     Exercise("ex15", "block allocator", "ex15_block_allocator", "lessons/11-serving.md#paged-kv-cache",
              {"blocks_needed": "minillm.serving.block_allocator", "slot_mapping": "minillm.serving.block_allocator",
               "BlockAllocator": "minillm.serving.block_allocator"},

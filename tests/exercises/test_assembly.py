@@ -190,7 +190,7 @@ WRONG = {
             return (token + 1) % logits.shape[-1], logprob
         """),
     "ex14 the last token dropped": ("ex14_generate.py", "generate", """\
-        from exercises.solutions import generate as reference
+        from minillm.generate import generate as reference
 
         def generate(model, prompt_ids, params, cache, eos_token_ids):
             yield from list(reference(model, prompt_ids, params, cache, eos_token_ids))[:-1]

@@ -221,4 +221,4 @@ def test_the_references_pass_their_checks(tmp_path):
 def test_reference_answers_import_the_references(tmp_path):
     folder = classroom.reference_answers(tmp_path)
     assert (folder / "ex01_causal_mask.py").read_text().endswith("from minillm.model import causal_mask  # noqa: F401\n")
-    assert "from exercises.solutions import generate" in (folder / "ex14_generate.py").read_text()
+    assert "from minillm.generate import generate" in (folder / "ex14_generate.py").read_text()

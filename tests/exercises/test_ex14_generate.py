@@ -17,11 +17,11 @@ from exercises.registry import EXERCISES, reference
 from exercises.models import prompt, tiny_model
 from minillm import KVCache
 from minillm.errors import CacheFullError
-from minillm.generate import generate as minillm_generate
 from minillm.phases import prefill
 from minillm.sampling import SamplingParams
 
 pytestmark = pytest.mark.ex14
+REF = reference(EXERCISES["ex14"])  # minillm.generate.generate itself
 LESSON = "lessons/02-prefill-and-decode.md#the-two-phases-at-a-glance"
 LOOP = ("generator = params.make_generator(cache.k.device), made once, before the loop; "
         "logits = prefill(model, prompt_ids, cache); then for n = 1 .. max_new_tokens: token, logprob = "
@@ -49,12 +49,12 @@ def _bounded(gen, params):
 
 @lru_cache(maxsize=None)
 def oracle(prompt_len: int, prefix: int, cache_len: int, params: SamplingParams, eos: frozenset) -> tuple:
-    """minillm's own generate on the same tiny model, prompt, settings and cache (computed once per case)."""
+    """minillm's own generate (the reference) on the same tiny model, prompt, settings and cache (once per case)."""
     model, ids = tiny_model("llama_gqa"), prompt(prefix + prompt_len, seed=3)[0]
     cache = KVCache.for_model(model, max_seq_len=cache_len)
     if prefix:
         prefill(model, ids[:prefix], cache)
-    return tuple(minillm_generate(model, ids[prefix:], params, cache=cache, eos_token_ids=eos))
+    return tuple(REF.generate(model, ids[prefix:], params, cache=cache, eos_token_ids=eos))
 
 
 def compare(c, got, expected):
@@ -152,9 +152,8 @@ def test_bad_prompts_are_refused(impl):
             model, max_seq_len=cache_len), NO_EOS)))
 
 
-# -- issue 30: every prompt, prefix, cache size, stop set and seed, against the reference loop -----------------
+# -- issue 30: every prompt, prefix, cache size, stop set and seed, against minillm's generate --------------
 
-REF = reference(EXERCISES["ex14"])
 FIELDS_COMPARED = ("token_id", "logprob", "phase", "cache_length", "finish_reason", "prefill_tokens")
 
 
