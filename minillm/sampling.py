@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import InitVar, dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -76,8 +77,8 @@ class SamplingParams:
         frequency_penalty: in [-2, 2]. Subtracted from a token's logit once per time it
             appears in the output so far; 0 disables.
         seed: seed of the random generator; the same seed gives the same output.
-        max_new_tokens: >= 1, the most tokens to generate (vLLM's ``max_tokens`` is accepted
-            as the same knob).
+        max_new_tokens: >= 1, the most tokens to generate. (``max_tokens=``, vLLM's name, still
+            works but warns: DeprecationWarning; the OpenAI server's ``max_tokens`` field maps to it.)
         stop_token_ids: token ids that end generation (besides the model's EOS); the token
             is part of the output.
         stop: strings that end generation; the text stops just before the first one found
@@ -115,7 +116,9 @@ class SamplingParams:
     max_tokens: InitVar[int | None] = None
 
     def __post_init__(self, max_tokens):
-        if max_tokens is not None:  # vLLM's spelling of max_new_tokens
+        if max_tokens is not None:  # vLLM's spelling of max_new_tokens: deprecated, one name is enough
+            warnings.warn(f"SamplingParams(max_tokens=...) is deprecated: write max_new_tokens={max_tokens!r} "
+                          "(minillm's one name for the token limit)", DeprecationWarning, stacklevel=3)
             if self.max_new_tokens not in (256, max_tokens):
                 raise ValueError(f"max_tokens ({max_tokens}) and max_new_tokens ({self.max_new_tokens}) are the "
                                  "same knob (vLLM's and minillm's names); give only max_new_tokens")

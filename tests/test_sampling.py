@@ -36,8 +36,6 @@ INF = float("inf")
         ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
         ({"frequency_penalty": -3}, r"frequency_penalty must be in \[-2, 2\]"),
         ({"max_new_tokens": -1}, "max_new_tokens must be an integer >= 1"),
-        ({"max_new_tokens": 16, "max_tokens": 8}, "same knob"),
-        ({"max_tokens": 0}, "max_new_tokens must be an integer >= 1"),
     ],
 )
 def test_bad_values_and_types_name_the_parameter(kwargs, match):
@@ -51,8 +49,18 @@ def test_numpy_scalars_vllm_spellings_and_single_stop_string_are_accepted():
     assert (params.temperature, params.top_k, params.seed) == (0.5, 5, 3)
     assert type(params.top_k) is int and params.stop_token_ids == (7, 8) and params.stop == ("\n",)
     assert SamplingParams(top_k=-1).top_k == 0  # vLLM's "off"
-    assert SamplingParams(max_tokens=16).max_new_tokens == 16  # vLLM's name of max_new_tokens
     assert SamplingParams(stop=None, stop_token_ids=None) == SamplingParams()
+
+
+def test_max_tokens_is_a_deprecated_alias_of_max_new_tokens():
+    with pytest.warns(DeprecationWarning, match=r"max_tokens=\.\.\.\) is deprecated: write max_new_tokens=16") as caught:
+        params = SamplingParams(max_tokens=16, temperature=0.5)  # vLLM's name
+    assert params == SamplingParams(max_new_tokens=16, temperature=0.5)
+    assert caught[0].filename == __file__  # the warning points at the caller's line
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="same knob"):
+        SamplingParams(max_new_tokens=16, max_tokens=8)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
+        SamplingParams(max_tokens=0)
 
 
 @pytest.mark.parametrize("temperature, greedy", [(0.0, True), (1e-39, True), (9.9e-6, True), (1e-5, False)])

@@ -22,7 +22,7 @@ def test_eos_stop_ids_and_max_tokens_equal_generate(tiny_model):
     cases = [  # (prompt, params, eos ids)
         (prompts[0], SamplingParams(max_new_tokens=10), [free_run[0][4]]),  # ends on EOS
         (prompts[1], SamplingParams(max_new_tokens=10, stop_token_ids=[free_run[1][3]]), []),
-        (prompts[2], SamplingParams(max_tokens=5), []),  # vLLM's name for max_new_tokens
+        (prompts[2], SamplingParams(max_new_tokens=5), []),
     ]
     for prompt, params, eos in cases:
         engine = LLMEngine(model, num_blocks=32, block_size=4, eos_token_ids=eos)
