@@ -40,6 +40,6 @@ def test_model_py_is_at_most_400_lines():
 def test_the_import_contracts_hold():
     lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
     if lint is None:
-        pytest.skip("import-linter is not installed (pip install -e '.[dev]')")
+        pytest.skip("import-linter is not installed (pip install -e '.[lint]')")
     run = subprocess.run([lint], cwd=PACKAGE.parent, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:]

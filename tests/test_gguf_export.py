@@ -62,7 +62,7 @@ def test_refuses_what_it_cannot_write(model, smollm2_gguf, tmp_path):
 
 
 def test_llama_cpp_decodes_it_to_minillms_greedy_tokens(model, written):
-    pytest.importorskip("llama_cpp")  # an optional extra: not in CI
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[llamacpp]')")
     from minillm.bench import make_engines
     from minillm.bench.llama_cpp import LlamaCppEngine
 

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import pytest
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
+NEEDS = "is not installed (pip install -e '.[notebooks]')"
+nbformat = pytest.importorskip("nbformat", reason=f"nbformat {NEEDS}")
+nbclient = pytest.importorskip("nbclient", reason=f"nbclient {NEEDS}")
+pytest.importorskip("ipykernel", reason=f"ipykernel {NEEDS}")
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))

@@ -16,7 +16,7 @@ from minillm.views.html import trace_html
 
 from tiny_models import CONFIGS, build_hf, save_hf
 
-pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[dev]')")
+pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[browser]')")
 from headless_browser import headless_chrome, needs_browser  # noqa: E402
 
 pytestmark = needs_browser

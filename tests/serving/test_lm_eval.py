@@ -44,7 +44,7 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
 
 
 def test_lm_eval_local_completions_loglikelihoods_equal_transformers(tmp_path, monkeypatch):
-    lm_eval = pytest.importorskip("lm_eval")  # the dev extra
+    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[eval]')")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import datasets

@@ -10,7 +10,7 @@ and time; benchmarks/fuzz_server.py runs minutes of fresh ones.
 
 import pytest
 
-pytest.importorskip("schemathesis")
+pytest.importorskip("schemathesis", reason="schemathesis is not installed (pip install -e '.[fuzz]')")
 
 from fuzz_requests import QuietStream, fuzz  # noqa: E402
 from live_server import app_of, live_server  # noqa: E402

@@ -19,7 +19,7 @@ import pytest
 from minillm import LLMEngine, SamplingParams
 from minillm.serving.server.web_view import engine_state
 
-pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[dev]')")
+pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[browser]')")
 from headless_browser import headless_chrome, needs_browser  # noqa: E402
 pytest.importorskip("fastapi", reason="the server extra is not installed (pip install -e '.[serve]')")
 from live_server import app_of, live_server  # noqa: E402  (needs fastapi and uvicorn)
