@@ -8,10 +8,12 @@ all-reduce. A rank that dies mid-request must make rank 0 fail with a clear erro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -264,31 +266,58 @@ def test_the_busy_note_counts_the_cores_of_every_rank(load, note, monkeypatch):
     assert _busy_note(SimpleNamespace(cores=2)) == note
 
 
-def _generate_long(cli_folder) -> subprocess.Popen:
-    """``generate --tp 2`` over 400 prompts (a tiny model ends one in milliseconds), in a process group of its
-    own, as a terminal's; returns once the first answer is printed: both ranks are at work."""
+def _generate_long(cli_folder, suite_ignores_sigint: bool = False) -> subprocess.Popen:
+    """``generate --tp 2`` over 400 prompts (a tiny model ends one in milliseconds), started as a terminal starts a
+    foreground job: a process group of its own, SIGINT at its default. (A job a shell starts in the background
+    inherits SIGINT ignored, and minillm, as every Python program, keeps it ignored: Ctrl-C is not for it.)
+    ``suite_ignores_sigint``: start it from this process with SIGINT ignored, as a suite started in the
+    background (``pytest &`` from a script, some CI runners) has it. Returns once the first answer is printed:
+    both ranks are at work."""
     command = [sys.executable, "-m", "minillm", "generate", "--model", cli_folder, "--tp", "2", "--no-chat",
                "--max-new-tokens", "100", *["Once upon a time"] * 400]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
+    with _sigint_ignored(suite_ignores_sigint):
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True, preexec_fn=_sigint_default)
     assert process.stdout.readline(), process.stderr.read()
     return process
 
 
-@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGKILL"])
-def test_the_followers_end_quietly_with_rank_0(cli_folder, signal_name):
+def _sigint_default() -> None:
+    """In the child before it runs Python: SIGINT back to its default, whatever this process had."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _sigint_ignored(ignored: bool):
+    """This process with SIGINT ignored while in the block (``ignored``), then as it was."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignored else None
+    try:
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.parametrize("signal_name, suite_ignores_sigint", [("SIGINT", False), ("SIGINT", True), ("SIGKILL", False)],
+                         ids=["SIGINT", "SIGINT-suite-in-background", "SIGKILL"])
+def test_the_followers_end_quietly_with_rank_0(cli_folder, signal_name, suite_ignores_sigint):
     """Ctrl-C (SIGINT to the whole group, as a terminal sends it): rank 0 says "interrupted" and stops its
     follower at once. Rank 0 killed: the follower finds its leader gone and exits without a word. Either
-    way stderr closes (every rank holding it has exited) well within the timeout, with no error line."""
-    import signal
-
-    process = _generate_long(cli_folder)
+    way stderr closes (every rank holding it has exited) well within the timeout, with no error line.
+    The same when the suite itself runs with SIGINT ignored (a background job): the command still starts
+    as a terminal's."""
+    process = _generate_long(cli_folder, suite_ignores_sigint)
     group = process.pid
     if signal_name == "SIGINT":
         os.killpg(group, signal.SIGINT)
     else:
         process.kill()
-    _, err = process.communicate(timeout=30)  # returns at EOF: the follower, holding stderr too, is gone
+    try:
+        _, err = process.communicate(timeout=30)  # returns at EOF: the follower, holding stderr too, is gone
+    except subprocess.TimeoutExpired:
+        os.killpg(group, signal.SIGKILL)  # no rank outlives the test
+        process.communicate()
+        raise
     # less each answer's summary line, and the warning of a machine with fewer cores than ranks
     lines = [line for line in err.splitlines() if not line.startswith("[prompt") and "ranks on" not in line]
     assert lines == (["minillm: interrupted"] if signal_name == "SIGINT" else []), err
@@ -383,8 +412,6 @@ def test_the_engine_with_tensor_parallelism_answers_as_one_process(folders, tmp_
 
 
 def test_serve_with_tensor_parallel_size_2_answers_as_one_process_and_stops_on_ctrl_c(cli_folder):
-    import signal
-
     import httpx
 
     port = _free_port()
@@ -449,8 +476,6 @@ def _children(pid: int) -> dict[int, str]:
 
 def _stream_and_kill(url: str, rank_1: int) -> list[str]:
     """Start a long stream, SIGKILL rank 1 once its first chunk arrives; returns the stream's data lines after it."""
-    import signal
-
     import httpx
 
     body = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
@@ -518,8 +543,6 @@ def test_serve_with_keep_alive_on_engine_death_stays_up_answering_503(cli_folder
 def test_serve_sees_a_rank_die_while_idle(cli_folder):
     """Rank 1 killed while no request runs (no collective to fail): rank 0's watchdog sees it within a poll,
     /health answers 503 naming it, and the server exits with status 1, rank 1 reaped, without a request."""
-    import signal
-
     import httpx
 
     server, url, rank_1 = _start_serve(cli_folder)

@@ -4,6 +4,7 @@ one OpenMP team, see AsyncEngine._run); the constructor returns the built engine
 building raised."""
 
 import asyncio
+import signal
 import threading
 
 import pytest
@@ -68,6 +69,12 @@ def test_ctrl_c_while_building_waits_for_the_build_then_raises(tiny_model):
         finished.append(True)
         return LLMEngine(model, num_blocks=16)
 
-    with pytest.raises(KeyboardInterrupt):
-        AsyncEngine(build)
+    # Python's Ctrl-C handler, as a terminal's suite has it: started in the background, the suite inherits
+    # SIGINT ignored, Python installs no handler, and interrupt_main() does nothing
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            AsyncEngine(build)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert finished == [True] and not threads[0].is_alive()
