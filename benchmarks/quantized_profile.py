@@ -36,12 +36,11 @@ def decode_ms(model, steps: int) -> float:
 
 def without_products():
     """Swap the kernels for empty outputs; returns a function that puts them back."""
-    real = matvec_kernels.int8_matvec, matvec_kernels.int4_matvec
-    matvec_kernels.int8_matvec = lambda x, q, scale: torch.empty(x.shape[0], q.shape[0])
-    matvec_kernels.int4_matvec = lambda x, packed, *rest: torch.empty(x.shape[0], packed.shape[0])
+    real = matvec_kernels.quantized_matvec
+    matvec_kernels.quantized_matvec = lambda x, codes, *rest: torch.empty(x.shape[0], codes.shape[0])
 
     def restore():
-        matvec_kernels.int8_matvec, matvec_kernels.int4_matvec = real
+        matvec_kernels.quantized_matvec = real
 
     return restore
 

@@ -208,7 +208,7 @@ def calibrate(device="cpu", dtype=torch.float32, quick: bool = False) -> Hardwar
     peak_flops = _measure_matmul(dev, dtype, n, reps)
     bandwidth = _measure_copy(dev, n_bytes, reps)
     profile = HardwareProfile(
-        name=f"{dev} ({_device_name(dev)})",
+        name=f"{dev} ({device_name(dev)})",
         peak_flops=peak_flops,
         mem_bandwidth=bandwidth,
         memory_bytes=_memory_bytes(dev),
@@ -315,7 +315,7 @@ def _key(dev: torch.device, dtype: torch.dtype) -> str:
     return f"{dev}/{_dtype_name(dtype)}"
 
 
-def _device_name(dev: torch.device) -> str:
+def device_name(dev: torch.device) -> str:
     """The hardware's model name, so a cache shared across machines is not misread."""
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
@@ -354,7 +354,7 @@ def load_measurement(key: str, device="cpu") -> dict | None:
     """The entry stored under ``key`` in calibration.json, or None (never measured, or measured
     on other hardware sharing the same weights dir). :mod:`minillm.fast.choose` keeps its measured choice here too."""
     entry = _read_cache().get(key)
-    if not isinstance(entry, dict) or entry.get("device_name") != _device_name(_device(device)):
+    if not isinstance(entry, dict) or entry.get("device_name") != device_name(_device(device)):
         return None
     return entry
 
@@ -365,7 +365,7 @@ def save_measurement(key: str, device, fields: dict) -> None:
     path = calibration_path()
     cache = _read_cache()
     cache[key] = {
-        "device_name": _device_name(dev),
+        "device_name": device_name(dev),
         "torch": torch.__version__,
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         **fields,

@@ -1,6 +1,6 @@
-"""The block with its RMSNorms in C (minillm/fast/block.py, matvec_kernels.c's rms_norm): the kernel
-against float64 RMSNorm over drawn shapes, with and without the residual add, and the block against
-the lesson's."""
+"""The block with its RMSNorms in C (minillm/fast/block.py, csrc/rms_norm.c): the kernel against float64
+RMSNorm over drawn shapes, with and without the residual add, native and portable builds, and the block
+against the lesson's."""
 
 import pytest
 import torch
@@ -23,29 +23,21 @@ def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 @settings(max_examples=50, deadline=None)
 @given(rows=st.integers(0, 80), dim=st.integers(1, 100), scale=st.sampled_from([1e-3, 1.0, 50.0]),
        add=st.booleans(), seed=st.integers(0, 2**31 - 1))
-def test_rms_norm_equals_float64(rows, dim, scale, add, seed):
-    """Dims on and off the vector width, rows on both sides of the threads' threshold, the add or not."""
+def test_rms_norm_equals_float64(rows, dim, scale, add, seed, portable):
+    """Dims on and off the vector width, rows on both sides of the threads' threshold, the add or not;
+    the native build and the portable one (no -march=native: 4-float vectors)."""
     g = torch.Generator().manual_seed(seed)
     x, delta, weight = torch.randn(rows, dim, generator=g) * scale, torch.randn(rows, dim, generator=g), \
         torch.randn(dim, generator=g)
-    total, out = kernels.rms_norm(x, weight, 1e-5, delta=delta if add else None)
+    total, out = kernels.rms_norm(x, weight, 1e-5, delta=delta if add else None, lib=kernels.kernels(portable))
     expected_total = x.double() + delta.double() if add else x.double()
     torch.testing.assert_close(total.double(), expected_total, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out.double(), reference(expected_total, weight, 1e-5), rtol=1e-5, atol=1e-5)
     assert total is x if not add else (total.data_ptr() not in (x.data_ptr(), delta.data_ptr()) or rows == 0)
-
-
-def test_portable_rms_norm_equals_float64(tmp_path):
-    """Built without -march=native: 4-float vectors."""
-    lib, why = kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
-    assert lib is not None, why
-    g = torch.Generator().manual_seed(0)
-    x, delta, weight = torch.randn(5, 37, generator=g), torch.randn(5, 37, generator=g), torch.randn(37, generator=g)
-    total, out = kernels._rms_norm(lib, x, weight, 1e-6, delta)
-    torch.testing.assert_close(out.double(), reference(x.double() + delta.double(), weight, 1e-6), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("x, weight, delta", [

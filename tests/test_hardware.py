@@ -99,10 +99,10 @@ def test_calibration_from_other_hardware_is_ignored(tmp_path, monkeypatch):
 ])
 def test_malformed_calibration_reads_as_never_measured(cache, tmp_path, monkeypatch):
     """A hand-edited calibration.json is measured again, as a missing one is, never an AttributeError."""
-    from minillm.hardware import _device, _device_name, load_measurement
+    from minillm.hardware import _device, device_name, load_measurement
 
     monkeypatch.setenv("MINILLM_WEIGHTS", str(tmp_path))
-    text = json.dumps(cache).replace("HERE", _device_name(_device("cpu")))
+    text = json.dumps(cache).replace("HERE", device_name(_device("cpu")))
     (tmp_path / "calibration.json").write_text(text)
     assert load_calibration("cpu", torch.float32) is None
     assert load_measurement("decode_path/some-model", "cpu") is None

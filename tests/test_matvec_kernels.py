@@ -1,6 +1,9 @@
-"""The float32 C product (minillm/fast/matvec_kernels.c) and the product modules a decode path swaps
-in (minillm.fast.products), against float64 F.linear. (The quantised kernels are checked in
-test_quantize.py.)"""
+"""The C kernels (minillm/fast/csrc/) against their oracles: the float32 products (products.c) and the
+product modules a decode path swaps in (minillm.fast.products) against float64 F.linear, the attention
+kernels (attention.c) against float64 softmax, each C file's scalar reference against torch's math; every
+kernel on the native build and the portable one (no -march=native). Also how the kernels and their torch
+ops are built and kept. (The quantised kernels are checked in test_quantize.py and
+test_quantized_batches.py, the norm in test_fast_block.py, silu_mul in test_silu_mul.py.)"""
 
 import sys
 from pathlib import Path
@@ -33,52 +36,90 @@ def _oracle(x, w, b=None):
     return F.linear(x.double(), w.double(), None if b is None else b.double())
 
 
-@pytest.mark.parametrize("out_features, in_features", [(5, 37), (576, 576), (49, 1), (3, 32), (7, 40)])
-@pytest.mark.parametrize("rows", [1, 3, 16])
-def test_f32_matvec_equals_float64_linear(out_features, in_features, rows):
+BUILDS = pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+
+
+def _lib(portable: bool):
+    """The native build, or the portable one (no -march=native: 4-float vectors, 8-output panels, the
+    scalar exp, no AVX2 branch: what another CPU compiles)."""
+    lib = matvec_kernels.kernels(portable)
+    if lib is None:
+        pytest.skip("needs the C kernels")
+    return lib
+
+
+@BUILDS
+@pytest.mark.parametrize("out_features, in_features", [(5, 37), (576, 576), (49, 1), (3, 32), (7, 40), (40, 100)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+def test_f32_matvec_equals_float64_linear(out_features, in_features, rows, portable):
     """Sizes that are and are not multiples of the kernel's 32- and 8-wide steps, several rows."""
     g = torch.Generator().manual_seed(rows + in_features)
     w, x = torch.randn(out_features, in_features, generator=g), torch.randn(rows, in_features, generator=g)
-    y = matvec_kernels.f32_matvec(x, w)
+    y = matvec_kernels.f32_matvec(x, w, lib=_lib(portable))
     assert y.shape == (rows, out_features) and y.dtype == torch.float32
     assert (y.double() - _oracle(x, w)).abs().max() <= 1e-5 * max(1.0, _oracle(x, w).abs().max())
 
 
-def test_portable_f32_loop_equals_float64_linear(tmp_path):
-    """Built without -march=native (no AVX2 branch: what another CPU compiles)."""
-    lib, why = matvec_kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
-    assert lib is not None, why
-    g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(40, 100, generator=g), torch.randn(2, 100, generator=g)
-    y = matvec_kernels._f32_matvec(lib, x, w)
-    assert (y.double() - _oracle(x, w)).abs().max() <= 1e-5 * _oracle(x, w).abs().max()
-
-
+@BUILDS
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 40), out_features=st.integers(1, 100), in_features=st.integers(0, 90),
        seed=st.integers(0, 2**16))
-def test_f32_panel_matmul_equals_float64_linear(rows, out_features, in_features, seed):
+def test_f32_panel_matmul_equals_float64_linear(rows, out_features, in_features, seed, portable):
     """The panel micro-kernel over hypothesis' shapes: rows across one to four row blocks, outputs
     that leave the last panel part-filled, any in (0 too: y is zeros)."""
-    g = torch.Generator().manual_seed(seed)
+    g, lib = torch.Generator().manual_seed(seed), _lib(portable)
     w, x = torch.randn(out_features, in_features, generator=g), torch.randn(rows, in_features, generator=g)
-    panels = matvec_kernels.f32_pack_panels(w)
-    width, data = matvec_kernels.panel_width(), panels.data
+    panels = matvec_kernels.f32_pack_panels(w, lib=lib)
+    width, data = matvec_kernels.panel_width(lib=lib), panels.data
     assert data.shape == (-(-out_features // width), in_features, width) and panels.out_features == out_features
     assert torch.equal(data.transpose(1, 2).reshape(data.shape[0] * width, in_features)[:out_features], w)
-    y = matvec_kernels.f32_panel_matmul(x, panels)
+    y = matvec_kernels.f32_panel_matmul(x, panels, lib=lib)
     assert y.shape == (rows, out_features) and y.dtype == torch.float32
     assert (y.double() - _oracle(x, w)).abs().max() <= 1e-5 * max(1.0, _oracle(x, w).abs().max())
 
 
-def test_portable_panel_kernel_equals_float64_linear(tmp_path):
-    """Built without -march=native: 4-float vectors, 8-output panels, 6-row blocks."""
-    lib, why = matvec_kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
-    assert lib is not None, why
-    g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(45, 100, generator=g), torch.randn(23, 100, generator=g)
-    y = matvec_kernels._f32_panel_matmul(lib, x, matvec_kernels._f32_pack_panels(lib, w))
-    assert (y.double() - _oracle(x, w)).abs().max() <= 1e-5 * _oracle(x, w).abs().max()
+def _pointers(*tensors):
+    return [t.data_ptr() for t in tensors]
+
+
+@BUILDS
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 5), out_features=st.integers(1, 20), groups=st.integers(1, 3), keys=st.integers(1, 40),
+       seed=st.integers(0, 2**16))
+def test_each_c_files_scalar_reference_equals_torch(rows, out_features, groups, keys, seed, portable):
+    """The few lines each csrc/*.c file opens with, that a reader checks its fast kernels against:
+    f32_matmul_reference and quantized_matmul_reference (int8, int4) against float64 F.linear on the
+    dequantised matrix, attention_reference against float64 softmax, rms_norm_reference and
+    silu_mul_reference against the formulas."""
+    from minillm.quantize import QuantizedLinear
+
+    g, lib = torch.Generator().manual_seed(seed), _lib(portable)
+    in_features = 16 * groups
+    w, x = torch.randn(out_features, in_features, generator=g), torch.randn(rows, in_features, generator=g)
+    y = torch.empty(rows, out_features)
+    lib.f32_matmul_reference(*_pointers(x, w, y), rows, out_features, in_features)
+    assert (y.double() - _oracle(x, w)).abs().max() <= 1e-5 * max(1.0, _oracle(x, w).abs().max())
+    for fmt in ("int8", "int4"):
+        layer = QuantizedLinear(w, None, fmt, group_size=16)
+        zero = None if fmt == "int8" else layer.zero.data_ptr()
+        lib.quantized_matmul_reference(*_pointers(x, layer.qweight, layer.scale), zero, y.data_ptr(), rows,
+                                       out_features, in_features, 16)
+        expected = _oracle(x, layer.dequantize())
+        assert (y.double() - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max())
+    q, k, v, out = torch.randn(in_features, generator=g), *torch.randn(2, keys, in_features, generator=g), \
+        torch.empty(in_features)
+    lib.attention_reference(*_pointers(q, k, v, out), keys, in_features, 0.3)
+    expected = torch.softmax(k.double() @ q.double() * 0.3, dim=0) @ v.double()
+    assert (out.double() - expected).abs().max() <= 1e-5
+    weight, normed = torch.randn(in_features, generator=g), torch.empty(rows, in_features)
+    lib.rms_norm_reference(*_pointers(x, weight, normed), rows, in_features, 1e-6)
+    x64 = x.double()
+    expected = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+    assert (normed.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    gate_up, activated = torch.randn(rows, 2 * in_features, generator=g) * 4, torch.empty(rows, in_features)
+    lib.silu_mul_reference(*_pointers(gate_up, activated), rows, in_features)
+    gate, up = gate_up.double().chunk(2, -1)
+    assert (activated.double() - F.silu(gate) * up).abs().max() <= 1e-5 * max(1.0, (F.silu(gate) * up).abs().max())
 
 
 def test_panel_kernel_refuses_a_copy_that_does_not_fit():
@@ -128,12 +169,13 @@ def test_a_build_is_kept_and_loaded_by_the_next_process(tmp_path, monkeypatch):
     """The second build finds the first one's library (no compiler run), under a name that changes
     with the flags; a folder that cannot be written leaves the build temporary, still loaded."""
     lib, why = matvec_kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
-    kept = list(tmp_path.glob("matvec_kernels-*.so"))
+    kept = list(tmp_path.glob("kernels-*.so"))
     assert lib is not None and len(kept) == 1, why
     monkeypatch.setattr(matvec_kernels.subprocess, "run", lambda *a, **k: pytest.fail("compiled again"))
     again, _ = matvec_kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
     assert again is not None and again._name == str(kept[0])
-    assert matvec_kernels._build_key(["cc"], ["-O2"], [matvec_kernels.SOURCE]) != matvec_kernels._build_key(["cc"], ["-O3"], [matvec_kernels.SOURCE])
+    sources = matvec_kernels.SOURCES
+    assert matvec_kernels._build_key(["cc"], ["-O2"], sources) != matvec_kernels._build_key(["cc"], ["-O3"], sources)
     monkeypatch.undo()
     blocked = tmp_path / "file"
     blocked.write_text("")  # a file where the folder should be: mkdir fails
@@ -143,7 +185,7 @@ def test_a_build_is_kept_and_loaded_by_the_next_process(tmp_path, monkeypatch):
 
 def test_a_kept_library_that_does_not_load_is_built_again(tmp_path, monkeypatch):
     monkeypatch.delenv("CC", raising=False)
-    kept = tmp_path / f"matvec_kernels-{matvec_kernels._build_key(['cc'], ['-O2'], [matvec_kernels.SOURCE])}.so"
+    kept = tmp_path / f"kernels-{matvec_kernels._build_key(['cc'], ['-O2'], matvec_kernels.SOURCES)}.so"
     kept.write_bytes(b"not a library")  # a half-written or damaged file
     lib, why = matvec_kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
     assert lib is not None and kept.read_bytes()[:4] == b"\x7fELF", why
@@ -177,7 +219,7 @@ def test_a_stray_library_of_the_kept_name_is_built_over(tmp_path, monkeypatch):
     monkeypatch.delenv("CC", raising=False)
     stray = tmp_path / "stray.c"
     stray.write_text("int nothing(void) { return 0; }\n")
-    kept = tmp_path / f"matvec_kernels-{matvec_kernels._build_key(['cc'], ['-O2'], [matvec_kernels.SOURCE])}.so"
+    kept = tmp_path / f"kernels-{matvec_kernels._build_key(['cc'], ['-O2'], matvec_kernels.SOURCES)}.so"
     matvec_kernels.subprocess.run(["cc", "-shared", "-fPIC", str(stray), "-o", str(kept)], check=True)
     assert "is not minillm's kernels" in matvec_kernels._load(kept)[1]
     lib, why = matvec_kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
@@ -190,7 +232,7 @@ def test_a_stray_library_of_the_kept_name_is_built_over(tmp_path, monkeypatch):
 @pytest.mark.skipif(not matvec_kernels.available() or matvec_kernels.shutil.which("c++") is None,
                     reason="needs the C kernels and a C++ compiler")
 def test_the_ops_a_compiled_step_calls_are_the_cpp_build_and_equal_the_ctypes_kernels():
-    """torch.ops.minillm.* run matvec_ops.cpp (no call back into Python); each equals the function
+    """torch.ops.minillm.* run csrc/ops.cpp (no call back into Python); each equals the function
     eager code calls (same C loops, so the same values), and refuses a wrong input with a message."""
     from minillm.quantize import QuantizedLinear
 
@@ -201,11 +243,10 @@ def test_the_ops_a_compiled_step_calls_are_the_cpp_build_and_equal_the_ctypes_ke
     ops, functions = torch.ops.minillm, matvec_kernels
     assert torch.equal(ops.f32_matvec(x, w), functions.f32_matvec(x, w))
     q8, q4 = QuantizedLinear(w, None, "int8"), QuantizedLinear(w, None, "int4")
-    assert torch.equal(ops.int8_matvec(x, q8.qweight, q8.scale), functions.int8_matvec(x, q8.qweight, q8.scale))
-    assert torch.equal(ops.int8_dequantize(q8.qweight, q8.scale), functions.int8_dequantize(q8.qweight, q8.scale))
-    int4 = (q4.qweight, q4.scale, q4.zero, 64)
-    assert torch.equal(ops.int4_matvec(x, *int4), functions.int4_matvec(x, *int4))
-    assert torch.equal(ops.int4_dequantize(*int4), functions.int4_dequantize(*int4))
+    for codes in ((q8.qweight, q8.scale, None, 0), (q4.qweight, q4.scale, q4.zero, 64)):
+        for name in ("quantized_matvec", "quantized_matmul"):
+            assert torch.equal(getattr(ops, name)(x, *codes), getattr(functions, name)(x, *codes))
+        assert torch.equal(ops.dequantize(*codes), functions.dequantize(*codes))
     q, (k, v) = torch.randn(1, 6, 1, 64, generator=g), torch.randn(2, 1, 2, 50, 64, generator=g)
     assert torch.equal(ops.decode_attention(q, k, v, torch.tensor([45]), 0.125),
                        functions.decode_attention(q, k, v, 45, 0.125))
@@ -226,8 +267,8 @@ def test_a_failed_ops_build_is_kept_and_not_tried_again(monkeypatch, tmp_path):
     real_run = matvec_kernels.subprocess.run
     monkeypatch.setattr(matvec_kernels.subprocess, "run", lambda *a, **kw: calls.append(a) or real_run(*a, **kw))
     loaded, why = matvec_kernels._build_ops(cache_dir=tmp_path)
-    assert (loaded, why, len(calls)) == (False, "false could not build matvec_ops.cpp: exit status 1", 2)
-    (marker,) = tmp_path.glob("matvec_ops-*.failed")
+    assert (loaded, why, len(calls)) == (False, "false could not build csrc/ops.cpp: exit status 1", 2)
+    (marker,) = tmp_path.glob("kernel_ops-*.failed")
     assert matvec_kernels._build_ops(cache_dir=tmp_path) == (
         False, f"{why} (kept from an earlier try: delete {marker} to build again)")
     assert len(calls) == 2  # not built again
@@ -250,13 +291,14 @@ def test_without_the_cpp_build_the_ops_run_the_python_functions(monkeypatch):
 
 @pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
 @pytest.mark.parametrize("call, message", [
-    (lambda f, x, q4, q8: f.int4_matvec(x, q4.qweight, q4.scale, q4.zero, 0), "group_size must be a positive multiple of 16 dividing 128, got 0"),
-    (lambda f, x, q4, q8: f.int4_matvec(x, q4.qweight, q4.scale, q4.zero, 8), "group_size must be a positive multiple of 16"),
-    (lambda f, x, q4, q8: f.int4_dequantize(q4.qweight, q4.scale, q4.zero, -64), "group_size must be a positive multiple"),
-    (lambda f, x, q4, q8: f.int4_matvec(x, q4.qweight, q4.scale[:1], q4.zero, 64), r"scale must be contiguous float32 \[40, 2\]"),
-    (lambda f, x, q4, q8: f.int8_matvec(x, q8.qweight, torch.ones(1)), r"scale must be contiguous float32 \[40\]"),
-    (lambda f, x, q4, q8: f.int8_matvec(x, q8.qweight.t().contiguous().t(), q8.scale), "codes must be a contiguous 2-D int8"),
-    (lambda f, x, q4, q8: f.int8_dequantize(q8.qweight, torch.ones(3)), r"scale must be contiguous float32 \[40\]"),
+    (lambda f, x, q4, q8: f.quantized_matvec(x, q4.qweight, q4.scale, q4.zero, 0), "group_size must be a positive multiple of 16 dividing 128, got 0"),
+    (lambda f, x, q4, q8: f.quantized_matmul(x, q4.qweight, q4.scale, q4.zero, 8), "group_size must be a positive multiple of 16"),
+    (lambda f, x, q4, q8: f.dequantize(q4.qweight, q4.scale, q4.zero, -64), "group_size must be a positive multiple"),
+    (lambda f, x, q4, q8: f.quantized_matvec(x, q4.qweight, q4.scale[:1], q4.zero, 64), r"scale must be contiguous float32 \[40, 2\]"),
+    (lambda f, x, q4, q8: f.quantized_matvec(x, q8.qweight, torch.ones(1), None, 0), r"scale must be contiguous float32 \[40\]"),
+    (lambda f, x, q4, q8: f.quantized_matmul(x, q8.qweight.t().contiguous().t(), q8.scale, None, 0), "codes must be a contiguous 2-D int8"),
+    (lambda f, x, q4, q8: f.dequantize(q8.qweight, torch.ones(3), None, 0), r"scale must be contiguous float32 \[40\]"),
+    (lambda f, x, q4, q8: f.quantized_matvec(x, q4.qweight, q4.scale, None, 64), "codes must be a contiguous 2-D int8"),
 ])
 @pytest.mark.parametrize("where", ["functions", "ops"])
 def test_quantised_kernels_refuse_codes_they_would_misread(call, message, where):
@@ -291,16 +333,17 @@ def _attention_oracle(q, k, v, n_keys, scale):
     return torch.softmax(scores, dim=-1) @ v
 
 
-@pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
-@pytest.mark.parametrize("batch, heads, kv_heads, head_dim", [(1, 9, 3, 64), (2, 12, 12, 64), (1, 8, 2, 128), (3, 4, 1, 72)])
+@BUILDS
+@pytest.mark.parametrize("batch, heads, kv_heads, head_dim", [(1, 9, 3, 64), (2, 12, 12, 64), (1, 8, 2, 128), (3, 4, 1, 72),
+                                                              (1, 4, 2, 32)])
 @pytest.mark.parametrize("n_keys", [1, 31, 32, 33, 65, 200])
-def test_decode_attention_equals_float64_softmax(batch, heads, kv_heads, head_dim, n_keys):
+def test_decode_attention_equals_float64_softmax(batch, heads, kv_heads, head_dim, n_keys, portable):
     """Over the first n_keys of a longer cache buffer (key counts around the 32-key tasks and the
     8-key steps; a head_dim whose columns are not a multiple of 64 takes the portable tail)."""
     g = torch.Generator().manual_seed(n_keys + head_dim)
     q = torch.randn(batch, heads, 1, head_dim, generator=g)
     k, v = torch.randn(2, batch, kv_heads, n_keys + 7, head_dim, generator=g)
-    out = matvec_kernels.decode_attention(q, k, v, n_keys, 0.3)
+    out = matvec_kernels.decode_attention(q, k, v, n_keys, 0.3, lib=_lib(portable))
     assert out.shape == q.shape and out.dtype == torch.float32
     assert (out.double() - _attention_oracle(q, k, v, n_keys, 0.3)).abs().max() <= 1e-5
 
@@ -318,16 +361,6 @@ def test_decode_attention_reads_a_cache_view_and_far_apart_scores():
     assert (out.double() - _attention_oracle(q, k, v, 40, 0.125)).abs().max() <= 1e-5
     loud = matvec_kernels.decode_attention(q * 100, k, v, 40, 1.0)
     assert (loud.double() - _attention_oracle(q * 100, k, v, 40, 1.0)).abs().max() <= 1e-5
-
-
-def test_portable_decode_attention_equals_float64_softmax(tmp_path):
-    """Built without -march=native: the scalar loops (expf, no 8-key steps)."""
-    lib, why = matvec_kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
-    assert lib is not None, why
-    g = torch.Generator().manual_seed(1)
-    q, (k, v) = torch.randn(1, 4, 1, 32, generator=g), torch.randn(2, 1, 2, 50, 32, generator=g)
-    out = matvec_kernels._decode_attention(lib, q, k, v, 45, 0.2)
-    assert (out.double() - _attention_oracle(q, k, v, 45, 0.2)).abs().max() <= 1e-5
 
 
 @pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
@@ -402,13 +435,16 @@ def test_the_kernels_return_float32_whatever_the_default_dtype():
     q, (k, v) = torch.randn(1, 4, 1, 64, generator=g), torch.randn(2, 1, 2, 9, 64, generator=g)
     x, w = torch.randn(2, 64, generator=g), torch.randn(8, 64, generator=g)
     q8, q4 = QuantizedLinear(w, None, "int8"), QuantizedLinear(w, None, "int4")
-    expected = (matvec_kernels.decode_attention(q, k, v, 9, 0.2), matvec_kernels.f32_matvec(x, w),
-                matvec_kernels.int8_matvec(x, q8.qweight, q8.scale), matvec_kernels.int4_matvec(x, q4.qweight, q4.scale, q4.zero, 64))
+    def run():
+        return (matvec_kernels.decode_attention(q, k, v, 9, 0.2), matvec_kernels.f32_matvec(x, w),
+                matvec_kernels.quantized_matvec(x, q8.qweight, q8.scale),
+                matvec_kernels.quantized_matvec(x, q4.qweight, q4.scale, q4.zero, 64))
+
+    expected = run()
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        got = (matvec_kernels.decode_attention(q, k, v, 9, 0.2), matvec_kernels.f32_matvec(x, w),
-               matvec_kernels.int8_matvec(x, q8.qweight, q8.scale), matvec_kernels.int4_matvec(x, q4.qweight, q4.scale, q4.zero, 64))
+        got = run()
     finally:
         torch.set_default_dtype(default)
     for a, b in zip(got, expected):
@@ -467,19 +503,19 @@ def _causal_oracle(q, k, v, scale):
     return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
 
 
-@pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
+@BUILDS
 @settings(max_examples=30, deadline=None)
 @given(batch=st.integers(1, 2), kv_heads=st.integers(1, 3), group=st.integers(1, 3), width=st.integers(1, 2),
        queries=st.integers(1, 70), cached=st.integers(0, 90), seed=st.integers(0, 2**16))
-def test_causal_attention_equals_float64_softmax(batch, kv_heads, group, width, queries, cached, seed):
+def test_causal_attention_equals_float64_softmax(batch, kv_heads, group, width, queries, cached, seed, portable):
     """Prefill's C attention over hypothesis' shapes: GQA groups, head_dim one or two panels, chunks of
     1-70 queries after 0-90 cached positions (row blocks and key panels cut anywhere), q a transposed
     projection and k, v a transposed gather (the layouts the model and the serving batch hand it)."""
-    g = torch.Generator().manual_seed(seed)
-    D, heads, S = width * matvec_kernels.panel_width(), kv_heads * group, cached + queries
+    g, lib = torch.Generator().manual_seed(seed), _lib(portable)
+    D, heads, S = width * matvec_kernels.panel_width(lib=lib), kv_heads * group, cached + queries
     q = torch.randn(batch, queries, heads, D, generator=g).transpose(1, 2)
     k, v = (torch.randn(batch, S, kv_heads, D, generator=g).transpose(1, 2) for _ in range(2))
-    out = matvec_kernels.causal_attention(q, k, v, 0.3)
+    out = matvec_kernels.causal_attention(q, k, v, 0.3, lib=lib)
     assert out.shape == (batch, heads, queries, D) and out.is_contiguous()
     assert (out.double() - _causal_oracle(q, k, v, 0.3)).abs().max() <= 1e-5
 
@@ -497,17 +533,6 @@ def test_causal_attention_equals_sdpa_on_a_long_prompt_and_keeps_a_nan_visible()
     out = matvec_kernels.causal_attention(q, k, v, 0.5)
     sees_nan = out.isnan().any(-1)[0]  # [heads, T]
     assert sees_nan[3:6, 150:].all() and not sees_nan[3:6, :150].any() and not sees_nan[:3].any()
-
-
-def test_portable_causal_attention_equals_float64_softmax(tmp_path):
-    """Built without -march=native: 8-float panels, the scalar exp."""
-    lib, why = matvec_kernels._build(flag_sets=(["-O2"],), cache_dir=tmp_path)
-    assert lib is not None, why
-    g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(2, 4, 19, 16, generator=g), torch.randn(2, 2, 40, 16, generator=g), \
-        torch.randn(2, 2, 40, 16, generator=g)
-    out = matvec_kernels._causal_attention(lib, q, k, v, 0.25)
-    assert (out.double() - _causal_oracle(q, k, v, 0.25)).abs().max() <= 1e-5
 
 
 @pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")

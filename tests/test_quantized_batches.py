@@ -1,6 +1,7 @@
-"""A batch of rows through a quantised matrix: the tiled C kernels (int8_matmul, int4_matmul) and, in a
-server, the panel kernel (quantized_panel_matmul) that a serving step's decodes run, against the
-reference path (dequantise the whole matrix, then F.linear).
+"""A batch of rows through a quantised matrix: the tiled C kernel (quantized_matmul) and, in a server, the
+panel kernel (quantized_panel_matmul) that a serving step's decodes run, against the reference path
+(dequantise the whole matrix, then F.linear); and every quantised kernel (quantized_matvec and dequantize
+too) on the native build and the portable one.
 
 The oracle is ``QuantizedLinear.forward_reference``; the kernels use the same dequantised values and
 only sum in another order, so they agree within float32 rounding. The engine test runs 20 requests at
@@ -51,7 +52,7 @@ def test_the_forward_picks_the_kernel_by_rows(fmt, monkeypatch):
     """Up to QUANTIZED_MATVEC_MAX_ROWS rows the fused kernel, up to QUANTIZED_TILED_MAX_ROWS the tiled
     one, more the unpacked float matrix."""
     calls = []
-    for name in (f"{fmt}_matvec", f"{fmt}_matmul", f"{fmt}_dequantize"):
+    for name in ("quantized_matvec", "quantized_matmul", "dequantize"):
         original = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _name=name, _f=original, **k: calls.append(_name) or _f(*a, **k))
     layer = FastQuantizedLinear(torch.randn(16, 64), None, fmt)
@@ -61,27 +62,35 @@ def test_the_forward_picks_the_kernel_by_rows(fmt, monkeypatch):
         calls.clear()
         layer(torch.randn(rows, 64))
         expected[rows] = calls[:]
-    matvec, matmul, unpack = [f"{fmt}_matvec"], [f"{fmt}_matmul"], [f"{fmt}_dequantize"]
+    matvec, matmul, unpack = ["quantized_matvec"], ["quantized_matmul"], ["dequantize"]
     assert expected == {1: matvec, QUANTIZED_MATVEC_MAX_ROWS: matvec, QUANTIZED_MATVEC_MAX_ROWS + 1: matmul,
                         20: matmul, QUANTIZED_TILED_MAX_ROWS: matmul, QUANTIZED_TILED_MAX_ROWS + 1: unpack}
 
 
-@pytest.mark.parametrize("flags", [["-O2"], ["-O3", "-march=native"]], ids=["portable", "native"])
-def test_tiled_kernels_of_each_build_equal_the_reference(tmp_path, flags):
+BUILDS = pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+
+
+@BUILDS
+def test_quantised_kernels_of_each_build_equal_the_reference(portable):
     """Built without -march=native (the portable branches another CPU compiles: 4-float vectors, scalar
-    int4 unpacking) and with it (AVX2 or AVX-512 here); several thread counts split the tiles."""
-    lib, why = kernels._build(flag_sets=(flags,), cache_dir=tmp_path)
-    assert lib is not None, why
+    int4 unpacking) and with it (AVX2 or AVX-512 here): the fused kernel (1-3 rows), the tiled one (several
+    thread counts split the tiles) and the unpacked matrix, every shape."""
+    lib = kernels.kernels(portable)
     g = torch.Generator().manual_seed(1)
     for fmt, out_features, in_features, group_size in SHAPES:
         layer = QuantizedLinear(torch.randn(out_features, in_features, generator=g), None, fmt, group_size or 64)
-        args = (layer.qweight, layer.scale) if fmt == "int8" else (layer.qweight, layer.scale, layer.zero, group_size)
+        codes = (layer.qweight, layer.scale, layer.zero, layer.group_size)
+        w = kernels.dequantize(*codes, lib=lib)
+        assert (w - layer.dequantize()).abs().max() <= 1e-6 * layer.dequantize().abs().max()
+        for rows in (1, 2, 3):
+            x = torch.randn(rows, in_features, generator=g)
+            assert close(kernels.quantized_matvec(x, *codes, lib=lib), layer.forward_reference(x)), (fmt, rows)
         for rows, threads in ((3, 1), (9, 2), (32, 3)):
             x = torch.randn(rows, in_features, generator=g)
             with_threads = torch.get_num_threads()
             torch.set_num_threads(threads)
             try:
-                got = getattr(kernels, f"_{fmt}_matmul")(lib, x, *args)
+                got = kernels.quantized_matmul(x, *codes, lib=lib)
             finally:
                 torch.set_num_threads(with_threads)
             assert close(got, layer.forward_reference(x)), (fmt, out_features, in_features, rows, threads)
@@ -90,9 +99,9 @@ def test_tiled_kernels_of_each_build_equal_the_reference(tmp_path, flags):
 def test_tiled_kernel_refuses_codes_it_would_misread():
     layer = QuantizedLinear(torch.randn(8, 64), None, "int4")
     with pytest.raises(ValueError, match="group_size must be a positive multiple of 16"):
-        kernels.int4_matmul(torch.randn(4, 64), layer.qweight, layer.scale, layer.zero, 24)
+        kernels.quantized_matmul(torch.randn(4, 64), layer.qweight, layer.scale, layer.zero, 24)
     with pytest.raises(ValueError, match=r"x must be float32 \[rows, 64\]"):
-        kernels.int4_matmul(torch.randn(4, 63), layer.qweight, layer.scale, layer.zero, 64)
+        kernels.quantized_matmul(torch.randn(4, 63), layer.qweight, layer.scale, layer.zero, 64)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +115,7 @@ def test_a_batch_of_20_requests_gives_the_reference_greedy_tokens(tiny_llama, fm
     the build cannot convert codes in vectors) on the quantised fast model give the greedy tokens of the
     same engine on the plain quantised modules (fast=False: dequantise, then F.linear), request by request."""
     rows_seen = []
-    name = "quantized_panel_matmul" if kernels.quantized_panels_vectorised() else f"{fmt}_matmul"
+    name = "quantized_panel_matmul" if kernels.quantized_panels_vectorised() else "quantized_matmul"
     original = getattr(kernels, name)
     monkeypatch.setattr(kernels, name, lambda x, *a: rows_seen.append(x.shape[0]) or original(x, *a))
     prompts = [[(7 * i + j) % 120 + 3 for j in range(3 + i % 6)] for i in range(20)]
@@ -121,20 +130,19 @@ def test_a_batch_of_20_requests_gives_the_reference_greedy_tokens(tiny_llama, fm
     assert 20 in rows_seen  # the decode steps ran the kernel on the whole batch
 
 
-@pytest.mark.parametrize("flags", [["-O2"], ["-O3", "-march=native"]], ids=["portable", "native"])
-def test_quantized_panels_of_each_build_equal_the_reference(tmp_path, flags):
+@BUILDS
+def test_quantized_panels_of_each_build_equal_the_reference(portable):
     """The panel kernel (a server's batches: codes copied into panels, dequantised in registers) on
     every shape, across its row blocks and part-filled last panel, both builds."""
-    lib, why = kernels._build(flag_sets=(flags,), cache_dir=tmp_path)
-    assert lib is not None, why
+    lib = kernels.kernels(portable)
     g = torch.Generator().manual_seed(2)
     for fmt, out_features, in_features, group_size in SHAPES:
         layer = QuantizedLinear(torch.randn(out_features, in_features, generator=g), None, fmt, group_size or 64)
         zero = layer.zero if fmt == "int4" else None
-        panels = kernels._quantized_pack_panels(lib, layer.qweight, layer.scale, zero, group_size)
+        panels = kernels.quantized_pack_panels(layer.qweight, layer.scale, zero, group_size, lib=lib)
         for rows in (1, 4, 13, 32):
             x = torch.randn(rows, in_features, generator=g)
-            got = kernels._quantized_panel_matmul(lib, x, panels)
+            got = kernels.quantized_panel_matmul(x, panels, lib=lib)
             assert close(got, layer.forward_reference(x)), f"{fmt} {out_features}x{in_features}, {rows} rows"
 
 

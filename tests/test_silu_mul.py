@@ -1,5 +1,6 @@
-"""The fused SwiGLU activation (minillm/fast/matvec_kernels.c's silu_mul) against float64 silu(gate) · up,
-over drawn shapes and values (the exp's extremes included), and the MLP that uses it against the lesson's."""
+"""The fused SwiGLU activation (minillm/fast/csrc/silu_mul.c) against float64 silu(gate) · up, over drawn
+shapes and values (the exp's extremes included), native and portable builds, and the MLP that uses it
+against the lesson's."""
 
 import pytest
 import torch
@@ -23,21 +24,27 @@ def reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+BUILDS = pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+
+
+@BUILDS
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(0, 70), half=st.integers(1, 40), scale=st.sampled_from([1e-3, 1.0, 30.0, 200.0]),
        seed=st.integers(0, 2**31 - 1))
-def test_silu_mul_equals_float64(rows, half, scale, seed):
+def test_silu_mul_equals_float64(rows, half, scale, seed, portable):
     gate_up = torch.randn(rows, 2 * half, generator=torch.Generator().manual_seed(seed)) * scale
-    out = kernels.silu_mul(gate_up)
+    out = kernels.silu_mul(gate_up, lib=kernels.kernels(portable))
     assert out.shape == (rows, half) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), reference(gate_up), rtol=2e-6, atol=1e-30)
 
 
-def test_silu_mul_at_the_exps_edges():
+@BUILDS
+def test_silu_mul_at_the_exps_edges(portable):
     gate = torch.tensor([-1e4, -100.0, -88.0, -87.5, -20.0, -1e-8, 0.0, 1e-8, 20.0, 87.5, 88.0, 100.0, 1e4,
                          -3.4e38, 1e30, 3.0])  # 16: the vector loop and, past 8, its lanes
     gate_up = torch.cat([gate, torch.full_like(gate, 2.0)])[None]
-    torch.testing.assert_close(kernels.silu_mul(gate_up).double(), reference(gate_up), rtol=2e-6, atol=1e-30)
+    out = kernels.silu_mul(gate_up, lib=kernels.kernels(portable))
+    torch.testing.assert_close(out.double(), reference(gate_up), rtol=2e-6, atol=1e-30)
 
 
 @pytest.mark.parametrize("bad", [torch.zeros(4, 6, dtype=torch.float64), torch.zeros(4, 7),

@@ -1,49 +1,39 @@
-"""Decode's products in C (matvec_kernels.c): float32, int8 and int4 matrices, and decode's attention;
-built at first use, called through ctypes.
+"""The C kernels (csrc/*.c): built at first use, called through ctypes, and as torch ops from compiled code.
 
-Why C and not PyTorch: a decode step's product is one row by a matrix, so its floor is reading the
-weights; MKL reads a one-row float32 product with one core (minillm.fast.products), and a quantised
-kernel must widen the codes to float as fast as it reads them. Measured on the developers'
-2-core AMD EPYC (AVX2), SmolLM2-135M's 49152x576 LM head, float32 ``F.linear`` 6.9-10.6 ms (layout):
+One C file a family, each opening with the scalar reference it computes; one section of this module a
+family, each function a kernel, checking what the C loops would misread (they trust shapes):
 
-    int8 torch._weight_int8pack_mm                     22.7 ms   (no AVX2 kernel: slower than float32)
-    int4 torch._weight_int4pack_mm_for_cpu             30.9 ms
-    int8 torch.compile'd dequantise-multiply-reduce     6.4 ms   (inductor's loop is compute-bound;
-                                                                  ~170 us a call on small matrices)
-    int8 this file                                  1.3-1.9 ms   (and ~10 us a call)
-    int4 this file                                  1.3-2.2 ms
+    csrc/products.c    float32 products of a few rows        f32_matvec, f32_pack_panels, f32_panel_matmul
+    csrc/quantized.c   int8 and int4 products                quantized_matvec, quantized_matmul, dequantize,
+                                                             quantized_pack_panels, quantized_panel_matmul
+    csrc/attention.c   decode's and prefill's attention      decode_attention, paged_decode_attention,
+                                                             causal_attention
+    csrc/rms_norm.c    the residual add and RMSNorm          rms_norm
+    csrc/silu_mul.c    SwiGLU's activation                   silu_mul
+    csrc/common.h      what they share: the vector type, the panel micro-kernel's shape, a vector exp
+    csrc/ops.cpp       a few of them as torch ops, for compiled code
 
-(BENCHMARKS-HISTORY.md, "Weight-only quantisation", has the runs.) float32: SmolLM2-135M's 121 decode
-products took 32-35 ms here (16 GB/s) against 40-42 ms for the split MKL product (13 GB/s)
-and 59-66 ms for one-core ``F.linear`` (same session); the "matvec" decode paths use it
-(minillm.fast.choose). Prefill's many rows are compute-bound:
-there the C loops only unpack each matrix to float (int4: 31 ms for SmolLM2's blocks, 204 ms in
-PyTorch) for one float product.
-
-Between the two, a serving step's batch of decodes (4-128 rows: one a sequence) runs
-:func:`int8_matmul` / :func:`int4_matmul`: each thread dequantises a tile of the matrix into a float
-buffer that stays in cache, once, and multiplies it with every row (benchmarks/quantized_batches.py
-has the numbers against float32).
-
-Decode's attention is here too (:func:`decode_attention`, on the "matvec" decode paths): one query
-a sequence against the cache reads each layer's K and V once for a few FLOPs a byte, and SDPA's CPU
-kernel spends its time elsewhere: on the developers' EPYC this loop took a compiled SmolLM2 step
-2-4 ms below SDPA's at 128 positions and 7-8 ms below at 1,000 (BENCHMARKS-HISTORY.md).
+Why C and not PyTorch: a decode step's product is one row (a few) by a matrix, so its floor is reading
+the weights; MKL reads a one-row float32 product with one core (minillm.fast.products), and a quantised
+kernel must widen the codes to float as fast as it reads them, which torch's int8/int4 ops do not on a
+CPU. BENCHMARKS.md ("The C kernels against PyTorch") has each family against what PyTorch ships for the
+same work, on this project's machines; a kernel that does not win there is not kept.
 
 The C compiler is the one ``torch.compile`` also needs (``cc``, or ``$CC``); the build takes about a
 second, once per machine: it is kept in ``<weights_dir>/kernels/`` (``-march=native``: for this CPU
-only, so the CPU's name is part of its file name). With
-no compiler, :func:`available` is False and quantised matrices run their reference product (4-9x slower
-than float32), saying so once.
+only, so the CPU's name is part of its file name). ``kernels(portable=True)`` is the same sources without
+``-march=native`` (no AVX2 or AVX-512 branch: what another CPU compiles); the tests check every kernel on
+both. With no compiler, :func:`available` is False and quantised matrices run their reference product
+(4-9x slower than float32), saying so once.
 
-Each kernel is also a torch op (``torch.ops.minillm.f32_matvec``, ...), which is how a
-``torch.compile``'d decode step (the compiled decode paths) calls it: dynamo cannot trace into
-ctypes, and an op is opaque to it by design. The ops' implementations are matvec_ops.cpp, built
-at the first compile with ``c++`` (``$CXX``) against torch's headers, 12-19 s once a machine: an op
-implemented in Python cost the graph ~30 us a call, ~1.2 ms of a SmolLM2 step (measured, A/B over
-five process pairs). Without a C++ compiler, or where the build fails (kept as a ``.failed`` file
-beside the kernels, so the next process does not spend the build again), the ops call this
-module's functions, with a one-line warning.
+Each function takes ``lib``, the library to run (default: :func:`kernels`). The products and decode's
+attention are also torch ops (``torch.ops.minillm.f32_matvec``, ...), which is how a ``torch.compile``'d
+decode step calls them: dynamo cannot trace into ctypes, and an op is opaque to it by design. The ops'
+implementations are csrc/ops.cpp, built at the first compile with ``c++`` (``$CXX``) against torch's
+headers, 12-19 s once a machine: an op implemented in Python cost the graph ~30 us a call, ~1.2 ms of a
+SmolLM2 step (measured, A/B over five process pairs). Without a C++ compiler, or where the build fails
+(kept as a ``.failed`` file beside the kernels, so the next process does not spend the build again), the
+ops call this module's functions, with a one-line warning.
 """
 
 from __future__ import annotations
@@ -62,24 +52,31 @@ from typing import NamedTuple
 
 import torch
 
-SOURCE = Path(__file__).with_name("matvec_kernels.c")
-OPS_SOURCE = Path(__file__).with_name("matvec_ops.cpp")  # the same kernels as torch ops, for compiled code
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("common.h", "products.c", "quantized.c", "attention.c", "rms_norm.c",
+                                    "silu_mul.c")]  # what the library is built from (the .c files compiled)
+OPS_SOURCE = CSRC / "ops.cpp"  # the products and decode attention as torch ops, for compiled code
 # first OpenMP (threads), then without it (macOS clang has no -fopenmp: one thread), then portable
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
+PORTABLE_FLAG_SETS = (["-O3", "-fopenmp"], ["-O3"])  # no -march=native: the vector code every x86-64 runs
 
-_state: dict[str, object] = {}  # "lib": the loaded library or None, "why": the reason it is None
+_state: dict[str, object] = {}  # "lib" / "portable": the loaded library or None, "why": the reason it is None
 
 
-def kernels() -> ctypes.CDLL | None:
-    """The built library, or None when no flag set compiles (the reason: :func:`unavailable_reason`)."""
-    if "lib" not in _state:
-        _state["lib"], _state["why"] = _build()
-        if _state["lib"] is None:
-            warnings.warn(f"the C matvec kernels are not available ({_state['why']}): quantised models run "
+def kernels(portable: bool = False) -> ctypes.CDLL | None:
+    """The built library, or None when no flag set compiles (the reason: :func:`unavailable_reason`).
+    ``portable``: built without -march=native (kept like the native one; the tests run every kernel on it)."""
+    key = "portable" if portable else "lib"
+    if key not in _state:
+        _state[key], why = _build(PORTABLE_FLAG_SETS if portable else FLAG_SETS)
+        if not portable:
+            _state["why"] = why
+        if _state[key] is None and not portable:
+            warnings.warn(f"the C matvec kernels are not available ({why}): quantised models run "
                           "the reference path (dequantise, then F.linear), 4-9x slower than float32 (measured), "
                           "and float32 keeps MKL's products; install a C compiler (cc) or set CC",
                           RuntimeWarning, stacklevel=3)
-    return _state["lib"]
+    return _state[key]
 
 
 def unavailable_reason() -> str | None:
@@ -87,31 +84,37 @@ def unavailable_reason() -> str | None:
     return _state.get("why")
 
 
+def available() -> bool:
+    """Whether the kernels are built (building them at the first call)."""
+    return kernels() is not None
+
+
 def _build(flag_sets=FLAG_SETS, cache_dir: Path | None = None) -> tuple[ctypes.CDLL | None, str | None]:
     """(the library built with the first flag set that compiles, None), or (None, why not).
 
     A build is kept in ``cache_dir`` (default: :func:`cache_folder`) under a name made of the
-    source, the compiler, the flags and the CPU's name, so later processes load it instead of
+    sources, the compiler, the flags and the CPU's name, so later processes load it instead of
     compiling again (~1 s a process); where the folder cannot be written, the build stays temporary.
     """
     compiler = shlex.split(os.environ.get("CC") or "cc")  # CC may carry flags: "gcc -std=c11"
     if not compiler or shutil.which(compiler[0]) is None:
         return None, f"no C compiler {os.environ.get('CC') or 'cc'!r} on PATH"
     cache_dir = cache_folder() if cache_dir is None else cache_dir
+    c_files = [str(s) for s in SOURCES if s.suffix == ".c"]
     with tempfile.TemporaryDirectory(prefix="minillm-kernels-") as tmp:
         error = ""
         for flags in flag_sets:
-            kept = cache_dir / f"matvec_kernels-{_build_key(compiler, flags, [SOURCE])}.so"
+            kept = cache_dir / f"kernels-{_build_key(compiler, flags, SOURCES)}.so"
             if kept.is_file() and (loaded := _load(kept))[0] is not None:
                 return loaded  # (a kept file that does not load, e.g. truncated, is built again and replaced)
-            out = Path(tmp) / "matvec_kernels.so"
-            run = subprocess.run([*compiler, *flags, "-shared", "-fPIC", str(SOURCE), "-lm", "-o", str(out)],
+            out = Path(tmp) / "kernels.so"
+            run = subprocess.run([*compiler, *flags, "-shared", "-fPIC", *c_files, "-lm", "-o", str(out)],
                                  capture_output=True, text=True)
             if run.returncode == 0:
                 _keep(out, kept)
                 return _load(out)  # (not kept: a process that tried a bad file there has that path's handle)
             error = (run.stderr.strip().splitlines() or ["failed"])[-1]
-    return None, f"{' '.join(compiler)} could not build {SOURCE.name}: {error}"
+    return None, f"{' '.join(compiler)} could not build {CSRC.name}/*.c: {error}"
 
 
 def cache_folder() -> Path:
@@ -124,10 +127,10 @@ def cache_folder() -> Path:
 def _build_key(compiler: list[str], flags: list[str], sources: list[Path]) -> str:
     """What decides the binary: the sources, the compiler and its flags, (-march=native) the CPU, and
     (the ops' C++) torch's version."""
-    from ..hardware import _device_name
+    from ..hardware import device_name
 
     parts = [*(source.read_bytes() for source in sources), " ".join(compiler + flags).encode(),
-             _device_name(torch.device("cpu")).encode(), torch.__version__.encode()]
+             device_name(torch.device("cpu")).encode(), torch.__version__.encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -153,56 +156,45 @@ def _load(path: Path) -> tuple[ctypes.CDLL | None, str | None]:
                       "that may hold programs")
 
 
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+C_FUNCTIONS = {  # name: (argument types, result type), as csrc/*.c declares them
+    # products.c
+    "f32_matmul_reference": ([_P, _P, _P, _I, _I, _I], None),
+    "f32_matvec": ([_P, _P, _P, _I, _I, _I, _I], None),
+    "f32_panel_width": ([], _I),
+    "f32_pack_panels": ([_P, _P, _I, _I, _I], None),
+    "f32_panel_matmul": ([_P, _P, _P, _I, _I, _I, _I], None),
+    # quantized.c
+    "quantized_matmul_reference": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], None),
+    "int8_matvec": ([_P, _P, _P, _P, _I, _I, _I, _I], _I),
+    "int4_matvec": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I], _I),
+    "int8_matmul": ([_P, _P, _P, _P, _I, _I, _I, _I], _I),
+    "int4_matmul": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I], _I),
+    "int8_dequantize": ([_P, _P, _P, _I, _I, _I], _I),
+    "int4_dequantize": ([_P, _P, _P, _P, _I, _I, _I, _I], _I),
+    "int8_pack_panels": ([_P, _P, _P, _P, _P, _I, _I, _I], None),
+    "int4_pack_panels": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _I], None),
+    "quantized_panels_vectorised": ([], _I),
+    "quantized_panel_matmul": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I], None),
+    # attention.c
+    "attention_reference": ([_P, _P, _P, _P, _I, _I, _F], None),
+    "decode_attention": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _L, _L, _L, _L, _F, _I], _I),
+    "paged_decode_attention": ([_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I], _I),
+    "causal_attention": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _L, _L, _L, _L, _L, _L, _L, _L, _L, _F, _I],
+                         _I),
+    # rms_norm.c, silu_mul.c
+    "rms_norm_reference": ([_P, _P, _P, _L, _I, _F], None),
+    "rms_norm": ([_P, _P, _P, _P, _P, _L, _I, _F, _I], None),
+    "silu_mul_reference": ([_P, _P, _L, _I], None),
+    "silu_mul": ([_P, _P, _L, _I, _I], None),
+}
+
+
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    lib.f32_matvec.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32]
-    lib.f32_matvec.restype = None
-    lib.f32_panel_width.argtypes = []
-    lib.f32_panel_width.restype = i32
-    lib.f32_pack_panels.argtypes = [ptr, ptr, i32, i32, i32]
-    lib.f32_pack_panels.restype = None
-    lib.f32_panel_matmul.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32]
-    lib.f32_panel_matmul.restype = None
-    lib.int8_pack_panels.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32]
-    lib.int8_pack_panels.restype = None
-    lib.int4_pack_panels.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32]
-    lib.int4_pack_panels.restype = None
-    lib.quantized_panel_matmul.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32]
-    lib.quantized_panel_matmul.restype = None
-    lib.quantized_panels_vectorised.argtypes = []
-    lib.quantized_panels_vectorised.restype = i32
-    lib.int8_matvec.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i32, i32]
-    lib.int8_matvec.restype = None
-    lib.int4_matvec.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32]
-    lib.int4_matvec.restype = i32
-    lib.int4_dequantize.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i32, i32]
-    lib.int4_dequantize.restype = None
-    lib.int8_dequantize.argtypes = [ptr, ptr, ptr, i32, i32, i32]
-    lib.int8_dequantize.restype = None
-    lib.int8_matmul.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i32, i32]
-    lib.int8_matmul.restype = i32
-    lib.int4_matmul.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32]
-    lib.int4_matmul.restype = i32
-    i64 = ctypes.c_int64
-    lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i64, i64, i64, i64,
-                                     ctypes.c_float, i32]
-    lib.decode_attention.restype = i32
-    lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32,
-                                           ctypes.c_float, i32]
-    lib.paged_decode_attention.restype = i32
-    lib.causal_attention.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i64, i64, i64, i64, i64, i64,
-                                     i64, i64, i64, ctypes.c_float, i32]
-    lib.causal_attention.restype = i32
-    lib.rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, ctypes.c_float, i32]
-    lib.rms_norm.restype = None
-    lib.silu_mul.argtypes = [ptr, ptr, i64, i32, i32]
-    lib.silu_mul.restype = None
+    for name, (arguments, result) in C_FUNCTIONS.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = arguments, result
     return lib
-
-
-def available() -> bool:
-    """Whether the kernels are built (building them at the first call)."""
-    return kernels() is not None
 
 
 def prepare_for_compile() -> None:
@@ -221,12 +213,21 @@ def functions():
     return torch.ops.minillm if torch.compiler.is_compiling() else sys.modules[__name__]
 
 
-# -- the kernels: x and the results float32, row-major (contiguous) ------------------------------
+def _output(*shape: int) -> torch.Tensor:
+    """An uninitialised float32 CPU tensor for a C loop to fill: float32 whatever torch's default dtype
+    (the loops write float32 bits)."""
+    return torch.empty(*shape, dtype=torch.float32)
 
 
-def f32_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] float32, weight [out, in] float32 (row-major) -> x @ weightᵀ [rows, out] float32."""
-    return _f32_matvec(kernels(), x, weight)
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# -- float32 products (csrc/products.c): x and the results float32, row-major -----------------------
 
 
 class Panels(NamedTuple):
@@ -239,239 +240,10 @@ class Panels(NamedTuple):
     out_features: int
 
 
-class QuantizedPanels(NamedTuple):
-    """An int8 or int4 matrix [out_features, in] copied into panels (:func:`quantized_pack_panels`):
-    ``codes`` [panels, in, P] int8, or [panels, in, P/2] uint8 (the outputs l and l + P/2 in one byte,
-    low and high nibble); ``scales`` and ``offsets`` [panels, groups, P] float32 (int8: one group),
-    ŵ = q · scale + offset (offset = -zero · scale: quantize.py's values)."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    offsets: torch.Tensor
-    out_features: int
-
-
-def f32_pack_panels(weight: torch.Tensor) -> Panels:
-    """weight [out, in] float32 CPU (row-major) -> its copy in :class:`Panels`, what
-    :func:`f32_panel_matmul` reads. Raises ValueError for another dtype, device or layout."""
-    return _f32_pack_panels(kernels(), weight)
-
-
-def f32_panel_matmul(x: torch.Tensor, panels: Panels) -> torch.Tensor:
-    """x [rows, in] float32 @ wᵀ -> [rows, out_features] float32, w given as its :class:`Panels`
-    (matvec_kernels.c says how; F.linear's values up to float rounding). Raises ValueError when x does
-    not fit the copy."""
-    return _f32_panel_matmul(kernels(), x, panels)
-
-
-def quantized_pack_panels(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
-                          group_size: int | None = None) -> QuantizedPanels:
-    """The codes of an int8 matrix (codes [out, in] int8, scale [out] float32) or an int4 one (codes
-    [out, in/2] uint8, scale [out, in/G] float32, zero [out, in/G] uint8, G = group_size) copied into
-    :class:`QuantizedPanels`, what :func:`quantized_panel_matmul` reads. Raises ValueError for codes the
-    kernels would misread."""
-    return _quantized_pack_panels(kernels(), codes, scale, zero, group_size)
-
-
-def quantized_panels_vectorised() -> bool:
-    """Whether this build converts codes in :func:`quantized_panel_matmul` with vector instructions (AVX2 or
-    AVX-512); elsewhere the tiled kernels (:func:`int8_matmul`) are faster."""
-    return bool(kernels().quantized_panels_vectorised())
-
-
-def quantized_panel_matmul(x: torch.Tensor, panels: QuantizedPanels) -> torch.Tensor:
-    """A server's batch of rows over quantised weights: x [rows, in] float32 @ ŵᵀ -> [rows, out_features]
-    float32 from the :class:`QuantizedPanels`, each weight dequantised in registers as the panel
-    micro-kernel loads it (matvec_kernels.c). Same values as :func:`int8_matmul` / :func:`int4_matmul`
-    up to float rounding. Raises ValueError when x does not fit the copy."""
-    return _quantized_panel_matmul(kernels(), x, panels)
-
-
-def int8_matvec(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] float32, q [out, in] int8, scale [out] float32 -> (x @ qᵀ) · scale [rows, out] float32."""
-    return _int8_matvec(kernels(), x, q, scale)
-
-
-def int4_matvec(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                group_size: int) -> torch.Tensor:
-    """x [rows, in] float32, packed [out, in/2] uint8, scale [out, in/G] float32, zero [out, in/G]
-    uint8 -> x @ ŵᵀ [rows, out] float32, ŵ = (q - zero) · scale per group of G = group_size.
-
-    Needs G a multiple of 16 dividing in. Raises MemoryError when its scratch copy of x cannot be
-    allocated."""
-    return _int4_matvec(kernels(), x, packed, scale, zero, group_size)
-
-
-def int8_dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The float32 matrix [out, in] of int8 codes q [out, in]: q · scale[o] (dequantize_int8's values)."""
-    return _int8_dequantize(kernels(), q, scale)
-
-
-def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The float32 matrix [out, in] of packed [out, in/2] uint8 codes: (q - zero) · scale per group
-    (minillm.quantize.dequantize_int4's values, up to float rounding). Needs G a multiple of 16
-    dividing in."""
-    return _int4_dequantize(kernels(), packed, scale, zero, group_size)
-
-
-def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """A batch of rows: x [rows, in] float32, q [out, in] int8, scale [out] float32 -> x @ ŵᵀ [rows, out]
-    float32, ŵ = q · scale[o], the matrix dequantised a tile at a time (matvec_kernels.c says how).
-
-    Same values as :func:`int8_matvec` up to float rounding; faster from a few rows (a serving step's
-    decodes), where int8_matvec widens every code once a row. Raises MemoryError when its scratch
-    buffers cannot be allocated."""
-    return _int8_matmul(kernels(), x, q, scale)
-
-
-def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                group_size: int) -> torch.Tensor:
-    """A batch of rows, int4 (the layouts of :func:`int4_matvec`): x @ ŵᵀ [rows, out] float32, ŵ = (q -
-    zero) · scale per group, the matrix dequantised a tile at a time. Needs G a multiple of 16 dividing
-    in. Raises MemoryError when its scratch buffers cannot be allocated."""
-    return _int4_matmul(kernels(), x, packed, scale, zero, group_size)
-
-
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: int | torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """Decode's attention: softmax(scale · q·kᵀ) · v over the first ``n_keys`` keys.
-
-    q [B, n_heads, 1, head_dim] float32 (one new query a sequence); k, v [B, n_kv_heads, S, head_dim]
-    float32 with contiguous rows (a KV cache's buffer or a view of its first positions), n_heads a
-    multiple of n_kv_heads (GQA), head_dim a multiple of 8; ``n_keys`` (an int or a one-element
-    tensor, 1 <= n_keys <= S) how many keys the query sees. Returns [B, n_heads, 1, head_dim]
-    float32, ``F.scaled_dot_product_attention``'s values up to float rounding. Raises ValueError for
-    inputs the C loop would misread, MemoryError when its scratch cannot be allocated.
-    """
-    return _decode_attention(kernels(), q, k, v, n_keys, scale)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Prefill's attention: the T queries are the last T of the S positions, each attending causally
-    (query t sees keys 0 .. S - T + t: the mask aligned to the bottom right, as a chunk after a cached
-    prefix needs, unlike SDPA's ``is_causal`` when T < S), softmax(scale · q·kᵀ + mask) · v, by a
-    flash-attention loop in C (matvec_kernels.c).
-
-    q [B, H, T, D], k, v [B, Hkv, S, D] float32, any strides but a contiguous last dimension (a KV
-    cache's buffer, a transposed gather), T <= S, H a multiple of Hkv (GQA), D a multiple of :func:`panel_width`.
-    Returns [B, H, T, D] float32, ``F.scaled_dot_product_attention``'s values (``is_causal`` when T ==
-    S) up to float rounding. Raises ValueError for inputs the loop would misread, MemoryError when its
-    scratch cannot be allocated."""
-    return _causal_attention(kernels(), q, k, v, scale)
-
-
-def panel_width() -> int:
-    """The floats of one panel in this build: 32 with AVX-512, 16 with AVX or AVX2, 8 in a portable build
-    (:class:`Panels`' last dimension, and what causal_attention's head_dim must be a multiple of)."""
-    return kernels().f32_panel_width()
-
-
-def _decode_attention_fake(q, k, v, n_keys):
-    # (also what runs, on the Meta dispatch key, when one input is a meta tensor and the rest are not)
-    if len({t.device for t in (q, k, v, n_keys)}) > 1:
-        raise ValueError(f"decode_attention takes its tensors on one device, got q on {q.device}, k on {k.device}, "
-                         f"v on {v.device}, n_keys on {n_keys.device}")
-    return q.new_empty(q.shape)
-
-
-# The same kernels as torch ops (torch.ops.minillm.f32_matvec, ...) for compiled code; eager code calls
-# the functions above (an op's dispatch costs eager code ~20 us a call, 4 ms of a SmolLM2 decode
-# step). Here: their schemas and fakes (the output's shape and dtype, for tracing); their CPU
-# implementations come with prepare_for_compile.
-_OPS = {
-    "f32_matvec": ("(Tensor x, Tensor weight) -> Tensor",
-                   lambda x, weight: x.new_empty(x.shape[0], weight.shape[0])),
-    "int8_matvec": ("(Tensor x, Tensor q, Tensor scale) -> Tensor",
-                    lambda x, q, scale: x.new_empty(x.shape[0], q.shape[0])),
-    "int4_matvec": ("(Tensor x, Tensor packed, Tensor scale, Tensor zero, int group_size) -> Tensor",
-                    lambda x, packed, scale, zero, group_size: x.new_empty(x.shape[0], packed.shape[0])),
-    "int8_dequantize": ("(Tensor q, Tensor scale) -> Tensor", lambda q, scale: scale.new_empty(q.shape)),
-    "int4_dequantize": ("(Tensor packed, Tensor scale, Tensor zero, int group_size) -> Tensor",
-                        lambda packed, scale, zero, group_size: scale.new_empty(packed.shape[0], packed.shape[1] * 2)),
-    "int8_matmul": ("(Tensor x, Tensor q, Tensor scale) -> Tensor",
-                    lambda x, q, scale: x.new_empty(x.shape[0], q.shape[0])),
-    "int4_matmul": ("(Tensor x, Tensor packed, Tensor scale, Tensor zero, int group_size) -> Tensor",
-                    lambda x, packed, scale, zero, group_size: x.new_empty(x.shape[0], packed.shape[0])),
-    # n_keys a tensor: in a compiled step it is the position, data that changes every step
-    "decode_attention": ("(Tensor q, Tensor k, Tensor v, Tensor n_keys, float scale) -> Tensor",
-                         lambda q, k, v, n_keys, scale: _decode_attention_fake(q, k, v, n_keys)),
-}
-_LIBRARY = torch.library.Library("minillm", "FRAGMENT")
-for _name, (_schema, _fake) in _OPS.items():
-    _LIBRARY.define(_name + _schema)
-    torch.library.register_fake(f"minillm::{_name}", _fake, lib=_LIBRARY)
-
-
-def _register_ops() -> None:
-    """The ops' CPU implementations, once a process: matvec_ops.cpp's, built against this torch (a
-    compiled graph calls them without going back to Python: ~9 against ~30 us a call, measured), or,
-    where it does not build, this module's functions. :func:`ops_implementation` says which."""
-    if "ops" in _state:
-        return
-    loaded, why = _build_ops()
-    if not loaded:
-        warnings.warn(f"compiled decode steps call the C products through Python (~1.2 ms more a SmolLM2 step, "
-                      f"measured): {why}", stacklevel=3)
-        for name in _OPS:
-            _LIBRARY.impl(name, getattr(sys.modules[__name__], name), "CPU")
-    _state["ops"], _state["ops_why"] = ("C++" if loaded else "Python"), why
-
-
-def ops_implementation() -> tuple[str | None, str | None]:
-    """("C++" or "Python", why not C++), or (None, None) before any compiled step registered them."""
-    return _state.get("ops"), _state.get("ops_why")
-
-
-def _build_ops(cache_dir: Path | None = None) -> tuple[bool, str | None]:
-    """Build (or find kept) matvec_ops.cpp and load it into torch: (True, None), or (False, why not)."""
-    compiler = shlex.split(os.environ.get("CXX") or "c++")
-    if not compiler or shutil.which(compiler[0]) is None:
-        return False, f"no C++ compiler {os.environ.get('CXX') or 'c++'!r} on PATH"
-    torch_dir = Path(torch.__file__).parent
-    cache_dir = cache_folder() if cache_dir is None else cache_dir
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
-    # a failed build is kept too: trying again costs every process 20-40 s for the same error
-    failed = cache_dir / f"matvec_ops-{_build_key(compiler, [abi], [OPS_SOURCE, SOURCE])}.failed"
-    if failed.is_file():
-        return False, f"{failed.read_text().strip()} (kept from an earlier try: delete {failed} to build again)"
-    error = ""
-    with tempfile.TemporaryDirectory(prefix="minillm-ops-") as tmp:
-        for flags in FLAG_SETS[:2]:
-            flags = [*flags, "-std=c++17", abi]
-            kept = cache_dir / f"matvec_ops-{_build_key(compiler, flags, [OPS_SOURCE, SOURCE])}.so"
-            if kept.is_file() and _load_ops(kept):
-                return True, None
-            out = Path(tmp) / "matvec_ops.so"
-            run = subprocess.run([*compiler, *flags, "-shared", "-fPIC", "-w", f"-I{torch_dir / 'include'}",
-                                  str(OPS_SOURCE), "-o", str(out), f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10",
-                                  f"-Wl,-rpath,{torch_dir / 'lib'}"], capture_output=True, text=True)
-            if run.returncode == 0 and _load_ops(out):
-                _keep(out, kept)
-                return True, None
-            said = run.stderr.strip().splitlines()
-            error = said[-1] if said else f"exit status {run.returncode}" if run.returncode else "built, but did not load"
-    why = f"{' '.join(compiler)} could not build {OPS_SOURCE.name}: {error}"
-    try:
-        failed.parent.mkdir(parents=True, exist_ok=True)
-        failed.write_text(why + "\n")
-    except OSError:  # a read-only cache: try again next time
-        pass
-    return False, why
-
-
-def _load_ops(path: Path) -> bool:
-    try:
-        torch.ops.load_library(str(path))
-    except (OSError, RuntimeError):  # a truncated file; a library built against another torch
-        return False
-    # a library that loads but is not these ops (a stray file of the kept name) registers nothing
-    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"minillm::{name}", "CPU") for name in _OPS)
-
-
-# -- the ctypes calls, on a given library (tests build a portable one too) -----------------------
-
-
-def _f32_matvec(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def f32_matvec(x: torch.Tensor, weight: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [rows, in] float32, weight [out, in] float32 (row-major) -> x @ weightᵀ [rows, out] float32, each
+    weight read once for all rows (a decode step's few). Raises ValueError for other dtypes, devices or shapes."""
+    lib = lib or kernels()
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or weight.device.type != "cpu":
         raise ValueError(f"f32_matvec takes float32 CPU tensors, got x {x.dtype} on {x.device.type} and weight "
                          f"{weight.dtype} on {weight.device.type}; use F.linear")
@@ -485,7 +257,16 @@ def _f32_matvec(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torc
     return y
 
 
-def _f32_pack_panels(lib: ctypes.CDLL, weight: torch.Tensor) -> Panels:
+def panel_width(*, lib: ctypes.CDLL | None = None) -> int:
+    """The floats of one panel in this build: 32 with AVX-512, 16 with AVX or AVX2, 8 in a portable build
+    (:class:`Panels`' last dimension, and what causal_attention's head_dim must be a multiple of)."""
+    return (lib or kernels()).f32_panel_width()
+
+
+def f32_pack_panels(weight: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> Panels:
+    """weight [out, in] float32 CPU (row-major) -> its copy in :class:`Panels`, what
+    :func:`f32_panel_matmul` reads. Raises ValueError for another dtype, device or layout."""
+    lib = lib or kernels()
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2 or not weight.is_contiguous():
         raise ValueError(f"f32_pack_panels packs a contiguous float32 CPU matrix [out, in], got {weight.dtype} "
                          f"{list(weight.shape)} on {weight.device.type}")
@@ -496,9 +277,14 @@ def _f32_pack_panels(lib: ctypes.CDLL, weight: torch.Tensor) -> Panels:
     return Panels(data, out)
 
 
-def _f32_panel_matmul(lib: ctypes.CDLL, x: torch.Tensor, panels: Panels) -> torch.Tensor:
+def f32_panel_matmul(x: torch.Tensor, panels: Panels, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [rows, in] float32 @ wᵀ -> [rows, out_features] float32, w given as its :class:`Panels`
+    (csrc/products.c says how; F.linear's values up to float rounding). Raises ValueError when x does
+    not fit the copy."""
+    lib = lib or kernels()
     data, out_features = panels if isinstance(panels, Panels) else (x.new_empty(0), -1)
-    if (isinstance(out_features, bool) or not isinstance(out_features, int) or out_features < 0 or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
+    if (isinstance(out_features, bool) or not isinstance(out_features, int) or out_features < 0
+            or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
             or data.device.type != "cpu" or data.dtype != torch.float32 or data.dim() != 3 or not data.is_contiguous()
             or data.shape[2] != lib.f32_panel_width() or data.shape[1] != x.shape[1]
             or data.shape[0] != -(-out_features // data.shape[2])):
@@ -514,50 +300,80 @@ def _f32_panel_matmul(lib: ctypes.CDLL, x: torch.Tensor, panels: Panels) -> torc
     return y
 
 
-def _causal_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    B, H, T, D = q.shape if q.dim() == 4 else (0, 0, 0, 0)
-    ok = (k.dim() == 4 and k.shape == v.shape and k.shape[0] == B and k.shape[1] > 0 and H % k.shape[1] == 0
-          and k.shape[3] == D and 0 < T <= k.shape[2] and D > 0 and D % lib.f32_panel_width() == 0
-          and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v))
-          and q.stride(3) == k.stride(3) == v.stride(3) == 1
-          and isinstance(scale, (int, float)) and not isinstance(scale, bool))
-    if not ok:
-        raise ValueError(f"causal_attention takes float32 CPU q [B, heads, T, D] and k, v [B, kv_heads, S, D] with "
-                         f"a contiguous last dimension, T <= S, heads a multiple of kv_heads, D a multiple of "
-                         f"{lib.f32_panel_width()}, and a number scale; got q {q.dtype} {list(q.shape)}, k {k.dtype} "
-                         f"{list(k.shape)} strides {list(k.stride())}, v {list(v.shape)}, scale {scale!r}")
-    out = _output(B, H, T, D)
-    failed = lib.causal_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), B, H, k.shape[1], T,
-                                  k.shape[2], D, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-                                  k.stride(2), v.stride(0), v.stride(1), v.stride(2), scale, torch.get_num_threads())
-    if failed:
-        raise MemoryError("causal_attention could not allocate its scratch buffers")
-    return out
+# -- quantised products (csrc/quantized.c): int8 codes when zero is None, else int4 -----------------
+#
+#   int8  codes [out, in] int8,      scale [out] float32                        ŵ = q · scale[o]
+#   int4  codes [out, in/2] uint8,   scale [out, in/G] float32, zero [out, in/G] uint8,
+#         G = group_size (a multiple of 16 dividing in)                          ŵ = (q - zero) · scale
 
 
-def _rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float,
-              delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    tensors = (x, weight) if delta is None else (x, weight, delta)
-    if (any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
-            or x.dim() == 0 or weight.shape != x.shape[-1:] or (delta is not None and delta.shape != x.shape)
-            or isinstance(eps, bool) or not isinstance(eps, (int, float))):
-        raise ValueError(f"rms_norm takes contiguous float32 CPU x [..., dim], weight [dim] (and delta as x) and a "
-                         f"number eps, got x {x.dtype} {list(x.shape)} on {x.device.type}, weight {weight.dtype} "
-                         f"{list(weight.shape)}" + ("" if delta is None else f", delta {delta.dtype} {list(delta.shape)}")
-                         + f", eps {eps!r}")
-    out, total = _output(*x.shape), x if delta is None else _output(*x.shape)
-    if x.numel():
-        lib.rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), total.data_ptr(), weight.data_ptr(),
-                     out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, torch.get_num_threads())
-    return total, out
+class QuantizedPanels(NamedTuple):
+    """An int8 or int4 matrix [out_features, in] copied into panels (:func:`quantized_pack_panels`):
+    ``codes`` [panels, in, P] int8, or [panels, in, P/2] uint8 (the outputs l and l + P/2 in one byte,
+    low and high nibble); ``scales`` and ``offsets`` [panels, groups, P] float32 (int8: one group),
+    ŵ = q · scale + offset (offset = -zero · scale: quantize.py's values)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    out_features: int
 
 
-def _quantized_pack_panels(lib: ctypes.CDLL, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                           group_size: int | None) -> QuantizedPanels:
+def quantized_matvec(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
+                     group_size: int = 0, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [rows, in] float32 @ ŵᵀ -> [rows, out] float32 (the codes above), each code widened to float once a
+    row: for 1-3 rows (a decode step's). Raises ValueError for codes the loops would misread, MemoryError
+    when its scratch copy of x cannot be allocated."""
+    return _quantized_product("matvec", lib or kernels(), x, codes, scale, zero, group_size)
+
+
+def quantized_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
+                     group_size: int = 0, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """A batch of rows (a serving step's decodes): x [rows, in] float32 @ ŵᵀ -> [rows, out] float32, the
+    matrix dequantised a tile at a time (csrc/quantized.c says how), each tile once for all rows. Same
+    values as :func:`quantized_matvec` up to float rounding; faster from a few rows. Raises as it does."""
+    return _quantized_product("matmul", lib or kernels(), x, codes, scale, zero, group_size)
+
+
+def _quantized_product(kernel: str, lib: ctypes.CDLL, x, codes, scale, zero, group_size) -> torch.Tensor:
+    op = f"quantized_{kernel}"
+    _check_codes(op, codes, scale, zero, group_size, x)
+    x = x.contiguous()
+    y = _output(x.shape[0], codes.shape[0])
+    pointers, sizes = [x.data_ptr(), codes.data_ptr(), scale.data_ptr()], [x.shape[0], codes.shape[0], x.shape[1]]
+    if zero is None:
+        status = getattr(lib, f"int8_{kernel}")(*pointers, y.data_ptr(), *sizes, torch.get_num_threads())
+    else:
+        status = getattr(lib, f"int4_{kernel}")(*pointers, zero.data_ptr(), y.data_ptr(), *sizes, group_size,
+                                                torch.get_num_threads())
+    if status:
+        raise MemoryError(f"{op} could not allocate {x.numel() * 8:,} bytes for a copy of x and its scratch")
+    return y
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None, group_size: int = 0,
+               *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """The float32 matrix ŵ [out, in] of the codes above: what prefill multiplies (many rows: one float
+    product beats re-reading the codes a row at a time); minillm.quantize's dequantize_int8 /
+    dequantize_int4 values up to float rounding."""
+    lib = lib or kernels()
+    _check_codes("dequantize", codes, scale, zero, group_size)
+    out, in_features = codes.shape[0], codes.shape[1] * (1 if zero is None else 2)
+    w = _output(out, in_features)
+    if zero is None:
+        lib.int8_dequantize(codes.data_ptr(), scale.data_ptr(), w.data_ptr(), out, in_features, torch.get_num_threads())
+    else:
+        lib.int4_dequantize(codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), w.data_ptr(), out, in_features,
+                            group_size, torch.get_num_threads())
+    return w
+
+
+def quantized_pack_panels(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
+                          group_size: int | None = None, *, lib: ctypes.CDLL | None = None) -> QuantizedPanels:
+    """The codes above copied into :class:`QuantizedPanels`, what :func:`quantized_panel_matmul` reads.
+    Raises ValueError for codes the kernels would misread."""
+    lib = lib or kernels()
     _check_codes("quantized_pack_panels", codes, scale, zero, group_size)
-    if codes.device.type != "cpu":
-        raise ValueError(f"quantized_pack_panels packs codes on the CPU, got them on {codes.device.type}")
     int4, width, out = zero is not None, lib.f32_panel_width(), codes.shape[0]
     in_features, panels, threads = codes.shape[1] * (2 if int4 else 1), -(-out // width), torch.get_num_threads()
     groups = in_features // group_size if int4 else 1
@@ -573,14 +389,25 @@ def _quantized_pack_panels(lib: ctypes.CDLL, codes: torch.Tensor, scale: torch.T
     return QuantizedPanels(packed, scales, offsets, out)
 
 
-def _quantized_panel_matmul(lib: ctypes.CDLL, x: torch.Tensor, panels: QuantizedPanels) -> torch.Tensor:
+def quantized_panels_vectorised(*, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether this build converts codes in :func:`quantized_panel_matmul` with vector instructions (AVX2 or
+    AVX-512); elsewhere the tiled kernels (:func:`quantized_matmul`) are faster."""
+    return bool((lib or kernels()).quantized_panels_vectorised())
+
+
+def quantized_panel_matmul(x: torch.Tensor, panels: QuantizedPanels, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """A server's batch of rows over quantised weights: x [rows, in] float32 @ ŵᵀ -> [rows, out_features]
+    float32 from the :class:`QuantizedPanels`, each weight dequantised in registers as the panel
+    micro-kernel loads it (csrc/quantized.c). Same values as :func:`quantized_matmul` up to float rounding.
+    Raises ValueError when x does not fit the copy."""
+    lib = lib or kernels()
     if not isinstance(panels, QuantizedPanels):
         raise ValueError(f"quantized_panel_matmul multiplies x by quantized_pack_panels' QuantizedPanels, got "
                          f"{type(panels).__name__}; pack the matrix with quantized_pack_panels")
     codes, scales, offsets, out_features = panels
     width, int4 = lib.f32_panel_width(), codes.dtype == torch.uint8
-    fits = (isinstance(out_features, int) and not isinstance(out_features, bool) and codes.dim() == 3 and scales.dim() == 3
-            and codes.dtype in (torch.int8, torch.uint8) and codes.is_contiguous()
+    fits = (isinstance(out_features, int) and not isinstance(out_features, bool) and codes.dim() == 3
+            and scales.dim() == 3 and codes.dtype in (torch.int8, torch.uint8) and codes.is_contiguous()
             and all(t.device.type == "cpu" for t in (x, codes, scales, offsets))
             and scales.dtype == offsets.dtype == torch.float32 and scales.is_contiguous() and offsets.is_contiguous()
             and codes.shape[2] == (width // 2 if int4 else width) and codes.shape[0] == -(-out_features // width)
@@ -600,12 +427,6 @@ def _quantized_panel_matmul(lib: ctypes.CDLL, x: torch.Tensor, panels: Quantized
     return y
 
 
-def _output(*shape: int) -> torch.Tensor:
-    """An uninitialised float32 CPU tensor for a C loop to fill: float32 whatever torch's default dtype
-    (the loops write float32 bits)."""
-    return torch.empty(*shape, dtype=torch.float32)
-
-
 def _check_codes(op: str, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
                  group_size: int | None = None, x: torch.Tensor | None = None) -> None:
     """Refuse, in one line, what the C loops would read out of bounds or wrongly (they trust shapes).
@@ -619,8 +440,8 @@ def _check_codes(op: str, codes: torch.Tensor, scale: torch.Tensor, zero: torch.
     if int4 and (isinstance(group_size, bool) or not isinstance(group_size, int)):
         raise ValueError(f"{op}: group_size must be an int, got {group_size!r}")
     if codes.dim() != 2 or not codes.is_contiguous() or codes.dtype != code_dtype:
-        raise ValueError(f"{op}: codes must be a contiguous 2-D {_name(code_dtype)} tensor, got {codes.dtype} "
-                         f"{list(codes.shape)}")
+        raise ValueError(f"{op}: codes must be a contiguous 2-D {_name(code_dtype)} tensor ({'int4' if int4 else 'int8'}: "
+                         f"zero {'given' if int4 else 'None'}), got {codes.dtype} {list(codes.shape)}")
     in_features = codes.shape[1] * (2 if int4 else 1)
     if int4 and (not group_size or group_size < 0 or group_size % 16 or in_features % group_size):
         raise ValueError(f"{op}: group_size must be a positive multiple of 16 dividing {in_features}, got {group_size}")
@@ -633,77 +454,25 @@ def _check_codes(op: str, codes: torch.Tensor, scale: torch.Tensor, zero: torch.
         raise ValueError(f"{op}: x must be float32 [rows, {in_features}], got {x.dtype} {list(x.shape)}")
 
 
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+# -- attention (csrc/attention.c) -------------------------------------------------------------------
 
 
-def _int8_matvec(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    _check_codes("int8_matvec", q, scale, x=x)
-    x = x.contiguous()
-    y = _output(x.shape[0], q.shape[0])
-    lib.int8_matvec(x.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(),
-                    x.shape[0], q.shape[0], q.shape[1], torch.get_num_threads())
-    return y
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: int | torch.Tensor,
+                     scale: float, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """Decode's attention: softmax(scale · q·kᵀ) · v over the first ``n_keys`` keys.
 
-
-def _int4_matvec(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                 zero: torch.Tensor, group_size: int) -> torch.Tensor:
-    _check_codes("int4_matvec", packed, scale, zero, group_size, x)
-    x = x.contiguous()
-    y = _output(x.shape[0], packed.shape[0])
-    status = lib.int4_matvec(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), y.data_ptr(),
-                             x.shape[0], packed.shape[0], x.shape[1], group_size, torch.get_num_threads())
-    if status:
-        raise MemoryError(f"int4_matvec could not allocate {x.numel() * 8:,} bytes for a copy of x")
-    return y
-
-
-def _int8_dequantize(lib: ctypes.CDLL, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    _check_codes("int8_dequantize", q, scale)
-    w = _output(*q.shape)
-    lib.int8_dequantize(q.data_ptr(), scale.data_ptr(), w.data_ptr(), q.shape[0], q.shape[1], torch.get_num_threads())
-    return w
-
-
-def _int4_dequantize(lib: ctypes.CDLL, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                     group_size: int) -> torch.Tensor:
-    _check_codes("int4_dequantize", packed, scale, zero, group_size)
-    out, in_features = packed.shape[0], packed.shape[1] * 2
-    w = _output(out, in_features)
-    lib.int4_dequantize(packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), w.data_ptr(),
-                        out, in_features, group_size, torch.get_num_threads())
-    return w
-
-
-def _int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    _check_codes("int8_matmul", q, scale, x=x)
-    x = x.contiguous()
-    y = _output(x.shape[0], q.shape[0])
-    status = lib.int8_matmul(x.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(),
-                             x.shape[0], q.shape[0], q.shape[1], torch.get_num_threads())
-    if status:
-        raise MemoryError(f"int8_matmul could not allocate {x.numel() * 4:,} bytes for a copy of x and a tile a thread")
-    return y
-
-
-def _int4_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                 zero: torch.Tensor, group_size: int) -> torch.Tensor:
-    _check_codes("int4_matmul", packed, scale, zero, group_size, x)
-    x = x.contiguous()
-    y = _output(x.shape[0], packed.shape[0])
-    status = lib.int4_matmul(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), y.data_ptr(),
-                             x.shape[0], packed.shape[0], x.shape[1], group_size, torch.get_num_threads())
-    if status:
-        raise MemoryError(f"int4_matmul could not allocate {x.numel() * 4:,} bytes for a copy of x and a tile a thread")
-    return y
-
-
-def _decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      n_keys: int | torch.Tensor, scale: float) -> torch.Tensor:
+    q [B, n_heads, 1, head_dim] float32 (one new query a sequence); k, v [B, n_kv_heads, S, head_dim]
+    float32 with contiguous rows (a KV cache's buffer or a view of its first positions), n_heads a
+    multiple of n_kv_heads (GQA), head_dim a multiple of 8; ``n_keys`` (an int or a one-element
+    tensor, 1 <= n_keys <= S) how many keys the query sees. Returns [B, n_heads, 1, head_dim]
+    float32, ``F.scaled_dot_product_attention``'s values up to float rounding. Raises ValueError for
+    inputs the C loop would misread, MemoryError when its scratch cannot be allocated.
+    """
+    lib = lib or kernels()
     if isinstance(n_keys, torch.Tensor) and n_keys.numel() == 1 and n_keys.device.type == "cpu" \
             and not n_keys.is_floating_point() and not n_keys.is_complex():
         n_keys = int(n_keys)
-    if not isinstance(n_keys, int) or isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if not isinstance(n_keys, int) or not _is_number(scale):
         raise ValueError(f"decode_attention takes n_keys an int (or a one-element integer CPU tensor) and scale a "
                          f"number, got n_keys {n_keys!r} and scale {scale!r}")
     B, n_heads, T, head_dim = q.shape if q.dim() == 4 else (0, 0, 0, 0)
@@ -726,8 +495,9 @@ def _decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: tor
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-                           first: torch.Tensor, last: torch.Tensor, scale: float, check: bool = True) -> torch.Tensor:
-    """Decode attention read from a paged pool in place (matvec_kernels.c's ``paged_decode_attention``).
+                           first: torch.Tensor, last: torch.Tensor, scale: float, check: bool = True, *,
+                           lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """Decode attention read from a paged pool in place.
 
     q [B, heads, head_dim] float32; k_pool, v_pool one layer's pool [num_blocks, block_size, kv_heads,
     head_dim] float32, contiguous; block_tables [B, max_blocks] int64; first, last [B] int64: sequence b
@@ -736,6 +506,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     a block id outside the pool or a range outside its table (a caller that calls once a layer with the
     same tables checks them once: the check reads the tensors, ~0.1 ms).
     """
+    lib = lib or kernels()
     B, n_heads, head_dim = q.shape if q.dim() == 3 else (0, 0, 0)
     num_blocks, block_size, kv_heads = k_pool.shape[:3] if k_pool.dim() == 4 else (0, 0, 0)
     ok = (B > 0 and head_dim % 8 == 0 and head_dim > 0 and k_pool.shape == v_pool.shape
@@ -756,7 +527,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     keys_per_task = max(n for n in range(1, 33) if block_size % n == 0)  # a chunk within one block, <= 32 keys
     tables, first, last = block_tables.contiguous(), first.contiguous(), last.contiguous()
     q, out = q.contiguous(), _output(B, n_heads, head_dim)
-    kernels().paged_decode_attention(
+    lib.paged_decode_attention(
         q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(), first.data_ptr(),
         last.data_ptr(), B, n_heads, kv_heads, head_dim, block_size, tables.shape[1], keys_per_task, scale,
         torch.get_num_threads())
@@ -764,27 +535,76 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 
 
 def paged_ranges_fit(block_tables: torch.Tensor, first: torch.Tensor, last: torch.Tensor, num_blocks: int,
-                      block_size: int) -> bool:
+                     block_size: int) -> bool:
     """0 <= first < last <= the tables' positions, and every block id a block of the pool."""
     return (bool((first >= 0).all()) and bool((first < last).all())
             and int(last.max()) <= block_tables.shape[1] * block_size
             and 0 <= int(block_tables.min()) and int(block_tables.max()) < num_blocks)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm in one pass (matvec_kernels.c's ``rms_norm``): x [..., dim] float32 CPU, contiguous, weight
-    [dim] float32 -> (x, x · 1/sqrt(mean(x²) + eps) · weight) [..., dim], minillm.model.RMSNorm's values
-    up to float rounding. With ``delta`` (x's shape), the residual add first: returns (x + delta, its
-    norm), the sum in a new tensor. Raises ValueError for other dtypes, devices, layouts or shapes."""
-    return _rms_norm(kernels(), x, weight, eps, delta)
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+                     lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """Prefill's attention: the T queries are the last T of the S positions, each attending causally
+    (query t sees keys 0 .. S - T + t: the mask aligned to the bottom right, as a chunk after a cached
+    prefix needs, unlike SDPA's ``is_causal`` when T < S), softmax(scale · q·kᵀ + mask) · v, by a
+    flash-attention loop in C (csrc/attention.c).
+
+    q [B, H, T, D], k, v [B, Hkv, S, D] float32, any strides but a contiguous last dimension (a KV
+    cache's buffer, a transposed gather), T <= S, H a multiple of Hkv (GQA), D a multiple of :func:`panel_width`.
+    Returns [B, H, T, D] float32, ``F.scaled_dot_product_attention``'s values (``is_causal`` when T ==
+    S) up to float rounding. Raises ValueError for inputs the loop would misread, MemoryError when its
+    scratch cannot be allocated."""
+    lib = lib or kernels()
+    B, H, T, D = q.shape if q.dim() == 4 else (0, 0, 0, 0)
+    ok = (k.dim() == 4 and k.shape == v.shape and k.shape[0] == B and k.shape[1] > 0 and H % k.shape[1] == 0
+          and k.shape[3] == D and 0 < T <= k.shape[2] and D > 0 and D % lib.f32_panel_width() == 0
+          and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v))
+          and q.stride(3) == k.stride(3) == v.stride(3) == 1 and _is_number(scale))
+    if not ok:
+        raise ValueError(f"causal_attention takes float32 CPU q [B, heads, T, D] and k, v [B, kv_heads, S, D] with "
+                         f"a contiguous last dimension, T <= S, heads a multiple of kv_heads, D a multiple of "
+                         f"{lib.f32_panel_width()}, and a number scale; got q {q.dtype} {list(q.shape)}, k {k.dtype} "
+                         f"{list(k.shape)} strides {list(k.stride())}, v {list(v.shape)}, scale {scale!r}")
+    out = _output(B, H, T, D)
+    failed = lib.causal_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), B, H, k.shape[1], T,
+                                  k.shape[2], D, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+                                  k.stride(2), v.stride(0), v.stride(1), v.stride(2), scale, torch.get_num_threads())
+    if failed:
+        raise MemoryError("causal_attention could not allocate its scratch buffers")
+    return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's activation in one pass (matvec_kernels.c's ``silu_mul``): gate_up [..., 2F] float32 CPU,
-    contiguous (the stacked gate|up product) -> silu(gate) · up [..., F] float32, gate and up its two
-    halves (``chunk(2, -1)``). Same values as ``F.silu(gate) * up`` up to float rounding. Raises
-    ValueError for another dtype, device or layout."""
+# -- the residual add and RMSNorm (csrc/rms_norm.c), SwiGLU's activation (csrc/silu_mul.c) -----------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None, *,
+             lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm in one pass: x [..., dim] float32 CPU, contiguous, weight [dim] float32 -> (x, x ·
+    1/sqrt(mean(x²) + eps) · weight) [..., dim], minillm.model.RMSNorm's values up to float rounding. With
+    ``delta`` (x's shape), the residual add first: returns (x + delta, its norm), the sum in a new tensor.
+    Raises ValueError for other dtypes, devices, layouts or shapes."""
+    lib = lib or kernels()
+    tensors = (x, weight) if delta is None else (x, weight, delta)
+    if (any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
+            or x.dim() == 0 or weight.shape != x.shape[-1:] or (delta is not None and delta.shape != x.shape)
+            or not _is_number(eps)):
+        raise ValueError(f"rms_norm takes contiguous float32 CPU x [..., dim], weight [dim] (and delta as x) and a "
+                         f"number eps, got x {x.dtype} {list(x.shape)} on {x.device.type}, weight {weight.dtype} "
+                         f"{list(weight.shape)}" + ("" if delta is None else f", delta {delta.dtype} {list(delta.shape)}")
+                         + f", eps {eps!r}")
+    out, total = _output(*x.shape), x if delta is None else _output(*x.shape)
+    if x.numel():
+        lib.rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), total.data_ptr(), weight.data_ptr(),
+                     out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, torch.get_num_threads())
+    return total, out
+
+
+def silu_mul(gate_up: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """SwiGLU's activation in one pass: gate_up [..., 2F] float32 CPU, contiguous (the stacked gate|up
+    product) -> silu(gate) · up [..., F] float32, gate and up its two halves (``chunk(2, -1)``). Same
+    values as ``F.silu(gate) * up`` up to float rounding. Raises ValueError for another dtype, device or
+    layout."""
+    lib = lib or kernels()
     if (gate_up.dtype != torch.float32 or gate_up.device.type != "cpu" or not gate_up.is_contiguous()
             or gate_up.dim() == 0 or gate_up.shape[-1] % 2):
         raise ValueError(f"silu_mul takes a contiguous float32 CPU tensor [..., 2F], got {gate_up.dtype} "
@@ -792,5 +612,105 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     F = gate_up.shape[-1] // 2
     out = _output(*gate_up.shape[:-1], F)
     if out.numel():
-        kernels().silu_mul(gate_up.data_ptr(), out.data_ptr(), out.numel() // F, F, torch.get_num_threads())
+        lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), out.numel() // F, F, torch.get_num_threads())
     return out
+
+
+# -- the same kernels as torch ops, for compiled code ------------------------------------------------
+# (torch.ops.minillm.f32_matvec, ...; eager code calls the functions above: an op's dispatch costs eager
+# code ~20 us a call, 4 ms of a SmolLM2 decode step.) Here: their schemas and fakes (the output's shape
+# and dtype, for tracing); their CPU implementations come with prepare_for_compile.
+
+
+def _decode_attention_fake(q, k, v, n_keys):
+    # (also what runs, on the Meta dispatch key, when one input is a meta tensor and the rest are not)
+    if len({t.device for t in (q, k, v, n_keys)}) > 1:
+        raise ValueError(f"decode_attention takes its tensors on one device, got q on {q.device}, k on {k.device}, "
+                         f"v on {v.device}, n_keys on {n_keys.device}")
+    return q.new_empty(q.shape)
+
+
+_QUANTIZED = "(Tensor x, Tensor codes, Tensor scale, Tensor? zero, int group_size) -> Tensor"
+_OPS = {
+    "f32_matvec": ("(Tensor x, Tensor weight) -> Tensor",
+                   lambda x, weight: x.new_empty(x.shape[0], weight.shape[0])),
+    "quantized_matvec": (_QUANTIZED, lambda x, codes, scale, zero, group_size: x.new_empty(x.shape[0], codes.shape[0])),
+    "quantized_matmul": (_QUANTIZED, lambda x, codes, scale, zero, group_size: x.new_empty(x.shape[0], codes.shape[0])),
+    "dequantize": ("(Tensor codes, Tensor scale, Tensor? zero, int group_size) -> Tensor",
+                   lambda codes, scale, zero, group_size: scale.new_empty(
+                       codes.shape[0], codes.shape[1] * (1 if zero is None else 2))),
+    # n_keys a tensor: in a compiled step it is the position, data that changes every step
+    "decode_attention": ("(Tensor q, Tensor k, Tensor v, Tensor n_keys, float scale) -> Tensor",
+                         lambda q, k, v, n_keys, scale: _decode_attention_fake(q, k, v, n_keys)),
+}
+_LIBRARY = torch.library.Library("minillm", "FRAGMENT")
+for _op, (_schema, _fake) in _OPS.items():
+    _LIBRARY.define(_op + _schema)
+    torch.library.register_fake(f"minillm::{_op}", _fake, lib=_LIBRARY)
+
+
+def _register_ops() -> None:
+    """The ops' CPU implementations, once a process: csrc/ops.cpp's, built against this torch (a
+    compiled graph calls them without going back to Python: ~9 against ~30 us a call, measured), or,
+    where it does not build, this module's functions. :func:`ops_implementation` says which."""
+    if "ops" in _state:
+        return
+    loaded, why = _build_ops()
+    if not loaded:
+        warnings.warn(f"compiled decode steps call the C products through Python (~1.2 ms more a SmolLM2 step, "
+                      f"measured): {why}", stacklevel=3)
+        for name in _OPS:
+            _LIBRARY.impl(name, getattr(sys.modules[__name__], name), "CPU")
+    _state["ops"], _state["ops_why"] = ("C++" if loaded else "Python"), why
+
+
+def ops_implementation() -> tuple[str | None, str | None]:
+    """("C++" or "Python", why not C++), or (None, None) before any compiled step registered them."""
+    return _state.get("ops"), _state.get("ops_why")
+
+
+def _build_ops(cache_dir: Path | None = None) -> tuple[bool, str | None]:
+    """Build (or find kept) csrc/ops.cpp and load it into torch: (True, None), or (False, why not)."""
+    compiler = shlex.split(os.environ.get("CXX") or "c++")
+    if not compiler or shutil.which(compiler[0]) is None:
+        return False, f"no C++ compiler {os.environ.get('CXX') or 'c++'!r} on PATH"
+    torch_dir = Path(torch.__file__).parent
+    cache_dir = cache_folder() if cache_dir is None else cache_dir
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
+    sources = [OPS_SOURCE, *SOURCES]
+    # a failed build is kept too: trying again costs every process 20-40 s for the same error
+    failed = cache_dir / f"kernel_ops-{_build_key(compiler, [abi], sources)}.failed"
+    if failed.is_file():
+        return False, f"{failed.read_text().strip()} (kept from an earlier try: delete {failed} to build again)"
+    error = ""
+    with tempfile.TemporaryDirectory(prefix="minillm-ops-") as tmp:
+        for flags in FLAG_SETS[:2]:
+            flags = [*flags, "-std=c++17", abi]
+            kept = cache_dir / f"kernel_ops-{_build_key(compiler, flags, sources)}.so"
+            if kept.is_file() and _load_ops(kept):
+                return True, None
+            out = Path(tmp) / "kernel_ops.so"
+            run = subprocess.run([*compiler, *flags, "-shared", "-fPIC", "-w", f"-I{torch_dir / 'include'}",
+                                  str(OPS_SOURCE), "-o", str(out), f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10",
+                                  f"-Wl,-rpath,{torch_dir / 'lib'}"], capture_output=True, text=True)
+            if run.returncode == 0 and _load_ops(out):
+                _keep(out, kept)
+                return True, None
+            said = run.stderr.strip().splitlines()
+            error = said[-1] if said else f"exit status {run.returncode}" if run.returncode else "built, but did not load"
+    why = f"{' '.join(compiler)} could not build {CSRC.name}/{OPS_SOURCE.name}: {error}"
+    try:
+        failed.parent.mkdir(parents=True, exist_ok=True)
+        failed.write_text(why + "\n")
+    except OSError:  # a read-only cache: try again next time
+        pass
+    return False, why
+
+
+def _load_ops(path: Path) -> bool:
+    try:
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError):  # a truncated file; a library built against another torch
+        return False
+    # a library that loads but is not these ops (a stray file of the kept name) registers nothing
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"minillm::{name}", "CPU") for name in _OPS)

@@ -17,7 +17,7 @@ stream memory as fast as all the cores together. Two ways around it, for CPU flo
   also an op a compiled step calls (inductor's own code for the product is slower). Row-major
   weights only. Above, up to PANEL_MAX_ROWS (a serving step's decodes, a short prefill chunk), in a
   model that serves batches (``panels``, set by :mod:`minillm.fast.paged_attention`), a C GEMM
-  micro-kernel on a copy of the matrix packed once into panels of outputs (matvec_kernels.c): MKL
+  micro-kernel on a copy of the matrix packed once into panels of outputs (csrc/products.c): MKL
   repacks the matrix at every call, which at 9-40 rows costs more than the product. The copy is made
   at the server's first such batch: a float32 model's matrices take twice the memory in a server
   (``generate`` never makes it: packing costs more than one prefill gains).
@@ -25,14 +25,14 @@ stream memory as fast as all the cores together. Two ways around it, for CPU flo
 :class:`FastQuantizedLinear` does the same for :class:`~minillm.quantize.QuantizedLinear`, in C
 (:mod:`minillm.fast.kernels`), by the number of rows::
 
-    rows 1-3        int8_matvec / int4_matvec    each code read once, widened to float once a row
-    rows 4-128      int8_matmul / int4_matmul    a tile of the matrix dequantised once (L1-sized),
+    rows 1-3        quantized_matvec             each code read once, widened to float once a row
+    rows 4-128      quantized_matmul             a tile of the matrix dequantised once (L1-sized),
                     (a serving step's decodes)   then multiplied with every row: no float matrix;
                                                  in a server (``panels``), quantized_panel_matmul:
                                                  the panel micro-kernel on a copy of the codes in
                                                  panels, dequantised in registers (SmolLM2's 120
                                                  matrices at 32 rows: int8 41.2 -> 25.1 ms)
-    more (prefill)  int8/int4_dequantize + F.linear   the whole float matrix, one MKL product
+    more (prefill)  dequantize + F.linear        the whole float matrix, one MKL product
 
 On CUDA int8 runs ``torch._weight_int8pack_mm``.
 
@@ -53,7 +53,7 @@ SPLIT_MAX_ROWS = 64  # decode rows (one per sequence); above, MKL's own threadin
 MATVEC_MAX_ROWS = 8  # a decode step's or a speculative verify pass's rows: no packed copy needed
 PANEL_MAX_ROWS = 256  # a serving step's decodes or a short chunk; above, MKL's product is as fast
 # measured (SmolLM2-135M's 120 decoder matrices out of cache, 2 threads, Intel Xeon with AVX-512,
-# 2026-12-03; the panels' table in matvec_kernels.c has more row counts), ms for all:
+# 2026-12-03; the panels' table in csrc/products.c has more row counts), ms for all:
 #   rows        1     8    16    32    40   128   256   512
 #   F.linear  15.6  33.3  35.9  40.2  43.6  89.8   160   279
 #   C loop    17.9  24.4  39.3  76.2
@@ -180,14 +180,10 @@ class FastQuantizedLinear(QuantizedLinear):
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         k = kernels.functions()
         if x.shape[0] <= QUANTIZED_MATVEC_MAX_ROWS:
-            if self.fmt == "int8":
-                return k.int8_matvec(x, self.qweight, self.scale)
-            return k.int4_matvec(x, self.qweight, self.scale, self.zero, self.group_size)
+            return k.quantized_matvec(x, self.qweight, self.scale, self.zero, self.group_size)
         if self.panels and not torch.compiler.is_compiling() and kernels.quantized_panels_vectorised():
             return kernels.quantized_panel_matmul(x, self._packed_codes())
-        if self.fmt == "int8":
-            return k.int8_matmul(x, self.qweight, self.scale)
-        return k.int4_matmul(x, self.qweight, self.scale, self.zero, self.group_size)
+        return k.quantized_matmul(x, self.qweight, self.scale, self.zero, self.group_size)
 
     def _packed_codes(self) -> kernels.QuantizedPanels:
         """The codes in panels, packed again when the codes, scales or zero points are other tensors or
@@ -200,10 +196,7 @@ class FastQuantizedLinear(QuantizedLinear):
         return self._panels[1]
 
     def _unpacked(self) -> torch.Tensor:
-        k = kernels.functions()
-        if self.fmt == "int8":
-            return k.int8_dequantize(self.qweight, self.scale)
-        return k.int4_dequantize(self.qweight, self.scale, self.zero, self.group_size)
+        return kernels.functions().dequantize(self.qweight, self.scale, self.zero, self.group_size)
 
 
 def swap_class(module: nn.Module, cls: type) -> nn.Module:

@@ -33,7 +33,9 @@ def reference(q, cache, layer, tables, lens, window):
 @pytest.mark.parametrize("block_size", [4, 16, 48])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(6, 2, 16), (9, 3, 64), (4, 4, 8), (4, 2, 80)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_kernel_equals_gather_and_sdpa(block_size, heads, kv_heads, head_dim, window):
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+def test_kernel_equals_gather_and_sdpa(block_size, heads, kv_heads, head_dim, window, portable):
+    """Both builds: the native one and the portable one (no -march=native: the scalar exp, no AVX2 sums)."""
     g = torch.Generator().manual_seed(block_size + heads + head_dim)
     num_blocks, max_blocks, layer = 40, 6, 1
     cache = PagedKVCache(2, kv_heads, head_dim, num_blocks, block_size)
@@ -43,7 +45,8 @@ def test_kernel_equals_gather_and_sdpa(block_size, heads, kv_heads, head_dim, wi
     tables = torch.randperm(num_blocks, generator=g)[: len(lens) * max_blocks].reshape(len(lens), max_blocks)
     q = torch.randn(len(lens), heads, head_dim, generator=g)
     first = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
-    got = kernels.paged_decode_attention(q, cache.k[layer], cache.v[layer], tables, first, lens, 0.3)
+    got = kernels.paged_decode_attention(q, cache.k[layer], cache.v[layer], tables, first, lens, 0.3,
+                                         lib=kernels.kernels(portable))
     want = reference(q * 0.3 * head_dim**0.5, cache, layer, tables, lens, window)  # SDPA scales by 1/√D
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 

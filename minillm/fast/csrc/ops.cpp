@@ -1,5 +1,5 @@
-/* The kernels of matvec_kernels.c as torch ops (torch.ops.minillm.f32_matvec, ...): how a
- * torch.compile'd decode step calls them.
+/* The kernels of products.c, quantized.c and attention.c as torch ops (torch.ops.minillm.f32_matvec,
+ * ...): how a torch.compile'd decode step calls them.
  *
  * A compiled graph cannot call ctypes, so it calls an op. An op whose implementation is Python
  * costs the graph ~26-34 us a call (the dispatcher calling back into Python), this one ~9 us
@@ -13,9 +13,10 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <vector>
 
-#include <math.h>  /* the C file's headers, included first as C++: within extern "C" they are then skipped */
+#include <math.h>  /* the C files' headers, included first as C++: within extern "C" they are then skipped */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,7 +24,9 @@
 #include <immintrin.h>
 #endif
 extern "C" {
-#include "matvec_kernels.c"
+#include "products.c"
+#include "quantized.c"
+#include "attention.c"
 }
 
 namespace {
@@ -69,63 +72,49 @@ at::Tensor f32_matvec_op(const at::Tensor &x, const at::Tensor &weight) {
     return y;
 }
 
-at::Tensor int8_matvec_op(const at::Tensor &x, const at::Tensor &q, const at::Tensor &scale) {
-    check_codes(q, scale, nullptr, 0, "int8_matvec");
-    check_x(x, q.size(1), "int8_matvec");
-    at::Tensor xc = x.contiguous(), y = output(xc, q.size(0));
-    int8_matvec(xc.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), y.data_ptr<float>(),
-                xc.size(0), q.size(0), q.size(1), at::get_num_threads());
+/* int8 (no zero) or int4 codes: the C function of each format */
+at::Tensor quantized_matvec_op(const at::Tensor &x, const at::Tensor &codes, const at::Tensor &scale,
+                               const std::optional<at::Tensor> &zero, int64_t group_size) {
+    bool int4 = zero.has_value();
+    check_codes(codes, scale, int4 ? &*zero : nullptr, group_size, "quantized_matvec");
+    check_x(x, codes.size(1) * (int4 ? 2 : 1), "quantized_matvec");
+    at::Tensor xc = x.contiguous(), y = output(xc, codes.size(0));
+    int status = int4 ? int4_matvec(xc.data_ptr<float>(), codes.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                                    zero->data_ptr<uint8_t>(), y.data_ptr<float>(), xc.size(0), codes.size(0),
+                                    xc.size(1), group_size, at::get_num_threads())
+                      : int8_matvec(xc.data_ptr<float>(), codes.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                                    y.data_ptr<float>(), xc.size(0), codes.size(0), codes.size(1), at::get_num_threads());
+    TORCH_CHECK(status == 0, "quantized_matvec could not allocate its copy of x");
     return y;
 }
 
-at::Tensor int4_matvec_op(const at::Tensor &x, const at::Tensor &packed, const at::Tensor &scale,
-                          const at::Tensor &zero, int64_t group_size) {
-    check_codes(packed, scale, &zero, group_size, "int4_matvec");
-    check_x(x, packed.size(1) * 2, "int4_matvec");
-    at::Tensor xc = x.contiguous(), y = output(xc, packed.size(0));
-    int status = int4_matvec(xc.data_ptr<float>(), packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
-                             zero.data_ptr<uint8_t>(), y.data_ptr<float>(), xc.size(0), packed.size(0), xc.size(1),
-                             group_size, at::get_num_threads());
-    TORCH_CHECK(status == 0, "int4_matvec could not allocate its copy of x");
+at::Tensor quantized_matmul_op(const at::Tensor &x, const at::Tensor &codes, const at::Tensor &scale,
+                               const std::optional<at::Tensor> &zero, int64_t group_size) {
+    bool int4 = zero.has_value();
+    check_codes(codes, scale, int4 ? &*zero : nullptr, group_size, "quantized_matmul");
+    check_x(x, codes.size(1) * (int4 ? 2 : 1), "quantized_matmul");
+    at::Tensor xc = x.contiguous(), y = output(xc, codes.size(0));
+    int status = int4 ? int4_matmul(xc.data_ptr<float>(), codes.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                                    zero->data_ptr<uint8_t>(), y.data_ptr<float>(), xc.size(0), codes.size(0),
+                                    xc.size(1), group_size, at::get_num_threads())
+                      : int8_matmul(xc.data_ptr<float>(), codes.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                                    y.data_ptr<float>(), xc.size(0), codes.size(0), codes.size(1), at::get_num_threads());
+    TORCH_CHECK(status == 0, "quantized_matmul could not allocate its copy of x and its tiles");
     return y;
 }
 
-at::Tensor int8_matmul_op(const at::Tensor &x, const at::Tensor &q, const at::Tensor &scale) {
-    check_codes(q, scale, nullptr, 0, "int8_matmul");
-    check_x(x, q.size(1), "int8_matmul");
-    at::Tensor xc = x.contiguous(), y = output(xc, q.size(0));
-    int status = int8_matmul(xc.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), y.data_ptr<float>(),
-                             xc.size(0), q.size(0), q.size(1), at::get_num_threads());
-    TORCH_CHECK(status == 0, "int8_matmul could not allocate its copy of x and its tiles");
-    return y;
-}
-
-at::Tensor int4_matmul_op(const at::Tensor &x, const at::Tensor &packed, const at::Tensor &scale,
-                          const at::Tensor &zero, int64_t group_size) {
-    check_codes(packed, scale, &zero, group_size, "int4_matmul");
-    check_x(x, packed.size(1) * 2, "int4_matmul");
-    at::Tensor xc = x.contiguous(), y = output(xc, packed.size(0));
-    int status = int4_matmul(xc.data_ptr<float>(), packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
-                             zero.data_ptr<uint8_t>(), y.data_ptr<float>(), xc.size(0), packed.size(0), xc.size(1),
-                             group_size, at::get_num_threads());
-    TORCH_CHECK(status == 0, "int4_matmul could not allocate its copy of x and its tiles");
-    return y;
-}
-
-at::Tensor int8_dequantize_op(const at::Tensor &q, const at::Tensor &scale) {
-    check_codes(q, scale, nullptr, 0, "int8_dequantize");
-    at::Tensor w = at::empty(q.sizes(), scale.options());
-    int8_dequantize(q.data_ptr<int8_t>(), scale.data_ptr<float>(), w.data_ptr<float>(), q.size(0), q.size(1),
-                    at::get_num_threads());
-    return w;
-}
-
-at::Tensor int4_dequantize_op(const at::Tensor &packed, const at::Tensor &scale, const at::Tensor &zero,
-                              int64_t group_size) {
-    check_codes(packed, scale, &zero, group_size, "int4_dequantize");
-    at::Tensor w = at::empty({packed.size(0), packed.size(1) * 2}, scale.options());
-    int4_dequantize(packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero.data_ptr<uint8_t>(), w.data_ptr<float>(),
-                    packed.size(0), packed.size(1) * 2, group_size, at::get_num_threads());
+at::Tensor dequantize_op(const at::Tensor &codes, const at::Tensor &scale, const std::optional<at::Tensor> &zero,
+                         int64_t group_size) {
+    bool int4 = zero.has_value();
+    check_codes(codes, scale, int4 ? &*zero : nullptr, group_size, "dequantize");
+    int64_t out = codes.size(0), in = codes.size(1) * (int4 ? 2 : 1);
+    at::Tensor w = at::empty({out, in}, scale.options());
+    if (int4)
+        int4_dequantize(codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero->data_ptr<uint8_t>(),
+                        w.data_ptr<float>(), out, in, group_size, at::get_num_threads());
+    else
+        int8_dequantize(codes.data_ptr<int8_t>(), scale.data_ptr<float>(), w.data_ptr<float>(), out, in,
+                        at::get_num_threads());
     return w;
 }
 
@@ -154,11 +143,8 @@ at::Tensor decode_attention_op(const at::Tensor &q, const at::Tensor &k, const a
 
 TORCH_LIBRARY_IMPL(minillm, CPU, m) {
     m.impl("f32_matvec", &f32_matvec_op);
-    m.impl("int8_matvec", &int8_matvec_op);
-    m.impl("int4_matvec", &int4_matvec_op);
-    m.impl("int8_matmul", &int8_matmul_op);
-    m.impl("int4_matmul", &int4_matmul_op);
-    m.impl("int8_dequantize", &int8_dequantize_op);
-    m.impl("int4_dequantize", &int4_dequantize_op);
+    m.impl("quantized_matvec", &quantized_matvec_op);
+    m.impl("quantized_matmul", &quantized_matmul_op);
+    m.impl("dequantize", &dequantize_op);
     m.impl("decode_attention", &decode_attention_op);
 }

@@ -1,0 +1,119 @@
+/* What the kernel families share: the vector type, the panel micro-kernel's shape, prefetching, and a
+ * vector exp. Each family is one file beside this one (products.c, quantized.c, attention.c, rms_norm.c,
+ * silu_mul.c), compiled together into one library by minillm/fast/kernels.py; ops.cpp includes them
+ * (as C++) to make torch ops of a few.
+ *
+ * The vectors are the compiler's (GCC/Clang vector extensions): VEC floats, 16 with AVX-512, 8 with
+ * AVX, 4 otherwise, so one source serves every CPU; the AVX2/AVX-512 intrinsics appear only where the
+ * compiler's own code was measured slower (each place says by how much).
+ */
+#ifndef MINILLM_COMMON_H
+#define MINILLM_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline float hsum(__m256 v) {  /* the sum of 8 lanes: halves added, then pairs */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+#if defined(__AVX512F__)
+#define VEC 16
+#elif defined(__AVX__)
+#define VEC 8
+#else
+#define VEC 4
+#endif
+typedef float vecf __attribute__((vector_size(VEC * 4)));
+
+static inline vecf load_vec(const float *p) {
+    vecf v;
+    memcpy(&v, p, sizeof v);  /* an unaligned load */
+    return v;
+}
+
+static inline void store_vec(float *p, vecf v) { memcpy(p, &v, sizeof v); }
+
+static inline float vec_sum(vecf v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v);
+#elif defined(__AVX2__) && defined(__FMA__)
+    return hsum((__m256)v);
+#else
+    float s = 0.0f;
+    for (int l = 0; l < VEC; l++) s += v[l];
+    return s;
+#endif
+}
+
+/* The panel micro-kernel (products.c): PANEL outputs a panel, as two vectors; PANEL_ROWS rows of x a
+ * block, 2 · PANEL_ROWS vector sums in registers (AVX-512 has 32, AVX2 16). */
+#if defined(__AVX512F__)
+#define PANEL_ROWS 12
+#else
+#define PANEL_ROWS 6
+#endif
+#define PANEL (2 * VEC)
+
+/* y[r·y_stride + l] (+)= Σ_i x[r·x_stride + i] · panel[i·panel_stride + l] for R rows, l < valid
+ * (products.c; causal_attention multiplies its queries by keys and its probabilities by values with it) */
+void f32_panel_block(const float *x, int64_t x_stride, const float *panel, int64_t panel_stride, int in, int R,
+                     float *y, int64_t y_stride, int valid, int add, const char *next, int every);
+
+/* y[r·y_stride + l] = acc[r][l / VEC][l % VEC] for r < R, l < valid */
+static inline __attribute__((always_inline)) void store_rows(vecf acc[PANEL_ROWS][2], int R, float *y,
+                                                             int64_t y_stride, int valid) {
+    for (int r = 0; r < R; r++) {
+        float *yr = y + (int64_t)r * y_stride, last[PANEL];
+        store_vec(valid == PANEL ? yr : last, acc[r][0]);
+        store_vec(valid == PANEL ? yr + VEC : last + VEC, acc[r][1]);
+        if (valid < PANEL) memcpy(yr, last, sizeof(float) * valid);
+    }
+}
+
+static inline void prefetch_bytes(const void *p, int64_t n) {  /* each 64-byte line of p[0:n], into the caches */
+    for (int64_t b = 0; b < n; b += 64) __builtin_prefetch((const char *)p + b);
+}
+
+/* One step of a micro-kernel's spread prefetch: every `every` steps (0: never), the 128 bytes at *next,
+ * then *next moves on by `step` bytes. */
+static inline __attribute__((always_inline)) void prefetch_every(int *wait, int every, const char **next,
+                                                                 int64_t step) {
+    if (every && --*wait == 0) {  /* (a counter: a division a step cost more than the prefetch saves) */
+        *wait = every;
+        __builtin_prefetch(*next, 0, 2);
+        __builtin_prefetch(*next + 64, 0, 2);
+        *next += step;
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp of 8 lanes, x <= 0 (a score minus the maximum): x = n·ln2 + r with |r| <= ln2/2, exp(r) by
+ * Cephes' degree-6 polynomial (~1 ulp, as expf), 2^n put into the exponent bits. Below -87 (where
+ * exp underflows float32) it gives ~1e-38 instead of 0: nothing next to the maximum's exp(0) = 1.
+ * A NaN stays NaN (max_ps returns its second operand when one is NaN), as in SDPA: a NaN or an
+ * infinite key makes its heads' output NaN, not a plausible number. */
+static const float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                                  1.6666665459e-1f, 5.0000001201e-1f};  /* Cephes' expf, highest power first */
+
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  /* ln2 in two parts: n·ln2's high part exact */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(EXP_POLY[0]);
+    for (int k = 1; k < 6; k++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_POLY[k]));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+#endif
+
+#endif

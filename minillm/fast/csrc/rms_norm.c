@@ -1,0 +1,50 @@
+/* RMSNorm (Zhang & Sennrich 2019) of each row of x [rows, dim], as minillm.model.RMSNorm computes it
+ * in float32:
+ *
+ *   out[r, i] = x[r, i] · 1/sqrt(mean_i x[r, i]² + eps) · w[i]
+ *
+ * rms_norm computes rms_norm_reference's values, the squares summed in vector lanes:
+ * tests/test_fast_block.py checks it, native and portable builds, against float64 RMSNorm, and this
+ * reference against it too.
+ */
+#include "common.h"
+
+/* The scalar reference. */
+void rms_norm_reference(const float *x, const float *w, float *out, int64_t rows, int dim, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float squares = 0.0f;
+        for (int i = 0; i < dim; i++) squares += xr[i] * xr[i];
+        float inv = 1.0f / sqrtf(squares / dim + eps);
+        for (int i = 0; i < dim; i++) out[r * dim + i] = xr[i] * inv * w[i];
+    }
+}
+
+/* The fast one. With `delta` (not NULL), the residual add before it, as vLLM's fused_add_rms_norm:
+ * x + delta is written to `sum` (the residual stream) and normed. One call where PyTorch's ops make seven (pow,
+ * mean, add, rsqrt, two products, the residual add), each a dispatch from Python; each row is read
+ * from cache two or three times. */
+void rms_norm(const float *x, const float *delta, float *sum, const float *w, float *out, int64_t rows, int dim,
+              float eps, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim > 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *o = out + r * dim;
+        if (delta != NULL) {
+            float *s = sum + r * dim;
+            for (int i = 0; i < dim; i++) s[i] = xr[i] + delta[r * dim + i];
+            xr = s;
+        }
+        vecf squares = {0};
+        int i = 0;
+        for (; i + VEC <= dim; i += VEC) {
+            vecf v = load_vec(xr + i);
+            squares += v * v;
+        }
+        float ss = 0.0f;
+        for (int l = 0; l < VEC; l++) ss += squares[l];
+        for (; i < dim; i++) ss += xr[i] * xr[i];
+        float inv = 1.0f / sqrtf(ss / dim + eps);
+        for (i = 0; i < dim; i++) o[i] = xr[i] * inv * w[i];
+    }
+}
