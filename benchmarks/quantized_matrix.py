@@ -6,7 +6,7 @@ For each format: bytes (codes + scales + zeros), the weight error (max |w - ŵ| 
 row's or group's scale: <= 0.5 by construction; mean |w - ŵ| relative to mean |w|), the error of
 one decode product x @ Wᵀ (x: the last hidden state of a real prompt) relative to float32's,
 whether the top-1 token is unchanged, and the time of one product by the reference path
-(dequantise then F.linear), the speed layer's product (FastQuantizedLinear: the C kernel of minillm/fast/matvec_kernels.c; its first
+(dequantise then F.linear), the speed layer's product (FastQuantizedLinear: the C kernel of minillm/fast/csrc/quantized.c; its first
 call, which builds the kernels, is timed apart) and float32 ``F.linear`` on the same, column-major, layout the model uses.
 """
 
