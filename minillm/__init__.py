@@ -35,6 +35,8 @@ tokenizer.py and whatif.py are the doors to fast/ and formats/ (pyproject.toml's
                   folder, number and byte formats
     cpu_policy.py the minillm command's CPU threads on a shared machine (fewer while others are busy);
                   the busy-machine note
+    malloc_policy.py  the serving commands' allocator: glibc's malloc keeps freed memory for the next step
+                  (both policies are started by cli/, in the command's process; `import minillm` sets none)
 
 Packages around it:
 
@@ -49,40 +51,25 @@ Packages around it:
     formats/      files: model names and downloads (weights.py), GGUF in (gguf_convert.py) and out for
                   llama.cpp (gguf_export.py), chat templates (chat_template.py), Chrome's Trace Event
                   Format (trace_events.py)
+    structured/   structured output: a JSON schema, regex, choice or grammar as an allowed-token mask
+                  (llguidance), bounded and tried at admission (grammar.py); the API's fields to one
+                  grammar (request_fields.py)
     views/        a run shown to a person: the terminal (terminal.py), notebooks (html.py:
                   show(trace)), Perfetto (chrome_trace.py), plots (plots.py); the serving engine's
                   steps and runs (serving_terminal.py, serving_plots.py)
     bench/        minillm vs transformers vs llama.cpp vs no cache vs the roofline floors, interleaved;
                   the serving benchmark (serving.py, workload.py, http_client.py, metrics_scrape.py)
     cli/          the minillm command: argument parsing and printing; the work is in the library
+                  (__main__.py: python -m minillm runs it)
+
+`import minillm` loads nothing heavy: the public names (``minillm.load_model``, ``from minillm import
+generate``) load torch and their modules at the first use of one, so that the command can start its CPU
+policy before torch loads (cli/__init__.py).
 """
 
-from . import cpu_policy as _cpu_policy
-
-if _cpu_policy.started_as_command():  # the minillm command, not `import minillm`: its thread governor's
-    _cpu_policy.command_started()  # first window opens before torch loads (cpu_policy.py)
-
-from importlib import metadata as _metadata  # noqa: E402
-
-from .config import ModelConfig
-from .errors import CacheFullError, ConfigError, MiniLLMError, ModelNotFoundError, WeightsError
-from .generate import GenerationStep, generate
-from .kv_cache import KVCache
-from .loading import load_model
-from .model import Transformer
-from .phases import decode_step, prefill
-from .prefix_cache import PrefixCache
-from .sampling import SamplingParams, sample
-from .speculative import SpeculativeConfig
-from .serving import LLMEngine
-from .stopping import StreamDecoder
-from .tokenizer import Tokenizer, load_tokenizer
-from .trace import Trace
-
-try:  # the installed distribution's version (pyproject.toml's), as `pip show minillm` prints it
-    __version__ = _metadata.version("minillm")
-except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
-    __version__ = "0+unknown"
+import sys as _sys
+import types as _types
+from importlib import metadata as _metadata
 
 __all__ = [
     "CacheFullError",
@@ -108,3 +95,55 @@ __all__ = [
     "prefill",
     "sample",
 ]
+
+try:  # the installed distribution's version (pyproject.toml's), as `pip show minillm` prints it
+    __version__ = _metadata.version("minillm")
+except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
+
+
+def __getattr__(name: str):
+    """``minillm.load_model``, ``from minillm import generate``, ...: the public names, all loaded at the
+    first use of one (PEP 562). Importing minillm alone loads neither torch nor any module."""
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    _load_public_names()
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+def _load_public_names() -> None:
+    from .config import ModelConfig
+    from .errors import CacheFullError, ConfigError, MiniLLMError, ModelNotFoundError, WeightsError
+    from .generate import GenerationStep, generate
+    from .kv_cache import KVCache
+    from .loading import load_model
+    from .model import Transformer
+    from .phases import decode_step, prefill
+    from .prefix_cache import PrefixCache
+    from .sampling import SamplingParams, sample
+    from .serving import LLMEngine
+    from .speculative import SpeculativeConfig
+    from .stopping import StreamDecoder
+    from .tokenizer import Tokenizer, load_tokenizer
+    from .trace import Trace
+
+    imported = locals()
+    globals().update({name: imported[name] for name in __all__})  # the package's own names from now on
+
+
+class _Package(_types.ModuleType):
+    """minillm's module object. The import system sets a package's attribute to each submodule it loads:
+    loading the submodule ``minillm.generate`` (the generate loop's module) before the public names would
+    make ``minillm.generate`` that module instead of the function ``generate``. A public name keeps its place."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in __all__ and isinstance(value, _types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package

@@ -17,8 +17,8 @@ keeps OpenMP's wait policy and torch's thread count (one a core), and a :class:`
 re-decides the count between steps, at most once a second, from the CPU time other processes used
 since the last decision (/proc/stat less this process's own time: measured, not a load average that
 lags a minute): one thread per core they leave free (``torch.set_num_threads``; generate, chat and
-serve's engine thread). The first window starts when the command starts, before torch loads, so the
-first token already runs with the count the machine allows.
+serve's engine thread). The first window starts when the command starts (``minillm/cli/__init__.py``,
+before the commands' modules load torch), so the first token already runs with the count the machine allows.
 
 Where the user chose the count (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``, ``--threads``) or set
 ``MINILLM_CPU_POLICY=off``, the count stays fixed. A program that imports minillm keeps torch's
@@ -55,8 +55,9 @@ def started_as_command(argv: list[str] | None = None) -> bool:
 
 
 def command_started() -> None:
-    """Called when the command's process imports minillm, before torch loads: the CPU times now open
-    the governor's first window (what other processes use while torch and the model load)."""
+    """Called by ``minillm.cli`` when it finds it runs as the command (:func:`started_as_command`), before
+    the commands' modules load torch: the CPU times now open the governor's first window (what other
+    processes use while torch and the model load). ``import minillm`` never calls it."""
     global _START
     _START = _mark(time.monotonic)
 

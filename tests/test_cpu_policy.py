@@ -66,6 +66,26 @@ def test_import_minillm_changes_nothing():
     assert r.stdout.split()[:2] == ["None", "None"]
 
 
+def test_import_minillm_loads_neither_torch_nor_a_policy():
+    """The package's public names load at first use (minillm/__init__.py): the import alone starts nothing."""
+    r = _run(["-c", "import sys, minillm; from minillm import cpu_policy; print('torch' in sys.modules, cpu_policy._START)"],
+             CLEAN)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "None"]
+
+
+def test_the_command_opens_the_governors_window_before_torch_loads():
+    """minillm.cli, imported in the command's process (its command line: python -m minillm ...), starts the
+    policy first: torch is not loaded yet when the window opens, and is once the commands are imported."""
+    code = ("import sys; sys.orig_argv = [sys.executable, '-m', 'minillm', 'generate', 'hi']; "
+            "from minillm import cpu_policy; seen = []; started = cpu_policy.command_started; "
+            "cpu_policy.command_started = lambda: (seen.append('torch' in sys.modules), started()); "
+            "import minillm.cli; print(seen, cpu_policy._START is not None, 'torch' in sys.modules)")
+    r = _run(["-c", code], CLEAN)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["[False]", "True", "True"]
+
+
 @pytest.mark.parametrize("load, cores, note", [
     (3.46, 2, "machine busy: load 3.5 on 2 cores"),
     (1.2, 1, "machine busy: load 1.2 on 1 core"),

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..formats.weights import DEFAULT_MODEL
 from . import bench_serving_shared as shared
 from .common import (UsageError, check_out_dir, check_out_file, ensure_model, keep_freed_memory_in_command,
-                     model_options, warn, wrote)
+                     model_options, thread_governor, warn, wrote)
 
 SERVING_DEFAULTS = dict(num_prompts=64, input_len="uniform:32-512", output_len="uniform:16-256",
                         max_num_batched_tokens=512, long_prompt_len=1536)
@@ -75,7 +75,6 @@ def run_bench_serving(args) -> int:
 
     from ..loading import load_model
     from ..bench.serving import ServingConfig, run_chunked_prefill_experiment, run_serving_bench
-    from .generate import _thread_governor
 
     for name, value in (SERVING_QUICK if args.quick else SERVING_DEFAULTS).items():
         if getattr(args, name) is None:  # an option given explicitly wins over the preset
@@ -104,7 +103,7 @@ def run_bench_serving(args) -> int:
     config = ServingConfig(args.max_num_seqs, args.max_num_batched_tokens, args.kv_cache_memory, args.block_size,
                            args.ttft_slo_ms, args.tpot_slo_ms)
     token_ids = shared.safe_ids(tokenizer)
-    governor = None if args.threads else _thread_governor(model)  # fewer threads while other processes are busy
+    governor = None if args.threads else thread_governor(model)  # fewer threads while other processes are busy
     with shared.progress_bar(args, len(rates) * len(args.policies) * len(next(iter(workloads.values())))) as advance:
         result = run_serving_bench(model, workloads, args.policies, config, progress=advance.request,
                                    before_step=None if governor is None else governor.adjust)

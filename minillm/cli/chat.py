@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import sys
 
-from .common import (UsageError, chat_template_kwargs, ensure_model, model_options, thinking_option,
-                     warn_if_template_ignores_thinking)
-from .generate import _busy_note, _sampling_options, _sampling_params, _thread_governor
+from .common import (UsageError, busy_note_now, chat_template_kwargs, ensure_model, model_options, sampling_options,
+                     sampling_params, thinking_option, thread_governor, warn_if_template_ignores_thinking)
 
 COMMANDS = {
     "/reset": "forget the conversation and empty the KV cache (the system message stays)",
@@ -30,7 +29,7 @@ def add_chat(sub) -> None:
     thinking_option(p)
     p.add_argument("--max-context", type=int, help="KV cache positions for the whole conversation "
                                                    "(default: min(model context, 2048)); full: old turns are dropped")
-    _sampling_options(p)
+    sampling_options(p)
     p.set_defaults(run=run_chat)
 
 
@@ -41,7 +40,7 @@ def run_chat(args) -> int:
     from ..loading import load_model
     from ..tokenizer import load_tokenizer
 
-    _sampling_params(args)  # bad values are usage errors before the model loads
+    sampling_params(args)  # bad values are usage errors before the model loads
     if args.max_context is not None and args.max_context < 1:
         raise UsageError(f"--max-context must be >= 1, got {args.max_context}")
     folder = ensure_model(args.model, args.weights_dir)
@@ -49,12 +48,12 @@ def run_chat(args) -> int:
     if args.max_context is not None and args.max_context > model.config.max_seq_len:
         raise UsageError(f"--max-context must be at most {model.config.max_seq_len} (the model's context), "
                          f"got {args.max_context}")
-    params = _sampling_params(args, model.generation_config)  # unset flags: the checkpoint's defaults
+    params = sampling_params(args, model.generation_config)  # unset flags: the checkpoint's defaults
     tokenizer = load_tokenizer(folder)
     warn_if_template_ignores_thinking(args, tokenizer)
     session = ChatSession(model, tokenizer, args.system, params, args.max_context,
                           chat_template_kwargs(args))
-    governor = _thread_governor(model)
+    governor = thread_governor(model)
     if args.max_context is not None:
         _check_room(session)
     interactive = sys.stdin.isatty()
@@ -160,7 +159,7 @@ def _turn(session, text: str, traced: bool, status, governor=None) -> None:
     if turn.dropped_messages:
         status.print(f"[context full ({session.max_context} tokens): dropped the {turn.dropped_messages} "
                      "oldest messages; /reset starts over]", style="dim", markup=False)
-    status.print(_summary(turn, _busy_note()), style="dim", markup=False)
+    status.print(_summary(turn, busy_note_now()), style="dim", markup=False)
     if turn.finish_reason == "cache_full":
         status.print("[the answer filled the context and was cut; /reset or a larger --max-context]",
                      style="dim", markup=False)

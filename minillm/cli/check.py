@@ -86,7 +86,7 @@ def _check(args, root, dirs, wanted, known) -> int:
         where = dirs[0] or root / "lessons" / "exercises"
         _print_exercise_results(console, results[dirs[0]], str(where), time.perf_counter() - start)
     else:
-        console.print(_class_table(results))
+        console.print(class_table(results))
         for line in _stopped_lines(results):
             console.print(line, markup=False, highlight=False)
         console.print(f"checked in {time.perf_counter() - start:.1f} s", markup=False, highlight=False)
@@ -109,7 +109,7 @@ def _assembled_engine(console, results, folder, timeout: float = DEFAULT_TIMEOUT
     process, in the checks' sandbox (classroom.grading.run_assembled_engine), its report printed here."""
     from ..classroom.grading import run_assembled_engine
     from ..formats.weights import DEFAULT_MODEL
-    from .generate import _DEFAULT_STUDENT_PROMPT, _STUDENT_MAX_NEW_TOKENS
+    from .generate import DEFAULT_STUDENT_PROMPT, STUDENT_MAX_NEW_TOKENS
 
     core = {r.id: r.status for r in results if r.id in CORE_EXERCISES}
     todo: dict[str, list[str]] = {}  # status -> the core exercises in it
@@ -127,7 +127,7 @@ def _assembled_engine(console, results, folder, timeout: float = DEFAULT_TIMEOUT
                   markup=False, highlight=False, soft_wrap=True)
     model_dir = ensure_model(DEFAULT_MODEL, None)  # fetched here: the sandbox has no network
     start = time.perf_counter()
-    ran = run_assembled_engine(Path(folder), model_dir, _DEFAULT_STUDENT_PROMPT, _STUDENT_MAX_NEW_TOKENS, timeout)
+    ran = run_assembled_engine(Path(folder), model_dir, DEFAULT_STUDENT_PROMPT, STUDENT_MAX_NEW_TOKENS, timeout)
     console.print(ran.output.rstrip("\n"), markup=False, highlight=False, soft_wrap=True)
     if ran.stopped:
         console.print(f"minillm: the assembled engine was stopped: {ran.stopped}", markup=False, highlight=False,
@@ -246,7 +246,7 @@ def _stopped_lines(results: dict) -> list[str]:
     return lines
 
 
-def _class_table(results: dict):
+def class_table(results: dict):
     """One row per student, one narrow column per exercise (its number): 21 exercises fit in 80 columns,
     a long student name cut short (…) to make room, never the passed count."""
     from rich import box

@@ -1,4 +1,5 @@
-"""What every command shares: the one-line usage error, the parser, model options, output checks."""
+"""What every command shares: the one-line usage error, the parser, model and sampling options, the
+thread governor and the busy-machine note, output checks."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import os
 import sys
 from pathlib import Path
 
+from .. import cpu_policy, malloc_policy
 from ..device import DTYPES
-from ..formats import weights
 from ..errors import OutputPathError, check_output_dir
+from ..formats import weights
+from ..generation_config import GenerationConfig
 
 
 class UsageError(Exception):
@@ -154,10 +157,68 @@ def write_text(path, text: str):
     return path
 
 
+def sampling_options(p: argparse.ArgumentParser) -> None:
+    """The SamplingParams knobs as flags (vLLM's names), in one group; :func:`sampling_params` reads them.
+    Unset ones take the checkpoint's generation_config.json default, else minillm's (see 'minillm info')."""
+    g = p.add_argument_group("sampling and stopping (default: the model's generation_config.json, else the value shown)")
+    g.add_argument("--max-new-tokens", type=int, help="most tokens to generate (256)")
+    g.add_argument("--temperature", type=float, help="0 = greedy (0)")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, help="keep the smallest set reaching this probability mass (1 = off)")
+    g.add_argument("--min-p", type=float, help="keep tokens with at least this fraction of the top probability (0 = off)")
+    g.add_argument("--repetition-penalty", type=float,
+                   help="> 1 discourages tokens of the prompt and output: logit / p if positive, * p if not (1 = off)")
+    g.add_argument("--presence-penalty", type=float, help="subtracted from the logit of each output token so far (0)")
+    g.add_argument("--frequency-penalty", type=float, help="subtracted once per occurrence in the output so far (0)")
+    g.add_argument("--seed", type=int, help="seed of the sampler's random generator: the same seed, the same answer "
+                                           "(none: a fresh random draw each run)")
+    g.add_argument("--stop", action="append", metavar="TEXT",
+                   help="end the answer before this text (never printed); repeat for several")
+
+
+_SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                   "presence_penalty", "frequency_penalty", "seed", "stop")
+_SAMPLE_ONLY_FLAGS = ("top_k", "top_p", "min_p", "seed")  # no effect on greedy decoding
+
+
+def sampling_params(args, generation_config: GenerationConfig | None = None):
+    """The SamplingParams of the flags :func:`sampling_options` added that the user set, over
+    ``generation_config``'s defaults (the checkpoint's; None: minillm's). Called once without it before the
+    model loads, so a bad value is a usage error (UsageError naming the flag: "--top-p must be ...") at once.
+    Warns (stderr, one line) about sampling flags that greedy decoding ignores, as transformers does."""
+    user_set = {name: getattr(args, name, None) for name in _SAMPLING_FLAGS}  # a command may have only some flags
+    user_set = {name: value for name, value in user_set.items() if value is not None}
+    try:
+        params = (generation_config or GenerationConfig()).sampling_params(**user_set)
+    except ValueError as e:  # "top_p must be ..." -> "--top-p must be ...": name the flag the user typed
+        name, rest = str(e).split(" ", 1)
+        raise UsageError(f"--{name.replace('_', '-')} {rest}") from None
+    ignored = [f"--{name.replace('_', '-')}" for name in _SAMPLE_ONLY_FLAGS if name in user_set]
+    if generation_config is not None and params.greedy and ignored:
+        print(f"minillm: warning: {', '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect: "
+              f"temperature {params.temperature:g} is greedy decoding; set --temperature > 0 to sample",
+              file=sys.stderr)
+    return params
+
+
+def thread_governor(model) -> cpu_policy.ThreadGovernor | None:
+    """The command's thread governor for a model on the CPU (minillm/cpu_policy.py: fewer threads while
+    other processes keep cores busy); None on a GPU, outside the minillm command, or where the user set the
+    count. Its owner calls ``adjust()`` between steps, from the thread that runs the model."""
+    return cpu_policy.command_governor() if next(model.parameters()).device.type == "cpu" else None
+
+
+def busy_note_now(group=None) -> str | None:
+    """The note "machine busy: load X on N cores" when the 1-minute load average, read now at the end of
+    a run, exceeded the cores this process may use: other processes took CPU time from it
+    (:func:`minillm.cpu_policy.busy_note`); None otherwise. With a tensor-parallel ``group``: the cores of
+    all its ranks together (``group.cores``), not rank 0's one."""
+    cores = group.cores if group is not None and group.cores else cpu_policy.usable_cores()
+    return cpu_policy.busy_note(cpu_policy.load_average(), cores)
+
+
 def keep_freed_memory_in_command() -> None:
     """The serving commands' allocator setting (minillm/malloc_policy.py), in the ``minillm`` command's own
     process only: a program (or a test) that calls :func:`minillm.cli.main` keeps its allocator."""
-    from .. import cpu_policy, malloc_policy
-
     if cpu_policy.started_as_command() and (why := malloc_policy.keep_freed_memory()) and "refused" in why:
         warn(f"{why}: each step's large tensors will fault their pages in again (slower, not wrong)")

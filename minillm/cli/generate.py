@@ -11,8 +11,9 @@ import warnings
 from pathlib import Path
 
 from ..units import fmt_bytes
-from .common import (UsageError, chat_template_kwargs, check_out_dir, check_out_file, ensure_model, model_options,
-                     thinking_option, warn, warn_if_template_ignores_thinking, wrote)
+from .common import (UsageError, busy_note_now, chat_template_kwargs, check_out_dir, check_out_file, ensure_model,
+                     model_options, sampling_options, sampling_params, thinking_option, thread_governor, warn,
+                     warn_if_template_ignores_thinking, wrote)
 from .structured import add_structured_options, check_structured_args, constrain
 from .tensor_parallel import run_tensor_parallel, tensor_parallel_option, tensor_parallel_size
 
@@ -22,7 +23,7 @@ def add_generate(sub) -> None:
     p.add_argument("prompt", nargs="*", help="the prompt; '-' or omitted reads stdin; several prompts "
                                               "run one after another (sharing a --prefix-cache)")
     model_options(p)
-    _sampling_options(p)
+    sampling_options(p)
     add_structured_options(p)
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
@@ -55,8 +56,8 @@ def add_generate(sub) -> None:
                    help="the classroom's assembled engine: run the lesson's plain PyTorch model with the exercises "
                         "of DIR (mask, attention, RoPE, KV cache, prefill, decode, sampling, generate loop) swapped "
                         "in where written, and compare tokens and logits with minillm's own; exit 0 when equal, 1 "
-                        f"when not (default prompt: {_DEFAULT_STUDENT_PROMPT!r}, --max-new-tokens "
-                        f"{_STUDENT_MAX_NEW_TOKENS})")
+                        f"when not (default prompt: {DEFAULT_STUDENT_PROMPT!r}, --max-new-tokens "
+                        f"{STUDENT_MAX_NEW_TOKENS})")
     p.add_argument("--timeout", type=float, metavar="SECONDS",
                    help="with --student-dir: stop (exit 1) when importing one of DIR's files or running one piece "
                         "takes over SECONDS, and your engine's run over SECONDS more than minillm's (an endless "
@@ -64,8 +65,8 @@ def add_generate(sub) -> None:
     p.set_defaults(run=run_generate)
 
 
-_DEFAULT_STUDENT_PROMPT = "What is the capital of France?"
-_STUDENT_MAX_NEW_TOKENS = 16
+DEFAULT_STUDENT_PROMPT = "What is the capital of France?"  # --student-dir's, and minillm check's engine run
+STUDENT_MAX_NEW_TOKENS = 16
 
 
 def _speculative_options(p) -> None:
@@ -81,32 +82,8 @@ def _speculative_options(p) -> None:
     g.add_argument("--prompt-lookup-max", type=int, help="longest n-gram tried first (ngram; default: 3)")
 
 
-def _sampling_options(p) -> None:
-    """The SamplingParams knobs (vLLM's names). Unset ones take the checkpoint's
-    generation_config.json default, else minillm's (see 'minillm info')."""
-    g = p.add_argument_group("sampling and stopping (default: the model's generation_config.json, else the value shown)")
-    g.add_argument("--max-new-tokens", type=int, help="most tokens to generate (256)")
-    g.add_argument("--temperature", type=float, help="0 = greedy (0)")
-    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (0 = off)")
-    g.add_argument("--top-p", type=float, help="keep the smallest set reaching this probability mass (1 = off)")
-    g.add_argument("--min-p", type=float, help="keep tokens with at least this fraction of the top probability (0 = off)")
-    g.add_argument("--repetition-penalty", type=float,
-                   help="> 1 discourages tokens of the prompt and output: logit / p if positive, * p if not (1 = off)")
-    g.add_argument("--presence-penalty", type=float, help="subtracted from the logit of each output token so far (0)")
-    g.add_argument("--frequency-penalty", type=float, help="subtracted once per occurrence in the output so far (0)")
-    g.add_argument("--seed", type=int, help="seed of the sampler's random generator: the same seed, the same answer "
-                                           "(none: a fresh random draw each run)")
-    g.add_argument("--stop", action="append", metavar="TEXT",
-                   help="end the answer before this text (never printed); repeat for several")
-
-
-_SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                   "presence_penalty", "frequency_penalty", "seed", "stop")
-_SAMPLE_ONLY_FLAGS = ("top_k", "top_p", "min_p", "seed")  # no effect on greedy decoding
-
-
 def run_generate(args) -> int:
-    _sampling_params(args)  # bad values are usage errors before the model loads
+    sampling_params(args)  # bad values are usage errors before the model loads
     if args.student_dir is not None:
         return run_student_engine(args)
     _check_generate_args(args)
@@ -144,11 +121,11 @@ def _run_generate(args, group=None) -> int:
         raise UsageError(f"--chat needs a chat template and {args.model} has none; drop --chat")
     if args.system is not None and args.chat is None and not tokenizer.has_chat_template:
         raise UsageError(f"--system needs a chat template and {args.model} has none; put the text in the prompt")
-    params = _sampling_params(args, model.generation_config)
+    params = sampling_params(args, model.generation_config)
     params = constrain(params, args, model, tokenizer, _eos_ids(model, tokenizer))  # --json-schema, --logit-bias ...
     prefix_cache = PrefixCache(model, block_size=args.block_size) if args.prefix_cache else None
     args.speculative_config = _speculative_config(args)
-    args.governor = _thread_governor(model) if group is None else None  # a rank: one thread on its own core
+    args.governor = thread_governor(model) if group is None else None  # a rank: one thread on its own core
     traced = bool(args.trace or args.trace_out or args.plots)
     warmup = traced if args.warmup is None else args.warmup
     if not warmup and getattr(model, "compiled_decode", None) is not None:
@@ -203,9 +180,9 @@ def run_student_engine(args) -> int:
         raise UsageError("--student-dir with --temperature > 0 needs --seed: both engines must draw the same numbers")
     if args.timeout is not None and not args.timeout > 0:
         raise UsageError(f"--timeout must be a number of seconds > 0, got {args.timeout:g}")
-    prompt = _read_prompt(args.prompt[0]) if args.prompt else _DEFAULT_STUDENT_PROMPT
+    prompt = _read_prompt(args.prompt[0]) if args.prompt else DEFAULT_STUDENT_PROMPT
     if args.max_new_tokens is None:  # two runs of the lesson's slow engine: the answer, not an essay
-        args.max_new_tokens = _STUDENT_MAX_NEW_TOKENS
+        args.max_new_tokens = STUDENT_MAX_NEW_TOKENS
     return assembled_engine(Path(args.student_dir), prompt, args)
 
 
@@ -223,7 +200,7 @@ def assembled_engine(student_dir, prompt: str, args) -> int:
     folder = ensure_model(args.model, args.weights_dir)
     model = load_model(folder, device=args.device, dtype="float32", attn_impl="eager", fast=False)
     tokenizer = load_tokenizer(folder)
-    params = _sampling_params(args, model.generation_config)
+    params = sampling_params(args, model.generation_config)
     if not params.greedy and params.seed is None:  # a checkpoint that samples by default: both engines, the same draws
         params = dataclasses.replace(params, seed=0)
     prompt_ids = _encode_prompt(tokenizer, prompt, args)
@@ -380,51 +357,13 @@ def _finish_request(args, prompt: str, prompt_ids, steps, start_s: float, cold: 
         print(json.dumps(_json_record(prompt, steps, metrics, cold, args.speculative_config is not None)), flush=True)
     else:
         print(flush=True)
-    print(_summary(metrics, steps, cold, _busy_note(getattr(args, "tp_group", None))), file=sys.stderr)
-
-
-def _thread_governor(model):
-    """The command's thread governor for a model on the CPU (minillm/cpu_policy.py: fewer threads while
-    other processes keep cores busy); None on a GPU, outside the minillm command, or where the user set the count."""
-    from .. import cpu_policy
-
-    return cpu_policy.command_governor() if next(model.parameters()).device.type == "cpu" else None
+    print(_summary(metrics, steps, cold, busy_note_now(getattr(args, "tp_group", None))), file=sys.stderr)
 
 
 def _adjust_threads(args, force: bool = False) -> None:
     """Between steps: the governor's decision, when one is due (a clock read otherwise)."""
     if getattr(args, "governor", None) is not None:
         args.governor.adjust(force)
-
-
-def _busy_note(group=None) -> str | None:
-    """The note "machine busy: load X on N cores" when the 1-minute load average, read now at the end of
-    the run, exceeded the cores this process may use: other processes took CPU time from it (minillm/cpu_policy.py).
-    With a tensor-parallel ``group``: the cores of all its ranks together (``group.cores``), not rank 0's one."""
-    from .. import cpu_policy
-
-    cores = group.cores if group is not None and group.cores else cpu_policy.usable_cores()
-    return cpu_policy.busy_note(cpu_policy.load_average(), cores)
-
-
-def _sampling_params(args, generation_config=None):
-    """The flags the user set over the checkpoint's defaults; warns (stderr, one line) about
-    sampling flags that greedy decoding ignores, as transformers does."""
-    from ..generation_config import GenerationConfig
-
-    user_set = {name: getattr(args, name, None) for name in _SAMPLING_FLAGS}  # a command may have only some flags
-    user_set = {name: value for name, value in user_set.items() if value is not None}
-    try:
-        params = (generation_config or GenerationConfig()).sampling_params(**user_set)
-    except ValueError as e:  # "top_p must be ..." -> "--top-p must be ...": name the flag the user typed
-        name, rest = str(e).split(" ", 1)
-        raise UsageError(f"--{name.replace('_', '-')} {rest}") from None
-    ignored = [f"--{name.replace('_', '-')}" for name in _SAMPLE_ONLY_FLAGS if name in user_set]
-    if generation_config is not None and params.greedy and ignored:
-        print(f"minillm: warning: {', '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect: "
-              f"temperature {params.temperature:g} is greedy decoding; set --temperature > 0 to sample",
-              file=sys.stderr)
-    return params
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
@@ -466,7 +405,7 @@ def _encode_prompt(tokenizer, prompt: str, args) -> list[int]:
 def _summary(m, steps, cold: bool, busy: str | None = None) -> str:
     """One line: tokens, TTFT ("cold": no warm-up pass ran before it), TPOT, and two rates named by
     what they measure: decode = 1 / TPOT (as llama.cpp and Ollama print it), output = tokens / e2e;
-    ``busy``, the note that the machine was busy (:func:`_busy_note`), ends it when there is one."""
+    ``busy``, the note that the machine was busy (:func:`busy_note_now`), ends it when there is one."""
     cached = f" ({steps[0].cached_tokens} cached)" if steps[0].cached_tokens else ""
     tpot = f"{m.tpot_ms:.1f} ms | decode {1e3 / m.tpot_ms:.1f} tok/s" if m.tpot_ms else "n/a | decode n/a"
     return (f"[prompt {m.n_prompt_tokens} tok{cached} | generated {m.n_output_tokens} tok | "
@@ -539,7 +478,7 @@ def run_generate_traced(args, model, tokenizer, prompt: str, params, prefix_cach
             console.print(_cached_prompt_panel(trace, prefix_cache))
         print_trace(trace, console, prompt=False)  # its summary panel stands for the summary line
         if args.speculative_config is not None:  # no per-token events under speculation: the lines instead
-            print(_summary(metrics, steps, cold, _busy_note(getattr(args, "tp_group", None))), file=sys.stderr)
+            print(_summary(metrics, steps, cold, busy_note_now(getattr(args, "tp_group", None))), file=sys.stderr)
             print(_speculative_summary(args.speculative_config, steps), file=sys.stderr)
     else:
         _finish_request(args, prompt, prompt_ids, steps, trace.start_s, cold)

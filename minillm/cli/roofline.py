@@ -7,8 +7,7 @@ import sys
 
 from ..formats import weights
 from ..units import fmt_bytes, fmt_num
-from .common import UsageError, ensure_model, warn
-from .generate import _busy_note
+from .common import UsageError, busy_note_now, ensure_model, warn
 
 
 def add_calibrate(sub) -> None:
@@ -35,7 +34,7 @@ def run_calibrate(args) -> int:
     console = Console()
     console.print(_hardware_table(hw, f"calibrated {args.device} {args.dtype} (saved to {calibration_path()})"))
     console.print(f"decode path of {args.model} on cpu float32: {_decode_path(args, console)}")
-    if args.device == "cpu" and (busy := _busy_note()) is not None:  # the peaks and timings above are the share the run got, not the machine's
+    if args.device == "cpu" and (busy := busy_note_now()) is not None:  # the peaks and timings above are the share the run got, not the machine's
         warn(f"{busy}: other processes took CPU time from these measurements; calibrate again on a quiet machine")
     return 0
 

@@ -10,8 +10,7 @@ import sys
 import threading
 import time
 
-from .common import UsageError, ensure_model, keep_freed_memory_in_command, model_options
-from .generate import _thread_governor
+from .common import UsageError, ensure_model, keep_freed_memory_in_command, model_options, thread_governor
 from .tensor_parallel import run_tensor_parallel, tensor_parallel_option, tensor_parallel_size
 
 # After the engine is lost (a tensor-parallel rank died), how long the server answers 503 with the reason before
@@ -116,7 +115,7 @@ def _run_serve(args, group=None) -> int:
 
     async_engine = AsyncEngine(build_engine, args.max_waiting_requests)
     engine, tokenizer = async_engine.engine, async_engine.engine.tokenizer
-    governor = _thread_governor(engine.model) if not args.threads and group is None else None
+    governor = thread_governor(engine.model) if not args.threads and group is None else None
     if governor is not None:  # fewer threads while busy
         async_engine.before_step = governor.adjust
     if group is not None and group.first_dead is not None:

@@ -259,11 +259,11 @@ def test_the_busy_note_counts_the_cores_of_every_rank(load, note, monkeypatch):
     from types import SimpleNamespace
 
     from minillm import cpu_policy
-    from minillm.cli.generate import _busy_note
+    from minillm.cli.common import busy_note_now
 
     monkeypatch.setattr(cpu_policy, "load_average", lambda: load)
     monkeypatch.setattr(cpu_policy, "usable_cores", lambda: 1)  # rank 0, pinned
-    assert _busy_note(SimpleNamespace(cores=2)) == note
+    assert busy_note_now(SimpleNamespace(cores=2)) == note
 
 
 def _generate_long(cli_folder, suite_ignores_sigint: bool = False) -> subprocess.Popen:

@@ -10,8 +10,8 @@ import pytest
 
 from minillm import classroom
 from minillm.classroom import CheckResult, ExerciseResult
-from minillm.cli import _class_table, main
-from minillm.cli.check import _student_dirs
+from minillm.cli import main
+from minillm.cli.check import _student_dirs, class_table
 from minillm.cli.common import UsageError
 from minillm.errors import MiniLLMError
 
@@ -85,7 +85,7 @@ def test_class_table_has_a_row_per_student(tmp_path):
         return [ExerciseResult(f"ex{i + 1:02d}", "t", "f.py", "l", (CheckResult("c", outcome[s]),))
                 for i, s in enumerate(statuses)]
 
-    table = _class_table({tmp_path / "alice": results("+", "x"), tmp_path / "bob": results(".", "+")})
+    table = class_table({tmp_path / "alice": results("+", "x"), tmp_path / "bob": results(".", "+")})
     console = Console(width=80, record=True)
     console.print(table)
     text = console.export_text()
@@ -93,13 +93,13 @@ def test_class_table_has_a_row_per_student(tmp_path):
 
     eighteen = {tmp_path / name: results(*"+x." * 6) for name in ("alice", "bartholomew")}
     console = Console(width=80, record=True)
-    console.print(_class_table(eighteen))
+    console.print(class_table(eighteen))
     rows = {line.split()[0]: line for line in console.export_text().splitlines() if line.strip()}
     assert rows["bartholomew"].split()[1:] == [*"+x." * 6, "6/18"], "18 exercises must fit in 80 columns"
 
     twenty_one = {tmp_path / name: results(*"+x." * 7) for name in ("alice", "bartholomew")}
     console = Console(width=80, record=True)
-    console.print(_class_table(twenty_one))
+    console.print(class_table(twenty_one))
     rows = [line.split() for line in console.export_text().splitlines() if line.strip().startswith(("alice", "barth"))]
     assert [row[1:] for row in rows] == [[*"+x." * 7, "7/21"]] * 2, "21 exercises fit in 80 columns, the count whole"
 
