@@ -4,16 +4,19 @@ How a path is chosen: forced by MINILLM_DECODE_PATH, cached by ``minillm calibra
 else the rule; loading never times anything (a measurement fails these tests). The calibration's
 choosing logic gets fake timings. What a path must keep: the pure model's parameter names, tensors
 and logits (the oracle: the same checkpoint loaded with ``fast=False``), and a member replaced after
-stacking must be what runs.
+stacking must be what runs. The swap table (minillm.fast.SWAPS) is what the paths swap in.
 """
 
+import importlib
 import json
+import re
 
 import pytest
 import torch
 from tiny_models import CONFIGS, build_hf, save_hf
 from torch import nn
 
+import minillm.fast
 from minillm import KVCache, decode_step, load_model, prefill
 from minillm.fast import choose as dp
 from minillm.fast.attention import c_decode_fits
@@ -334,6 +337,61 @@ def test_a_member_replaced_after_stacking_is_what_runs(folder, path, quantize):
     assert (expected - before).abs().max() > 0.1  # the edits matter
     torch.testing.assert_close(_decode_logits(fast, ids), expected, atol=TOL, rtol=0)
     assert list(fast.state_dict()) == list(pure.state_dict())
+
+
+# -- the swap table (minillm/fast/__init__.py) -----------------------------------------------------
+
+
+def _resolve(name: str):
+    """A name of the swap table as the object it names: "torch.nn.Linear", else dotted under minillm."""
+    module, _, attr = (name if name.startswith("torch.") else f"minillm.{name}").rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _swapped(pure, fast) -> set[tuple]:
+    """(course piece, fast piece) of each swap a path made: the module at a name whose class changed
+    (stacked members included), the serving batch's builder, the compiled decode step."""
+    modules = dict(fast.named_modules())
+    pairs = {(type(m), type(modules[name])) for name, m in pure.named_modules() if type(modules[name]) is not type(m)}
+    if getattr(fast, "paged_batch", None) is not None:  # (the builder of each step's FastPagedBatch)
+        pairs.add((_resolve("serving.paged_attention.PagedBatch"), _resolve("fast.paged_attention.FastPagedBatch")))
+    if fast.compiled_decode is not None:
+        pairs.add((decode_step, type(fast.compiled_decode)))
+    return pairs
+
+
+def _paths(swap) -> list[str]:
+    """The decode paths a row's ``when`` names: "every path", or their names."""
+    if swap.when.startswith("every path"):
+        return list(dp.CANDIDATES)
+    return [n for n in dp.CANDIDATES if re.search(rf"(?<![\w+-]){re.escape(n)}(?![\w+-])", swap.when)]
+
+
+def _applies(swap, path: str, model, quantized: bool) -> bool:
+    """Whether a row's ``when`` (its words: the paths, then the conditions) covers this path and model."""
+    conditions = {"C fits": c_decode_fits(model), "a float model": not quantized, "a quantised model": quantized,
+                  "a SwiGLU MLP": model.config.model_type != "gpt2"}
+    return path in _paths(swap) and all(holds for words, holds in conditions.items() if words in swap.when)
+
+
+@pytest.mark.parametrize("path", dp.CANDIDATES)
+@pytest.mark.parametrize("config, quantize", [("llama_gqa", None), ("llama_gqa", "int8"), ("gpt2", None)])
+def test_the_swap_table_is_what_each_path_swaps(folders, config, path, quantize):
+    """Each decode path swaps in exactly the rows of minillm.fast.SWAPS whose ``when`` covers it: on a Llama
+    (SwiGLU), quantised or not, and on GPT-2 (a GELU MLP); every fast piece replaces its course piece."""
+    pure, fast = _pure_and_fast(folders[config], path, quantize)
+    expected = {(_resolve(s.course), _resolve(s.fast)) for s in minillm.fast.SWAPS
+                if _applies(s, path, pure, quantize is not None)}
+    assert _swapped(pure, fast) == expected
+    assert all(issubclass(f, c) for c, f in expected if isinstance(c, type))
+
+
+def test_every_row_of_the_swap_table_names_its_paths_and_is_in_the_docstring():
+    """Each row names at least one decode path; the package docstring's table lists the rows, in order."""
+    assert all(_paths(s) for s in minillm.fast.SWAPS)
+    lines = [line.split() for line in minillm.fast.__doc__.splitlines()]
+    rows = [words[:2] for words in lines if len(words) > 2 and words[1].startswith("fast.")]
+    assert rows == [[s.course, s.fast] for s in minillm.fast.SWAPS]
 
 
 # -- what a user sees --------------------------------------------------------------------------

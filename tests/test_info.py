@@ -75,3 +75,23 @@ def test_info_shows_the_family_features(name, rows, tmp_path, capsys):
         assert (attn.q_proj.bias is not None, attn.o_proj.bias is not None) == (
             "q, k, v" in rows["biases"], "o" in rows["biases"].split(", "))
         assert hasattr(attn, "q_norm") == (rows["QK-norm"] != "no")
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_info_prints_the_swap_table(fast, tmp_path, capsys, monkeypatch):
+    """Every row of minillm.fast.SWAPS, and the decode path the model got (none with --no-fast)."""
+    from tiny_models import CONFIGS, build_hf, save_hf
+
+    from minillm.fast import SWAPS
+
+    monkeypatch.setenv("COLUMNS", "200")  # one line a row
+    monkeypatch.setenv("MINILLM_DECODE_PATH", "row-major+split")
+    folder = save_hf(build_hf(*CONFIGS["llama_gqa"]), tmp_path)
+    assert main(["info", "--model", str(folder), "--fast" if fast else "--no-fast"]) == 0
+    out = capsys.readouterr().out
+    got = "decode path row-major+split" if fast else "none, --no-fast"
+    assert f"the speed layer's swaps (this model: {got})" in out
+    rows = [" ".join(line.replace("│", " ").split()) for line in out.splitlines()]
+    for swap in SWAPS:
+        course = swap.course.removeprefix("torch.") if swap.course.startswith("torch.") else swap.course.rpartition(".")[2]
+        assert f"{course} {swap.fast.rpartition('.')[2]} {swap.when}" in rows, swap

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..fast import C_FITS, SWAPS
 from ..formats import weights
 from ..units import fmt_bytes
 from .common import (check_out_dir, chosen_model, dtype_option, ensure_model, fast_option, model_argument,
@@ -75,7 +76,22 @@ def run_info(args) -> int:
     if gguf_table := _gguf_source_table(args.model, args.weights_dir, folder, c.tie_word_embeddings):
         Console().print(gguf_table)
     Console().print(_generation_table(model.generation_config))
+    Console().print(swap_table(getattr(model, "decode_path", None)))
     return 0
+
+
+def swap_table(decode_path: str | None):
+    """The speed layer's swap table (minillm.fast.SWAPS): each course piece, the fast piece put in its place,
+    and when; the title names the model's decode path (None: --no-fast, the course's pieces only)."""
+    from rich.table import Table
+
+    got = f"this model: decode path {decode_path}" if decode_path else "this model: none, --no-fast"
+    table = Table("course piece", "fast piece", "when", title=f"the speed layer's swaps ({got})",
+                  caption=f"C fits: {C_FITS}. The table: minillm/fast/__init__.py")
+    for swap in SWAPS:  # "model.Block" -> "Block"; PyTorch's own keeps "nn."
+        course = swap.course.removeprefix("torch.") if swap.course.startswith("torch.") else swap.course.rpartition(".")[2]
+        table.add_row(course, swap.fast.rpartition(".")[2], swap.when)
+    return table
 
 
 def family_rows(c) -> list[tuple[str, str]]:

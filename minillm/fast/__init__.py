@@ -7,11 +7,66 @@ fingerprints and the logits stay the same up to float rounding. ``load_model(...
 (the default) applies it through :func:`minillm.fast.choose.choose_decode_path`;
 ``load_model(..., fast=False)`` and ``--no-fast`` run the lesson's code alone.
 
+What it swaps, by decode path (choose.py's candidates; :data:`SWAPS` holds the same rows as data,
+and ``minillm info`` prints them). "C fits": float32 on a CPU, head_dim a multiple of 8, the kernels built.
+
+    course piece (minillm.)             fast piece (minillm.)                  when
+    model.Block                         fast.block.FastBlock                   the C paths, C fits
+    model.Attention                     fast.attention.FastAttention           every path; its attention in C where C fits
+    model.SwiGLU                        fast.packing.PackedSwiGLU              every path, a SwiGLU MLP
+    torch.nn.Linear                     fast.products.SplitLinear              the split paths, a float model
+    torch.nn.Linear                     fast.products.MatvecLinear             the C paths, a float model
+    quantize.QuantizedLinear            fast.products.FastQuantizedLinear      every path, a quantised model
+    serving.paged_attention.PagedBatch  fast.paged_attention.FastPagedBatch    every path, C fits
+    phases.decode_step                  fast.compile.CompiledDecodeStep        the compiled paths
+
+The files:
+
     products.py   few-row products split over threads, or in C (nn.Linear subclasses)
-    kernels.py    the C loops (matvec_kernels.c) and their torch ops (matvec_ops.cpp), built at first use
+    kernels.py    the C kernels (csrc/) and their torch ops, built at first use
     packing.py    q|k|v and gate|up stacked into one product each, float or quantised
-    attention.py  Attention with the stacked q|k|v, and decode's attention in C
+    attention.py  Attention with the stacked q|k|v, and decode's and prefill's attention in C
+    block.py      the transformer block with its RMSNorms in C, the second fused with the residual add
     paged_attention.py  the serving batch's decodes attending in C over the KV pool's blocks in place
     compile.py    the decode step compiled over a static view of the KV cache
     choose.py     which of these a model gets: by rule when it loads; measured only when asked
+
+Nothing here is imported by this file: :data:`SWAPS` names the pieces (dotted under ``minillm``,
+``torch.`` for PyTorch's own), and tests/test_fast_choose.py checks it against what each decode path
+of choose.py swaps in.
 """
+
+from typing import NamedTuple
+
+
+class Swap(NamedTuple):
+    """One row of the swap table: the course's piece, the speed layer's piece put in its place, and when.
+
+    ``when`` names the decode paths ("every path", or choose.CANDIDATES' names), then the conditions a row
+    needs, in these words: "C fits" (:data:`C_FITS`), "a float model", "a quantised model", "a SwiGLU MLP".
+    """
+
+    course: str  # dotted under minillm ("model.Block": minillm.model.Block), or "torch." for PyTorch's own
+    fast: str  # dotted under minillm: a subclass of the course piece, or (for a function) its replacement
+    when: str
+
+
+C_FITS = "float32 on a CPU, head_dim a multiple of 8, the kernels built"  # (fast.attention.c_decode_fits)
+
+SWAPS = (
+    Swap("model.Block", "fast.block.FastBlock", "the C paths (matvec, compile+matvec), C fits: each RMSNorm one C "
+         "call, the second fused with the residual add"),
+    Swap("model.Attention", "fast.attention.FastAttention", "every path: q|k|v stacked; decode's attention in C where "
+         "the kernels fit (prefill's too where head_dim is a multiple of the panel width)"),
+    Swap("model.SwiGLU", "fast.packing.PackedSwiGLU", "every path, a SwiGLU MLP (the Llama family): gate|up stacked"),
+    Swap("torch.nn.Linear", "fast.products.SplitLinear", "the split paths (long-rows+split, row-major+split), a float "
+         "model: a few-row product cut over the threads"),
+    Swap("torch.nn.Linear", "fast.products.MatvecLinear", "the C paths (matvec, compile+matvec), a float model: a few "
+         "rows in C; a server's batches on packed panels"),
+    Swap("quantize.QuantizedLinear", "fast.products.FastQuantizedLinear", "every path, a quantised model: its "
+         "products in C on a CPU"),
+    Swap("serving.paged_attention.PagedBatch", "fast.paged_attention.FastPagedBatch", "every path, C fits: the "
+         "serving engine's decodes attend in C over the pool's blocks in place"),
+    Swap("phases.decode_step", "fast.compile.CompiledDecodeStep", "the compiled paths (compile, compile+matvec): the "
+         "whole step compiled over a static view of the KV cache"),
+)

@@ -11,11 +11,13 @@ The candidates (every one gives the plain path's logits up to float rounding):
     compile            long_rows=False       nn.Linear                          torch.compile of the whole step
     compile+matvec     long_rows=False       MatvecLinear (C), attention in C   over the static KV cache
 
-Every path stacks q|k|v and gate|up (:mod:`minillm.fast.packing`). Why several: a batch-1 decode
-step's floor is reading the weights, but SmolLM2-135M's step also runs ~1,400 small PyTorch ops,
-and which kernels and layouts win differs from CPU to CPU (issue 16): on the developers' 2-core AMD
-EPYC the C products took a step from 101.7 (row-major) to 64.4 ms, the compiled C step to 38.8 ms;
-on an Intel Xeon (AVX-512) plain row-major ``F.linear`` was as fast as any eager path.
+Every path stacks q|k|v and gate|up (:mod:`minillm.fast.packing`); which modules each path swaps in, and
+when: the table of :mod:`minillm.fast` (``SWAPS``, tested against :func:`apply_decode_path`).
+
+Why several: a batch-1 decode step's floor is reading the weights, but SmolLM2-135M's step also runs
+~1,400 small PyTorch ops, and which kernels and layouts win differs from CPU to CPU (issue 16): on the
+developers' 2-core AMD EPYC the C products took a step from 101.7 (row-major) to 64.4 ms, the compiled
+C step to 38.8 ms; on an Intel Xeon (AVX-512) plain row-major ``F.linear`` was as fast as any eager path.
 
 How :func:`choose_decode_path` (called by ``load_model``) picks one, without timing anything:
 
