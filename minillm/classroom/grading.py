@@ -180,7 +180,7 @@ def run_checks(exercises: list[str], student_dir: Path | None = None, root: Path
     timeout_s <= 0.
     """
     if importlib.util.find_spec("pytest") is None:
-        raise MiniLLMError("the exercise checks need pytest: pip install -e '.[dev]'")
+        raise MiniLLMError("the exercise checks need pytest: pip install -e '.[course]'")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
     root = find_checkout() if root is None else root
