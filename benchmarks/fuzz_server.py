@@ -1,7 +1,7 @@
 """Fuzz `minillm serve` for minutes with requests generated from its OpenAPI document (issue 40, item 5).
 
-The longer run of tests/serving/test_server_fuzz.py (which CI runs for about a minute): the same
-cases and rules (tests/serving/fuzz_requests.py: no 5xx, every 4xx OpenAI's error JSON naming its
+The longer run of tests/serving/server/test_server_fuzz.py (which CI runs for about a minute): the same
+cases and rules (tests/serving/server/fuzz_requests.py: no 5xx, every 4xx OpenAI's error JSON naming its
 field, and a greedy chat stream looping through it all gets the quiet server's tokens every time),
 against a server in this process on 127.0.0.1 serving a tiny random model with SmolLM2's
 tokenizer and chat template (the HTTP layer is under test, not the model: answers come in
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1] / "tests"
-sys.path[:0] = [str(TESTS), str(TESTS / "serving")]
+sys.path[:0] = [str(TESTS), str(TESTS / "serving" / "server")]
 
 from fuzz_requests import QuietStream, fuzz  # noqa: E402
 from tiny_models import CONFIGS, build_hf, save_hf  # noqa: E402
@@ -36,7 +36,7 @@ MODEL_NAME = "minillm-fuzz"
 
 
 def tiny_chat_model():
-    """tests/serving/conftest.py's tiny_chat: a random 2-layer Llama with SmolLM2's vocabulary."""
+    """tests/conftest.py's tiny_chat: a random 2-layer Llama with SmolLM2's vocabulary."""
     family, kwargs = CONFIGS["llama_gqa"]
     kwargs = dict(kwargs, vocab_size=49152, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
     folder = save_hf(build_hf(family, kwargs), Path(tempfile.mkdtemp(prefix="minillm-fuzz-")))

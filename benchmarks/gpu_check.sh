@@ -23,7 +23,7 @@ print("gpu:", torch.cuda.get_device_name(), "| torch", torch.__version__, "| cud
 PY
 
 echo "== tests on cuda" | tee "$OUT/tests.txt"
-"$PY" -m pytest tests/test_cuda.py tests/test_compile.py tests/test_bench.py -q -p no:cacheprovider 2>&1 | tee -a "$OUT/tests.txt"
+"$PY" -m pytest tests/test_cuda.py tests/fast/test_compile.py tests/bench/test_bench.py -q -p no:cacheprovider 2>&1 | tee -a "$OUT/tests.txt"
 
 echo "== calibrate cuda bfloat16" | tee "$OUT/calibrate.txt"
 "$PY" -m minillm calibrate --device cuda --dtype bfloat16 2>&1 | tee -a "$OUT/calibrate.txt"

@@ -1,18 +1,25 @@
 """Shared fixtures. The real SmolLM2 model is fetched once per machine into the
-weights directory (``MINILLM_WEIGHTS`` in CI, a per-user cache), never per test run."""
+weights directory (``MINILLM_WEIGHTS`` in CI, a per-user cache), never per test run.
+Models are loaded once per session, never per test:
+
+``tiny_model(name)``: a random-weight model of one tests/tiny_models.py config (float32, CPU).
+``smollm2``: the real default model and its tokenizer.
+``tiny_chat``: a random model with SmolLM2's vocabulary, tokenizer and chat template."""
 
 import os
 from pathlib import Path
 
 import pytest
+from tiny_models import CONFIGS, build_hf, save_hf
 
+import minillm
 from minillm.formats import weights
 
 # Tests run one fixed eager decode path (minillm/fast/choose.py): the rule's pick where a C compiler
 # builds the kernels, what users get. Fixed, not chosen, because `minillm calibrate --decode-path` may
 # have cached a compiled path in the weights dir (every process would compile its first decode step, a
 # minute or more per CLI test) and the CLI's golden trace names the path. Set before any test runs, so
-# subprocesses (the CLI tests) inherit it. tests/test_fast_choose.py and tests/test_loading.py unset it
+# subprocesses (the CLI tests) inherit it. tests/fast/test_fast_choose.py and tests/test_loading.py unset it
 # to check the choosing; fast=False loads run the plain modules.
 os.environ.setdefault("MINILLM_DECODE_PATH", "matvec")
 
@@ -43,3 +50,33 @@ def smollm2_gguf() -> Path:
 def smollm2_dir() -> Path:
     """The default model as an HF-style folder (config.json, model.safetensors, tokenizer.json)."""
     return weights.download(weights.DEFAULT_MODEL, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    models = {}
+
+    def get(name: str):
+        if name not in models:
+            family, kwargs = CONFIGS[name]
+            folder = save_hf(build_hf(family, kwargs), tmp_path_factory.mktemp(name))
+            models[name] = minillm.load_model(folder, device="cpu")
+        return models[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of smollm2-135m-instruct, float32 on the CPU."""
+    return minillm.load_model("smollm2-135m-instruct", device="cpu"), minillm.load_tokenizer("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat(tmp_path_factory):
+    """(model, tokenizer): a random 2-layer Llama with SmolLM2's vocabulary (49,152 ids) and
+    SmolLM2's tokenizer and chat template: text in and out in milliseconds (the server tests)."""
+    family, kwargs = CONFIGS["llama_gqa"]
+    kwargs = dict(kwargs, vocab_size=49152, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+    folder = save_hf(build_hf(family, kwargs), tmp_path_factory.mktemp("tiny_chat"))
+    return minillm.load_model(folder, device="cpu"), minillm.load_tokenizer("smollm2-135m-instruct")

@@ -3,6 +3,7 @@ library: a masked token is never sampled, whatever the knobs; logit_bias is Open
 
 import pytest
 import torch
+from constraints import Rule
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -10,30 +11,6 @@ from minillm import SamplingParams
 from minillm.sampling import AllowedTokens, TokenMatcher, sample_constrained
 
 VOCAB = 64
-
-
-class RuleMatcher:
-    """Allows the ids with (id + sum of the tokens so far) % modulus == 0: a mask that depends on the
-    whole history, so a matcher told a token twice, or not at all, allows the wrong ones."""
-
-    def __init__(self, vocab: int, modulus: int):
-        self.vocab, self.modulus, self.accepted = vocab, modulus, []
-
-    def allowed(self) -> torch.Tensor:
-        return (torch.arange(self.vocab) + sum(self.accepted)) % self.modulus == 0
-
-    def accept(self, token_id: int) -> None:
-        assert self.allowed()[token_id], f"token {token_id} was not allowed after {self.accepted}"
-        self.accepted.append(token_id)
-
-
-class Rule:
-    def __init__(self, vocab: int = VOCAB, modulus: int = 5):
-        self.vocab, self.modulus, self.matchers = vocab, modulus, []
-
-    def matcher(self) -> RuleMatcher:
-        self.matchers.append(RuleMatcher(self.vocab, self.modulus))
-        return self.matchers[-1]
 
 
 def test_the_protocols_describe_the_hook():

@@ -32,7 +32,7 @@ The files:
     choose.py     which of these a model gets: by rule when it loads; measured only when asked
 
 Nothing here is imported by this file: :data:`SWAPS` names the pieces (dotted under ``minillm``,
-``torch.`` for PyTorch's own), and tests/test_fast_choose.py checks it against what each decode path
+``torch.`` for PyTorch's own), and tests/fast/test_fast_choose.py checks it against what each decode path
 of choose.py swaps in.
 """
 

@@ -13,7 +13,7 @@ quantized (Q4_1, Q8_0, ...). minillm reads plain folders, so we unpack once:
 
 Sources: llama.cpp ``convert_hf_to_gguf.py`` (the forward direction); transformers
 ``modeling_gguf_pytorch_utils.py`` and ``integrations/gguf`` (the same inverse,
-used as the oracle in tests/test_gguf_convert.py).
+used as the oracle in tests/formats/test_gguf_convert.py).
 """
 
 from __future__ import annotations

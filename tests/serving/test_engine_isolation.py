@@ -7,10 +7,9 @@ import copy
 
 import pytest
 import torch
+from constraints import FailsAfter, Rule
 
 from minillm import LLMEngine, SamplingParams
-
-from test_sampling_allowed import Rule  # a history-dependent constraint (tests/ is on sys.path)
 
 VICTIMS = [  # greedy, seeded sampling, sampling with penalties and a bias, a constraint that works
     ([5, 6, 7, 8, 9, 10, 11], lambda vocab: SamplingParams(max_new_tokens=12, ignore_eos=True)),
@@ -20,34 +19,6 @@ VICTIMS = [  # greedy, seeded sampling, sampling with penalties and a bias, a co
     ([1, 2, 3], lambda vocab: SamplingParams(temperature=1.0, seed=9, max_new_tokens=12, ignore_eos=True,
                                              allowed_tokens=Rule(vocab, 3))),
 ]
-
-
-class FailsAfter:
-    """A constraint whose matcher raises in ``allowed()`` (or ``accept()``) once it has taken
-    ``after`` tokens: what a grammar that exhausts its budget mid-stream does."""
-
-    def __init__(self, after: int, vocab: int, where: str = "allowed", error=RuntimeError):
-        self.after, self.vocab, self.where, self.error = after, vocab, where, error
-        self.matchers = []
-
-    def matcher(self):
-        outer = self
-
-        class Matcher:
-            taken = 0
-
-            def allowed(self):
-                if outer.where == "allowed" and self.taken >= outer.after:
-                    raise outer.error("lexer fuel exhausted")
-                return torch.ones(outer.vocab, dtype=torch.bool)
-
-            def accept(self, token_id):
-                if outer.where == "accept" and self.taken >= outer.after:
-                    raise outer.error("token not allowed: lexer fuel exhausted")
-                self.taken += 1
-
-        self.matchers.append(Matcher())
-        return self.matchers[-1]
 
 
 def run(model, requests, **engine_kwargs):

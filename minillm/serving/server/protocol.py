@@ -349,7 +349,7 @@ def openapi_request_body(model_class: type[BaseModel]) -> dict:
 
     The routes read their bodies themselves (app.py's ``_parse``: strict JSON, OpenAI's error
     shape), so FastAPI does not know them; this puts each body's schema into /openapi.json and
-    /docs (and gives a fuzzer, tests/serving/test_server_fuzz.py, the fields to generate). The
+    /docs (and gives a fuzzer, tests/serving/server/test_server_fuzz.py, the fields to generate). The
     nested models are references into ``components.schemas`` (:func:`openapi_components`).
     """
     schema = model_class.model_json_schema(ref_template=_COMPONENTS)

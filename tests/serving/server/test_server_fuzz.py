@@ -1,7 +1,7 @@
 """`minillm serve` against requests generated from its own OpenAPI document (issue 40, item 5).
 
 schemathesis reads /openapi.json (the request bodies are protocol.py's models) and generates
-requests that fit it and requests that break it; tests/serving/fuzz_requests.py says what every
+requests that fit it and requests that break it; tests/serving/server/fuzz_requests.py says what every
 answer must be: never a 5xx, every 4xx OpenAI's error JSON on one line, a 400 of a JSON object
 naming its field. Meanwhile one greedy chat stream runs again and again: each run's tokens must
 equal the quiet server's. The cases are derandomized (the same every run) and bounded by count

@@ -98,7 +98,7 @@ CASES = {
                          "not supported by minillm"),
     "tool_choice a function": ("chat/completions", {"messages": USER, "tool_choice": {
         "type": "function", "function": {"name": "f"}}}, 400, "tool_choice", "not supported by minillm"),
-    # structured output and logit_bias are served (tests/serving/test_structured_output.py); bad ones are 400s
+    # structured output and logit_bias are served (tests/structured/test_structured_output.py); bad ones are 400s
     "response_format an unknown type": ("chat/completions", {"messages": USER, "response_format": {"type": "xml"}},
                                         400, "response_format.type", "'text', 'json_object' or 'json_schema'"),
     "response_format's schema not a schema": ("chat/completions", {"messages": USER, "response_format": {

@@ -17,7 +17,7 @@ from minillm.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
-TEMPLATES = Path(__file__).parent / "chat_templates"
+TEMPLATES = Path(__file__).parents[1] / "chat_templates"
 SPECIALS = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>"}
 
 WEATHER_TOOL = {

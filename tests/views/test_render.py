@@ -21,7 +21,7 @@ from minillm.trace import Trace
 
 from tiny_models import CONFIGS, build_hf, save_hf
 
-GOLDEN = Path(__file__).parent / "golden" / "generate_trace.txt"
+GOLDEN = Path(__file__).parents[1] / "golden" / "generate_trace.txt"
 PROMPT = "Explain the KV cache in one sentence."
 TIMING_UNITS = r"(?:ms|GB/s|GFLOP/s|tok/s|%)"
 KV_BYTES = r"[\d.]+ (?:B|KiB|MiB|GiB)"

@@ -1,5 +1,5 @@
 """minillm serve's OpenAI API, through the official `openai` client and raw HTTP, on a tiny random
-model with SmolLM2's tokenizer (tests/serving/conftest.py: tiny_chat). The oracle is
+model with SmolLM2's tokenizer (tests/conftest.py: tiny_chat). The oracle is
 `minillm.generate` alone on the same model: the server's answers must equal it token for token.
 """
 
@@ -452,7 +452,7 @@ def test_assistant_tool_calls_in_history_reach_a_template_that_renders_them():
     from minillm.serving.server.protocol import ChatCompletionRequest
 
     tokenizer = minillm.load_tokenizer("smollm2-135m-instruct")
-    tokenizer.chat_template = (Path(__file__).parent.parent / "chat_templates" / "qwen3.jinja").read_text()
+    tokenizer.chat_template = (Path(__file__).parents[2] / "chat_templates" / "qwen3.jinja").read_text()
     body = ChatCompletionRequest.model_validate({"messages": [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [
@@ -474,7 +474,7 @@ def test_chat_template_kwargs_reach_the_template():
     from minillm.serving.server.protocol import ChatCompletionRequest
 
     tokenizer = minillm.load_tokenizer("smollm2-135m-instruct")
-    tokenizer.chat_template = (Path(__file__).parent.parent / "chat_templates" / "qwen3.jinja").read_text()
+    tokenizer.chat_template = (Path(__file__).parents[2] / "chat_templates" / "qwen3.jinja").read_text()
     body = ChatCompletionRequest.model_validate_json(
         '{"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"enable_thinking": false}}')
     expected = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"

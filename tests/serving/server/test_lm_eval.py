@@ -15,7 +15,7 @@ from tiny_models import CONFIGS, build_hf, save_hf
 
 import minillm
 
-TASK_YAML = Path(__file__).parents[1] / "data" / "lm_eval" / "minillm_mc.yaml"
+TASK_YAML = Path(__file__).parents[2] / "data" / "lm_eval" / "minillm_mc.yaml"
 MODEL = "minillm-test"
 
 

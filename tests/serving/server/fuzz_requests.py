@@ -19,7 +19,7 @@ answer must keep (:func:`what_is_wrong`):
 
 A :class:`QuietStream` loops one greedy chat stream through the fuzzing: each run's tokens must
 equal the same request's on the quiet server (no hostile request may change another's answer).
-Used by tests/serving/test_server_fuzz.py (a bounded run in CI) and benchmarks/fuzz_server.py (minutes).
+Used by tests/serving/server/test_server_fuzz.py (a bounded run in CI) and benchmarks/fuzz_server.py (minutes).
 """
 
 from __future__ import annotations

@@ -4,10 +4,9 @@ preemption (the K/V recomputed, the matcher kept) and parallel sampling (n > 1: 
 
 import pytest
 import torch
+from constraints import Rule
 
 from minillm import LLMEngine, SamplingParams, generate
-
-from test_sampling_allowed import Rule  # the same history-dependent constraint (tests/ is on sys.path)
 
 
 def rule_holds(tokens, vocab, modulus):

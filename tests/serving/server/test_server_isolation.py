@@ -10,10 +10,10 @@ import threading
 
 import httpx
 import pytest
+from constraints import FailsAfter
 from live_server import app_of, live_server, wait_until
 
 from minillm.serving.server.routes import completions
-from test_engine_isolation import FailsAfter
 
 pytest.importorskip("llguidance")
 
