@@ -10,33 +10,22 @@ might write it: loops instead of one torch call, another formula with the same r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
+from exercises.registry import StandIn, stand_in
+
 
 @dataclass(frozen=True)
-class Alternative:
+class Alternative(StandIn):
     """A correct ``fn`` standing in for ``replaces`` of ``exercise``, written another way."""
-
-    exercise: str
-    replaces: str
-    fn: Callable
-
-    @property
-    def name(self) -> str:
-        return self.fn.__name__
 
 
 ALTERNATIVES: list[Alternative] = []
 
 
 def alternative(exercise: str, replaces: str):
-    def register(fn):
-        ALTERNATIVES.append(Alternative(exercise, replaces, fn))
-        return fn
-
-    return register
+    return stand_in(ALTERNATIVES, Alternative, exercise, replaces)
 
 
 # -- ex01 ------------------------------------------------------------------------------------------

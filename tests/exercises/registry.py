@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 STUBS_DIR = ROOT / "lessons" / "exercises"
@@ -154,3 +155,26 @@ def student(ex: Exercise, folder: Path) -> SimpleNamespace:
     if missing:
         raise AttributeError(f"{path} defines no {', '.join(missing)} (keep the names of the stub)")
     return SimpleNamespace(**{name: getattr(module, name) for name in ex.refs})
+
+
+@dataclass(frozen=True)
+class StandIn:
+    """A function ``fn`` standing in for ``replaces`` of ``exercise`` (a mistake, or a right answer written
+    another way); ``mistakes.swap_in`` puts it in place."""
+
+    exercise: str
+    replaces: str
+    fn: Callable
+
+    @property
+    def name(self) -> str:
+        return self.fn.__name__
+
+
+def stand_in(into: list, kind: type, exercise: str, replaces: str, **more):
+    """A decorator appending ``kind(exercise, replaces, fn, **more)`` to ``into``; it returns fn unchanged."""
+    def register(fn):
+        into.append(kind(exercise, replaces, fn, **more))
+        return fn
+
+    return register

@@ -1,9 +1,9 @@
-"""Honest checks, part 2: every classic mistake is rejected by at least one check of its exercise.
+"""Honest checks, part 2: every classic mistake is rejected by the check it names, of its exercise.
 
 Part 1 is the checks themselves passing on minillm's reference code (the default run).
 Here each wrong implementation of mistakes.py is swapped in, every check of its exercise
-is called directly, and at least one must fail with an AssertionError (a teaching message,
-not a crash).
+is called directly, and the one it names (``caught_by``) must fail with an AssertionError
+(a teaching message), and no check may crash on it.
 """
 
 import importlib
@@ -270,6 +270,8 @@ def test_mistake_is_rejected(m: Mistake):
             crashed.append(f"{check.__name__}: {type(e).__name__}: {e}")
     assert not crashed, f"{m.name} crashed checks instead of failing them with a message: {crashed}"
     assert rejected, f"no check of {m.exercise} rejects {m.name} ({m.what})"
+    names = [name for name, _ in rejected]
+    assert m.caught_by in names, f"{m.name} names {m.caught_by} as the check that rejects it, but only {names} do"
 
 
 @pytest.mark.parametrize("name, check, says, never", [
