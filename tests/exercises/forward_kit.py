@@ -4,7 +4,8 @@ The tiny models in every dtype and attention layout the docstrings allow (GQA, M
 embeddings, GPT-2's learned positions, an explicit head_dim, Qwen3's QK-norm, sliding windows
 with and without rolling buffers), and the pass's whole observable result: the logits, the
 cache length and every K/V the pass wrote, so that a pass that returns the right logits but
-leaves the cache wrong is caught too.
+leaves the cache wrong is caught too; the oracle (the whole sequence, no cache), the cases the
+random checks draw, and the comparison of a student's pass with minillm's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from functools import lru_cache
 import torch
 from hypothesis import strategies as st
 
+from exercises.differential import agree
 from exercises.models import prompt, tiny_config, tiny_model
 from minillm import KVCache, Transformer
 
@@ -57,6 +59,12 @@ def cache_state(cache: KVCache) -> tuple:
     """Everything a pass leaves in the cache: its length and the K/V of the filled positions."""
     n = cache.length
     return (n, cache.k[..., :n, :].clone(), cache.v[..., :n, :].clone(), cache.k_roll.clone(), cache.v_roll.clone())
+
+
+def full_forward_last(model, ids: torch.Tensor) -> torch.Tensor:
+    """The oracle: the model over the whole sequence from position 0, no cache; last position's logits."""
+    with torch.no_grad():
+        return model(ids)[:, -1].float()
 
 
 def with_cache(fn):
@@ -115,3 +123,27 @@ def _filled(model, batch, max_seq_len, prefix_len, rolling) -> KVCache:
     if prefix_len:
         prefill(model, prompt(prefix_len, batch, seed=9), cache)
     return cache
+
+
+def agree_on_the_cache(student, reference, inputs, name: str, dtype: torch.dtype, rolling: bool, case: str,
+                       **report) -> None:
+    """agree() on (logits, the cache afterwards) of one prefill or decode step, the student's against minillm's;
+    ``case`` names the kind of case and the cache, ``report`` is agree's exercise, lesson and hint."""
+    agree(with_cache(student), with_cache(reference), inputs, tol=tolerance(dtype),
+          what=f"{reference.__name__} (tiny {name}, {str(dtype)[6:]}{', rolling cache' if rolling else ''}, {case}) "
+               "-> (logits, cache afterwards)", **report)
+
+
+def draw_case(data, kinds: list[str], far_prefix: tuple[int, int], n, extra: tuple[int, int],
+              bad_at: tuple[int, int]) -> dict:
+    """A check's compare() arguments drawn by hypothesis: a model, a kind of case, a batch, a cache near position 0
+    or ``far_prefix`` tokens from it; ``n`` tokens, or the range they are drawn from."""
+    name, dtype, rolling = draw_model(data)
+    kind = data.draw(st.sampled_from(kinds), label="case")
+    far = name != "gpt2" and data.draw(st.booleans(), label="far from position 0")
+    return dict(name=name, dtype=dtype, rolling=rolling, batch=data.draw(st.integers(1, 2), label="batch"), kind=kind,
+                prefix_len=data.draw(st.integers(*far_prefix) if far else st.integers(0, 12), label="tokens cached"),
+                n=n if isinstance(n, int) else data.draw(st.integers(*n), label="T"),
+                extra=data.draw(st.integers(*extra), label="room +-"),
+                seed=data.draw(st.integers(0, 3), label="ids seed"),
+                bad_at=data.draw(st.integers(*bad_at), label="bad at"))

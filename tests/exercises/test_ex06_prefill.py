@@ -6,8 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exercises.checking import Case
-from exercises.differential import CHECKS, agree
-from exercises.forward_kit import draw_model, filled_cache, ids_of, model_for, table, tolerance, with_cache
+from exercises.differential import CHECKS
+from exercises.forward_kit import (agree_on_the_cache, draw_case, filled_cache, full_forward_last, ids_of,
+                                   model_for, table)
 from exercises.models import prompt, tiny_model
 from exercises.registry import EXERCISES, reference
 from minillm import KVCache
@@ -19,12 +20,6 @@ LESSON = "lessons/02-prefill-and-decode.md#prefill"
 HOW = ("positions = arange(cache.length, cache.length + T); x = embed(ids) (+ pos_embed(positions) for GPT-2); "
        "cos/sin = model.rope(positions, x.dtype) for Llama; every block(x, cos_sin, cache, model.attn_impl, hook); "
        "cache.advance(T); logits = lm_head(ln_final(x[:, -1])).float()")
-
-
-def full_forward_last(model, ids: torch.Tensor) -> torch.Tensor:
-    """The oracle: the model over the whole sequence from position 0, no cache; last position's logits."""
-    with torch.no_grad():
-        return model(ids)[:, -1].float()
 
 
 def run(c, impl, model, ids, cache):
@@ -141,10 +136,9 @@ def compare(impl, name, dtype, rolling, batch, kind, prefix_len, n, extra, seed,
         ids_tensor = torch.tensor(ids, dtype=torch.long).reshape(batch, n)
         return (model, ids_tensor, filled_cache(model, batch, max_seq_len, prefix_len, rolling)), {}
 
-    agree(with_cache(impl.prefill), with_cache(REF.prefill), inputs, tol=tolerance(dtype),
-          what=f"prefill (tiny {name}, {str(dtype)[6:]}{', rolling cache' if rolling else ''}, {kind}: "
-               f"cache of {max_seq_len} holding {prefix_len}) -> (logits, cache afterwards)",
-          exercise="ex06", lesson=LESSON, hint=HINT)
+    agree_on_the_cache(impl.prefill, REF.prefill, inputs, name, dtype, rolling,
+                       f"{kind}: cache of {max_seq_len} holding {prefix_len}", exercise="ex06", lesson=LESSON,
+                       hint=HINT)
 
 
 def test_agrees_with_the_reference_on_every_kind_of_case_and_dtype(impl):
@@ -155,10 +149,4 @@ def test_agrees_with_the_reference_on_every_kind_of_case_and_dtype(impl):
 @given(data=st.data())
 @settings(CHECKS, max_examples=25)
 def test_agrees_with_the_reference_on_random_models_batches_and_prefixes(impl, data):
-    name, dtype, rolling = draw_model(data)
-    kind = data.draw(st.sampled_from(KINDS), label="case")
-    far = name != "gpt2" and data.draw(st.booleans(), label="far from position 0")
-    compare(impl, name, dtype, rolling, batch=data.draw(st.integers(1, 2), label="batch"), kind=kind,
-            prefix_len=data.draw(st.integers(90, 110) if far else st.integers(0, 12), label="cached prefix"),
-            n=data.draw(st.integers(1, 10), label="T"), extra=data.draw(st.integers(1, 6), label="room +-"),
-            seed=data.draw(st.integers(0, 3), label="ids seed"), bad_at=data.draw(st.integers(0, 9), label="bad at"))
+    compare(impl, **draw_case(data, KINDS, far_prefix=(90, 110), n=(1, 10), extra=(1, 6), bad_at=(0, 9)))

@@ -6,8 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exercises.checking import Case
-from exercises.differential import CHECKS, agree
-from exercises.forward_kit import draw_model, filled_cache, ids_of, model_for, table, tolerance, with_cache
+from exercises.differential import CHECKS
+from exercises.forward_kit import (agree_on_the_cache, draw_case, filled_cache, full_forward_last, ids_of,
+                                   model_for, table)
 from exercises.models import prompt, tiny_model
 from exercises.registry import EXERCISES, reference
 from minillm import KVCache
@@ -19,12 +20,6 @@ LESSON = "lessons/02-prefill-and-decode.md#decode"
 HOW = ("the new token sits at position cache.length (a prompt of 5 -> position 5): positions = "
        "arange(cache.length, cache.length + 1); run embed (+ pos_embed), rope, every block with the cache, "
        "cache.advance(1), then lm_head(ln_final(x))[:, -1].float()")
-
-
-def full_forward_last(model, ids: torch.Tensor) -> torch.Tensor:
-    """The oracle: the model over the whole sequence from position 0, no cache; last position's logits."""
-    with torch.no_grad():
-        return model(ids)[:, -1].float()
 
 
 def after_prefill(model, ids, max_seq_len=16):
@@ -141,10 +136,9 @@ def compare(impl, name, dtype, rolling, batch, kind, prefix_len, n, extra, seed,
     def inputs():
         return (model, torch.tensor(token), filled_cache(model, batch, max_seq_len, prefix_len, rolling)), {}
 
-    agree(with_cache(impl.decode_step), with_cache(REF.decode_step), inputs, tol=tolerance(dtype),
-          what=f"decode_step (tiny {name}, {str(dtype)[6:]}{', rolling cache' if rolling else ''}, {kind}: "
-               f"batch {batch}, cache of {max_seq_len} holding {prefix_len}) -> (logits, cache afterwards)",
-          exercise="ex07", lesson=LESSON, hint=HINT)
+    agree_on_the_cache(impl.decode_step, REF.decode_step, inputs, name, dtype, rolling,
+                       f"{kind}: batch {batch}, cache of {max_seq_len} holding {prefix_len}", exercise="ex07",
+                       lesson=LESSON, hint=HINT)
 
 
 def test_agrees_with_the_reference_on_every_kind_of_case_and_dtype(impl):
@@ -155,10 +149,4 @@ def test_agrees_with_the_reference_on_every_kind_of_case_and_dtype(impl):
 @given(data=st.data())
 @settings(CHECKS, max_examples=25)
 def test_agrees_with_the_reference_on_random_models_batches_and_positions(impl, data):
-    name, dtype, rolling = draw_model(data)
-    kind = data.draw(st.sampled_from(KINDS), label="case")
-    far = name != "gpt2" and data.draw(st.booleans(), label="far from position 0")
-    compare(impl, name, dtype, rolling, batch=data.draw(st.integers(1, 2), label="batch"), kind=kind,
-            prefix_len=data.draw(st.integers(100, 126) if far else st.integers(0, 12), label="tokens in the cache"),
-            n=1, extra=data.draw(st.integers(1, 5), label="free positions"),
-            seed=data.draw(st.integers(0, 3), label="ids seed"), bad_at=data.draw(st.integers(0, 2), label="bad at"))
+    compare(impl, **draw_case(data, KINDS, far_prefix=(100, 126), n=1, extra=(1, 5), bad_at=(0, 2)))
