@@ -24,6 +24,17 @@ from minillm.formats import weights
 os.environ.setdefault("MINILLM_DECODE_PATH", "matvec")
 
 
+SLOW_KINDS = ("notebook", "cli", "server", "distributed", "compile", "browser", "eval", "grader", "large")
+
+
+def pytest_collection_modifyitems(items):
+    """A test of a slow kind (pyproject.toml's markers) is marked ``slow`` too: ``pytest -m "not slow"``
+    is the everyday loop, ``pytest -m server`` one kind, plain ``pytest`` everything (what CI runs)."""
+    for item in items:
+        if any(item.get_closest_marker(kind) for kind in SLOW_KINDS):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_addoption(parser):
     """Options of the classroom exercises (tests/exercises, see lessons/exercises/README.md).
 

@@ -43,6 +43,7 @@ def test_model_py_is_at_most_400_lines():
     assert len((PACKAGE / "model.py").read_text().splitlines()) <= 400
 
 
+@pytest.mark.cli
 def test_the_import_contracts_hold():
     lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
     if lint is None:

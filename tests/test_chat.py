@@ -133,6 +133,7 @@ def test_bad_input_is_a_clear_error(model, tokenizer):
         list(ChatSession(model, tokenizer).send("  "))
 
 
+@pytest.mark.cli
 def test_cli_chat_reads_lines_and_streams_answers(model, tokenizer, smollm2_dir):
     """`minillm chat` with a pipe for stdin: one message a line, answers on stdout, the reuse on stderr."""
     lines = ["What is the capital of France?", "/system Be brief.", "And of Germany?", "/reset", "/exit", "Hi"]
@@ -155,6 +156,7 @@ def test_cli_chat_reads_lines_and_streams_answers(model, tokenizer, smollm2_dir)
     assert err[3] == "conversation forgotten, KV cache emptied (0 tokens)" and len(err) == 4
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("max_context, message", [
     ("0", "--max-context must be >= 1, got 0"),
     # SmolLM2's template adds its default system message: 31 tokens around "Hi" (this exited 0, its error

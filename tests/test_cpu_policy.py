@@ -42,6 +42,7 @@ def _help(env) -> str:
     return " ".join(r.stdout.split())
 
 
+@pytest.mark.cli
 def test_help_says_what_the_command_does_with_threads():
     assert "CPU threads: torch's count (one a core), fewer while other processes keep cores busy" in _help(CLEAN)
     assert "OMP_NUM_THREADS=1, as your environment sets it (minillm keeps the count)" in _help(
@@ -49,6 +50,7 @@ def test_help_says_what_the_command_does_with_threads():
     assert "CPU threads: torch's count, fixed (MINILLM_CPU_POLICY=off)" in _help(dict(CLEAN, MINILLM_CPU_POLICY="off"))
 
 
+@pytest.mark.cli
 def test_the_command_sets_no_openmp_variable():
     """OpenMP's wait policy stays its own (PASSIVE measured 40% slower on an idle machine): libgomp, asked to
     show what it read at start, reads its default spin count in the command as in any program."""
@@ -58,6 +60,7 @@ def test_the_command_sets_no_openmp_variable():
         assert "GOMP_SPINCOUNT = '300000'" in r.stderr
 
 
+@pytest.mark.cli
 def test_import_minillm_changes_nothing():
     code = ("import os, torch, minillm; from minillm import cpu_policy; "
             "print(os.environ.get('OMP_WAIT_POLICY'), cpu_policy._START, torch.get_num_threads())")
@@ -66,6 +69,7 @@ def test_import_minillm_changes_nothing():
     assert r.stdout.split()[:2] == ["None", "None"]
 
 
+@pytest.mark.cli
 def test_import_minillm_loads_neither_torch_nor_a_policy():
     """The package's public names load at first use (minillm/__init__.py): the import alone starts nothing."""
     r = _run(["-c", "import sys, minillm; from minillm import cpu_policy; print('torch' in sys.modules, cpu_policy._START)"],
@@ -74,6 +78,7 @@ def test_import_minillm_loads_neither_torch_nor_a_policy():
     assert r.stdout.split() == ["False", "None"]
 
 
+@pytest.mark.cli
 def test_the_command_opens_the_governors_window_before_torch_loads():
     """minillm.cli, imported in the command's process (its command line: python -m minillm ...), starts the
     policy first: torch is not loaded yet when the window opens, and is once the commands are imported."""

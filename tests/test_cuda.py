@@ -29,6 +29,7 @@ def test_logits_match_transformers_on_cuda(pair, dtype):
     assert diff <= TOL[dtype]
 
 
+@pytest.mark.compile
 def test_cuda_graph_decode_matches_decode_step(pair):
     from minillm.fast.compile import compile_decode_step
 

@@ -42,6 +42,7 @@ def probe(mode: str) -> tuple[int, int]:
     return int(mapped), int(kept)
 
 
+@pytest.mark.cli
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc only (mallopt, mallinfo2)")
 def test_a_large_block_comes_from_the_heap_and_stays_there_after_free():
     mapped, kept = probe("default")

@@ -59,6 +59,7 @@ def test_full_sequence_logits_match_transformers(pair, impl):
     assert (got - expected).abs().max().item() <= TOL
 
 
+@pytest.mark.large
 def test_gpt2_124m_shape_matches_transformers(tmp_path):
     hf = build_hf(*GPT2_124M)
     folder = save_hf(hf, tmp_path)
@@ -97,6 +98,7 @@ def test_real_config_builds_transformers_shapes(name):
     assert ours.num_parameters() == hf.num_parameters()
 
 
+@pytest.mark.large
 @pytest.mark.parametrize("name", ["qwen2.5-0.5b", "qwen3-0.6b"])
 def test_real_shape_one_layer_matches_transformers(name, tmp_path):
     """Qwen2.5-0.5B's and Qwen3-0.6B's real widths, heads, head_dim and 151,936-token vocabulary,

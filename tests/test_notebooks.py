@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.notebook
+
 NEEDS = "is not installed (pip install -e '.[notebooks]')"
 nbformat = pytest.importorskip("nbformat", reason=f"nbformat {NEEDS}")
 nbclient = pytest.importorskip("nbclient", reason=f"nbclient {NEEDS}")

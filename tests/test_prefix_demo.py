@@ -21,6 +21,7 @@ def smollm2(smollm2_dir):
     return load_model(smollm2_dir, device="cpu"), load_tokenizer(smollm2_dir)
 
 
+@pytest.mark.large
 def test_the_shared_system_prompt_is_long(smollm2):
     _, tokenizer = smollm2
     assert len(tokenizer.encode(system_prompt())) >= 1000
@@ -28,6 +29,7 @@ def test_the_shared_system_prompt_is_long(smollm2):
     assert len({tuple(p) for p in prompts}) == 3  # different questions
 
 
+@pytest.mark.large
 def test_demo_shows_a_ttft_speedup_with_the_same_answers(smollm2, tmp_path):
     model, tokenizer = smollm2
     result = run_prefix_demo(model, tokenizer, n_requests=3, block_size=BLOCK, max_new_tokens=4)
@@ -50,6 +52,7 @@ def test_demo_shows_a_ttft_speedup_with_the_same_answers(smollm2, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.large
 def test_cli_prefix_demo(smollm2_dir, tmp_path, capsys):
     png = tmp_path / "plot.png"
     assert main(["prefix-demo", "--model", str(smollm2_dir), "--requests", "2", "--max-new-tokens", "1",
@@ -58,6 +61,7 @@ def test_cli_prefix_demo(smollm2_dir, tmp_path, capsys):
     assert "shared prompt tokens" in out and "warm requests: TTFT" in out and png.is_file()
 
 
+@pytest.mark.large
 def test_cli_generate_with_prefix_cache_marks_the_cached_prompt(smollm2_dir, capsys):
     system = " ".join(POLICY["Orders"])
     args = ["generate", "--model", str(smollm2_dir), "--system", system, "--prefix-cache", "--max-new-tokens", "2",
@@ -77,6 +81,7 @@ def test_cli_rejects_a_bad_block_size(capsys):
     assert "--block-size" in capsys.readouterr().err
 
 
+@pytest.mark.cli
 def test_cli_plot_must_be_a_png_checked_first(smollm2_dir, tmp_path):
     import subprocess
     import sys
@@ -86,6 +91,7 @@ def test_cli_plot_must_be_a_png_checked_first(smollm2_dir, tmp_path):
     assert r.returncode == 2 and "must end in .png" in r.stderr, r.stderr
 
 
+@pytest.mark.large
 def test_plot_with_one_request_says_n_a_not_nan(smollm2, tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 

@@ -121,6 +121,7 @@ def test_fast_kernels_give_the_reference_logits(tiny_dirs, fmt, monkeypatch):
     assert error <= 1e-4
 
 
+@pytest.mark.compile
 def test_compiled_decode_step_calls_the_kernels_as_ops(tiny_dirs):
     """The "compile" decode path on an int4 model: dynamo cannot trace ctypes, so the kernels are
     torch custom ops; the compiled step's logits equal the plain modules' eager step's (one compile, seconds)."""
@@ -330,9 +331,9 @@ def test_kernels_that_cannot_be_loaded_fall_back_with_the_reason(monkeypatch, tm
 
 
 def test_the_cli_prints_minillm_warnings_on_one_line(capsys):
-    from minillm import cli
+    from minillm.cli import command
 
-    cli._show_warning(RuntimeWarning("the kernels are away"), RuntimeWarning, matvec_kernels.__file__, 48)
+    command._show_warning(RuntimeWarning("the kernels are away"), RuntimeWarning, matvec_kernels.__file__, 48)
     assert capsys.readouterr().err == "minillm: warning: the kernels are away\n"
 
 

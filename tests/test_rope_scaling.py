@@ -169,6 +169,7 @@ def test_unsupported_rope_type_is_refused_by_name():
                                  rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}))
 
 
+@pytest.mark.compile
 def test_compiled_decode_refuses_dynamic_scaling(tmp_path):
     from minillm.fast.compile import compile_decode_step
 

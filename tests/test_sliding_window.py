@@ -283,6 +283,7 @@ def test_speculative_refuses_a_rolling_cache_before_the_first_token(pair):
         next(steps)
 
 
+@pytest.mark.compile
 def test_compiled_decode_refuses_a_window(pair):
     """The static view of torch.compile'd decode masks causally only: refused, not wrong."""
     from minillm.fast.compile import compile_decode_step

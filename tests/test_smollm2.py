@@ -6,6 +6,8 @@ import torch
 
 from minillm import SamplingParams, StreamDecoder, generate, load_model, load_tokenizer
 
+pytestmark = pytest.mark.large
+
 transformers = pytest.importorskip("transformers")
 
 

@@ -134,6 +134,7 @@ class SilentDraft(Draft):
         return []
 
 
+@pytest.mark.compile
 def test_a_round_with_nothing_drafted_runs_the_decode_paths_step(models):
     """On a decode path with a compiled step, a round without drafts is that step (it was the eager
     forward: x0.78 plain on free-form text where the compiled step ran x1.0), greedy output unchanged."""

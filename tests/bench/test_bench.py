@@ -201,6 +201,7 @@ def test_compiled_engine_gets_its_own_target_rows(result):
     assert "decode ctx 8 (--compile): x transformers" not in {t.name for t in check_targets(result)}
 
 
+@pytest.mark.cli
 def test_cli_quick_preset_yields_to_explicit_options(smollm2_dir, tmp_path):
     import subprocess
     import sys
@@ -216,6 +217,7 @@ def test_cli_quick_preset_yields_to_explicit_options(smollm2_dir, tmp_path):
     assert data["repeats"] == 1 and data["memory"] is None
 
 
+@pytest.mark.cli
 def test_importing_minillm_leaves_the_compiler_out():
     """torch._dynamo (and sympy with it) is ~70 MB of RSS: only --compile may import it (the memory target)."""
     import subprocess
@@ -226,6 +228,7 @@ def test_importing_minillm_leaves_the_compiler_out():
     assert r.stdout.split() == ["False", "False"], r.stderr
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("args, message", [
     (["--threads", "0"], "--threads must be >= 1"),
     (["--repeats", "0"], "--repeats must be >= 1"),

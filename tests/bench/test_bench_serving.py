@@ -177,6 +177,7 @@ def tiny_folder(tmp_path_factory, smollm2_dir):
     return folder
 
 
+@pytest.mark.large
 def test_cli_runs_every_policy_and_writes_json_plots_and_trace(tiny_folder, tmp_path, capsys):
     args = ["bench-serving", "--model", str(tiny_folder), "--quick", "--num-prompts", "3", "--input-len", "uniform:4-12",
             "--output-len", "3", "--request-rate", "100", "inf", "--long-prompt-len", "40",
@@ -197,6 +198,7 @@ def test_cli_runs_every_policy_and_writes_json_plots_and_trace(tiny_folder, tmp_
     assert f"wrote {tmp_path / 'r.json'}" in err
 
 
+@pytest.mark.large
 def test_cli_prints_no_ratio_against_a_policy_it_did_not_run(tiny_folder, capsys):
     args = ["bench-serving", "--model", str(tiny_folder), "--quick", "--num-prompts", "2", "--input-len", "4",
             "--output-len", "2", "--long-prompt-len", "0", "--threads", "1", "--kv-cache-memory", "4MiB"]
@@ -228,6 +230,7 @@ def test_bad_options_are_one_line_usage_errors(args, message, capsys):
     assert err.count("\n") == 1 and message in err
 
 
+@pytest.mark.large
 def test_server_only_options_are_said_to_have_no_effect_in_process(tiny_folder, capsys):
     args = ["bench-serving", "--model", str(tiny_folder), "--quick", "--num-prompts", "1", "--input-len", "4",
             "--output-len", "2", "--long-prompt-len", "0", "--threads", "1", "--policies", "continuous"]
@@ -236,6 +239,7 @@ def test_server_only_options_are_said_to_have_no_effect_in_process(tiny_folder, 
     assert "--tokenizer has no effect without --base-url" in err and "--timeout has no effect without --base-url" in err
 
 
+@pytest.mark.large
 def test_requests_beyond_the_context_are_a_usage_error(tiny_folder, capsys):
     assert main(["bench-serving", "--model", str(tiny_folder), "--quick", "--input-len", "120"]) == 2
     err = capsys.readouterr().err

@@ -148,6 +148,7 @@ def workload(n: int, max_tokens: str = "4", rate=None, seed: int = 0):
     return make_workload(n, "uniform:3-8", max_tokens, rate=rate, seed=seed, vocab_size=100)
 
 
+@pytest.mark.server
 def test_client_side_ttft_and_itl_follow_the_stub_delays(stub, stub_url):
     result = hb.run_http_bench(stub_url, workload(4), ttft_slo_ms=1e6, tpot_slo_ms=1e6, timeout_s=30)
     s = result.summary
@@ -168,6 +169,7 @@ def test_client_side_ttft_and_itl_follow_the_stub_delays(stub, stub_url):
     assert s.slo_attainment == 1.0 and s.goodput_req_s == pytest.approx(4 / s.duration_s)
 
 
+@pytest.mark.server
 def test_each_request_is_sent_at_its_poisson_arrival(stub, stub_url):
     w = workload(5, rate=10.0, seed=3)
     clock = FakeClock()
@@ -183,6 +185,7 @@ def test_each_request_is_sent_at_its_poisson_arrival(stub, stub_url):
     assert result.summary.mean_queue_ms == pytest.approx(0.0, abs=1e-9)
 
 
+@pytest.mark.server
 def test_server_side_numbers_are_the_difference_of_two_scrapes(stub_url):
     hb.run_http_bench(stub_url, workload(2, seed=1), timeout_s=30)  # earlier traffic the delta must leave out
     result = hb.run_http_bench(stub_url, workload(3, "5"), timeout_s=30)
@@ -200,6 +203,7 @@ def test_server_side_numbers_are_the_difference_of_two_scrapes(stub_url):
     assert result.ttft_gap_ms() >= 0  # the client sees the stub's delays plus HTTP (load only adds to it)
 
 
+@pytest.mark.server
 def test_failures_are_counted_and_never_crash_the_run(stub_url):
     w = workload(4)
     w[1] = type(w[1])(w[1].arrival_s, w[1].prompt_ids, FAIL_MAX_TOKENS)
@@ -215,6 +219,7 @@ def test_failures_are_counted_and_never_crash_the_run(stub_url):
     assert result.summary.total_output_tokens == 8
 
 
+@pytest.mark.server
 def test_a_server_that_is_not_there_fails_every_request_in_one_line():
     with serve(FastAPI()) as url:
         pass  # started and stopped: nothing listens on that port any more
@@ -231,6 +236,7 @@ def test_a_server_that_is_not_there_fails_every_request_in_one_line():
 # -- against minillm serve -------------------------------------------------------------------------
 
 
+@pytest.mark.server
 def test_minillm_serve_gives_every_request_max_tokens_and_its_metrics_match_the_client(tiny_chat):
     from live_server import live_server
 
@@ -264,6 +270,7 @@ def test_minillm_serve_gives_every_request_max_tokens_and_its_metrics_match_the_
     assert result.ttft_gap_ms() >= 0 and result.summary.mean_e2e_ms >= server.stats_ms("e2e")["mean"]
 
 
+@pytest.mark.server
 def test_a_server_with_an_api_key_and_the_openai_clients_base_url(tiny_chat, monkeypatch, capsys):
     from live_server import live_server
 
@@ -376,6 +383,7 @@ def test_vllm_names_are_read_when_minillm_names_are_absent():
 # -- the CLI ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.server
 def test_cli_prints_the_tables_and_the_client_vs_server_comparison(stub_url, tmp_path, capsys):
     from minillm.cli import main
 
@@ -400,6 +408,7 @@ def test_cli_prints_the_tables_and_the_client_vs_server_comparison(stub_url, tmp
             assert r["ttft_ms"] >= TTFT_S * 1e3 and r["e2e_ms"] >= (TTFT_S + 2 * ITL_S) * 1e3
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("extra, message", [
     (["--tokenizer", "no-such-model-here"], "no local tokenizer for 'no-such-model-here'"),
     (["--plots", "x"], "--plots need the model in this process"),
@@ -413,6 +422,7 @@ def test_cli_usage_errors_are_one_line(stub_url, capsys, extra, message):
     assert message in err and err.count("\n") == 1
 
 
+@pytest.mark.server
 def test_cli_without_a_tokenizer_for_the_served_model_says_how_to_give_one(stub_url, capsys):
     from minillm.cli import main
 

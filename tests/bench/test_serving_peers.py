@@ -95,6 +95,7 @@ def test_missing_peers_are_skipped_with_one_line_each(tmp_path, monkeypatch):
     assert skipped[1].startswith("llama.cpp skipped: no F32 GGUF")
 
 
+@pytest.mark.cli
 def test_found_peers_run_float32_with_the_threads_and_no_prefix_cache(tmp_path):
     binary, gguf = tmp_path / "llama-server", tmp_path / "m-f32.gguf"
     binary.touch()
@@ -116,6 +117,7 @@ def test_found_peers_run_float32_with_the_threads_and_no_prefix_cache(tmp_path):
     assert all("--no-enable-prefix-caching" in by_name[n].command for n in (MINILLM, VLLM))
 
 
+@pytest.mark.cli
 def test_a_peer_that_exits_or_never_answers_is_reported_and_stopped(tmp_path):
     dies = PeerSpec("dies", (sys.executable, "-c", "print('no such model'); raise SystemExit(3)"), "-")
     with pytest.raises(PeerStartError, match=r"dies exited with code 3 .*no such model"):
@@ -174,6 +176,7 @@ def load_script():
     return script
 
 
+@pytest.mark.cli
 def test_no_server_started_ends_in_one_line_naming_why(tmp_path, monkeypatch, capsys):
     folder = tmp_path / "junk"
     folder.mkdir()
@@ -209,6 +212,7 @@ def test_a_bad_report_file_ends_in_one_line(tmp_path, capsys):
         assert last_line.startswith(f"serving_peers.py: error: argument {argv[0]}")
 
 
+@pytest.mark.cli
 def test_the_script_end_to_end_on_minillm_serve_and_transformers(tiny_folder, tmp_path, monkeypatch, capsys):
     script = load_script()
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no llama-server

@@ -36,6 +36,7 @@ def no_template_folder(tmp_path_factory, smollm2_dir):
     return folder
 
 
+@pytest.mark.cli
 def test_generate_answers_paris():
     r = minillm("generate", "What is the capital of France?", "--temperature", "0")
     assert r.returncode == 0, r.stderr
@@ -44,12 +45,14 @@ def test_generate_answers_paris():
     assert "TTFT" in summary and "TPOT" in summary and "stop: eos" in summary
 
 
+@pytest.mark.cli
 def test_prompt_from_stdin_without_chat():
     r = minillm("generate", "-", "--no-chat", "--max-new-tokens", "3", stdin="The capital of France is")
     assert r.returncode == 0, r.stderr
     assert "generated 3 tok" in r.stderr
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -70,6 +73,7 @@ def test_usage_errors_exit_2_with_one_line(args, message):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.cli
 def test_chat_on_a_model_without_a_chat_template_exits_2_with_one_line(no_template_folder):
     """A usage error, as the README promises (it exited 1 with the tokenizer's "pass a plain prompt instead")."""
     r = minillm("generate", "hi", "--chat", "--model", str(no_template_folder))
@@ -77,6 +81,7 @@ def test_chat_on_a_model_without_a_chat_template_exits_2_with_one_line(no_templa
         2, f"minillm: error: --chat needs a chat template and {no_template_folder} has none; drop --chat\n", "")
 
 
+@pytest.mark.cli
 def test_generate_runs_in_float64(no_template_folder):
     """load_model takes float64 (to check that two paths agree to the last bit); --dtype refused it."""
     r = minillm("generate", "hi", "--model", str(no_template_folder), "--dtype", "float64", "--max-new-tokens", "2")
@@ -84,6 +89,7 @@ def test_generate_runs_in_float64(no_template_folder):
     assert "generated 2 tok" in r.stderr
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("where", ["argv", "stdin"])
 def test_a_prompt_that_is_not_utf8_exits_1_with_one_line(where):
     """A Latin-1 byte (0xe9) in the prompt: was "TypeError: TextInputSequence must be str"."""
@@ -96,17 +102,20 @@ def test_a_prompt_that_is_not_utf8_exits_1_with_one_line(where):
     assert "not valid UTF-8: byte 0xe9" in stderr and "Traceback" not in stderr
 
 
+@pytest.mark.cli
 def test_missing_model_path_exits_1_with_one_line(tmp_path):
     r = minillm("generate", "hi", "--model", str(tmp_path / "nope"))
     assert r.returncode == 1
     assert r.stderr.count("\n") == 1 and "no model at" in r.stderr
 
 
+@pytest.mark.cli
 def test_debug_shows_the_traceback(tmp_path):
     r = minillm("--debug", "generate", "hi", "--model", str(tmp_path / "nope"))
     assert r.returncode == 1 and "Traceback" in r.stderr
 
 
+@pytest.mark.cli
 def test_info_reports_parameters_and_kv_bytes():
     r = minillm("info")
     assert r.returncode == 0, r.stderr
@@ -114,6 +123,7 @@ def test_info_reports_parameters_and_kv_bytes():
     assert "46,080" in r.stdout  # KV bytes per token: 2 * 30 layers * 3 KV heads * 64 * 4 bytes
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize(
     "args",
     [

@@ -35,6 +35,7 @@ def json_run(smollm2_dir):
                    REPEATED, REPEATED)
 
 
+@pytest.mark.cli
 def test_json_is_one_object_per_prompt_and_nothing_else_on_stdout(json_run, smollm2_dir):
     assert json_run.returncode == 0, json_run.stderr
     first, second = [json.loads(line) for line in json_run.stdout.splitlines()]
@@ -46,12 +47,14 @@ def test_json_is_one_object_per_prompt_and_nothing_else_on_stdout(json_run, smol
     assert 0 < cached < n_prompt and cached % 16 == 0  # the prompt's full blocks of 16
 
 
+@pytest.mark.cli
 def test_an_empty_system_message_is_sent_not_dropped(json_run, smollm2_dir):
     n_prompt = json.loads(json_run.stdout.splitlines()[0])["usage"]["prompt_tokens"]
     without = chat_ids(smollm2_dir, [{"role": "user", "content": REPEATED}])  # SmolLM2's default persona added
     assert n_prompt < len(without)
 
 
+@pytest.mark.cli
 def test_json_metrics_follow_their_definitions(json_run):
     for record in map(json.loads, json_run.stdout.splitlines()):
         m, n = record["metrics"], record["usage"]["completion_tokens"]
@@ -61,6 +64,7 @@ def test_json_metrics_follow_their_definitions(json_run):
     assert [json.loads(line)["metrics"]["cold"] for line in json_run.stdout.splitlines()] == [True, False]
 
 
+@pytest.mark.cli
 def test_summary_lines_name_their_rates_and_the_cold_start(json_run):
     records = [json.loads(line) for line in json_run.stdout.splitlines()]
     summaries = [line for line in json_run.stderr.splitlines() if line.startswith("[prompt")]
@@ -72,6 +76,7 @@ def test_summary_lines_name_their_rates_and_the_cold_start(json_run):
         assert output == pytest.approx(record["metrics"]["output_tok_s"], abs=0.051)
 
 
+@pytest.mark.cli
 def test_piped_prompt_loses_its_newline_and_trace_stays_off_stdout(smollm2_dir):
     r = minillm("generate", "--json", "--trace", "--max-new-tokens", "12", stdin=f"{QUESTION}\n")
     assert r.returncode == 0, r.stderr
@@ -87,6 +92,7 @@ def test_one_trailing_newline_is_stripped_from_stdin(piped, prompt, monkeypatch)
     assert _read_prompt("-") == prompt
 
 
+@pytest.mark.cli
 def test_a_closed_pipe_ends_quietly(smollm2_dir):
     """`minillm generate ... | head -c 1`: no "Broken pipe", no traceback, SIGPIPE's status 141."""
     p = subprocess.Popen([sys.executable, "-m", "minillm", "generate", "--no-chat", "--max-new-tokens", "30",

@@ -22,6 +22,7 @@ def default_model(smollm2_dir):
     return smollm2_dir
 
 
+@pytest.mark.cli
 def test_json_schema_answer_validates_and_the_trace_counts_allowed_tokens(tmp_path):
     schema = tmp_path / "colour.json"
     schema.write_text(json.dumps(SCHEMA))
@@ -37,6 +38,7 @@ def test_json_schema_answer_validates_and_the_trace_counts_allowed_tokens(tmp_pa
     assert allowed[0] <= 2 and allowed[-1] >= 1 and all(1 <= n <= 49152 for n in allowed)  # '{' or '{"' first
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("args, message", [
     (["--json-schema", "/no/such/schema.json"], "--json-schema: no file /no/such/schema.json"),
     (["--json-schema", "/"], "--json-schema: / is a folder, not a schema file"),

@@ -19,6 +19,7 @@ def expected_types(config: ModelConfig) -> dict[str, tuple[int, int]]:
     return {"Q4_1": (7 * L, L * per_layer), "Q8_0": (1, config.vocab_size * d), "F32": (2 * L + 1, (2 * L + 1) * d)}
 
 
+@pytest.mark.large
 def test_gguf_tensor_types_of_the_default_model(smollm2_gguf, smollm2_dir):
     types = weights.gguf_tensor_types(smollm2_gguf)
     config = ModelConfig.from_json(smollm2_dir / "config.json")
@@ -27,6 +28,7 @@ def test_gguf_tensor_types_of_the_default_model(smollm2_gguf, smollm2_dir):
     assert types[1].kinds == ("token_embd",) and types[2].kinds == ("attn_norm", "ffn_norm", "output_norm")
 
 
+@pytest.mark.large
 def test_source_gguf(smollm2_gguf, tmp_path):
     assert weights.source_gguf(smollm2_gguf) == smollm2_gguf  # a .gguf path is its own source
     assert weights.source_gguf(weights.DEFAULT_MODEL, smollm2_gguf.parent.parent) == smollm2_gguf
@@ -41,6 +43,7 @@ def test_gguf_tensor_types_of_a_file_that_is_not_gguf(tmp_path):
         weights.gguf_tensor_types(bad)
 
 
+@pytest.mark.large
 def test_info_names_the_quantisation_of_the_default_weights(smollm2_dir, smollm2_gguf, capsys):
     assert main(["info", "--weights-dir", str(smollm2_dir.parent)]) == 0
     out = " ".join(capsys.readouterr().out.split())

@@ -12,6 +12,7 @@ def minillm(*args):
     return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.cli
 def test_stop_string_never_printed_tiny_temperature_greedy_and_ignored_flags_warned(smollm2_dir):
     r = minillm("generate", "What is the capital of France?", "--model", str(smollm2_dir), "--stop", " Paris",
                 "--temperature", "1e-39", "--top-k", "5", "--seed", "1")
@@ -23,6 +24,7 @@ def test_stop_string_never_printed_tiny_temperature_greedy_and_ignored_flags_war
     assert "stop: stop" in summary
 
 
+@pytest.mark.cli
 def test_generation_config_eos_stops_the_cli_and_info_names_its_source(smollm2_dir, tmp_path):
     for f in smollm2_dir.iterdir():
         (tmp_path / f.name).symlink_to(f)
@@ -40,6 +42,7 @@ def test_generation_config_eos_stops_the_cli_and_info_names_its_source(smollm2_d
     assert rows["not used by minillm"] == ["num_beams", "generation_config.json"]
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize(
     "flag, value, message",
     [

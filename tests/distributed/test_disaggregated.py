@@ -25,6 +25,8 @@ from minillm.distributed.disaggregated_transfer import gather_prompt_kv, scatter
 from minillm.serving.paged_cache import PagedKVCache
 from minillm.units import fmt_bytes
 
+pytestmark = pytest.mark.distributed
+
 PROMPTS = [[3, 17, 42, 5, 99, 64, 1, 7], [11] * 21, [5, 9, 2], list(range(40, 77))]  # 1 to 3 blocks of 16
 N_NEW = 6
 CONFIG = DisaggregatedConfig(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory="1MiB", eos_token_ids=(),

@@ -32,6 +32,8 @@ from minillm.generate import generate
 from minillm.sampling import SamplingParams
 from minillm.trace import Trace
 
+pytestmark = pytest.mark.distributed
+
 FAMILIES = ["gpt2", "llama_gqa", "qwen3"]
 PROMPT = [3, 17, 42, 5, 99, 64, 1, 7]
 N_NEW = 6

@@ -7,6 +7,8 @@ from exercises.mistakes import swap_in
 from exercises.registry import EXERCISES, reference
 from exercises.test_mistakes_are_caught import checks_of
 
+pytestmark = pytest.mark.grader
+
 
 @pytest.mark.parametrize("alt", [pytest.param(a, id=f"{a.exercise}-{a.name}", marks=getattr(pytest.mark, a.exercise))
                                  for a in ALTERNATIVES])

@@ -297,6 +297,7 @@ def test_the_speed_layer_is_refused(references):
 # -- the real default model, through the command line ----------------------------------------------
 
 
+@pytest.mark.cli
 def test_the_references_answer_paris_on_the_default_model(references, smollm2_dir):
     r = minillm("generate", "--student-dir", str(references), "--max-new-tokens", "8")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -305,6 +306,7 @@ def test_the_references_answer_paris_on_the_default_model(references, smollm2_di
     assert "Your engine equals minillm's" in r.stdout
 
 
+@pytest.mark.cli
 def test_a_rope_sign_flip_is_named_on_the_default_model(references, tmp_path, smollm2_dir):
     folder = otherwise_reference(references, tmp_path, "ex03_rope.py", SIGN_FLIP)
     r = minillm("generate", "--student-dir", str(folder), "--max-new-tokens", "3")
@@ -316,6 +318,7 @@ def test_a_rope_sign_flip_is_named_on_the_default_model(references, tmp_path, sm
                      r"\(the prefill\)", r.stdout), r.stdout
 
 
+@pytest.mark.cli
 def test_generate_stops_a_looping_piece_with_one_line_and_exit_1(tmp_path, smollm2_dir):
     folder = write(tmp_path, {"ex01_causal_mask.py": LOOP})
     r = minillm("generate", "--student-dir", str(folder), "--max-new-tokens", "2", "--timeout", "2")
@@ -325,6 +328,7 @@ def test_generate_stops_a_looping_piece_with_one_line_and_exit_1(tmp_path, smoll
                         r"stopped \(an endless loop\?\); --timeout SECONDS sets the limit", r.stderr.strip()), r.stderr
 
 
+@pytest.mark.cli
 def test_incompatible_flags_are_refused_in_one_line(references):
     for flags, message in ((["--trace"], "--trace does not go with --student-dir"),
                            (["--dtype", "bfloat16"], "--student-dir compares float32 logits"),
@@ -365,6 +369,7 @@ def check_engine(folder):
     return ok, console.file.getvalue()
 
 
+@pytest.mark.large
 def test_check_runs_the_references_engine_in_the_sandbox(references, smollm2_dir):
     ok, out = check_engine(references)
     assert ok, out
@@ -373,12 +378,14 @@ def test_check_runs_the_references_engine_in_the_sandbox(references, smollm2_dir
     assert "(assembled engine, in the sandbox: " in out
 
 
+@pytest.mark.large
 def test_check_shows_the_culprit_found_in_the_sandbox(references, tmp_path, smollm2_dir):
     ok, out = check_engine(otherwise_reference(references, tmp_path, "ex03_rope.py", SIGN_FLIP))
     assert not ok and "The culprit: ex03 rope: apply_rope." in out, out
     assert "Your engine differs from minillm's" in out
 
 
+@pytest.mark.large
 @WALLED
 def test_check_engine_run_cannot_touch_the_teachers_home_or_another_student(references, tmp_path, smollm2_dir):
     secret = write(tmp_path / "class" / "bob", {"notes.txt": "bob's secret"}) / "notes.txt"

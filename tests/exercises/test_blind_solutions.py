@@ -15,6 +15,8 @@ import pytest
 from exercises.registry import EXERCISES, student
 from exercises.test_mistakes_are_caught import checks_of
 
+pytestmark = pytest.mark.grader
+
 BLIND = Path(__file__).parent / "blind"
 BY_FILE = {ex.file: ex for ex in EXERCISES.values()}
 WRONG = sorted((BLIND / "wrong").glob("*.diff"))

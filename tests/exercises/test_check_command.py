@@ -15,6 +15,8 @@ from minillm.cli.check import _student_dirs, class_table
 from minillm.cli.common import UsageError
 from minillm.errors import MiniLLMError
 
+pytestmark = pytest.mark.grader
+
 
 def minillm(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, cwd=cwd,

@@ -23,6 +23,8 @@ from minillm.classroom.reports import (SCORING, class_csv, class_html, class_jso
                                        gradescope_results, named_mistakes, pass_rates, write_reports)
 from minillm.cli import main
 
+pytestmark = pytest.mark.grader
+
 EXERCISES = ["ex01", "ex02"]
 CAROLS_MISTAKES = {"ex01": "mask_window_ignored", "ex02": "attention_without_scale"}
 

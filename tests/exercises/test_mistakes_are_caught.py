@@ -14,6 +14,8 @@ import pytest
 from exercises.mistakes import MISTAKES, Mistake, swap_in
 from exercises.registry import EXERCISES, reference
 
+pytestmark = pytest.mark.grader
+
 # The mistakes the spec names, and the exercise each one belongs to.
 REQUIRED = {
     # issue 30 (ex19): bits and bytes, K and V, KV heads, layers, head_dim, NaN, types; the prefill's floor

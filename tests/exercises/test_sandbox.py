@@ -21,6 +21,8 @@ import pytest
 from minillm.classroom import run_checks, sandbox
 from minillm.classroom.sandbox import Limits
 
+pytestmark = pytest.mark.grader
+
 LIMITS = Limits(cpu_s=120, memory_mib=1536, processes=32, open_files=128, file_mib=8, output_kib=64)
 TIMEOUT_S = 8.0
 HONEST = "from minillm.model import causal_mask  # noqa: F401\n"

@@ -13,6 +13,8 @@ from minillm import KVCache, decode_step, load_model, prefill
 from minillm.fast.choose import apply_decode_path
 from minillm.fast.compile import StaticKVView, compile_decode_step
 
+pytestmark = pytest.mark.compile
+
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):

@@ -214,6 +214,7 @@ def test_the_kernel_refuses_what_it_cannot_read(tmp_path):
         matvec_kernels.f32_matvec(torch.ones(1, 10), torch.ones(37, 53))
 
 
+@pytest.mark.cli
 def test_a_stray_library_of_the_kept_name_is_built_over(tmp_path, monkeypatch):
     """A valid shared library without the kernels (was: AttributeError, the command died)."""
     monkeypatch.delenv("CC", raising=False)
@@ -259,6 +260,7 @@ def test_without_a_cpp_compiler_the_ops_are_not_built_and_say_why(monkeypatch, t
     assert matvec_kernels._build_ops(cache_dir=tmp_path) == (False, "no C++ compiler 'no-such-compiler-minillm' on PATH")
 
 
+@pytest.mark.cli
 def test_a_failed_ops_build_is_kept_and_not_tried_again(monkeypatch, tmp_path):
     """A compiler that fails (here: `false`) is tried once; the next process reads why from the
     kept marker instead of spending 20-40 s on the same error."""
@@ -277,6 +279,7 @@ def test_a_failed_ops_build_is_kept_and_not_tried_again(monkeypatch, tmp_path):
     assert len(calls) == 4
 
 
+@pytest.mark.cli
 @pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
 def test_without_the_cpp_build_the_ops_run_the_python_functions(monkeypatch):
     """In a fresh process (an op's implementation is registered once a process)."""
@@ -314,6 +317,7 @@ def test_quantised_kernels_refuse_codes_they_would_misread(call, message, where)
         call(kernels, x, q4, q8)
 
 
+@pytest.mark.cli
 def test_a_kept_ops_file_that_is_not_the_ops_is_not_taken_for_them(tmp_path, monkeypatch):
     """A stray library of the ops' kept name loads but registers nothing: not "C++"."""
     stray = tmp_path / "stray.c"

@@ -32,6 +32,7 @@ def hf_model(smollm2_gguf):
     ).eval()
 
 
+@pytest.mark.large
 def test_every_tensor_equals_transformers(converted_dir, hf_model):
     ours = load_file(converted_dir / "model.safetensors")
     theirs = hf_model.state_dict()
@@ -41,6 +42,7 @@ def test_every_tensor_equals_transformers(converted_dir, hf_model):
         assert torch.equal(tensor, theirs[name]), f"{name} first differs from transformers"
 
 
+@pytest.mark.large
 def test_config_matches_transformers(converted_dir, hf_model):
     ours = transformers.AutoConfig.from_pretrained(converted_dir)
     theirs = hf_model.config
@@ -54,6 +56,7 @@ def test_config_matches_transformers(converted_dir, hf_model):
     assert (ours.num_hidden_layers, ours.num_key_value_heads, ours.tie_word_embeddings) == (30, 3, True)
 
 
+@pytest.mark.large
 def test_folder_loads_in_transformers_with_same_logits(converted_dir, hf_model):
     """End to end: config.json + model.safetensors are a complete HF Llama checkpoint."""
     model = transformers.AutoModelForCausalLM.from_pretrained(converted_dir, dtype=torch.float32).eval()
@@ -62,6 +65,7 @@ def test_folder_loads_in_transformers_with_same_logits(converted_dir, hf_model):
         assert torch.equal(model(ids).logits, hf_model(ids).logits)
 
 
+@pytest.mark.large
 def test_folder_is_complete(converted_dir):
     names = sorted(p.name for p in converted_dir.iterdir())
     assert names == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
@@ -348,6 +352,7 @@ SMOLLM2_TEXTS = ["Hello, world!", "Pi is 3.14159; 1,000,000 items", "def add(a, 
                  "😀 🎉👍🏽 日本語のテキスト", "a  b   c    d\n\n\tx", "It's, I'm, we'll", "<|im_start|>user\nhi<|im_end|>"]  # fmt: skip
 
 
+@pytest.mark.large
 def test_smollm2_tokenizer_matches_transformers(converted_dir, smollm2_gguf):
     """The real "smollm" pre-tokenizer, freshly converted, against transformers' reading of the GGUF."""
     ours = Tokenizer.from_file(str(converted_dir / "tokenizer.json"))
@@ -439,6 +444,7 @@ def _rounded_to_f16(hf_model):
     return hf_model
 
 
+@pytest.mark.large
 @pytest.mark.parametrize("name", ["qwen2", "qwen2_tied", "qwen3"])
 def test_qwen_gguf_converts_with_transformers_logits(name, tmp_path):
     """A tiny Qwen2 (q, k, v biases) or Qwen3 (QK-norm; head_dim 128, the only one transformers'
@@ -465,6 +471,7 @@ def test_qwen_gguf_converts_with_transformers_logits(name, tmp_path):
     assert tok.encode("<|im_start|>ab12").ids == [1, 5, 6, 7]  # added token whole, no BOS, digits one by one
 
 
+@pytest.mark.large
 def test_qwen2_pre_tokenizer_splits_like_transformers(tmp_path):
     """The qwen2 pre-tokenizer's regex (digits one by one, letters with one leading non-letter,
     newlines apart) against transformers' own tokenizer from the same GGUF, on a byte-level

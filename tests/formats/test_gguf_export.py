@@ -23,6 +23,7 @@ def written(model, smollm2_gguf, tmp_path_factory):
     return write_f32_gguf(model, smollm2_gguf, tmp_path_factory.mktemp("gguf") / "tiny-f32.gguf")
 
 
+@pytest.mark.large
 def test_every_tensor_is_f32_under_llama_cpps_names(model, written, smollm2_gguf):
     reader = gguf.GGUFReader(written)
     tensors = {t.name: t for t in reader.tensors}
@@ -37,6 +38,7 @@ def test_every_tensor_is_f32_under_llama_cpps_names(model, written, smollm2_gguf
     assert reader.fields["tokenizer.ggml.tokens"].contents() == source.fields["tokenizer.ggml.tokens"].contents()
 
 
+@pytest.mark.large
 def test_converting_it_back_gives_the_same_logits(model, written, tmp_path):
     back = load_model(convert_gguf(written, tmp_path / "back", progress=False), device="cpu")
     ids = torch.randint(0, 49152, (1, 7), generator=torch.Generator().manual_seed(1))
@@ -50,6 +52,7 @@ def test_permute_is_llama_cpps_interleaving_and_unpermute_undoes_it():
     assert torch.equal(unpermute_qk(permute_qk(w, 2), 2), w)
 
 
+@pytest.mark.large
 def test_refuses_what_it_cannot_write(model, smollm2_gguf, tmp_path):
     family, kwargs = CONFIGS["llama_gqa"]  # vocabulary 128: not SmolLM2's tokenizer
     small = load_model(save_hf(build_hf(family, kwargs), tmp_path / "small"), device="cpu")
@@ -61,6 +64,7 @@ def test_refuses_what_it_cannot_write(model, smollm2_gguf, tmp_path):
         write_f32_gguf(gpt2, smollm2_gguf, tmp_path / "y.gguf")
 
 
+@pytest.mark.large
 def test_llama_cpp_decodes_it_to_minillms_greedy_tokens(model, written):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[llamacpp]')")
     from minillm.bench import make_engines

@@ -199,6 +199,7 @@ CONVERT_AND_ANSWER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.cli
 def test_two_processes_convert_into_one_empty_weights_folder(tmp_path):
     gguf_file, root, barrier = tiny_gguf(tmp_path / "tiny.gguf"), tmp_path / "weights", tmp_path / "barrier"
     barrier.mkdir()

@@ -12,6 +12,8 @@ import pytest
 
 from minillm import KVCache, LLMEngine, SamplingParams, generate, prefill
 
+pytestmark = pytest.mark.large
+
 PASSAGE = (
     "The lighthouse stood on a narrow spit of rock at the mouth of the harbour, and for two hundred years its "
     "keepers had climbed the same hundred and twelve steps every evening to light the lamp. The first lamp burned "

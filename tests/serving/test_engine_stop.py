@@ -49,6 +49,7 @@ def stop_cases(smollm2):
     return prompts, params, [alone(model, p, sp, eos=None, tokenizer=tok) for p, sp in zip(prompts, params)]
 
 
+@pytest.mark.large
 def test_stop_strings_give_generate_text(smollm2, stop_cases):
     model, tok = smollm2
     prompts, params, expected = stop_cases

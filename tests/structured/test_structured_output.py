@@ -45,6 +45,7 @@ def chat_ids(tokenizer, question):
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+@pytest.mark.large
 def test_real_model_answers_parse_and_validate(smollm2):
     model, tokenizer = smollm2
     eos = sorted(LLMEngine(model, tokenizer, num_blocks=4).eos_token_ids)
@@ -61,6 +62,7 @@ def test_real_model_answers_parse_and_validate(smollm2):
         print(f"{question!r}: {out.text!r} ({len(out.token_ids)} tokens)")
 
 
+@pytest.mark.large
 def test_real_model_choice_and_regex_with_generate(smollm2):
     model, tokenizer = smollm2
     eos = tokenizer.eos_token_ids
@@ -137,6 +139,7 @@ def test_a_limit_reached_mid_stream_is_a_one_line_value_error(tiny_chat):
     assert grammar.matcher().allowed()[x]  # the next sequence starts afresh: its own matcher
 
 
+@pytest.mark.cli
 def test_deeply_nested_grammars_compile_on_a_large_stack_without_killing_the_process(smollm2_dir):
     # A chain of 3,000 rules (or 2,000 schema $refs) overflowed an 8 MB stack inside llguidance: SIGSEGV.
     # In a child process, from a thread of the default stack (as the server's), so a regression fails here.
@@ -170,6 +173,7 @@ def client(server):
         yield c
 
 
+@pytest.mark.server
 def test_response_format_json_schema_through_the_openai_client(client):
     # The random model would wander in JSON's optional whitespace (allowed by default, as vLLM's):
     # vLLM's disable_any_whitespace keeps its answers to the compact form.
@@ -183,6 +187,7 @@ def test_response_format_json_schema_through_the_openai_client(client):
         jsonschema.validate(json.loads(choice.message.content), COLOUR)
 
 
+@pytest.mark.server
 def test_vllm_fields_on_completions(server, tiny_chat):
     _, tokenizer = tiny_chat
 
@@ -202,6 +207,7 @@ def test_vllm_fields_on_completions(server, tiny_chat):
     jsonschema.validate(json.loads(obj["text"]), COLOUR)
 
 
+@pytest.mark.server
 def test_logit_bias_over_http_bans_and_forces(server, tiny_chat):
     _, tokenizer = tiny_chat
     body = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
@@ -216,6 +222,7 @@ def test_logit_bias_over_http_bans_and_forces(server, tiny_chat):
     assert forced.json()["choices"][0]["text"] == tokenizer.decode([forced_id] * 4)
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("body, param, fragment", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
      "schema is missing"),
@@ -255,6 +262,7 @@ def test_bad_structured_requests_are_400s(server, body, param, fragment):
     assert fragment in error["message"] and error["param"] == param, error
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("field", [{"guided_grammar": YES_NO_GBNF}, {"structured_outputs": {"grammar": YES_NO_GBNF}}])
 def test_a_gbnf_grammar_through_the_server(server, field):
     for seed in range(3):
@@ -265,6 +273,7 @@ def test_a_gbnf_grammar_through_the_server(server, field):
         assert choice["text"] in ("yes", "no") and choice["finish_reason"] == "stop", choice
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("whitespace, bound", [
     ({}, JSON_WHITESPACE_BOUND),  # the default: bounded
     ({"whitespace_pattern": "[\\n]{0,3}"}, 3),  # vLLM's knob, honoured
@@ -286,6 +295,7 @@ def test_json_whitespace_is_bounded_when_the_model_favours_newlines(server, tiny
         assert choice["finish_reason"] == "length" and bound > 0, choice
 
 
+@pytest.mark.server
 def test_instructor_json_schema_mode_json_object_with_a_schema(client):
     # instructor <= 1.3's Mode.JSON_SCHEMA (Together, Anyscale) sends the model's schema next to "json_object"
     class Colour(pydantic.BaseModel):

@@ -64,6 +64,7 @@ def _panels(stderr: str) -> str:
     return "".join(line for line in stderr.splitlines(keepends=True) if not line.startswith("wrote "))
 
 
+@pytest.mark.cli
 def test_cli_trace_matches_the_golden_text(cli_run):
     r, _ = cli_run
     got = mask_timings(_panels(r.stderr))
@@ -73,6 +74,7 @@ def test_cli_trace_matches_the_golden_text(cli_run):
     assert got == GOLDEN.read_text(), "rendering changed; rerun with MINILLM_UPDATE_GOLDEN=1 if intended"
 
 
+@pytest.mark.cli
 def test_cli_trace_shows_every_phase_within_80_columns(cli_run):
     out = _panels(cli_run[0].stderr)
     for title in ("Prompt: ", "Prefill", "Steps: ", "Summary", "Roofline: "):
@@ -84,6 +86,7 @@ def test_cli_trace_shows_every_phase_within_80_columns(cli_run):
     assert "\x1b[" not in out  # plain text when not a terminal
 
 
+@pytest.mark.cli
 def test_cli_trace_out_and_plots(cli_run):
     run, out = cli_run
     records = [json.loads(line) for line in (out / "trace.jsonl").read_text().splitlines()]
@@ -100,6 +103,7 @@ def test_cli_trace_out_and_plots(cli_run):
         assert (out / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.cli
 def test_the_same_weights_read_the_same_in_info_whatif_and_the_trace(cli_run, smollm2_dir):
     info = minillm("info")
     whatif = minillm("whatif", "--config", str(smollm2_dir), "--dtype", "float32", "--hardware", "h100")

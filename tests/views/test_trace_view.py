@@ -19,7 +19,7 @@ from tiny_models import CONFIGS, build_hf, save_hf
 pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[browser]')")
 from headless_browser import headless_chrome, needs_browser  # noqa: E402
 
-pytestmark = needs_browser
+pytestmark = [pytest.mark.browser, needs_browser]
 N_NEW, PX = 6, 1.0  # tokens generated; bar widths are compared to 1 CSS pixel
 
 

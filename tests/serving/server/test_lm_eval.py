@@ -15,6 +15,8 @@ from tiny_models import CONFIGS, build_hf, save_hf
 
 import minillm
 
+pytestmark = [pytest.mark.eval, pytest.mark.server]
+
 TASK_YAML = Path(__file__).parents[2] / "data" / "lm_eval" / "minillm_mc.yaml"
 MODEL = "minillm-test"
 

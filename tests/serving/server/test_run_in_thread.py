@@ -17,6 +17,7 @@ def _app(answer: str) -> FastAPI:
     return app
 
 
+@pytest.mark.server
 def test_two_servers_on_free_ports_answer_then_stop():
     with run_in_thread(_app("a"), timeout_s=10) as url_a, run_in_thread(_app("b"), timeout_s=10) as url_b:
         assert url_a != url_b and url_a.startswith("http://127.0.0.1:")
@@ -26,6 +27,7 @@ def test_two_servers_on_free_ports_answer_then_stop():
         httpx.get(f"{url_a}/ping", timeout=5)
 
 
+@pytest.mark.server
 def test_a_port_in_use_is_one_clear_error():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -47,6 +47,7 @@ def chat_ids(tokenizer, messages):
     return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
 
 
+@pytest.mark.server
 def test_health_and_models(server, client):
     assert httpx.get(f"{server}/health", timeout=TIMEOUT_S).json() == {"status": "ok"}
     assert [m.id for m in client.models.list().data] == [MODEL]
@@ -60,6 +61,7 @@ BODIES = {"/v1/completions": ({"prompt": "Hi", "max_tokens": 2, "logit_bias": {"
           "/detokenize": ({"tokens": [1, 2]}, {"tokens": ["a"]})}
 
 
+@pytest.mark.server
 def test_openapi_documents_the_request_bodies(server):
     """/openapi.json (and so /docs) describes each POST route's body: protocol.py's model, nested
     models in components.schemas; a body the server serves fits it, one it refuses does not."""
@@ -75,6 +77,7 @@ def test_openapi_documents_the_request_bodies(server):
         assert httpx.post(f"{server}{path}", json=refused, timeout=TIMEOUT_S).status_code == 400
 
 
+@pytest.mark.server
 def test_models_retrieve_and_head_health(server, client):
     model = client.models.retrieve(MODEL)
     assert (model.id, model.object, model.owned_by) == (MODEL, "model", "minillm")
@@ -93,6 +96,7 @@ IGNORED = {"store": True, "metadata": {"project": "minillm"}, "user": "user-42",
            "tools": [], "tool_choice": "none"}
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("field", IGNORED)
 def test_a_field_that_changes_nothing_gives_the_same_answer_and_a_log_line(client, caplog, field):
     messages = [{"role": "user", "content": "Name a colour."}]
@@ -105,6 +109,7 @@ def test_a_field_that_changes_nothing_gives_the_same_answer_and_a_log_line(clien
     assert line.startswith("POST /v1/chat/completions: ignored fields") and line.endswith(f": {field}")
 
 
+@pytest.mark.server
 def test_all_the_ignored_fields_at_once_and_user_on_completions(client, caplog):
     with caplog.at_level(logging.WARNING, logger="minillm.serving.server.admission"):
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
@@ -119,6 +124,7 @@ def test_all_the_ignored_fields_at_once_and_user_on_completions(client, caplog):
                      "nothing here): user"]
 
 
+@pytest.mark.server
 def test_completion_equals_generate(client, tiny_chat):
     _, tokenizer = tiny_chat
     prompt = "The capital of France is"
@@ -133,6 +139,7 @@ def test_completion_equals_generate(client, tiny_chat):
         assert client.completions.create(model=MODEL, prompt=same, max_tokens=6, temperature=0).choices[0].text == text
 
 
+@pytest.mark.server
 def test_chat_completion_equals_generate_with_logprobs(client, tiny_chat):
     _, tokenizer = tiny_chat
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
@@ -152,6 +159,7 @@ def test_chat_completion_equals_generate_with_logprobs(client, tiny_chat):
         assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
 
 
+@pytest.mark.server
 def test_chat_text_parts_and_developer_role(client, tiny_chat):
     """Content as OpenAI's text parts is joined by newlines, "developer" is "system" (vLLM's reading)."""
     _, tokenizer = tiny_chat
@@ -164,6 +172,7 @@ def test_chat_text_parts_and_developer_role(client, tiny_chat):
     assert r.usage.prompt_tokens == len(chat_ids(tokenizer, plain))
 
 
+@pytest.mark.server
 def test_streaming_with_usage(server, client, tiny_chat):
     _, tokenizer = tiny_chat
     messages = [{"role": "user", "content": "Tell me a story."}]
@@ -187,6 +196,7 @@ def test_streaming_with_usage(server, client, tiny_chat):
         tiny_chat, tokenizer.encode("Hi"), max_new_tokens=3)[1]
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
 def test_continuous_usage_stats_put_the_counts_so_far_on_every_chunk(server, tiny_chat, endpoint):
     """vLLM's ``stream_options.continuous_usage_stats`` (guidellm sends it on every streaming request):
@@ -216,6 +226,7 @@ GUIDELLM_BODIES = {  # guidellm 0.8.1's requests, from backends/openai/request_h
 }
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("endpoint", GUIDELLM_BODIES)
 def test_guidellms_streaming_request_is_served(server, endpoint):
     """guidellm's default streaming requests, as it sends them: 6 tokens, usage on every chunk."""
@@ -227,6 +238,7 @@ def test_guidellms_streaming_request_is_served(server, endpoint):
     assert all(c["usage"] is not None for c in chunks)
 
 
+@pytest.mark.server
 def test_continuous_usage_stats_alone_adds_no_usage(server):
     """vLLM's rule: continuous_usage_stats counts only with include_usage."""
     body = {"prompt": "Hi", "max_tokens": 2, "stream": True, "stream_options": {"continuous_usage_stats": True}}
@@ -235,6 +247,7 @@ def test_continuous_usage_stats_alone_adds_no_usage(server):
     assert len(chunks) == 2 and all("usage" not in c for c in chunks)
 
 
+@pytest.mark.server
 def test_stop_string(client, tiny_chat):
     _, tokenizer = tiny_chat
     prompt_ids = tokenizer.encode("Once upon a time")
@@ -249,6 +262,7 @@ def test_stop_string(client, tiny_chat):
     assert "".join(c.choices[0].text for c in streamed) == expected  # no piece of the stop string leaks
 
 
+@pytest.mark.server
 def test_seed_reproducible(client, tiny_chat):
     _, tokenizer = tiny_chat
     prompt = "Pick a random word:"
@@ -262,6 +276,7 @@ def test_seed_reproducible(client, tiny_chat):
     assert other != first
 
 
+@pytest.mark.server
 def test_cached_tokens_on_a_repeated_long_prompt(client):
     prompt_ids = list(range(1000, 1040))  # 40 tokens: 2 full blocks of 16 can be reused
     first = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=2, temperature=0)
@@ -272,6 +287,7 @@ def test_cached_tokens_on_a_repeated_long_prompt(client):
     assert second.choices[0].text == first.choices[0].text
 
 
+@pytest.mark.server
 def test_eight_concurrent_streams_equal_their_single_answers_and_share_batches(server, tiny_chat):
     _, tokenizer = tiny_chat
     engine = app_of(server).state.async_engine.engine
@@ -294,6 +310,7 @@ def test_eight_concurrent_streams_equal_their_single_answers_and_share_batches(s
     assert max(len(step.scheduled) for step in engine.steps[first_step:]) > 1  # some step ran several requests
 
 
+@pytest.mark.server
 def test_requests_that_arrive_during_a_step_all_join_the_next(server):
     """Requests queue as commands while the engine holds its lock: the next step takes all four."""
     async_engine = app_of(server).state.async_engine
@@ -312,6 +329,7 @@ def test_requests_that_arrive_during_a_step_all_join_the_next(server):
     assert len(engine.steps[first_step].scheduled) == 4  # four prefills in one step
 
 
+@pytest.mark.server
 def test_disconnect_mid_stream_frees_the_blocks(server):
     async_engine = app_of(server).state.async_engine
     engine, pool = async_engine.engine, async_engine.engine.cache.allocator
@@ -334,6 +352,7 @@ def test_disconnect_mid_stream_frees_the_blocks(server):
         assert all(block.ref_count == 0 for block in pool.blocks)
 
 
+@pytest.mark.server
 def test_metrics_count_the_requests_sent(tiny_chat):
     model, tokenizer = tiny_chat
     with live_server(model, tokenizer, num_blocks=64) as url:
@@ -368,6 +387,7 @@ def test_metrics_count_the_requests_sent(tiny_chat):
     assert value("minillm:kv_cache_usage_perc") == 0
 
 
+@pytest.mark.server
 def test_metrics_count_preemptions_in_a_small_pool(tiny_chat):
     """Three requests of 5 blocks each in a pool of 8: the scheduler preempts, /metrics counts it."""
     model, tokenizer = tiny_chat

@@ -25,6 +25,7 @@ def tiny_folder(tmp_path_factory, smollm2_dir):
     return folder
 
 
+@pytest.mark.server
 def test_serve_starts_answers_and_stops_on_ctrl_c(tiny_folder):
     server, url = start_serve(tiny_folder, "--max-num-seqs", "4", "--api-key", "k3y")
     try:
@@ -43,6 +44,7 @@ def test_serve_starts_answers_and_stops_on_ctrl_c(tiny_folder):
     assert f"at {url}" in stderr and f"curl {url}/v1/chat/completions" in stderr
 
 
+@pytest.mark.server
 def test_sigterm_ends_an_open_stream_cleanly_and_exits_0(tiny_folder):
     """SIGTERM mid-stream, with --shutdown-timeout 0.5: the stream ends with OpenAI's error event and
     [DONE], the process exits 0, and nothing is logged as a traceback (issue 31, item 7)."""

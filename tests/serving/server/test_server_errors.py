@@ -143,6 +143,7 @@ CASES = {
 }
 
 
+@pytest.mark.server
 def test_unknown_route_and_method_get_openai_errors(server):
     for method, path, status in (("POST", "/v1/embeddings", 404), ("GET", "/v1/completions", 405)):
         r = httpx.request(method, f"{server}{path}", timeout=TIMEOUT_S)
@@ -157,6 +158,7 @@ def server(tiny_chat):
         yield url
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("name", CASES)
 def test_bad_request_gets_an_openai_error(server, name):
     endpoint, body, status, param, fragment = CASES[name]
@@ -170,6 +172,7 @@ def test_bad_request_gets_an_openai_error(server, name):
     assert fragment in error["message"] and "\n" not in error["message"]
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("raw", [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ten\r\n\r\n",
                                  b"NOT HTTP AT ALL\r\n\r\n",
                                  b"GET /v1/models HTTP/1.1\r\nHost: x\r\nA header without a colon\r\n\r\n"],
@@ -189,6 +192,7 @@ def test_malformed_http_gets_an_openai_error(server, raw):
                                           "type": "invalid_request_error", "param": None, "code": None}}
 
 
+@pytest.mark.server
 def test_server_keeps_serving_after_bad_requests(server):
     for body in ('{"prompt": ', {"prompt": [10**9]}, {"prompt": "x", "max_tokens": -1}):
         httpx.post(f"{server}/v1/completions", content=body if isinstance(body, str) else json.dumps(body),
@@ -200,6 +204,7 @@ def test_server_keeps_serving_after_bad_requests(server):
     assert not engine.has_unfinished_requests()
 
 
+@pytest.mark.server
 def test_full_waiting_queue_is_503_and_a_client_that_gives_up_aborts(tiny_chat):
     """One request runs (max_num_seqs 1), one waits (the limit, 1): a third gets 503. The
     waiting one's client then gives up: the server aborts it before it ever runs. The test
@@ -241,6 +246,7 @@ def test_full_waiting_queue_is_503_and_a_client_that_gives_up_aborts(tiny_chat):
         assert engine.requests[hog].finish_reason is None  # still running: the abort did not wait for it
 
 
+@pytest.mark.server
 def test_a_failing_step_fails_its_requests_and_the_server_goes_on(tiny_chat):
     model, tokenizer = tiny_chat
     with live_server(model, tokenizer, num_blocks=64) as url:
@@ -263,6 +269,7 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(tiny_chat):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
+@pytest.mark.server
 def test_a_lost_tensor_parallel_rank_makes_the_server_unhealthy(tiny_chat):
     """A step that raises EngineLostError (minillm/distributed/comm.py's TensorParallelError: a rank died) fails
     its request with the rank named; from then on /health answers 503 and new requests are refused."""
@@ -288,6 +295,7 @@ def test_a_lost_tensor_parallel_rank_makes_the_server_unhealthy(tiny_chat):
         assert r.status_code == 503 and r.json()["error"]["message"] == health.json()["error"]["message"]
 
 
+@pytest.mark.server
 def test_api_key_is_required_on_v1_when_set(tiny_chat):
     model, tokenizer = tiny_chat
     with live_server(model, tokenizer, num_blocks=16, api_key="s3cret") as url:
@@ -300,6 +308,7 @@ def test_api_key_is_required_on_v1_when_set(tiny_chat):
         assert httpx.get(f"{url}/health", timeout=TIMEOUT_S).status_code == 200  # open: a probe has no key
 
 
+@pytest.mark.server
 def test_a_body_over_the_limit_is_413(server, monkeypatch):
     monkeypatch.setattr(admission, "MAX_BODY_BYTES", 4096)
     body = json.dumps({"prompt": "word " * 2000, "max_tokens": 2})  # 10 KB
@@ -310,6 +319,7 @@ def test_a_body_over_the_limit_is_413(server, monkeypatch):
     assert short.status_code == 200
 
 
+@pytest.mark.server
 def test_a_pool_smaller_than_the_context_is_the_servers_limit_said_up_front(tiny_chat):
     """11 blocks of 16 hold 176 positions, fewer than the model's 512: a request that could never
     finish in the pool is refused before it runs (it used to end 'length' after a few tokens)."""
@@ -326,6 +336,7 @@ def test_a_pool_smaller_than_the_context_is_the_servers_limit_said_up_front(tiny
         assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 26
 
 
+@pytest.mark.server
 def test_a_logit_bias_key_with_thousands_of_leading_zeros_names_its_token(server):
     """"00...01" is token 1 (as int() reads it), not a 400 in Python's words about its digit limit."""
     body = {"prompt": "Hi", "max_tokens": 2, "temperature": 0, "logit_bias": {"0" * 4999 + "1": 100}}
@@ -335,6 +346,7 @@ def test_a_logit_bias_key_with_thousands_of_leading_zeros_names_its_token(server
     assert r.json()["choices"][0]["text"] == forced.json()["choices"][0]["text"]
 
 
+@pytest.mark.server
 def test_an_n_that_no_wait_can_fit_is_a_400_even_while_the_queue_is_full(tiny_chat):
     """The queue is full (one request waits, the limit is 1): n = 1 hears 503, retry later; n = 2 with
     max_num_seqs 1 would never fit, so it hears 400 naming n, not an invitation to retry."""

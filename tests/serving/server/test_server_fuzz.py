@@ -19,6 +19,7 @@ MAX_EXAMPLES = 1500  # about 40 a second here: the time bound ends the run first
 FUZZ_SECONDS = 30.0  # CI's share; benchmarks/fuzz_server.py runs for minutes
 
 
+@pytest.mark.server
 def test_fuzzed_requests_get_4xx_naming_their_field_and_leave_a_stream_alone(tiny_chat):
     model, tokenizer = tiny_chat
     with live_server(model, tokenizer, num_blocks=256, max_num_seqs=8) as url:

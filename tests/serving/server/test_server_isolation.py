@@ -83,6 +83,7 @@ def quiet(server):
     return [stream_chat(server, q)[0] for q in QUESTIONS]
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("case", list(HOSTILE))
 def test_a_hostile_constraint_is_refused_and_the_others_stream_on(server, quiet, case):
     field, fields = HOSTILE[case]
@@ -101,6 +102,7 @@ def test_a_hostile_constraint_is_refused_and_the_others_stream_on(server, quiet,
     assert httpx.get(f"{server}/health", timeout=TIMEOUT_S).status_code == 200
 
 
+@pytest.mark.server
 def test_a_real_grammar_that_passes_admission_and_fails_mid_stream_ends_alone(server, quiet):
     """Two free letters, then the hostile lexeme: admitted (its first masks are cheap), it runs out of lexer
     fuel once the letters are out, inside a step; that request alone fails, with its field named."""
@@ -120,6 +122,7 @@ def test_a_real_grammar_that_passes_admission_and_fails_mid_stream_ends_alone(se
     assert outcome["plain"].status_code == 400 and outcome["plain"].json()["error"]["param"] == "guided_grammar"
 
 
+@pytest.mark.server
 def test_a_constraint_failing_mid_stream_ends_that_stream_alone(server, quiet, monkeypatch):
     """A constraint that passes admission and fails at its 5th token (a grammar exhausting its budget
     mid-stream): its stream gets an error event naming its field, then [DONE]; a non-streaming one a 400."""
@@ -142,6 +145,7 @@ def test_a_constraint_failing_mid_stream_ends_that_stream_alone(server, quiet, m
     assert httpx.get(f"{server}/health", timeout=TIMEOUT_S).status_code == 200
 
 
+@pytest.mark.server
 def test_a_failed_step_with_no_owner_is_in_health_until_a_step_succeeds(tiny_chat):
     model, tokenizer = tiny_chat
     with live_server(model, tokenizer, num_blocks=64) as url:

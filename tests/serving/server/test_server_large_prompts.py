@@ -41,6 +41,7 @@ def refused(r: httpx.Response, param: str) -> str:
     return error["message"]
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("size", [4 * MiB, 31 * MiB])
 def test_a_huge_prompt_is_refused_untokenised(server, encoded, size):
     text = "x" * size
@@ -51,6 +52,7 @@ def test_a_huge_prompt_is_refused_untokenised(server, encoded, size):
     assert encoded == []
 
 
+@pytest.mark.server
 def test_a_prompt_the_bound_lets_through_is_refused_from_a_prefix(server, encoded):
     """Under the bound (512 tokens x 81 characters x 4) a prefix decides (Tokenizer.tokens_at_least):
     20,000 words are refused as at least 683 tokens from the first 4,096 characters' pieces,
@@ -148,6 +150,7 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("kind", TEXTS)
 @pytest.mark.parametrize("endpoint, param", [("completions", "prompt"), ("chat/completions", "messages")])
 def test_a_prompt_of_megabytes_is_refused_from_a_prefix_and_its_memory_given_back(long_context_server, kind,

@@ -40,6 +40,7 @@ def pool_is_free(server) -> bool:
     return pool.num_used_blocks == 0 and not pool.block_tables
 
 
+@pytest.mark.server
 def test_greedy_n_choices_equal_the_single_answer_and_usage_counts_the_prompt_once(server, client, tiny_chat):
     model, tokenizer = tiny_chat
     ids = tokenizer.encode(PROMPT)
@@ -54,6 +55,7 @@ def test_greedy_n_choices_equal_the_single_answer_and_usage_counts_the_prompt_on
     wait_until(lambda: pool_is_free(server))
 
 
+@pytest.mark.server
 def test_seeded_choices_are_reproducible_and_differ(client):
     def texts():
         reply = client.completions.create(model=MODEL, prompt=PROMPT, n=N, max_tokens=8, temperature=1.0, seed=5)
@@ -66,6 +68,7 @@ def test_seeded_choices_are_reproducible_and_differ(client):
     assert first[0] == single.choices[0].text  # choice i samples with seed + i: choice 0 is the n = 1 answer
 
 
+@pytest.mark.server
 def test_chat_stream_interleaves_indexes_each_ending_with_its_finish_reason(server, client):
     messages = [{"role": "user", "content": "Hi"}]
     kwargs = dict(model=MODEL, messages=messages, n=N, max_tokens=5, temperature=1.0, seed=9)
@@ -89,6 +92,7 @@ def test_chat_stream_interleaves_indexes_each_ending_with_its_finish_reason(serv
     wait_until(lambda: pool_is_free(server))
 
 
+@pytest.mark.server
 def test_completions_stream_with_continuous_usage_sums_every_choice(server):
     body = {"model": MODEL, "prompt": PROMPT, "n": N, "max_tokens": 4, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
@@ -103,6 +107,7 @@ def test_completions_stream_with_continuous_usage_sums_every_choice(server):
     assert sorted(set(indexes)) == list(range(N)) and len(indexes) == N * 4
 
 
+@pytest.mark.server
 def test_metrics_count_the_prompt_once_and_every_generated_token(server, client):
     def counters():
         text = httpx.get(f"{server}/metrics", timeout=TIMEOUT_S).text

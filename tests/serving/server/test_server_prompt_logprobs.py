@@ -71,6 +71,7 @@ def check_legacy_logprobs(logprobs, ids, hf, tokenizer, n, echo=True):
         assert list(top.values()) == pytest.approx(list(want.values()), abs=1e-4)
 
 
+@pytest.mark.server
 def test_echo_with_logprobs_is_the_legacy_format_with_transformers_values(server, weights):
     hf, _, tokenizer = weights
     out = complete(server, prompt=PROMPT, echo=True, logprobs=2, max_tokens=3)
@@ -86,6 +87,7 @@ def test_echo_with_logprobs_is_the_legacy_format_with_transformers_values(server
     assert out["usage"]["prompt_tokens"] == len(prompt_ids) and out["usage"]["completion_tokens"] == 3
 
 
+@pytest.mark.server
 def test_a_long_prompt_in_chunks_and_a_cached_prompt_keep_their_logprobs(server, weights):
     hf, _, tokenizer = weights
     ids = tokenizer.encode(PROMPT * 5)
@@ -99,6 +101,7 @@ def test_a_long_prompt_in_chunks_and_a_cached_prompt_keep_their_logprobs(server,
     check_legacy_logprobs(first["choices"][0]["logprobs"], ids, hf, tokenizer, 1)
 
 
+@pytest.mark.server
 def test_max_tokens_0_with_echo_returns_the_prompt_only(server, weights):
     hf, _, tokenizer = weights
     ids = tokenizer.encode(PROMPT)
@@ -112,6 +115,7 @@ def test_max_tokens_0_with_echo_returns_the_prompt_only(server, weights):
     assert (no_logprobs["text"], no_logprobs["logprobs"]) == (PROMPT, None)
 
 
+@pytest.mark.eval
 def test_lm_eval_payload_scores_the_continuation(server, weights):
     """lm-eval's local-completions loglikelihood request (lm_eval/models/openai_completions.py):
     prompt ids as a batch of one, echo, logprobs 1, max_tokens 1, temperature 0, a seed; it sums
@@ -133,6 +137,7 @@ def test_lm_eval_payload_scores_the_continuation(server, weights):
     assert got == pytest.approx(want, abs=1e-4) and is_greedy == want_greedy
 
 
+@pytest.mark.server
 def test_logprobs_without_echo_cover_the_output_only(server, weights):
     hf, _, tokenizer = weights
     ids = tokenizer.encode(PROMPT)
@@ -146,6 +151,7 @@ def test_logprobs_without_echo_cover_the_output_only(server, weights):
     assert choice["logprobs"]["text_offset"][0] == 0  # vLLM's: offsets into the returned text
 
 
+@pytest.mark.server
 def test_streaming_echo_sends_the_prompt_in_the_first_chunk(server):
     body = dict(model=MODEL, prompt=PROMPT, echo=True, logprobs=2, max_tokens=3, temperature=0)
     whole = complete(server, **{k: v for k, v in body.items() if k not in ("model", "temperature")})
@@ -162,6 +168,7 @@ def test_streaming_echo_sends_the_prompt_in_the_first_chunk(server):
     assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks] == [(PROMPT, "length")]
 
 
+@pytest.mark.server
 def test_openai_client_reads_echo_and_logprobs(server, weights):
     _, _, tokenizer = weights
     with openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S) as client:
@@ -173,6 +180,7 @@ def test_openai_client_reads_echo_and_logprobs(server, weights):
     assert r.usage.completion_tokens == 0
 
 
+@pytest.mark.server
 def test_tokenize_and_detokenize_round_trip(server, weights):
     _, _, tokenizer = weights
     text = "Hello, wörld! 🙂 <|im_start|>"
@@ -192,6 +200,7 @@ def test_tokenize_and_detokenize_round_trip(server, weights):
     assert info["model_max_length"] == 512
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("path, body, param, fragment", [
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "messages", "one of them"),
     ("/tokenize", {}, "messages", "one of them"),

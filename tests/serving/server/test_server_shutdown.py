@@ -9,6 +9,7 @@ import socket
 import threading
 
 import httpx
+import pytest
 from live_server import wait_until
 
 from minillm.serving.engine import LLMEngine
@@ -30,6 +31,7 @@ def post(url: str, body: dict, replies: list) -> None:
     replies.append(httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT_S))
 
 
+@pytest.mark.server
 def test_shutdown_ends_a_stream_and_a_waiting_request_with_errors(tiny_chat, caplog, capfd):
     model, tokenizer = tiny_chat
     async_engine = AsyncEngine(LLMEngine(model, tokenizer, num_blocks=64, max_num_seqs=1))
@@ -58,6 +60,7 @@ def test_shutdown_ends_a_stream_and_a_waiting_request_with_errors(tiny_chat, cap
     assert "2 request(s) still running" in logged and "Traceback" not in logged and "Cancel" not in logged
 
 
+@pytest.mark.server
 def test_a_request_that_finishes_within_the_timeout_is_answered_in_full(tiny_chat):
     model, tokenizer = tiny_chat
     async_engine = AsyncEngine(LLMEngine(model, tokenizer, num_blocks=64))
@@ -75,6 +78,7 @@ def test_a_request_that_finishes_within_the_timeout_is_answered_in_full(tiny_cha
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 40
 
 
+@pytest.mark.server
 def test_a_client_that_hangs_up_mid_body_logs_nothing(tiny_chat, caplog, capfd):
     model, tokenizer = tiny_chat
     async_engine = AsyncEngine(LLMEngine(model, tokenizer, num_blocks=64))

@@ -2,6 +2,7 @@
 streamed without cutting a character (each 🐦 is three byte-level tokens in SmolLM2's vocabulary)."""
 
 import openai
+import pytest
 from live_server import live_server
 
 import minillm
@@ -9,6 +10,7 @@ import minillm
 TIMEOUT_S = 120.0
 
 
+@pytest.mark.server
 def test_greedy_stream_equals_generate_token_for_token(smollm2):
     model, tokenizer = smollm2
     messages = [{"role": "user", "content": "Write three emojis of animals."}]

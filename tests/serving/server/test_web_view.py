@@ -24,7 +24,7 @@ from headless_browser import headless_chrome, needs_browser  # noqa: E402
 pytest.importorskip("fastapi", reason="the server extra is not installed (pip install -e '.[serve]')")
 from live_server import app_of, live_server  # noqa: E402  (needs fastapi and uvicorn)
 
-pytestmark = needs_browser
+pytestmark = [pytest.mark.browser, needs_browser]
 MAX_TOKENS, NUM_BLOCKS, BLOCK_SIZE = 300, 64, 16
 WAIT_S = 60  # every wait below is bounded by this
 
