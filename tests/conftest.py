@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_models import CONFIGS, build_hf, save_hf
 
 import minillm
@@ -61,6 +62,23 @@ def smollm2_gguf() -> Path:
 def smollm2_dir() -> Path:
     """The default model as an HF-style folder (config.json, model.safetensors, tokenizer.json)."""
     return weights.download(weights.DEFAULT_MODEL, progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf):
+    """transformers' own reading of the default model's GGUF (its dequantization), float32: the oracle,
+    loaded once (transformers' GGUF reader takes seconds)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_gguf):
+    """transformers' tokenizer read from the same GGUF: the tokenizer oracle, loaded once."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
 
 
 @pytest.fixture(scope="session")

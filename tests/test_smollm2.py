@@ -8,7 +8,7 @@ from minillm import SamplingParams, StreamDecoder, generate, load_model, load_to
 
 pytestmark = pytest.mark.large
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")  # the oracle
 
 
 @pytest.fixture(scope="module")
@@ -22,32 +22,25 @@ def tokenizer(smollm2_dir):
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_gguf):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
-    ).eval()
-
-
-@pytest.fixture(scope="module")
 def chat_ids(tokenizer):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
 
 
-def test_logits_on_a_30_token_prompt_match_transformers(model, tokenizer, hf_model):
+def test_logits_on_a_30_token_prompt_match_transformers(model, tokenizer, hf_smollm2):
     ids = tokenizer.encode("The KV cache stores keys and values so that decoding one token does not recompute "
                            "the whole prompt again and again, which would make every new token slower than the last.")[:30]
     assert len(ids) == 30
     ids = torch.tensor([ids])
     with torch.no_grad():
-        diff = (model(ids) - hf_model(ids).logits).abs().max().item()
+        diff = (model(ids) - hf_smollm2(ids).logits).abs().max().item()
     assert diff <= 1e-3
 
 
-def test_32_greedy_tokens_match_transformers(model, hf_model, chat_ids):
+def test_32_greedy_tokens_match_transformers(model, hf_smollm2, chat_ids):
     prompt = torch.tensor([chat_ids])
     with torch.no_grad():
-        hf_out = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32,
+        hf_out = hf_smollm2.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32,
                                    do_sample=False, eos_token_id=None, pad_token_id=0)
     expected = hf_out[0, len(chat_ids):].tolist()
     ours = [s.token_id for s in generate(model, chat_ids, SamplingParams(max_new_tokens=32), eos_token_ids=())]
@@ -70,8 +63,7 @@ def test_streamed_text_equals_one_shot_decode(model, tokenizer):
     assert not any("\ufffd" in p for p in pieces[:-1])
 
 
-def test_chat_prompt_equals_transformers(tokenizer, smollm2_gguf):
-    hf_tok = transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+def test_chat_prompt_equals_transformers(tokenizer, hf_smollm2_tokenizer):
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"}]
-    expected = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    expected = hf_smollm2_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert tokenizer.apply_chat_template(messages) == expected

@@ -45,27 +45,22 @@ def tok(smollm2_dir):
     return load_tokenizer(smollm2_dir)
 
 
-@pytest.fixture(scope="module")
-def hf_tok(smollm2_gguf):
-    return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_matches_transformers(tok, hf_smollm2_tokenizer, text):
+    assert tok.encode(text, add_special_tokens=True) == hf_smollm2_tokenizer(text, add_special_tokens=True).input_ids
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_encode_matches_transformers(tok, hf_tok, text):
-    assert tok.encode(text, add_special_tokens=True) == hf_tok(text, add_special_tokens=True).input_ids
-
-
-@pytest.mark.parametrize("text", TEXTS)
-def test_decode_round_trips(tok, hf_tok, text):
+def test_decode_round_trips(tok, hf_smollm2_tokenizer, text):
     ids = tok.encode(text)
     assert tok.decode(ids, skip_special_tokens=False) == text
-    assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
+    assert tok.decode(ids) == hf_smollm2_tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def test_special_tokens_match_transformers(tok, hf_tok):
-    assert (tok.bos_token_id, tok.eos_token_id) == (hf_tok.bos_token_id, hf_tok.eos_token_id) == (1, 2)
+def test_special_tokens_match_transformers(tok, hf_smollm2_tokenizer):
+    assert (tok.bos_token_id, tok.eos_token_id) == (hf_smollm2_tokenizer.bos_token_id, hf_smollm2_tokenizer.eos_token_id) == (1, 2)
     assert tok.eos_token_ids == {2}
-    assert tok.vocab_size == len(hf_tok) == 49152
+    assert tok.vocab_size == len(hf_smollm2_tokenizer) == 49152
     assert tok.id_to_token(2) == "<|im_end|>"
     assert tok.encode("hi", add_special_tokens=True) == tok.encode("hi", add_special_tokens=False)  # no BOS
 
@@ -75,12 +70,12 @@ def test_eos_token_ids_include_config_list(tok):
     assert other.eos_token_ids == {0, 2}
 
 
-def test_bytes_missing_from_vocab_are_dropped_like_transformers(tok, hf_tok):
+def test_bytes_missing_from_vocab_are_dropped_like_transformers(tok, hf_smollm2_tokenizer):
     """SmolLM2's vocabulary has no token for bytes such as 0x04 or 0xF1 (lead byte of
     U+40000..U+7FFFF), and byte-level BPE has no unknown token: those bytes vanish."""
     text = "a\x04b\U00040000c"
     ids = tok.encode(text)
-    assert ids == hf_tok(text).input_ids
+    assert ids == hf_smollm2_tokenizer(text).input_ids
     assert tok.decode(ids) == "ab\ufffd\ufffd\ufffdc"
 
 
@@ -93,13 +88,13 @@ def test_token_strings_show_split_characters_as_bytes(tok):
 
 
 @pytest.mark.parametrize("messages", CHATS)
-def test_chat_template_matches_transformers(tok, hf_tok, messages):
-    expected = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def test_chat_template_matches_transformers(tok, hf_smollm2_tokenizer, messages):
+    expected = hf_smollm2_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert tok.apply_chat_template(messages, add_generation_prompt=True) == expected
 
 
-def test_chat_template_without_generation_prompt(tok, hf_tok):
-    expected = hf_tok.apply_chat_template(CHATS[0], tokenize=False, add_generation_prompt=False)
+def test_chat_template_without_generation_prompt(tok, hf_smollm2_tokenizer):
+    expected = hf_smollm2_tokenizer.apply_chat_template(CHATS[0], tokenize=False, add_generation_prompt=False)
     assert tok.apply_chat_template(CHATS[0], add_generation_prompt=False) == expected
 
 

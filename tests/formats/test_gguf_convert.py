@@ -24,18 +24,10 @@ def converted_dir(smollm2_gguf, tmp_path_factory):
     return convert_gguf(smollm2_gguf, tmp_path_factory.mktemp("smollm2"), progress=False)
 
 
-@pytest.fixture(scope="module")
-def hf_model(smollm2_gguf):
-    """transformers' own dequantization of the same GGUF: the oracle."""
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
-    ).eval()
-
-
 @pytest.mark.large
-def test_every_tensor_equals_transformers(converted_dir, hf_model):
+def test_every_tensor_equals_transformers(converted_dir, hf_smollm2):
     ours = load_file(converted_dir / "model.safetensors")
-    theirs = hf_model.state_dict()
+    theirs = hf_smollm2.state_dict()
     assert set(ours) == set(theirs) - {"lm_head.weight"}  # tied: lm_head is embed_tokens
     for name, tensor in ours.items():
         assert tensor.dtype == torch.float32, name
@@ -43,9 +35,9 @@ def test_every_tensor_equals_transformers(converted_dir, hf_model):
 
 
 @pytest.mark.large
-def test_config_matches_transformers(converted_dir, hf_model):
+def test_config_matches_transformers(converted_dir, hf_smollm2):
     ours = transformers.AutoConfig.from_pretrained(converted_dir)
-    theirs = hf_model.config
+    theirs = hf_smollm2.config
     fields = [
         "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
         "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
@@ -57,12 +49,12 @@ def test_config_matches_transformers(converted_dir, hf_model):
 
 
 @pytest.mark.large
-def test_folder_loads_in_transformers_with_same_logits(converted_dir, hf_model):
+def test_folder_loads_in_transformers_with_same_logits(converted_dir, hf_smollm2):
     """End to end: config.json + model.safetensors are a complete HF Llama checkpoint."""
     model = transformers.AutoModelForCausalLM.from_pretrained(converted_dir, dtype=torch.float32).eval()
     ids = torch.tensor([[1, 4093, 198, 6004, 2, 198, 1, 520, 9531, 198]])
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, hf_model(ids).logits)
+        assert torch.equal(model(ids).logits, hf_smollm2(ids).logits)
 
 
 @pytest.mark.large
@@ -353,10 +345,10 @@ SMOLLM2_TEXTS = ["Hello, world!", "Pi is 3.14159; 1,000,000 items", "def add(a, 
 
 
 @pytest.mark.large
-def test_smollm2_tokenizer_matches_transformers(converted_dir, smollm2_gguf):
+def test_smollm2_tokenizer_matches_transformers(converted_dir, hf_smollm2_tokenizer):
     """The real "smollm" pre-tokenizer, freshly converted, against transformers' reading of the GGUF."""
     ours = Tokenizer.from_file(str(converted_dir / "tokenizer.json"))
-    theirs = transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    theirs = hf_smollm2_tokenizer
     for text in SMOLLM2_TEXTS:
         assert ours.encode(text).ids == theirs(text).input_ids, text
 
