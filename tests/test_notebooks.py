@@ -11,19 +11,15 @@ Two checks per notebook, parametrized over every ``notebooks/*.ipynb``:
   same one, and a measured time is never shown below its roofline floor (a ratio ``0.7x`` next to
   the word "floor") unless the cell also says why ("faster than the floor").
 - ``test_notebook_executes``: runs the notebook with nbclient in a fresh ``python3`` kernel
-  (this interpreter's ipykernel), cwd ``notebooks/``, and fails on the first cell that raises.
-  Each notebook should finish in under 2 minutes on a laptop CPU; the test allows
-  ``MINILLM_NOTEBOOK_BUDGET_S`` seconds (default 300, generous for shared CI machines).
+  (this interpreter's ipykernel), cwd ``notebooks/``, and fails on the first cell that raises
+  (or runs past CELL_TIMEOUT_S: a hang, not a slow machine). The only test here that runs a kernel,
+  so the only one of the slow kind ``notebook``.
 """
 
-import os
 import re
-import time
 from pathlib import Path
 
 import pytest
-
-pytestmark = pytest.mark.notebook
 
 NEEDS = "is not installed (pip install -e '.[notebooks]')"
 nbformat = pytest.importorskip("nbformat", reason=f"nbformat {NEEDS}")
@@ -33,7 +29,6 @@ pytest.importorskip("ipykernel", reason=f"ipykernel {NEEDS}")
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 CELL_TIMEOUT_S = 600
-BUDGET_S = float(os.environ.get("MINILLM_NOTEBOOK_BUDGET_S", 300))
 
 
 def committed_problems(nb) -> list[str]:
@@ -164,6 +159,7 @@ def test_calibration_and_floor_checks_find_problems():
     assert floor_problems(notebook("a cell about tokens: 0.5x the cost\n")) == []          # no "floor": not a roofline ratio
 
 
+@pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_executes(path, smollm2_dir, monkeypatch):
     from minillm.formats import weights
@@ -177,10 +173,7 @@ def test_notebook_executes(path, smollm2_dir, monkeypatch):
     # interpreter (sys.executable), so the kernel sees the same minillm and torch.
     client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                                      resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
-    start = time.perf_counter()
     try:
         client.execute()
     except nbclient.exceptions.CellExecutionError as error:
         pytest.fail(f"{path.name} failed:\n{error}", pytrace=False)
-    elapsed = time.perf_counter() - start
-    assert elapsed < BUDGET_S, f"{path.name} took {elapsed:.0f} s to run (budget {BUDGET_S:.0f} s; target < 120 s)"
