@@ -15,7 +15,6 @@ import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
-import jsonschema
 import pytest
 
 from minillm.classroom import CheckResult, ExerciseResult, find_checkout, reference_answers
@@ -24,6 +23,7 @@ from minillm.classroom.reports import (SCORING, class_csv, class_html, class_jso
 from minillm.cli import main
 
 pytestmark = pytest.mark.grader
+jsonschema = pytest.importorskip("jsonschema", reason="the reports' schema check needs jsonschema (pip install -e '.[dev]')")
 
 EXERCISES = ["ex01", "ex02"]
 CAROLS_MISTAKES = {"ex01": "mask_window_ignored", "ex02": "attention_without_scale"}

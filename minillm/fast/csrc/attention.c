@@ -10,7 +10,7 @@
  *                         own (flash attention)
  *
  * Each computes attention_reference for every (sequence, head, query), the softmax summed in another
- * order: tests/test_matvec_kernels.py and tests/serving/test_fast_paged_attention.py check them, native
+ * order: tests/fast/test_matvec_kernels.py and tests/fast/test_fast_paged_attention.py check them, native
  * and portable builds, against SDPA in float64, and this reference against it too.
  */
 #include "common.h"

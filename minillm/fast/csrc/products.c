@@ -6,7 +6,7 @@
  * f32_matvec       up to 8 rows: each thread a share of w's rows, each weight read once for all rows
  * f32_panel_matmul more rows (a server's): a GEMM micro-kernel on a copy of w packed into panels
  *
- * Both compute f32_matmul_reference's sums, in another order: tests/test_matvec_kernels.py checks them,
+ * Both compute f32_matmul_reference's sums, in another order: tests/fast/test_matvec_kernels.py checks them,
  * native and portable builds, against float64 F.linear, and this reference against it too.
  */
 #include "common.h"

@@ -14,8 +14,8 @@
  *   more (prefill) int8_dequantize, int4_dequantize  the whole float matrix, for one float product
  *
  * Each computes quantized_matmul_reference's sums in another order (dequantize: its ŵ):
- * tests/test_quantize.py and tests/test_quantized_batches.py check them, native and portable builds,
- * against QuantizedLinear.forward_reference (dequantise, then F.linear); tests/test_matvec_kernels.py
+ * tests/test_quantize.py and tests/fast/test_quantized_batches.py check them, native and portable builds,
+ * against QuantizedLinear.forward_reference (dequantise, then F.linear); tests/fast/test_matvec_kernels.py
  * checks this reference against it too.
  */
 #include "common.h"

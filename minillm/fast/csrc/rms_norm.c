@@ -4,7 +4,7 @@
  *   out[r, i] = x[r, i] · 1/sqrt(mean_i x[r, i]² + eps) · w[i]
  *
  * rms_norm computes rms_norm_reference's values, the squares summed in vector lanes:
- * tests/test_fast_block.py checks it, native and portable builds, against float64 RMSNorm, and this
+ * tests/fast/test_fast_block.py checks it, native and portable builds, against float64 RMSNorm, and this
  * reference against it too.
  */
 #include "common.h"

@@ -2,7 +2,7 @@
  *
  *   out[r, i] = silu(g[r, i]) · u[r, i],   silu(g) = g / (1 + exp(-g)),   g, u the row's two halves
  *
- * silu_mul computes silu_mul_reference's values, exp by common.h's exp8 (~1 ulp): tests/test_silu_mul.py
+ * silu_mul computes silu_mul_reference's values, exp by common.h's exp8 (~1 ulp): tests/fast/test_silu_mul.py
  * checks it, native and portable builds, against float64 F.silu(gate) · up, and this reference against
  * it too.
  */

@@ -12,8 +12,8 @@ every step: tokens, logprobs, phases, cache lengths, finish reasons.
 
 Check:      minillm check ex14   (or: pytest tests/exercises -m ex14 --impl student)
 Lesson:     lessons/02-prefill-and-decode.md#the-two-phases-at-a-glance, lessons/04-decode-slowly.md
-Reference:  minillm.generate.generate (with a prefix cache, a trace and stop strings besides);
-            tests/exercises/solutions.py (this loop alone). Peek once your checks pass, or when stuck.
+Reference:  minillm/generate.py: ``generate``, the loop, then its helpers (the prefix cache, constrained
+            decoding, the trace, speculative decoding). Peek once your checks pass, or when stuck.
 """
 
 from __future__ import annotations
