@@ -4,9 +4,15 @@ Models are loaded once per session, never per test:
 
 ``tiny_model(name)``: a random-weight model of one tests/tiny_models.py config (float32, CPU).
 ``smollm2``: the real default model and its tokenizer.
-``tiny_chat``: a random model with SmolLM2's vocabulary, tokenizer and chat template."""
+``tiny_chat``: a random model with SmolLM2's vocabulary, tokenizer and chat template.
 
+``run_main(*args)``: the ``minillm`` command run in this process, for its usage errors and help texts."""
+
+import io
 import os
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -14,6 +20,7 @@ import torch
 from tiny_models import CONFIGS, build_hf, save_hf
 
 import minillm
+from minillm.cli import main
 from minillm.formats import weights
 
 # Tests run one fixed eager decode path (minillm/fast/choose.py): the rule's pick where a C compiler
@@ -50,6 +57,36 @@ def pytest_addoption(parser):
     group.addoption("--exercise-report", metavar="FILE.json", help="write each exercise's check results as JSON")
     group.addoption("--exercise-progress", metavar="FILE.jsonl",
                     help="append a line as each check starts and ends (how `minillm check` survives a hang or crash)")
+
+
+@pytest.fixture
+def run_main(capsys, monkeypatch):
+    """``run_main(*args, stdin=None)``: ``minillm ARGS`` run in this process (:func:`minillm.cli.main`), read as
+    a subprocess is: a CompletedProcess with the exit code and this call's stdout and stderr.
+
+    A usage error or a --help text needs no process of its own (Python, torch, often a model load: seconds
+    each): main itself turns every error into its exit code and one line on stderr. The call runs under the
+    warning filters a process starts with (pytest's show DeprecationWarnings, which the command never
+    prints), and what main changes goes back after it: ``warnings.showwarning`` (its one-line printer), and
+    ``sys.stdin`` where ``stdin`` stands in for the pipe. The process path itself (``python -m minillm``,
+    sys.exit) keeps one subprocess test per command, of the ``cli`` kind."""
+
+    def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+        if stdin is not None:
+            monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+        capsys.readouterr()  # this call's output alone
+        with warnings.catch_warnings():  # restores the filters and showwarning
+            warnings.resetwarnings()
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.simplefilter("ignore", category)  # Python's own filters, without -W
+            try:
+                code = main(list(args))
+            except SystemExit as stop:  # argparse's --help and --version
+                code = stop.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["minillm", *args], code, out, err)
+
+    return run
 
 
 @pytest.fixture(scope="session")

@@ -156,17 +156,27 @@ def test_cli_chat_reads_lines_and_streams_answers(model, tokenizer, smollm2_dir)
     assert err[3] == "conversation forgotten, KV cache emptied (0 tokens)" and len(err) == 4
 
 
-@pytest.mark.cli
-@pytest.mark.parametrize("max_context, message", [
+CHAT_USAGE_ERRORS = [
     ("0", "--max-context must be >= 1, got 0"),
     # SmolLM2's template adds its default system message: 31 tokens around "Hi" (this exited 0, its error
     # printed after the first line was read)
     ("10", "--max-context 10 is too small: the message 'Hi' alone makes a 31-token prompt (the chat template "
            "and any system message included); give more than 31"),
-])
-def test_cli_chat_bad_options_are_usage_errors(smollm2_dir, max_context, message):
+]
+
+
+@pytest.mark.cli
+def test_cli_chat_bad_option_exits_2_in_the_command(smollm2_dir):
+    """The process path of chat's usage errors (each of them below, in this process)."""
+    max_context, message = CHAT_USAGE_ERRORS[0]
     run = subprocess.run([sys.executable, "-m", "minillm", "chat", "--model", str(smollm2_dir), "--max-context",
                           max_context], input="Hi\n", capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stderr, run.stdout) == (2, f"minillm: error: {message}\n", "")
+
+
+@pytest.mark.parametrize("max_context, message", CHAT_USAGE_ERRORS)
+def test_cli_chat_bad_options_are_usage_errors(run_main, smollm2_dir, max_context, message):
+    run = run_main("chat", "--model", str(smollm2_dir), "--max-context", max_context, stdin="Hi\n")
     assert (run.returncode, run.stderr, run.stdout) == (2, f"minillm: error: {message}\n", "")
 
 

@@ -36,18 +36,20 @@ def _run(args, env):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=120)
 
 
-def _help(env) -> str:
-    r = _run(["-m", "minillm", "--help"], env)
+@pytest.mark.parametrize("environ, says", [
+    ({}, "CPU threads: torch's count (one a core), fewer while other processes keep cores busy"),
+    ({"OMP_NUM_THREADS": "1"}, "OMP_NUM_THREADS=1, as your environment sets it (minillm keeps the count)"),
+    ({cpu_policy.OPT_OUT: "off"}, "CPU threads: torch's count, fixed (MINILLM_CPU_POLICY=off)"),
+])
+def test_help_says_what_the_command_does_with_threads(run_main, monkeypatch, environ, says):
+    """In this process (conftest's run_main): the help reads the environment when it is printed."""
+    for name in set(os.environ) - set(CLEAN):
+        monkeypatch.delenv(name)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    r = run_main("--help")
     assert r.returncode == 0, r.stderr
-    return " ".join(r.stdout.split())
-
-
-@pytest.mark.cli
-def test_help_says_what_the_command_does_with_threads():
-    assert "CPU threads: torch's count (one a core), fewer while other processes keep cores busy" in _help(CLEAN)
-    assert "OMP_NUM_THREADS=1, as your environment sets it (minillm keeps the count)" in _help(
-        dict(CLEAN, OMP_NUM_THREADS="1"))
-    assert "CPU threads: torch's count, fixed (MINILLM_CPU_POLICY=off)" in _help(dict(CLEAN, MINILLM_CPU_POLICY="off"))
+    assert says in " ".join(r.stdout.split())
 
 
 @pytest.mark.cli

@@ -228,8 +228,7 @@ def test_importing_minillm_leaves_the_compiler_out():
     assert r.stdout.split() == ["False", "False"], r.stderr
 
 
-@pytest.mark.cli
-@pytest.mark.parametrize("args, message", [
+BAD_BENCH_OPTIONS = [
     (["--threads", "0"], "--threads must be >= 1"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--decode-tokens", "1"], "--decode-tokens must be >= 2"),
@@ -240,14 +239,29 @@ def test_importing_minillm_leaves_the_compiler_out():
     (["--plot", "{tmp}/b.txt"], "must end in .png"),
     (["--memory-tokens", "9000"], "memory tokens must be in [0, 8176]"),
     (["--prompt-lengths", "0"], "prompt length 0 must be in"),
-])
-def test_cli_bad_bench_options_exit_2_before_the_work(smollm2_dir, tmp_path, args, message):
+]
+
+
+@pytest.mark.cli
+def test_cli_bad_bench_option_exits_2_in_the_command(smollm2_dir):
+    """The process path of the bench's usage errors (each of them below, in this process)."""
     import subprocess
     import sys
 
-    args = [a.format(tmp=tmp_path) for a in args]
+    args, message = BAD_BENCH_OPTIONS[0]
     r = subprocess.run([sys.executable, "-m", "minillm", "bench", "--quick", *args], capture_output=True, text=True,
                        timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args, message", BAD_BENCH_OPTIONS)
+def test_cli_bad_bench_options_exit_2_before_the_work(run_main, smollm2_dir, tmp_path, args, message):
+    """In this process (conftest's run_main), its thread count untouched (--threads is refused before
+    torch.set_num_threads); the lengths after the model loads (its context), all before the bench."""
+    threads = torch.get_num_threads()
+    r = run_main("bench", "--quick", *(a.format(tmp=tmp_path) for a in args))
+    assert torch.get_num_threads() == threads
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
     assert "bench: warming up" not in r.stderr

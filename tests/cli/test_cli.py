@@ -1,7 +1,9 @@
-"""The minillm command line, run as a user runs it: in a subprocess."""
+"""The minillm command line, run as a user runs it: in a subprocess; its usage errors in this process
+(main's exit code and stderr, conftest's run_main), one of each command's also in a subprocess."""
 
 import importlib.abc
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -52,31 +54,39 @@ def test_prompt_from_stdin_without_chat():
     assert "generated 3 tok" in r.stderr
 
 
+USAGE_ERRORS = [
+    (["generate", "hi", "--bogus"], "unrecognized arguments: --bogus"),
+    (["generate", "hi", "--top-p", "2"], "top-p must be in (0, 1]"),
+    (["generate", "hi", "--max-new-tokens", "0"], "max-new-tokens must be an integer >= 1"),
+    (["generate", "hi", "--temperature", "abc"], "invalid float value"),
+    (["generate", "   "], "the prompt is empty"),
+    (["frobnicate"], "invalid choice"),
+    (["generate", "hi", "--trace-out", "/"], "is a folder; give a file name"),
+    (["generate", "hi", "--trace-out", "/no/such/folder/t.jsonl"], "folder /no/such/folder does not exist"),
+]
+
+
 @pytest.mark.cli
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["generate", "hi", "--bogus"], "unrecognized arguments: --bogus"),
-        (["generate", "hi", "--top-p", "2"], "top-p must be in (0, 1]"),
-        (["generate", "hi", "--max-new-tokens", "0"], "max-new-tokens must be an integer >= 1"),
-        (["generate", "hi", "--temperature", "abc"], "invalid float value"),
-        (["generate", "   "], "the prompt is empty"),
-        (["frobnicate"], "invalid choice"),
-        (["generate", "hi", "--trace-out", "/"], "is a folder; give a file name"),
-        (["generate", "hi", "--trace-out", "/no/such/folder/t.jsonl"], "folder /no/such/folder does not exist"),
-    ],
-)
-def test_usage_errors_exit_2_with_one_line(args, message):
+def test_the_command_exits_2_with_one_line_on_a_usage_error():
+    """The process path of every usage error below: `python -m minillm`'s exit code is main's return."""
+    args, message = USAGE_ERRORS[0]
     r = minillm(*args)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and message in r.stderr
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.cli
-def test_chat_on_a_model_without_a_chat_template_exits_2_with_one_line(no_template_folder):
+@pytest.mark.parametrize("args, message", USAGE_ERRORS)
+def test_usage_errors_exit_2_with_one_line(run_main, args, message):
+    r = run_main(*args)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_chat_on_a_model_without_a_chat_template_exits_2_with_one_line(run_main, no_template_folder):
     """A usage error, as the README promises (it exited 1 with the tokenizer's "pass a plain prompt instead")."""
-    r = minillm("generate", "hi", "--chat", "--model", str(no_template_folder))
+    r = run_main("generate", "hi", "--chat", "--model", str(no_template_folder))
     assert (r.returncode, r.stderr, r.stdout) == (
         2, f"minillm: error: --chat needs a chat template and {no_template_folder} has none; drop --chat\n", "")
 
@@ -89,22 +99,22 @@ def test_generate_runs_in_float64(no_template_folder):
     assert "generated 2 tok" in r.stderr
 
 
-@pytest.mark.cli
 @pytest.mark.parametrize("where", ["argv", "stdin"])
-def test_a_prompt_that_is_not_utf8_exits_1_with_one_line(where):
-    """A Latin-1 byte (0xe9) in the prompt: was "TypeError: TextInputSequence must be str"."""
+def test_a_prompt_that_is_not_utf8_exits_1_with_one_line(run_main, where):
+    """A Latin-1 byte (0xe9) in the prompt: was "TypeError: TextInputSequence must be str". Python hands the
+    command such a byte as a surrogate (U+DCE9): os.fsdecode reads argv so, and a pipe on stdin reads so where
+    its error handler is surrogateescape (the C and C.UTF-8 locales)."""
     prompt = b"caf\xe9 au lait"
-    args = [sys.executable, "-m", "minillm", "generate", "--max-new-tokens", "2"]
-    r = subprocess.run(args + ([prompt] if where == "argv" else ["-"]), capture_output=True, timeout=600,
-                       input=prompt if where == "stdin" else None)
-    stderr = r.stderr.decode()
-    assert r.returncode == 1 and stderr.count("\n") == 1, stderr
-    assert "not valid UTF-8: byte 0xe9" in stderr and "Traceback" not in stderr
+    if where == "argv":
+        r = run_main("generate", "--max-new-tokens", "2", os.fsdecode(prompt))
+    else:
+        r = run_main("generate", "--max-new-tokens", "2", "-", stdin=prompt.decode("utf-8", "surrogateescape"))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "not valid UTF-8: byte 0xe9" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.cli
-def test_missing_model_path_exits_1_with_one_line(tmp_path):
-    r = minillm("generate", "hi", "--model", str(tmp_path / "nope"))
+def test_missing_model_path_exits_1_with_one_line(run_main, tmp_path):
+    r = run_main("generate", "hi", "--model", str(tmp_path / "nope"))
     assert r.returncode == 1
     assert r.stderr.count("\n") == 1 and "no model at" in r.stderr
 
@@ -123,8 +133,7 @@ def test_info_reports_parameters_and_kv_bytes():
     assert "46,080" in r.stdout  # KV bytes per token: 2 * 30 layers * 3 KV heads * 64 * 4 bytes
 
 
-@pytest.mark.cli
-@pytest.mark.parametrize(
+OUT_FOLDER_COMMANDS = pytest.mark.parametrize(
     "args",
     [
         ["convert", "{gguf}", "{out}"],
@@ -133,10 +142,23 @@ def test_info_reports_parameters_and_kv_bytes():
     ],
     ids=["convert", "sweep"],
 )
-@pytest.mark.parametrize("out", ["taken", "taken/out"])
-def test_output_folder_through_a_file_exits_2_before_the_work(tmp_path, smollm2_gguf, args, out):
+
+
+@pytest.mark.cli
+@OUT_FOLDER_COMMANDS
+def test_output_folder_through_a_file_exits_2_in_the_command(tmp_path, smollm2_gguf, args):
+    """The process path of each command's usage error (its cases are below, in this process)."""
     (tmp_path / "taken").write_text("keep me")
-    r = minillm(*(a.format(gguf=smollm2_gguf, out=tmp_path / out) for a in args))
+    r = minillm(*(a.format(gguf=smollm2_gguf, out=tmp_path / "taken") for a in args))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and f"{tmp_path / 'taken'} exists and is not a folder" in r.stderr
+
+
+@OUT_FOLDER_COMMANDS
+@pytest.mark.parametrize("out", ["taken", "taken/out"])
+def test_output_folder_through_a_file_exits_2_before_the_work(run_main, tmp_path, smollm2_gguf, args, out):
+    (tmp_path / "taken").write_text("keep me")
+    r = run_main(*(a.format(gguf=smollm2_gguf, out=tmp_path / out) for a in args))
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and f"{tmp_path / 'taken'} exists and is not a folder" in r.stderr
     assert (tmp_path / "taken").read_text() == "keep me"

@@ -1,4 +1,5 @@
-"""`minillm generate --json-schema/--regex/--choice/--logit-bias`, run as a user runs it."""
+"""`minillm generate --json-schema/--regex/--choice/--logit-bias`, run as a user runs it; the usage errors
+in this process."""
 
 import json
 import subprocess
@@ -38,7 +39,6 @@ def test_json_schema_answer_validates_and_the_trace_counts_allowed_tokens(tmp_pa
     assert allowed[0] <= 2 and allowed[-1] >= 1 and all(1 <= n <= 49152 for n in allowed)  # '{' or '{"' first
 
 
-@pytest.mark.cli
 @pytest.mark.parametrize("args, message", [
     (["--json-schema", "/no/such/schema.json"], "--json-schema: no file /no/such/schema.json"),
     (["--json-schema", "/"], "--json-schema: / is a folder, not a schema file"),
@@ -51,6 +51,8 @@ def test_json_schema_answer_validates_and_the_trace_counts_allowed_tokens(tmp_pa
     (["--regex", "(a{1000}){1000}"], "--regex: the regex exceeds the lexer fuel limit (initial_lexer_fuel"),
     (["--regex", r"[^\s\S]"], "--regex: no text matches the regex"),
 ])
-def test_usage_errors_exit_2(args, message):
-    r = minillm("generate", "hi", *args)
+def test_usage_errors_exit_2(run_main, args, message):
+    """In this process (conftest's run_main; tests/cli/test_cli.py runs one usage error as a process): those
+    the grammar finds load the default model first, in a second, not a process's start on top."""
+    r = run_main("generate", "hi", *args)
     assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr

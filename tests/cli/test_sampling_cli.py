@@ -1,5 +1,6 @@
 """The sampling and stopping flags of 'minillm generate' and the generation defaults of
-'minillm info', run in a subprocess on the default model as a user runs them."""
+'minillm info', run in a subprocess on the default model as a user runs them; the flags' usage
+errors in this process."""
 
 import json
 import subprocess
@@ -42,7 +43,6 @@ def test_generation_config_eos_stops_the_cli_and_info_names_its_source(smollm2_d
     assert rows["not used by minillm"] == ["num_beams", "generation_config.json"]
 
 
-@pytest.mark.cli
 @pytest.mark.parametrize(
     "flag, value, message",
     [
@@ -52,6 +52,7 @@ def test_generation_config_eos_stops_the_cli_and_info_names_its_source(smollm2_d
         ("--temperature", "nan", "--temperature must be a finite number >= 0 (0 = greedy), got nan"),
     ],
 )
-def test_bad_sampling_flags_are_one_line_usage_errors(flag, value, message):
-    r = minillm("generate", "hi", flag, value)
+def test_bad_sampling_flags_are_one_line_usage_errors(run_main, flag, value, message):
+    """In this process (conftest's run_main): said before the model loads."""
+    r = run_main("generate", "hi", flag, value)
     assert r.returncode == 2 and r.stderr == f"minillm: error: {message}\n"

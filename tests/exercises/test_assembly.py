@@ -328,13 +328,15 @@ def test_generate_stops_a_looping_piece_with_one_line_and_exit_1(tmp_path, smoll
                         r"stopped \(an endless loop\?\); --timeout SECONDS sets the limit", r.stderr.strip()), r.stderr
 
 
-@pytest.mark.cli
-def test_incompatible_flags_are_refused_in_one_line(references):
-    for flags, message in ((["--trace"], "--trace does not go with --student-dir"),
-                           (["--dtype", "bfloat16"], "--student-dir compares float32 logits"),
-                           (["--temperature", "0.7"], "needs --seed")):
-        r = minillm("generate", "--student-dir", str(references), *flags)
-        assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+@pytest.mark.parametrize("flags, message", [
+    (["--trace"], "--trace does not go with --student-dir"),
+    (["--dtype", "bfloat16"], "--student-dir compares float32 logits"),
+    (["--temperature", "0.7"], "needs --seed"),
+])
+def test_incompatible_flags_are_refused_in_one_line(run_main, references, flags, message):
+    """In this process (conftest's run_main): refused before the model loads or a piece is imported."""
+    r = run_main("generate", "--student-dir", str(references), *flags)
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 # -- minillm check's engine run: in the checks' sandbox ----------------------------------------------

@@ -212,11 +212,11 @@ def test_check_and_the_assembly_agree_on_the_core_exercises():
     assert check.CORE_EXERCISES == CORE_EXERCISES == tuple(sorted({ex for ex, _, _ in PIECES}))
 
 
-def test_the_references_pass_their_checks(tmp_path):
+def test_the_references_pass_their_checks(tmp_path, run_main):
     r = minillm("check", "--reference", "ex01", "ex14")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "2 passed, 0 failed, 0 not attempted (of 2 exercises)" in r.stdout
-    r = minillm("check", "--reference", "--student-dir", str(tmp_path))
+    r = run_main("check", "--reference", "--student-dir", str(tmp_path))  # refused before any check runs
     assert r.returncode == 2 and "--reference grades minillm's own solutions: drop --student-dir" in r.stderr
 
 
