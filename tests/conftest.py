@@ -31,6 +31,10 @@ from minillm.formats import weights
 # to check the choosing; fast=False loads run the plain modules.
 os.environ.setdefault("MINILLM_DECODE_PATH", "matvec")
 
+# Under pytest-xdist (`pytest -n auto`) the workers share the cores: one torch thread each, or two
+# workers on two cores run four spinning OpenMP threads and each runs slower than alone.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 SLOW_KINDS = ("notebook", "cli", "server", "distributed", "compile", "browser", "eval", "grader", "large")
 
