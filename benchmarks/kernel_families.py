@@ -38,6 +38,7 @@ from minillm.fast.products import split_product
 from minillm.model import sdpa_attention
 from minillm.quantize import QuantizedLinear, unpack_int4
 from minillm.serving.paged_cache import PagedKVCache
+from paged_decode_attention import random_block_tables  # the same pools as that benchmark (benchmarks/ is on sys.path)
 
 SHAPES = {  # SmolLM2's public configs
     "135m": dict(d=576, mlp=1536, heads=9, kv_heads=3, head_dim=64, layers=30),
@@ -142,12 +143,7 @@ def paged(s, rounds, reps, batch=32, block_size=16, num_blocks=1200):
     cache = PagedKVCache(L, Hkv, D, num_blocks, block_size)
     cache.k.normal_()
     cache.v.normal_()
-    lens = torch.tensor([rng.randint(100, 600) for _ in range(batch)])
-    n_blocks = (lens + block_size - 1) // block_size
-    tables = torch.zeros(batch, int(n_blocks.max()), dtype=torch.long)
-    free = torch.randperm(num_blocks).tolist()
-    for b in range(batch):
-        tables[b, : n_blocks[b]] = torch.tensor([free.pop() for _ in range(int(n_blocks[b]))])
+    lens, tables = random_block_tables(batch, block_size, num_blocks, rng)
     q, first = torch.randn(batch, H, D), torch.zeros(batch, dtype=torch.long)
     mask = (torch.arange(tables.shape[1] * block_size)[None] < lens[:, None])[:, None, None]
 

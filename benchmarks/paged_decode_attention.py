@@ -30,6 +30,18 @@ from minillm.model import sdpa_attention
 from minillm.serving.paged_cache import PagedKVCache
 
 
+def random_block_tables(batch: int, block_size: int, num_blocks: int, rng: random.Random):
+    """(lens [batch], tables [batch, most blocks] int64): contexts uniform 100-600 tokens, each
+    sequence's blocks drawn without repeats from a shuffled pool of ``num_blocks``."""
+    lens = torch.tensor([rng.randint(100, 600) for _ in range(batch)])
+    n_blocks = (lens + block_size - 1) // block_size
+    tables = torch.zeros(batch, int(n_blocks.max()), dtype=torch.long)
+    free = torch.randperm(num_blocks).tolist()
+    for b in range(batch):
+        tables[b, : n_blocks[b]] = torch.tensor([free.pop() for _ in range(int(n_blocks[b]))])
+    return lens, tables
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -43,12 +55,7 @@ def main() -> None:
     cache.k.normal_()
     cache.v.normal_()
     for batch in (8, 16, 32):
-        lens = torch.tensor([rng.randint(100, 600) for _ in range(batch)])
-        n_blocks = (lens + block_size - 1) // block_size
-        tables = torch.zeros(batch, int(n_blocks.max()), dtype=torch.long)
-        free = torch.randperm(num_blocks).tolist()
-        for b in range(batch):
-            tables[b, : n_blocks[b]] = torch.tensor([free.pop() for _ in range(int(n_blocks[b]))])
+        lens, tables = random_block_tables(batch, block_size, num_blocks, rng)
         q = torch.randn(batch, heads, head_dim)
         mask = (torch.arange(tables.shape[1] * block_size)[None] < lens[:, None])[:, None, None]
 
