@@ -220,7 +220,7 @@ def _print_result(out, result) -> None:
     kv = [r for r in result.runs if r.kv_memory is not None]
     if kv:
         out.print("KV memory at the pool's peak (paged blocks vs the K/V the requests held then vs one "
-                  f"max_seq_len KVCache per running request; target paged <= 1.25x held):")
+                  "max_seq_len KVCache per running request; target paged <= 1.25x held):")
     for run in kv:
         m = run.kv_memory
         out.print(f"- {run.policy} @ {shared.rate_text(run.rate_req_s)}: paged {fmt_bytes(m.paged_bytes)} "

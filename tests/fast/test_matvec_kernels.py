@@ -6,7 +6,6 @@ ops are built and kept. (The quantised kernels are checked in test_quantize.py a
 test_quantized_batches.py, the norm in test_fast_block.py, silu_mul in test_silu_mul.py.)"""
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
