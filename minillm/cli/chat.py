@@ -4,17 +4,24 @@ Each answer streams to stdout; after it, stderr says what the turn cost, e.g.
 ``[412 tokens reused, 23 prefilled | generated 31 tok | TTFT 96.1 ms | ...]``: only the
 new turn is prefilled (see :mod:`minillm.chat`). Lines come from a rich prompt on a
 terminal, or one message per line from a pipe (``printf 'Hi\\n/reset\\n' | minillm chat``).
+
+``--kv-offload-dir DIR`` keeps the conversation across runs: DIR/conversation.json after every line,
+the cache's blocks in the serving engine's disk tier under DIR; the next run in DIR resumes it.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-from .common import (UsageError, busy_note_now, chat_template_kwargs, ensure_model, model_options, sampling_options,
-                     sampling_params, thinking_option, thread_governor, warn_if_template_ignores_thinking)
+from .common import (UsageError, busy_note_now, chat_template_kwargs, check_out_dir, ensure_model, model_options,
+                     sampling_options, sampling_params, thinking_option, thread_governor,
+                     warn_if_template_ignores_thinking)
 
+CONVERSATION_FILE = "conversation.json"  # in --kv-offload-dir, beside the disk tier's folder of blocks
 COMMANDS = {
-    "/reset": "forget the conversation and empty the KV cache (the system message stays)",
+    "/reset": "forget the conversation and empty the KV cache (the system message stays); saved so in "
+              "--kv-offload-dir too",
     "/system TEXT": "set the system message (/system alone shows it)",
     "/trace": "show the trace of each answer (prefill, decode steps, roofline); again to stop",
     "/history": "show the conversation and the KV cache",
@@ -29,6 +36,11 @@ def add_chat(sub) -> None:
     thinking_option(p)
     p.add_argument("--max-context", type=int, help="KV cache positions for the whole conversation "
                                                    "(default: min(model context, 2048)); full: old turns are dropped")
+    p.add_argument("--kv-offload-dir", metavar="DIR",
+                   help="keep the conversation in the folder DIR (created if missing): the messages in "
+                        f"DIR/{CONVERSATION_FILE} after every line, the KV cache's full blocks in a disk tier "
+                        "there (serve's --kv-offload-dir); started again with the same DIR, the chat resumes and "
+                        "its first turn prefills only the new message (/reset starts over; default: off)")
     sampling_options(p)
     p.set_defaults(run=run_chat)
 
@@ -43,6 +55,8 @@ def run_chat(args) -> int:
     sampling_params(args)  # bad values are usage errors before the model loads
     if args.max_context is not None and args.max_context < 1:
         raise UsageError(f"--max-context must be >= 1, got {args.max_context}")
+    if args.kv_offload_dir is not None:
+        check_out_dir("--kv-offload-dir", args.kv_offload_dir)
     folder = ensure_model(args.model, args.weights_dir)
     model = load_model(folder, device=args.device, dtype=args.dtype, quantize=args.quantize, fast=args.fast)
     if args.max_context is not None and args.max_context > model.config.max_seq_len:
@@ -51,13 +65,17 @@ def run_chat(args) -> int:
     params = sampling_params(args, model.generation_config)  # unset flags: the checkpoint's defaults
     tokenizer = load_tokenizer(folder)
     warn_if_template_ignores_thinking(args, tokenizer)
+    store = _disk_tier(args.kv_offload_dir, model) if args.kv_offload_dir is not None else None
     session = ChatSession(model, tokenizer, args.system, params, args.max_context,
-                          chat_template_kwargs(args))
+                          chat_template_kwargs(args), kv_store=store)
     governor = thread_governor(model)
     if args.max_context is not None:
         _check_room(session)
     interactive = sys.stdin.isatty()
     status = Console(stderr=True, highlight=False, soft_wrap=True)  # a stats line stays one line in a log
+    saved = Path(args.kv_offload_dir) / CONVERSATION_FILE if args.kv_offload_dir is not None else None
+    if saved is not None and saved.exists():
+        _resume(session, saved, args.system, status)
     if interactive:
         _enable_line_history()
         status.print(f"chatting with {args.model}, a context of {session.max_context} tokens; "
@@ -70,7 +88,26 @@ def run_chat(args) -> int:
                 break
         elif line:
             _turn(session, line, state["trace"], status, governor)
+        if saved is not None:
+            session.save(saved)
     return 0
+
+
+def _disk_tier(folder: str, model):
+    """The serving engine's disk tier in ``folder``, as the chat's block store (its blocks' size: the chat's)."""
+    from ..chat import BLOCK_SIZE
+    from ..serving.kv_tiers import DiskTier
+
+    return DiskTier.for_model(folder, model, block_size=BLOCK_SIZE)  # creates the folder
+
+
+def _resume(session, saved: Path, system: str | None, status) -> None:
+    """Continue the conversation saved in ``saved`` (a --system given now replaces its system message)."""
+    loaded = session.resume(saved)
+    if system is not None:
+        session.set_system(system)
+    status.print(f"resumed the conversation in {saved.parent}: {len(session.messages)} messages, {loaded} tokens "
+                 "of KV cache loaded from disk (/reset starts over)", style="dim", markup=False)
 
 
 def _check_room(session) -> None:
