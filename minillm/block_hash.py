@@ -23,6 +23,14 @@ The seed is what keeps two models apart (vLLM's ``NONE_HASH``, made model-aware)
   4096 values of every weight tensor;
 - always the parameters' dtype and device (bfloat16 K/V are not float32 K/V).
 
+A tenant's cache salt (vLLM's per-request ``cache_salt``) moves the root itself::
+
+    root = salted_seed(seed, cache_salt) = sha256(seed, b"cache_salt", salt)     (seed when no salt)
+
+so two salts share no block at all, not even the first: whether another tenant's prefix is
+cached can no longer be read from a TTFT (the prefix-cache timing side channel: "Leaking Secrets
+from Prefix Caches", arXiv 2411.18191; vLLM's CVE-2025-46570).
+
 Loading other weights *into* a model object (``load_state_dict``) is not seen by the
 seed: build a new :class:`~minillm.prefix_cache.PrefixCache` (or ``reset()`` it).
 """
@@ -60,6 +68,21 @@ def block_hashes(
         parent = hash_fn(parent, token_ids[start : start + block_size], extra_keys)
         hashes.append(parent)
     return hashes
+
+
+def salted_seed(seed: bytes, cache_salt: str | None) -> bytes:
+    """The root of a request's block chain: ``seed`` without a salt, else sha256(seed, b"cache_salt", salt).
+
+    Raises ValueError for a salt that is not a non-empty str (vLLM refuses an empty one too).
+    """
+    if cache_salt is None:
+        return seed
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise ValueError(f"cache_salt must be a non-empty string (or None for no salt), got {cache_salt!r}")
+    h = hashlib.sha256(seed)
+    h.update(b"cache_salt")
+    h.update(cache_salt.encode("utf-8", "surrogatepass"))  # any str from JSON, lone surrogates too
+    return h.digest()
 
 
 def model_seed(model) -> bytes:

@@ -20,6 +20,15 @@ before the previous one's sum is in):
 Communication does not shrink with N, so past some N, or on a slow interconnect, it eats what the
 split saves: decode (one token, microseconds of bytes) pays mostly the latency, prefill the bandwidth.
 
+Load or recompute (prompt caching beyond the KV pool, lesson 08): a prefix whose K/V sits in a
+slower tier (host memory, disk) can be read back or prefilled again; the cheaper wins::
+
+    load      = prefix_tokens · kv_bytes_per_token / tier bandwidth
+    recompute = floor(prefill of prefix_tokens after cached_tokens)
+
+:func:`load_or_recompute` answers it for any model, device and tier; the serving engine asks it
+for every run of blocks it finds in its tiers, with the bandwidth it measured.
+
 Example configs ship in ``minillm/configs/`` (the models' Hugging Face config.json):
 ``gpt2-124m``, ``llama-2-7b``, ``llama-3-8b``, ``mistral-7b``, ``qwen2.5-0.5b``, ``qwen3-0.6b``,
 ``smollm2-135m-instruct``.
@@ -201,6 +210,64 @@ def transfer_vs_prefill(config: ModelConfig, prompt_tokens: int, dtype_bytes: in
     transfer_s = kv_transfer_seconds(config, prompt_tokens, dtype_bytes, link_gbit_s)
     prefill_s = max(_floors(prefill_cost(config, prompt_tokens, dtype_bytes), hw))
     return transfer_s / prefill_s
+
+
+@dataclass(frozen=True)
+class LoadOrRecompute:
+    """One prefix, two ways to get its K/V back into the pool.
+
+    Attributes:
+        prefix_tokens: tokens whose K/V is in the slower tier.
+        cached_tokens: tokens before them already in the pool (the context the recompute attends to).
+        kv_bytes: prefix_tokens · kv_bytes_per_token: what a load reads.
+        tier_bytes_per_s: the tier's bandwidth used, bytes/s.
+        load_ms: kv_bytes / tier_bytes_per_s (ms).
+        recompute_ms: the roofline floor of the prefix's prefill (ms): a lower bound, as ``predict``'s TTFT.
+        choice: "load" when load_ms < recompute_ms, else "recompute".
+    """
+
+    prefix_tokens: int
+    cached_tokens: int
+    kv_bytes: int
+    tier_bytes_per_s: float
+    load_ms: float
+    recompute_ms: float
+    choice: str
+
+
+def load_or_recompute(config: ModelConfig, hw: HardwareProfile, tier_bytes_per_s: float, prefix_tokens: int,
+                      cached_tokens: int = 0, dtype_bytes: int = 2) -> LoadOrRecompute:
+    """Is reading a prefix's K/V from a tier faster than prefilling it again?
+
+        load      = prefix_tokens · kv_bytes_per_token(config, dtype_bytes) / tier_bytes_per_s
+        recompute = max(FLOPs / hw.peak_flops, bytes / hw.mem_bandwidth)
+                    of prefill_cost(config, prefix_tokens, dtype_bytes, cached_tokens)
+
+    The recompute time is the roofline floor (Williams et al. 2009): a real prefill is slower, so
+    a "recompute" verdict is safe and a "load" one conservative. The load is bandwidth only (a
+    file's open and a copy into the pool add a little; the engine measures the tier's bandwidth
+    with them). LMCache and SGLang's HiCache make the same trade: on a GPU a fast prefill can beat a
+    slow disk; on a CPU the prefill is so slow that any tier wins.
+
+    Args:
+        config: the model.
+        hw: the device that would recompute (peak_flops FLOP/s, mem_bandwidth bytes/s).
+        tier_bytes_per_s: the tier's read bandwidth, bytes/s (host memory: tens of GB/s; a disk: 0.2-7 GB/s).
+        prefix_tokens: tokens to get back, >= 1.
+        cached_tokens: tokens before them already in the pool, >= 0.
+        dtype_bytes: bytes of one weight and one K or V element (4 for float32).
+
+    Raises ValueError for prefix_tokens < 1, cached_tokens < 0 or tier_bytes_per_s not > 0 (NaN included).
+    """
+    if not tier_bytes_per_s > 0:
+        raise ValueError(f"tier_bytes_per_s must be > 0 (bytes per second), got {tier_bytes_per_s}")
+    if prefix_tokens < 1:
+        raise ValueError(f"prefix_tokens must be >= 1, got {prefix_tokens}")
+    kv_bytes = prefix_tokens * kv_bytes_per_token(config, dtype_bytes)
+    load_s = kv_bytes / tier_bytes_per_s
+    recompute_s = max(_floors(prefill_cost(config, prefix_tokens, dtype_bytes, cached_tokens), hw))
+    return LoadOrRecompute(prefix_tokens, cached_tokens, kv_bytes, tier_bytes_per_s, load_s * 1e3,
+                           recompute_s * 1e3, "load" if load_s < recompute_s else "recompute")
 
 
 def _floors(cost: PhaseCost, hw: HardwareProfile) -> tuple[float, float]:

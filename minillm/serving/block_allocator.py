@@ -30,7 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..block_hash import hash_block
+from ..block_hash import hash_block, salted_seed
 from ..errors import check_positive_int
 
 
@@ -65,6 +65,12 @@ class BlockAllocator:
         block_tables: request id -> its block table (physical block ids, in logical order).
         pending_copies: (source, destination) block pairs whose K/V the cache must copy before
             the next step (copy on write of a forked request's shared partial block).
+        on_evict: None, or a function (block_id, block_hash) called when a cached block is handed
+            out again, before anything overwrites its K/V: the eviction hook through which a KV
+            offload (:mod:`minillm.serving.kv_tiers`) copies the block to the host tier.
+
+    A request's cache salt (``cache_salt`` of :meth:`find_cached_prefix`, :meth:`cache_full_blocks`)
+    roots its chain at ``block_hash.salted_seed(seed, salt)``: two salts never share a block.
 
     Raises ValueError for a non-positive ``num_blocks`` or ``block_size``.
     """
@@ -82,6 +88,7 @@ class BlockAllocator:
         self.block_tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its full blocks so far
         self.pending_copies: list[tuple[int, int]] = []  # (source, destination) blocks copy_on_write queued
+        self.on_evict = None
 
     # -- the pool, one block at a time -------------------------------------------------
 
@@ -110,6 +117,8 @@ class BlockAllocator:
         if block.block_hash is not None:  # evict: this block's old contents are about to be overwritten
             if self.cached.get(block.block_hash) == block.block_id:
                 del self.cached[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block.block_id, block.block_hash)
             block.block_hash = None
         block.ref_count = 1
         return block
@@ -135,15 +144,16 @@ class BlockAllocator:
 
     # -- a request's blocks ------------------------------------------------------------
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+    def find_cached_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
         """Block ids of the longest cached run of full blocks at the start of ``token_ids``.
 
         At most ``len(token_ids) - 1`` tokens are hits: the last token must still be computed,
         its logits give the next token (a prompt of N·block_size tokens hits at most N-1 blocks).
+        ``cache_salt``: the request's salt (None: none); only blocks cached under it hit.
         """
         if not self.enable_prefix_caching:
             return []
-        hits, parent = [], self.seed
+        hits, parent = [], salted_seed(self.seed, cache_salt)
         for start in range(0, len(token_ids) - 1 - self.block_size + 1, self.block_size):
             parent = hash_block(parent, token_ids[start : start + self.block_size])
             block_id = self.cached.get(parent)
@@ -174,24 +184,30 @@ class BlockAllocator:
         table.extend(self.allocate_block().block_id for _ in range(max(needed, 0)))
         return True
 
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int,
+                          cache_salt: str | None = None) -> list[int]:
         """Name every block of the request now full and computed (its K/V written) by its hash.
 
         ``token_ids``: the request's tokens (prompt + output); ``num_computed``: positions whose
-        K/V are in the pool. If another block already holds the same hash (two requests computed
-        the same prefix in the same step), the first stays the cached one.
+        K/V are in the pool; ``cache_salt``: the request's salt (None: none). If another block
+        already holds the same hash (two requests computed the same prefix in the same step), the
+        first stays the cached one. Returns the ids of the blocks named now (what a disk tier
+        writes through).
         """
         if not self.enable_prefix_caching:
-            return
+            return []
         table, hashes = self.block_tables[request_id], self._hashes.setdefault(request_id, [])
+        named = []
         for i in range(len(hashes), num_computed // self.block_size):
-            parent = hashes[-1] if hashes else self.seed
+            parent = hashes[-1] if hashes else salted_seed(self.seed, cache_salt)
             h = hash_block(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
             hashes.append(h)
             block = self.blocks[table[i]]
             if block.block_hash is None and h not in self.cached:
                 block.block_hash = h
                 self.cached[h] = block.block_id
+                named.append(block.block_id)
+        return named
 
     # -- parallel sampling: one prompt, n sequences --------------------------------------
 

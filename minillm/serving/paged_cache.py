@@ -193,6 +193,18 @@ class PagedKVCache:
             self.v[:, destination] = self.v[:, source]
         return len(pairs)
 
+    def read_block(self, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of one block's K and V, each [n_layers, block_size, n_kv_heads, head_dim], contiguous,
+        on the CPU (what the host and disk tiers keep)."""
+        shape = (self.k.shape[0], *self.k.shape[2:])
+        return tuple(torch.empty(shape, dtype=self.k.dtype).copy_(pool[:, block_id]) for pool in (self.k, self.v))
+
+    def write_block(self, block_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put a block's K and V [n_layers, block_size, n_kv_heads, head_dim] (from a tier) into pool block
+        ``block_id``."""
+        self.k[:, block_id] = k
+        self.v[:, block_id] = v
+
     # -- display ----------------------------------------------------------------------
 
     def __repr__(self) -> str:
