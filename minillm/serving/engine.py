@@ -20,6 +20,9 @@ constraint's matcher, its logit_bias and penalties, its stop strings and its tex
 those fails during a step, that request alone finishes with ``finish_reason == "error"`` and the
 reason in its ``message``; the others get exactly the tokens they would have had without it.
 Only a failure no request owns (the forward pass itself) makes :meth:`LLMEngine.step` raise.
+
+Beyond the pool (``kv_offload_memory``, ``kv_offload_dir``): blocks the pool evicts go to host
+memory, then disk, and come back when a prefix needs them (:mod:`minillm.serving.kv_tiers`).
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ from typing import Sequence
 
 import torch
 
+from ..block_hash import block_hashes, salted_seed
 from ..generate import check_params, check_prompt, eos_token_set
 from ..sampling import SamplingParams
 from ..stopping import TextStream, check_stop
 from .block_allocator import blocks_needed
+from .kv_tiers import CachePoint, KVOffload
 from .model_runner import prompt_logits_spans, run_model, sample_rows
 from .paged_cache import PagedKVCache
 from .request import RUNNING, Request, sequence_id
@@ -72,6 +77,9 @@ class RequestOutput:
             complete from the request's first token on; else None.
         index: which of the request's n sequences this output is about (``add_request(..., n=3)``:
             0, 1 or 2, under the same ``request_id``; OpenAI's choice ``index``); 0 when n = 1.
+        num_cache_write_tokens: tokens of the request's cache point (its full blocks) that were not
+            read from a cache: computed and written now (Anthropic's ``cache_creation_input_tokens``;
+            ``num_cached_tokens`` is its ``cache_read_input_tokens``); 0 without a cache point.
     """
 
     request_id: str
@@ -87,6 +95,7 @@ class RequestOutput:
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
     index: int = 0
+    num_cache_write_tokens: int = 0
 
 
 class LLMEngine:
@@ -103,18 +112,27 @@ class LLMEngine:
             with vLLM's names (see :class:`~minillm.serving.scheduler.Scheduler`).
         enable_prefix_caching: requests share cached full blocks of a common prefix.
         eos_token_ids: ids that end a request; default the checkpoint's.
+        kv_offload_memory: a host-memory tier for blocks the pool evicts ("2GiB", bytes, a fraction
+            of free memory; vLLM's ``--kv-offloading-size``); None: none.
+        kv_offload_dir: a disk tier's folder (created if missing): evicted blocks, and every computed
+            block written through, so a restarted engine or another process hits them; None: none.
+            Either tier can be given alone; both need prefix caching. Call :meth:`close` at the end.
 
     Attributes:
         cache (:class:`PagedKVCache`), scheduler (:class:`Scheduler`), requests (id -> Request),
-        steps (one :class:`StepRecord` per step: the step trace).
+        steps (one :class:`StepRecord` per step: the step trace), offload (the
+        :class:`~minillm.serving.kv_tiers.KVOffload` of the tiers: ``.host``, ``.disk``, ``.counts``;
+        None without tiers).
 
-    Raises ValueError for a pool that holds no block, or bad knobs.
+    Raises ValueError for a pool that holds no block, bad knobs, a bad kv_offload_memory, a
+    kv_offload_dir that is a file or cannot be written, or tiers without prefix caching.
     """
 
     def __init__(self, model, tokenizer=None, *, kv_cache_memory: str | int | float | None = None,
                  num_blocks: int | None = None, block_size: int = 16, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 512, enable_chunked_prefill: bool = True,
-                 enable_prefix_caching: bool = True, eos_token_ids=None):
+                 enable_prefix_caching: bool = True, eos_token_ids=None,
+                 kv_offload_memory: str | int | None = None, kv_offload_dir: str | Path | None = None):
         self.model, self.tokenizer = model, tokenizer
         if kv_cache_memory is not None and num_blocks is not None:
             raise ValueError(f"give kv_cache_memory ({kv_cache_memory!r}) or num_blocks ({num_blocks}), not both: "
@@ -123,6 +141,11 @@ class LLMEngine:
         self.cache = PagedKVCache.for_model(model, memory, block_size, num_blocks, enable_prefix_caching)
         self.scheduler = Scheduler(self.cache.allocator, max_num_seqs, max_num_batched_tokens,
                                    enable_chunked_prefill)
+        if not enable_prefix_caching and (kv_offload_memory is not None or kv_offload_dir is not None):
+            raise ValueError("KV tiers (kv_offload_memory, kv_offload_dir) hold blocks by their prefix hashes: "
+                             "they need enable_prefix_caching=True")
+        self.offload = KVOffload.create(self.cache, model, kv_offload_memory, kv_offload_dir)
+        self.scheduler.offload = self.offload
         self.eos_token_ids = eos_token_set(model, eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.steps: list[StepRecord] = []
@@ -132,7 +155,8 @@ class LLMEngine:
 
     def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None,
                     arrival_s: float | None = None, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None, n: int = 1) -> str:
+                    prompt_logprobs: int | None = None, n: int = 1, cache_salt: str | None = None,
+                    cache_point: CachePoint | None = None) -> str:
         """Queue a prompt (token ids); returns its request id.
 
         ``params`` default to the checkpoint's generation defaults, as in ``generate``.
@@ -159,10 +183,17 @@ class LLMEngine:
         i's engine id is ``f"{request_id}#{i}"`` (:func:`~minillm.serving.request.sequence_id`).
         The scheduler admits the request only when n sequences fit ``max_num_seqs``.
 
+        ``cache_salt``: the tenant's salt (vLLM's ``cache_salt``): the request shares cached blocks,
+        in the pool and in every tier, only with requests of the same salt (:func:`block_hash.salted_seed`).
+        ``cache_point``: a :class:`~minillm.serving.kv_tiers.CachePoint`: the full blocks of its first
+        ``num_tokens`` prompt tokens are pinned in the host and disk tiers for ``ttl_s`` seconds from
+        now (a later mark extends it); :attr:`RequestOutput.num_cache_write_tokens` counts those it computed.
+
         Raises ValueError for text instead of ids, an empty prompt, ids outside the vocabulary,
         a prompt beyond the model's context or the whole pool, a prompt longer than
         ``max_num_batched_tokens`` without chunked prefill, a duplicate request id, or an ``n``
-        outside [1, max_num_seqs], and for a constraint whose matcher cannot be made (any error
+        outside [1, max_num_seqs], a cache_salt that is not a non-empty string, a cache_point
+        that is not a CachePoint, and for a constraint whose matcher cannot be made (any error
         its ``matcher()`` raises, as one line).
         """
         if isinstance(prompt_ids, str):
@@ -178,6 +209,9 @@ class LLMEngine:
             if k is not None and not (type(k) is int and 0 <= k <= self.model.config.vocab_size):
                 raise ValueError(f"{name} must be None or a number of top tokens in [0, vocab size], got {k!r}")
         self.check_n(n)
+        salted_seed(b"", cache_salt)  # ValueError for a bad salt
+        if cache_point is not None and not isinstance(cache_point, CachePoint):
+            raise ValueError(f"cache_point must be a CachePoint(num_tokens, ttl_s), got {cache_point!r}")
         if request_id is None:  # the next number the caller has not taken already
             request_id = next(i for i in map(str, self._ids) if i not in self.requests)
         request_id = str(request_id)
@@ -188,10 +222,19 @@ class LLMEngine:
                           generator=params.make_generator(device), num_logprobs=logprobs,
                           num_prompt_logprobs=prompt_logprobs)
         request.num_forks = n - 1
+        request.cache_salt, request.cache_point = cache_salt, cache_point
         _attach_sequence_state(request, self.tokenizer)
+        if cache_point is not None and self.offload is not None:
+            self.offload.pin(self._cache_point_hashes(request), self.offload.clock() + cache_point.ttl_s)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
+
+    def _cache_point_hashes(self, request: Request) -> list[bytes]:
+        """The hashes of the full blocks of the request's cache point (its first num_tokens prompt tokens)."""
+        size, allocator = self.cache.block_size, self.cache.allocator
+        covered = request.prompt_ids[: request.cache_point.num_tokens]
+        return block_hashes(covered, size, salted_seed(allocator.seed, request.cache_salt))
 
     def check_n(self, n) -> None:
         """ValueError unless ``n`` (sequences per request) is an int in [1, max_num_seqs]: a request with more
@@ -268,8 +311,10 @@ class LLMEngine:
                 if request.finished:  # failed this step: its blocks are already free
                     continue
                 request.num_computed_tokens += n
-                self.cache.allocator.cache_full_blocks(request.request_id, request.all_token_ids,
-                                                       request.num_computed_tokens)
+                named = self.cache.allocator.cache_full_blocks(request.request_id, request.all_token_ids,
+                                                               request.num_computed_tokens, request.cache_salt)
+                if self.offload is not None:
+                    self.offload.write_through(named)
             if any(r.num_forks for r in sampling):  # n > 1: a prefill just completed
                 forked, sampling, tokens, logits = self._fork(sampling, tokens, logits)
             for row, (request, token) in enumerate(zip(sampling, tokens)):
@@ -337,6 +382,7 @@ class LLMEngine:
                         first_scheduled_s=parent.first_scheduled_s, generator=generator,
                         num_logprobs=parent.num_logprobs, index=index, parent_id=parent.request_id)
         child.num_prompt_logprobs, child.prompt_logprobs = parent.num_prompt_logprobs, list(parent.prompt_logprobs)
+        child.cache_salt = parent.cache_salt
         self.cache.allocator.fork(parent.request_id, child_id)
         self.requests[child_id] = child
         self.scheduler.running.append(child)
@@ -387,7 +433,7 @@ class LLMEngine:
             request.num_cached_tokens, request.text_stream.text if request.text_stream else None, request.message,
             None if request.num_logprobs is None else list(request.output_logprobs),
             None if request.num_prompt_logprobs is None else [None, *request.prompt_logprobs],
-            index=request.index)
+            index=request.index, num_cache_write_tokens=_cache_write_tokens(request, self.cache.block_size))
 
     def _record(self, scheduled: ScheduledBatch, rows: tuple, start: float, changed: list[Request]) -> None:
         pool = self.cache.allocator
@@ -395,7 +441,14 @@ class LLMEngine:
             len(self.steps), start, time.perf_counter(), rows, pool.num_used_blocks, pool.num_free_blocks,
             pool.num_cached_blocks, tuple(r.request_id for r in scheduled.preempted),
             tuple(r.request_id for r in changed if r.finished), len(self.scheduler.waiting),
-            len(self.scheduler.running), sum(r.num_computed_tokens for r in self.scheduler.running)))
+            len(self.scheduler.running), sum(r.num_computed_tokens for r in self.scheduler.running),
+            self.offload.take_decisions() if self.offload is not None else ()))
+
+    def close(self) -> None:
+        """Write what must outlive the engine (blocks still only in the pool or the host tier) to the
+        disk tier, so a restarted engine on the same folder finds them. Idempotent; nothing without tiers."""
+        if self.offload is not None:
+            self.offload.close()
 
     # -- all at once ------------------------------------------------------------------
 
@@ -440,6 +493,15 @@ class LLMEngine:
 
     def __repr__(self) -> str:
         return f"LLMEngine({self.scheduler!r}, {self.cache!r})"
+
+
+def _cache_write_tokens(request: Request, block_size: int) -> int:
+    """The cache point's full-block tokens that were not read from a cache (0 before the request is
+    scheduled, or without a cache point)."""
+    if request.cache_point is None or request.first_scheduled_s is None:
+        return 0
+    pinned = min(request.cache_point.num_tokens, request.num_prompt_tokens) // block_size * block_size
+    return max(0, pinned - request.num_cached_tokens)
 
 
 def _token_logprobs(logits, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:

@@ -56,6 +56,10 @@ class Request:
         parent_id: for the sequences 1..n-1, the id ``add_request`` returned (sequence 0 is the
             request itself), else None; RequestOutputs carry that id and ``index``.
         num_forks: sequences still to fork from this one when its prefill completes (n - 1, then 0).
+        cache_salt: the tenant's salt (vLLM's ``cache_salt``): its block chain starts from
+            ``block_hash.salted_seed(seed, cache_salt)``, so it shares blocks only with requests of the
+            same salt, in every tier; None: no salt.
+        cache_point: a :class:`~minillm.serving.kv_tiers.CachePoint` (the prefix to pin in the tiers), or None.
         matcher: with ``params.allowed_tokens`` (constrained decoding), this sequence's
             :class:`~minillm.sampling.TokenMatcher`: asked for the allowed tokens before each token,
             told each token appended. It lives with the output tokens, so a preemption (which keeps
@@ -88,6 +92,8 @@ class Request:
     parent_id: str | None = None
     num_forks: int = 0
     matcher: object = None
+    cache_salt: str | None = None
+    cache_point: object = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -21,6 +21,9 @@ finishes, instead of a batch waiting for its slowest member. One step, under a b
    (for a request that wants its prompt's logprobs, none before the positions whose logits
    they need: cached K/V holds no logits, so those positions are computed again, as vLLM does),
    and their prompt (or, with chunked prefill, as much as the budget has left) is scheduled.
+   With KV tiers (``offload``, :mod:`minillm.serving.kv_tiers`), the hash chain goes on past the
+   pool's hits through host memory and disk; the blocks it loads there (cheaper than a prefill,
+   by the cost model) are copied into the request's fresh blocks and count as cached too.
 
 Chunked prefill (Sarathi-Serve, Agrawal et al. 2024) is step 3 cutting a long prompt into
 budget-sized chunks across steps: the decodes of step 1 then never wait behind a
@@ -105,6 +108,7 @@ class Scheduler:
             ``enable_chunked_prefill``). Off: a prompt runs whole, so it must fit the budget.
 
     The knobs are plain attributes: change them between steps to watch their effect.
+    ``offload``: the engine's :class:`~minillm.serving.kv_tiers.KVOffload`, or None (the pool alone).
     Raises ValueError for a non-positive limit or a token budget below ``block_size``.
     """
 
@@ -121,6 +125,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.offload = None
 
     def add(self, request: Request) -> None:
         """Queue a new request at the back of the waiting queue (first come, first served)."""
@@ -171,10 +176,13 @@ class Scheduler:
             request = self.waiting[0]
             if len(self.running) + request.num_forks >= self.max_num_seqs:
                 break  # n > 1: its n sequences will run side by side after the prefill
-            hits = self.allocator.find_cached_prefix(request.all_token_ids)
+            hits = self.allocator.find_cached_prefix(request.all_token_ids, request.cache_salt)
+            max_hits = (request.num_tokens - 1) // self.allocator.block_size  # the last token is computed
             if (logits_from := request.prompt_logits_from) is not None:  # prompt logprobs: only hits before the
-                hits = hits[: logits_from // self.allocator.block_size]  # positions whose logits are still needed
-            computed = len(hits) * self.allocator.block_size
+                max_hits = min(max_hits, logits_from // self.allocator.block_size)  # positions whose logits
+            hits = hits[:max_hits]                                                  # are still needed
+            loads = self._tier_hits(request, len(hits), max_hits)
+            computed = (len(hits) + len(loads.blocks if loads else ())) * self.allocator.block_size
             n = request.num_tokens - computed
             if n > budget and not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:
                 break  # the whole prompt must run in one step: wait for a step with room
@@ -182,6 +190,8 @@ class Scheduler:
             n = min(n, budget)
             if not self.allocator.allocate_slots(request.request_id, computed + n, hits):
                 break  # the pool is full: wait for running requests to free blocks
+            if loads:  # into the fresh blocks after the pool's hits
+                self.offload.place(loads, self.allocator.block_tables[request.request_id][len(hits):])
             self.waiting.popleft()
             request.status, request.num_computed_tokens = RUNNING, computed
             if request.first_scheduled_s is None:
@@ -191,6 +201,13 @@ class Scheduler:
             batch.requests.append(request)
             batch.num_tokens.append(n)
             budget -= n
+
+    def _tier_hits(self, request: Request, num_pool_hits: int, max_hits: int):
+        """The request's blocks after its pool hits found in the KV tiers and read (not yet placed), or None."""
+        if self.offload is None or num_pool_hits >= max_hits:
+            return None
+        return self.offload.find(request.request_id, request.all_token_ids, request.cache_salt, num_pool_hits,
+                                 max_hits)
 
     def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
         """Free a running request's blocks and put it back at the front of the queue (recompute)."""

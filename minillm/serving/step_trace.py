@@ -38,6 +38,9 @@ class StepRecord:
         num_waiting, num_running: queue lengths after the step.
         num_kv_tokens: positions whose K/V the running requests hold after the step (a block
             shared by two requests counts for both): what a perfectly packed cache would store.
+        tier_decisions: with KV tiers, each run of blocks a request found in host memory or on disk
+            in this step, and whether it was loaded or recomputed, with both predicted times
+            (:class:`~minillm.serving.kv_tiers.TierDecision`).
     """
 
     step: int
@@ -52,6 +55,7 @@ class StepRecord:
     num_waiting: int = 0
     num_running: int = 0
     num_kv_tokens: int = 0
+    tier_decisions: tuple = ()
 
     @property
     def time_ms(self) -> float:
@@ -261,6 +265,11 @@ def _step_events(step: StepRecord, us) -> list[dict]:
         "finished": list(step.finished), "num_waiting": step.num_waiting, "num_running": step.num_running,
         "num_kv_tokens": step.num_kv_tokens, "time_ms": round(step.time_ms, 3),
     }
+    if step.tier_decisions:  # both predicted numbers of each load-or-recompute choice
+        args["tier_decisions"] = [
+            {"request": d.request_id, "tier": d.tier, "blocks": d.num_blocks, "bytes": d.num_bytes,
+             "load_ms": round(d.load_ms, 3), "recompute_ms": round(d.recompute_ms, 3), "choice": d.choice,
+             "loaded_blocks": d.loaded_blocks} for d in step.tier_decisions]
     start, end = us(step.start_s), us(step.end_s)
     return [
         complete(step_kind(step), start, round(end - start, 3), PID, SCHEDULER_TID, "scheduler", args),
