@@ -161,6 +161,17 @@ class RotaryEmbedding(nn.Module):
         # Not a checkpoint tensor: recomputed from the config, kept in float32 whatever the model dtype.
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        """What ``model.to(...)``, ``.half()``, ``.cuda()`` run on every tensor: ``inv_freq`` moves to the new
+        device but stays float32. Rounded to bfloat16 (8 significant bits), a frequency is off by up to
+        2^-8 of itself, so position p turns up to p·inv_freq·2^-8 radians off (the pair at inv_freq 0.32:
+        1.2 rad at p = 1000). transformers' ``from_pretrained(dtype=...)`` keeps it float32 too; its
+        ``.to(torch.bfloat16)`` does not."""
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return self
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for the given positions ([T] int64): two [T, head_dim] tensors of ``dtype``,
         both multiplied by the attention factor (``self.attention_factor``: YaRN's; 1 otherwise).
