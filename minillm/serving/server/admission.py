@@ -2,7 +2,7 @@
 
     the API key ─> the body (size, UTF-8, JSON, fields) ─> the model's name ─> the prompt fits
     the context (decided from its length first, then from a prefix of its tokens) ─> the sampling
-    knobs and the structured-output grammar ─> AsyncEngine.generate
+    knobs and the structured-output grammar ─> the cache point (cache_control) ─> AsyncEngine.generate
 
 Every refusal is an :class:`APIError` (an HTTP status and OpenAI's ``message``, ``param``,
 ``code``), which the app's exception handler writes as OpenAI's error JSON. The routes
@@ -20,9 +20,11 @@ from fastapi import Request
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
+from ...chat import common_prefix_len
 from ...malloc_policy import give_back_freed_memory
 from ...sampling import SamplingParams
 from ...tokenizer import NORMALIZER_SLACK
+from ..kv_tiers import CachePoint
 from . import protocol
 
 logger = logging.getLogger(__name__)
@@ -166,6 +168,44 @@ def chat_prompt_ids(tokenizer, chat: list[dict], template_kwargs: dict | None, c
     except ValueError as error:
         raise APIError(400, str(error), "messages") from None
     return encode_prompt(tokenizer, text, context, "messages", add_special_tokens=False)
+
+
+# -- the cache point (Anthropic's cache_control) ------------------------------------------------
+
+
+def cache_point(mark, num_tokens: int) -> CachePoint | None:
+    """The engine's :class:`CachePoint` for a ``cache_control`` ``mark`` over the first ``num_tokens`` prompt
+    tokens; None without a mark (or a prefix of no token)."""
+    if mark is None or num_tokens < 1:
+        return None
+    return CachePoint(num_tokens, CachePoint.parse_ttl(mark.ttl))
+
+
+def chat_cache_point(tokenizer, messages: list, chat: list[dict], prompt_ids: list[int],
+                     template_kwargs: dict | None) -> CachePoint | None:
+    """The cache point of a chat: the prefix up to the end of the last message marked with ``cache_control``
+    (on the message or one of its content parts; an earlier mark's prefix is inside it).
+
+    Its length in tokens is where the chat template's rendering of ``chat[:i + 1]`` (no assistant turn
+    opened) stops agreeing with ``prompt_ids``, the whole chat's::
+
+        prompt_ids        [ system | user 1 | assistant 1 | user 2 (marked) | user 3 | assistant header ]
+        chat[:i + 1]      [ system | user 1 | assistant 1 | user 2 (marked) ]
+                          |<------------- the cache point's tokens ------------>|
+
+    ``messages``: the request's :class:`~.protocol.ChatMessage` s (where the marks are); ``chat``: the same as
+    the template reads them. APIError 400 when the template refuses to render the shorter chat."""
+    marked = [i for i, message in enumerate(messages) if message.cache_mark() is not None]
+    if not marked:
+        return None
+    i = marked[-1]
+    try:
+        text = tokenizer.apply_chat_template(chat[: i + 1], add_generation_prompt=False, **(template_kwargs or {}))
+    except ValueError as error:
+        raise APIError(400, f"the chat up to the message with cache_control cannot be rendered alone: {error}",
+                       f"messages.{i}.cache_control") from None
+    prefix = common_prefix_len(tokenizer.encode(text, add_special_tokens=False), prompt_ids)
+    return cache_point(messages[i].cache_mark(), prefix)
 
 
 def fit_max_tokens(requested: int | None, prompt_len: int, context: int, prompt_param: str = "prompt") -> int:

@@ -33,6 +33,7 @@ from typing import AsyncIterator, Callable
 from ...errors import EngineLostError, MiniLLMError
 from ...sampling import SamplingParams
 from ..engine import LLMEngine, RequestOutput
+from ..kv_tiers import CachePoint
 from ..request import Request, sequence_id
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class AddRequest:
     n: int
     arrival_s: float  # time.perf_counter() when the client sent it: TTFT and queue time count from here
     added: asyncio.Future
+    cache_salt: str | None = None
+    cache_point: CachePoint | None = None
 
 
 @dataclass(frozen=True)
@@ -179,13 +182,14 @@ class AsyncEngine:
     # -- the client side (coroutines in the server's event loop) ---------------------------
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       logprobs: int | None = None, prompt_logprobs: int | None = None, n: int = 1
+                       logprobs: int | None = None, prompt_logprobs: int | None = None, n: int = 1,
+                       cache_salt: str | None = None, cache_point: CachePoint | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Queue a prompt and yield its :class:`RequestOutput` each step it changes, the last finished.
 
-        ``request_id``: default a fresh random one; ``logprobs``, ``prompt_logprobs``: as
-        ``LLMEngine.add_request``. ``n`` > 1: the outputs of its n sequences, interleaved, each with
-        its ``index``; the loop ends when all n have finished.
+        ``request_id``: default a fresh random one; ``logprobs``, ``prompt_logprobs``, ``cache_salt``,
+        ``cache_point``: as ``LLMEngine.add_request``. ``n`` > 1: the outputs of its n sequences,
+        interleaved, each with its ``index``; the loop ends when all n have finished.
         Leaving the loop early (a client that disconnects cancels the coroutine, or ``aclose()``)
         aborts the request: its blocks go back to the pool before the engine's next step.
         The request's arrival is stamped here, not when the engine thread adds it, so TTFT,
@@ -203,7 +207,8 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already streaming; give a new one or leave it out")
         added = loop.create_future()  # the engine thread resolves it when it has added the request
         self._queues[request_id] = (loop, queue)
-        self._send(AddRequest(request_id, prompt_ids, params, logprobs, prompt_logprobs, n, time.perf_counter(), added))
+        self._send(AddRequest(request_id, prompt_ids, params, logprobs, prompt_logprobs, n, time.perf_counter(), added,
+                              cache_salt, cache_point))
         try:
             await added
         except asyncio.CancelledError:  # the client left while the add was queued: the abort follows it
@@ -264,7 +269,9 @@ class AsyncEngine:
         self.wake()
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the engine thread (after the step it is in); unfinished requests are aborted."""
+        """Stop the engine thread (after the step it is in); unfinished requests are aborted; then
+        ``engine.close()`` writes the KV blocks that must outlive the process to the disk tier
+        (``--kv-offload-dir``: a restarted server finds them there). Idempotent."""
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout_s)
@@ -274,6 +281,7 @@ class AsyncEngine:
             for request_id in list(self._queues):
                 self._abort_now(request_id)
                 self._deliver(request_id, stopped)
+            self.engine.close()
 
     # -- the engine thread ---------------------------------------------------------------
 
@@ -373,7 +381,8 @@ class AsyncEngine:
         else:
             try:
                 self.engine.add_request(add.prompt_ids, add.params, add.request_id, arrival_s=add.arrival_s,
-                                        logprobs=add.logprobs, prompt_logprobs=add.prompt_logprobs, n=add.n)
+                                        logprobs=add.logprobs, prompt_logprobs=add.prompt_logprobs, n=add.n,
+                                        cache_salt=add.cache_salt, cache_point=add.cache_point)
             except ValueError as bad:
                 error = bad
         try:

@@ -105,10 +105,22 @@ class StructuredOutputs(_Strict):
     whitespace_pattern: str | None = None
 
 
+class CacheControl(_Strict):
+    """Anthropic's ``cache_control`` (its prompt caching; Bedrock's cache point is the same idea): the
+    prefix up to the end of the block that carries it is kept in the KV tiers, its blocks pinned for
+    ``ttl`` ("5m" by default, or "1h"); usage then counts it in ``cache_creation_input_tokens``."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+
 class _SamplingFields(_Strict):
-    """The fields both endpoints share: the model, sampling and stopping."""
+    """The fields both endpoints share: the model, sampling and stopping, and the cache's salt."""
 
     model: str | None = None
+    # vLLM's: requests with different salts never share a KV block, in any tier (the salt enters the first
+    # block's hash), so one tenant cannot time another's cached prefix (arXiv 2411.18191, CVE-2025-46570)
+    cache_salt: str | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # vLLM's extension; -1 or 0: off
@@ -163,6 +175,13 @@ class _SamplingFields(_Strict):
                                             "whitespace_pattern": self.guided_whitespace_pattern}
         return fields
 
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, salt):
+        if salt is not None and not salt:
+            raise ValueError("must be a non-empty string (one per tenant), or left out")
+        return salt
+
     @field_validator("stream_options")
     @classmethod
     def _only_when_streaming(cls, options, info):
@@ -197,6 +216,7 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[int]
     echo: bool = False
+    cache_control: CacheControl | None = None  # the whole prompt is the cache point (Anthropic's, top level)
     max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
@@ -229,6 +249,7 @@ class CompletionRequest(_SamplingFields):
 class TextPart(_Strict):
     type: Literal["text"]  # images and audio: the models minillm runs read text only
     text: str
+    cache_control: CacheControl | None = None  # marks the end of its message as a cache point
 
 
 class FunctionCall(_Strict):
@@ -250,12 +271,19 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = None  # history only: minillm makes no tool calls itself
+    cache_control: CacheControl | None = None  # the prefix up to the end of this message is a cache point
+
+    def cache_mark(self) -> CacheControl | None:
+        """The ``cache_control`` on this message or on one of its parts (the last one given), or None."""
+        parts = self.content if isinstance(self.content, list) else []
+        marks = [self.cache_control] + [part.cache_control for part in parts]
+        return next((mark for mark in reversed(marks) if mark is not None), None)
 
     def as_template_message(self) -> dict:
         """The dict a chat template reads: "developer" (OpenAI's newer name for "system") as
         "system", text parts joined by newlines into one string (vLLM's "string" content format:
         most templates, SmolLM2's among them, concatenate content as a string)."""
-        message = self.model_dump(exclude_none=True)
+        message = self.model_dump(exclude_none=True, exclude={"cache_control"})  # for the server, not the model
         if self.role == "developer":
             message["role"] = "system"
         if isinstance(self.content, list):
@@ -367,11 +395,19 @@ def openapi_components(*model_classes: type[BaseModel]) -> dict:
 # -- responses -------------------------------------------------------------------------------
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    """OpenAI's ``usage``; ``cached_tokens``: prompt tokens served from the prefix cache."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, cache_write_tokens: int = 0) -> dict:
+    """OpenAI's ``usage``, with Anthropic's two cache counts beside it.
+
+    ``cached_tokens``: prompt tokens whose K/V came from the cache (the pool or a lower tier): OpenAI's
+    ``prompt_tokens_details.cached_tokens`` and Anthropic's ``cache_read_input_tokens``.
+    ``cache_write_tokens``: tokens of the request's cache point (``cache_control``) it wrote or pinned:
+    Anthropic's ``cache_creation_input_tokens``. The providers bill the three kinds of prompt token at
+    different prices (Anthropic: a read 0.1x the base input price, a 5-minute write 1.25x, a 1-hour write 2x).
+    """
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+            "cache_creation_input_tokens": cache_write_tokens, "cache_read_input_tokens": cached_tokens}
 
 
 def finish_reason(engine_reason: str | None) -> str | None:
@@ -545,12 +581,12 @@ def sum_usage(usages: list[dict]) -> dict:
     summed (OpenAI's and vLLM's rule)."""
     first = usages[0]
     return usage(first["prompt_tokens"], sum(u["completion_tokens"] for u in usages),
-                 first["prompt_tokens_details"]["cached_tokens"])
+                 first["prompt_tokens_details"]["cached_tokens"], first["cache_creation_input_tokens"])
 
 
 def _usage(out, completion_tokens: int | None = None) -> dict:
     generated = len(out.token_ids) if completion_tokens is None else completion_tokens
-    return usage(len(out.prompt_token_ids), generated, out.num_cached_tokens)
+    return usage(len(out.prompt_token_ids), generated, out.num_cached_tokens, out.num_cache_write_tokens)
 
 
 def _usage_field(out, usage_mode: str | None, completion_tokens: int | None = None) -> dict:

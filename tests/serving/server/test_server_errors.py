@@ -140,6 +140,22 @@ CASES = {
     "unknown field with an empty name": ("/detokenize", {"tokens": [], "": None}, 400, "", "unknown field"),
     "chat prompt over the context": ("chat/completions", {"messages": [{"role": "user", "content": "hi " * 600}]},
                                      400, "messages", f"{CONTEXT} tokens"),
+    # issue 44: vLLM's cache_salt, Anthropic's cache_control
+    "cache_salt empty": ("completions", {"prompt": "hi", "cache_salt": ""}, 400, "cache_salt", "non-empty string"),
+    "cache_salt a number": ("chat/completions", {"messages": USER, "cache_salt": 7}, 400, "cache_salt", "string"),
+    "cache_control an unknown type": ("completions", {"prompt": "hi", "cache_control": {"type": "persistent"}}, 400,
+                                      "cache_control.type", "'ephemeral'"),
+    "cache_control ttl 2h": ("completions", {"prompt": "hi", "cache_control": {"type": "ephemeral", "ttl": "2h"}},
+                             400, "cache_control.ttl", "'5m' or '1h'"),
+    "cache_control a string": ("completions", {"prompt": "hi", "cache_control": "ephemeral"}, 400, "cache_control",
+                               "an object"),
+    "message cache_control ttl 1d": ("chat/completions", {"messages": [dict(USER[0], cache_control={
+        "type": "ephemeral", "ttl": "1d"})]}, 400, "messages.0.cache_control.ttl", "'5m' or '1h'"),
+    "content part cache_control without type": ("chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hi", "cache_control": {"ttl": "5m"}}]}]}, 400,
+        "messages.0.content.0.cache_control.type", "required"),
+    "cache_control at the top of a chat": ("chat/completions", {"messages": USER, "cache_control": {
+        "type": "ephemeral"}}, 400, "cache_control", "unknown field"),  # Anthropic's goes on a message or a part
 }
 
 

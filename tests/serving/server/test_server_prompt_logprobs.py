@@ -109,7 +109,8 @@ def test_max_tokens_0_with_echo_returns_the_prompt_only(server, weights):
     choice = out["choices"][0]
     assert choice["text"] == tokenizer.decode(ids) == PROMPT and choice["finish_reason"] == "length"
     assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids),
-                            "prompt_tokens_details": {"cached_tokens": 0}}
+                            "prompt_tokens_details": {"cached_tokens": 0},
+                            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
     check_legacy_logprobs(choice["logprobs"], ids, hf, tokenizer, 0)
     no_logprobs = complete(server, prompt=PROMPT, echo=True, max_tokens=0)["choices"][0]
     assert (no_logprobs["text"], no_logprobs["logprobs"]) == (PROMPT, None)

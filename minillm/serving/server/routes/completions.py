@@ -7,6 +7,7 @@ Both read the same way, each step a function of admission.py or responses.py:
 
     read the body ─> check the model ─> the prompt's ids (refused early when they cannot fit)
       ─> max_tokens fit to the context ─> the grammar, the sampling knobs
+      ─> the cache point (``cache_control``), with the ``cache_salt``
       ─> AsyncEngine.generate ─> respond (one JSON answer, or server-sent events)
 
 ``stream: true`` answers in OpenAI's chunk format, text released as the engine's
@@ -21,9 +22,10 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 
 from .. import protocol
-from ..admission import (APIError, chat_prompt_ids, check_api_key, check_model, check_prompt_ids,
-                         check_tool_calls_render, compile_grammar, decode_ids, encode_prompt, fit_max_tokens,
-                         log_ignored, read_body, refuse_unfittable, refuse_unfittable_chat, sampling_params)
+from ..admission import (APIError, cache_point, chat_cache_point, chat_prompt_ids, check_api_key, check_model,
+                         check_prompt_ids, check_tool_calls_render, compile_grammar, decode_ids, encode_prompt,
+                         fit_max_tokens, log_ignored, read_body, refuse_unfittable, refuse_unfittable_chat,
+                         sampling_params)
 from ..responses import respond
 
 router = APIRouter(dependencies=[Depends(check_api_key)])
@@ -48,7 +50,8 @@ async def completions(request: Request):
     # the prompt's logprobs only when they are shown: they cost a logits row per prompt token
     prompt_logprobs = body.logprobs if body.echo else None
     outputs = state.async_engine.generate(prompt_ids, params, reply.id, logprobs=body.logprobs,
-                                          prompt_logprobs=prompt_logprobs, n=body.n)
+                                          prompt_logprobs=prompt_logprobs, n=body.n, cache_salt=body.cache_salt,
+                                          cache_point=cache_point(body.cache_control, len(prompt_ids)))
     return await respond(outputs, body, reply, request)
 
 
@@ -67,8 +70,11 @@ async def chat_completions(request: Request):
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    point = await asyncio.to_thread(chat_cache_point, tokenizer, body.messages, chat, prompt_ids,
+                                    body.chat_template_kwargs)
     reply = protocol.ChatReply(f"chatcmpl-{uuid.uuid4().hex}", state.model_name, tokenizer)
-    outputs = state.async_engine.generate(prompt_ids, params, reply.id, logprobs=logprobs, n=body.n)
+    outputs = state.async_engine.generate(prompt_ids, params, reply.id, logprobs=logprobs, n=body.n,
+                                          cache_salt=body.cache_salt, cache_point=point)
     return await respond(outputs, body, reply, request)
 
 
