@@ -36,7 +36,12 @@ once, C a little later)::
 
 The engine policies get requests when their arrival time has passed, and sleep until
 the next arrival when idle. Prefix caching is off in every run: this measures batching,
-and one-at-a-time has no shared pool to hit.
+and one-at-a-time has no shared pool to hit. With KV tiers (``kv_offload_memory``,
+``kv_offload_dir``) the engine policies run with it on, since the tiers hang off the prefix
+cache; each run's disk tier is a folder of its own, ``<kv_offload_dir>/<policy>@<rate>``, so a run
+never hits the blocks an earlier run wrote (the policies still do the same work), and the same
+command run again on the same folder finds each run's own blocks there: the cost of the tiers on
+a cold run, then the gain of a warm one.
 
 KV memory (:class:`KVMemory`): at the step where the paged pool held the most blocks,
 the bytes of those blocks against the K/V bytes the running requests really held then,
@@ -56,6 +61,7 @@ import os
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable, Sequence
 
 from ..generate import generate
@@ -85,6 +91,9 @@ class ServingConfig:
         kv_cache_memory: the paged pool's budget ("512MiB", bytes, or a fraction of free memory).
         block_size: positions per block.
         ttft_slo_ms, tpot_slo_ms: the SLOs of attainment and goodput (None: not checked).
+        kv_offload_memory, kv_offload_dir: the KV tiers under the pool (LLMEngine's), off by default; the
+            engine policies' engines get them (the disk tier in a folder per run: see the module
+            docstring), one-at-a-time and the disaggregated workers do not.
     """
 
     max_num_seqs: int = 32
@@ -93,6 +102,8 @@ class ServingConfig:
     block_size: int = 16
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
+    kv_offload_memory: str | int | None = None
+    kv_offload_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -193,7 +204,7 @@ def run_policy(model, workload: Sequence[WorkloadRequest], policy: str, config: 
     elif policy == DISAGGREGATED:
         (requests, transfer), steps = _disaggregated(model, workload, order, config, done), []
     else:
-        engine = _engine_for(model, workload, policy, config)
+        engine = _engine_for(model, workload, policy, config, rate_req_s)
         requests = _replay_on_engine(engine, workload, order, policy == "static", config.max_num_seqs, done,
                                      before_step)
         steps = engine.steps
@@ -266,8 +277,9 @@ def _disaggregated(model, workload, order, config: ServingConfig, done):
         return [engine.requests[str(i)] for i in range(len(workload))], engine.transfer_summary()
 
 
-def _engine_for(model, workload, policy: str, config: ServingConfig) -> LLMEngine:
-    """A fresh engine with the policy's chunking and token budget (see the module docstring)."""
+def _engine_for(model, workload, policy: str, config: ServingConfig, rate_req_s: float = OFFLINE) -> LLMEngine:
+    """A fresh engine with the policy's chunking and token budget, and the KV tiers asked for (see the
+    module docstring)."""
     longest = max(len(w.prompt_ids) for w in workload)
     if policy == "continuous+chunked":
         budget, chunked = config.max_num_batched_tokens, True
@@ -275,9 +287,12 @@ def _engine_for(model, workload, policy: str, config: ServingConfig) -> LLMEngin
         budget, chunked = max(config.max_num_batched_tokens, longest + config.max_num_seqs), False
     else:  # static: set again for each batch, to the batch's prompts
         budget, chunked = max(longest, config.block_size), False
+    tiers = config.kv_offload_memory is not None or config.kv_offload_dir is not None
+    folder = None if config.kv_offload_dir is None else Path(config.kv_offload_dir) / f"{policy}@{rate_req_s:g}"
     return LLMEngine(model, kv_cache_memory=config.kv_cache_memory, block_size=config.block_size,
                      max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
-                     enable_chunked_prefill=chunked, enable_prefix_caching=False, eos_token_ids=[])
+                     enable_chunked_prefill=chunked, enable_prefix_caching=tiers, eos_token_ids=[],
+                     kv_offload_memory=config.kv_offload_memory, kv_offload_dir=folder)
 
 
 def _replay_on_engine(engine: LLMEngine, workload, order, static: bool, max_num_seqs: int, done,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from ..formats.weights import DEFAULT_MODEL
 from . import bench_serving_shared as shared
-from .common import (UsageError, check_out_dir, check_out_file, ensure_model, keep_freed_memory_in_command,
-                     model_options, thread_governor, warn, wrote)
+from .common import (UsageError, check_kv_offload, check_out_dir, check_out_file, ensure_model,
+                     keep_freed_memory_in_command, kv_offload_options, model_options, thread_governor, warn, wrote)
 
 SERVING_DEFAULTS = dict(num_prompts=64, input_len="uniform:32-512", output_len="uniform:16-256",
                         max_num_batched_tokens=512, long_prompt_len=1536)
@@ -50,6 +50,9 @@ def add_bench_serving(sub) -> None:
     p.add_argument("--kv-cache-memory", default="512MiB", help="the paged pool: a size (512MiB, 2GiB) or a fraction "
                                                                "of free memory (0.3)")
     p.add_argument("--block-size", type=int, default=16, help="positions per KV block")
+    kv_offload_options(p, dir_note="; here each run (policy, rate) has a folder of its own under DIR, so "
+                              "runs never hit each other's blocks and a second bench-serving on DIR measures warm "
+                              "tiers. A tier turns the prefix cache on in the engine policies' runs")
     p.add_argument("--ttft-slo-ms", type=float, default=TTFT_SLO_MS, help="TTFT SLO for attainment and goodput (ms)")
     p.add_argument("--tpot-slo-ms", type=float, default=TPOT_SLO_MS, help="TPOT SLO for attainment and goodput (ms)")
     p.add_argument("--long-prompt-len", type=int,
@@ -101,7 +104,7 @@ def run_bench_serving(args) -> int:
     workloads = shared.workloads(args, rates, model.config.vocab_size, tokenizer)
     _check_fits(args, model, next(iter(workloads.values())))
     config = ServingConfig(args.max_num_seqs, args.max_num_batched_tokens, args.kv_cache_memory, args.block_size,
-                           args.ttft_slo_ms, args.tpot_slo_ms)
+                           args.ttft_slo_ms, args.tpot_slo_ms, args.kv_offload_memory, args.kv_offload_dir)
     token_ids = shared.safe_ids(tokenizer)
     governor = None if args.threads else thread_governor(model)  # fewer threads while other processes are busy
     with shared.progress_bar(args, len(rates) * len(args.policies) * len(next(iter(workloads.values())))) as advance:
@@ -147,6 +150,7 @@ def _check_args(args) -> list[float]:
         parse_memory(args.kv_cache_memory, available_bytes=1)
     except ValueError as e:
         raise UsageError(f"--kv-cache-memory: {e}") from None
+    check_kv_offload(args)
     twice = sorted({p for p in args.policies if args.policies.count(p) > 1})
     if twice:
         raise UsageError(f"--policies lists {', '.join(twice)} more than once; name each policy once")

@@ -152,6 +152,35 @@ def check_out_dir(flag: str, path: str) -> None:
         raise UsageError(f"{flag}: {e}") from None
 
 
+def kv_offload_options(p: argparse.ArgumentParser, dir_note: str = "") -> None:
+    """The KV tiers under the paged pool (LLMEngine's ``kv_offload_memory``, ``kv_offload_dir``), both off by
+    default; :func:`check_kv_offload` checks them before the model loads. ``dir_note``: what the command
+    does with the folder, added to its help."""
+    g = p.add_argument_group("KV blocks beyond the pool: prompt caching that survives eviction and restarts")
+    g.add_argument("--kv-offload-memory", metavar="SIZE",
+                   help="a host-memory tier for the KV blocks the pool evicts, SIZE bytes with a unit (512MiB, 2GiB) "
+                        "or a fraction of free memory (0.3): a later prompt with the same prefix copies them back "
+                        "instead of prefilling it again (vLLM's --kv-offloading-size; default: off)")
+    g.add_argument("--kv-offload-dir", metavar="DIR",
+                   help="a disk tier in the folder DIR (created if missing): every full KV block computed is "
+                        "written there as a file named by its block hash, for later prompts with the same prefix, "
+                        f"across restarts and by every process on the same DIR{dir_note} (default: off)")
+
+
+def check_kv_offload(args) -> None:
+    """Usage errors now, before the model loads, for a --kv-offload-memory that is not a size or a
+    --kv-offload-dir that cannot be a folder (a file is in the way)."""
+    from ..serving.paged_cache import parse_memory  # torch: only once a command runs
+
+    if args.kv_offload_memory is not None:
+        try:
+            parse_memory(args.kv_offload_memory, available_bytes=1)
+        except ValueError as e:
+            raise UsageError(f"--kv-offload-memory: {e}") from None
+    if args.kv_offload_dir is not None:
+        check_out_dir("--kv-offload-dir", args.kv_offload_dir)
+
+
 def write_text(path, text: str):
     Path(path).write_text(text)
     return path

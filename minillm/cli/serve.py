@@ -10,7 +10,8 @@ import sys
 import threading
 import time
 
-from .common import UsageError, ensure_model, keep_freed_memory_in_command, model_options, thread_governor
+from .common import (UsageError, check_kv_offload, ensure_model, keep_freed_memory_in_command, kv_offload_options,
+                     model_options, thread_governor)
 from .tensor_parallel import run_tensor_parallel, tensor_parallel_option, tensor_parallel_size
 
 # After the engine is lost (a tensor-parallel rank died), how long the server answers 503 with the reason before
@@ -39,6 +40,7 @@ def add_serve(sub) -> None:
                    help="split long prompts across steps so decodes keep flowing (vLLM's flag; default: on)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="requests share the KV blocks of a common prompt prefix (vLLM's flag; default: on)")
+    kv_offload_options(p)
     p.add_argument("--max-waiting-requests", type=int,
                    help="answer 503 while this many requests wait for a slot (default: no limit)")
     p.add_argument("--api-key", default=os.environ.get("MINILLM_API_KEY"),
@@ -61,7 +63,7 @@ def add_serve(sub) -> None:
 
 
 def run_serve(args) -> int:
-    n = tensor_parallel_size(args, ["quantize", "threads"])
+    n = tensor_parallel_size(args, ["quantize", "threads", "kv_offload_memory", "kv_offload_dir"])
     if n == 1 or int(os.environ.get("RANK", 0)) == 0:  # a follower's port is rank 0's
         _check_args(args)
     try:
@@ -106,7 +108,8 @@ def _run_serve(args, group=None) -> int:
                            block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            enable_chunked_prefill=args.enable_chunked_prefill,
-                           enable_prefix_caching=args.enable_prefix_caching)
+                           enable_prefix_caching=args.enable_prefix_caching,
+                           kv_offload_memory=args.kv_offload_memory, kv_offload_dir=args.kv_offload_dir)
         if group is not None:
             from ..distributed.engine import lead_engine
 
@@ -187,6 +190,7 @@ def _check_args(args) -> None:
         parse_memory(args.kv_cache_memory, available_bytes=1)
     except ValueError as e:
         raise UsageError(f"--kv-cache-memory: {e}") from None
+    check_kv_offload(args)
     try:  # bind as uvicorn will, so that a port in use or a bad host fails now, in one line
         with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -46,6 +46,8 @@ def tensor_parallel_size(args, not_with: list[str]) -> int:
 
 # why each flag cannot go with tensor parallelism, each in its own words (argument name -> the error)
 _SAME_STATE = "does not go with tensor parallelism yet (every rank would have to keep the same state); drop one"
+_SHARDED_KV = ("does not go with tensor parallelism yet: each rank's pool holds its own KV heads, and a tier "
+               "would have to keep every rank's share of a block; drop one")
 NOT_WITH_TENSOR_PARALLEL = {
     "quantize": "--quantize does not go with tensor parallelism yet: shard_model splits float nn.Linear layers only "
                 "(minillm/distributed/tensor_parallel.py), not quantized ones; drop one",
@@ -56,6 +58,8 @@ NOT_WITH_TENSOR_PARALLEL = {
     "json_schema": f"--json-schema {_SAME_STATE}",
     "regex": f"--regex {_SAME_STATE}",
     "choice": f"--choice {_SAME_STATE}",
+    "kv_offload_memory": f"--kv-offload-memory {_SHARDED_KV}",
+    "kv_offload_dir": f"--kv-offload-dir {_SHARDED_KV}",
 }
 
 

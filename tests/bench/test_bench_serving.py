@@ -223,6 +223,8 @@ def test_cli_prints_no_ratio_against_a_policy_it_did_not_run(tiny_folder, capsys
     (["--trace-out", "run.txt"], "--trace-out: run.txt must end in .json"),
     (["--dataset", "no-such.jsonl"], "--dataset: no file no-such.jsonl"),
     (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--kv-offload-memory", "much"], "--kv-offload-memory: KV cache memory must be a size"),
+    (["--kv-offload-dir", "/dev/null"], "--kv-offload-dir: /dev/null exists and is not a folder"),
 ])
 def test_bad_options_are_one_line_usage_errors(args, message, capsys):
     assert main(["bench-serving", *args]) == 2
@@ -255,3 +257,29 @@ def test_before_step_runs_before_every_forward_pass(model):
         # one-at-a-time: a pass per output token (the prefill gives the first); continuous: one per engine step
         passes = sum(len(r.output_ids) for r in run.requests) if policy == "one-at-a-time" else len(run.steps)
         assert len(calls) == passes, policy
+
+
+def test_kv_tiers_the_engine_refuses_are_its_one_line_error(tiny_folder, tmp_path, capsys):
+    """A host tier too small for one block passes the size check; the engine's ValueError says why, in the
+    command's error line (exit 1), before any run."""
+    args = ["bench-serving", "--model", str(tiny_folder), "--num-prompts", "1", "--input-len", "4", "--output-len",
+            "2", "--long-prompt-len", "0", "--threads", "1", "--policies", "continuous", "--quiet"]
+    assert main([*args, "--kv-offload-memory", "1KiB"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("minillm: error: kv_offload_memory '1KiB' holds no block") and err.count("\n") == 1
+
+
+@pytest.mark.large
+def test_each_run_writes_its_own_disk_tier_and_a_second_command_finds_it_warm(tiny_folder, tmp_path, capsys):
+    args = ["bench-serving", "--model", str(tiny_folder), "--num-prompts", "2", "--input-len", "40", "--output-len",
+            "2", "--long-prompt-len", "0", "--threads", "1", "--policies", "continuous", "static", "--quiet",
+            "--kv-offload-dir", str(tmp_path), "--json", str(tmp_path / "r.json")]
+    cached = []
+    for _ in range(2):  # the same command twice: the second finds each run's blocks from the first
+        assert main(args) == 0
+        data = json.loads((tmp_path / "r.json").read_text())
+        cached.append([run["summary"]["total_cached_tokens"] for run in data["runs"]])
+    runs = {p.name: len(list(p.glob("*/*.kv"))) for p in tmp_path.iterdir() if p.is_dir()}
+    assert runs == {"continuous@inf": 4, "static@inf": 4}  # 2 prompts x 2 full blocks of 16, each run its own
+    # cold: no run hit another's blocks; warm: each prompt's 2 full blocks (the last token is always prefilled)
+    assert cached == [[0, 0], [2 * 32, 2 * 32]]

@@ -25,22 +25,32 @@ def tiny_folder(tmp_path_factory, smollm2_dir):
     return folder
 
 
-@pytest.mark.server
-def test_serve_starts_answers_and_stops_on_ctrl_c(tiny_folder):
-    server, url = start_serve(tiny_folder, "--max-num-seqs", "4", "--api-key", "k3y")
+def serve_then_ctrl_c(folder, *options: str, ask) -> tuple[str, str]:
+    """`minillm serve FOLDER OPTIONS`, ``ask(url)`` (its assertions), Ctrl-C: (the URL, its stderr) once it
+    exited 0."""
+    server, url = start_serve(folder, *options)
     try:
-        body, key = {"model": str(tiny_folder), "prompt": "Hi", "max_tokens": 3}, {"Authorization": "Bearer k3y"}
-        assert httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT_S).status_code == 401
-        r = httpx.post(f"{url}/v1/completions", json=body, headers=key, timeout=TIMEOUT_S)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-        models = httpx.get(f"{url}/v1/models", headers=key, timeout=TIMEOUT_S).json()["data"]
-        assert [m["id"] for m in models] == [str(tiny_folder)]
+        ask(url)
         server.send_signal(signal.SIGINT)
         _, stderr = server.communicate(timeout=TIMEOUT_S)
     finally:
         server.kill()
         server.wait(TIMEOUT_S)
     assert server.returncode == 0, stderr
+    return url, stderr
+
+
+@pytest.mark.server
+def test_serve_starts_answers_and_stops_on_ctrl_c(tiny_folder):
+    def ask(url):
+        body, key = {"model": str(tiny_folder), "prompt": "Hi", "max_tokens": 3}, {"Authorization": "Bearer k3y"}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT_S).status_code == 401
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=key, timeout=TIMEOUT_S)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        models = httpx.get(f"{url}/v1/models", headers=key, timeout=TIMEOUT_S).json()["data"]
+        assert [m["id"] for m in models] == [str(tiny_folder)]
+
+    url, stderr = serve_then_ctrl_c(tiny_folder, "--max-num-seqs", "4", "--api-key", "k3y", ask=ask)
     assert f"at {url}" in stderr and f"curl {url}/v1/chat/completions" in stderr
 
 
@@ -75,6 +85,10 @@ def test_sigterm_ends_an_open_stream_cleanly_and_exits_0(tiny_folder):
     (["--served-model-name", ""], "--served-model-name is empty"),
     (["--api-key", " "], "--api-key is empty"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a number of seconds >= 0"),
+    (["--kv-offload-memory", "lots"], "--kv-offload-memory: KV cache memory must be a size"),
+    (["--kv-offload-memory", "0GiB"], "--kv-offload-memory: KV cache memory must be > 0"),
+    (["--tensor-parallel-size", "2", "--kv-offload-dir", "kv"], "--kv-offload-dir does not go with tensor "
+                                                                 "parallelism yet"),
 ])
 def test_usage_errors(args, message, capsys):
     assert main(["serve", *args]) == 2
@@ -92,3 +106,24 @@ def test_busy_port_is_one_line(capsys):
     assert f"cannot listen on 127.0.0.1:{port}" in err and "pick another --port" in err
     assert main(["serve", "--host", "no-such-host.invalid"]) == 2
     assert "give --host an address of this machine" in capsys.readouterr().err
+
+
+def test_a_kv_offload_dir_that_is_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "kv").write_text("")
+    assert main(["serve", "--kv-offload-dir", str(tmp_path / "kv")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("minillm: error: --kv-offload-dir: ") and "exists and is not a folder" in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.server
+def test_a_restarted_serve_finds_its_blocks_in_the_kv_offload_dir(tiny_folder, tmp_path):
+    """Ctrl-C closes the engine, which writes its blocks to --kv-offload-dir; the next server on that
+    folder answers the same prompt from them, with the same greedy text."""
+    body = {"prompt": list(range(1000, 1050)), "max_tokens": 3, "temperature": 0}  # 50 tokens: 3 blocks can hit
+    answers = []
+    for _ in range(2):
+        serve_then_ctrl_c(tiny_folder, "--kv-offload-dir", str(tmp_path), ask=lambda url: answers.append(
+            httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT_S).json()))
+    assert [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers] == [0, 48]
+    assert answers[1]["choices"][0]["text"] == answers[0]["choices"][0]["text"]
