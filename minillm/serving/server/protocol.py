@@ -2,7 +2,8 @@
 
 Field names, defaults and ranges are OpenAI's (platform.openai.com/docs/api-reference), plus
 vLLM's extensions to them (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, a prompt
-given as token ids). Parsing is strict, as OpenAI's API is: ``"5"`` is not a number, an unknown
+given as token ids, ``cache_salt``) and Anthropic's ``cache_control`` (a cache point, with usage's
+``cache_creation_input_tokens`` and ``cache_read_input_tokens``). Parsing is strict, as OpenAI's API is: ``"5"`` is not a number, an unknown
 field is an error (it is more often a typo than a feature), so a bad request fails here with the
 field's name instead of deep inside the engine.
 
