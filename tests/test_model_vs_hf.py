@@ -3,7 +3,8 @@
 Both ways a model runs are checked against transformers: the lesson's plain modules
 (``load_model(..., fast=False)``) and the speed layer's (``fast=True``, the tests' decode path,
 tests/conftest.py; the C path too). The speed layer must also give the plain modules' logits
-within float32 rounding, on every tiny config, float or quantised.
+within float32 rounding, on every tiny config, float or quantised. All of it in float32: bfloat16 and
+float16, module by module and the real model's logits, are tests/test_dtypes_vs_hf.py's.
 """
 
 import json
