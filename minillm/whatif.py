@@ -222,7 +222,8 @@ class LoadOrRecompute:
         kv_bytes: prefix_tokens · kv_bytes_per_token: what a load reads.
         tier_bytes_per_s: the tier's bandwidth used, bytes/s.
         load_ms: kv_bytes / tier_bytes_per_s (ms).
-        recompute_ms: the roofline floor of the prefix's prefill (ms): a lower bound, as ``predict``'s TTFT.
+        recompute_ms: the prefix's prefill (ms): its roofline floor / prefill_efficiency.
+        prefill_efficiency: the fraction of the roofline floor the prefill is assumed to reach (1: the floor).
         choice: "load" when load_ms < recompute_ms, else "recompute".
     """
 
@@ -233,18 +234,30 @@ class LoadOrRecompute:
     load_ms: float
     recompute_ms: float
     choice: str
+    prefill_efficiency: float = 1.0
+
+
+def prefill_floor_s(config: ModelConfig, hw: HardwareProfile, n_tokens: int, dtype_bytes: int,
+                    cached_tokens: int = 0) -> float:
+    """Seconds: the roofline floor of prefilling ``n_tokens`` after ``cached_tokens``, one sequence,
+    max(FLOPs / peak_flops, bytes / mem_bandwidth) of :func:`~minillm.costs.prefill_cost`.
+    Raises ValueError as prefill_cost does."""
+    return max(_floors(prefill_cost(config, n_tokens, dtype_bytes, cached_tokens), hw))
 
 
 def load_or_recompute(config: ModelConfig, hw: HardwareProfile, tier_bytes_per_s: float, prefix_tokens: int,
-                      cached_tokens: int = 0, dtype_bytes: int = 2) -> LoadOrRecompute:
+                      cached_tokens: int = 0, dtype_bytes: int = 2, prefill_efficiency: float = 1.0
+                      ) -> LoadOrRecompute:
     """Is reading a prefix's K/V from a tier faster than prefilling it again?
 
         load      = prefix_tokens · kv_bytes_per_token(config, dtype_bytes) / tier_bytes_per_s
-        recompute = max(FLOPs / hw.peak_flops, bytes / hw.mem_bandwidth)
-                    of prefill_cost(config, prefix_tokens, dtype_bytes, cached_tokens)
+        recompute = prefill_floor_s(config, hw, prefix_tokens, dtype_bytes, cached_tokens) / prefill_efficiency
+                    (the floor: max(FLOPs / hw.peak_flops, bytes / hw.mem_bandwidth) of prefill_cost)
 
-    The recompute time is the roofline floor (Williams et al. 2009): a real prefill is slower, so
-    a "recompute" verdict is safe and a "load" one conservative. The load is bandwidth only (a
+    With ``prefill_efficiency`` 1 the recompute time is the roofline floor (Williams et al. 2009): a
+    real prefill is slower, so a "recompute" verdict is safe and a "load" one conservative. The
+    serving engine passes the fraction of the floor its own prefills reached (measured), so that a
+    measured load is weighed against a realistic prefill, not an ideal one. The load is bandwidth only (a
     file's open and a copy into the pool add a little; the engine measures the tier's bandwidth
     with them). LMCache and SGLang's HiCache make the same trade: on a GPU a fast prefill can beat a
     slow disk; on a CPU the prefill is so slow that any tier wins.
@@ -256,18 +269,23 @@ def load_or_recompute(config: ModelConfig, hw: HardwareProfile, tier_bytes_per_s
         prefix_tokens: tokens to get back, >= 1.
         cached_tokens: tokens before them already in the pool, >= 0.
         dtype_bytes: bytes of one weight and one K or V element (4 for float32).
+        prefill_efficiency: the fraction of the roofline floor a prefill reaches here, in (0, 1]-ish
+            (1: the floor itself; 0.1: ten times slower).
 
-    Raises ValueError for prefix_tokens < 1, cached_tokens < 0 or tier_bytes_per_s not > 0 (NaN included).
+    Raises ValueError for prefix_tokens < 1, cached_tokens < 0, or tier_bytes_per_s or
+    prefill_efficiency not > 0 (NaN included).
     """
     if not tier_bytes_per_s > 0:
         raise ValueError(f"tier_bytes_per_s must be > 0 (bytes per second), got {tier_bytes_per_s}")
+    if not prefill_efficiency > 0:
+        raise ValueError(f"prefill_efficiency must be > 0 (a fraction of the roofline floor), got {prefill_efficiency}")
     if prefix_tokens < 1:
         raise ValueError(f"prefix_tokens must be >= 1, got {prefix_tokens}")
     kv_bytes = prefix_tokens * kv_bytes_per_token(config, dtype_bytes)
     load_s = kv_bytes / tier_bytes_per_s
-    recompute_s = max(_floors(prefill_cost(config, prefix_tokens, dtype_bytes, cached_tokens), hw))
+    recompute_s = prefill_floor_s(config, hw, prefix_tokens, dtype_bytes, cached_tokens) / prefill_efficiency
     return LoadOrRecompute(prefix_tokens, cached_tokens, kv_bytes, tier_bytes_per_s, load_s * 1e3,
-                           recompute_s * 1e3, "load" if load_s < recompute_s else "recompute")
+                           recompute_s * 1e3, "load" if load_s < recompute_s else "recompute", prefill_efficiency)
 
 
 def _floors(cost: PhaseCost, hw: HardwareProfile) -> tuple[float, float]:

@@ -301,7 +301,11 @@ class LLMEngine:
         forked: list[Request] = []
         if scheduled:
             spans = prompt_logits_spans(scheduled)  # before num_computed_tokens moves on
+            forward_start = time.perf_counter()
             sampling, logits = run_model(self.model, self.cache, scheduled)  # raises: no request owns it
+            if self.offload is not None and scheduled.num_decode_tokens == 0:  # what a recompute costs here
+                self.offload.record_prefill([(r.num_computed_tokens, n) for r, n in zip(scheduled.requests, scheduled.num_tokens)],
+                                            time.perf_counter() - forward_start)
             if spans:
                 self._keep_prompt_logprobs(spans, logits[len(sampling):])
                 logits = logits[: len(sampling)]

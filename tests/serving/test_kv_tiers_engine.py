@@ -7,7 +7,9 @@ hashes computed here with hashlib; the tiers' own contents.
 Four prompts of 37 tokens (9 full blocks, the last token always computed) run one at a time
 through a pool of 12 blocks: each request needs 10, so each evicts the one before. The tiny model
 prefills so fast that the cost model rightly prefers recompute; ``SLOW`` hardware makes a load
-the cheaper choice where a test needs loads, ``FAST`` hardware makes recompute win everywhere.
+the cheaper choice where a test needs loads, ``FAST`` hardware makes recompute win everywhere
+(with the engine's measured prefill efficiency left out, which would otherwise scale both to this
+machine's real prefill: ``test_measured_prefill_efficiency_scales_the_recompute_prediction``).
 """
 
 import errno
@@ -23,6 +25,7 @@ from minillm.block_hash import block_hashes
 from minillm.hardware import HardwareProfile
 from minillm.serving.kv_tiers import CachePoint, disk as disk_module
 from minillm.serving.step_trace import chrome_trace_events
+from minillm.whatif import prefill_floor_s
 
 B, PROMPT, N_PROMPTS = 4, 37, 4
 SLOW = HardwareProfile("slow", peak_flops=1e3, mem_bandwidth=1e3)
@@ -49,8 +52,9 @@ def uncached(model, prompts, params):
 
 def tiered(model, hardware=SLOW, **tiers):
     engine = LLMEngine(model, num_blocks=12, block_size=B, eos_token_ids=(), max_num_seqs=1, **tiers)
-    if engine.offload is not None:
+    if engine.offload is not None:  # the profile alone decides: no measured prefill scales it
         engine.offload.hardware = hardware
+        engine.offload.record_prefill = lambda chunks, seconds: None
     return engine
 
 
@@ -100,6 +104,18 @@ def test_fast_hardware_recomputes_and_the_trace_shows_both_numbers(model, prompt
         assert traced == [[{"request": "0", "tier": "disk", "blocks": 9, "bytes": decision.num_bytes,
                             "load_ms": round(decision.load_ms, 3), "recompute_ms": round(decision.recompute_ms, 3),
                             "choice": choice, "loaded_blocks": decision.loaded_blocks}]]
+
+
+def test_measured_prefill_efficiency_scales_the_recompute_prediction(model, tmp_path):
+    engine = LLMEngine(model, num_blocks=12, block_size=B, kv_offload_dir=tmp_path)
+    offload = engine.offload
+    offload.hardware = SLOW
+    assert offload.prefill_efficiency == 1.0  # nothing measured: the roofline floor itself
+    floor_s = prefill_floor_s(model.config, SLOW, 16, 4, 0) + prefill_floor_s(model.config, SLOW, 8, 4, 16)
+    offload.record_prefill([(0, 16), (16, 8)], seconds=4 * floor_s)  # a quarter of the roofline
+    assert offload.prefill_efficiency == pytest.approx(0.25)
+    decision = offload._decide("r", "disk", 2, 3)
+    assert decision.recompute_ms == pytest.approx(4e3 * prefill_floor_s(model.config, SLOW, 12, 4, 8))
 
 
 def salted(seed: bytes, salt: str) -> bytes:

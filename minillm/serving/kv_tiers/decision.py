@@ -6,8 +6,10 @@
                   load 3 blocks from host, or prefill them again?   (then the same for disk)
 
 For each run the engine asks :func:`minillm.whatif.load_or_recompute` with the tier's
-bandwidth as measured by the loads done so far (:class:`BandwidthMeter`), and records both
-predicted times (:class:`TierDecision`) in the step trace. The first "recompute" ends the
+bandwidth as measured by the loads done so far (:class:`BandwidthMeter`) and the roofline
+fraction its own prefills reached (a floor alone would flatter recompute: a 2-core CPU prefills
+at a tenth of its roofline), and records both predicted times (:class:`TierDecision`) in the
+step trace. The first "recompute" ends the
 lookup: the scheduler holds a request's cached tokens as one prefix, so what follows it is
 prefilled too.
 """
@@ -28,7 +30,8 @@ class TierDecision:
             first_block · block_size).
         num_blocks, num_bytes: the run's blocks and their K/V bytes.
         load_ms: predicted time to read them (bytes / the tier's measured bandwidth).
-        recompute_ms: predicted time to prefill them again (roofline floor, :mod:`minillm.whatif`).
+        recompute_ms: predicted time to prefill them again: the roofline floor (:mod:`minillm.whatif`)
+            divided by the fraction of it this engine's prefills reached so far (1 before any).
         choice: "load" or "recompute".
         loaded_blocks: blocks loaded (fewer than num_blocks when a read failed: a removed or
             corrupt file ends the run there); 0 for "recompute".

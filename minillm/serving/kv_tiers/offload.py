@@ -28,7 +28,7 @@ import torch
 
 from ...block_hash import block_hashes, salted_seed
 from ...hardware import PROFILES, HardwareProfile, load_calibration
-from ...whatif import load_or_recompute
+from ...whatif import load_or_recompute, prefill_floor_s
 from ..paged_cache import PagedKVCache, free_memory_bytes, parse_memory
 from .decision import BandwidthMeter, TierDecision
 from .disk import DiskTier
@@ -73,6 +73,9 @@ class KVOffload:
         bandwidth: {"host", "disk"} -> :class:`BandwidthMeter` (host starts from the calibrated copy
             bandwidth, disk from :data:`DISK_BYTES_PER_S_GUESS`).
         pins: block hash -> pinned until (Unix seconds), from cache points.
+        prefill_floor_s, prefill_measured_s: the roofline floors and the measured times of the engine's
+            prefill-only forward passes so far (:meth:`record_prefill`): their ratio is
+            :attr:`prefill_efficiency`, which scales the recompute prediction.
     """
 
     def __init__(self, cache: PagedKVCache, config, host: HostTier | None = None, disk: DiskTier | None = None,
@@ -87,6 +90,7 @@ class KVOffload:
         self.counts = dict.fromkeys(COUNTS, 0)
         self.pins: dict[bytes, float] = {}
         self.decisions: list[TierDecision] = []
+        self.prefill_floor_s = self.prefill_measured_s = 0.0
         cache.allocator.on_evict = self.offload_block
 
     @classmethod
@@ -183,10 +187,26 @@ class KVOffload:
             return "disk"
         return None
 
+    def record_prefill(self, chunks, seconds: float) -> None:
+        """A prefill-only forward pass that took ``seconds``: ``chunks`` = (cached tokens before, tokens
+        computed) per request. Adds its roofline floor and its time to the running totals."""
+        dtype_bytes = self.cache.k.element_size()
+        self.prefill_floor_s += sum(prefill_floor_s(self.config, self.hardware, n, dtype_bytes, cached)
+                                    for cached, n in chunks)
+        self.prefill_measured_s += seconds
+
+    @property
+    def prefill_efficiency(self) -> float:
+        """The fraction of the roofline floor the engine's prefills reached so far (1 before any is measured):
+        the measured load is weighed against a prefill as slow as this machine's, not an ideal one."""
+        if self.prefill_measured_s <= 0 or self.prefill_floor_s <= 0:
+            return 1.0
+        return self.prefill_floor_s / self.prefill_measured_s
+
     def _decide(self, request_id: str, tier: str, first_block: int, num_blocks: int) -> TierDecision:
         size = self.cache.block_size
         answer = load_or_recompute(self.config, self.hardware, self.bandwidth[tier].bytes_per_s, num_blocks * size,
-                                   first_block * size, self.cache.k.element_size())
+                                   first_block * size, self.cache.k.element_size(), self.prefill_efficiency)
         return TierDecision(request_id, tier, first_block, num_blocks, answer.kv_bytes, answer.load_ms,
                             answer.recompute_ms, answer.choice)
 
