@@ -13,7 +13,8 @@ Prints, for the default model (float32 on the CPU, block_size 16):
 3. load or recompute for a ``--prompt-tokens`` prefix (whatif.load_or_recompute) with this machine's
    calibration (``minillm calibrate``; an estimate without one) and the bandwidths just measured;
 4. the TTFT of one repeated prompt of ``--prompt-tokens`` random token ids, one run each: cold (no
-   tiers), a pool hit (after one unreported hit: the first pays one-time costs), cold with a disk tier
+   tiers), a pool hit (after one unreported hit: the first pass of a process over a context this long
+   pays one-time costs, 5 s more here), cold with a disk tier
    (the write-through included), a host hit (the pool's
    blocks pushed to the host tier first, by allocating every pool block for a dummy request, which
    costs no compute), and a disk hit in a new engine on the same folder (page cache warm, then cold).

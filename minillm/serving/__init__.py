@@ -10,6 +10,8 @@ One concept per file, in the order a request meets them:
     model_runner.py     a scheduled batch -> one forward pass -> one token per finished row
     engine.py           LLMEngine: add_request / step / generate (vLLM's names)
     step_trace.py       StepRecord: what each step did (the timeline, the Chrome trace)
+    kv_tiers/           blocks beyond the pool: host memory, disk (shared, crash-safe), cache points,
+                        load or recompute by the cost model (KVOffload, the pool's eviction hook)
     run_metrics.py      TTFT, TPOT, ITL, queueing, percentiles, SLO attainment, goodput of a run
 
 Around the engine, in other packages that import it (the engine imports neither server/ nor bench):
