@@ -2,7 +2,7 @@
 
 The tables: ``inv_freq`` against ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS`` and cos/sin
 against ``LlamaRotaryEmbedding`` at positions 0, 1, 4095, 32767 and beyond the original context,
-at a real head_dim of 128. minillm performs the same float32 operations in the same order as
+at a real head_dim of 128, for a float32, a bfloat16 and a float16 model. minillm performs the same float32 operations in the same order as
 transformers, on the same torch kernels, so the tightest bound that holds is 0: the tables must be
 equal to the bit (a reordered product would show up here as a 1-ulp difference).
 Then tiny random-weight Llamas with yarn and with dynamic scaling, logits against transformers.
@@ -63,13 +63,17 @@ def test_inv_freq_and_attention_factor_equal_transformers(name):
     assert (got - plain).abs().max() > 1e-6 * plain.max()  # every variant here changes some frequency
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("where", sorted(POSITIONS))
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_cos_sin_equal_transformers(name, where):
+def test_cos_sin_equal_transformers(name, where, dtype):
+    """In a 16-bit model too: the angles, cos, sin and YaRN's factor in float32, then one cast to the
+    model's dtype (a factor applied after the cast would round twice and miss the bit)."""
     hf, ours = _configs(name)
     positions = torch.tensor(POSITIONS[where])
-    hf_cos, hf_sin = LlamaRotaryEmbedding(hf)(torch.zeros(1, dtype=torch.float32), positions[None, :])
-    cos, sin = RotaryEmbedding(ours)(positions, torch.float32)
+    hf_cos, hf_sin = LlamaRotaryEmbedding(hf)(torch.zeros(1, dtype=dtype), positions[None, :])
+    cos, sin = RotaryEmbedding(ours)(positions, dtype)
+    assert cos.dtype == sin.dtype == dtype
     assert torch.equal(cos, hf_cos[0]) and torch.equal(sin, hf_sin[0])
 
 
