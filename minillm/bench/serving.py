@@ -94,6 +94,7 @@ class ServingConfig:
         kv_offload_memory, kv_offload_dir: the KV tiers under the pool (LLMEngine's), off by default; the
             engine policies' engines get them (the disk tier in a folder per run: see the module
             docstring), one-at-a-time and the disaggregated workers do not.
+        kv_offload_disk_size: the bound of each run's disk tier (LLMEngine's), None: unbounded.
     """
 
     max_num_seqs: int = 32
@@ -104,6 +105,7 @@ class ServingConfig:
     tpot_slo_ms: float | None = None
     kv_offload_memory: str | int | None = None
     kv_offload_dir: str | None = None
+    kv_offload_disk_size: str | int | None = None
 
 
 @dataclass(frozen=True)
@@ -292,7 +294,8 @@ def _engine_for(model, workload, policy: str, config: ServingConfig, rate_req_s:
     return LLMEngine(model, kv_cache_memory=config.kv_cache_memory, block_size=config.block_size,
                      max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
                      enable_chunked_prefill=chunked, enable_prefix_caching=tiers, eos_token_ids=[],
-                     kv_offload_memory=config.kv_offload_memory, kv_offload_dir=folder)
+                     kv_offload_memory=config.kv_offload_memory, kv_offload_dir=folder,
+                     kv_offload_disk_size=config.kv_offload_disk_size)
 
 
 def _replay_on_engine(engine: LLMEngine, workload, order, static: bool, max_num_seqs: int, done,

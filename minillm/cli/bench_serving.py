@@ -52,7 +52,8 @@ def add_bench_serving(sub) -> None:
     p.add_argument("--block-size", type=int, default=16, help="positions per KV block")
     kv_offload_options(p, dir_note="; here each run (policy, rate) has a folder of its own under DIR, so "
                               "runs never hit each other's blocks and a second bench-serving on DIR measures warm "
-                              "tiers. A tier turns the prefix cache on in the engine policies' runs")
+                              "tiers (--kv-offload-disk-size bounds each run's folder). A tier turns the prefix cache on in the engine "
+                              "policies' runs")
     p.add_argument("--ttft-slo-ms", type=float, default=TTFT_SLO_MS, help="TTFT SLO for attainment and goodput (ms)")
     p.add_argument("--tpot-slo-ms", type=float, default=TPOT_SLO_MS, help="TPOT SLO for attainment and goodput (ms)")
     p.add_argument("--long-prompt-len", type=int,
@@ -104,7 +105,8 @@ def run_bench_serving(args) -> int:
     workloads = shared.workloads(args, rates, model.config.vocab_size, tokenizer)
     _check_fits(args, model, next(iter(workloads.values())))
     config = ServingConfig(args.max_num_seqs, args.max_num_batched_tokens, args.kv_cache_memory, args.block_size,
-                           args.ttft_slo_ms, args.tpot_slo_ms, args.kv_offload_memory, args.kv_offload_dir)
+                           args.ttft_slo_ms, args.tpot_slo_ms, args.kv_offload_memory, args.kv_offload_dir,
+                           args.kv_offload_disk_size)
     token_ids = shared.safe_ids(tokenizer)
     governor = None if args.threads else thread_governor(model)  # fewer threads while other processes are busy
     with shared.progress_bar(args, len(rates) * len(args.policies) * len(next(iter(workloads.values())))) as advance:

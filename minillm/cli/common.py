@@ -165,18 +165,28 @@ def kv_offload_options(p: argparse.ArgumentParser, dir_note: str = "") -> None:
                    help="a disk tier in the folder DIR (created if missing): every full KV block computed is "
                         "written there as a file named by its block hash, for later prompts with the same prefix, "
                         f"across restarts and by every process on the same DIR{dir_note} (default: off)")
+    g.add_argument("--kv-offload-disk-size", metavar="SIZE",
+                   help="bound the disk tier: past SIZE bytes (20GiB, or a fraction of the disk's free space: 0.5), "
+                        "the least recently used block files are removed (LRU), pinned cache points kept until "
+                        "their lifetime ends; needs --kv-offload-dir (LMCache's max_local_disk_size; default: "
+                        "unbounded)")
 
 
 def check_kv_offload(args) -> None:
-    """Usage errors now, before the model loads, for a --kv-offload-memory that is not a size or a
-    --kv-offload-dir that cannot be a folder (a file is in the way)."""
+    """Usage errors now, before the model loads, for a --kv-offload-memory or --kv-offload-disk-size that is
+    not a size, a --kv-offload-disk-size without --kv-offload-dir, or a --kv-offload-dir that cannot be a
+    folder (a file is in the way)."""
     from ..serving.paged_cache import parse_memory  # torch: only once a command runs
 
-    if args.kv_offload_memory is not None:
+    for flag, value in (("--kv-offload-memory", args.kv_offload_memory),
+                        ("--kv-offload-disk-size", args.kv_offload_disk_size)):
         try:
-            parse_memory(args.kv_offload_memory, available_bytes=1)
+            if value is not None:
+                parse_memory(value, available_bytes=1)
         except ValueError as e:
-            raise UsageError(f"--kv-offload-memory: {e}") from None
+            raise UsageError(f"{flag}: {e}") from None
+    if args.kv_offload_disk_size is not None and args.kv_offload_dir is None:
+        raise UsageError("--kv-offload-disk-size bounds the disk tier: give --kv-offload-dir DIR too")
     if args.kv_offload_dir is not None:
         check_out_dir("--kv-offload-dir", args.kv_offload_dir)
 

@@ -63,7 +63,8 @@ def add_serve(sub) -> None:
 
 
 def run_serve(args) -> int:
-    n = tensor_parallel_size(args, ["quantize", "threads", "kv_offload_memory", "kv_offload_dir"])
+    n = tensor_parallel_size(args, ["quantize", "threads", "kv_offload_memory", "kv_offload_dir",
+                                    "kv_offload_disk_size"])
     if n == 1 or int(os.environ.get("RANK", 0)) == 0:  # a follower's port is rank 0's
         _check_args(args)
     try:
@@ -109,7 +110,8 @@ def _run_serve(args, group=None) -> int:
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            enable_chunked_prefill=args.enable_chunked_prefill,
                            enable_prefix_caching=args.enable_prefix_caching,
-                           kv_offload_memory=args.kv_offload_memory, kv_offload_dir=args.kv_offload_dir)
+                           kv_offload_memory=args.kv_offload_memory, kv_offload_dir=args.kv_offload_dir,
+                           kv_offload_disk_size=args.kv_offload_disk_size)
         if group is not None:
             from ..distributed.engine import lead_engine
 

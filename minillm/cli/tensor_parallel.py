@@ -60,6 +60,7 @@ NOT_WITH_TENSOR_PARALLEL = {
     "choice": f"--choice {_SAME_STATE}",
     "kv_offload_memory": f"--kv-offload-memory {_SHARDED_KV}",
     "kv_offload_dir": f"--kv-offload-dir {_SHARDED_KV}",
+    "kv_offload_disk_size": f"--kv-offload-disk-size {_SHARDED_KV}",
 }
 
 

@@ -117,6 +117,9 @@ class LLMEngine:
         kv_offload_dir: a disk tier's folder (created if missing): evicted blocks, and every computed
             block written through, so a restarted engine or another process hits them; None: none.
             Either tier can be given alone; both need prefix caching. Call :meth:`close` at the end.
+        kv_offload_disk_size: the disk tier's bound ("20GiB", bytes, a fraction of the disk's free space):
+            past it, the least recently used block files are removed, those pinned by a cache point kept
+            until their lifetime ends (LMCache's ``max_local_disk_size``); None: unbounded. Needs kv_offload_dir.
 
     Attributes:
         cache (:class:`PagedKVCache`), scheduler (:class:`Scheduler`), requests (id -> Request),
@@ -124,7 +127,8 @@ class LLMEngine:
         :class:`~minillm.serving.kv_tiers.KVOffload` of the tiers: ``.host``, ``.disk``, ``.counts``;
         None without tiers).
 
-    Raises ValueError for a pool that holds no block, bad knobs, a bad kv_offload_memory, a
+    Raises ValueError for a pool that holds no block, bad knobs, a bad kv_offload_memory or
+    kv_offload_disk_size (or one that holds no block), a kv_offload_disk_size without kv_offload_dir, a
     kv_offload_dir that is a file or cannot be written, or tiers without prefix caching.
     """
 
@@ -132,7 +136,8 @@ class LLMEngine:
                  num_blocks: int | None = None, block_size: int = 16, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 512, enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, eos_token_ids=None,
-                 kv_offload_memory: str | int | None = None, kv_offload_dir: str | Path | None = None):
+                 kv_offload_memory: str | int | None = None, kv_offload_dir: str | Path | None = None,
+                 kv_offload_disk_size: str | int | None = None):
         self.model, self.tokenizer = model, tokenizer
         if kv_cache_memory is not None and num_blocks is not None:
             raise ValueError(f"give kv_cache_memory ({kv_cache_memory!r}) or num_blocks ({num_blocks}), not both: "
@@ -144,7 +149,7 @@ class LLMEngine:
         if not enable_prefix_caching and (kv_offload_memory is not None or kv_offload_dir is not None):
             raise ValueError("KV tiers (kv_offload_memory, kv_offload_dir) hold blocks by their prefix hashes: "
                              "they need enable_prefix_caching=True")
-        self.offload = KVOffload.create(self.cache, model, kv_offload_memory, kv_offload_dir)
+        self.offload = KVOffload.create(self.cache, model, kv_offload_memory, kv_offload_dir, kv_offload_disk_size)
         self.scheduler.offload = self.offload
         self.eos_token_ids = eos_token_set(model, eos_token_ids)
         self.requests: dict[str, Request] = {}

@@ -63,6 +63,8 @@ class DiskTier:
 
     Attributes:
         path: ``folder/<sha256(key)[:16]>``, where the files are.
+        payload_bytes, file_bytes: one block's K and V bytes, and its file's (with the magic and header):
+            a bound of ``capacity_bytes`` holds ``capacity_bytes // file_bytes`` blocks.
 
     Raises ValueError for a key without those fields, a capacity that is not a positive int,
     a folder that is a file, or a folder this process cannot write.
@@ -80,6 +82,9 @@ class DiskTier:
         key_text = json.dumps(self.key, sort_keys=True)
         self.path = Path(folder).expanduser() / hashlib.sha256(key_text.encode()).hexdigest()[:16]
         self.payload_bytes = 2 * self.dtype.itemsize * _numel(self.shape)
+        # Every block's file has this size: the hashes are 64 hex digits each, the rest is the key's.
+        self.file_bytes = 12 + len(_header("0" * 64, key["dtype"], list(self.shape), self.payload_bytes, "0" * 64)
+                                   ) + self.payload_bytes
         self._warned = False
         _make_writable_folder(self.path)
         if not (self.path / "key.json").exists():
@@ -246,11 +251,15 @@ def _write_block(path: Path, block_hash: bytes, k: torch.Tensor, v: torch.Tensor
     parts = [t.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy() for t in (k, v)]
     digest = hashlib.sha256(parts[0])
     digest.update(parts[1])
-    header = json.dumps({"format": FORMAT, "block_hash": block_hash.hex(), "dtype": dtype,
-                         "shape": list(k.shape), "payload_bytes": parts[0].nbytes + parts[1].nbytes,
-                         "sha256": digest.hexdigest()}).encode()
-    header += b" " * (-(12 + len(header)) % 64)  # the payload starts 64-byte aligned
+    header = _header(block_hash.hex(), dtype, list(k.shape), parts[0].nbytes + parts[1].nbytes, digest.hexdigest())
     _write_atomic(path, MAGIC + struct.pack("<I", len(header)) + header, *parts)
+
+
+def _header(hash_hex: str, dtype: str, shape: list, payload_bytes: int, sha256_hex: str) -> bytes:
+    """A block file's JSON header, space-padded so that the payload starts 64-byte aligned."""
+    header = json.dumps({"format": FORMAT, "block_hash": hash_hex, "dtype": dtype, "shape": shape,
+                         "payload_bytes": payload_bytes, "sha256": sha256_hex}).encode()
+    return header + b" " * (-(12 + len(header)) % 64)
 
 
 def _write_atomic(path: Path, *chunks) -> None:

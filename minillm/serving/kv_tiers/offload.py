@@ -20,6 +20,7 @@ cache's :meth:`~minillm.serving.paged_cache.PagedKVCache.read_block` and ``write
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -95,15 +96,18 @@ class KVOffload:
         cache.allocator.on_evict = self.offload_block
 
     @classmethod
-    def create(cls, cache: PagedKVCache, model, memory: str | int | None, folder: str | Path | None
-               ) -> "KVOffload | None":
-        """The engine's offload from its arguments (None when both are None).
+    def create(cls, cache: PagedKVCache, model, memory: str | int | None, folder: str | Path | None,
+               disk_size: str | int | None = None) -> "KVOffload | None":
+        """The engine's offload from its arguments (None when memory and folder are None).
 
         ``memory``: the host tier's size, as ``kv_cache_memory`` ("2GiB", bytes, a fraction of free
-        host memory); ``folder``: the disk tier's folder (created if missing).
-        Raises ValueError for a bad size, a size that holds no block, or a folder that is a file or
-        cannot be written.
+        host memory); ``folder``: the disk tier's folder (created if missing); ``disk_size``: the disk
+        tier's bound ("20GiB", bytes, a fraction of the disk's free space), None: unbounded.
+        Raises ValueError for a bad size, a size that holds no block, a disk_size without a folder, or a
+        folder that is a file or cannot be written.
         """
+        if disk_size is not None and folder is None:
+            raise ValueError(f"kv_offload_disk_size ({disk_size!r}) bounds the disk tier: give kv_offload_dir too")
         if memory is None and folder is None:
             return None
         host = None
@@ -117,6 +121,8 @@ class KVOffload:
                                  "bytes); give more, e.g. 2GiB")
             host = HostTier(capacity)
         disk = None if folder is None else DiskTier.for_model(folder, model, cache.block_size)
+        if disk is not None and disk_size is not None:
+            disk.capacity_bytes = _disk_capacity(disk_size, disk)
         return cls(cache, model.config, host, disk)
 
     # -- down: the pool evicts, a block is computed ------------------------------------
@@ -274,6 +280,19 @@ class KVOffload:
 
     def __repr__(self) -> str:
         return f"KVOffload(host={self.host!r}, disk={self.disk!r}, counts={self.counts})"
+
+
+def _disk_capacity(disk_size: str | int, disk: DiskTier) -> int:
+    """The disk tier's bound in bytes: a size, or a fraction of the free space of the disk it is on.
+    ValueError (one line) for a bad size or one that holds no block's file."""
+    try:
+        capacity = parse_memory(disk_size, shutil.disk_usage(disk.path).free)
+    except ValueError as error:
+        raise ValueError(f"kv_offload_disk_size: {error}") from None
+    if capacity < disk.file_bytes:
+        raise ValueError(f"kv_offload_disk_size {disk_size!r} holds no block (one block's file is {disk.file_bytes} "
+                         "bytes); give more, e.g. 20GiB, or leave it out for no bound")
+    return capacity
 
 
 def default_hardware(device: torch.device, dtype: torch.dtype) -> HardwareProfile:
