@@ -15,7 +15,7 @@ and ``minillm info`` prints them). "C fits": float32 on a CPU, head_dim a multip
     model.Attention                     fast.attention.FastAttention           every path; its attention in C where C fits
     model.SwiGLU                        fast.packing.PackedSwiGLU              every path, a SwiGLU MLP
     torch.nn.Linear                     fast.products.SplitLinear              the split paths, a float model
-    torch.nn.Linear                     fast.products.MatvecLinear             the C paths, a float model
+    torch.nn.Linear                     fast.products.MatvecLinear             the C paths, a float model; CPU bfloat16
     quantize.QuantizedLinear            fast.products.FastQuantizedLinear      every path, a quantised model
     serving.paged_attention.PagedBatch  fast.paged_attention.FastPagedBatch    every path, C fits
     phases.decode_step                  fast.compile.CompiledDecodeStep        the compiled paths
@@ -62,7 +62,8 @@ SWAPS = (
     Swap("torch.nn.Linear", "fast.products.SplitLinear", "the split paths (long-rows+split, row-major+split), a float "
          "model: a few-row product cut over the threads"),
     Swap("torch.nn.Linear", "fast.products.MatvecLinear", "the C paths (matvec, compile+matvec), a float model: a few "
-         "rows in C; a server's batches on packed panels"),
+         "rows in C (one float32 row only on an AMD CPU); a server's batches on packed panels; also the default "
+         "path of a bfloat16 model on a CPU (one row in C)"),
     Swap("quantize.QuantizedLinear", "fast.products.FastQuantizedLinear", "every path, a quantised model: its "
          "products in C on a CPU"),
     Swap("serving.paged_attention.PagedBatch", "fast.paged_attention.FastPagedBatch", "every path, C fits: the "

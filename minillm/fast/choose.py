@@ -28,7 +28,8 @@ How :func:`choose_decode_path` (called by ``load_model``) picks one, without tim
 3. the rule: "matvec" where the C kernels build (a C compiler), else "row-major+split".
 
 Only CPU float32 has candidates; other devices and dtypes get the stacked products and the
-default layout (path "default"). A compiled step compiles in the first decode step of a
+default layout (path "default"; on a CPU in bfloat16, one row's products in C). Which kernel a product
+of a few rows runs: :func:`minillm.fast.products.few_rows_kernel`, one float32 row by :func:`one_row_in_c`. A compiled step compiles in the first decode step of a
 process (inductor keeps the code on disk, so a later process compiles faster).
 """
 
@@ -43,7 +44,7 @@ from typing import Callable
 import torch
 
 from ..config import ModelConfig
-from ..hardware import load_measurement, save_measurement
+from ..hardware import device_name, load_measurement, save_measurement
 from ..kv_cache import KVCache
 from ..model import SwiGLU, Transformer
 from ..phases import decode_step, prefill
@@ -51,9 +52,9 @@ from . import kernels
 from .attention import FastAttention, c_decode_fits
 from .block import FastBlock
 from .compile import compile_decode_step
-from .packing import PackedSwiGLU, Stack, relayout
+from .packing import PackedSwiGLU, Stack, product_modules, relayout
 from .paged_attention import use_fast_paged_attention
-from .products import LINEARS, swap_class
+from .products import LINEARS, MatvecLinear, swap_class
 
 ENV_VAR = "MINILLM_DECODE_PATH"
 
@@ -151,6 +152,10 @@ def apply_decode_path(model: Transformer, name: str) -> Transformer:
         for param_name, p in list(module.named_parameters(recurse=False)):  # nothing pins a mapped file
             if id(p) in originals:
                 setattr(module, param_name, torch.nn.Parameter(p.detach().clone(), requires_grad=False))
+    c_one_row = one_row_in_c()
+    for module in product_modules(model):
+        if isinstance(module, MatvecLinear):
+            module.one_row_in_c = c_one_row
     model.compiled_decode = _compiled_step() if path.compiled else None
     use_fast_paged_attention(model)  # the serving engine's decodes: attention over the pool's blocks in C
     model.decode_path = path.name
@@ -179,6 +184,22 @@ def choose_decode_path(model: Transformer) -> DecodeChoice:
     apply_decode_path(model, choice.name)
     model.decode_choice = choice
     return choice
+
+
+def one_row_in_c(cpu_name: str | None = None) -> bool:
+    """Whether a float32 product of one row (a batch-1 decode step's) runs the C loop
+    (:func:`minillm.fast.kernels.f32_matvec`) rather than PyTorch's ``F.linear``: on an AMD CPU, not elsewhere.
+
+    Measured (BENCHMARKS.md, "The C kernels against PyTorch" and "Decode paths against the lesson"): on the
+    Intel Xeon (AVX-512) ``F.linear``'s one-row product streams the weights at the memory's speed and the C
+    loop took 1.19-1.28x its time, the whole SmolLM2-135M step 36-37 against 31 ms; on the developers' AMD
+    EPYC the C loop took the step from 101.7 to 64.4 ms (BENCHMARKS-HISTORY.md, issue 16): torch's MKL runs
+    its generic code on a CPU that is not Intel's. Elsewhere (Intel, ARM, unknown) ``F.linear`` keeps the
+    lesson's own product, so the default decode is never slower than ``--no-fast`` there by construction.
+    ``cpu_name``: the CPU's model name (default: this machine's, :func:`minillm.hardware.device_name`).
+    """
+    name = device_name(torch.device("cpu")) if cpu_name is None else cpu_name
+    return "AMD" in name.split()
 
 
 def calibrate_decode_path(model: Transformer, names=tuple(CANDIDATES), measure: Callable | None = None,
@@ -271,9 +292,13 @@ def _runs_here(name: str) -> bool:
 
 
 def _default_path(model: Transformer) -> DecodePath:
-    """Not CPU float32: F.linear, stacked; long rows on a CPU except in float16 (its CPU products with
-    transposed weights fall to a slow kernel: 241 against 14 ms for a 64-row prefill through gate|up)."""
+    """Not CPU float32: stacked products. On a CPU in bfloat16 (the C kernels built), row-major weights and
+    :class:`~minillm.fast.products.MatvecLinear`: a batch-1 decode step's one row by the C loop (faster than
+    F.linear's, :func:`~minillm.fast.products.few_rows_kernel`); else F.linear, on long rows on a CPU except in float16 (its CPU products with transposed weights
+    fall to a slow kernel: 241 against 14 ms for a 64-row prefill through gate|up)."""
     weight = model.embed.weight
+    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and kernels.available():
+        return DecodePath("default", long_rows=False, products="matvec")
     return DecodePath("default", long_rows=weight.device.type == "cpu" and weight.dtype != torch.float16,
                       products="linear")
 

@@ -4,6 +4,7 @@ One C file a family, each opening with the scalar reference it computes; one sec
 family, each function a kernel, checking what the C loops would misread (they trust shapes):
 
     csrc/products.c    float32 products of a few rows        f32_matvec, f32_pack_panels, f32_panel_matmul
+    csrc/bf16_products.c  bfloat16 products of a few rows    bf16_matvec
     csrc/quantized.c   int8 and int4 products                quantized_matvec, quantized_matmul, dequantize,
                                                              quantized_pack_panels, quantized_panel_matmul
     csrc/attention.c   decode's and prefill's attention      decode_attention, paged_decode_attention,
@@ -53,8 +54,8 @@ from typing import NamedTuple
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("common.h", "products.c", "quantized.c", "attention.c", "rms_norm.c",
-                                    "silu_mul.c")]  # what the library is built from (the .c files compiled)
+SOURCES = [CSRC / name for name in ("common.h", "products.c", "bf16_products.c", "quantized.c", "attention.c",
+                                    "rms_norm.c", "silu_mul.c")]  # what the library is built from (the .c files compiled)
 OPS_SOURCE = CSRC / "ops.cpp"  # the products and decode attention as torch ops, for compiled code
 # first OpenMP (threads), then without it (macOS clang has no -fopenmp: one thread), then portable
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
@@ -164,6 +165,10 @@ C_FUNCTIONS = {  # name: (argument types, result type), as csrc/*.c declares the
     "f32_panel_width": ([], _I),
     "f32_pack_panels": ([_P, _P, _I, _I, _I], None),
     "f32_panel_matmul": ([_P, _P, _P, _I, _I, _I, _I], None),
+    # bf16_products.c
+    "bf16_matmul_reference": ([_P, _P, _P, _I, _I, _I], None),
+    "bf16_matvec": ([_P, _P, _P, _I, _I, _I, _I], _I),
+    "bf16_dot_instructions": ([], _I),
     # quantized.c
     "quantized_matmul_reference": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], None),
     "int8_matvec": ([_P, _P, _P, _P, _I, _I, _I, _I], _I),
@@ -298,6 +303,34 @@ def f32_panel_matmul(x: torch.Tensor, panels: Panels, *, lib: ctypes.CDLL | None
     lib.f32_panel_matmul(x.data_ptr(), data.data_ptr(), y.data_ptr(), x.shape[0], out_features, x.shape[1],
                          torch.get_num_threads())
     return y
+
+
+# -- bfloat16 products (csrc/bf16_products.c): x, the weight and the results bfloat16, row-major -------
+
+
+def bf16_matvec(x: torch.Tensor, weight: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [rows, in] bfloat16, weight [out, in] bfloat16 (row-major) -> x @ weightᵀ [rows, out] bfloat16, the
+    sums in float32, each weight read once for all rows (a decode step's few). Raises ValueError for other
+    dtypes, devices or shapes, MemoryError when its scratch copy of x cannot be allocated."""
+    lib = lib or kernels()
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu" or weight.device.type != "cpu":
+        raise ValueError(f"bf16_matvec takes bfloat16 CPU tensors, got x {x.dtype} on {x.device.type} and weight "
+                         f"{weight.dtype} on {weight.device.type}; use F.linear")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or not weight.is_contiguous():
+        raise ValueError(f"bf16_matvec multiplies x [rows, in] by a contiguous weight [out, in], got x "
+                         f"{list(x.shape)} and weight {list(weight.shape)} (contiguous: {weight.is_contiguous()})")
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
+    if lib.bf16_matvec(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1],
+                       torch.get_num_threads()):
+        raise MemoryError(f"bf16_matvec could not allocate {x.numel() * 4:,} bytes for a float32 copy of x")
+    return y
+
+
+def bf16_dot_instructions(*, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether this build's :func:`bf16_matvec` multiplies with AVX512-BF16's dot-product instruction
+    (elsewhere it widens each weight to float32 by a shift)."""
+    return bool((lib or kernels()).bf16_dot_instructions())
 
 
 # -- quantised products (csrc/quantized.c): int8 codes when zero is None, else int4 -----------------

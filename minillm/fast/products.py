@@ -15,7 +15,9 @@ stream memory as fast as all the cores together. Two ways around it, for CPU flo
 - :class:`MatvecLinear`: up to MATVEC_MAX_ROWS rows, a C loop (:mod:`minillm.fast.kernels`) gives
   each thread a share of the matrix's rows and reads each weight once for all of x's rows; it is
   also an op a compiled step calls (inductor's own code for the product is slower). Row-major
-  weights only. Above, up to PANEL_MAX_ROWS (a serving step's decodes, a short prefill chunk), in a
+  weights only. One float32 row only where the decode path's rule says (an AMD CPU: on the Intel
+  Xeon MKL's one-row product is faster); one bfloat16 row too (in C, faster than F.linear's).
+  :func:`few_rows_kernel` is the rule, as a table. Above, up to PANEL_MAX_ROWS (a serving step's decodes, a short prefill chunk), in a
   model that serves batches (``panels``, set by :mod:`minillm.fast.paged_attention`), a C GEMM
   micro-kernel on a copy of the matrix packed once into panels of outputs (csrc/products.c): MKL
   repacks the matrix at every call, which at 9-40 rows costs more than the product. The copy is made
@@ -36,7 +38,7 @@ stream memory as fast as all the cores together. Two ways around it, for CPU flo
 
 On CUDA int8 runs ``torch._weight_int8pack_mm``.
 
-Everything else (prefill's many rows, a GPU, 16-bit floats, autograd) runs ``F.linear``, which
+Everything else (prefill's many rows, a GPU, float16, autograd) runs ``F.linear``, which
 already spreads a big product over every core. Same values as ``F.linear`` up to float rounding.
 """
 
@@ -66,14 +68,40 @@ QUANTIZED_TILED_MAX_ROWS = 128  # above, the codes are unpacked once to float fo
 PRODUCTS = ("linear", "split", "matvec")
 
 
-def _few_float32_rows(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> int | None:
-    """The rows of x when a faster product applies to x @ weightᵀ (CPU float32, no autograd), else None."""
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != x.dtype or weight.dim() != 2
+def _few_rows(x: torch.Tensor, weight: torch.Tensor, max_rows: int, dtypes=(torch.float32,)) -> int | None:
+    """The rows of x when a faster product applies to x @ weightᵀ (a CPU, x and weight of one of ``dtypes``,
+    no autograd), else None."""
+    if (x.device.type != "cpu" or x.dtype not in dtypes or weight.dtype != x.dtype or weight.dim() != 2
             or weight.shape[1] != x.shape[-1] or x.shape[-1] == 0
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return None  # (and F.linear's own errors for a bad dtype or shape)
     rows = x.numel() // x.shape[-1]
     return rows if 0 < rows <= max_rows else None
+
+
+def few_rows_kernel(rows: int, dtype: torch.dtype, one_row_in_c: bool, panels: bool) -> str:
+    """The kernel :class:`MatvecLinear` multiplies ``rows`` rows of ``dtype`` by (on a CPU, the C kernels
+    built; compiled code, autograd and other devices take F.linear):
+
+        dtype      rows      kernel
+        float32    1         "f32_matvec" where ``one_row_in_c``, else "F.linear"
+        float32    2-8       "f32_matvec"
+        float32    9-256     "f32_panel_matmul" with ``panels`` (a server's batches), else "F.linear"
+        bfloat16   1         "bf16_matvec"
+        any        more      "F.linear"
+
+    ``one_row_in_c`` is the decode path's rule (:func:`minillm.fast.choose.one_row_in_c`): at one float32
+    row MKL's product beat the C loop on an Intel Xeon and lost to it on an AMD EPYC; at 2-8 rows the C won
+    on both. In bfloat16 the C loop beat F.linear at one row and lost to it at 4 and 8 on the Intel Xeon, its
+    multiply-adds then the bound (BENCHMARKS.md, "Decode products: PyTorch against the C").
+    """
+    if dtype == torch.bfloat16:
+        return "bf16_matvec" if rows == 1 else "F.linear"
+    if dtype != torch.float32:
+        return "F.linear"
+    if rows <= MATVEC_MAX_ROWS:
+        return "f32_matvec" if rows > 1 or one_row_in_c else "F.linear"
+    return "f32_panel_matmul" if panels and rows <= PANEL_MAX_ROWS else "F.linear"
 
 
 def _stamp(*tensors: torch.Tensor | None) -> tuple:
@@ -88,7 +116,7 @@ def _same(stamp: tuple, other: tuple) -> bool:
 
 def split_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weightᵀ + bias with the matrix cut into one column block per thread (see the module docstring)."""
-    rows = _few_float32_rows(x, weight, SPLIT_MAX_ROWS)
+    rows = _few_rows(x, weight, SPLIT_MAX_ROWS)
     if rows is None or torch.compiler.is_compiling():  # (inductor's bmm is slower; get_num_threads breaks a graph)
         return F.linear(x, weight, bias)
     n, out = torch.get_num_threads(), weight.shape[0]
@@ -100,15 +128,6 @@ def split_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y if bias is None else y + bias
 
 
-def c_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
-    """x @ weightᵀ + bias for x's ``rows`` rows (<= MATVEC_MAX_ROWS) by the C loop, where the matrix is
-    row-major and the kernels built; else F.linear."""
-    if not weight.is_contiguous() or not kernels.available():
-        return F.linear(x, weight, bias)
-    y = kernels.functions().f32_matvec(x.reshape(rows, -1), weight).view(*x.shape[:-1], weight.shape[0])
-    return y if bias is None else y + bias
-
-
 class SplitLinear(nn.Linear):
     """``nn.Linear`` (same parameters, same state-dict names) computed by :func:`split_product`."""
 
@@ -117,22 +136,29 @@ class SplitLinear(nn.Linear):
 
 
 class MatvecLinear(nn.Linear):
-    """``nn.Linear`` (same parameters, same state-dict names) computed by the row count (the module
-    docstring): up to MATVEC_MAX_ROWS by :func:`c_product`, up to PANEL_MAX_ROWS (with ``panels``: a
-    server's batches) by the C micro-kernel on a packed copy of the matrix, else (or for other dtypes,
-    devices, autograd, compiled code) by F.linear."""
+    """``nn.Linear`` (same parameters, same state-dict names) computed by the kernel :func:`few_rows_kernel`
+    names: F.linear, or the C loop over a few rows (float32, bfloat16), or (``panels``: a server's batches) the
+    C micro-kernel on a packed copy of the matrix; F.linear for other dtypes, devices, autograd, a matrix
+    that is not row-major, compiled code (but the float32 C loop, a torch op there) or no C kernels."""
 
     panels: bool = False  # products of more than MATVEC_MAX_ROWS rows on a packed copy
+    one_row_in_c: bool = False  # one float32 row by the C loop (the decode path's rule sets it)
     _panels: tuple | None = None  # (the _stamp of the weight it was packed from, the packed copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = _few_float32_rows(x, self.weight, PANEL_MAX_ROWS)
-        if rows is not None and rows <= MATVEC_MAX_ROWS:
-            return c_product(x, self.weight, self.bias, rows)
-        if (rows is None or not self.panels or not self.weight.is_contiguous() or torch.compiler.is_compiling()
-                or not kernels.available()):
+        rows = _few_rows(x, self.weight, PANEL_MAX_ROWS, (torch.float32, torch.bfloat16))
+        if rows is None or not self.weight.is_contiguous() or not kernels.available():
             return F.linear(x, self.weight, self.bias)
-        y = kernels.f32_panel_matmul(x.reshape(rows, -1), self._packed_weight())
+        compiling = torch.compiler.is_compiling()
+        kernel = few_rows_kernel(rows, x.dtype, self.one_row_in_c, self.panels and not compiling)
+        if kernel == "f32_matvec":
+            y = kernels.functions().f32_matvec(x.reshape(rows, -1), self.weight)
+        elif kernel == "bf16_matvec" and not compiling:
+            y = kernels.bf16_matvec(x.reshape(rows, -1), self.weight)
+        elif kernel == "f32_panel_matmul":
+            y = kernels.f32_panel_matmul(x.reshape(rows, -1), self._packed_weight())
+        else:
+            return F.linear(x, self.weight, self.bias)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

@@ -1,0 +1,116 @@
+"""Batch-1 decode ms per step, the default decode path against ``--no-fast`` (the lesson's plain PyTorch), at
+SmolLM2-135M (real weights) and the 360M and 1.7B shapes (random weights: benchmarks/model_shapes.py):
+
+    python benchmarks/decode_paths.py --shapes 135m 360m 1.7b --contexts 128 1024 --rounds 3
+    python benchmarks/decode_paths.py --shapes 135m 1.7b --dtypes bfloat16 --paths default --rounds 3
+    git archive HEAD~1 minillm | tar -x -C /tmp/before      # an earlier tree's default path beside them:
+    python benchmarks/decode_paths.py --before /tmp/before
+
+One process per run (what a user's ``minillm generate`` is), the paths alternating within a round and the
+rounds interleaved, so a machine that gets busier slows both alike. A run prefills ``context`` tokens, then
+times 3 untimed and ``--steps`` timed decode steps: its number is their median. Prints one line a run as
+it ends, then a table: each path's ms per round, and the memory floor (weights + KV cache bytes read a
+step over the bandwidth ``minillm calibrate`` measured: a copy, the same for every dtype) with the GB/s
+the fastest round achieved. The load average is printed before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+PATHS = ("default", "no-fast", "before")  # "before": the default path of the source tree --before names
+
+
+def one_run(shape: str, path: str, context: int, dtype: str, steps: int) -> dict:
+    """Load the model (the speed layer on for "default"), prefill, time ``steps`` decode steps."""
+    from minillm import KVCache, decode_step, load_model, prefill
+    from model_shapes import make_shape  # (benchmarks/ is on sys.path)
+
+    model = load_model("smollm2-135m-instruct" if shape == "135m" else make_shape(shape), device="cpu",
+                       dtype=dtype, fast=path != "no-fast")
+    ids = torch.arange(context) % 1000 + 100
+    cache = KVCache.for_model(model, max_seq_len=context + 3 + steps)
+    start = time.perf_counter()
+    token = prefill(model, ids, cache).argmax(-1)
+    prefill_ms = (time.perf_counter() - start) * 1e3
+    times = []
+    for _ in range(3 + steps):
+        start = time.perf_counter()
+        token = decode_step(model, token, cache).argmax(-1)
+        times.append((time.perf_counter() - start) * 1e3)
+    return {"shape": shape, "path": path, "context": context, "dtype": dtype, "decode_ms": statistics.median(times[3:]),
+            "prefill_ms": prefill_ms, "decode_path": model.decode_path, "threads": torch.get_num_threads()}
+
+
+def floor(shape: str, context: int, dtype: str) -> tuple[float, float] | None:
+    """(bytes a decode step reads, ms at the calibrated bandwidth), or None before ``minillm calibrate``."""
+    from minillm.config import ModelConfig
+    from minillm.costs import decode_cost
+    from minillm.formats.weights import resolve_model
+    from minillm.hardware import load_calibration
+    from model_shapes import shape_folder
+
+    hw = load_calibration("cpu", torch.float32)
+    folder = resolve_model("smollm2-135m-instruct", None) if shape == "135m" else shape_folder(shape)
+    config = ModelConfig.from_json(folder)
+    n_bytes = decode_cost(config, context + 1, torch.empty(0, dtype=getattr(torch, dtype)).element_size()).bytes
+    return None if hw is None else (n_bytes, n_bytes / hw.mem_bandwidth * 1e3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["135m"], choices=["135m", "360m", "1.7b"])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[128, 1024])
+    parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    parser.add_argument("--paths", nargs="+", default=["default", "no-fast"], choices=PATHS)
+    parser.add_argument("--before", metavar="DIR", help="a source tree (holding minillm/) whose default path runs as "
+                        "the path 'before' (added to --paths)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--one", nargs=4, metavar=("SHAPE", "PATH", "CONTEXT", "DTYPE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        shape, path, context, dtype = args.one
+        print(json.dumps(one_run(shape, path, int(context), dtype, args.steps)))
+        return
+    if args.before and "before" not in args.paths:
+        args.paths.append("before")
+    if "before" in args.paths and not args.before:
+        parser.error("the path 'before' needs --before DIR")
+    print(f"load average {os.getloadavg()}", flush=True)
+    results = {}
+    for r in range(args.rounds):
+        for shape in args.shapes:
+            for dtype in args.dtypes:
+                for context in args.contexts:
+                    for path in args.paths:
+                        env = {**os.environ, "PYTHONPATH": args.before} if path == "before" else None
+                        run = subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--one", shape, path,
+                                              str(context), dtype], capture_output=True, text=True, check=True, env=env)
+                        result = json.loads(run.stdout.strip().splitlines()[-1])
+                        results.setdefault((shape, dtype, context, path), []).append(result["decode_ms"])
+                        print(f"round {r + 1}: {result} load {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"load average {os.getloadavg()}")
+    print("| shape | dtype | context | " + " | ".join(f"{p} ms" for p in args.paths) + " | floor ms (GB/s achieved) |")
+    print("|---|---|---|" + "---|" * (len(args.paths) + 1))
+    for shape in args.shapes:
+        for dtype in args.dtypes:
+            for context in args.contexts:
+                times = [results[(shape, dtype, context, p)] for p in args.paths]
+                cells = [" / ".join(f"{t:.1f}" for t in ts) for ts in times]
+                bound = floor(shape, context, dtype)
+                best = min(min(ts) for ts in times)
+                cells.append("-" if bound is None else f"{bound[1]:.1f} ({bound[0] / best / 1e6:.1f})")
+                print(f"| {shape} | {dtype} | {context} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""The bfloat16 products (minillm/fast/csrc/bf16_products.c) against float64 F.linear, on the native build and
+the portable one (no -march=native: the weights widened by the shift instead of AVX512-BF16's dot product);
+the C file's scalar reference too; and which kernel a product module runs, as the rule's table
+(minillm.fast.products.few_rows_kernel, minillm.fast.choose.one_row_in_c)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from minillm.fast import kernels
+from minillm.fast.choose import one_row_in_c
+from minillm.fast.products import MatvecLinear, few_rows_kernel
+
+BUILDS = pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+BF16_EPS = 2.0 ** -8  # bfloat16 keeps 8 significant bits: rounding a result moves it by at most half of 2^-7
+
+
+def _lib(portable: bool):
+    lib = kernels.kernels(portable)
+    if lib is None:
+        pytest.skip("needs the C kernels")
+    return lib
+
+
+def _assert_bf16_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y is x @ wᵀ rounded once to bfloat16: within half an ulp of bfloat16 of the float64 product, plus
+    the float32 sums' rounding (in·2^-24 of Σ|x·w|, Higham's bound for a sum of in terms)."""
+    exact = F.linear(x.double(), w.double())
+    magnitude = F.linear(x.double().abs(), w.double().abs())
+    bound = BF16_EPS * exact.abs() + x.shape[1] * 2.0 ** -24 * magnitude * (1 + BF16_EPS) + 1e-30
+    assert y.dtype == torch.bfloat16 and y.shape == exact.shape
+    assert ((y.double() - exact).abs() <= bound).all(), (y.double() - exact).abs().max()
+
+
+@BUILDS
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 8), out_features=st.integers(1, 70), in_features=st.integers(1, 200),
+       seed=st.integers(0, 2**16))
+def test_bf16_matvec_equals_float64_linear(rows, out_features, in_features, seed, portable):
+    """In-features across the 64-wide dot-product steps and their tails, 1-8 rows (4-row blocks and the rest)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    _assert_bf16_product(kernels.bf16_matvec(x, w, lib=_lib(portable)), x, w)
+
+
+@BUILDS
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 576, 576), (8, 96, 1536), (3, 2048, 128)])
+def test_bf16_matvec_at_a_models_shapes(rows, out_features, in_features, portable):
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(out_features, in_features, generator=g) / in_features ** 0.5).bfloat16()
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    _assert_bf16_product(kernels.bf16_matvec(x, w, lib=_lib(portable)), x, w)
+
+
+@BUILDS
+def test_bf16_matvec_keeps_nan_and_infinity(portable):
+    """A NaN or an infinite input makes its outputs NaN or infinite, as F.linear's: not a plausible number."""
+    w = torch.ones(3, 64, dtype=torch.bfloat16)
+    x = torch.ones(2, 64, dtype=torch.bfloat16)
+    x[0, 5], x[1, 7] = float("nan"), float("inf")
+    y = kernels.bf16_matvec(x, w, lib=_lib(portable))
+    assert y[0].isnan().all() and (y[1] == float("inf")).all()
+
+
+@BUILDS
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 4), out_features=st.integers(1, 20), in_features=st.integers(1, 70),
+       seed=st.integers(0, 2**16))
+def test_the_scalar_reference_equals_float64_linear(rows, out_features, in_features, seed, portable):
+    """bf16_matmul_reference, the few lines bf16_products.c opens with, that its fast loop is read against."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    y = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    _lib(portable).bf16_matmul_reference(x.data_ptr(), w.data_ptr(), y.data_ptr(), rows, out_features, in_features)
+    _assert_bf16_product(y, x, w)
+
+
+def test_the_portable_build_has_no_dot_product_instruction():
+    assert kernels.bf16_dot_instructions(lib=_lib(True)) is False
+
+
+@pytest.mark.parametrize("x, w, message", [
+    (torch.ones(1, 4), torch.ones(2, 4, dtype=torch.bfloat16), "bfloat16 CPU tensors, got x torch.float32"),
+    (torch.ones(1, 4, dtype=torch.bfloat16), torch.ones(2, 5, dtype=torch.bfloat16), r"got x \[1, 4\] and weight \[2, 5\]"),
+    (torch.ones(1, 4, dtype=torch.bfloat16), torch.ones(4, 2, dtype=torch.bfloat16).t(), r"contiguous: False"),
+    (torch.ones(4, dtype=torch.bfloat16), torch.ones(2, 4, dtype=torch.bfloat16), r"x \[rows, in\]"),
+])
+def test_bf16_matvec_refuses_what_its_loop_would_misread(x, w, message):
+    _lib(False)
+    with pytest.raises(ValueError, match=message):
+        kernels.bf16_matvec(x, w)
+
+
+# -- which kernel runs: the rule as a table -------------------------------------------------------
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+@pytest.mark.parametrize("rows, dtype, one_row_in_c, panels, kernel", [
+    (1, F32, False, False, "F.linear"),  # an Intel CPU: MKL's one-row product wins
+    (1, F32, True, False, "f32_matvec"),  # an AMD CPU: the C loop wins
+    (2, F32, False, False, "f32_matvec"),
+    (8, F32, False, True, "f32_matvec"),
+    (9, F32, False, False, "F.linear"),  # generate's prefill chunk: no packed copy
+    (9, F32, False, True, "f32_panel_matmul"),  # a server's batch
+    (256, F32, True, True, "f32_panel_matmul"),
+    (257, F32, True, True, "F.linear"),
+    (1, BF16, False, False, "bf16_matvec"),
+    (1, BF16, True, True, "bf16_matvec"),
+    (2, BF16, True, True, "F.linear"),  # (the C loop's multiply-adds bound it: F.linear is faster from 4 rows)
+    (8, BF16, False, False, "F.linear"),
+    (9, BF16, False, True, "F.linear"),  # (prefill: oneDNN's AMX kernels)
+    (1, torch.float16, True, True, "F.linear"),
+    (1, torch.float64, True, True, "F.linear"),
+])
+def test_few_rows_kernel_table(rows, dtype, one_row_in_c, panels, kernel):
+    assert few_rows_kernel(rows, dtype, one_row_in_c, panels) == kernel
+
+
+@pytest.mark.parametrize("cpu_name, in_c", [
+    ("AMD EPYC 9R14 96-Core Processor", True),
+    ("AMD Ryzen 9 7950X 16-Core Processor", True),
+    ("Intel(R) Xeon(R) Processor", False),
+    ("Intel(R) Xeon(R) Platinum 8488C", False),
+    ("Apple M2", False),
+    ("aarch64", False),
+    ("", False),
+])
+def test_one_row_in_c_only_on_an_amd_cpu(cpu_name, in_c):
+    assert one_row_in_c(cpu_name) is in_c
+
+
+def _matvec_linear(weight: torch.Tensor, one_row_in_c: bool) -> MatvecLinear:
+    with torch.device("meta"):
+        linear = MatvecLinear(1, 1, bias=False)
+    linear.out_features, linear.in_features = weight.shape
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    linear.one_row_in_c = one_row_in_c
+    return linear
+
+
+@pytest.mark.parametrize("dtype, rows, one_row_in_c, ran", [
+    (F32, 1, False, None), (F32, 1, True, "f32_matvec"), (F32, 3, False, "f32_matvec"),
+    (BF16, 1, False, "bf16_matvec"), (BF16, 1, True, "bf16_matvec"), (BF16, 8, False, None),
+])
+def test_a_product_module_runs_the_tables_kernel_with_linears_values(dtype, rows, one_row_in_c, ran, monkeypatch):
+    """MatvecLinear calls the kernel the table names (None: F.linear) and gives F.linear's values."""
+    _lib(False)
+    calls = []
+    for name in ("f32_matvec", "bf16_matvec"):
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, kernel=kernel, name=name, **k: calls.append(name) or kernel(*a, **k))
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(40, 100, generator=g).to(dtype), torch.randn(1, rows, 100, generator=g).to(dtype)
+    y = _matvec_linear(w, one_row_in_c)(x)
+    assert calls == ([ran] if ran else [])
+    if dtype == BF16:
+        _assert_bf16_product(y[0], x[0], w)
+    else:
+        torch.testing.assert_close(y.double(), F.linear(x.double(), w.double()), atol=1e-5, rtol=1e-5)
