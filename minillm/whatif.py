@@ -236,6 +236,22 @@ class LoadOrRecompute:
     choice: str
     prefill_efficiency: float = 1.0
 
+    @property
+    def break_even_bytes_per_s(self) -> float:
+        """bytes/s: kv_bytes / recompute time, the tier bandwidth at which a load takes as long as the
+        recompute; a faster tier loads, a slower one recomputes."""
+        return self.kv_bytes / (self.recompute_ms / 1e3)
+
+
+# Read bandwidths of the places a prefix's K/V can come back from, GB/s one way, sequential: what
+# `minillm whatif --tier-bandwidth NAME` uses (host memory is the --hardware's own: see cli/roofline.py).
+# PCIe x16 to a GPU: 32 (4.0) and 64 (5.0) GB/s, the PCI-SIG figures minillm's --interconnect-gb-s help
+# quotes too; an NVMe SSD on PCIe 4.0: 5 GB/s (datasheets say 5-7); a SATA SSD: 0.5 GB/s (SATA III's
+# 6 Gbit/s, 8b/10b coded, is 0.6); a network's line rate / 8: 10 GbE 1.25, 100 GbE 12.5 (LMCache's and
+# Mooncake's remote stores).
+TIER_GB_S: dict[str, float] = {"pcie4": 32.0, "pcie5": 64.0, "nvme": 5.0, "sata-ssd": 0.5, "10gbe": 1.25,
+                               "100gbe": 12.5}
+
 
 def prefill_floor_s(config: ModelConfig, hw: HardwareProfile, n_tokens: int, dtype_bytes: int,
                     cached_tokens: int = 0) -> float:

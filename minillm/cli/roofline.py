@@ -97,6 +97,13 @@ def add_whatif(sub) -> None:
                    help="with --tensor-parallel-size: time of one ring step's message however small, µs; an "
                         "all-reduce pays it 2(N-1) times (measure a small all-reduce and divide; default 0: "
                         "bandwidth alone, a floor)")
+    p.add_argument("--tier-bandwidth", nargs="+", action="extend", metavar="TIER",
+                   help="load or recompute (prompt caching beyond the KV pool): the K/V bytes of the --prompt-tokens "
+                        "prefix, the time to read them from each TIER against the time to prefill them again (one "
+                        "device's roofline floor), which is cheaper, and the break-even bandwidth. TIER: host (a "
+                        "copy in --hardware's memory: half its bandwidth, a copy reads and writes each byte), pcie4 "
+                        "(32 GB/s), pcie5 (64; a GPU reads host memory over PCIe), nvme (5), sata-ssd (0.5), 10gbe "
+                        "(1.25), 100gbe (12.5), a number of GB/s, or NAME=GB/S; several at once (default: none)")
     p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     p.set_defaults(run=run_whatif)
 
@@ -128,6 +135,7 @@ def run_whatif(args) -> int:
     args.device = args.device or "cpu"
     args.dtype = args.dtype or _whatif_dtype(args.hardware, args.device)
     hw = _whatif_hardware(args.hardware, args.device, args.dtype)
+    tiers = _tier_bandwidths(args.tier_bandwidth or [], hw)
     config = load_config(args.config)
     if args.prompt_tokens + args.output_tokens > config.max_seq_len:
         warn(f"{args.prompt_tokens:,} prompt + {args.output_tokens:,} output tokens exceed {args.config}'s "
@@ -165,8 +173,61 @@ def run_whatif(args) -> int:
                                                  args.batch_size))
     for key, value in rows:
         table.add_row(key, value)
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    if tiers:
+        if tp:
+            warn("--tier-bandwidth weighs a load against one device's prefill, not the split's")
+        console.print(_load_or_recompute_table(config, hw, args, dtype_bytes, tiers))
     return 0
+
+
+def _tier_bandwidths(specs: list[str], hw) -> list[tuple[str, float]]:
+    """(label, bytes/s) of each --tier-bandwidth: a preset (whatif.TIER_GB_S, or host: the hardware's copy
+    bandwidth), a number of GB/s, or NAME=GB/S. UsageError for anything else, or a bandwidth not > 0."""
+    from ..whatif import TIER_GB_S
+
+    tiers = []
+    for spec in specs:
+        name, _, number = spec.rpartition("=")
+        if spec == "host":  # calibrate's bandwidth counts read + write bytes; a copy does both (the engine's guess)
+            tiers.append((f"host ({hw.name}'s memory)", hw.mem_bandwidth / 2))
+            continue
+        if spec in TIER_GB_S:
+            name, number = spec, str(TIER_GB_S[spec])
+        try:
+            gb_s = float(number)
+        except ValueError:
+            raise UsageError(f"--tier-bandwidth: unknown tier {spec!r}; give host, {', '.join(TIER_GB_S)}, a number "
+                             "of GB/s or NAME=GB/S") from None
+        if not (math.isfinite(gb_s) and gb_s > 0):
+            raise UsageError(f"--tier-bandwidth: {spec!r} is not a bandwidth > 0 GB/s")
+        tiers.append((name or f"{gb_s:g} GB/s", gb_s * 1e9))
+    return tiers
+
+
+def _load_or_recompute_table(config, hw, args, dtype_bytes: int, tiers: list[tuple[str, float]]):
+    """whatif.load_or_recompute for the --prompt-tokens prefix from each tier (none of it in the pool)."""
+    from rich.table import Table
+
+    from ..whatif import load_or_recompute
+
+    answers = [(name, load_or_recompute(config, hw, bytes_per_s, args.prompt_tokens, 0, dtype_bytes))
+               for name, bytes_per_s in tiers]
+    first = answers[0][1]
+    table = Table(title=f"load or recompute: the K/V of a {args.prompt_tokens:,}-token prefix, {args.dtype}",
+                  show_header=False)
+    table.add_row("KV bytes", f"{first.kv_bytes:,} ({fmt_bytes(first.kv_bytes)})")
+    table.add_row("recompute", f"{fmt_num(first.recompute_ms, 4)} ms (the prefill's roofline floor on {hw.name})")
+    table.add_row("break-even", f"{fmt_num(first.break_even_bytes_per_s / 1e9, 4)} GB/s (a faster tier loads, a "
+                                "slower one recomputes)")
+    for name, answer in answers:
+        ratio = answer.recompute_ms / answer.load_ms
+        verdict = (f"load, {ratio:,.2f}x faster than recompute" if answer.choice == "load"
+                   else f"recompute, {1 / ratio:,.2f}x faster than the load")
+        table.add_row(f"load from {name}", f"{fmt_num(answer.load_ms, 4)} ms at "
+                                           f"{fmt_num(answer.tier_bytes_per_s / 1e9, 4)} GB/s: {verdict}")
+    return table
 
 
 def _tensor_parallel_rows(w, one) -> list[tuple[str, str]]:
