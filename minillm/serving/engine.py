@@ -161,7 +161,7 @@ class LLMEngine:
     def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None,
                     arrival_s: float | None = None, logprobs: int | None = None,
                     prompt_logprobs: int | None = None, n: int = 1, cache_salt: str | None = None,
-                    cache_point: CachePoint | None = None) -> str:
+                    cache_point: CachePoint | Sequence[CachePoint] | None = None) -> str:
         """Queue a prompt (token ids); returns its request id.
 
         ``params`` default to the checkpoint's generation defaults, as in ``generate``.
@@ -190,15 +190,21 @@ class LLMEngine:
 
         ``cache_salt``: the tenant's salt (vLLM's ``cache_salt``): the request shares cached blocks,
         in the pool and in every tier, only with requests of the same salt (:func:`block_hash.salted_seed`).
-        ``cache_point``: a :class:`~minillm.serving.kv_tiers.CachePoint`: the full blocks of its first
-        ``num_tokens`` prompt tokens are pinned in the host and disk tiers for ``ttl_s`` seconds from
-        now (a later mark extends it); :attr:`RequestOutput.num_cache_write_tokens` counts those it computed.
+        ``cache_point``: a :class:`~minillm.serving.kv_tiers.CachePoint`, or a list of them (Anthropic's
+        breakpoints, up to 4 there, each with its own ttl): the full blocks of each one's first
+        ``num_tokens`` prompt tokens are pinned in the host and disk tiers for its ``ttl_s`` seconds from
+        now (a block under several points keeps the longest; a later mark extends a pin, never shortens
+        it); :attr:`RequestOutput.num_cache_write_tokens` counts those of the longest point it computed::
+
+            prompt   [ tools | system ........ | document ......... | question ]
+            points   1h -------------------^    5m --------------------^
+            pinned   blocks of the first prefix until now + 1 h; the rest of the second until now + 5 min
 
         Raises ValueError for text instead of ids, an empty prompt, ids outside the vocabulary,
         a prompt beyond the model's context or the whole pool, a prompt longer than
         ``max_num_batched_tokens`` without chunked prefill, a duplicate request id, or an ``n``
         outside [1, max_num_seqs], a cache_salt that is not a non-empty string, a cache_point
-        that is not a CachePoint, and for a constraint whose matcher cannot be made (any error
+        that is not a CachePoint or a list of them, and for a constraint whose matcher cannot be made (any error
         its ``matcher()`` raises, as one line).
         """
         if isinstance(prompt_ids, str):
@@ -215,8 +221,7 @@ class LLMEngine:
                 raise ValueError(f"{name} must be None or a number of top tokens in [0, vocab size], got {k!r}")
         self.check_n(n)
         salted_seed(b"", cache_salt)  # ValueError for a bad salt
-        if cache_point is not None and not isinstance(cache_point, CachePoint):
-            raise ValueError(f"cache_point must be a CachePoint(num_tokens, ttl_s), got {cache_point!r}")
+        cache_points = _cache_points(cache_point)
         if request_id is None:  # the next number the caller has not taken already
             request_id = next(i for i in map(str, self._ids) if i not in self.requests)
         request_id = str(request_id)
@@ -227,19 +232,22 @@ class LLMEngine:
                           generator=params.make_generator(device), num_logprobs=logprobs,
                           num_prompt_logprobs=prompt_logprobs)
         request.num_forks = n - 1
-        request.cache_salt, request.cache_point = cache_salt, cache_point
+        request.cache_salt, request.cache_points = cache_salt, cache_points
         _attach_sequence_state(request, self.tokenizer)
-        if cache_point is not None and self.offload is not None:
-            self.offload.pin(self._cache_point_hashes(request), self.offload.clock() + cache_point.ttl_s)
+        if cache_points and self.offload is not None:
+            self._pin_cache_points(request)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
 
-    def _cache_point_hashes(self, request: Request) -> list[bytes]:
-        """The hashes of the full blocks of the request's cache point (its first num_tokens prompt tokens)."""
-        size, allocator = self.cache.block_size, self.cache.allocator
-        covered = request.prompt_ids[: request.cache_point.num_tokens]
-        return block_hashes(covered, size, salted_seed(allocator.seed, request.cache_salt))
+    def _pin_cache_points(self, request: Request) -> None:
+        """Pin the full blocks of each of the request's cache points (its first num_tokens prompt tokens) in
+        the tiers for its own ttl: one hash chain, over the longest point, whose first blocks are the others'."""
+        size, allocator, now = self.cache.block_size, self.cache.allocator, self.offload.clock()
+        longest = request.prompt_ids[: request.cache_points[-1].num_tokens]
+        hashes = block_hashes(longest, size, salted_seed(allocator.seed, request.cache_salt))
+        for point in request.cache_points:
+            self.offload.pin(hashes[: point.num_tokens // size], now + point.ttl_s)
 
     def check_n(self, n) -> None:
         """ValueError unless ``n`` (sequences per request) is an int in [1, max_num_seqs]: a request with more
@@ -504,12 +512,22 @@ class LLMEngine:
         return f"LLMEngine({self.scheduler!r}, {self.cache!r})"
 
 
+def _cache_points(cache_point) -> tuple[CachePoint, ...]:
+    """add_request's ``cache_point`` (None, one CachePoint, or a list of them) as a tuple, shortest prefix
+    first; ValueError, one line, for anything else."""
+    points = () if cache_point is None else (cache_point,) if isinstance(cache_point, CachePoint) else cache_point
+    if isinstance(points, (str, bytes)) or not isinstance(points, Sequence) or not all(
+            isinstance(p, CachePoint) for p in points):
+        raise ValueError(f"cache_point must be a CachePoint(num_tokens, ttl_s) or a list of them, got {cache_point!r}")
+    return tuple(sorted(points, key=lambda p: p.num_tokens))
+
+
 def _cache_write_tokens(request: Request, block_size: int) -> int:
-    """The cache point's full-block tokens that were not read from a cache (0 before the request is
-    scheduled, or without a cache point)."""
-    if request.cache_point is None or request.first_scheduled_s is None:
+    """The longest cache point's full-block tokens that were not read from a cache (0 before the request is
+    scheduled, or without a cache point): the others' blocks are inside it."""
+    if not request.cache_points or request.first_scheduled_s is None:
         return 0
-    pinned = min(request.cache_point.num_tokens, request.num_prompt_tokens) // block_size * block_size
+    pinned = min(request.cache_points[-1].num_tokens, request.num_prompt_tokens) // block_size * block_size
     return max(0, pinned - request.num_cached_tokens)
 
 

@@ -59,7 +59,8 @@ class Request:
         cache_salt: the tenant's salt (vLLM's ``cache_salt``): its block chain starts from
             ``block_hash.salted_seed(seed, cache_salt)``, so it shares blocks only with requests of the
             same salt, in every tier; None: no salt.
-        cache_point: a :class:`~minillm.serving.kv_tiers.CachePoint` (the prefix to pin in the tiers), or None.
+        cache_points: the :class:`~minillm.serving.kv_tiers.CachePoint` s (prefixes to pin in the tiers, each
+            for its own ttl), shortest first; () without any.
         matcher: with ``params.allowed_tokens`` (constrained decoding), this sequence's
             :class:`~minillm.sampling.TokenMatcher`: asked for the allowed tokens before each token,
             told each token appended. It lives with the output tokens, so a preemption (which keeps
@@ -93,7 +94,7 @@ class Request:
     num_forks: int = 0
     matcher: object = None
     cache_salt: str | None = None
-    cache_point: object = None
+    cache_points: tuple = ()
 
     @property
     def num_prompt_tokens(self) -> int:

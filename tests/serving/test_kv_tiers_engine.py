@@ -202,7 +202,30 @@ def test_cache_point_pins_blocks_in_the_host_tier_until_its_time(model, prompts)
     clock.now += 101  # the pin has expired
     engine.generate(prompts[1:], GREEDY)
     assert not any(h in engine.offload.host for h in pinned)
-    assert engine.requests[rid].cache_point == point
+    assert engine.requests[rid].cache_points == (point,)
+
+
+@pytest.mark.parametrize("order", [1, -1], ids=["1h-then-5m", "5m-then-1h"])
+def test_each_cache_point_pins_its_own_prefix_for_its_own_ttl(model, prompts, order):
+    """Two marks, Anthropic style: the first 8 tokens for an hour, the whole prompt for 5 minutes. The first
+    prefix's 2 blocks stay pinned for the hour (not the later mark's 5 minutes), the rest for 5 minutes."""
+    clock = Clock()
+    engine = tiered(model, kv_offload_memory="6KiB")  # 3 blocks: the 2 of the hour, and one more
+    engine.offload.clock = engine.offload.host.clock = clock
+    points = [CachePoint(num_tokens=8, ttl_s=3600), CachePoint(num_tokens=PROMPT, ttl_s=300)][::order]
+    rid = engine.add_request(prompts[0], GREEDY, cache_point=points)
+    hashes = block_hashes(prompts[0], B, engine.cache.allocator.seed)  # 9 full blocks
+    assert engine.offload.pins == {h: clock.now + (3600 if i < 2 else 300) for i, h in enumerate(hashes)}
+    while engine.has_unfinished_requests():
+        out = engine.step()
+    assert out[0].num_cache_write_tokens == 36  # the longest point's full blocks, all computed
+    assert engine.requests[rid].cache_points == tuple(sorted(points, key=lambda p: p.num_tokens))
+    clock.now += 301  # the 5 minutes are over, the hour is not
+    engine.generate(prompts[1:], GREEDY)  # evicts prompt 0 from the pool through the 3-block host tier
+    assert [h in engine.offload.host for h in hashes] == [True, True] + [False] * 7
+    clock.now += 3600  # the hour is over too
+    engine.generate(prompts[1:], GREEDY)
+    assert not any(h in engine.offload.host for h in hashes)
 
 
 def test_num_cache_write_tokens_counts_the_cache_points_computed_blocks(model, prompts):
@@ -229,7 +252,8 @@ def test_bad_tier_arguments_are_one_line_errors(model, tmp_path, monkeypatch):
             LLMEngine(model, num_blocks=12, block_size=B, **kwargs)
     engine = LLMEngine(model, num_blocks=12, block_size=B)
     for kwargs, match in ((dict(cache_salt=""), "cache_salt"), (dict(cache_salt=5), "cache_salt"),
-                          (dict(cache_point=10), "CachePoint")):
+                          (dict(cache_point=10), "CachePoint"), (dict(cache_point=[CachePoint(4), 10]), "CachePoint"),
+                          (dict(cache_point="5m"), "CachePoint")):
         with pytest.raises(ValueError, match=match):
             engine.add_request([1, 2, 3], GREEDY, **kwargs)
     assert engine.offload is None and not engine.requests

@@ -173,39 +173,56 @@ def chat_prompt_ids(tokenizer, chat: list[dict], template_kwargs: dict | None, c
 # -- the cache point (Anthropic's cache_control) ------------------------------------------------
 
 
-def cache_point(mark, num_tokens: int) -> CachePoint | None:
-    """The engine's :class:`CachePoint` for a ``cache_control`` ``mark`` over the first ``num_tokens`` prompt
-    tokens; None without a mark (or a prefix of no token)."""
+MAX_CACHE_POINTS = 4  # Anthropic's limit on cache_control breakpoints in one request
+
+
+def cache_point(mark, num_tokens: int) -> list[CachePoint]:
+    """The engine's cache points for a ``cache_control`` ``mark`` over the first ``num_tokens`` prompt tokens:
+    one, or none without a mark (or a prefix of no token)."""
     if mark is None or num_tokens < 1:
-        return None
-    return CachePoint(num_tokens, CachePoint.parse_ttl(mark.ttl))
+        return []
+    return [CachePoint(num_tokens, CachePoint.parse_ttl(mark.ttl))]
 
 
-def chat_cache_point(tokenizer, messages: list, chat: list[dict], prompt_ids: list[int],
-                     template_kwargs: dict | None) -> CachePoint | None:
-    """The cache point of a chat: the prefix up to the end of the last message marked with ``cache_control``
-    (on the message or one of its content parts; an earlier mark's prefix is inside it).
+def chat_cache_points(tokenizer, messages: list, chat: list[dict], prompt_ids: list[int],
+                      template_kwargs: dict | None) -> list[CachePoint]:
+    """The cache points of a chat: for each message marked with ``cache_control`` (on the message or one of
+    its content parts), the prefix up to the end of that message, pinned for that mark's ttl (Anthropic's
+    breakpoints, each with its own lifetime; a message with several marks, on its parts, pins its whole
+    prefix for the longest of them). APIError 400 for more than 4 marks in the request (Anthropic's limit).
 
-    Its length in tokens is where the chat template's rendering of ``chat[:i + 1]`` (no assistant turn
-    opened) stops agreeing with ``prompt_ids``, the whole chat's::
+    Each prefix's length in tokens is where the chat template's rendering of ``chat[:i + 1]`` (no assistant
+    turn opened) stops agreeing with ``prompt_ids``, the whole chat's::
 
-        prompt_ids        [ system | user 1 | assistant 1 | user 2 (marked) | user 3 | assistant header ]
-        chat[:i + 1]      [ system | user 1 | assistant 1 | user 2 (marked) ]
-                          |<------------- the cache point's tokens ------------>|
+        prompt_ids        [ system (marked 1h) | user 1 | assistant 1 | user 2 (marked 5m) | user 3 | assistant header ]
+        chat[:1]          [ system (marked 1h) ]
+                          |<- point 1: 1 h -->|
+        chat[:i + 1]      [ system (marked 1h) | user 1 | assistant 1 | user 2 (marked 5m) ]
+                          |<------------------------ point 2: 5 min ----------------------->|
 
     ``messages``: the request's :class:`~.protocol.ChatMessage` s (where the marks are); ``chat``: the same as
-    the template reads them. APIError 400 when the template refuses to render the shorter chat."""
-    marked = [i for i, message in enumerate(messages) if message.cache_mark() is not None]
-    if not marked:
-        return None
-    i = marked[-1]
-    try:
-        text = tokenizer.apply_chat_template(chat[: i + 1], add_generation_prompt=False, **(template_kwargs or {}))
-    except ValueError as error:
-        raise APIError(400, f"the chat up to the message with cache_control cannot be rendered alone: {error}",
-                       f"messages.{i}.cache_control") from None
-    prefix = common_prefix_len(tokenizer.encode(text, add_special_tokens=False), prompt_ids)
-    return cache_point(messages[i].cache_mark(), prefix)
+    the template reads them. APIError 400 when the template refuses to render a shorter chat."""
+    marks = [(i, mark) for i, message in enumerate(messages) for mark in message.cache_marks()]
+    if len(marks) > MAX_CACHE_POINTS:
+        i = marks[MAX_CACHE_POINTS][0]
+        raise APIError(400, f"a request takes at most {MAX_CACHE_POINTS} cache_control marks (cache points, as "
+                            f"Anthropic's API), this one has {len(marks)}; keep the {MAX_CACHE_POINTS} that end the "
+                            "prefixes you will send again", f"messages.{i}.cache_control")
+    ttl_s: dict[int, float] = {}
+    for i, mark in marks:  # one point per message: its longest ttl
+        ttl_s[i] = max(ttl_s.get(i, 0.0), CachePoint.parse_ttl(mark.ttl))
+    points = []
+    for i, ttl in ttl_s.items():
+        try:
+            text = tokenizer.apply_chat_template(chat[: i + 1], add_generation_prompt=False,
+                                                 **(template_kwargs or {}))
+        except ValueError as error:
+            raise APIError(400, f"the chat up to the message with cache_control cannot be rendered alone: {error}",
+                           f"messages.{i}.cache_control") from None
+        prefix = common_prefix_len(tokenizer.encode(text, add_special_tokens=False), prompt_ids)
+        if prefix >= 1:
+            points.append(CachePoint(prefix, ttl))
+    return points
 
 
 def fit_max_tokens(requested: int | None, prompt_len: int, context: int, prompt_param: str = "prompt") -> int:

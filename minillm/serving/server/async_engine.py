@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Sequence
 
 from ...errors import EngineLostError, MiniLLMError
 from ...sampling import SamplingParams
@@ -82,7 +82,7 @@ class AddRequest:
     arrival_s: float  # time.perf_counter() when the client sent it: TTFT and queue time count from here
     added: asyncio.Future
     cache_salt: str | None = None
-    cache_point: CachePoint | None = None
+    cache_point: CachePoint | Sequence[CachePoint] | None = None
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ class AsyncEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        logprobs: int | None = None, prompt_logprobs: int | None = None, n: int = 1,
-                       cache_salt: str | None = None, cache_point: CachePoint | None = None
+                       cache_salt: str | None = None, cache_point: CachePoint | Sequence[CachePoint] | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Queue a prompt and yield its :class:`RequestOutput` each step it changes, the last finished.
 

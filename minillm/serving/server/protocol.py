@@ -274,11 +274,10 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None  # history only: minillm makes no tool calls itself
     cache_control: CacheControl | None = None  # the prefix up to the end of this message is a cache point
 
-    def cache_mark(self) -> CacheControl | None:
-        """The ``cache_control`` on this message or on one of its parts (the last one given), or None."""
+    def cache_marks(self) -> list[CacheControl]:
+        """The ``cache_control`` marks on this message and on its parts, in order ([] without any)."""
         parts = self.content if isinstance(self.content, list) else []
-        marks = [self.cache_control] + [part.cache_control for part in parts]
-        return next((mark for mark in reversed(marks) if mark is not None), None)
+        return [mark for mark in [self.cache_control] + [part.cache_control for part in parts] if mark is not None]
 
     def as_template_message(self) -> dict:
         """The dict a chat template reads: "developer" (OpenAI's newer name for "system") as

@@ -7,15 +7,16 @@ import json
 
 import httpx
 import pytest
-from live_server import live_server
+from live_server import app_of, live_server
 
 import minillm
+from minillm.block_hash import block_hashes, model_seed
 from minillm.chat import common_prefix_len
 from minillm.serving.engine import LLMEngine
 from minillm.serving.kv_tiers import CachePoint
 from minillm.serving.server.async_engine import AsyncEngine
 from minillm.serving.server import protocol
-from minillm.serving.server.admission import chat_cache_point
+from minillm.serving.server.admission import APIError, chat_cache_points
 
 TIMEOUT_S = 60.0
 BLOCK = 16
@@ -107,12 +108,78 @@ def test_a_chat_cache_point_ends_with_the_marked_message(tiny_chat):
         {"role": "user", "content": "Second question?"}]})
     chat = [m.as_template_message() for m in body.messages]
     prompt_ids = chat_ids(tokenizer, chat)
-    point = chat_cache_point(tokenizer, body.messages, chat, prompt_ids, None)
+    points = chat_cache_points(tokenizer, body.messages, chat, prompt_ids, None)
     marked = chat_ids(tokenizer, chat[:2], add_generation_prompt=False)
-    assert point == CachePoint(len(marked), 3600.0) and prompt_ids[: len(marked)] == marked
+    assert points == [CachePoint(len(marked), 3600.0)] and prompt_ids[: len(marked)] == marked
     assert tokenizer.decode(marked[-5:], skip_special_tokens=False).endswith(" question?<|im_end|>\n")
     body.messages[1].content[0].cache_control = None
-    assert chat_cache_point(tokenizer, body.messages, chat, prompt_ids, None) is None  # no mark: no point
+    assert chat_cache_points(tokenizer, body.messages, chat, prompt_ids, None) == []  # no mark: no point
+
+
+def marked(content: str, ttl: str | None) -> dict:
+    return {"type": "text", "text": content} | ({"cache_control": {"type": "ephemeral", "ttl": ttl}} if ttl else {})
+
+
+TWO_MARKS = [{"role": "system", "content": [marked(DOCUMENT, "1h")]},
+             {"role": "user", "content": [marked("First question?", None), marked("Some context for the question. " * 4, "5m")]},
+             {"role": "assistant", "content": "An answer."},
+             {"role": "user", "content": "Second question?"}]
+
+
+def test_every_mark_is_a_cache_point_with_its_own_ttl(tiny_chat):
+    """An earlier 1h mark before a later 5m one: two points, each prefix ending with its marked message (the
+    template's rendering of the chat up to it), each with its own lifetime."""
+    _, tokenizer = tiny_chat
+    body = protocol.ChatCompletionRequest.model_validate({"messages": TWO_MARKS})
+    chat = [m.as_template_message() for m in body.messages]
+    prompt_ids = chat_ids(tokenizer, chat)
+    lengths = [len(chat_ids(tokenizer, chat[:n], add_generation_prompt=False)) for n in (1, 2)]
+    assert chat_cache_points(tokenizer, body.messages, chat, prompt_ids, None) == [
+        CachePoint(lengths[0], 3600.0), CachePoint(lengths[1], 300.0)]
+    both = [dict(m, cache_control={"type": "ephemeral", "ttl": "5m"}) for m in TWO_MARKS[:2]]  # 2 marks a message
+    body = protocol.ChatCompletionRequest.model_validate({"messages": both + TWO_MARKS[2:]})
+    assert chat_cache_points(tokenizer, body.messages, chat, prompt_ids, None) == [  # its longest ttl
+        CachePoint(lengths[0], 3600.0), CachePoint(lengths[1], 300.0)]
+
+
+def test_more_than_four_marks_are_refused_naming_cache_control(tiny_chat):
+    _, tokenizer = tiny_chat
+    five = [{"role": "user", "content": [marked(f"Part {i}.", "5m") for i in range(3)]},
+            {"role": "assistant", "content": "Yes.", "cache_control": {"type": "ephemeral"}},
+            {"role": "user", "content": [marked("More?", "1h")]}]
+    body = protocol.ChatCompletionRequest.model_validate({"messages": five})
+    chat = [m.as_template_message() for m in body.messages]
+    with pytest.raises(APIError) as refused:
+        chat_cache_points(tokenizer, body.messages, chat, chat_ids(tokenizer, chat), None)
+    assert refused.value.status == 400 and refused.value.param == "messages.2.cache_control"
+    assert "at most 4 cache_control marks" in str(refused.value) and "this one has 5" in str(refused.value)
+
+
+class Clock:
+    now = 1e9
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.mark.server
+def test_the_server_pins_each_marked_prefix_for_its_own_ttl(tiny_chat):
+    """Through HTTP: the first prefix's blocks are pinned for an hour, the rest of the second's for 5 minutes
+    (before, the last mark alone set the pins: an hour's mark lasted 5 minutes); 5 marks are a 400."""
+    model, tokenizer = tiny_chat
+    with live_server(model, tokenizer, num_blocks=64, kv_offload_memory="16MiB") as url:
+        offload = app_of(url).state.async_engine.engine.offload
+        offload.clock = offload.host.clock = Clock()
+        reply = post(url, "chat/completions", {"messages": TWO_MARKS, "max_tokens": 2, "temperature": 0})
+        chat = protocol.ChatCompletionRequest.model_validate({"messages": TWO_MARKS}).messages
+        chat = [m.as_template_message() for m in chat]
+        first, second = (len(chat_ids(tokenizer, chat[:n], add_generation_prompt=False)) // BLOCK for n in (1, 2))
+        hashes = block_hashes(chat_ids(tokenizer, chat), BLOCK, model_seed(model))[:second]
+        assert offload.pins == {h: Clock.now + (3600 if i < first else 300) for i, h in enumerate(hashes)}
+        assert 0 < first < second and reply["usage"]["cache_creation_input_tokens"] == second * BLOCK
+        five = [dict(m, cache_control={"type": "ephemeral"}) for m in TWO_MARKS[:3]]  # 2 + 1 + 1 + 1 marks
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": five + TWO_MARKS[3:]}, timeout=TIMEOUT_S)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages.2.cache_control"
 
 
 @pytest.mark.server

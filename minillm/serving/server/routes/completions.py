@@ -22,7 +22,7 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 
 from .. import protocol
-from ..admission import (APIError, cache_point, chat_cache_point, chat_prompt_ids, check_api_key, check_model,
+from ..admission import (APIError, cache_point, chat_cache_points, chat_prompt_ids, check_api_key, check_model,
                          check_prompt_ids, check_tool_calls_render, compile_grammar, decode_ids, encode_prompt,
                          fit_max_tokens, log_ignored, read_body, refuse_unfittable, refuse_unfittable_chat,
                          sampling_params)
@@ -70,11 +70,11 @@ async def chat_completions(request: Request):
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    point = await asyncio.to_thread(chat_cache_point, tokenizer, body.messages, chat, prompt_ids,
-                                    body.chat_template_kwargs)
+    points = await asyncio.to_thread(chat_cache_points, tokenizer, body.messages, chat, prompt_ids,
+                                     body.chat_template_kwargs)
     reply = protocol.ChatReply(f"chatcmpl-{uuid.uuid4().hex}", state.model_name, tokenizer)
     outputs = state.async_engine.generate(prompt_ids, params, reply.id, logprobs=logprobs, n=body.n,
-                                          cache_salt=body.cache_salt, cache_point=point)
+                                          cache_salt=body.cache_salt, cache_point=points)
     return await respond(outputs, body, reply, request)
 
 
