@@ -1,15 +1,17 @@
 """Prompt caching beyond the pool on two workloads, five ways, with the providers' bills and the side channel.
 
-    python benchmarks/kv_tiers_workloads.py                 # SmolLM2-135M float32, ~4 min on 2 idle cores
+    python benchmarks/kv_tiers_workloads.py                 # SmolLM2-135M float32: 8 min on 2 busy cores
     python benchmarks/kv_tiers_workloads.py --conversations 6 --turns 6 --questions 8   # bigger
+    python benchmarks/kv_tiers_workloads.py --threads 1      # on a busy machine (see BENCHMARKS.md)
 
 Two workloads run one request at a time through :class:`~minillm.LLMEngine` (greedy), with a KV pool
 too small to keep them (``--num-blocks``; the script prints the pool's blocks against the workload's
 distinct blocks):
 
     multi-turn chat     C conversations of T turns, interleaved (turn 1 of each, then turn 2 of each, ...);
-                        every conversation opens with the same support-policy system prompt (prefix-demo's);
-                        turn t = turn t-1's prompt + its answer + a new user message (the chat template)
+                        each opens with a system prompt of its own (a line naming its customer, then
+                        prefix-demo's ~1,330-token support policy; --shared-system-prompt: the policy alone,
+                        shared); turn t = turn t-1's prompt + its answer + a new user message (the chat template)
     shared document     one long document (Coriolanus, act 1: tests/data/coriolanus_act1.txt) and Q
                         questions after it; between two questions F other requests ("sort these words")
                         push the document out of the pool
@@ -20,8 +22,9 @@ the same disk folder, the workload replayed: the page cache is warm). For each: 
 (prompt - cached), TTFT p50/p99 of the measured requests (chat: every turn; document: the questions),
 output tok/s and wall seconds over the whole workload; the greedy outputs must be equal in all five.
 
-Every request marks a cache point (Anthropic's ``cache_control``): a chat turn its whole prompt, a question
-the end of the document. The measured token counts are then billed by two providers' rules:
+Every request marks a cache point (Anthropic's ``cache_control``, 5 minutes; ``--no-cache-points``: none): a
+chat turn its whole prompt, a question the end of the document. The engine pins a cache point's blocks in
+the host and disk tiers. The measured token counts are then billed by two providers' rules:
 
     OpenAI     prompts of >= 1,024 tokens: the cached prefix, in 128-token increments from 1,024, at
                --openai-cached-price of the input price (0.5: GPT-4o's $1.25 against $2.50 a million;
@@ -62,6 +65,7 @@ DOCUMENT_QUESTIONS = ["Who is the chief enemy of the people, according to the Fi
                       "Why are the citizens angry about the price of corn?", "Who speaks for the patricians?",
                       "What news does the messenger bring about the Volsces?", "How does Marcius treat the crowd?",
                       "Name two tribunes of the people mentioned in the scene."]
+CUSTOMERS = ["Ada Lovelace", "Alan Turing", "Grace Hopper", "Edsger Dijkstra", "Barbara Liskov", "Donald Knuth"]
 SORT_WORDS = "Sort these words alphabetically and say which comes first: "
 
 
@@ -118,20 +122,24 @@ def followup_ids(tokenizer, system: str, user: str) -> list[int]:
 
 
 def chat_workload(tokenizer, n_conversations: int, n_turns: int, answer_tokens: int,
-                  system: str | None = None) -> list[Turn]:
+                  system: str | None = None, per_customer: bool = True) -> list[Turn]:
     """C conversations of T turns, interleaved by turn; each turn's cache point is its whole prompt.
 
+    The system prompt is prefix-demo's support policy (~1,330 tokens) unless ``system`` is given. With
+    ``per_customer`` it opens with a line naming the conversation's customer, so no two conversations
+    share a block (every user brings their own context); without, all share the policy's blocks.
     Conversation c's k-th user message is prefix-demo's question c + k·C (cycled, numbered past the list),
-    so all differ; all share the system prompt (prefix-demo's support policy, ~1,330 tokens by default).
-    Returns C·T turns: [c0 t0, c1 t0, ..., c0 t1, ...].
+    so all differ. Returns C·T turns: [c0 t0, c1 t0, ..., c0 t1, ...].
     """
     system = system_prompt() if system is None else system
     turns = []
     for t in range(n_turns):
         for c in range(n_conversations):
+            own = f"The customer is {CUSTOMERS[c % len(CUSTOMERS)]} (account {c + 1:06d}).\n\n" + system \
+                if per_customer else system
             user = _question(c + t * n_conversations)
-            ids = (chat_ids(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": user}])
-                   if t == 0 else followup_ids(tokenizer, system, user))
+            ids = (chat_ids(tokenizer, [{"role": "system", "content": own}, {"role": "user", "content": user}])
+                   if t == 0 else followup_ids(tokenizer, own, user))
             turns.append(Turn(ids, f"chat {c}", len(ids), answer_tokens))
     return turns
 
@@ -271,15 +279,16 @@ def _run_one(engine: LLMEngine):
 
 
 def run_configs(model, turns: Sequence[Turn], num_blocks: int, block_size: int, host_memory: str,
-                folder: Path) -> list[RunResult]:
-    """The workload in the five configurations of :data:`CONFIGS`; the disk ones share ``folder``."""
+                folder: Path, cache_points: bool = True) -> list[RunResult]:
+    """The workload in the five configurations of :data:`CONFIGS`; the disk ones share ``folder``.
+    ``cache_points``: the turns' cache points are sent (never in "no cache")."""
     results = []
     for config in CONFIGS:
         engine = LLMEngine(model, num_blocks=num_blocks, block_size=block_size,
                            enable_prefix_caching=config != "no cache",
                            kv_offload_memory=host_memory if "host" in config or "restart" in config else None,
                            kv_offload_dir=folder if "disk" in config or "restart" in config else None)
-        results.append(run_workload(engine, turns, config, cache_points=config != "no cache"))
+        results.append(run_workload(engine, turns, config, cache_points=cache_points and config != "no cache"))
         engine.close()
     return results
 
@@ -426,14 +435,16 @@ def loadavg() -> str:
 
 def report(name: str, turns: Sequence[Turn], model, args, folder: Path, prices: Prices) -> None:
     """Run one workload's five configurations and print its table, bill and checks."""
-    results = run_configs(model, turns, args.num_blocks, args.block_size, args.host_memory, folder)
+    results = run_configs(model, turns, args.num_blocks, args.block_size, args.host_memory, folder,
+                          not args.no_cache_points)
     per_block = LLMEngine(model, num_blocks=1, block_size=args.block_size).cache.bytes_per_block
     n_blocks = distinct_blocks(results[0], args.block_size)
     measured = sum(r.measured for r in results[0].requests)
     print(f"\n## {name}: {len(turns)} requests ({measured} measured), "
           f"{sum(r.prompt_tokens for r in results[0].requests):,} prompt tokens, {n_blocks} distinct full blocks "
           f"({n_blocks * per_block / 1e6:.0f} MB); pool {args.num_blocks} blocks ({args.num_blocks * per_block / 1e6:.0f} MB), "
-          f"host tier {args.host_memory}, disk tier unbounded\n")
+          f"host tier {args.host_memory}, disk tier unbounded, "
+          f"{'no cache points' if args.no_cache_points else 'cache points (5 minutes)'}\n")
     print(results_table(results, prices))
     differ = differing_outputs(results)
     print("\ngreedy outputs: " + (f"identical in all {len(results)} configurations ({len(turns)} requests each)"
@@ -455,7 +466,11 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=112, help="the KV pool (default 112 blocks, 1,792 tokens)")
     parser.add_argument("--host-memory", default="32MiB", help="the host tier (default 32MiB: 45 blocks)")
     parser.add_argument("--conversations", type=int, default=3)
-    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--shared-system-prompt", action="store_true",
+                        help="the conversations share the system prompt (default: each opens with its customer)")
+    parser.add_argument("--no-cache-points", action="store_true",
+                        help="automatic caching only: no request marks a cache point (nothing is pinned)")
     parser.add_argument("--answer-tokens", type=int, default=16)
     parser.add_argument("--document-tokens", type=int, default=1600)
     parser.add_argument("--questions", type=int, default=4)
@@ -477,8 +492,11 @@ def main() -> None:
     warm_up(model, args.document_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         if "chat" in args.workloads:
-            turns = chat_workload(tokenizer, args.conversations, args.turns, args.answer_tokens)
-            report(f"multi-turn chat ({args.conversations} conversations x {args.turns} turns)", turns, model, args,
+            turns = chat_workload(tokenizer, args.conversations, args.turns, args.answer_tokens,
+                                  per_customer=not args.shared_system_prompt)
+            context = "one shared system prompt" if args.shared_system_prompt else "a system prompt each"
+            report(f"multi-turn chat ({args.conversations} conversations x {args.turns} turns, {context})", turns,
+                   model, args,
                    Path(tmp) / "chat", prices)
         if "document" in args.workloads:
             turns = document_workload(tokenizer, args.document_tokens, args.questions, args.fillers,

@@ -67,12 +67,16 @@ def test_a_chat_turn_is_the_template_of_the_whole_conversation(tokenizer):
     assert turn2 == whole
 
 
-def test_chat_workload_shape(tokenizer):
-    turns = kvw.chat_workload(tokenizer, n_conversations=3, n_turns=2, answer_tokens=5, system="Be brief.")
+@pytest.mark.parametrize("per_customer", [True, False])
+def test_chat_workload_shape(tokenizer, per_customer):
+    turns = kvw.chat_workload(tokenizer, n_conversations=3, n_turns=2, answer_tokens=5,
+                              system="Be brief. " * 10, per_customer=per_customer)
     assert [t.conversation for t in turns] == ["chat 0", "chat 1", "chat 2"] * 2     # interleaved by turn
     assert all(t.cache_point_tokens == len(t.new_ids) and t.max_new_tokens == 5 and t.measured for t in turns)
-    # every opening starts with the same system prompt, and the questions all differ
-    assert len({tuple(t.new_ids[:5]) for t in turns[:3]}) == 1 and len({tuple(t.new_ids) for t in turns}) == 6
+    assert len({tuple(t.new_ids) for t in turns}) == 6                                # the questions all differ
+    # the openings' first blocks: one shared system prompt, or a customer's line first and nothing shared
+    first_blocks = {kvw.block_hashes(t.new_ids, 16, b"")[0] for t in turns[:3]}
+    assert len(first_blocks) == (3 if per_customer else 1)
 
 
 def test_document_workload_shape(tokenizer):
