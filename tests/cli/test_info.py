@@ -87,7 +87,7 @@ def test_info_prints_the_swap_table(fast, tmp_path, capsys, monkeypatch):
 
     from minillm.fast import SWAPS
 
-    monkeypatch.setenv("COLUMNS", "200")  # one line a row
+    monkeypatch.setenv("COLUMNS", "400")  # one line a row (the longest "when" is ~230 characters)
     monkeypatch.setenv("MINILLM_DECODE_PATH", "row-major+split")
     folder = save_hf(build_hf(*CONFIGS["llama_gqa"]), tmp_path)
     assert main(["info", "--model", str(folder), "--fast" if fast else "--no-fast"]) == 0
