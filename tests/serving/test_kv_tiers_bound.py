@@ -7,6 +7,8 @@ point's blocks are kept first. The tier's clock is injected and ticks at every r
 files never share an mtime (the LRU order is the write order, not a tie broken by name).
 """
 
+import shutil
+
 import pytest
 import torch
 
@@ -99,3 +101,13 @@ def test_a_disk_size_needs_a_folder_and_room_for_a_block(tiny_model, tmp_path):
     whole = LLMEngine(model, num_blocks=12, block_size=B, kv_offload_dir=tmp_path, kv_offload_disk_size=file_bytes)
     assert whole.offload.disk.capacity_bytes == file_bytes
     assert LLMEngine(model, num_blocks=12, block_size=B, kv_offload_dir=tmp_path).offload.disk.capacity_bytes is None
+
+
+def test_a_fractional_disk_size_is_of_the_disk_s_free_space(tiny_model, tmp_path, monkeypatch):
+    from minillm.serving.kv_tiers import offload
+
+    free, disk_usage = 10**9, shutil.disk_usage
+    monkeypatch.setattr(offload.shutil, "disk_usage", lambda path: disk_usage(path)._replace(free=free))
+    engine = LLMEngine(tiny_model("llama_gqa"), num_blocks=12, block_size=B, kv_offload_dir=tmp_path,
+                       kv_offload_disk_size="0.25")
+    assert engine.offload.disk.capacity_bytes == free // 4
