@@ -45,7 +45,8 @@ Packages around it:
                   swaps in subclasses of the course's modules, same parameters (load_model(fast=False):
                   without it)
     serving/      many users at once (lesson 11): paged KV cache, block allocator, scheduler, LLMEngine;
-                  serving/server/: minillm serve, the engine behind an OpenAI-compatible HTTP API
+                  serving/server/: minillm serve, the engine behind an OpenAI-compatible HTTP API;
+                  serving/kv_tiers/: blocks beyond the pool (host memory, disk), load or recompute
     distributed/  one model over several processes (lesson 12): tensor parallelism (Megatron's split,
                   the all-reduces, minillm generate --tp N); prefill and decode workers (lesson 10)
     formats/      files: model names and downloads (weights.py), GGUF in (gguf_convert.py) and out for

@@ -178,11 +178,12 @@ def check_kv_offload(args) -> None:
     folder (a file is in the way)."""
     from ..serving.paged_cache import parse_memory  # torch: only once a command runs
 
-    for flag, value in (("--kv-offload-memory", args.kv_offload_memory),
-                        ("--kv-offload-disk-size", args.kv_offload_disk_size)):
+    for flag, value, what, free in (("--kv-offload-memory", args.kv_offload_memory, "the host tier's size", "free memory"),
+                                    ("--kv-offload-disk-size", args.kv_offload_disk_size, "the disk tier's size",
+                                     "free disk space")):
         try:
             if value is not None:
-                parse_memory(value, available_bytes=1)
+                parse_memory(value, 1, what, free)
         except ValueError as e:
             raise UsageError(f"{flag}: {e}") from None
     if args.kv_offload_disk_size is not None and args.kv_offload_dir is None:

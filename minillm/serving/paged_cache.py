@@ -40,28 +40,30 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_memory(spec: str | int | float, available_bytes: int | None = None) -> int:
+def parse_memory(spec: str | int | float, available_bytes: int | None = None, what: str = "KV cache memory",
+                 free: str = "free memory") -> int:
     """A memory budget in bytes from "512MiB", "2GB", "1000000", an int, or a fraction.
 
     A float in (0, 1] (or a string such as "0.3") is that fraction of ``available_bytes``
     (the device's free memory; vLLM's ``gpu_memory_utilization`` is the same idea).
-    Raises ValueError for anything else, naming the accepted forms.
+    ``what`` and ``free`` name the budget and what a fraction is of, in the errors (a disk tier's size
+    is a fraction of free disk space). Raises ValueError for anything else, naming the accepted forms.
     """
     text = str(spec).strip().lower().replace(" ", "")
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]i?b|b)?", text)
     if match is None:
-        raise ValueError(f"KV cache memory must be a size like 512MiB, 2GiB, 1GB or a fraction of free memory "
+        raise ValueError(f"{what} must be a size like 512MiB, 2GiB, 1GB or a fraction of {free} "
                          f"like 0.3, got {spec!r}")
     value, unit = float(match.group(1)), match.group(2) or ""
     if not unit and 0 < value <= 1 and "." in text:
         if available_bytes is None:
-            raise ValueError(f"a fraction ({spec}) needs the free memory, which this machine does not report; "
+            raise ValueError(f"a fraction ({spec}) needs the {free}, which this machine does not report; "
                              "give a size like 512MiB instead")
         return int(value * available_bytes)
     if value <= 0:
-        raise ValueError(f"KV cache memory must be > 0, got {spec!r}")
+        raise ValueError(f"{what} must be > 0, got {spec!r}")
     if not unit and "." in text:
-        raise ValueError(f"a fraction of free memory must be in (0, 1], got {spec!r}; for a size add a unit: 512MiB")
+        raise ValueError(f"a fraction of {free} must be in (0, 1], got {spec!r}; for a size add a unit: 512MiB")
     return int(value * _UNITS[unit])
 
 

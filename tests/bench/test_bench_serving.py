@@ -223,7 +223,7 @@ def test_cli_prints_no_ratio_against_a_policy_it_did_not_run(tiny_folder, capsys
     (["--trace-out", "run.txt"], "--trace-out: run.txt must end in .json"),
     (["--dataset", "no-such.jsonl"], "--dataset: no file no-such.jsonl"),
     (["--seed", "-1"], "--seed must be >= 0, got -1"),
-    (["--kv-offload-memory", "much"], "--kv-offload-memory: KV cache memory must be a size"),
+    (["--kv-offload-memory", "much"], "--kv-offload-memory: the host tier's size must be a size"),
     (["--kv-offload-dir", "/dev/null"], "--kv-offload-dir: /dev/null exists and is not a folder"),
 ])
 def test_bad_options_are_one_line_usage_errors(args, message, capsys):

@@ -13,9 +13,9 @@ COMMANDS = ["serve", "bench-serving"]
 @pytest.mark.parametrize("args, message", [
     (["--kv-offload-disk-size", "1GiB"], "--kv-offload-disk-size bounds the disk tier: give --kv-offload-dir DIR too"),
     (["--kv-offload-dir", "{tmp}", "--kv-offload-disk-size", "lots"],
-     "--kv-offload-disk-size: KV cache memory must be a size like 512MiB"),
-    (["--kv-offload-dir", "{tmp}", "--kv-offload-disk-size", "0GiB"], "--kv-offload-disk-size: KV cache memory must be > 0"),
-    (["--kv-offload-dir", "{tmp}", "--kv-offload-disk-size", "1.5"], "--kv-offload-disk-size: a fraction of free memory "
+     "--kv-offload-disk-size: the disk tier's size must be a size like 512MiB"),
+    (["--kv-offload-dir", "{tmp}", "--kv-offload-disk-size", "0GiB"], "--kv-offload-disk-size: the disk tier's size must be > 0"),
+    (["--kv-offload-dir", "{tmp}", "--kv-offload-disk-size", "1.5"], "--kv-offload-disk-size: a fraction of free disk space "
                                                                      "must be in (0, 1]"),
 ])
 def test_bad_disk_sizes_are_one_line_usage_errors(run_main, tmp_path, command, args, message):

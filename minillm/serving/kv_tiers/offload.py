@@ -113,7 +113,7 @@ class KVOffload:
         host = None
         if memory is not None:
             try:
-                capacity = parse_memory(memory, free_memory_bytes(torch.device("cpu")))
+                capacity = parse_memory(memory, free_memory_bytes(torch.device("cpu")), "the host tier's size")
             except ValueError as error:
                 raise ValueError(f"kv_offload_memory: {error}") from None
             if capacity < cache.bytes_per_block:
@@ -286,7 +286,8 @@ def _disk_capacity(disk_size: str | int, disk: DiskTier) -> int:
     """The disk tier's bound in bytes: a size, or a fraction of the free space of the disk it is on.
     ValueError (one line) for a bad size or one that holds no block's file."""
     try:
-        capacity = parse_memory(disk_size, shutil.disk_usage(disk.path).free)
+        capacity = parse_memory(disk_size, shutil.disk_usage(disk.path).free, "the disk tier's size",
+                                "free disk space")
     except ValueError as error:
         raise ValueError(f"kv_offload_disk_size: {error}") from None
     if capacity < disk.file_bytes:

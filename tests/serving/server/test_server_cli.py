@@ -85,8 +85,8 @@ def test_sigterm_ends_an_open_stream_cleanly_and_exits_0(tiny_folder):
     (["--served-model-name", ""], "--served-model-name is empty"),
     (["--api-key", " "], "--api-key is empty"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a number of seconds >= 0"),
-    (["--kv-offload-memory", "lots"], "--kv-offload-memory: KV cache memory must be a size"),
-    (["--kv-offload-memory", "0GiB"], "--kv-offload-memory: KV cache memory must be > 0"),
+    (["--kv-offload-memory", "lots"], "--kv-offload-memory: the host tier's size must be a size"),
+    (["--kv-offload-memory", "0GiB"], "--kv-offload-memory: the host tier's size must be > 0"),
     (["--tensor-parallel-size", "2", "--kv-offload-dir", "kv"], "--kv-offload-dir does not go with tensor "
                                                                  "parallelism yet"),
 ])
