@@ -7,8 +7,12 @@ SmolLM2-135M (real weights) and the 360M and 1.7B shapes (random weights: benchm
     python benchmarks/decode_paths.py --before /tmp/before
 
 One process per run (what a user's ``minillm generate`` is), the paths alternating within a round and the
-rounds interleaved, so a machine that gets busier slows both alike. A run prefills ``context`` tokens, then
-times 3 untimed and ``--steps`` timed decode steps: its number is their median. Prints one line a run as
+rounds interleaved, so a machine that gets busier slows both alike. A run prefills 16 tokens and moves the
+cache to ``context`` positions (the rest zeros: a step reads and multiplies every cached position whatever
+its value, and a 1024-token prefill of the 1.7B shape takes a minute on one core), then times 3 untimed and
+``--steps`` timed decode steps: its number is their median, in wall time, or with one torch thread
+(OMP_NUM_THREADS=1, for a busy machine) in the CPU time the thread got, which other processes' turns on
+the cores do not inflate (their memory traffic still does). Prints one line a run as
 it ends, then a table: each path's ms per round, and the memory floor (weights + KV cache bytes read a
 step over the bandwidth ``minillm calibrate`` measured: a copy, the same for every dtype) with the GB/s
 the fastest round achieved. The load average is printed before and after.
@@ -25,39 +29,36 @@ import sys
 import time
 
 import torch
+from model_shapes import make_shape, shape_folder  # (benchmarks/ is on sys.path)
+
+from minillm import KVCache, decode_step, load_model, prefill
+from minillm.config import ModelConfig
+from minillm.costs import decode_cost
+from minillm.formats.weights import resolve_model
+from minillm.hardware import load_calibration
 
 PATHS = ("default", "no-fast", "before")  # "before": the default path of the source tree --before names
 
 
 def one_run(shape: str, path: str, context: int, dtype: str, steps: int) -> dict:
-    """Load the model (the speed layer on for "default"), prefill, time ``steps`` decode steps."""
-    from minillm import KVCache, decode_step, load_model, prefill
-    from model_shapes import make_shape  # (benchmarks/ is on sys.path)
-
+    """Load the model (the speed layer on but for "no-fast"), fill the cache, time ``steps`` decode steps."""
     model = load_model("smollm2-135m-instruct" if shape == "135m" else make_shape(shape), device="cpu",
                        dtype=dtype, fast=path != "no-fast")
-    ids = torch.arange(context) % 1000 + 100
     cache = KVCache.for_model(model, max_seq_len=context + 3 + steps)
-    start = time.perf_counter()
-    token = prefill(model, ids, cache).argmax(-1)
-    prefill_ms = (time.perf_counter() - start) * 1e3
+    token = prefill(model, torch.arange(16) + 100, cache).argmax(-1)
+    cache.advance(context - 16)
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     times = []
     for _ in range(3 + steps):
-        start = time.perf_counter()
+        start = clock()
         token = decode_step(model, token, cache).argmax(-1)
-        times.append((time.perf_counter() - start) * 1e3)
+        times.append((clock() - start) * 1e3)
     return {"shape": shape, "path": path, "context": context, "dtype": dtype, "decode_ms": statistics.median(times[3:]),
-            "prefill_ms": prefill_ms, "decode_path": model.decode_path, "threads": torch.get_num_threads()}
+            "clock": clock.__name__, "decode_path": model.decode_path, "threads": torch.get_num_threads()}
 
 
 def floor(shape: str, context: int, dtype: str) -> tuple[float, float] | None:
     """(bytes a decode step reads, ms at the calibrated bandwidth), or None before ``minillm calibrate``."""
-    from minillm.config import ModelConfig
-    from minillm.costs import decode_cost
-    from minillm.formats.weights import resolve_model
-    from minillm.hardware import load_calibration
-    from model_shapes import shape_folder
-
     hw = load_calibration("cpu", torch.float32)
     folder = resolve_model("smollm2-135m-instruct", None) if shape == "135m" else shape_folder(shape)
     config = ModelConfig.from_json(folder)
