@@ -55,7 +55,7 @@ import minillm
 from minillm import LLMEngine, SamplingParams
 from minillm.block_hash import block_hashes
 from minillm.metrics import percentile
-from minillm.prefix_demo import QUESTIONS, system_prompt
+from minillm.prefix_demo import question, system_prompt
 from minillm.serving.kv_tiers import CachePoint
 
 DOCUMENT = Path(__file__).resolve().parent.parent / "tests" / "data" / "coriolanus_act1.txt"
@@ -137,16 +137,11 @@ def chat_workload(tokenizer, n_conversations: int, n_turns: int, answer_tokens: 
         for c in range(n_conversations):
             own = f"The customer is {CUSTOMERS[c % len(CUSTOMERS)]} (account {c + 1:06d}).\n\n" + system \
                 if per_customer else system
-            user = _question(c + t * n_conversations)
+            user = question(c + t * n_conversations)
             ids = (chat_ids(tokenizer, [{"role": "system", "content": own}, {"role": "user", "content": user}])
                    if t == 0 else followup_ids(tokenizer, own, user))
             turns.append(Turn(ids, f"chat {c}", len(ids), answer_tokens))
     return turns
-
-
-def _question(i: int) -> str:
-    q = QUESTIONS[i % len(QUESTIONS)]
-    return q if i < len(QUESTIONS) else f"{q} (ticket {i + 1})"
 
 
 def document_workload(tokenizer, document_tokens: int, n_questions: int, fillers_per_question: int,
