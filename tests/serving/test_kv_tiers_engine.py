@@ -112,7 +112,10 @@ def test_measured_prefill_efficiency_scales_the_recompute_prediction(model, tmp_
     offload.hardware = SLOW
     assert offload.prefill_efficiency == 1.0  # nothing measured: the roofline floor itself
     floor_s = prefill_floor_s(model.config, SLOW, 16, 4, 0) + prefill_floor_s(model.config, SLOW, 8, 4, 16)
-    offload.record_prefill([(0, 16), (16, 8)], seconds=4 * floor_s)  # a quarter of the roofline
+    first_floor_s = prefill_floor_s(model.config, SLOW, 16, 4, 0)
+    offload.record_prefill([(0, 16)], seconds=100 * first_floor_s)  # the first: a warm-up's one-time costs
+    assert offload.prefill_efficiency == pytest.approx(0.01)  # the only measurement so far
+    offload.record_prefill([(0, 16), (16, 8)], seconds=4 * floor_s)  # a quarter of the roofline: the first left out
     assert offload.prefill_efficiency == pytest.approx(0.25)
     decision = offload._decide("r", "disk", 2, 3)
     assert decision.recompute_ms == pytest.approx(4e3 * prefill_floor_s(model.config, SLOW, 12, 4, 8))
