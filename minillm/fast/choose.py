@@ -190,9 +190,9 @@ def one_row_in_c(cpu_name: str | None = None) -> bool:
     """Whether a float32 product of one row (a batch-1 decode step's) runs the C loop
     (:func:`minillm.fast.kernels.f32_matvec`) rather than PyTorch's ``F.linear``: on an AMD CPU, not elsewhere.
 
-    Measured (BENCHMARKS.md, "The C kernels against PyTorch" and "Decode paths against the lesson"): on the
-    Intel Xeon (AVX-512) ``F.linear``'s one-row product streams the weights at the memory's speed and the C
-    loop took 1.19-1.28x its time, the whole SmolLM2-135M step 36-37 against 31 ms; on the developers' AMD
+    Measured (BENCHMARKS.md, "Decode products: PyTorch against the C" and "Decode paths against the lesson"):
+    on the Intel Xeon (AVX-512) ``F.linear``'s one-row product streams the weights at a core's full speed and the
+    C loop took 1.19-1.34x its time, a SmolLM2-135M step 36-37 against 31 ms with it; on the developers' AMD
     EPYC the C loop took the step from 101.7 to 64.4 ms (BENCHMARKS-HISTORY.md, issue 16): torch's MKL runs
     its generic code on a CPU that is not Intel's. Elsewhere (Intel, ARM, unknown) ``F.linear`` keeps the
     lesson's own product, so the default decode is never slower than ``--no-fast`` there by construction.
