@@ -9,7 +9,7 @@
  *
  * bf16_matvec       a few rows: each thread a share of w's rows, each weight read once for all rows
  *
- * Why C: F.linear's bfloat16 product of one row took 1.14-1.41x this loop's time on the Intel Xeon (one
+ * Why C: F.linear's bfloat16 product of one row took 1.13-1.41x this loop's time on the Intel Xeon (one
  * thread); oneDNN's product on a packed weight is as fast but needs a packed copy of every matrix
  * (BENCHMARKS.md, "Decode products: PyTorch against the C"). From 4 rows the multiply-adds bound this loop
  * and F.linear is faster: minillm.fast.products.few_rows_kernel sends it one row only. This loop is
