@@ -2,7 +2,8 @@
 
 The reference is a plain list, least recently used first: a put of a new block appends it, then
 removes from the front the blocks not pinned beyond now while more than ``capacity`` blocks are
-held; if everything else is pinned, the new block itself goes (it does not fit); a get or a
+held; if everything else is pinned, a pinned new block then removes pinned ones from the front (pins
+give way to each other), an unpinned one goes itself (it does not fit); a get or a
 second put of a held block moves it to the end. Both tiers hold equal-sized blocks, so the byte
 bound is a count of blocks. The clock is injected and ticks once per operation.
 """
@@ -37,11 +38,12 @@ class ReferenceLRU:
                 self.pins[name] = max(self.pins.get(name, pin), pin)
             self.get(name)
             return
-        for held in list(self.order):
-            if len(self.order) < self.capacity:
-                break
-            if self.pins.get(held, 0) <= now:
-                self.order.remove(held)
+        for evict_pinned in (False, pin is not None and pin > now):
+            for held in list(self.order):
+                if len(self.order) < self.capacity:
+                    break
+                if evict_pinned or self.pins.get(held, 0) <= now:
+                    self.order.remove(held)
         if len(self.order) < self.capacity:
             self.order.append(name)
             self.pins[name] = pin or 0

@@ -36,6 +36,17 @@ def test_host_tier_returns_a_block_that_cannot_fit():
     assert [h for h, _, _ in tier.put(b"b", *kv(2))] == [b"a"] and b"b" in tier
 
 
+def test_pinned_blocks_give_way_to_a_pinned_newcomer_least_recently_used_first():
+    """A long prompt's pinned blocks reach a tier tail first: kept whole, the first to arrive (the tail)
+    would refuse the head, which a lookup needs first."""
+    now = [0.0]
+    tier = HostTier(1024, clock=lambda: now[0])  # two blocks of 512 bytes
+    tier.put(b"tail", *kv(1), pinned_until_s=10.0)
+    tier.put(b"middle", *kv(2), pinned_until_s=10.0)
+    assert [h for h, _, _ in tier.put(b"head", *kv(3), pinned_until_s=10.0)] == [b"tail"]
+    assert [h for h, _, _ in tier.put(b"other", *kv(4))] == [b"other"]  # unpinned: still refused
+
+
 @pytest.mark.parametrize("capacity", [0, -1, 1.5, True, "1GiB"])
 def test_host_tier_capacity_must_be_a_positive_int(capacity):
     with pytest.raises(ValueError, match="capacity_bytes"):

@@ -23,7 +23,8 @@ Shared: two processes (two servers, a prefill and a decode worker) on one folder
 blocks, since a block's name is its content's name; two writers of one block write the same bytes.
 
 Bounded: with ``capacity_bytes``, each write is followed by a scan that removes the least recently
-used files (by mtime: a hit touches its file) until the folder fits, keeping pinned ones until their time.
+used files (by mtime: a hit touches its file) until the folder fits, keeping pinned ones until their time
+unless the newcomer is pinned too (pins give way to each other, LRU: host.py says why).
 A full disk (or any OSError on write): one ``warnings.warn``, then the block is simply not written
 (a later miss, recomputed).
 """
@@ -166,7 +167,9 @@ class DiskTier:
             self._touch(path)
             if pinned_until_s is not None:
                 self.pin(block_hash, pinned_until_s)
-            if not self._evict(keep=path.name):  # everything else pinned: it does not fit
+            pinned = pinned_until_s is not None and pinned_until_s > self.clock()
+            # Pinned blocks give way to a pinned newcomer only (the host tier's rule, and why: host.py).
+            if not (self._evict(path.name, evict_pinned=False) or pinned and self._evict(path.name, evict_pinned=True)):
                 _unlink(path)
                 _unlink(path.with_suffix(PIN))
                 return False
@@ -214,9 +217,9 @@ class DiskTier:
     def __len__(self) -> int:
         return len(self._files())
 
-    def _evict(self, keep: str) -> bool:
-        """Remove least recently used unpinned files, other than ``keep`` (the one just put), until the
-        folder fits ``capacity_bytes``; False when it cannot (every other file pinned)."""
+    def _evict(self, keep: str, evict_pinned: bool) -> bool:
+        """Remove least recently used files (unpinned ones only, unless ``evict_pinned``), other than ``keep``
+        (the one just put), until the folder fits ``capacity_bytes``; False when it cannot."""
         if self.capacity_bytes is None:
             return True
         now = self.clock()
@@ -228,7 +231,7 @@ class DiskTier:
                 break
             pin = self.path / (name.removesuffix(KV) + PIN)
             until = self._pinned_until(pin)
-            if until is not None and until > now:
+            if not evict_pinned and until is not None and until > now:
                 continue
             _unlink(self.path / name)
             _unlink(pin)

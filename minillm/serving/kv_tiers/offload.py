@@ -137,8 +137,7 @@ class KVOffload:
         if self.host is None:
             self._to_disk(block_hash, k, v)
             return
-        host_pin = self._pin(block_hash) if self.disk is None else None  # see pin()
-        for h, hk, hv in self.host.put(block_hash, k, v, host_pin):
+        for h, hk, hv in self.host.put(block_hash, k, v, self._pin(block_hash)):
             self._to_disk(h, hk, hv)
 
     def write_through(self, block_ids) -> None:
@@ -264,17 +263,13 @@ class KVOffload:
     # -- cache points -----------------------------------------------------------------
 
     def pin(self, hashes, pinned_until_s: float) -> None:
-        """Keep these blocks until ``pinned_until_s`` (Unix seconds), now and when they arrive later; a pin
-        is extended, never shortened. Where: in the disk tier when there is one (every block is written
-        through to it), else in the host tier. A host tier under a disk tier stays a plain LRU: a cache
-        point's pinned blocks, evicted from the pool tail first, filled it and refused the blocks after
-        them (measured, benchmarks/kv_tiers_workloads.py's document workload: 0 host hits with cache
-        points against 135 without)."""
+        """Keep these blocks in the host and disk tiers until ``pinned_until_s`` (Unix seconds), now and
+        when they arrive there later; a pin is extended, never shortened."""
         now = self.clock()
         self.pins = {h: t for h, t in self.pins.items() if t > now}  # forget the expired ones
         for block_hash in hashes:
             self.pins[block_hash] = max(self.pins.get(block_hash, pinned_until_s), pinned_until_s)
-            if self.host is not None and self.disk is None:
+            if self.host is not None:
                 self.host.pin(block_hash, pinned_until_s)
             if self.disk is not None:
                 self.disk.pin(block_hash, pinned_until_s)
