@@ -153,7 +153,9 @@ class MatvecLinear(nn.Linear):
         kernel = few_rows_kernel(rows, x.dtype, self.one_row_in_c, self.panels and not compiling)
         if kernel == "f32_matvec":
             y = kernels.functions().f32_matvec(x.reshape(rows, -1), self.weight)
-        elif kernel == "bf16_matvec" and not compiling:
+        elif kernel == "bf16_matvec" and not compiling and self.bias is None:
+            # (with a bias, F.linear: the kernel rounds its sums to bfloat16, and a bias added after them
+            # would round twice, 0.5-0.67 units of bfloat16 from F.linear's one rounding; Qwen2's q|k|v)
             y = kernels.bf16_matvec(x.reshape(rows, -1), self.weight)
         elif kernel == "f32_panel_matmul":
             y = kernels.f32_panel_matmul(x.reshape(rows, -1), self._packed_weight())

@@ -163,3 +163,14 @@ def test_a_product_module_runs_the_tables_kernel_with_linears_values(dtype, rows
         _assert_bf16_product(y[0], x[0], w)
     else:
         torch.testing.assert_close(y.double(), F.linear(x.double(), w.double()), atol=1e-5, rtol=1e-5)
+
+
+def test_a_bfloat16_product_with_a_bias_is_f_linears_to_the_bit():
+    """A bias goes inside F.linear's one rounding: the kernel's bfloat16 sums plus a bias would round twice."""
+    _lib(False)
+    g = torch.Generator().manual_seed(7)
+    linear = MatvecLinear(64, 24, bias=True).to(BF16)
+    with torch.no_grad():
+        linear.bias.copy_(torch.randn(24, generator=g))
+    x = torch.randn(1, 1, 64, generator=g).to(BF16)
+    assert torch.equal(linear(x), F.linear(x, linear.weight, linear.bias))
