@@ -106,6 +106,8 @@ def _resume(session, saved: Path, system: str | None, status) -> None:
     loaded = session.resume(saved)
     if system is not None:
         session.set_system(system)
+    if not any(m["role"] != "system" for m in session.messages):  # saved after /reset: nothing to resume
+        return
     status.print(f"resumed the conversation in {saved.parent}: {len(session.messages)} messages, {loaded} tokens "
                  "of KV cache loaded from disk (/reset starts over)", style="dim", markup=False)
 

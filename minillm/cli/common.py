@@ -145,7 +145,9 @@ def check_out_file(flag: str, path: str, suffix: str | None = None) -> None:
 
 
 def check_out_dir(flag: str, path: str) -> None:
-    """A usage error now when the output folder ``path`` could not be written at the end."""
+    """A usage error now when the output folder ``path`` is empty or could not be written at the end."""
+    if not str(path).strip():  # "" is the current folder to Path: never what `--flag=` meant
+        raise UsageError(f"{flag} is empty; give a folder path")
     try:
         check_output_dir(path)
     except OutputPathError as e:

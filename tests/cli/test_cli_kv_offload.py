@@ -49,3 +49,9 @@ def test_bench_serving_passes_the_bound_to_the_engine(run_main, tiny_chat, smoll
                  "--kv-offload-dir", str(tmp_path / "kv"), "--kv-offload-disk-size", "100B")
     assert r.returncode == 1 and r.stderr.count("\n") == 1
     assert r.stderr.startswith("minillm: error: kv_offload_disk_size '100B' holds no block (one block's file is ")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_an_empty_kv_offload_dir_is_a_usage_error(run_main, command):
+    r = run_main(command, "--kv-offload-dir=")
+    assert r.returncode == 2 and r.stderr == "minillm: error: --kv-offload-dir is empty; give a folder path\n"

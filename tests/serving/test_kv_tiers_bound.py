@@ -1,9 +1,11 @@
 """The engine's disk tier within a size bound (``kv_offload_disk_size``), on a tiny model, block_size 4.
 
-Oracle: the order in which the workload computes its full blocks, from the block hashes of each
-request's prompt and output (``block_hashes``, the chain the engine names blocks by) and the LRU
+Oracle: the order in which the workload writes its full blocks, from the block hashes of each
+request's prompt and output (``block_hashes``, the chain the engine names blocks by), and the LRU
 rule by hand: a bound of N block files keeps the N written last, except that a pinned cache
-point's blocks are kept first. The tier's clock is injected and ticks at every reading, so two
+point's blocks are kept first. A step writes the blocks it completed tail first (a chain should lose
+its tail before its head): a request's 9 prompt blocks in its prefill step, last to first, then its
+10th block in a decode step. The tier's clock is injected and ticks at every reading, so two
 files never share an mtime (the LRU order is the write order, not a tie broken by name).
 """
 
@@ -14,11 +16,13 @@ import torch
 
 from minillm import LLMEngine, SamplingParams
 from minillm.block_hash import block_hashes
+from minillm.hardware import HardwareProfile
 from minillm.serving.kv_tiers import CachePoint
 
 B, PROMPT, N_PROMPTS, MAX_NEW = 4, 37, 5, 5
 GREEDY = SamplingParams(max_new_tokens=MAX_NEW)
 FULL_BLOCKS = (PROMPT + MAX_NEW - 1) // B  # 10: every token but the last sampled one goes through the model
+PREFILL_BLOCKS = PROMPT // B  # 9, written by the prefill step
 
 
 class TickingClock:
@@ -37,7 +41,7 @@ def prompts():
 
 
 def run(engine, prompts, cache_points=None):
-    """Each prompt alone, to the end; returns (the full-block hashes in the order computed, the most
+    """Each prompt alone, to the end; returns (the full-block hashes in the order written, the most
     bytes the disk tier held after any step)."""
     written, most_bytes = [], 0
     for i, prompt in enumerate(prompts):
@@ -46,8 +50,9 @@ def run(engine, prompts, cache_points=None):
             engine.step()
             most_bytes = max(most_bytes, engine.offload.disk.bytes_used)
         request = engine.requests[rid]
-        written += block_hashes((request.prompt_ids + request.output_ids)[: FULL_BLOCKS * B], B,
-                                engine.cache.allocator.seed)
+        chain = block_hashes((request.prompt_ids + request.output_ids)[: FULL_BLOCKS * B], B,
+                             engine.cache.allocator.seed)
+        written += chain[:PREFILL_BLOCKS][::-1] + chain[PREFILL_BLOCKS:]
     return written, most_bytes
 
 
@@ -80,7 +85,7 @@ def test_a_pinned_cache_point_outlives_newer_blocks_until_its_lifetime_ends(tiny
     engine, file_bytes = make_engine(tiny_model, tmp_path, n_files=25)
     point = CachePoint(num_tokens=3 * B, ttl_s=3600)  # the first prompt's first 3 blocks, for an hour
     written, most_bytes = run(engine, prompts, {0: point})
-    pinned = written[:3]
+    pinned = written[PREFILL_BLOCKS - 3 : PREFILL_BLOCKS]  # the chain's head: written last of the prefill
     assert most_bytes <= engine.offload.disk.capacity_bytes
     assert on_disk(engine) == set(pinned) | set(written[-22:])  # the pins kept, the oldest unpinned out
     engine.offload.disk.clock.now += 3600  # the hour is over: the pins are the oldest files now
@@ -111,3 +116,16 @@ def test_a_fractional_disk_size_is_of_the_disk_s_free_space(tiny_model, tmp_path
     engine = LLMEngine(tiny_model("llama_gqa"), num_blocks=12, block_size=B, kv_offload_dir=tmp_path,
                        kv_offload_disk_size="0.25")
     assert engine.offload.disk.capacity_bytes == free // 4
+
+
+def test_a_chain_larger_than_the_bound_keeps_its_head(tiny_model, prompts, tmp_path):
+    """A 1-hour cache point over a prompt of 10 blocks, a bound of 6 files: a restarted engine reads the
+    head's 6 blocks (a lookup starts at the head; the tail alone would be useless)."""
+    engine, _ = make_engine(tiny_model, tmp_path, n_files=6)
+    written, _ = run(engine, prompts[:1], {0: CachePoint(num_tokens=PROMPT, ttl_s=3600)})
+    chain = written[:PREFILL_BLOCKS][::-1] + written[PREFILL_BLOCKS:]
+    assert on_disk(engine) == set(chain[:6])
+    restarted, _ = make_engine(tiny_model, tmp_path, n_files=6)
+    restarted.offload.hardware = HardwareProfile("slow", peak_flops=1e3, mem_bandwidth=1e3)  # loads win
+    restarted.offload.record_prefill = lambda chunks, seconds: None
+    assert restarted.generate([prompts[0]], GREEDY)[0].num_cached_tokens == 6 * B

@@ -5,6 +5,7 @@ The oracle for "never wrong data" is the block's own tensors: a read gives exact
 
 import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -196,3 +197,27 @@ def test_a_writer_killed_mid_write_leaves_no_corrupt_block(tmp_path):
     for i in range(4):
         got = reader.get(bytes([i]) * 32)
         assert got is None or same(got, (big + i, big - i))  # a whole block or nothing
+
+
+def test_a_truncated_file_is_not_held_and_is_written_again(tmp_path):
+    tier = DiskTier(tmp_path, KEY)
+    tier.put(H, *block(1))
+    path = tier.file(H)
+    path.write_bytes(path.read_bytes()[:100])  # a crash, or a hand
+    assert H not in tier
+    assert tier.put(H, *block(1)) and H in tier and same(tier.get(H), block(1))
+
+
+def test_a_folder_removed_while_running_comes_back_on_the_next_write(tmp_path):
+    tier = DiskTier(tmp_path / "tier", KEY)
+    shutil.rmtree(tmp_path / "tier")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "cannot write" warning: the folder is made again
+        assert tier.put(H, *block(2))
+    assert same(tier.get(H), block(2))
+
+
+@pytest.mark.parametrize("folder", ["", "  "])
+def test_an_empty_folder_path_is_refused(folder):
+    with pytest.raises(ValueError, match="folder is empty; give a folder path"):
+        DiskTier(folder, KEY)

@@ -67,14 +67,16 @@ class DiskTier:
         payload_bytes, file_bytes: one block's K and V bytes, and its file's (with the magic and header):
             a bound of ``capacity_bytes`` holds ``capacity_bytes // file_bytes`` blocks.
 
-    Raises ValueError for a key without those fields, a capacity that is not a positive int,
-    a folder that is a file, or a folder this process cannot write.
+    Raises ValueError for an empty folder path, a key without those fields, a capacity that is not a
+    positive int, a folder that is a file, or a folder this process cannot write.
     """
 
     def __init__(self, folder, key: dict, capacity_bytes: int | None = None,
                  clock: Callable[[], float] = time.time):
         if capacity_bytes is not None:
             check_positive_int("capacity_bytes", capacity_bytes)
+        if not str(folder).strip():
+            raise ValueError("the KV disk tier folder is empty; give a folder path (it is created if missing)")
         missing = {"seed", "dtype", "block_size", "shape"} - set(key)
         if missing:
             raise ValueError(f"a disk tier key needs seed, dtype, block_size and shape; {sorted(missing)} missing")
@@ -144,8 +146,17 @@ class DiskTier:
         return k, v
 
     def __contains__(self, block_hash: bytes) -> bool:
-        """Whether the block's file exists (a cheap check: :meth:`get` still verifies it)."""
-        return self.file(block_hash).exists()
+        """Whether the block's file exists at its full size (a cheap check, one stat: :meth:`get` still
+        verifies the checksum). A truncated file is not held, so the block is written again."""
+        try:
+            return self.file(block_hash).stat().st_size == self.file_bytes
+        except OSError:
+            return False
+
+    def touch(self, block_hash: bytes) -> None:
+        """Make a held block the most recently used (see :meth:`KVOffload.touch_chain
+        <minillm.serving.kv_tiers.offload.KVOffload>` for why a chain is touched tail first)."""
+        self._touch(self.file(block_hash))
 
     # -- writing --------------------------------------------------------------------------
 
@@ -162,7 +173,8 @@ class DiskTier:
                                  f"{self.dtype}; use the tier of that model and block size")
         path = self.file(block_hash)
         try:
-            if not path.exists():
+            if block_hash not in self:  # missing, or truncated by a crash or a hand
+                self.path.mkdir(parents=True, exist_ok=True)  # a folder removed while we ran comes back
                 _write_block(path, block_hash, k, v, self.key["dtype"])
             self._touch(path)
             if pinned_until_s is not None:

@@ -85,6 +85,11 @@ class HostTier:
         self.bytes_used += size
         return evicted
 
+    def touch(self, block_hash: bytes) -> None:
+        """Make a held block the most recently used (nothing for one not held)."""
+        if block_hash in self.entries:
+            self.entries.move_to_end(block_hash)
+
     def pin(self, block_hash: bytes, pinned_until_s: float | None) -> bool:
         """Keep a held block until ``pinned_until_s`` (never shortens a pin); False when not held."""
         entry = self.entries.get(block_hash)
