@@ -82,7 +82,12 @@ def test_an_h100_recomputes_rather_than_read_an_nvme_and_loads_from_pcie(capsys,
     ("disk=-1", "--tier-bandwidth: 'disk=-1' is not a bandwidth > 0 GB/s"),
     ("inf", "--tier-bandwidth: 'inf' is not a bandwidth > 0 GB/s"),
     ("nan", "--tier-bandwidth: 'nan' is not a bandwidth > 0 GB/s"),
+    ("=5", "--tier-bandwidth: '=5' has no name before '='; give NAME=GB/S, e.g. nas=1.2"),
+    ("fast=abc", "--tier-bandwidth: 'abc' is not a number of GB/s; give host, pcie4, pcie5, nvme, sata-ssd, 10gbe, "
+                 "100gbe, a number of GB/s or NAME=GB/S"),
+    ("x=1 x=2", "--tier-bandwidth: a tier is named twice (x); give each a name of its own"),
+    ("nvme nvme", "--tier-bandwidth: a tier is named twice (nvme); give each a name of its own"),
 ])
 def test_bad_tiers_are_one_line_usage_errors(capsys, spec, message):
-    assert main(["whatif", "--model", "llama-3-8b", "--tier-bandwidth", spec]) == 2
+    assert main(["whatif", "--model", "llama-3-8b", "--tier-bandwidth", *spec.split()]) == 2
     assert capsys.readouterr().err == f"minillm: error: {message}\n"

@@ -195,14 +195,21 @@ def _tier_bandwidths(specs: list[str], hw) -> list[tuple[str, float]]:
             continue
         if spec in TIER_GB_S:
             name, number = spec, str(TIER_GB_S[spec])
+        if "=" in spec and not name.strip():
+            raise UsageError(f"--tier-bandwidth: {spec!r} has no name before '='; give NAME=GB/S, e.g. nas=1.2")
         try:
             gb_s = float(number)
         except ValueError:
-            raise UsageError(f"--tier-bandwidth: unknown tier {spec!r}; give host, {', '.join(TIER_GB_S)}, a number "
+            what = f"{number!r} is not a number of GB/s" if "=" in spec else f"unknown tier {spec!r}"
+            raise UsageError(f"--tier-bandwidth: {what}; give host, {', '.join(TIER_GB_S)}, a number "
                              "of GB/s or NAME=GB/S") from None
         if not (math.isfinite(gb_s) and gb_s > 0):
             raise UsageError(f"--tier-bandwidth: {spec!r} is not a bandwidth > 0 GB/s")
         tiers.append((name or f"{gb_s:g} GB/s", gb_s * 1e9))
+    names = [name for name, _ in tiers]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise UsageError(f"--tier-bandwidth: a tier is named twice ({', '.join(twice)}); give each a name of its own")
     return tiers
 
 
