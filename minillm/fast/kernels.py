@@ -249,12 +249,7 @@ def f32_matvec(x: torch.Tensor, weight: torch.Tensor, *, lib: ctypes.CDLL | None
     """x [rows, in] float32, weight [out, in] float32 (row-major) -> x @ weightᵀ [rows, out] float32, each
     weight read once for all rows (a decode step's few). Raises ValueError for other dtypes, devices or shapes."""
     lib = lib or kernels()
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or weight.device.type != "cpu":
-        raise ValueError(f"f32_matvec takes float32 CPU tensors, got x {x.dtype} on {x.device.type} and weight "
-                         f"{weight.dtype} on {weight.device.type}; use F.linear")
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or not weight.is_contiguous():
-        raise ValueError(f"f32_matvec multiplies x [rows, in] by a contiguous weight [out, in], got x "
-                         f"{list(x.shape)} and weight {list(weight.shape)} (contiguous: {weight.is_contiguous()})")
+    _check_matvec("f32_matvec", torch.float32, x, weight)
     x = x.contiguous()
     y = _output(x.shape[0], weight.shape[0])
     lib.f32_matvec(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1],
@@ -308,17 +303,22 @@ def f32_panel_matmul(x: torch.Tensor, panels: Panels, *, lib: ctypes.CDLL | None
 # -- bfloat16 products (csrc/bf16_products.c): x, the weight and the results bfloat16, row-major -------
 
 
+def _check_matvec(name: str, dtype: torch.dtype, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """ValueError, one line, unless x [rows, in] and a contiguous weight [out, in] are ``dtype`` CPU tensors."""
+    if x.dtype != dtype or weight.dtype != dtype or x.device.type != "cpu" or weight.device.type != "cpu":
+        raise ValueError(f"{name} takes {str(dtype).removeprefix('torch.')} CPU tensors, got x {x.dtype} on "
+                         f"{x.device.type} and weight {weight.dtype} on {weight.device.type}; use F.linear")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or not weight.is_contiguous():
+        raise ValueError(f"{name} multiplies x [rows, in] by a contiguous weight [out, in], got x "
+                         f"{list(x.shape)} and weight {list(weight.shape)} (contiguous: {weight.is_contiguous()})")
+
+
 def bf16_matvec(x: torch.Tensor, weight: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x [rows, in] bfloat16, weight [out, in] bfloat16 (row-major) -> x @ weightᵀ [rows, out] bfloat16, the
     sums in float32, each weight read once for all rows (a decode step's few). Raises ValueError for other
     dtypes, devices or shapes, MemoryError when its scratch copy of x cannot be allocated."""
     lib = lib or kernels()
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu" or weight.device.type != "cpu":
-        raise ValueError(f"bf16_matvec takes bfloat16 CPU tensors, got x {x.dtype} on {x.device.type} and weight "
-                         f"{weight.dtype} on {weight.device.type}; use F.linear")
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or not weight.is_contiguous():
-        raise ValueError(f"bf16_matvec multiplies x [rows, in] by a contiguous weight [out, in], got x "
-                         f"{list(x.shape)} and weight {list(weight.shape)} (contiguous: {weight.is_contiguous()})")
+    _check_matvec("bf16_matvec", torch.bfloat16, x, weight)
     x = x.contiguous()
     y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
     if lib.bf16_matvec(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1],
