@@ -317,8 +317,8 @@ class LLMEngine:
             forward_start = time.perf_counter()
             sampling, logits = run_model(self.model, self.cache, scheduled)  # raises: no request owns it
             if self.offload is not None and scheduled.num_decode_tokens == 0:  # what a recompute costs here
-                self.offload.record_prefill([(r.num_computed_tokens, n) for r, n in zip(scheduled.requests, scheduled.num_tokens)],
-                                            time.perf_counter() - forward_start)
+                chunks = [(r.num_computed_tokens, n) for r, n in zip(scheduled.requests, scheduled.num_tokens)]
+                self.offload.record_prefill(chunks, time.perf_counter() - forward_start)
             if spans:
                 self._keep_prompt_logprobs(spans, logits[len(sampling):])
                 logits = logits[: len(sampling)]

@@ -20,6 +20,7 @@ cache's :meth:`~minillm.serving.paged_cache.PagedKVCache.read_block` and ``write
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import time
 from dataclasses import dataclass, field, replace
@@ -172,21 +173,19 @@ class KVOffload:
             if tier is None:
                 break
             tiers.append(tier)
-        i = 0
-        while i < len(tiers):
-            end = i + 1
-            while end < len(tiers) and tiers[end] == tiers[i]:
-                end += 1
-            decision = self._decide(request_id, tiers[i], first_block + i, end - i)
+        start = first_block
+        for tier, run in itertools.groupby(tiers):  # one decision per run of blocks in one tier
+            count = len(list(run))
+            decision = self._decide(request_id, tier, start, count)
             if decision.choice == "recompute":
                 hits.decisions.append(decision)
                 break
-            read = self._read(tiers[i], hashes[first_block + i : first_block + end])
+            read = self._read(tier, hashes[start : start + count])
             hits.decisions.append(replace(decision, loaded_blocks=len(read)))
             hits.blocks += read
-            if len(read) < end - i:
+            if len(read) < count:
                 break
-            i = end
+            start += count
         return hits
 
     def _tier_of(self, block_hash: bytes) -> str | None:
