@@ -1,8 +1,9 @@
 """Where one serving engine step's time goes, at batch 8/16/32: decode only, and mixed with a prefill chunk.
 
     python benchmarks/serving_step_profile.py [--batches 8 16 32] [--steps 3] [--rounds 2] [--no-fast] [--clock cpu]
+                                              [--dtype bfloat16]
 
-For each batch size B, on the default model (SmolLM2-135M, float32, CPU) and an ``LLMEngine`` with
+For each batch size B, on the default model (SmolLM2-135M, float32 or ``--dtype bfloat16``, CPU) and an ``LLMEngine`` with
 the bench-serving defaults (block size 16, chunked prefill, budget 512 tokens), B requests with
 prompts drawn uniform 32-512 (seed 0) are prefilled until all decode, then ``--steps`` engine steps
 are timed:
@@ -183,6 +184,7 @@ def main() -> None:
     parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="wall time, or the process's CPU time (robust to a busy machine with --threads 1)")
     parser.add_argument("--glibc-defaults", action="store_true",
@@ -190,13 +192,13 @@ def main() -> None:
     args = parser.parse_args()
     allocator = "glibc's defaults" if args.glibc_defaults else (keep_freed_memory() or "serve's (freed memory kept)")
     torch.set_num_threads(args.threads)
-    model = load_model("smollm2-135m-instruct", device="cpu", dtype="float32", fast=args.fast)
+    model = load_model("smollm2-135m-instruct", device="cpu", dtype=args.dtype, fast=args.fast)
     variants = {"reference": None}  # the gather + SDPA of minillm/serving/paged_attention.py
     if getattr(model, "paged_batch", None) is not None:
         variants["fast"] = model.paged_batch  # minillm/fast/paged_attention.py
     path = getattr(model, "decode_path", "plain (--no-fast)")
     threads = f"{args.threads} thread{'s' if args.threads != 1 else ''}"
-    print(f"SmolLM2-135M float32, {threads}, decode path {path}, block size 16, budget 512; "
+    print(f"SmolLM2-135M {args.dtype}, {threads}, decode path {path}, block size 16, budget 512; "
           f"variants: {', '.join(variants)} (paged attention); {args.clock} clock; allocator {allocator}")
     timers = Timers(time.perf_counter if args.clock == "wall" else time.process_time)
     instrument(model, timers)

@@ -185,6 +185,7 @@ C_FUNCTIONS = {  # name: (argument types, result type), as csrc/*.c declares the
     "attention_reference": ([_P, _P, _P, _P, _I, _I, _F], None),
     "decode_attention": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _L, _L, _L, _L, _F, _I], _I),
     "paged_decode_attention": ([_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I], _I),
+    "paged_decode_attention_bf16": ([_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I], _I),
     "causal_attention": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _L, _L, _L, _L, _L, _L, _L, _L, _L, _F, _I],
                          _I),
     # rms_norm.c, silu_mul.c
@@ -532,39 +533,43 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """Decode attention read from a paged pool in place.
 
-    q [B, heads, head_dim] float32; k_pool, v_pool one layer's pool [num_blocks, block_size, kv_heads,
-    head_dim] float32, contiguous; block_tables [B, max_blocks] int64; first, last [B] int64: sequence b
-    attends over its positions first[b] <= j < last[b]. Returns [B, heads, head_dim] float32, softmax(scale ·
-    q·kᵀ) · v over those keys. Raises ValueError for other shapes, dtypes or devices, or (with ``check``)
-    a block id outside the pool or a range outside its table (a caller that calls once a layer with the
-    same tables checks them once: the check reads the tensors, ~0.1 ms).
+    q [B, heads, head_dim]; k_pool, v_pool one layer's pool [num_blocks, block_size, kv_heads, head_dim],
+    contiguous; q and the pools float32, or all bfloat16 (the keys and values widened to float32 as they are
+    read, the sums float32, the output rounded to bfloat16 once); block_tables [B, max_blocks] int64; first,
+    last [B] int64: sequence b attends over its positions first[b] <= j < last[b]. Returns [B, heads, head_dim]
+    of q's dtype, softmax(scale · q·kᵀ) · v over those keys. Raises ValueError for other shapes, dtypes or
+    devices, or (with ``check``) a block id outside the pool or a range outside its table (a caller that calls
+    once a layer with the same tables checks them once: the check reads the tensors, ~0.1 ms); MemoryError
+    when a bfloat16 chunk's float32 scratch cannot be allocated.
     """
     lib = lib or kernels()
     B, n_heads, head_dim = q.shape if q.dim() == 3 else (0, 0, 0)
     num_blocks, block_size, kv_heads = k_pool.shape[:3] if k_pool.dim() == 4 else (0, 0, 0)
     ok = (B > 0 and head_dim % 8 == 0 and head_dim > 0 and k_pool.shape == v_pool.shape
           and k_pool.shape[3] == head_dim and kv_heads > 0 and n_heads % kv_heads == 0
-          and q.dtype == k_pool.dtype == v_pool.dtype == torch.float32
+          and q.dtype == k_pool.dtype == v_pool.dtype and q.dtype in (torch.float32, torch.bfloat16)
           and q.device.type == k_pool.device.type == v_pool.device.type == "cpu"
           and k_pool.is_contiguous() and v_pool.is_contiguous()
           and block_tables.dim() == 2 and block_tables.shape[0] == B and first.shape == last.shape == (B,)
           and block_tables.dtype == first.dtype == last.dtype == torch.int64
           and block_tables.device.type == first.device.type == last.device.type == "cpu")
     if not ok or (check and not paged_ranges_fit(block_tables, first, last, num_blocks, block_size)):
-        raise ValueError(f"paged_decode_attention takes float32 CPU q [B, heads, D] (D a multiple of 8), contiguous "
-                         f"pools [num_blocks, block_size, kv_heads, D], int64 block_tables [B, max_blocks] of the "
-                         f"pool's blocks and int64 first < last [B] within the tables; got q {q.dtype} "
-                         f"{list(q.shape)}, k_pool {k_pool.dtype} {list(k_pool.shape)}, block_tables "
+        raise ValueError(f"paged_decode_attention takes float32 (or all bfloat16) CPU q [B, heads, D] (D a multiple "
+                         f"of 8), contiguous pools [num_blocks, block_size, kv_heads, D], int64 block_tables "
+                         f"[B, max_blocks] of the pool's blocks and int64 first < last [B] within the tables; got q "
+                         f"{q.dtype} {list(q.shape)}, k_pool {k_pool.dtype} {list(k_pool.shape)}, block_tables "
                          f"{block_tables.dtype} {list(block_tables.shape)}, first {first.tolist()}, "
                          f"last {last.tolist()}")
     keys_per_task = max(n for n in range(1, 33) if block_size % n == 0)  # a chunk within one block, <= 32 keys
     tables, first, last = block_tables.contiguous(), first.contiguous(), last.contiguous()
-    q, out = q.contiguous(), _output(B, n_heads, head_dim)
-    lib.paged_decode_attention(
-        q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(), first.data_ptr(),
-        last.data_ptr(), B, n_heads, kv_heads, head_dim, block_size, tables.shape[1], keys_per_task, scale,
-        torch.get_num_threads())
-    return out
+    q32, out = q.contiguous().float(), _output(B, n_heads, head_dim)
+    run = lib.paged_decode_attention_bf16 if q.dtype == torch.bfloat16 else lib.paged_decode_attention
+    if run(q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(), first.data_ptr(),
+           last.data_ptr(), B, n_heads, kv_heads, head_dim, block_size, tables.shape[1], keys_per_task, scale,
+           torch.get_num_threads()):
+        raise MemoryError(f"paged_decode_attention could not allocate {2 * keys_per_task * kv_heads * head_dim * 4:,} "
+                          f"bytes for a chunk's float32 keys and values")
+    return out.to(q.dtype)
 
 
 def paged_ranges_fit(block_tables: torch.Tensor, first: torch.Tensor, last: torch.Tensor, num_blocks: int,

@@ -3,7 +3,8 @@
 The kernel: random pools with shuffled block tables, lengths that end inside a block, GQA, block sizes
 below, at and above the kernel's 32 keys a task, and sliding windows, against the reference's gather
 and masked SDPA. The engine: the same requests through the reference batch and the fast one give the
-same greedy tokens and the same logits within float32 rounding, on tiny models and SmolLM2-135M.
+same greedy tokens and the same logits within float32 rounding, on tiny models and SmolLM2-135M; in
+bfloat16, within one bfloat16 unit of float64 attention, and the engine's tokens the reference's.
 """
 
 import pytest
@@ -49,6 +50,31 @@ def test_kernel_equals_gather_and_sdpa(block_size, heads, kv_heads, head_dim, wi
                                          lib=kernels.kernels(portable))
     want = reference(q * 0.3 * head_dim**0.5, cache, layer, tables, lens, window)  # SDPA scales by 1/√D
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(9, 3, 64, 16), (4, 2, 80, 48), (6, 2, 16, 4)])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+def test_bfloat16_kernel_is_float64_attention_rounded_once(heads, kv_heads, head_dim, block_size, window, portable):
+    """A bfloat16 pool and q: the kernel's float32 sums rounded to bfloat16 once are within one bfloat16 unit
+    (2^-8 of the value) of the attention computed in float64 on the same bfloat16 numbers."""
+    g = torch.Generator().manual_seed(heads + head_dim + block_size)
+    num_blocks, max_blocks, layer = 40, 6, 1
+    cache = PagedKVCache(2, kv_heads, head_dim, num_blocks, block_size, dtype=torch.bfloat16)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    lens = torch.tensor([1, block_size, block_size + 1, max_blocks * block_size, 2 * block_size - 1])
+    tables = torch.randperm(num_blocks, generator=g)[: len(lens) * max_blocks].reshape(len(lens), max_blocks)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).bfloat16()
+    first = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
+    got = kernels.paged_decode_attention(q, cache.k[layer], cache.v[layer], tables, first, lens, 0.3,
+                                         lib=kernels.kernels(portable))
+    assert got.dtype == torch.bfloat16
+    wide = PagedKVCache(2, kv_heads, head_dim, num_blocks, block_size, dtype=torch.float64)
+    wide.k.copy_(cache.k)
+    wide.v.copy_(cache.v)
+    want = reference(q.double() * 0.3 * head_dim**0.5, wide, layer, tables, lens, window)
+    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-6).all()
 
 
 def test_kernel_refuses_tables_outside_the_pool():
@@ -102,6 +128,25 @@ def test_engine_fast_equals_reference_on_smollm2(smollm2, monkeypatch):
     torch.testing.assert_close(fast_logits, ref_logits, atol=1e-3, rtol=1e-4)
 
 
+def test_engine_fast_equals_reference_in_bfloat16(tmp_path, monkeypatch):
+    """A bfloat16 model's serving decodes attend in C over its bfloat16 pool: the same greedy tokens as the
+    reference's gather and SDPA, the logits within bfloat16's rounding of them."""
+    from tiny_models import CONFIGS, build_hf, save_hf
+
+    import minillm
+
+    family, kwargs = CONFIGS["llama_gqa"]
+    model = minillm.load_model(save_hf(build_hf(family, kwargs), tmp_path), device="cpu", dtype=torch.bfloat16)
+    assert model.paged_batch.func is _serving_batch
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 30)]
+    knobs = dict(num_blocks=64, block_size=4, max_num_batched_tokens=16)
+    fast_tokens, fast_logits = run(model, prompts, model.paged_batch, monkeypatch, 6, **knobs)
+    ref_tokens, ref_logits = run(model, prompts, None, monkeypatch, 6, **knobs)
+    assert fast_tokens == ref_tokens
+    torch.testing.assert_close(fast_logits.float(), ref_logits.float(), atol=0.05, rtol=2**-7)
+
+
 def test_no_fast_model_runs_the_reference(tmp_path):
     from tiny_models import CONFIGS, build_hf, save_hf
 
@@ -111,3 +156,4 @@ def test_no_fast_model_runs_the_reference(tmp_path):
     folder = save_hf(build_hf(family, kwargs), tmp_path)
     assert getattr(minillm.load_model(folder, device="cpu", fast=False), "paged_batch", None) is None
     assert minillm.load_model(folder, device="cpu").paged_batch.func is _serving_batch
+    assert minillm.load_model(folder, device="cpu", dtype=torch.float16).paged_batch is None  # no float16 kernel

@@ -226,9 +226,9 @@ int decode_attention(const float *q, const float *k, const float *v, float *out,
  * a step with one task a (sequence, K/V head) and no prefetch, 36.3 ms so; 2026-12-03 (Intel Xeon, AVX-512):
  * 33.5 ms, then 31.7 with the V sums in independent chains, 28.4 with the prefetches spread over the heads
  * (39.7 without any).
- * Layouts: q, out float32 [batch, heads, head_dim]; k_pool, v_pool one layer's float32
+ * Layouts: q, out float32 [batch, heads, head_dim]; k_pool, v_pool one layer's float32 (or, _bf16, bfloat16)
  * [num_blocks, block_size, kv_heads, head_dim], contiguous; tables int64 [batch, max_blocks]; first,
- * last int64 [batch]; head_dim a multiple of 8. Returns 0. */
+ * last int64 [batch]; head_dim a multiple of 8. Returns 0 (1: a bfloat16 chunk's scratch not allocated). */
 static void rescale_add(const float *p, const float *v, int n, int D, int64_t stride, float c, float *acc) {
     /* acc[0:D] = c · acc + Σ_j p[j] · v_j over n rows of v (`stride` floats apart). AVX2: 64 columns at a
      * time in 8 vector sums, so that 8 FMA chains run side by side (one chain waits ~4 cycles an FMA) */
@@ -258,15 +258,23 @@ static void rescale_add(const float *p, const float *v, int n, int D, int64_t st
     }
 }
 
-int paged_decode_attention(const float *q, const float *k_pool, const float *v_pool, float *out,
-                           const int64_t *tables, const int64_t *first, const int64_t *last, int batch,
-                           int heads, int kv_heads, int head_dim, int block_size, int max_blocks,
-                           int keys_per_task, float scale, int threads) {
-    int G = heads / kv_heads, D = head_dim;
-    int64_t row = (int64_t)kv_heads * D;  /* one position's K (or V) of every head, in floats */
+/* The loop of both pool dtypes: `bf16` pools (uint16_t) have each chunk's K and V rows widened into a float32
+ * scratch copy first, then the same float32 arithmetic. Returns 1 when that scratch cannot be allocated. */
+static int paged_attend(const float *q, const void *k_pool, const void *v_pool, int bf16, float *out,
+                        const int64_t *tables, const int64_t *first, const int64_t *last, int batch, int heads,
+                        int kv_heads, int head_dim, int block_size, int max_blocks, int keys_per_task, float scale,
+                        int threads) {
+    int G = heads / kv_heads, D = head_dim, failed = 0;
+    int64_t row = (int64_t)kv_heads * D;  /* one position's K (or V) of every head, in elements */
+    int64_t elem = bf16 ? 2 : 4;
     #pragma omp parallel for num_threads(threads) schedule(dynamic)
     for (int b = 0; b < batch; b++) {
         float acc[heads * D], m[heads], l[heads], s[KEYS_PER_TASK];
+        float *scratch = bf16 ? (float *)malloc(sizeof(float) * 2 * (size_t)keys_per_task * row) : NULL;
+        if (bf16 && scratch == NULL) {
+            failed = 1;
+            continue;
+        }
         for (int i = 0; i < heads * D; i++) acc[i] = 0.0f;
         for (int h = 0; h < heads; h++) { m[h] = -INFINITY; l[h] = 0.0f; }
         const float *qb = q + (int64_t)b * heads * D;
@@ -275,22 +283,32 @@ int paged_decode_attention(const float *q, const float *k_pool, const float *v_p
             int n = (int)((chunk_end < last[b] ? chunk_end : last[b]) - start);
             int64_t block = tables[(int64_t)b * max_blocks + start / block_size];
             int64_t offset = (block * block_size + start % block_size) * row;
+            const float *kc, *vc;  /* the chunk's K and V rows, float32 */
+            if (bf16) {
+                widen_bf16((const uint16_t *)k_pool + offset, scratch, n * row);
+                widen_bf16((const uint16_t *)v_pool + offset, scratch + keys_per_task * row, n * row);
+                kc = scratch;
+                vc = scratch + keys_per_task * row;
+            } else {
+                kc = (const float *)k_pool + offset;
+                vc = (const float *)v_pool + offset;
+            }
             /* the next chunk's K and V, fetched while this one computes: a share after each head, since a
              * burst of them all at once fills the CPU's line-fill buffers and stalls the computation */
             const char *nk = NULL, *nv = NULL;
-            int64_t bytes = (int64_t)keys_per_task * row * 4, share = (bytes / heads + 63) / 64 * 64;
+            int64_t bytes = (int64_t)keys_per_task * row * elem, share = (bytes / heads + 63) / 64 * 64;
             if (start + n < last[b]) {
                 int64_t next = start + n, nblock = tables[(int64_t)b * max_blocks + next / block_size];
-                nk = (const char *)(k_pool + (nblock * block_size + next % block_size) * row);
-                nv = (const char *)(v_pool + (nblock * block_size + next % block_size) * row);
+                nk = (const char *)k_pool + (nblock * block_size + next % block_size) * row * elem;
+                nv = (const char *)v_pool + (nblock * block_size + next % block_size) * row * elem;
             }
             for (int h = 0; h < heads; h++) {
-                int64_t kv = offset + (int64_t)(h / G) * D;
-                float chunk_max = scores(qb + (int64_t)h * D, k_pool + kv, n, D, row, scale, s);
+                int64_t kv = (int64_t)(h / G) * D;
+                float chunk_max = scores(qb + (int64_t)h * D, kc + kv, n, D, row, scale, s);
                 float m_new = chunk_max > m[h] ? chunk_max : m[h];
                 float c = expf(m[h] - m_new);  /* 0 at the first chunk (m = -inf) */
                 l[h] = c * l[h] + exps(s, n, m_new);
-                rescale_add(s, v_pool + kv, n, D, row, c, acc + (int64_t)h * D);
+                rescale_add(s, vc + kv, n, D, row, c, acc + (int64_t)h * D);
                 if (nk != NULL && h * share < bytes) {
                     int64_t part = bytes - h * share < share ? bytes - h * share : share;
                     prefetch_bytes(nk + h * share, part);
@@ -303,8 +321,28 @@ int paged_decode_attention(const float *q, const float *k_pool, const float *v_p
         float *ob = out + (int64_t)b * heads * D;
         for (int h = 0; h < heads; h++)
             for (int d = 0; d < D; d++) ob[(int64_t)h * D + d] = acc[(int64_t)h * D + d] / l[h];
+        free(scratch);
     }
-    return 0;
+    return failed;
+}
+
+int paged_decode_attention(const float *q, const float *k_pool, const float *v_pool, float *out,
+                           const int64_t *tables, const int64_t *first, const int64_t *last, int batch,
+                           int heads, int kv_heads, int head_dim, int block_size, int max_blocks,
+                           int keys_per_task, float scale, int threads) {
+    return paged_attend(q, k_pool, v_pool, 0, out, tables, first, last, batch, heads, kv_heads, head_dim,
+                        block_size, max_blocks, keys_per_task, scale, threads);
+}
+
+/* The same over a bfloat16 pool (a bfloat16 model's): q and out float32 still (a few rows, widened and
+ * rounded by the caller), each chunk's keys and values widened to float32 as they are read, so the pool's
+ * bytes are read once, at half float32's size. */
+int paged_decode_attention_bf16(const float *q, const uint16_t *k_pool, const uint16_t *v_pool, float *out,
+                                const int64_t *tables, const int64_t *first, const int64_t *last, int batch,
+                                int heads, int kv_heads, int head_dim, int block_size, int max_blocks,
+                                int keys_per_task, float scale, int threads) {
+    return paged_attend(q, k_pool, v_pool, 1, out, tables, first, last, batch, heads, kv_heads, head_dim,
+                        block_size, max_blocks, keys_per_task, scale, threads);
 }
 
 /* -- causal_attention: prefill, flash attention ------------------------------------------------------- */

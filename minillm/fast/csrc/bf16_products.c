@@ -18,13 +18,6 @@
  */
 #include "common.h"
 
-static inline float bf16_to_f32(uint16_t b) {  /* exact: the bits become a float32's high half */
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even (torch's rounding); NaN stays NaN */
     uint32_t u;
     memcpy(&u, &f, sizeof u);
@@ -53,15 +46,6 @@ void bf16_matmul_reference(const uint16_t *x, const uint16_t *w, uint16_t *y, in
  *   call into a float32 scratch copy.
  */
 
-typedef uint16_t vech __attribute__((vector_size(VEC * 2)));
-typedef uint32_t vecu __attribute__((vector_size(VEC * 4)));
-
-static inline vecf widen_vec(const uint16_t *p) {  /* VEC bfloat16s -> VEC float32s */
-    vech h;
-    memcpy(&h, p, sizeof h);
-    return (vecf)(__builtin_convertvector(h, vecu) << 16);
-}
-
 int bf16_dot_instructions(void) {  /* 1 where the loop below runs _mm512_dpbf16_ps */
 #if defined(__AVX512BF16__)
     return 1;
@@ -70,48 +54,81 @@ int bf16_dot_instructions(void) {  /* 1 where the loop below runs _mm512_dpbf16_
 #endif
 }
 
-/* sum[r] = Σ_i w[i]·x[r·n + i] for R <= 4 rows (xf: x widened to float32, read where no dpbf16), each
- * weight vector loaded once for R multiply-adds, two vector sums a row (inlined with R a constant). */
-static inline __attribute__((always_inline)) void bf16_dots(const uint16_t *w, const uint16_t *x, const float *xf,
-                                                            int n, int R, float *sum) {
+/* sum[k][r] = Σ_i w[k·n + i]·x[r·n + i] for G <= 4 rows of w and R <= 4 rows of x (xf: x widened to float32,
+ * read where no dpbf16): each weight vector loaded once for R multiply-adds, each x vector once for G (inlined
+ * with G and R constants). Four rows of w at a time are four streams from memory in flight at once: one row at a
+ * time (and a software prefetch) streamed 14 GB/s on the Intel Xeon's two cores where four streamed 19-22, as
+ * fast as MKL's float32 product (BENCHMARKS.md, "Decode products: PyTorch against the C"). */
+static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *w, const uint16_t *x, const float *xf,
+                                                            int n, int G, int R, float sum[4][4]) {
     int i = 0;
-    for (int r = 0; r < R; r++) sum[r] = 0.0f;
+    for (int k = 0; k < G; k++)
+        for (int r = 0; r < R; r++) sum[k][r] = 0.0f;
 #if defined(__AVX512BF16__)
     (void)xf;
-    __m512 acc[4][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (; i + 64 <= n; i += 64) {
-        __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + i), w1 = (__m512bh)_mm512_loadu_si512(w + i + 32);
-        for (int r = 0; r < R; r++) {
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_loadu_si512(x + r * n + i), w0);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_loadu_si512(x + r * n + i + 32), w1);
+    __m512 acc[4][4];
+    for (int k = 0; k < G; k++)
+        for (int r = 0; r < R; r++) acc[k][r] = _mm512_setzero_ps();
+    for (; i + 32 <= n; i += 32) {
+        __m512bh xv[4];
+        for (int r = 0; r < R; r++) xv[r] = (__m512bh)_mm512_loadu_si512(x + (int64_t)r * n + i);
+        for (int k = 0; k < G; k++) {
+            __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (int64_t)k * n + i);
+            for (int r = 0; r < R; r++) acc[k][r] = _mm512_dpbf16_ps(acc[k][r], xv[r], wv);
         }
     }
-    for (int r = 0; r < R; r++) sum[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
-    for (int r = 0; r < R; r++)
-        for (int j = i; j < n; j++) sum[r] += bf16_to_f32(w[j]) * bf16_to_f32(x[r * n + j]);
+    for (int k = 0; k < G; k++)
+        for (int r = 0; r < R; r++) sum[k][r] = _mm512_reduce_add_ps(acc[k][r]);
+    for (int k = 0; k < G; k++)
+        for (int r = 0; r < R; r++)
+            for (int j = i; j < n; j++) sum[k][r] += bf16_to_f32(w[(int64_t)k * n + j]) * bf16_to_f32(x[(int64_t)r * n + j]);
 #else
     (void)x;
-    vecf acc[4][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = (vecf){0};
-    for (; i + 2 * VEC <= n; i += 2 * VEC) {
-        vecf w0 = widen_vec(w + i), w1 = widen_vec(w + i + VEC);
-        for (int r = 0; r < R; r++) {
-            acc[r][0] += w0 * load_vec(xf + r * n + i);
-            acc[r][1] += w1 * load_vec(xf + r * n + i + VEC);
+    vecf acc[4][4];
+    for (int k = 0; k < G; k++)
+        for (int r = 0; r < R; r++) acc[k][r] = (vecf){0};
+    for (; i + VEC <= n; i += VEC) {
+        vecf xv[4];
+        for (int r = 0; r < R; r++) xv[r] = load_vec(xf + (int64_t)r * n + i);
+        for (int k = 0; k < G; k++) {
+            vecf wv = widen_vec(w + (int64_t)k * n + i);
+            for (int r = 0; r < R; r++) acc[k][r] += wv * xv[r];
         }
     }
-    for (int r = 0; r < R; r++) sum[r] = vec_sum(acc[r][0] + acc[r][1]);
-    for (int r = 0; r < R; r++)
-        for (int j = i; j < n; j++) sum[r] += bf16_to_f32(w[j]) * xf[r * n + j];
+    for (int k = 0; k < G; k++)
+        for (int r = 0; r < R; r++) sum[k][r] = vec_sum(acc[k][r]);
+    for (int k = 0; k < G; k++)
+        for (int r = 0; r < R; r++)
+            for (int j = i; j < n; j++) sum[k][r] += bf16_to_f32(w[(int64_t)k * n + j]) * xf[(int64_t)r * n + j];
 #endif
 }
 
-#define BF16_PREFETCH_ROWS 8  /* f32_matvec's 4 rows ahead, in bytes: a bfloat16 row is half as long */
+/* One tile of y: rows o..o+G of w by rows r..r+R of x (G 4, or fewer at w's end). */
+static void bf16_tile_at(const uint16_t *x, const float *xf, const uint16_t *w, uint16_t *y, int o, int r, int G,
+                         int R, int out, int in) {
+    const uint16_t *wo = w + (int64_t)o * in, *xr = x + (int64_t)r * in;
+    const float *xfr = xf ? xf + (int64_t)r * in : NULL;
+    float sum[4][4];
+    if (G == 4) {
+        switch (R) {  /* G and R constants in each call: its loops unroll */
+            case 4: bf16_tile(wo, xr, xfr, in, 4, 4, sum); break;
+            case 3: bf16_tile(wo, xr, xfr, in, 4, 3, sum); break;
+            case 2: bf16_tile(wo, xr, xfr, in, 4, 2, sum); break;
+            default: bf16_tile(wo, xr, xfr, in, 4, 1, sum);
+        }
+    } else {
+        for (int k = 0; k < G; k++) {  /* (w's last out % 4 rows, one at a time) */
+            float one[4][4];
+            bf16_tile(wo + (int64_t)k * in, xr, xfr, in, 1, R, one);
+            for (int j = 0; j < R; j++) sum[k][j] = one[0][j];
+        }
+    }
+    for (int k = 0; k < G; k++)
+        for (int j = 0; j < R; j++) y[(int64_t)(r + j) * out + o + k] = f32_to_bf16(sum[k][j]);
+}
 
-/* The bfloat16 product of a decode step or a verify pass, as f32_matvec: threads split w's rows, each
- * prefetching the row BF16_PREFETCH_ROWS ahead. Returns 0, or 1 when the scratch copy of x (no dpbf16) cannot
- * be allocated. */
+/* The bfloat16 product of a decode step or a verify pass: threads split w's rows, four at a time, each tile of
+ * 4 rows of w by up to 4 rows of x. Returns 0, or 1 when the scratch copy of x (no dpbf16) cannot be allocated. */
 int bf16_matvec(const uint16_t *x, const uint16_t *w, uint16_t *y, int rows, int out, int in, int threads) {
     float *xf = NULL;
 #if !defined(__AVX512BF16__)
@@ -119,24 +136,11 @@ int bf16_matvec(const uint16_t *x, const uint16_t *w, uint16_t *y, int rows, int
     if (!xf) return 1;
     for (int64_t k = 0; k < (int64_t)rows * in; k++) xf[k] = bf16_to_f32(x[k]);
 #endif
+    int tiles = (out + 3) / 4;
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int o = 0; o < out; o++) {
-        const uint16_t *wo = w + (int64_t)o * in;
-        if (o + BF16_PREFETCH_ROWS < out)
-            prefetch_bytes(wo + (int64_t)BF16_PREFETCH_ROWS * in, (int64_t)in * 2);
-        for (int r = 0; r < rows; r += 4) {
-            const uint16_t *xr = x + (int64_t)r * in;
-            const float *xfr = xf ? xf + (int64_t)r * in : NULL;
-            float sum[4];
-            int R = rows - r < 4 ? rows - r : 4;
-            switch (R) {  /* R a constant in each call: its loops unroll */
-                case 4: bf16_dots(wo, xr, xfr, in, 4, sum); break;
-                case 3: bf16_dots(wo, xr, xfr, in, 3, sum); break;
-                case 2: bf16_dots(wo, xr, xfr, in, 2, sum); break;
-                default: bf16_dots(wo, xr, xfr, in, 1, sum);
-            }
-            for (int k = 0; k < R; k++) y[(int64_t)(r + k) * out + o] = f32_to_bf16(sum[k]);
-        }
+    for (int t = 0; t < tiles; t++) {
+        int o = 4 * t, G = out - o < 4 ? out - o : 4;
+        for (int r = 0; r < rows; r += 4) bf16_tile_at(x, xf, w, y, o, r, G, rows - r < 4 ? rows - r : 4, out, in);
     }
     free(xf);
     return 0;

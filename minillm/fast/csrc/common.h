@@ -53,6 +53,30 @@ static inline float vec_sum(vecf v) {
 #endif
 }
 
+/* bfloat16, the high half of a float32's bits (uint16_t here): widening one is a 16-bit shift, exact
+ * (bf16_products.c, and attention.c's bfloat16 pools). */
+static inline float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+typedef uint16_t vech __attribute__((vector_size(VEC * 2)));
+typedef uint32_t vecu __attribute__((vector_size(VEC * 4)));
+
+static inline vecf widen_vec(const uint16_t *p) {  /* VEC bfloat16s -> VEC float32s */
+    vech h;
+    memcpy(&h, p, sizeof h);
+    return (vecf)(__builtin_convertvector(h, vecu) << 16);
+}
+
+static inline void widen_bf16(const uint16_t *src, float *dst, int64_t n) {  /* dst[0:n] = src[0:n], widened */
+    int64_t i = 0;
+    for (; i + VEC <= n; i += VEC) store_vec(dst + i, widen_vec(src + i));
+    for (; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+}
+
 /* The panel micro-kernel (products.c): PANEL outputs a panel, as two vectors; PANEL_ROWS rows of x a
  * block, 2 · PANEL_ROWS vector sums in registers (AVX-512 has 32, AVX2 16). */
 #if defined(__AVX512F__)
