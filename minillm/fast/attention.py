@@ -90,3 +90,12 @@ def c_decode_fits(model) -> bool:
     weight = model.embed.weight
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and model.config.head_dim % 8 == 0
             and kernels.available())
+
+
+def c_kernels_fit(model) -> bool:
+    """Whether the kernels that take float32 and bfloat16 alike (the block's RMSNorms, the serving batch's
+    paged decode attention) run for this model: float32 or bfloat16 on a CPU, head_dim a multiple of 8, and
+    the kernels built."""
+    weight = model.embed.weight
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and model.config.head_dim % 8 == 0 and kernels.available())

@@ -4,8 +4,9 @@
 six PyTorch ops (pow, mean, add, rsqrt and two products) and each residual add one more, 14 a block,
 every one a dispatch from Python that costs more than its arithmetic on a decode step's few rows.
 :class:`FastBlock` runs the same arithmetic in three calls: ln1 (:func:`minillm.fast.kernels.rms_norm`),
-the first add with ln2 (as vLLM's ``fused_add_rms_norm``), and the second add; where it can: float32 on
-a CPU, RMSNorm (Llama-family) norms, no hook, no autograd. Same values as the block up to float rounding.
+the first add with ln2 (as vLLM's ``fused_add_rms_norm``), and the second add; where it can: float32 or
+bfloat16 on a CPU (bfloat16 with the lesson's roundings), RMSNorm (Llama-family) norms, no hook, no autograd.
+Same values as the block up to float rounding.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ class FastBlock(Block):
         return x + self.mlp(normed)
 
     def _in_c(self, x: torch.Tensor) -> bool:
-        return (isinstance(self.ln1, RMSNorm) and isinstance(self.ln2, RMSNorm) and x.dtype == torch.float32
-                and x.device.type == "cpu" and x.is_contiguous()
-                and self.ln1.weight.dtype == self.ln2.weight.dtype == torch.float32
+        return (isinstance(self.ln1, RMSNorm) and isinstance(self.ln2, RMSNorm)
+                and x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu" and x.is_contiguous()
+                and self.ln1.weight.dtype == self.ln2.weight.dtype == x.dtype
                 and not (torch.is_grad_enabled()
                          and (x.requires_grad or self.ln1.weight.requires_grad or self.ln2.weight.requires_grad))
                 and not torch.compiler.is_compiling() and kernels.available())

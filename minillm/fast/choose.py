@@ -49,7 +49,7 @@ from ..kv_cache import KVCache
 from ..model import SwiGLU, Transformer
 from ..phases import decode_step, prefill
 from . import kernels
-from .attention import FastAttention, c_decode_fits
+from .attention import FastAttention, c_decode_fits, c_kernels_fit
 from .block import FastBlock
 from .compile import compile_decode_step
 from .packing import PackedSwiGLU, Stack, product_modules, relayout
@@ -131,10 +131,11 @@ def apply_decode_path(model: Transformer, name: str) -> Transformer:
     linear_cls = LINEARS[path.products]
     c_decode = path.products == "matvec" and c_decode_fits(model)
     c_prefill = c_decode and model.config.head_dim % kernels.panel_width() == 0
+    c_norms = path.products == "matvec" and c_kernels_fit(model)
     tied = model.lm_head.weight is model.embed.weight if hasattr(model.lm_head, "weight") else False
     originals = {id(p): p for p in model.parameters()}  # (holding them keeps their ids unique)
     for block in model.blocks:
-        if c_decode:  # (the C kernels' paths: the norms in C too)
+        if c_norms:  # (the C kernels' paths: the norms in C too, float32 or bfloat16)
             swap_class(block, FastBlock)
         attn, mlp = swap_class(block.attn, FastAttention), block.mlp
         attn.qkv = Stack(attn, ("q_proj", "k_proj", "v_proj"), linear_cls, path.long_rows)

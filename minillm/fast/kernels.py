@@ -191,6 +191,7 @@ C_FUNCTIONS = {  # name: (argument types, result type), as csrc/*.c declares the
     # rms_norm.c, silu_mul.c
     "rms_norm_reference": ([_P, _P, _P, _L, _I, _F], None),
     "rms_norm": ([_P, _P, _P, _P, _P, _L, _I, _F, _I], None),
+    "rms_norm_bf16": ([_P, _P, _P, _P, _P, _L, _I, _F, _I], None),
     "silu_mul_reference": ([_P, _P, _L, _I], None),
     "silu_mul": ([_P, _P, _L, _I, _I], None),
 }
@@ -617,23 +618,27 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None, *,
              lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm in one pass: x [..., dim] float32 CPU, contiguous, weight [dim] float32 -> (x, x ·
-    1/sqrt(mean(x²) + eps) · weight) [..., dim], minillm.model.RMSNorm's values up to float rounding. With
-    ``delta`` (x's shape), the residual add first: returns (x + delta, its norm), the sum in a new tensor.
-    Raises ValueError for other dtypes, devices, layouts or shapes."""
+    """RMSNorm in one pass: x [..., dim] CPU, contiguous, weight [dim], all float32 or all bfloat16 -> (x, x ·
+    1/sqrt(mean(x²) + eps) · weight) [..., dim] of x's dtype, minillm.model.RMSNorm's values up to float
+    rounding (in bfloat16 with its roundings: the norm in float32 rounded to bfloat16, then times the weight,
+    rounded). With ``delta`` (x's shape and dtype), the residual add first: returns (x + delta, its norm), the
+    sum in a new tensor. Raises ValueError for other dtypes, devices, layouts or shapes."""
     lib = lib or kernels()
     tensors = (x, weight) if delta is None else (x, weight, delta)
-    if (any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
+    if (any(t.dtype != x.dtype or t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
+            or x.dtype not in (torch.float32, torch.bfloat16)
             or x.dim() == 0 or weight.shape != x.shape[-1:] or (delta is not None and delta.shape != x.shape)
             or not _is_number(eps)):
-        raise ValueError(f"rms_norm takes contiguous float32 CPU x [..., dim], weight [dim] (and delta as x) and a "
-                         f"number eps, got x {x.dtype} {list(x.shape)} on {x.device.type}, weight {weight.dtype} "
-                         f"{list(weight.shape)}" + ("" if delta is None else f", delta {delta.dtype} {list(delta.shape)}")
-                         + f", eps {eps!r}")
-    out, total = _output(*x.shape), x if delta is None else _output(*x.shape)
+        raise ValueError(f"rms_norm takes contiguous CPU x [..., dim], weight [dim] (and delta as x), all float32 or "
+                         f"all bfloat16, and a number eps, got x {x.dtype} {list(x.shape)} on {x.device.type}, weight "
+                         f"{weight.dtype} {list(weight.shape)}"
+                         + ("" if delta is None else f", delta {delta.dtype} {list(delta.shape)}") + f", eps {eps!r}")
+    out = torch.empty(x.shape, dtype=x.dtype)
+    total = x if delta is None else torch.empty(x.shape, dtype=x.dtype)
+    run = lib.rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.rms_norm
     if x.numel():
-        lib.rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), total.data_ptr(), weight.data_ptr(),
-                     out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, torch.get_num_threads())
+        run(x.data_ptr(), None if delta is None else delta.data_ptr(), total.data_ptr(), weight.data_ptr(),
+            out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, torch.get_num_threads())
     return total, out
 
 

@@ -26,6 +26,7 @@ import torch
 
 from ..serving.paged_attention import PagedBatch
 from . import kernels
+from .attention import c_kernels_fit
 from .packing import product_modules
 from .products import FastQuantizedLinear, MatvecLinear
 
@@ -64,24 +65,16 @@ class FastPagedBatch(PagedBatch):
 def use_fast_paged_attention(model) -> None:
     """Give the serving engine :class:`FastPagedBatch` for ``model`` (``model.paged_batch``, which
     :func:`minillm.serving.model_runner.run_model` calls to build each step's batch) where the C kernel
-    runs (:func:`c_paged_fits`); elsewhere the reference stays (None). A model
+    runs (:func:`~minillm.fast.attention.c_kernels_fit`); elsewhere the reference stays (None). A model
     that serves batches also gets its products of a few dozen rows on packed panels (``panels`` of
     :class:`~minillm.fast.products.MatvecLinear` and :class:`~minillm.fast.products.FastQuantizedLinear`):
     the copy pays for itself over a server's many steps, not over ``generate``'s one prefill."""
-    if not c_paged_fits(model):
+    if not c_kernels_fit(model):
         model.paged_batch = None
         return
     scales = tuple(block.attn.scale for block in model.blocks)
     products = [m for m in product_modules(model) if isinstance(m, (MatvecLinear, FastQuantizedLinear))]
     model.paged_batch = partial(_serving_batch, scales, products)
-
-
-def c_paged_fits(model) -> bool:
-    """Whether the serving batch's decodes can attend in C for this model: float32 or bfloat16 on a CPU,
-    head_dim a multiple of 8, and the kernels built."""
-    weight = model.embed.weight
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and model.config.head_dim % 8 == 0 and kernels.available())
 
 
 def _serving_batch(scales: tuple[float, ...], products: list, *args, **kwargs) -> FastPagedBatch:

@@ -40,14 +40,43 @@ def test_rms_norm_equals_float64(rows, dim, scale, add, seed, portable):
     assert total is x if not add else (total.data_ptr() not in (x.data_ptr(), delta.data_ptr()) or rows == 0)
 
 
+def bfloat16_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None):
+    """The lesson's RMSNorm on bfloat16 numbers, its roundings written out on float64 values: the residual add
+    rounded, the norm rounded, the product with the weight rounded (HF Llama's order)."""
+    total = x if delta is None else (x.double() + delta.double()).bfloat16()
+    wide = total.double()
+    normed = (wide / torch.sqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).bfloat16()
+    return total, (normed.double() * weight.double()).bfloat16()
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(0, 80), dim=st.integers(1, 100), scale=st.sampled_from([1e-3, 1.0, 50.0]),
+       add=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_bfloat16_rms_norm_rounds_as_the_lesson(rows, dim, scale, add, seed, portable):
+    """bfloat16 rows: the residual sum equal to the bit, the norm within one bfloat16 unit of the float64
+    reference rounded as the lesson rounds (the sum of squares in float32 can move a value across a
+    rounding boundary, never further)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, dim, generator=g) * scale).bfloat16()
+    delta, weight = torch.randn(rows, dim, generator=g).bfloat16(), torch.randn(dim, generator=g).bfloat16()
+    total, out = kernels.rms_norm(x, weight, 1e-5, delta=delta if add else None, lib=kernels.kernels(portable))
+    want_total, want = bfloat16_reference(x, weight, 1e-5, delta if add else None)
+    assert total.dtype == out.dtype == torch.bfloat16
+    assert torch.equal(total, want_total)
+    assert ((out.double() - want.double()).abs() <= want.double().abs() * 2**-7 + 1e-30).all()
+
+
 @pytest.mark.parametrize("x, weight, delta", [
     (torch.zeros(3, 8, dtype=torch.float64), torch.ones(8), None),
     (torch.zeros(3, 8), torch.ones(7), None),
     (torch.zeros(8, 3).t(), torch.ones(8), None),
     (torch.zeros(3, 8), torch.ones(8), torch.zeros(2, 8)),
+    (torch.zeros(3, 8, dtype=torch.bfloat16), torch.ones(8), None),  # bfloat16 rows, a float32 weight
+    (torch.zeros(3, 8, dtype=torch.float16), torch.ones(8, dtype=torch.float16), None),
 ])
 def test_rms_norm_refuses_what_it_would_misread(x, weight, delta):
-    with pytest.raises(ValueError, match="rms_norm takes contiguous float32 CPU x"):
+    with pytest.raises(ValueError, match="rms_norm takes contiguous CPU x"):
         kernels.rms_norm(x, weight, 1e-5, delta=delta)
 
 
@@ -70,3 +99,23 @@ def test_the_fast_block_gives_the_lessons_logits(family, tmp_path):
     with torch.inference_mode():
         model(ids[None], hook=lambda name, t: seen.append(name))
     assert sum(n.endswith("hook_resid_post") for n in seen) == model.config.n_layers
+
+
+def test_the_fast_block_in_bfloat16_is_the_lessons_block(tmp_path):
+    """A bfloat16 Llama on the matvec path runs its norms in C (FastBlock): the same greedy tokens as the
+    plain bfloat16 model over 8 decode steps, each step's logits within bfloat16's rounding of the plain ones."""
+    name, kwargs = CONFIGS["llama_gqa"]
+    folder = save_hf(build_hf(name, kwargs), tmp_path)
+    ids = torch.randint(0, 100, (40,), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for fast in (False, True):
+        model = load_model(folder, device="cpu", dtype=torch.bfloat16, fast=fast)
+        cache = KVCache.for_model(model, max_seq_len=64)
+        steps = [prefill(model, ids, cache)]
+        for _ in range(8):
+            steps.append(decode_step(model, steps[-1].argmax(-1), cache))
+        runs.append(torch.stack(steps).float())
+    assert all(isinstance(b, FastBlock) for b in model.blocks)
+    plain, fast = runs
+    assert torch.equal(plain.argmax(-1), fast.argmax(-1))
+    assert (plain - fast).abs().max() <= 2**-6 * plain.abs().max()

@@ -18,13 +18,6 @@
  */
 #include "common.h"
 
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even (torch's rounding); NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* The scalar reference: y[r, o] = bf16(Σ_i x[r, i] · w[o, i]), the sum in float32. */
 void bf16_matmul_reference(const uint16_t *x, const uint16_t *w, uint16_t *y, int rows, int out, int in) {
     for (int r = 0; r < rows; r++)

@@ -54,12 +54,19 @@ static inline float vec_sum(vecf v) {
 }
 
 /* bfloat16, the high half of a float32's bits (uint16_t here): widening one is a 16-bit shift, exact
- * (bf16_products.c, and attention.c's bfloat16 pools). */
+ * (bf16_products.c, attention.c's bfloat16 pools, rms_norm.c's bfloat16 rows). */
 static inline float bf16_to_f32(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even (torch's rounding); NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 typedef uint16_t vech __attribute__((vector_size(VEC * 2)));

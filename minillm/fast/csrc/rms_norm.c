@@ -3,6 +3,11 @@
  *
  *   out[r, i] = x[r, i] · 1/sqrt(mean_i x[r, i]² + eps) · w[i]
  *
+ * and in bfloat16 as it does for a bfloat16 model (HF Llama's order: the sum of squares and the scaling in
+ * float32, rounded to bfloat16, then times the bfloat16 weight, rounded again; the residual add rounded too):
+ *
+ *   sum = bf16(x + delta),  out[r, i] = bf16(w[i] · bf16(sum[r, i] · 1/sqrt(mean_i sum[r, i]² + eps)))
+ *
  * rms_norm computes rms_norm_reference's values, the squares summed in vector lanes:
  * tests/fast/test_fast_block.py checks it, native and portable builds, against float64 RMSNorm, and this
  * reference against it too.
@@ -46,5 +51,32 @@ void rms_norm(const float *x, const float *delta, float *sum, const float *w, fl
         for (; i < dim; i++) ss += xr[i] * xr[i];
         float inv = 1.0f / sqrtf(ss / dim + eps);
         for (i = 0; i < dim; i++) o[i] = xr[i] * inv * w[i];
+    }
+}
+
+/* The bfloat16 one (x, delta, sum, w, out bfloat16: uint16_t), the float32 one's loop with the lesson's
+ * roundings (above). */
+void rms_norm_bf16(const uint16_t *x, const uint16_t *delta, uint16_t *sum, const uint16_t *w, uint16_t *out,
+                   int64_t rows, int dim, float eps, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim > 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * dim;
+        uint16_t *o = out + r * dim;
+        if (delta != NULL) {
+            uint16_t *s = sum + r * dim;
+            for (int i = 0; i < dim; i++) s[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(delta[r * dim + i]));
+            xr = s;
+        }
+        vecf squares = {0};
+        int i = 0;
+        for (; i + VEC <= dim; i += VEC) {
+            vecf v = widen_vec(xr + i);
+            squares += v * v;
+        }
+        float ss = 0.0f;
+        for (int l = 0; l < VEC; l++) ss += squares[l];
+        for (; i < dim; i++) ss += bf16_to_f32(xr[i]) * bf16_to_f32(xr[i]);
+        float inv = 1.0f / sqrtf(ss / dim + eps);
+        for (i = 0; i < dim; i++) o[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[i]) * inv)));
     }
 }
