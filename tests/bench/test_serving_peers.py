@@ -96,6 +96,18 @@ def test_missing_peers_are_skipped_with_one_line_each(tmp_path, monkeypatch):
 
 
 @pytest.mark.cli
+def test_a_bfloat16_run_asks_every_peer_for_bfloat16_and_skips_llama_cpp(tmp_path):
+    binary, gguf = tmp_path / "llama-server", tmp_path / "m-f32.gguf"
+    binary.touch()
+    specs, skipped = find_peers(tmp_path, gguf, 2, vllm_python=sys.executable, llama_server=str(binary),
+                                dtype="bfloat16")
+    assert [s.name for s in specs] == [MINILLM, VLLM, TRANSFORMERS]
+    assert [s.argv(1)[s.argv(1).index("--dtype") + 1] for s in specs] == ["bfloat16"] * 3
+    assert [s.dtype for s in specs] == ["bfloat16 weights and KV cache"] * 3
+    assert skipped == ["llama.cpp skipped: bfloat16 asked, and the GGUF minillm writes is F32"]
+
+
+@pytest.mark.cli
 def test_found_peers_run_float32_with_the_threads_and_no_prefix_cache(tmp_path):
     binary, gguf = tmp_path / "llama-server", tmp_path / "m-f32.gguf"
     binary.touch()
