@@ -202,7 +202,7 @@ def run(args) -> int:
     runs: list[PeerRun] = []
     with contextlib.ExitStack() as stack:
         log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="serving_peers_")))
-        urls, seen, failed = {}, {}, []  # peer -> base URL; peer -> what its log says it runs; why others did not start
+        servers, seen, failed = {}, {}, []  # peer -> RunningPeer; peer -> what its log says it runs; why others failed
         for spec in specs:
             start = time.perf_counter()
             try:
@@ -211,7 +211,7 @@ def run(args) -> int:
                 out.print(f"{spec.name} skipped: {e}")
                 failed.append(str(e))
                 continue
-            urls[spec.name] = server.url
+            servers[spec.name] = server
             run_http_bench(server.url, warm, timeout_s=args.timeout)  # untimed: first batches, lazy compiles
             seen[spec.name] = ", ".join(server.dtype_lines(spec)) or "-"
             env = " ".join(f"{k}={v}" for k, v in spec.env.items())
@@ -219,18 +219,21 @@ def run(args) -> int:
             says = f"; its log says: {seen[spec.name]}" if seen[spec.name] != "-" else ""
             out.print(f"{spec.name} up in {time.perf_counter() - start:.0f} s and warmed up: "
                       f"{' '.join(filter(None, (env, command)))}{says}")
-        if not urls:
+        if not servers:
             raise NoServerError("no server started; nothing to measure (" + "; ".join(failed) + ")")
         for r in range(args.rounds):
             workload = redraw_prompts(lengths, ids, seed=(args.seed, r))
-            round_runs = [measure(urls[name], workload, args.timeout, name, r) for name in round_order(list(urls), r)]
+            round_runs = [measure(servers[name].url, workload, args.timeout, name, r)
+                          for name in round_order(list(servers), r)]
             runs += round_runs
             out.print(round_table(round_runs, r, args.num_prompts))
             if args.json:  # after every round: a long run cut short keeps the rounds it finished
                 write_json(args, commit, lengths, skipped, specs, seen, runs)
+        memory = {name: server.memory_bytes() for name, server in servers.items()}  # (still running: after the rounds)
     print_summary(out, runs, {spec.name: spec.dtype for spec in specs}, args.markdown)
+    print_memory(out, memory)
     if args.json:
-        write_json(args, commit, lengths, skipped, specs, seen, runs)
+        write_json(args, commit, lengths, skipped, specs, seen, runs, memory)
         out.print(f"wrote {args.json}")
     return 0
 
@@ -268,6 +271,7 @@ def report(out, path: str, markdown: bool) -> int:
         runs = [PeerRun(r["peer"], r["round"], RunSummary(**r["summary"]), r["n_failed"],
                         tuple(r["loadavg_before"]), tuple(r["loadavg_after"])) for r in doc["runs"]]
         commit, workload, dtypes = doc["commit"], doc["workload"], {p["name"]: p["dtype"] for p in doc["peers"]}
+        memory = doc.get("memory_bytes")  # (None in a file of a run cut short, or from before it was measured)
         n_requests = workload["n_requests"]
     except OSError as e:
         raise ReportFileError(f"cannot read --report {path}: {e.strerror or e}") from None
@@ -278,16 +282,24 @@ def report(out, path: str, markdown: bool) -> int:
     for r in sorted({run.round for run in runs}):
         out.print(round_table([run for run in runs if run.round == r], r, n_requests))
     print_summary(out, runs, dtypes, markdown)
+    if memory:
+        print_memory(out, memory)
     return 0
 
 
-def write_json(args, commit, lengths, skipped, specs, seen, runs) -> None:
+def print_memory(out, memory: dict[str, int | None]) -> None:
+    """Each server's resident memory after the rounds (bytes, None: not measurable here), in MiB."""
+    out.print("resident memory after the rounds (PSS of each server's processes): "
+              + "; ".join(f"{name} {'-' if b is None else f'{b / 2**20:,.0f} MiB'}" for name, b in memory.items()))
+
+
+def write_json(args, commit, lengths, skipped, specs, seen, runs, memory: dict | None = None) -> None:
     doc = {"commit": commit, "config": vars(args), "workload": describe(lengths), "skipped": skipped,
            "peers": [{"name": s.name, "dtype": s.dtype, "dtype_in_log": seen.get(s.name), "command": list(s.command),
                       "env": s.env} for s in specs],
            "runs": [{"peer": r.peer, "round": r.round, "n_failed": r.n_failed, "loadavg_before": r.loadavg_before,
                      "loadavg_after": r.loadavg_after, "summary": r.summary.to_dict()} for r in runs],
-           "summary": [s.__dict__ for s in summarize_peers(runs)]}
+           "summary": [s.__dict__ for s in summarize_peers(runs)], "memory_bytes": memory}
     Path(args.json).write_text(json.dumps(doc, indent=1))
 
 

@@ -104,10 +104,28 @@ class PeerSpec:
 
 @dataclass(frozen=True)
 class RunningPeer:
-    """A started peer: its base URL (``http://127.0.0.1:PORT``) and the file its output goes to."""
+    """A started peer: its base URL (``http://127.0.0.1:PORT``), the file its output goes to, and the process
+    id of its server (the leader of its process group)."""
 
     url: str
     log_path: Path
+    pid: int = 0
+
+    def memory_bytes(self) -> int | None:
+        """What the server's processes hold in memory now: the sum of their proportional set sizes (PSS:
+        a page shared by n processes counts 1/n in each), over every process of its group, since vLLM's
+        engine runs in a child. None where /proc has no smaps_rollup (not Linux)."""
+        total, found = 0, False
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if int(stat.read_text().rpartition(")")[2].split()[2]) != self.pid:  # (state, ppid, pgrp)
+                    continue
+                rollup = (stat.parent / "smaps_rollup").read_text()
+            except (OSError, ValueError, IndexError):
+                continue  # (a process gone meanwhile, or one not ours to read)
+            total += sum(int(line.split()[1]) * 1024 for line in rollup.splitlines() if line.startswith("Pss:"))
+            found = True
+        return total if found else None
 
     def dtype_lines(self, spec: PeerSpec) -> list[str]:
         """The distinct matches of ``spec.dtype_in_log`` in its log so far (what it says it runs)."""
@@ -295,7 +313,7 @@ def running(spec: PeerSpec, log_dir: Path) -> Iterator[RunningPeer]:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, process, spec, log_path)
-        yield RunningPeer(url, log_path)
+        yield RunningPeer(url, log_path, process.pid)
     finally:
         stop(process)
 

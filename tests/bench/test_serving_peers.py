@@ -6,8 +6,12 @@ must be transformers' own generate's)."""
 
 import importlib.util
 import json
+import os
 import shutil
+import signal
+import subprocess
 import sys
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -244,7 +248,32 @@ def test_the_script_end_to_end_on_minillm_serve_and_transformers(tiny_folder, tm
     ours, theirs = doc["summary"]
     assert theirs["out_tok_s_ratio"] == pytest.approx(ours["output_tok_s"] / theirs["output_tok_s"])
     assert f"minillm serve / {TRANSFORMERS}: {theirs['out_tok_s_ratio']:.2f}x the output tok/s" in printed
+    memory = doc["memory_bytes"]  # each server's processes hold at least a tiny model and an interpreter
+    assert set(memory) == {MINILLM, TRANSFORMERS} and all(b > 20 * 2**20 for b in memory.values())
     assert script.main(["--report", str(out)]) == 0  # the same tables again from the JSON
     again = capsys.readouterr().out
     assert printed[printed.index("Round 1"):printed.index("wrote")].strip() == \
         again[again.index("Round 1"):].strip()
+
+
+@pytest.mark.cli
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="PSS is read from Linux's /proc")
+def test_memory_bytes_sums_the_servers_process_group(tmp_path):
+    """A 'server' holding 64 MiB whose child (its engine, as vLLM's) holds 32 MiB more: the group's PSS counts
+    both, and no process outside the group (this one's own memory is not counted)."""
+    child = "x = bytearray(32 * 2**20); import time; time.sleep(60)"
+    leader = (f"import subprocess, sys, time; x = bytearray(64 * 2**20); p = subprocess.Popen([sys.executable, '-c', "
+              f"{child!r}]); print('up', flush=True); time.sleep(60)")
+    process = subprocess.Popen([sys.executable, "-c", leader], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert process.stdout.readline() == b"up\n"
+        peer = peers.RunningPeer("http://127.0.0.1:1", tmp_path / "log", process.pid)
+        for _ in range(100):  # (the child's bytearray is being made: bounded wait)
+            group = peer.memory_bytes()
+            if group >= 96 * 2**20:
+                break
+            time.sleep(0.1)
+        assert 96 * 2**20 <= group < 96 * 2**20 + 120 * 2**20  # two interpreters' own pages above the bytearrays
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
