@@ -78,6 +78,26 @@ static inline vecf widen_vec(const uint16_t *p) {  /* VEC bfloat16s -> VEC float
     return (vecf)(__builtin_convertvector(h, vecu) << 16);
 }
 
+/* The bfloat16 bits of VEC float32s, rounded to nearest even (f32_to_bf16 on every lane, NaN kept quiet) */
+static inline vecu bf16_bits(vecf x) {
+    vecu u;
+    memcpy(&u, &x, sizeof u);
+    vecu nan = (vecu)((u & 0x7fffffffu) > 0x7f800000u);  /* all ones where NaN */
+    return (nan & ((u >> 16) | 0x40u)) | (~nan & ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16));
+}
+
+static inline vecf round_to_bf16(vecf x) {  /* x rounded to bfloat16, kept in float32 */
+    vecf r;
+    vecu bits = bf16_bits(x) << 16;
+    memcpy(&r, &bits, sizeof r);
+    return r;
+}
+
+static inline void store_bf16(uint16_t *p, vecf x) {  /* VEC float32s rounded to bfloat16, stored */
+    vech h = __builtin_convertvector(bf16_bits(x), vech);
+    memcpy(p, &h, sizeof h);
+}
+
 static inline void widen_bf16(const uint16_t *src, float *dst, int64_t n) {  /* dst[0:n] = src[0:n], widened */
     int64_t i = 0;
     for (; i + VEC <= n; i += VEC) store_vec(dst + i, widen_vec(src + i));

@@ -64,7 +64,10 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *delta, uint16_t *sum, cons
         uint16_t *o = out + r * dim;
         if (delta != NULL) {
             uint16_t *s = sum + r * dim;
-            for (int i = 0; i < dim; i++) s[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(delta[r * dim + i]));
+            const uint16_t *d = delta + r * dim;
+            int i = 0;
+            for (; i + VEC <= dim; i += VEC) store_bf16(s + i, widen_vec(xr + i) + widen_vec(d + i));
+            for (; i < dim; i++) s[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(d[i]));
             xr = s;
         }
         vecf squares = {0};
@@ -77,6 +80,7 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *delta, uint16_t *sum, cons
         for (int l = 0; l < VEC; l++) ss += squares[l];
         for (; i < dim; i++) ss += bf16_to_f32(xr[i]) * bf16_to_f32(xr[i]);
         float inv = 1.0f / sqrtf(ss / dim + eps);
-        for (i = 0; i < dim; i++) o[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[i]) * inv)));
+        for (i = 0; i + VEC <= dim; i += VEC) store_bf16(o + i, widen_vec(w + i) * round_to_bf16(widen_vec(xr + i) * inv));
+        for (; i < dim; i++) o[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[i]) * inv)));
     }
 }
