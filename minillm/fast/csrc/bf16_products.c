@@ -7,14 +7,14 @@
  * exact. Each product of two bfloat16s is exact in float32 (8 + 8 significant bits); the sums are float32
  * and y is rounded to bfloat16 once, at the end (to nearest even), as F.linear in bfloat16 does.
  *
- * bf16_matvec       a few rows: each thread a share of w's rows, each weight read once for all rows
+ * bf16_matvec       a few rows: each thread a share of w's rows, four at a time, each weight read once for all rows
  *
- * Why C: F.linear's bfloat16 product of one row took 1.13-1.41x this loop's time on the Intel Xeon (one
- * thread); oneDNN's product on a packed weight is as fast but needs a packed copy of every matrix
- * (BENCHMARKS.md, "Decode products: PyTorch against the C"). From 4 rows the multiply-adds bound this loop
- * and F.linear is faster: minillm.fast.products.few_rows_kernel sends it one row only. This loop is
- * f32_matvec's (products.c) on half the bytes. It computes bf16_matmul_reference's sums in another order:
- * tests/fast/test_bf16_products.py checks both, native and portable builds, against float64 F.linear.
+ * Why C: F.linear's bfloat16 product of one row streamed 13.7 GB/s where this loop streams 19.0 on the Intel
+ * Xeon's two cores (1.7B shape); oneDNN's product on a packed weight is as fast (18.4) but needs a packed copy of
+ * every matrix (BENCHMARKS.md, "bfloat16: decode and serving"). From 2 rows the multiply-adds bound this loop
+ * and F.linear is faster: minillm.fast.products.few_rows_kernel sends it one row only. It computes
+ * bf16_matmul_reference's sums in another order: tests/fast/test_bf16_products.py checks both, native and
+ * portable builds, against float64 F.linear.
  */
 #include "common.h"
 
