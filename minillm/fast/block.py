@@ -23,7 +23,7 @@ class FastBlock(Block):
     def forward(self, x, rope_cos_sin, cache, impl, hook):
         if hook or not self._in_c(x):
             return super().forward(x, rope_cos_sin, cache, impl, hook)
-        _, normed = kernels.rms_norm(x, self.ln1.weight, self.ln1.eps)
+        _, normed = kernels.rms_norm(x, self.ln1.weight, self.ln1.eps, check=False)  # (_in_c checked them)
         attn_out = self.attn(normed, rope_cos_sin, cache, impl, hook)
         x, normed = kernels.rms_norm(x, self.ln2.weight, self.ln2.eps, delta=attn_out.contiguous())
         return x + self.mlp(normed)
