@@ -272,6 +272,7 @@ static int paged_attend(const float *q, const void *k_pool, const void *v_pool, 
         float acc[heads * D], m[heads], l[heads], s[KEYS_PER_TASK];
         float *scratch = bf16 ? (float *)malloc(sizeof(float) * 2 * (size_t)keys_per_task * row) : NULL;
         if (bf16 && scratch == NULL) {
+            #pragma omp atomic write
             failed = 1;
             continue;
         }
