@@ -56,8 +56,8 @@ C_FITS = "float32 on a CPU, head_dim a multiple of 8, the kernels built"  # (fas
 C_KERNELS_FIT = "float32 or bfloat16 on a CPU, head_dim a multiple of 8, the kernels built"  # (c_kernels_fit)
 
 SWAPS = (
-    Swap("model.Block", "fast.block.FastBlock", "the C paths (matvec, compile+matvec), C kernels fit: each RMSNorm "
-         "one C call, the second fused with the residual add"),
+    Swap("model.Block", "fast.block.FastBlock", "the C paths (matvec, compile+matvec; also a bfloat16 model's "
+         "default path on a CPU), C kernels fit: each RMSNorm one C call, the second fused with the residual add"),
     Swap("model.Attention", "fast.attention.FastAttention", "every path: q|k|v stacked; decode's attention in C where "
          "the kernels fit (prefill's too where head_dim is a multiple of the panel width)"),
     Swap("model.SwiGLU", "fast.packing.PackedSwiGLU", "every path, a SwiGLU MLP (the Llama family): gate|up stacked"),
