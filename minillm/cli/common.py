@@ -101,7 +101,8 @@ def quantize_option(p: argparse.ArgumentParser) -> None:
 def fast_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
                    help="the speed layer (minillm/fast: stacked and C products, attention in C); --no-fast runs "
-                        "the lesson's plain PyTorch, the same logits (default: --fast)")
+                        "the lesson's plain PyTorch, the same logits up to float rounding (in bfloat16 a near-tie can pick "
+                        "another greedy token) (default: --fast)")
 
 
 def model_argument(p: argparse.ArgumentParser, help: str) -> None:

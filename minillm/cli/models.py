@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..fast import C_FITS, C_KERNELS_FIT, SWAPS
+from ..fast import C_KERNELS_FIT, SWAPS
 from ..formats import weights
 from ..units import fmt_bytes
 from .common import (check_out_dir, chosen_model, dtype_option, ensure_model, fast_option, model_argument,
@@ -87,7 +87,7 @@ def swap_table(decode_path: str | None):
 
     got = f"this model: decode path {decode_path}" if decode_path else "this model: none, --no-fast"
     table = Table("course piece", "fast piece", "when", title=f"the speed layer's swaps ({got})",
-                  caption=f"C fits: {C_FITS}. C kernels fit: {C_KERNELS_FIT}. The table: minillm/fast/__init__.py")
+                  caption=f"C kernels fit: {C_KERNELS_FIT}. The table: minillm/fast/__init__.py")
     for swap in SWAPS:  # "model.Block" -> "Block"; PyTorch's own keeps "nn."
         course = swap.course.removeprefix("torch.") if swap.course.startswith("torch.") else swap.course.rpartition(".")[2]
         table.add_row(course, swap.fast.rpartition(".")[2], swap.when)

@@ -8,12 +8,12 @@ fingerprints and the logits stay the same up to float rounding. ``load_model(...
 ``load_model(..., fast=False)`` and ``--no-fast`` run the lesson's code alone.
 
 What it swaps, by decode path (choose.py's candidates; :data:`SWAPS` holds the same rows as data,
-and ``minillm info`` prints them). "C fits": float32 on a CPU, head_dim a multiple of 8, the kernels built;
-"C kernels fit": the same in float32 or bfloat16.
+and ``minillm info`` prints them). "C kernels fit": float32 or bfloat16 on a CPU, head_dim a multiple of 8, the
+kernels built.
 
     course piece (minillm.)             fast piece (minillm.)                  when
     model.Block                         fast.block.FastBlock                   the C paths, C kernels fit
-    model.Attention                     fast.attention.FastAttention           every path; its attention in C where C fits
+    model.Attention                     fast.attention.FastAttention           every path; float32 decode attention in C
     model.SwiGLU                        fast.packing.PackedSwiGLU              every path, a SwiGLU MLP
     torch.nn.Linear                     fast.products.SplitLinear              the split paths, a float model
     torch.nn.Linear                     fast.products.MatvecLinear             the C paths, a float model; CPU bfloat16
@@ -44,7 +44,7 @@ class Swap(NamedTuple):
     """One row of the swap table: the course's piece, the speed layer's piece put in its place, and when.
 
     ``when`` names the decode paths ("every path", or choose.CANDIDATES' names), then the conditions a row
-    needs, in these words: "C fits" (:data:`C_FITS`), "C kernels fit" (:data:`C_KERNELS_FIT`), "a float model", "a quantised model", "a SwiGLU MLP".
+    needs, in these words: "C kernels fit" (:data:`C_KERNELS_FIT`), "a float model", "a quantised model", "a SwiGLU MLP".
     """
 
     course: str  # dotted under minillm ("model.Block": minillm.model.Block), or "torch." for PyTorch's own
@@ -52,14 +52,14 @@ class Swap(NamedTuple):
     when: str
 
 
-C_FITS = "float32 on a CPU, head_dim a multiple of 8, the kernels built"  # (fast.attention.c_decode_fits)
-C_KERNELS_FIT = "float32 or bfloat16 on a CPU, head_dim a multiple of 8, the kernels built"  # (c_kernels_fit)
+C_KERNELS_FIT = "float32 or bfloat16 on a CPU, head_dim a multiple of 8, the kernels built"  # (attention.c_kernels_fit)
 
 SWAPS = (
     Swap("model.Block", "fast.block.FastBlock", "the C paths (matvec, compile+matvec; also a bfloat16 model's "
          "default path on a CPU), C kernels fit: each RMSNorm one C call, the second fused with the residual add"),
-    Swap("model.Attention", "fast.attention.FastAttention", "every path: q|k|v stacked; decode's attention in C where "
-         "the kernels fit (prefill's too where head_dim is a multiple of the panel width)"),
+    Swap("model.Attention", "fast.attention.FastAttention", "every path: q|k|v stacked; decode's attention in C in "
+         "float32 (head_dim a multiple of 8, the kernels built; prefill's too where head_dim is a multiple of the panel "
+         "width)"),
     Swap("model.SwiGLU", "fast.packing.PackedSwiGLU", "every path, a SwiGLU MLP (the Llama family): gate|up stacked"),
     Swap("torch.nn.Linear", "fast.products.SplitLinear", "the split paths (long-rows+split, row-major+split), a float "
          "model: a few-row product cut over the threads"),

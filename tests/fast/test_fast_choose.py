@@ -373,7 +373,7 @@ def _paths(swap) -> list[str]:
 
 def _applies(swap, path: str, model, quantized: bool) -> bool:
     """Whether a row's ``when`` (its words: the paths, then the conditions) covers this path and model."""
-    conditions = {"C fits": c_decode_fits(model), "C kernels fit": c_kernels_fit(model),
+    conditions = {"C kernels fit": c_kernels_fit(model),
                   "a float model": not quantized, "a quantised model": quantized,
                   "a SwiGLU MLP": model.config.model_type != "gpt2"}
     return path in _paths(swap) and all(holds for words, holds in conditions.items() if words in swap.when)
