@@ -105,8 +105,11 @@ class PagedBatch:
             q_dec = q[0, :, self.decode_rows].transpose(0, 1)  # [B_dec, n_heads, head_dim]
             out[0, :, self.decode_rows] = self.attend_decodes(layer, q_dec, attention, window).transpose(0, 1)
         for chunk in self.prefills:  # its queries are the last of its keys: mask None, the causal case
-            keys, values = self.cache.gather(layer, chunk.block_table[None])
-            keys, values = keys[:, :, : chunk.context_len], values[:, :, : chunk.context_len]
+            if chunk.context_len == chunk.end - chunk.start:  # a prompt's first chunk: its keys are all this step's
+                keys, values = k[:, :, chunk.start : chunk.end], v[:, :, chunk.start : chunk.end]
+            else:
+                keys, values = self.cache.gather(layer, chunk.block_table[None])
+                keys, values = keys[:, :, : chunk.context_len], values[:, :, : chunk.context_len]
             out[:, :, chunk.start : chunk.end] = attention(q[:, :, chunk.start : chunk.end], keys, values, None)
         return out
 
