@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from kernel_families import SHAPES, matrices, race  # (benchmarks/ is on sys.path)
 from minillm.fast import kernels
-from minillm.fast.choose import one_row_in_c
+from minillm.fast.choose import few_rows_in_c
 from minillm.fast.products import few_rows_kernel
 
 LAYERS = {"135m": None, "1.7b": 6}  # None: every layer
@@ -61,9 +61,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     assert kernels.available(), kernels.unavailable_reason()
-    in_c = one_row_in_c()
+    in_c = few_rows_in_c()
     clock = "thread CPU time" if args.threads == 1 else "wall time"
-    print(f"{clock}, threads {args.threads}, torch {torch.__version__}, one row in C here: {in_c}, bf16_matvec with "
+    print(f"{clock}, threads {args.threads}, torch {torch.__version__}, 1-3 float32 rows in C here: {in_c}, bf16_matvec with "
           f"AVX512-BF16: {kernels.bf16_dot_instructions()}, load {os.getloadavg()[0]:.1f}\n")
     print("| shape | dtype | rows | PyTorch ms (GB/s) | C ms (GB/s) | C / best PyTorch | runs now |")
     print("|---|---|---|---|---|---|---|")

@@ -29,7 +29,7 @@ How :func:`choose_decode_path` (called by ``load_model``) picks one, without tim
 
 Only CPU float32 has candidates; other devices and dtypes get the stacked products and the
 default layout (path "default"; on a CPU in bfloat16, one row's products in C). Which kernel a product
-of a few rows runs: :func:`minillm.fast.products.few_rows_kernel`, one float32 row by :func:`one_row_in_c`. A compiled step compiles in the first decode step of a
+of a few rows runs: :func:`minillm.fast.products.few_rows_kernel`, 1-3 float32 rows by :func:`few_rows_in_c`. A compiled step compiles in the first decode step of a
 process (inductor keeps the code on disk, so a later process compiles faster).
 """
 
@@ -153,10 +153,10 @@ def apply_decode_path(model: Transformer, name: str) -> Transformer:
         for param_name, p in list(module.named_parameters(recurse=False)):  # nothing pins a mapped file
             if id(p) in originals:
                 setattr(module, param_name, torch.nn.Parameter(p.detach().clone(), requires_grad=False))
-    c_one_row = one_row_in_c()
+    c_few_rows = few_rows_in_c()
     for module in product_modules(model):
         if isinstance(module, MatvecLinear):
-            module.one_row_in_c = c_one_row
+            module.few_rows_in_c = c_few_rows
     model.compiled_decode = _compiled_step() if path.compiled else None
     use_fast_paged_attention(model)  # the serving engine's decodes: attention over the pool's blocks in C
     model.decode_path = path.name
@@ -187,17 +187,18 @@ def choose_decode_path(model: Transformer) -> DecodeChoice:
     return choice
 
 
-def one_row_in_c(cpu_name: str | None = None) -> bool:
-    """Whether a float32 product of one row (a batch-1 decode step's) runs the C loop
+def few_rows_in_c(cpu_name: str | None = None) -> bool:
+    """Whether a float32 product of 1-3 rows (a batch-1 decode step's, a short verify pass's) runs the C loop
     (:func:`minillm.fast.kernels.f32_matvec`) rather than PyTorch's ``F.linear``: on an AMD CPU, not elsewhere.
 
     Measured (BENCHMARKS.md, "Decode products: PyTorch against the C" and "Decode paths against the lesson"):
-    on the Intel Xeon (AVX-512) ``F.linear``'s one-row product streams the weights at a core's full speed and the
-    C loop took 1.19-1.34x its time, a SmolLM2-135M step 36-37 against 31 ms with it; on the developers' AMD
-    EPYC the C loop took the step from 101.7 to 64.4 ms (BENCHMARKS-HISTORY.md, issue 16): torch's MKL runs
-    its generic code on a CPU that is not Intel's. Elsewhere (Intel, ARM, unknown) ``F.linear`` keeps the
-    lesson's own product, so the default decode is never slower than ``--no-fast`` there by construction.
-    ``cpu_name``: the CPU's model name (default: this machine's, :func:`minillm.hardware.device_name`).
+    on the Intel Xeon (AVX-512) MKL's product of 1-3 rows streams the weights at the memory's speed and the
+    C loop took 1.02-1.15x its time (2026-12-05, four rows of weights a tile; 1.19-1.34x row by row before);
+    on the developers' AMD EPYC the row-by-row C loop took a SmolLM2-135M step from 101.7 to 64.4 ms
+    (BENCHMARKS-HISTORY.md, issue 16): torch's MKL runs its generic code on a CPU that is not Intel's. Elsewhere
+    (Intel, ARM, unknown) ``F.linear`` keeps the lesson's own product, so the default decode is never slower
+    than ``--no-fast`` there by construction. ``cpu_name``: the CPU's model name (default: this machine's,
+    :func:`minillm.hardware.device_name`).
     """
     name = device_name(torch.device("cpu")) if cpu_name is None else cpu_name
     return "AMD" in name.split()

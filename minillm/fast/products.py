@@ -15,8 +15,8 @@ stream memory as fast as all the cores together. Two ways around it, for CPU flo
 - :class:`MatvecLinear`: up to MATVEC_MAX_ROWS rows, a C loop (:mod:`minillm.fast.kernels`) gives
   each thread a share of the matrix's rows and reads each weight once for all of x's rows; it is
   also an op a compiled step calls (inductor's own code for the product is slower). Row-major
-  weights only. One float32 row only where the decode path's rule says (an AMD CPU: on the Intel
-  Xeon MKL's one-row product is faster); one bfloat16 row too (in C, faster than F.linear's).
+  weights only. 1-3 float32 rows only where the decode path's rule says (an AMD CPU: on the Intel
+  Xeon MKL's product of so few rows is faster); one bfloat16 row too (in C, faster than F.linear's).
   :func:`few_rows_kernel` is the rule, as a table. Above, up to PANEL_MAX_ROWS (a serving step's decodes, a short prefill chunk), in a
   model that serves batches (``panels``, set by :mod:`minillm.fast.paged_attention`), a C GEMM
   micro-kernel on a copy of the matrix packed once into panels of outputs (csrc/products.c): MKL
@@ -53,6 +53,7 @@ from . import kernels
 
 SPLIT_MAX_ROWS = 64  # decode rows (one per sequence); above, MKL's own threading of a product wins
 MATVEC_MAX_ROWS = 8  # a decode step's or a speculative verify pass's rows: no packed copy needed
+MKL_FEW_ROWS = 3  # float32 rows MKL's product took faster than the C tile on the Intel Xeon (few_rows_in_c)
 PANEL_MAX_ROWS = 256  # a serving step's decodes or a short chunk; above, MKL's product is as fast
 # measured (SmolLM2-135M's 120 decoder matrices out of cache, 2 threads, Intel Xeon with AVX-512,
 # 2026-12-03; the panels' table in csrc/products.c has more row counts), ms for all:
@@ -79,20 +80,20 @@ def _few_rows(x: torch.Tensor, weight: torch.Tensor, max_rows: int, dtypes=(torc
     return rows if 0 < rows <= max_rows else None
 
 
-def few_rows_kernel(rows: int, dtype: torch.dtype, one_row_in_c: bool, panels: bool) -> str:
+def few_rows_kernel(rows: int, dtype: torch.dtype, few_rows_in_c: bool, panels: bool) -> str:
     """The kernel :class:`MatvecLinear` multiplies ``rows`` rows of ``dtype`` by (on a CPU, the C kernels
     built; compiled code, autograd and other devices take F.linear):
 
         dtype      rows      kernel
-        float32    1         "f32_matvec" where ``one_row_in_c``, else "F.linear"
-        float32    2-8       "f32_matvec"
+        float32    1-3       "f32_matvec" where ``few_rows_in_c``, else "F.linear"
+        float32    4-8       "f32_matvec"
         float32    9-256     "f32_panel_matmul" with ``panels`` (a server's batches), else "F.linear"
         bfloat16   1         "bf16_matvec"
         any        more      "F.linear"
 
-    ``one_row_in_c`` is the decode path's rule (:func:`minillm.fast.choose.one_row_in_c`): at one float32
-    row MKL's product beat the C loop on an Intel Xeon and lost to it on an AMD EPYC; at 2-8 rows the C won
-    on both. In bfloat16 the C loop beat F.linear at one row and lost to it at 4 and 8 on the Intel Xeon, its
+    ``few_rows_in_c`` is the decode path's rule (:func:`minillm.fast.choose.few_rows_in_c`): at 1-3 float32
+    rows MKL's product beat the C loop on an Intel Xeon (the C took 1.02-1.15x its time) and lost to it on an
+    AMD EPYC; from 4 rows the C won on both (0.47-0.90x MKL's time on the Xeon). In bfloat16 the C loop beat F.linear at one row and lost to it at 4 and 8 on the Intel Xeon, its
     multiply-adds then the bound (BENCHMARKS.md, "Decode products: PyTorch against the C").
     """
     if dtype == torch.bfloat16:
@@ -100,7 +101,7 @@ def few_rows_kernel(rows: int, dtype: torch.dtype, one_row_in_c: bool, panels: b
     if dtype != torch.float32:
         return "F.linear"
     if rows <= MATVEC_MAX_ROWS:
-        return "f32_matvec" if rows > 1 or one_row_in_c else "F.linear"
+        return "f32_matvec" if rows > MKL_FEW_ROWS or few_rows_in_c else "F.linear"
     return "f32_panel_matmul" if panels and rows <= PANEL_MAX_ROWS else "F.linear"
 
 
@@ -142,17 +143,17 @@ class MatvecLinear(nn.Linear):
     that is not row-major, compiled code (but the float32 C loop, a torch op there) or no C kernels."""
 
     panels: bool = False  # products of more than MATVEC_MAX_ROWS rows on a packed copy
-    one_row_in_c: bool = False  # one float32 row by the C loop (the decode path's rule sets it)
+    few_rows_in_c: bool = False  # 1-3 float32 rows by the C loop (the decode path's rule sets it)
     _panels: tuple | None = None  # (the _stamp of the weight it was packed from, the packed copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and not self.one_row_in_c and x.numel() <= x.shape[-1]:
+        if x.dtype == torch.float32 and not self.few_rows_in_c and x.numel() <= x.shape[-1]:
             return F.linear(x, self.weight, self.bias)  # (the table's one float32 row: its checks cost 4 us a call)
         rows = _few_rows(x, self.weight, PANEL_MAX_ROWS, (torch.float32, torch.bfloat16))
         if rows is None or not self.weight.is_contiguous() or not kernels.available():
             return F.linear(x, self.weight, self.bias)
         compiling = torch.compiler.is_compiling()
-        kernel = few_rows_kernel(rows, x.dtype, self.one_row_in_c, self.panels and not compiling)
+        kernel = few_rows_kernel(rows, x.dtype, self.few_rows_in_c, self.panels and not compiling)
         if kernel == "f32_matvec":
             y = kernels.functions().f32_matvec(x.reshape(rows, -1), self.weight)
         elif kernel == "bf16_matvec" and not compiling and self.bias is None:

@@ -1,7 +1,7 @@
 """The bfloat16 products (minillm/fast/csrc/bf16_products.c) against float64 F.linear, on the native build and
 the portable one (no -march=native: the weights widened by the shift instead of AVX512-BF16's dot product);
 the C file's scalar reference too; and which kernel a product module runs, as the rule's table
-(minillm.fast.products.few_rows_kernel, minillm.fast.choose.one_row_in_c)."""
+(minillm.fast.products.few_rows_kernel, minillm.fast.choose.few_rows_in_c)."""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from minillm.fast import kernels
-from minillm.fast.choose import one_row_in_c
+from minillm.fast.choose import few_rows_in_c
 from minillm.fast.products import MatvecLinear, few_rows_kernel
 
 BUILDS = pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
@@ -101,10 +101,12 @@ def test_bf16_matvec_refuses_what_its_loop_would_misread(x, w, message):
 F32, BF16 = torch.float32, torch.bfloat16
 
 
-@pytest.mark.parametrize("rows, dtype, one_row_in_c, panels, kernel", [
-    (1, F32, False, False, "F.linear"),  # an Intel CPU: MKL's one-row product wins
+@pytest.mark.parametrize("rows, dtype, few_rows_in_c, panels, kernel", [
+    (1, F32, False, False, "F.linear"),  # an Intel CPU: MKL's product of 1-3 rows wins
     (1, F32, True, False, "f32_matvec"),  # an AMD CPU: the C loop wins
-    (2, F32, False, False, "f32_matvec"),
+    (3, F32, False, False, "F.linear"),
+    (3, F32, True, False, "f32_matvec"),
+    (4, F32, False, False, "f32_matvec"),
     (8, F32, False, True, "f32_matvec"),
     (9, F32, False, False, "F.linear"),  # generate's prefill chunk: no packed copy
     (9, F32, False, True, "f32_panel_matmul"),  # a server's batch
@@ -118,8 +120,8 @@ F32, BF16 = torch.float32, torch.bfloat16
     (1, torch.float16, True, True, "F.linear"),
     (1, torch.float64, True, True, "F.linear"),
 ])
-def test_few_rows_kernel_table(rows, dtype, one_row_in_c, panels, kernel):
-    assert few_rows_kernel(rows, dtype, one_row_in_c, panels) == kernel
+def test_few_rows_kernel_table(rows, dtype, few_rows_in_c, panels, kernel):
+    assert few_rows_kernel(rows, dtype, few_rows_in_c, panels) == kernel
 
 
 @pytest.mark.parametrize("cpu_name, in_c", [
@@ -131,24 +133,24 @@ def test_few_rows_kernel_table(rows, dtype, one_row_in_c, panels, kernel):
     ("aarch64", False),
     ("", False),
 ])
-def test_one_row_in_c_only_on_an_amd_cpu(cpu_name, in_c):
-    assert one_row_in_c(cpu_name) is in_c
+def test_few_rows_in_c_only_on_an_amd_cpu(cpu_name, in_c):
+    assert few_rows_in_c(cpu_name) is in_c
 
 
-def _matvec_linear(weight: torch.Tensor, one_row_in_c: bool) -> MatvecLinear:
+def _matvec_linear(weight: torch.Tensor, few_rows_in_c: bool) -> MatvecLinear:
     with torch.device("meta"):
         linear = MatvecLinear(1, 1, bias=False)
     linear.out_features, linear.in_features = weight.shape
     linear.weight = nn.Parameter(weight, requires_grad=False)
-    linear.one_row_in_c = one_row_in_c
+    linear.few_rows_in_c = few_rows_in_c
     return linear
 
 
-@pytest.mark.parametrize("dtype, rows, one_row_in_c, ran", [
-    (F32, 1, False, None), (F32, 1, True, "f32_matvec"), (F32, 3, False, "f32_matvec"),
+@pytest.mark.parametrize("dtype, rows, few_rows_in_c, ran", [
+    (F32, 1, False, None), (F32, 1, True, "f32_matvec"), (F32, 3, False, None), (F32, 4, False, "f32_matvec"),
     (BF16, 1, False, "bf16_matvec"), (BF16, 1, True, "bf16_matvec"), (BF16, 8, False, None),
 ])
-def test_a_product_module_runs_the_tables_kernel_with_linears_values(dtype, rows, one_row_in_c, ran, monkeypatch):
+def test_a_product_module_runs_the_tables_kernel_with_linears_values(dtype, rows, few_rows_in_c, ran, monkeypatch):
     """MatvecLinear calls the kernel the table names (None: F.linear) and gives F.linear's values."""
     _lib(False)
     calls = []
@@ -157,7 +159,7 @@ def test_a_product_module_runs_the_tables_kernel_with_linears_values(dtype, rows
         monkeypatch.setattr(kernels, name, lambda *a, kernel=kernel, name=name, **k: calls.append(name) or kernel(*a, **k))
     g = torch.Generator().manual_seed(rows)
     w, x = torch.randn(40, 100, generator=g).to(dtype), torch.randn(1, rows, 100, generator=g).to(dtype)
-    y = _matvec_linear(w, one_row_in_c)(x)
+    y = _matvec_linear(w, few_rows_in_c)(x)
     assert calls == ([ran] if ran else [])
     if dtype == BF16:
         _assert_bf16_product(y[0], x[0], w)

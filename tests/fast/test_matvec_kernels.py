@@ -151,8 +151,8 @@ def test_every_product_gives_linear_with_bias(name, rows):
 
 
 def test_matvec_on_column_major_weights_or_without_a_compiler_is_f_linear(monkeypatch):
-    g = torch.Generator().manual_seed(1)  # (2 rows: one row is the C loop's only where one_row_in_c)
-    w, x = torch.randn(64, 48, generator=g), torch.randn(2, 48, generator=g)
+    g = torch.Generator().manual_seed(1)  # (4 rows: 1-3 are the C loop's only where few_rows_in_c)
+    w, x = torch.randn(64, 48, generator=g), torch.randn(4, 48, generator=g)
     calls = []
     monkeypatch.setattr(matvec_kernels, "f32_matvec", lambda *a: calls.append(a) or F.linear(*a))
     column_major = w.t().contiguous().t()  # the "long rows" layout: the kernel reads rows, so not this one

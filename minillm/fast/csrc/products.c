@@ -3,7 +3,7 @@
  *
  *   x float32 [rows, in],  w float32 [out, in] (row-major, nn.Linear's layout),  y float32 [rows, out]
  *
- * f32_matvec       up to 8 rows: each thread a share of w's rows, each weight read once for all rows
+ * f32_matvec       up to 8 rows: each thread a share of w's rows, four at a time, each weight read once for all rows
  * f32_panel_matmul more rows (a server's): a GEMM micro-kernel on a copy of w packed into panels
  *
  * Both compute f32_matmul_reference's sums, in another order: tests/fast/test_matvec_kernels.py checks them,
@@ -23,76 +23,65 @@ void f32_matmul_reference(const float *x, const float *w, float *y, int rows, in
 
 /* -- f32_matvec: a few rows, each weight read once --------------------------------------------------- */
 
-/* Σ_i x[i]·w[i] in float32. AVX2: four vector sums of 8 lanes, so that four multiply-adds are in
- * flight; the loop reads w as fast as the memory delivers it (quantized.c's int8_dot says why four). */
-static float f32_dot(const float *w, const float *x, int n) {
-    float sum = 0.0f;
+/* sum[k][r] = Σ_i w[k·n + i]·x[r·n + i] for G <= 4 rows of w and R <= 4 rows of x: each weight vector loaded
+ * once for R multiply-adds, each x vector once for G, G·R vector sums in flight (the compiler's vectors: one
+ * source for AVX-512, AVX2 and plain x86-64). Four rows of w at a time are four streams from memory at once:
+ * row by row, with a software prefetch 4 rows ahead, SmolLM2-135M's 121 matrices took 35.4-38.7 ms at one row
+ * and 50.8-55.6 at 8 (2 threads, Intel Xeon, 2026-12-05); so, 23.6-24.6 and 38.2-40.8, against MKL's 22.4-22.7
+ * and 57.4-58.9 (BENCHMARKS.md, "Decode products: PyTorch against the C"). A prefetch a tile ahead measured
+ * 5 % faster at 4-8 rows and 25 % slower at one: none. Inlined with G and R constants. */
+static inline __attribute__((always_inline)) void f32_tile(const float *w, const float *x, int n, int G, int R,
+                                                           float sum[4][4]) {
+    vecf acc[4][4];
+    for (int k = 0; k < G; k++)
+        for (int r = 0; r < R; r++) acc[k][r] = (vecf){0};
     int i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (; i + 32 <= n; i += 32)
-        for (int k = 0; k < 4; k++)
-            acc[k] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8 * k), _mm256_loadu_ps(w + i + 8 * k), acc[k]);
-    sum = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-#endif
-    for (; i < n; i++) sum += x[i] * w[i];
-    return sum;
-}
-
-/* y[r·y_stride] = Σ_i w[i]·x[r·n + i] for R <= 4 rows of x [R, n]: each 8 weights are loaded once
- * for R multiply-adds, two vector sums a row (inlined with R a constant: its loops unroll). A
- * speculative verify pass multiplies 1 + k rows: one row at a time, 9 rows took 1.3x longer than
- * this on SmolLM2's matrices (developers' EPYC). One row keeps f32_dot's four sums in flight. */
-static inline __attribute__((always_inline)) void f32_dots(const float *w, const float *x, int n, int R,
-                                                           float *y, int64_t y_stride) {
-    int i = 0;
-    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 acc[4][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (; i + 16 <= n; i += 16) {
-        __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
+    for (; i + VEC <= n; i += VEC) {
+        vecf xv[4];
+        for (int r = 0; r < R; r++) xv[r] = load_vec(x + (int64_t)r * n + i);
+        for (int k = 0; k < G; k++) {
+            vecf wv = load_vec(w + (int64_t)k * n + i);
+            for (int r = 0; r < R; r++) acc[k][r] += wv * xv[r];
+        }
+    }
+    for (int k = 0; k < G; k++)
         for (int r = 0; r < R; r++) {
-            acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * n + i), acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * n + i + 8), acc[r][1]);
+            sum[k][r] = vec_sum(acc[k][r]);
+            for (int j = i; j < n; j++) sum[k][r] += w[(int64_t)k * n + j] * x[(int64_t)r * n + j];
         }
-    }
-    for (int r = 0; r < R; r++) sum[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
-#endif
-    for (int r = 0; r < R; r++) {
-        for (int j = i; j < n; j++) sum[r] += w[j] * x[r * n + j];
-        y[r * y_stride] = sum[r];
-    }
 }
 
-#define PREFETCH_ROWS 4
+/* One tile of y: rows o..o+G of w by rows r..r+R of x (G 4, or fewer at w's end). */
+static void f32_tile_at(const float *x, const float *w, float *y, int o, int r, int G, int R, int out, int in) {
+    const float *wo = w + (int64_t)o * in, *xr = x + (int64_t)r * in;
+    float sum[4][4];
+    if (G == 4) {
+        switch (R) {  /* G and R constants in each call: its loops unroll */
+            case 4: f32_tile(wo, xr, in, 4, 4, sum); break;
+            case 3: f32_tile(wo, xr, in, 4, 3, sum); break;
+            case 2: f32_tile(wo, xr, in, 4, 2, sum); break;
+            default: f32_tile(wo, xr, in, 4, 1, sum);
+        }
+    } else {
+        for (int k = 0; k < G; k++) {  /* (w's last out % 4 rows, one at a time) */
+            float one[4][4];
+            f32_tile(wo + (int64_t)k * in, xr, in, 1, R, one);
+            for (int j = 0; j < R; j++) sum[k][j] = one[0][j];
+        }
+    }
+    for (int k = 0; k < G; k++)
+        for (int j = 0; j < R; j++) y[(int64_t)(r + j) * out + o + k] = sum[k][j];
+}
 
-/* The float32 product of a decode step or a verify pass: MKL's product of a few rows runs on one
- * core, which cannot stream memory as fast as all of them (minillm.fast.products says more). Each thread
- * walks its share of the matrix row by row; the CPU's prefetcher alone left the loop waiting on memory
- * (all 120 SmolLM2-135M matrices out of cache, 2 threads, Intel Xeon, 2026-12-03: 1/4/8 rows 19.4/25.3/
- * 30.6 ms), so the row PREFETCH_ROWS ahead is requested while this one computes (17.9/21.1/24.4 ms; 2 or 8
- * rows ahead were slower). */
+/* The float32 product of a decode step or a verify pass: MKL's product of a few rows runs on one core, which
+ * cannot stream memory as fast as all of them (minillm.fast.products says more). Threads split w's rows, four
+ * at a time, each tile of 4 rows of w by up to 4 rows of x. */
 void f32_matvec(const float *x, const float *w, float *y, int rows, int out, int in, int threads) {
+    int tiles = (out + 3) / 4;
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int o = 0; o < out; o++) {
-        const float *wo = w + (int64_t)o * in;
-        if (o + PREFETCH_ROWS < out)
-            prefetch_bytes(wo + (int64_t)PREFETCH_ROWS * in, (int64_t)in * 4);
-        if (rows == 1) {
-            y[o] = f32_dot(wo, x, in);
-            continue;
-        }
-        for (int r = 0; r < rows; r += 4) {
-            const float *xr = x + (int64_t)r * in;
-            float *yr = y + (int64_t)r * out + o;
-            switch (rows - r < 4 ? rows - r : 4) {  /* R a constant in each call: its loops unroll */
-                case 4: f32_dots(wo, xr, in, 4, yr, out); break;
-                case 3: f32_dots(wo, xr, in, 3, yr, out); break;
-                case 2: f32_dots(wo, xr, in, 2, yr, out); break;
-                default: f32_dots(wo, xr, in, 1, yr, out);
-            }
-        }
+    for (int t = 0; t < tiles; t++) {
+        int o = 4 * t, G = out - o < 4 ? out - o : 4;
+        for (int r = 0; r < rows; r += 4) f32_tile_at(x, w, y, o, r, G, rows - r < 4 ? rows - r : 4, out, in);
     }
 }
 
