@@ -236,8 +236,8 @@ def fit_max_tokens(requested: int | None, prompt_len: int, context: int, prompt_
     if requested is None:
         return context - prompt_len
     if prompt_len + requested > context:
-        raise APIError(400, f"this server's maximum context length is {context} tokens{_POOL_NOTE}, but "
-                            f"{prompt_len + requested} were requested ({prompt_len} in the prompt, {requested} for "
+        raise APIError(400, f"this server's maximum context length is {context} tokens (prompt and output together"
+                            f"{_POOL_NOTE}), but {prompt_len + requested} were requested ({prompt_len} in the prompt, {requested} for "
                             "the completion); lower max_tokens or shorten the prompt", "max_tokens",
                        "context_length_exceeded")
     return requested

@@ -348,6 +348,7 @@ def test_a_pool_smaller_than_the_context_is_the_servers_limit_said_up_front(tiny
         error = too_long.json()["error"]
         assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
         assert "176 tokens" in error["message"] and "250 were requested" in error["message"]
+        assert "whichever is less: GET /v1/models), but 250 were requested" in error["message"]  # (one sentence)
         fits = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 26, "ignore_eos": True})
         assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 26
 
