@@ -8,8 +8,8 @@
 minillm: one process a point, as ``benchmarks/decode_paths.py`` runs it (its ``--one``: the model loaded, the
 KV cache moved to ``context`` positions, the median of ``--steps`` timed decode steps), the default path and
 ``--no-fast``. llama.cpp: ``llama-bench -p 0 -n 32 -d <contexts>`` on a GGUF of the same weights (made by
-llama.cpp's ``convert_hf_to_gguf.py``: BENCHMARKS.md says how), its KV cache in the model's precision
-(``-ctk/-ctv f32`` for an F32 file; its default f16 for BF16, two bytes as minillm's bfloat16). Both with
+llama.cpp's ``convert_hf_to_gguf.py``: BENCHMARKS.md says how), with its default f16 KV cache (llama-bench
+takes no f32 cache type): two bytes a value, as minillm's bfloat16 cache, half its float32 one. Both with
 ``--threads``. Prints a markdown table (ms a token) and the load average, and draws ms against the context
 (log scale), a panel a shape.
 """
@@ -38,12 +38,11 @@ def minillm_ms(shape: str, path: str, context: int, dtype: str, steps: int, thre
     return json.loads(run.stdout.strip().splitlines()[-1])["decode_ms"]
 
 
-def llama_bench_ms(binary: str, gguf: str, dtype: str, contexts: list[int], threads: int, reps: int) -> dict[int, float]:
+def llama_bench_ms(binary: str, gguf: str, contexts: list[int], threads: int, reps: int) -> dict[int, float]:
     """{context: ms a generated token} from ``llama-bench -o json`` (32 tokens after each depth; it prefills the
     depth first, every repetition)."""
-    kv = ["-ctk", "f32", "-ctv", "f32"] if dtype == "float32" else []
     run = subprocess.run([binary, "-m", gguf, "-p", "0", "-n", "32", "-d", ",".join(map(str, contexts)),
-                          "-t", str(threads), "-r", str(reps), "-o", "json", *kv], capture_output=True, text=True, check=True)
+                          "-t", str(threads), "-r", str(reps), "-o", "json"], capture_output=True, text=True, check=True)
     return parse_llama_bench(run.stdout)
 
 
@@ -104,8 +103,8 @@ def main() -> None:
                                               for c in args.contexts}
                 print(f"{shape} {dtype} {engine}: {rows[shape, engine, dtype]}", flush=True)
             if args.llama_bench and (shape, dtype) in ggufs:
-                rows[shape, "llama.cpp", dtype] = llama_bench_ms(args.llama_bench, ggufs[shape, dtype], dtype,
-                                                                  args.contexts, args.threads, args.llama_reps)
+                rows[shape, "llama.cpp", dtype] = llama_bench_ms(args.llama_bench, ggufs[shape, dtype], args.contexts,
+                                                                  args.threads, args.llama_reps)
                 print(f"{shape} {dtype} llama.cpp: {rows[shape, 'llama.cpp', dtype]}", flush=True)
     print(f"load average after {os.getloadavg()}")
     print("| shape | engine | dtype | " + " | ".join(f"ctx {c}" for c in args.contexts) + " |")
