@@ -73,6 +73,9 @@ def plot(rows: dict[tuple[str, str, str], dict[int, float]], shapes: list[str], 
                         linestyle="-" if engine.startswith("minillm") else "--")
         ax.set(xscale="log", xlabel="context (positions in the KV cache)", ylabel="ms a token",
                title=f"SmolLM2-{shape.upper()} decode, batch 1")
+        contexts = sorted({c for (s, _, _), points in rows.items() if s == shape for c in points})
+        ax.set_xticks(contexts, [f"{c:,}" for c in contexts])
+        ax.minorticks_off()
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
