@@ -25,6 +25,20 @@ void rms_norm_reference(const float *x, const float *w, float *out, int64_t rows
     }
 }
 
+/* 1/sqrt(mean_i x[i]² + eps) of one row, the squares summed in vector lanes */
+static float inverse_rms(const float *x, int dim, float eps) {
+    vecf squares = {0};
+    int i = 0;
+    for (; i + VEC <= dim; i += VEC) {
+        vecf v = load_vec(x + i);
+        squares += v * v;
+    }
+    float ss = 0.0f;
+    for (int l = 0; l < VEC; l++) ss += squares[l];
+    for (; i < dim; i++) ss += x[i] * x[i];
+    return 1.0f / sqrtf(ss / dim + eps);
+}
+
 /* The fast one. With `delta` (not NULL), the residual add before it, as vLLM's fused_add_rms_norm:
  * x + delta is written to `sum` (the residual stream) and normed. One call where PyTorch's ops make seven (pow,
  * mean, add, rsqrt, two products, the residual add), each a dispatch from Python; each row is read
@@ -40,17 +54,8 @@ void rms_norm(const float *x, const float *delta, float *sum, const float *w, fl
             for (int i = 0; i < dim; i++) s[i] = xr[i] + delta[r * dim + i];
             xr = s;
         }
-        vecf squares = {0};
-        int i = 0;
-        for (; i + VEC <= dim; i += VEC) {
-            vecf v = load_vec(xr + i);
-            squares += v * v;
-        }
-        float ss = 0.0f;
-        for (int l = 0; l < VEC; l++) ss += squares[l];
-        for (; i < dim; i++) ss += xr[i] * xr[i];
-        float inv = 1.0f / sqrtf(ss / dim + eps);
-        for (i = 0; i < dim; i++) o[i] = xr[i] * inv * w[i];
+        float inv = inverse_rms(xr, dim, eps);
+        for (int i = 0; i < dim; i++) o[i] = xr[i] * inv * w[i];
     }
 }
 
@@ -70,17 +75,11 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *delta, uint16_t *sum, cons
             for (; i < dim; i++) s[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(d[i]));
             xr = s;
         }
-        vecf squares = {0};
+        float xf[dim];  /* the row widened once: the sum of squares and the scaling read it in float32 */
+        widen_bf16(xr, xf, dim);
+        float inv = inverse_rms(xf, dim, eps);
         int i = 0;
-        for (; i + VEC <= dim; i += VEC) {
-            vecf v = widen_vec(xr + i);
-            squares += v * v;
-        }
-        float ss = 0.0f;
-        for (int l = 0; l < VEC; l++) ss += squares[l];
-        for (; i < dim; i++) ss += bf16_to_f32(xr[i]) * bf16_to_f32(xr[i]);
-        float inv = 1.0f / sqrtf(ss / dim + eps);
-        for (i = 0; i + VEC <= dim; i += VEC) store_bf16(o + i, widen_vec(w + i) * round_to_bf16(widen_vec(xr + i) * inv));
-        for (; i < dim; i++) o[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[i]) * inv)));
+        for (; i + VEC <= dim; i += VEC) store_bf16(o + i, widen_vec(w + i) * round_to_bf16(load_vec(xf + i) * inv));
+        for (; i < dim; i++) o[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(xf[i] * inv)));
     }
 }
