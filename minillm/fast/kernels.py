@@ -184,8 +184,7 @@ C_FUNCTIONS = {  # name: (argument types, result type), as csrc/*.c declares the
     # attention.c
     "attention_reference": ([_P, _P, _P, _P, _I, _I, _F], None),
     "decode_attention": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _L, _L, _L, _L, _F, _I], _I),
-    "paged_decode_attention": ([_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I], _I),
-    "paged_decode_attention_bf16": ([_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I], _I),
+    "paged_decode_attention": ([_P, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I], _I),
     "causal_attention": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _L, _L, _L, _L, _L, _L, _L, _L, _L, _F, _I],
                          _I),
     # rms_norm.c, silu_mul.c
@@ -564,10 +563,10 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     keys_per_task = max(n for n in range(1, 33) if block_size % n == 0)  # a chunk within one block, <= 32 keys
     tables, first, last = block_tables.contiguous(), first.contiguous(), last.contiguous()
     q32, out = q.contiguous().float(), _output(B, n_heads, head_dim)
-    run = lib.paged_decode_attention_bf16 if q.dtype == torch.bfloat16 else lib.paged_decode_attention
-    if run(q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(), first.data_ptr(),
-           last.data_ptr(), B, n_heads, kv_heads, head_dim, block_size, tables.shape[1], keys_per_task, scale,
-           torch.get_num_threads()):
+    if lib.paged_decode_attention(q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), q.dtype == torch.bfloat16,
+                                  out.data_ptr(), tables.data_ptr(), first.data_ptr(), last.data_ptr(), B, n_heads,
+                                  kv_heads, head_dim, block_size, tables.shape[1], keys_per_task, scale,
+                                  torch.get_num_threads()):
         raise MemoryError(f"paged_decode_attention could not allocate {2 * keys_per_task * kv_heads * head_dim * 4:,} "
                           f"bytes for a chunk's float32 keys and values")
     return out.to(q.dtype)

@@ -226,7 +226,7 @@ int decode_attention(const float *q, const float *k, const float *v, float *out,
  * a step with one task a (sequence, K/V head) and no prefetch, 36.3 ms so; 2026-12-03 (Intel Xeon, AVX-512):
  * 33.5 ms, then 31.7 with the V sums in independent chains, 28.4 with the prefetches spread over the heads
  * (39.7 without any).
- * Layouts: q, out float32 [batch, heads, head_dim]; k_pool, v_pool one layer's float32 (or, _bf16, bfloat16)
+ * Layouts: q, out float32 [batch, heads, head_dim]; k_pool, v_pool one layer's float32 (or, with bf16, bfloat16)
  * [num_blocks, block_size, kv_heads, head_dim], contiguous; tables int64 [batch, max_blocks]; first,
  * last int64 [batch]; head_dim a multiple of 8. Returns 0 (1: a bfloat16 chunk's scratch not allocated). */
 static void rescale_add(const float *p, const float *v, int n, int D, int64_t stride, float c, float *acc) {
@@ -258,12 +258,14 @@ static void rescale_add(const float *p, const float *v, int n, int D, int64_t st
     }
 }
 
-/* The loop of both pool dtypes: `bf16` pools (uint16_t) have each chunk's K and V rows widened into a float32
- * scratch copy first, then the same float32 arithmetic. Returns 1 when that scratch cannot be allocated. */
-static int paged_attend(const float *q, const void *k_pool, const void *v_pool, int bf16, float *out,
-                        const int64_t *tables, const int64_t *first, const int64_t *last, int batch, int heads,
-                        int kv_heads, int head_dim, int block_size, int max_blocks, int keys_per_task, float scale,
-                        int threads) {
+/* `bf16`: the pools are bfloat16 (uint16_t), each chunk's K and V rows widened into a float32 scratch copy
+ * first, then the same float32 arithmetic (q and out float32 either way: a few rows, widened and rounded by the
+ * caller), so a bfloat16 pool's bytes are read once, at half float32's size. Returns 1 when that scratch cannot
+ * be allocated, else 0. */
+int paged_decode_attention(const float *q, const void *k_pool, const void *v_pool, int bf16, float *out,
+                           const int64_t *tables, const int64_t *first, const int64_t *last, int batch, int heads,
+                           int kv_heads, int head_dim, int block_size, int max_blocks, int keys_per_task,
+                           float scale, int threads) {
     int G = heads / kv_heads, D = head_dim, failed = 0;
     int64_t row = (int64_t)kv_heads * D;  /* one position's K (or V) of every head, in elements */
     int64_t elem = bf16 ? 2 : 4;
@@ -325,25 +327,6 @@ static int paged_attend(const float *q, const void *k_pool, const void *v_pool, 
         free(scratch);
     }
     return failed;
-}
-
-int paged_decode_attention(const float *q, const float *k_pool, const float *v_pool, float *out,
-                           const int64_t *tables, const int64_t *first, const int64_t *last, int batch,
-                           int heads, int kv_heads, int head_dim, int block_size, int max_blocks,
-                           int keys_per_task, float scale, int threads) {
-    return paged_attend(q, k_pool, v_pool, 0, out, tables, first, last, batch, heads, kv_heads, head_dim,
-                        block_size, max_blocks, keys_per_task, scale, threads);
-}
-
-/* The same over a bfloat16 pool (a bfloat16 model's): q and out float32 still (a few rows, widened and
- * rounded by the caller), each chunk's keys and values widened to float32 as they are read, so the pool's
- * bytes are read once, at half float32's size. */
-int paged_decode_attention_bf16(const float *q, const uint16_t *k_pool, const uint16_t *v_pool, float *out,
-                                const int64_t *tables, const int64_t *first, const int64_t *last, int batch,
-                                int heads, int kv_heads, int head_dim, int block_size, int max_blocks,
-                                int keys_per_task, float scale, int threads) {
-    return paged_attend(q, k_pool, v_pool, 1, out, tables, first, last, batch, heads, kv_heads, head_dim,
-                        block_size, max_blocks, keys_per_task, scale, threads);
 }
 
 /* -- causal_attention: prefill, flash attention ------------------------------------------------------- */
