@@ -147,8 +147,8 @@ class MatvecLinear(nn.Linear):
     _panels: tuple | None = None  # (the _stamp of the weight it was packed from, the packed copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and not self.few_rows_in_c and x.numel() <= x.shape[-1]:
-            return F.linear(x, self.weight, self.bias)  # (the table's one float32 row: its checks cost 4 us a call)
+        if x.dtype == torch.float32 and not self.few_rows_in_c and x.numel() <= MKL_FEW_ROWS * x.shape[-1]:
+            return F.linear(x, self.weight, self.bias)  # (the table's answer for 1-3 float32 rows, its checks skipped)
         rows = _few_rows(x, self.weight, PANEL_MAX_ROWS, (torch.float32, torch.bfloat16))
         if rows is None or not self.weight.is_contiguous() or not kernels.available():
             return F.linear(x, self.weight, self.bias)
