@@ -2,6 +2,7 @@
 accounting (mallinfo2) in a fresh interpreter, so this process's allocator is untouched."""
 
 import ctypes
+import os
 import subprocess
 import sys
 
@@ -73,8 +74,9 @@ def test_only_the_command_process_changes_its_allocator(as_command, calls, monke
     applied = []
     monkeypatch.setattr(cpu_policy, "started_as_command", lambda: as_command)
     monkeypatch.setattr(malloc_policy, "keep_freed_memory", lambda: applied.append(1))
+    monkeypatch.setattr(malloc_policy, "bound_kernel_caches", lambda: applied.append(2))
     common.keep_freed_memory_in_command()
-    assert len(applied) == calls
+    assert applied == [2, 1][:2 * calls]
 
 
 class FakeGlibc:
@@ -105,3 +107,54 @@ def test_a_refused_setting_is_named_and_the_other_still_set(monkeypatch, capsys)
     common.keep_freed_memory_in_command()
     assert capsys.readouterr().err == ("minillm: warning: glibc refused mallopt(M_MMAP_THRESHOLD): each step's large "
                                        "tensors will fault their pages in again (slower, not wrong)\n")
+
+
+@pytest.mark.parametrize("environ, chosen", [
+    ({}, ["ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"]),
+    ({"LRU_CACHE_CAPACITY": "1024"}, ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]),  # the user's own size stays
+    ({"MINILLM_MALLOC_POLICY": "off"}, []),
+])
+def test_the_kernel_caches_are_bounded_unless_the_user_chose(environ, chosen):
+    before = dict(environ)
+    assert malloc_policy.bound_kernel_caches(environ) == chosen
+    assert environ == before | {name: str(malloc_policy.KERNEL_CACHE_ENTRIES) for name in chosen}
+
+
+# bfloat16 products at 200 row counts (a server's steps), in a fresh interpreter: print the growth of the memory
+# glibc holds in use (uordblks, bytes) from the first product on
+KERNEL_PROBE = """
+import ctypes, random, sys
+from minillm.malloc_policy import bound_kernel_caches
+import torch
+if sys.argv[1] == "bound":
+    bound_kernel_caches()
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Mallinfo2
+torch.set_num_threads(1)
+ws = [torch.randn(1536, 576, dtype=torch.bfloat16), torch.randn(576, 1536, dtype=torch.bfloat16)]
+torch.nn.functional.linear(torch.randn(1, 576, dtype=torch.bfloat16), ws[0])
+before = libc.mallinfo2().uordblks
+for rows in random.Random(0).sample(range(2, 513), 200):
+    for w in ws:
+        torch.nn.functional.linear(torch.randn(rows, w.shape[1], dtype=torch.bfloat16), w)
+print(libc.mallinfo2().uordblks - before)
+"""
+
+
+@pytest.mark.cli
+@pytest.mark.skipif(not GLIBC, reason="glibc's accounting (mallinfo2)")
+def test_bounded_kernel_caches_keep_a_servers_memory_from_growing_with_each_row_count():
+    def grown(mode: str) -> int:
+        env = {k: v for k, v in os.environ.items() if k not in malloc_policy.KERNEL_CACHES}
+        run = subprocess.run([sys.executable, "-c", KERNEL_PROBE, mode], capture_output=True, text=True, check=True,
+                             env=env)
+        return int(run.stdout.split()[-1])
+
+    unbounded = grown("default")
+    if unbounded < 32 << 20:
+        pytest.skip(f"this CPU's bfloat16 products kept {unbounded >> 20} MiB for 400 shapes: no per-shape kernels")
+    assert grown("bound") < unbounded / 8  # 400 kernels kept against 16 in each cache

@@ -86,6 +86,7 @@ def _run_serve(args, group=None) -> int:
     returns 1: a server that cannot serve exits, and a supervisor restarts it, as vLLM's does when its engine
     dies. ``--keep-alive-on-engine-death`` keeps answering 503 until stopped instead."""
     from ..loading import load_model
+    from ..malloc_policy import give_back_freed_memory
     from ..serving.engine import LLMEngine
     from ..serving.server.app import create_app, serve
     from ..serving.server.async_engine import AsyncEngine
@@ -116,6 +117,7 @@ def _run_serve(args, group=None) -> int:
             from ..distributed.engine import lead_engine
 
             lead_engine(engine)  # each step's batch goes to the other ranks first
+        give_back_freed_memory()  # loading's one-off buffers, which the malloc policy would keep (~150 MiB)
         return engine
 
     async_engine = AsyncEngine(build_engine, args.max_waiting_requests)
