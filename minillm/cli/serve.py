@@ -46,6 +46,10 @@ def add_serve(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("MINILLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 requests (vLLM's flag; default: "
                         "$MINILLM_API_KEY, else no key)")
+    p.add_argument("--pack-weights", action="store_true",
+                   help="keep a second copy of each float32 or int8/int4 matrix, packed for the products of a "
+                        "batch's 9-256 rows: twice the weights' memory for ~18%% more output tok/s (SmolLM2-135M "
+                        "float32, BENCHMARKS.md). Default: one copy of the weights")
     p.add_argument("--threads", type=int,
                    help="torch.set_num_threads, fixed: fastest on an idle machine, several times slower while "
                         "other processes keep cores busy (default: one thread per core they leave free, "
@@ -63,7 +67,7 @@ def add_serve(sub) -> None:
 
 
 def run_serve(args) -> int:
-    n = tensor_parallel_size(args, ["quantize", "threads", "kv_offload_memory", "kv_offload_dir",
+    n = tensor_parallel_size(args, ["quantize", "threads", "pack_weights", "kv_offload_memory", "kv_offload_dir",
                                     "kv_offload_disk_size"])
     if n == 1 or int(os.environ.get("RANK", 0)) == 0:  # a follower's port is rank 0's
         _check_args(args)
@@ -86,6 +90,7 @@ def _run_serve(args, group=None) -> int:
     returns 1: a server that cannot serve exits, and a supervisor restarts it, as vLLM's does when its engine
     dies. ``--keep-alive-on-engine-death`` keeps answering 503 until stopped instead."""
     from ..loading import load_model
+    from ..fast.packing import pack_panels
     from ..malloc_policy import give_back_freed_memory
     from ..serving.engine import LLMEngine
     from ..serving.server.app import create_app, serve
@@ -106,6 +111,8 @@ def _run_serve(args, group=None) -> int:
             torch.set_num_threads(args.threads)
         model = _load_sharded(args, folder, group) if group is not None else load_model(
             folder, device=args.device, dtype=args.dtype, quantize=args.quantize, fast=args.fast)
+        if args.pack_weights:
+            pack_panels(model)
         engine = LLMEngine(model, load_tokenizer(folder), kv_cache_memory=args.kv_cache_memory,
                            block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens,
@@ -182,6 +189,8 @@ def _check_args(args) -> None:
                         ("--max-num-batched-tokens", args.max_num_batched_tokens), ("--threads", args.threads)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
+    if args.pack_weights and not args.fast:
+        raise UsageError("--pack-weights packs the speed layer's products; drop --no-fast or --pack-weights")
     if not args.shutdown_timeout >= 0:
         raise UsageError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout:g}")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:

@@ -53,6 +53,8 @@ NOT_WITH_TENSOR_PARALLEL = {
                 "(minillm/distributed/tensor_parallel.py), not quantized ones; drop one",
     "threads": "--threads does not go with tensor parallelism: each rank runs one torch thread pinned to a core of "
                "its own (N ranks use N cores); drop --threads",
+    "pack_weights": "--pack-weights does not go with tensor parallelism: the ranks run the lesson's sharded layers, "
+                    "not the speed layer's products; drop --pack-weights",
     "speculative": f"--speculative {_SAME_STATE}",
     "prefix_cache": f"--prefix-cache {_SAME_STATE}",
     "json_schema": f"--json-schema {_SAME_STATE}",

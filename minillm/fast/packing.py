@@ -28,7 +28,7 @@ from torch import nn
 from ..model import SwiGLU
 from ..quantize import QuantizedLinear
 from . import kernels
-from .products import FastQuantizedLinear, swap_class
+from .products import FastQuantizedLinear, MatvecLinear, swap_class
 
 
 def stack(members: list[nn.Module], linear_cls: type, long_rows: bool) -> nn.Module:
@@ -98,6 +98,20 @@ class Stack:
             if now is not t or not (compiling or now.data_ptr() == address):
                 return False
         return True
+
+
+def pack_panels(model: nn.Module) -> int:
+    """Give each of ``model``'s float32 and quantised products a second copy of its matrix, packed into panels
+    at its first product of a server's batch (:class:`~minillm.fast.products.MatvecLinear` from 9 rows,
+    :class:`~minillm.fast.products.FastQuantizedLinear` from 4): ``minillm serve --pack-weights``. MKL and
+    oneDNN pack a matrix again at every call, which at 9-40 rows costs more than the product; the copy is
+    made once. It doubles the weights' memory (SmolLM2-135M float32: a server held 1,330 MiB without it and
+    1,831-1,839 MiB with it after the issue 32 workload, and gave 130-131 against 110-112 output tok/s;
+    BENCHMARKS.md, "Serving against the peers"). Returns how many products will pack."""
+    products = [m for m in product_modules(model) if isinstance(m, (MatvecLinear, FastQuantizedLinear))]
+    for m in products:
+        m.panels = True
+    return len(products)
 
 
 def product_modules(model: nn.Module) -> list[nn.Module]:

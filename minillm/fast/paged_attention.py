@@ -27,8 +27,6 @@ import torch
 from ..serving.paged_attention import PagedBatch
 from . import kernels
 from .attention import c_kernels_fit
-from .packing import product_modules
-from .products import FastQuantizedLinear, MatvecLinear
 
 
 class FastPagedBatch(PagedBatch):
@@ -65,20 +63,9 @@ class FastPagedBatch(PagedBatch):
 def use_fast_paged_attention(model) -> None:
     """Give the serving engine :class:`FastPagedBatch` for ``model`` (``model.paged_batch``, which
     :func:`minillm.serving.model_runner.run_model` calls to build each step's batch) where the C kernel
-    runs (:func:`~minillm.fast.attention.c_kernels_fit`); elsewhere the reference stays (None). A model
-    that serves batches also gets its products of a few dozen rows on packed panels (``panels`` of
-    :class:`~minillm.fast.products.MatvecLinear` and :class:`~minillm.fast.products.FastQuantizedLinear`):
-    the copy pays for itself over a server's many steps, not over ``generate``'s one prefill."""
+    runs (:func:`~minillm.fast.attention.c_kernels_fit`); elsewhere the reference stays (None)."""
     if not c_kernels_fit(model):
         model.paged_batch = None
         return
     scales = tuple(block.attn.scale for block in model.blocks)
-    products = [m for m in product_modules(model) if isinstance(m, (MatvecLinear, FastQuantizedLinear))]
-    model.paged_batch = partial(_serving_batch, scales, products)
-
-
-def _serving_batch(scales: tuple[float, ...], products: list, *args, **kwargs) -> FastPagedBatch:
-    if products and not products[0].panels:
-        for m in products:
-            m.panels = True
-    return FastPagedBatch(scales, *args, **kwargs)
+    model.paged_batch = partial(FastPagedBatch, scales)

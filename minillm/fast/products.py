@@ -17,12 +17,11 @@ stream memory as fast as all the cores together. Two ways around it, for CPU flo
   also an op a compiled step calls (inductor's own code for the product is slower). Row-major
   weights only. 1-3 float32 rows only where the decode path's rule says (an AMD CPU: on the Intel
   Xeon MKL's product of so few rows is faster); one bfloat16 row too (in C, faster than F.linear's).
-  :func:`few_rows_kernel` is the rule, as a table. Above, up to PANEL_MAX_ROWS (a serving step's decodes, a short prefill chunk), in a
-  model that serves batches (``panels``, set by :mod:`minillm.fast.paged_attention`), a C GEMM
-  micro-kernel on a copy of the matrix packed once into panels of outputs (csrc/products.c): MKL
-  repacks the matrix at every call, which at 9-40 rows costs more than the product. The copy is made
-  at the server's first such batch: a float32 model's matrices take twice the memory in a server
-  (``generate`` never makes it: packing costs more than one prefill gains).
+  :func:`few_rows_kernel` is the rule, as a table. Above, up to PANEL_MAX_ROWS (a serving step's decodes, a
+  short prefill chunk), in a server that asked for it (``panels``, set by :func:`minillm.fast.packing.pack_panels`:
+  ``minillm serve --pack-weights``), a C GEMM micro-kernel on a copy of the matrix packed once into panels of
+  outputs (csrc/products.c): MKL repacks the matrix at every call, which at 9-40 rows costs more than the
+  product. The copy doubles the weights' memory, so a server makes it only when asked.
 
 :class:`FastQuantizedLinear` does the same for :class:`~minillm.quantize.QuantizedLinear`, in C
 (:mod:`minillm.fast.kernels`), by the number of rows::

@@ -13,7 +13,7 @@ import torch
 import minillm.serving.engine as engine_module
 from minillm import LLMEngine, SamplingParams
 from minillm.fast import kernels
-from minillm.fast.paged_attention import _serving_batch
+from minillm.fast.paged_attention import FastPagedBatch
 from minillm.model import sdpa_attention
 from minillm.serving.model_runner import run_model
 from minillm.serving.paged_cache import PagedKVCache
@@ -106,7 +106,7 @@ def run(model, prompts, paged_batch, monkeypatch, max_new_tokens, **knobs):
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen3", "gpt2", "llama_mqa_tied"])
 def test_engine_fast_equals_reference_on_tiny_models(tiny_model, monkeypatch, name):
     model = tiny_model(name)
-    assert model.paged_batch.func is _serving_batch
+    assert model.paged_batch.func is FastPagedBatch
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 4, 30, 9)]
     knobs = dict(num_blocks=64, block_size=4, max_num_batched_tokens=16)  # chunks beside decodes
@@ -118,7 +118,7 @@ def test_engine_fast_equals_reference_on_tiny_models(tiny_model, monkeypatch, na
 
 def test_engine_fast_equals_reference_on_smollm2(smollm2, monkeypatch):
     model, _ = smollm2
-    assert model.paged_batch is not None and model.paged_batch.func is _serving_batch
+    assert model.paged_batch is not None and model.paged_batch.func is FastPagedBatch
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (5, 40, 21)]
     knobs = dict(num_blocks=16, max_num_batched_tokens=32)  # the 40-token prompt in two chunks, beside decodes
@@ -137,7 +137,7 @@ def test_engine_fast_equals_reference_in_bfloat16(tmp_path, monkeypatch):
 
     family, kwargs = CONFIGS["llama_gqa"]
     model = minillm.load_model(save_hf(build_hf(family, kwargs), tmp_path), device="cpu", dtype=torch.bfloat16)
-    assert model.paged_batch.func is _serving_batch
+    assert model.paged_batch.func is FastPagedBatch
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 30)]
     knobs = dict(num_blocks=64, block_size=4, max_num_batched_tokens=16)
@@ -155,5 +155,5 @@ def test_no_fast_model_runs_the_reference(tmp_path):
     family, kwargs = CONFIGS["llama_gqa"]
     folder = save_hf(build_hf(family, kwargs), tmp_path)
     assert getattr(minillm.load_model(folder, device="cpu", fast=False), "paged_batch", None) is None
-    assert minillm.load_model(folder, device="cpu").paged_batch.func is _serving_batch
+    assert minillm.load_model(folder, device="cpu").paged_batch.func is FastPagedBatch
     assert minillm.load_model(folder, device="cpu", dtype=torch.float16).paged_batch is None  # no float16 kernel

@@ -584,14 +584,14 @@ def test_prefill_runs_attention_in_c_on_the_matvec_path(window, monkeypatch, tmp
 
 
 @pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
-def test_only_a_model_that_serves_batches_packs_panels(tmp_path):
-    """generate's prefill of 30 tokens keeps F.linear (no copy of the weights); the serving engine's
-    first step turns the panels on for every product, and a step of 30 rows packs the decoder's, with
-    the same greedy tokens as generate."""
+def test_a_server_packs_panels_only_when_asked(tmp_path):
+    """One copy of the weights by default: generate's prefill and the serving engine's steps keep F.linear
+    (no packed copy); after pack_panels (``minillm serve --pack-weights``) a step of 30 rows packs the
+    decoder's matrices, with the same greedy tokens as generate both ways."""
     from tiny_models import LLAMA_BASE, build_hf, save_hf
 
     from minillm import LLMEngine, SamplingParams, generate, load_model
-    from minillm.fast.packing import product_modules
+    from minillm.fast.packing import pack_panels, product_modules
     from minillm.fast.products import MatvecLinear
 
     model = load_model(save_hf(build_hf("llama", LLAMA_BASE), tmp_path), device="cpu", fast=False)
@@ -601,11 +601,17 @@ def test_only_a_model_that_serves_batches_packs_panels(tmp_path):
     prompt = list(range(3, 33))
     params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
     alone = [step.token_id for step in generate(model, prompt, params, eos_token_ids=())]
-    assert products and not any(m.panels or m._panels for m in products)
-    engine = LLMEngine(model, num_blocks=16)
-    engine.add_request(prompt, params)
-    finished = []
-    while not finished:
-        finished = [o for o in engine.step() if o.finished]
+
+    def served() -> list[int]:
+        engine = LLMEngine(model, num_blocks=16)
+        engine.add_request(prompt, params)
+        finished = []
+        while not finished:
+            finished = [o for o in engine.step() if o.finished]
+        return finished[0].token_ids
+
+    assert products and served() == alone
+    assert not any(m.panels or m._panels for m in products)
+    assert pack_panels(model) == len(products)
+    assert served() == alone
     assert all(m.panels for m in products) and all(m._panels is not None for m in run)  # (the head saw 1 row)
-    assert finished[0].token_ids == alone

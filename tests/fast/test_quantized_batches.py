@@ -17,6 +17,7 @@ from tiny_models import CONFIGS, build_hf, save_hf
 
 from minillm import LLMEngine, SamplingParams, load_model
 from minillm.fast import kernels
+from minillm.fast.packing import pack_panels
 from minillm.fast.products import QUANTIZED_MATVEC_MAX_ROWS, QUANTIZED_TILED_MAX_ROWS, FastQuantizedLinear
 from minillm.quantize import QuantizedLinear
 
@@ -109,13 +110,16 @@ def tiny_llama(tmp_path_factory):
     return save_hf(build_hf(*CONFIGS["llama_gqa"]), tmp_path_factory.mktemp("quantized_batches") / "llama_gqa")
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["one copy", "pack_panels"])
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_a_batch_of_20_requests_gives_the_reference_greedy_tokens(tiny_llama, fmt, monkeypatch):
-    """20 requests in one engine (decode steps of 20 rows: a server's panel kernel, or the tiled one where
-    the build cannot convert codes in vectors) on the quantised fast model give the greedy tokens of the
-    same engine on the plain quantised modules (fast=False: dequantise, then F.linear), request by request."""
+def test_a_batch_of_20_requests_gives_the_reference_greedy_tokens(tiny_llama, fmt, packed, monkeypatch):
+    """20 requests in one engine (decode steps of 20 rows: the tiled kernel, or with pack_panels
+    (``minillm serve --pack-weights``) the panel kernel where the build converts codes in vectors) on the
+    quantised fast model give the greedy tokens of the same engine on the plain quantised modules
+    (fast=False: dequantise, then F.linear), request by request."""
     rows_seen = []
-    name = "quantized_panel_matmul" if kernels.quantized_panels_vectorised() else "quantized_matmul"
+    panels = packed and kernels.quantized_panels_vectorised()
+    name = "quantized_panel_matmul" if panels else "quantized_matmul"
     original = getattr(kernels, name)
     monkeypatch.setattr(kernels, name, lambda x, *a: rows_seen.append(x.shape[0]) or original(x, *a))
     prompts = [[(7 * i + j) % 120 + 3 for j in range(3 + i % 6)] for i in range(20)]
@@ -123,6 +127,8 @@ def test_a_batch_of_20_requests_gives_the_reference_greedy_tokens(tiny_llama, fm
     tokens = {}
     for fast in (True, False):
         model = load_model(tiny_llama, device="cpu", quantize=fmt, fast=fast)
+        if fast and packed:
+            pack_panels(model)
         engine = LLMEngine(model, num_blocks=48, block_size=16, max_num_seqs=32)
         tokens[fast] = [out.token_ids for out in engine.generate(prompts, params)]
     for i, (got, expected) in enumerate(zip(tokens[True], tokens[False])):

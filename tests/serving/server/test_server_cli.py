@@ -89,6 +89,8 @@ def test_sigterm_ends_an_open_stream_cleanly_and_exits_0(tiny_folder):
     (["--kv-offload-memory", "0GiB"], "--kv-offload-memory: the host tier's size must be > 0"),
     (["--tensor-parallel-size", "2", "--kv-offload-dir", "kv"], "--kv-offload-dir does not go with tensor "
                                                                  "parallelism yet"),
+    (["--pack-weights", "--no-fast"], "--pack-weights packs the speed layer's products; drop --no-fast"),
+    (["--tensor-parallel-size", "2", "--pack-weights"], "--pack-weights does not go with tensor parallelism"),
 ])
 def test_usage_errors(args, message, capsys):
     assert main(["serve", *args]) == 2
