@@ -38,6 +38,11 @@ Run (the F32 GGUF for llama-server is written once into <weights>/_llama_cpp/):
         --rounds 3 --json /tmp/serving_peers.json --markdown
     python benchmarks/serving_peers.py --vllm-python /tmp/peers/vllm/bin/python --no-transformers \
         --dtype bfloat16 --rounds 3 --json /tmp/serving_peers_bf16.json --markdown       # the bfloat16 pair
+
+``--concurrency 1 2 4 ... 64`` runs a sweep instead of the rounds: at each level one run a peer (the order
+rotated each level) of max(8, 2 x level) requests, at most ``level`` of them in flight (vLLM's bench
+``--max-concurrency``: a request is sent when a slot frees, its TTFT counted from then), and prints output
+tok/s against concurrency; ``--plot FILE.png`` draws it.
 """
 
 from __future__ import annotations
@@ -97,7 +102,15 @@ def parse_args(argv=None):
     p.add_argument("--json", metavar="FILE", help="write every run and the summary as JSON")
     p.add_argument("--markdown", action="store_true", help="also print the summary as a markdown table")
     p.add_argument("--report", metavar="FILE", help="start nothing: print the tables of a --json file again")
-    return p.parse_args(argv)
+    p.add_argument("--concurrency", nargs="+", type=positive_int, metavar="N",
+                   help="a sweep instead of the rounds: output tok/s at most N requests in flight, each N")
+    p.add_argument("--plot", metavar="FILE.png", help="with --concurrency: draw tok/s against concurrency here")
+    args = p.parse_args(argv)
+    if args.concurrency and (args.json or args.report):
+        p.error("--concurrency prints its own table (and --plot); drop --json and --report")
+    if args.plot and not args.concurrency:
+        p.error("--plot draws the --concurrency sweep; give --concurrency 1 2 4 ...")
+    return args
 
 
 def llama_gguf(model_dir: Path) -> Path | None:
@@ -116,10 +129,50 @@ def llama_gguf(model_dir: Path) -> Path | None:
         return None
 
 
-def measure(url: str, workload, timeout_s: float, peer: str, round_index: int) -> PeerRun:
+def measure(url: str, workload, timeout_s: float, peer: str, round_index: int,
+            max_concurrency: int | None = None) -> PeerRun:
     before = os.getloadavg()
-    result = run_http_bench(url, workload, timeout_s=timeout_s)
+    result = run_http_bench(url, workload, timeout_s=timeout_s, max_concurrency=max_concurrency)
     return PeerRun(peer, round_index, result.summary, result.n_failed, before, os.getloadavg())
+
+
+def sweep(out, args, servers: dict, ids) -> dict[str, dict[int, PeerRun]]:
+    """{peer: {concurrency: its run}}: at each level of ``args.concurrency`` one run a peer (the module docstring)."""
+    runs: dict[str, dict[int, PeerRun]] = {name: {} for name in servers}
+    for i, level in enumerate(args.concurrency):
+        lengths = make_workload(max(8, 2 * level), args.input_len, args.output_len, None, args.seed, token_ids=ids)
+        workload = redraw_prompts(lengths, ids, seed=(args.seed, level))
+        for name in round_order(list(servers), i):
+            run = measure(servers[name].url, workload, args.timeout, name, i, max_concurrency=level)
+            runs[name][level] = run
+            out.print(f"concurrency {level}, {len(workload)} requests, {name}: {run.summary.output_throughput_tok_s:.1f} "
+                      f"out tok/s, {run.n_failed} failed, load {load(run.loadavg_before)} -> {load(run.loadavg_after)}")
+    out.print("| peer | " + " | ".join(f"{level}" for level in args.concurrency) + " |  (output tok/s at each concurrency)")
+    out.print("|---|" + "---|" * len(args.concurrency))
+    for name, by_level in runs.items():
+        out.print(f"| {name} | " + " | ".join(f"{by_level[level].summary.output_throughput_tok_s:.1f}"
+                                              for level in args.concurrency) + " |")
+    return runs
+
+
+def plot_sweep(runs: dict[str, dict[int, PeerRun]], dtype: str, path: str) -> None:
+    """Output tok/s against concurrency, a line a peer."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for name, by_level in runs.items():
+        levels = sorted(by_level)
+        ax.plot(levels, [by_level[c].summary.output_throughput_tok_s for c in levels], marker="o", label=name,
+                linestyle="-" if name == MINILLM else "--")
+    levels = sorted({c for by_level in runs.values() for c in by_level})
+    ax.set(xscale="log", xlabel="concurrency (requests in flight, at most)", ylabel="output tok/s",
+           title=f"Serving SmolLM2-135M, {dtype}, 2 threads")
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.minorticks_off()
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def ms(value) -> str:
@@ -221,6 +274,13 @@ def run(args) -> int:
                       f"{' '.join(filter(None, (env, command)))}{says}")
         if not servers:
             raise NoServerError("no server started; nothing to measure (" + "; ".join(failed) + ")")
+        if args.concurrency:
+            runs_by_level = sweep(out, args, servers, ids)
+            print_memory(out, {name: server.memory_bytes() for name, server in servers.items()})
+            if args.plot:
+                plot_sweep(runs_by_level, args.dtype, args.plot)
+                out.print(f"wrote {args.plot}")
+            return 0
         for r in range(args.rounds):
             workload = redraw_prompts(lengths, ids, seed=(args.seed, r))
             round_runs = [measure(servers[name].url, workload, args.timeout, name, r)

@@ -294,7 +294,8 @@ async def run_http_bench_async(base_url: str, workload: Sequence[WorkloadRequest
                                timeout_s: float = 600.0, progress: Callable[[int, int], None] | None = None,
                                warm_up_first: bool = True, api_key: str | None = None,
                                clock: Callable[[], float] = time.perf_counter,
-                               sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> HttpRunResult:
+                               sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                               max_concurrency: int | None = None) -> HttpRunResult:
     """Send ``workload`` to ``base_url`` in real time and measure it; see :func:`run_http_bench`.
 
     ``clock`` (s) stamps arrivals, sends and chunks, and ``sleep(s)`` waits for each arrival: the
@@ -312,7 +313,7 @@ async def run_http_bench_async(base_url: str, workload: Sequence[WorkloadRequest
             await warm_up(client, f"{base_url}/v1/completions", model, workload[0], clock)
         before = await _scrape(client, base_url)
         records = await _send_all(client, f"{base_url}/v1/completions", model, workload, timeout_s, progress,
-                                  clock, sleep)
+                                  clock, sleep, max_concurrency)
         after = await _scrape(client, base_url) if before is not None else None
     return _result(base_url, model, records, ttft_slo_ms, tpot_slo_ms, before, after, clock)
 
@@ -331,16 +332,22 @@ async def warm_up(client, url: str, model: str, first: WorkloadRequest,
         raise ValueError(f"the warm-up request to {url} failed: {record.error}")
 
 
-async def _send_all(client, url, model, workload, timeout_s, progress, clock, sleep) -> list[ClientRequest]:
-    """Each request sent at its arrival (vLLM's bench sleeps the gaps); all bounded by ``timeout_s``."""
+async def _send_all(client, url, model, workload, timeout_s, progress, clock, sleep,
+                    max_concurrency: int | None = None) -> list[ClientRequest]:
+    """Each request sent at its arrival (vLLM's bench sleeps the gaps), or with ``max_concurrency`` when one of
+    that many slots is free; all bounded by ``timeout_s``."""
     t0 = clock()
     records = [ClientRequest(str(i), t0 + w.arrival_s, w.max_tokens, num_prompt_tokens=len(w.prompt_ids))
                for i, w in enumerate(workload)]
     done = [0]
+    slots = asyncio.Semaphore(max_concurrency or len(workload))
 
     async def one(w: WorkloadRequest, record: ClientRequest) -> None:
         await sleep(max(0.0, record.arrival_s - clock()))
-        await send_request(client, url, completion_body(model, w), record, clock)
+        async with slots:
+            if max_concurrency is not None:  # (vLLM's bench: its TTFT counts from here, not from the wait)
+                record.arrival_s = clock()
+            await send_request(client, url, completion_body(model, w), record, clock)
         done[0] += 1
         if progress is not None:
             progress(done[0], len(workload))
@@ -383,7 +390,7 @@ def _result(base_url, model, records, ttft_slo_ms, tpot_slo_ms, before, after, c
 def run_http_bench(base_url: str, workload: Sequence[WorkloadRequest], model: str | None = None,
                    ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None, timeout_s: float = 600.0,
                    progress: Callable[[int, int], None] | None = None, warm_up_first: bool = True,
-                   api_key: str | None = None) -> HttpRunResult:
+                   api_key: str | None = None, max_concurrency: int | None = None) -> HttpRunResult:
     """Send ``workload`` to an OpenAI-compatible server in real time; client-side and server-side numbers.
 
     Args:
@@ -396,6 +403,8 @@ def run_http_bench(base_url: str, workload: Sequence[WorkloadRequest], model: st
         progress: called as (n_done, n_requests) after each request ends.
         warm_up_first: send one short untimed request first (:func:`warm_up`).
         api_key: sent as ``Authorization: Bearer KEY`` (a server started with ``--api-key``).
+        max_concurrency: at most this many requests in flight (vLLM's ``--max-concurrency``); a request
+            that arrives while all are busy waits, and its TTFT counts from when it is sent. None: no limit.
 
     Returns a :class:`HttpRunResult`; failed requests are counted in it, never raised.
     Raises ValueError for an empty workload, when no model is given and ``/v1/models``
@@ -403,5 +412,7 @@ def run_http_bench(base_url: str, workload: Sequence[WorkloadRequest], model: st
     (:func:`warm_up`) fails: then every request would.
     """
     model = model or served_model(base_url, api_key=api_key)
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1 (None: no limit), got {max_concurrency}")
     return asyncio.run(run_http_bench_async(base_url, workload, model, ttft_slo_ms, tpot_slo_ms, timeout_s, progress,
-                                            warm_up_first, api_key))
+                                            warm_up_first, api_key, max_concurrency=max_concurrency))

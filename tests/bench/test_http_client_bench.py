@@ -185,6 +185,30 @@ def test_each_request_is_sent_at_its_poisson_arrival(stub, stub_url):
     assert result.summary.mean_queue_ms == pytest.approx(0.0, abs=1e-9)
 
 
+def most_in_flight(requests) -> int:
+    """The most requests between their send (arrival_s) and their last token at any moment."""
+    events = sorted([(r.arrival_s, 1) for r in requests] + [(r.token_times_s[-1], -1) for r in requests])
+    level = peak = 0
+    for _, step in events:  # (an end at the very time of a send counts first: -1 sorts before 1)
+        level += step
+        peak = max(peak, level)
+    return peak
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("cap, expected", [(2, 2), (None, 6)])
+def test_max_concurrency_keeps_that_many_requests_in_flight(stub_url, cap, expected):
+    result = hb.run_http_bench(stub_url, workload(6, seed=2), timeout_s=30, max_concurrency=cap)
+    assert result.n_failed == 0 and most_in_flight(result.requests) == expected
+    for r in result.requests:  # TTFT from the send, not from the wait for a slot
+        assert r.token_times_s[0] - r.arrival_s >= TTFT_S and r.first_scheduled_s >= r.arrival_s
+
+
+def test_max_concurrency_below_one_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^max_concurrency must be >= 1 \(None: no limit\), got 0$"):
+        hb.run_http_bench("http://127.0.0.1:9", workload(1), model="stub", max_concurrency=0)
+
+
 @pytest.mark.server
 def test_server_side_numbers_are_the_difference_of_two_scrapes(stub_url):
     hb.run_http_bench(stub_url, workload(2, seed=1), timeout_s=30)  # earlier traffic the delta must leave out

@@ -257,6 +257,37 @@ def test_the_script_end_to_end_on_minillm_serve_and_transformers(tiny_folder, tm
 
 
 @pytest.mark.cli
+def test_a_concurrency_sweep_prints_tok_s_at_each_level_and_draws_it(tiny_folder, tmp_path, monkeypatch, capsys):
+    script = load_script()
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no llama-server
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    sent = []
+    original = script.run_http_bench
+    monkeypatch.setattr(script, "run_http_bench", lambda url, workload, **kw: sent.append(
+        (len(workload), kw.get("max_concurrency"))) or original(url, workload, **kw))
+    plot = tmp_path / "sweep.png"
+    assert script.main(["--model", str(tiny_folder), "--no-transformers", "--vllm-python", "/no/python",
+                        "--input-len", "uniform:8-24", "--output-len", "uniform:3-6", "--concurrency", "1", "8",
+                        "--plot", str(plot)]) == 0
+    printed = capsys.readouterr().out
+    assert sent[1:] == [(8, 1), (16, 8)]  # (after the warm-up) max(8, 2N) requests, at most N in flight
+    rows = [line for line in printed.splitlines() if line.startswith(f"| {MINILLM} |")]
+    assert len(rows) == 1 and len(rows[0].split("|")) == 5 and "0 failed" in printed
+    assert os.path.getsize(plot) > 10_000
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--plot", "x.png"], "--plot draws the --concurrency sweep"),
+    (["--concurrency", "4", "--json", "x.json"], "--concurrency prints its own table"),
+    (["--concurrency", "0"], "argument --concurrency"),
+])
+def test_sweep_usage_errors_are_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        load_script().parse_args(argv)
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.cli
 @pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="PSS is read from Linux's /proc")
 def test_memory_bytes_sums_the_servers_process_group(tmp_path):
     """A 'server' holding 64 MiB whose child (its engine, as vLLM's) holds 32 MiB more: the group's PSS counts
