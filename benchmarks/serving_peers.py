@@ -95,6 +95,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=positive_int, default=2, help="compute threads of every peer (default 2)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="every peer's weights and KV cache (default float32; llama.cpp runs float32 only)")
+    p.add_argument("--pack-weights", action="store_true",
+                   help="minillm serve --pack-weights (float32: a second copy of each matrix, packed)")
     p.add_argument("--max-num-batched-tokens", type=positive_int,
                    help="one step budget for minillm and vLLM (default: each its own, 512 and vLLM CPU's 2048)")
     p.add_argument("--timeout", type=positive_float, default=1800.0,
@@ -247,7 +249,8 @@ def run(args) -> int:
     gguf = llama_gguf(model_dir) if llama_server_binary(args.llama_server) and args.dtype == "float32" else None
     specs, skipped = find_peers(model_dir, gguf, args.threads, args.vllm_python, args.llama_server,
                                 not args.no_transformers, args.llama_parallel,
-                                max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype)
+                                max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
+                                pack_weights=args.pack_weights)
     for line in skipped:
         out.print(line)
     commit = git_commit()  # when the servers start: what minillm serve runs

@@ -186,8 +186,8 @@ def free_port() -> int:
 
 def find_peers(model_dir: Path, gguf_path: Path | None, threads: int, vllm_python: str | None = None,
                llama_server: str | None = None, transformers: bool = True, llama_parallel: int = 8,
-               max_num_seqs: int = 32, max_num_batched_tokens: int | None = None, dtype: str = "float32"
-               ) -> tuple[list[PeerSpec], list[str]]:
+               max_num_seqs: int = 32, max_num_batched_tokens: int | None = None, dtype: str = "float32",
+               pack_weights: bool = False) -> tuple[list[PeerSpec], list[str]]:
     """Every peer that can run here, minillm first, and one line for each that cannot (how to install it).
 
     Args:
@@ -203,8 +203,9 @@ def find_peers(model_dir: Path, gguf_path: Path | None, threads: int, vllm_pytho
             None: each engine's own default.
         dtype: "float32" or "bfloat16", the weights and KV cache of every peer (llama-server runs the F32
             GGUF only: skipped in bfloat16, with its line).
+        pack_weights: minillm serve with ``--pack-weights`` (float32: a second, packed copy of each matrix).
     """
-    specs = [minillm_spec(model_dir, threads, max_num_seqs, max_num_batched_tokens, dtype)]
+    specs = [minillm_spec(model_dir, threads, max_num_seqs, max_num_batched_tokens, dtype, pack_weights)]
     skipped = []
     if vllm_python and Path(vllm_python).is_file():
         specs.append(vllm_spec(vllm_python, model_dir, threads, max_num_seqs, max_num_batched_tokens, dtype))
@@ -237,13 +238,13 @@ def llama_server_binary(given: str | None) -> str | None:
 
 
 def minillm_spec(model_dir: Path, threads: int, max_num_seqs: int = 32, max_num_batched_tokens: int | None = None,
-                 dtype: str = "float32") -> PeerSpec:
+                 dtype: str = "float32", pack_weights: bool = False) -> PeerSpec:
     """``minillm serve`` from this venv (the flags: the module docstring)."""
     return PeerSpec(MINILLM, (sys.executable, "-m", "minillm", "serve", "--model", str(model_dir), "--port", "{port}",
                               "--served-model-name", "minillm", "--dtype", dtype, "--threads", str(threads),
                               "--max-num-seqs", str(max_num_seqs), "--no-enable-prefix-caching",
-                              *_budget(max_num_batched_tokens)),
-                    f"{dtype} weights and KV cache")
+                              *_budget(max_num_batched_tokens), *(["--pack-weights"] if pack_weights else [])),
+                    f"{dtype} weights and KV cache" + (", a packed copy (--pack-weights)" if pack_weights else ""))
 
 
 def vllm_spec(python: str, model_dir: Path, threads: int, max_num_seqs: int = 32,

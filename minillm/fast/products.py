@@ -16,7 +16,7 @@ stream memory as fast as all the cores together. Two ways around it, for CPU flo
   each thread a share of the matrix's rows and reads each weight once for all of x's rows; it is
   also an op a compiled step calls (inductor's own code for the product is slower). Row-major
   weights only. 1-3 float32 rows only where the decode path's rule says (an AMD CPU: on the Intel
-  Xeon MKL's product of so few rows is faster); one bfloat16 row too (in C, faster than F.linear's).
+  Xeon MKL's product of so few rows is faster); one or two bfloat16 rows too (in C, faster than F.linear's).
   :func:`few_rows_kernel` is the rule, as a table. Above, up to PANEL_MAX_ROWS (a serving step's decodes, a
   short prefill chunk), in a server that asked for it (``panels``, set by :func:`minillm.fast.packing.pack_panels`:
   ``minillm serve --pack-weights``), a C GEMM micro-kernel on a copy of the matrix packed once into panels of
@@ -52,6 +52,7 @@ from . import kernels
 
 SPLIT_MAX_ROWS = 64  # decode rows (one per sequence); above, MKL's own threading of a product wins
 MATVEC_MAX_ROWS = 8  # a decode step's or a speculative verify pass's rows: no packed copy needed
+BF16_C_ROWS = 2  # bfloat16 rows the C tile multiplies faster than F.linear (few_rows_kernel's table)
 MKL_FEW_ROWS = 3  # float32 rows MKL's product took faster than the C tile on the Intel Xeon (few_rows_in_c)
 PANEL_MAX_ROWS = 256  # a serving step's decodes or a short chunk; above, MKL's product is as fast
 # measured (SmolLM2-135M's 120 decoder matrices out of cache, 2 threads, Intel Xeon with AVX-512,
@@ -87,16 +88,17 @@ def few_rows_kernel(rows: int, dtype: torch.dtype, few_rows_in_c: bool, panels: 
         float32    1-3       "f32_matvec" where ``few_rows_in_c``, else "F.linear"
         float32    4-8       "f32_matvec"
         float32    9-256     "f32_panel_matmul" with ``panels`` (a server's batches), else "F.linear"
-        bfloat16   1         "bf16_matvec"
+        bfloat16   1-2       "bf16_matvec"
         any        more      "F.linear"
 
     ``few_rows_in_c`` is the decode path's rule (:func:`minillm.fast.choose.few_rows_in_c`): at 1-3 float32
     rows MKL's product beat the C loop on an Intel Xeon (the C took 1.02-1.15x its time) and lost to it on an
-    AMD EPYC; from 4 rows the C won on both (0.47-0.90x MKL's time on the Xeon). In bfloat16 the C loop beat F.linear at one row and lost to it at 4 and 8 on the Intel Xeon, its
-    multiply-adds then the bound (BENCHMARKS.md, "Decode products: PyTorch against the C").
+    AMD EPYC; from 4 rows the C won on both (0.47-0.90x MKL's time on the Xeon). In bfloat16 the C loop took
+    0.64-0.76x F.linear's time at one row and 0.85-0.88x at two, 0.91-1.04x at three and 0.96-1.17x at four on the
+    Intel Xeon, its multiply-adds then the bound (BENCHMARKS.md, "Decode products: PyTorch against the C").
     """
     if dtype == torch.bfloat16:
-        return "bf16_matvec" if rows == 1 else "F.linear"
+        return "bf16_matvec" if rows <= BF16_C_ROWS else "F.linear"
     if dtype != torch.float32:
         return "F.linear"
     if rows <= MATVEC_MAX_ROWS:

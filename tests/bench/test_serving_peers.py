@@ -131,6 +131,10 @@ def test_found_peers_run_float32_with_the_threads_and_no_prefix_cache(tmp_path):
     assert by_name[VLLM].env["VLLM_CPU_OMP_THREADS_BIND"] == "0-2"  # three cores
     assert flag(LLAMA_CPP, "-np") == "8" and flag(LLAMA_CPP, "-c") == "8192"  # 1,024 positions a slot
     assert all("--no-enable-prefix-caching" in by_name[n].command for n in (MINILLM, VLLM))
+    assert "--pack-weights" not in by_name[MINILLM].command  # one copy of the weights unless asked
+    packed, _ = find_peers(tmp_path, None, 3, pack_weights=True)
+    assert packed[0].command[-1] == "--pack-weights"
+    assert packed[0].dtype == "float32 weights and KV cache, a packed copy (--pack-weights)"
 
 
 @pytest.mark.cli
