@@ -107,7 +107,8 @@ def pack_panels(model: nn.Module) -> int:
     oneDNN pack a matrix again at every call, which at 9-40 rows costs more than the product; the copy is
     made once. It doubles the weights' memory (SmolLM2-135M float32: a server held 1,330 MiB without it and
     1,831-1,839 MiB with it after the issue 32 workload, and gave 130-131 against 110-112 output tok/s;
-    BENCHMARKS.md, "Serving against the peers"). Returns how many products will pack."""
+    BENCHMARKS.md, "One copy of the weights in a server"). The first batch pays for the packing (a few
+    seconds for SmolLM2-135M). Returns how many products will pack."""
     products = [m for m in product_modules(model) if isinstance(m, (MatvecLinear, FastQuantizedLinear))]
     for m in products:
         m.panels = True
