@@ -188,11 +188,15 @@ def _check_pack_weights(args) -> None:
     """--pack-weights only where a packed copy is used: the speed layer's float32 or int8/int4 products on a CPU."""
     if not args.fast:
         raise UsageError("--pack-weights packs the speed layer's products; drop --no-fast or --pack-weights")
-    if args.device not in (None, "cpu"):
-        raise UsageError(f"--pack-weights packs for a CPU's products; on {args.device} drop --pack-weights")
+    from ..device import resolve_device
+
+    device = args.device or resolve_device(None).type  # (load_model's default: cuda where there is one)
+    if not device.lower().startswith("cpu"):
+        raise UsageError(f"--pack-weights packs for a CPU's products; on {device} drop --pack-weights "
+                         "(or serve with --device cpu)")
     if args.quantize is None and args.dtype not in (None, "float32"):
         raise UsageError(f"--pack-weights packs float32 or int8/int4 matrices; {args.dtype} keeps one copy "
-                         "(its batches run oneDNN's product); drop --pack-weights")
+                         "(its products never read a packed one); drop --pack-weights")
 
 
 def _check_args(args) -> None:

@@ -92,6 +92,7 @@ def test_sigterm_ends_an_open_stream_cleanly_and_exits_0(tiny_folder):
     (["--pack-weights", "--no-fast"], "--pack-weights packs the speed layer's products; drop --no-fast"),
     (["--pack-weights", "--dtype", "bfloat16"], "--pack-weights packs float32 or int8/int4 matrices; bfloat16 keeps "
                                                 "one copy"),
+    (["--pack-weights", "--dtype", "float64"], "float64 keeps one copy (its products never read a packed one)"),
     (["--pack-weights", "--device", "cuda"], "--pack-weights packs for a CPU's products; on cuda drop"),
     (["--tensor-parallel-size", "2", "--pack-weights"], "--pack-weights does not go with tensor parallelism"),
 ])
