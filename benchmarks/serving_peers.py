@@ -147,9 +147,11 @@ def sweep(out, args, servers: dict, ids) -> dict[str, dict[int, PeerRun]]:
         for name in round_order(list(servers), i):
             run = measure(servers[name].url, workload, args.timeout, name, i, max_concurrency=level)
             runs[name][level] = run
-            out.print(f"concurrency {level}, {len(workload)} requests, {name}: {run.summary.output_throughput_tok_s:.1f} "
-                      f"out tok/s, {run.n_failed} failed, load {load(run.loadavg_before)} -> {load(run.loadavg_after)}")
-    out.print("| peer | " + " | ".join(f"{level}" for level in args.concurrency) + " |  (output tok/s at each concurrency)")
+            out.print(f"concurrency {level}, {len(workload)} requests, {name}: "
+                      f"{run.summary.output_throughput_tok_s:.1f} out tok/s, {run.n_failed} failed, "
+                      f"load {load(run.loadavg_before)} -> {load(run.loadavg_after)}")
+    out.print("| peer | " + " | ".join(f"{level}" for level in args.concurrency)
+              + " |  (output tok/s at each concurrency)")
     out.print("|---|" + "---|" * len(args.concurrency))
     for name, by_level in runs.items():
         out.print(f"| {name} | " + " | ".join(f"{by_level[level].summary.output_throughput_tok_s:.1f}"

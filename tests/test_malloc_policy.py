@@ -13,6 +13,15 @@ from minillm.cli import common
 
 GLIBC = malloc_policy._glibc() is not None and hasattr(ctypes.CDLL(None), "mallinfo2")
 
+MALLINFO2 = """
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                               "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Mallinfo2
+"""  # glibc's accounting, in a probe's fresh interpreter
+
 # Allocate and free a 16 MiB block (a prefill chunk's activations); print how much of it glibc mapped on its
 # own (the change in hblkhd, bytes) and how much free memory its heap then holds (fordblks: a fresh
 # interpreter's heap holds little).
@@ -20,13 +29,7 @@ PROBE = """
 import ctypes, sys
 from minillm.malloc_policy import keep_freed_memory
 
-class Mallinfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-libc = ctypes.CDLL(None)
-libc.mallinfo2.restype = Mallinfo2
-libc.malloc.restype = ctypes.c_void_p
+""" + MALLINFO2 + """libc.malloc.restype = ctypes.c_void_p
 if sys.argv[1] == "keep":
     assert keep_freed_memory({}) is None
 before = libc.mallinfo2()
@@ -128,13 +131,7 @@ from minillm.malloc_policy import bound_kernel_caches
 import torch
 if sys.argv[1] == "bound":
     bound_kernel_caches()
-class Mallinfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-libc = ctypes.CDLL(None)
-libc.mallinfo2.restype = Mallinfo2
-torch.set_num_threads(1)
+""" + MALLINFO2 + """torch.set_num_threads(1)
 ws = [torch.randn(1536, 576, dtype=torch.bfloat16), torch.randn(576, 1536, dtype=torch.bfloat16)]
 torch.nn.functional.linear(torch.randn(1, 576, dtype=torch.bfloat16), ws[0])
 before = libc.mallinfo2().uordblks

@@ -64,8 +64,8 @@ SWAPS = (
     Swap("torch.nn.Linear", "fast.products.SplitLinear", "the split paths (long-rows+split, row-major+split), a float "
          "model: a few-row product cut over the threads"),
     Swap("torch.nn.Linear", "fast.products.MatvecLinear", "the C paths (matvec, compile+matvec), a float model: a few "
-         "rows in C (one float32 row only on an AMD CPU); a server's batches on packed panels (serve --pack-weights); also the default "
-         "path of a bfloat16 model on a CPU (one row in C)"),
+         "rows in C (one float32 row only on an AMD CPU); a server's batches on packed panels (serve "
+         "--pack-weights); also the default path of a bfloat16 model on a CPU (one or two rows in C)"),
     Swap("quantize.QuantizedLinear", "fast.products.FastQuantizedLinear", "every path, a quantised model: its "
          "products in C on a CPU"),
     Swap("serving.paged_attention.PagedBatch", "fast.paged_attention.FastPagedBatch", "every path, C kernels fit: "
