@@ -159,8 +159,8 @@ def sweep(out, args, servers: dict, ids) -> dict[str, dict[int, PeerRun]]:
     return runs
 
 
-def plot_sweep(runs: dict[str, dict[int, PeerRun]], dtype: str, path: str) -> None:
-    """Output tok/s against concurrency, a line a peer."""
+def plot_sweep(runs: dict[str, dict[int, PeerRun]], what: str, path: str) -> None:
+    """Output tok/s against concurrency, a line a peer; ``what``: the model and dtype, for the title."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
@@ -170,7 +170,7 @@ def plot_sweep(runs: dict[str, dict[int, PeerRun]], dtype: str, path: str) -> No
                 linestyle="-" if name == MINILLM else "--")
     levels = sorted({c for by_level in runs.values() for c in by_level})
     ax.set(xscale="log", xlabel="concurrency (requests in flight, at most)", ylabel="output tok/s",
-           title=f"Serving SmolLM2-135M, {dtype}, 2 threads")
+           title=f"Serving {what}")
     ax.set_xticks(levels, [str(c) for c in levels])
     ax.minorticks_off()
     ax.grid(True, alpha=0.3)
@@ -283,7 +283,7 @@ def run(args) -> int:
             runs_by_level = sweep(out, args, servers, ids)
             print_memory(out, {name: server.memory_bytes() for name, server in servers.items()})
             if args.plot:
-                plot_sweep(runs_by_level, args.dtype, args.plot)
+                plot_sweep(runs_by_level, f"{model_dir.name}, {args.dtype}, {args.threads} threads", args.plot)
                 out.print(f"wrote {args.plot}")
             return 0
         for r in range(args.rounds):
