@@ -10,7 +10,10 @@ For SmolLM2-135M's shape (all 30 layers' q|k|v, o, gate|up and down: 106 M weigh
 
     float32    F.linear (MKL), the C loop f32_matvec
     bfloat16   F.linear, oneDNN's product on a weight packed once for it (torch.ops.mkldnn._linear_pointwise
-               after _reorder_linear_weight: what inductor's weight packing calls), the C loop bf16_matvec
+               after _reorder_linear_weight: what inductor's weight packing calls), the C loop bf16_matvec (up to
+               8 rows), and where the CPU has AMX-BF16 bf16_amx_matmul (the matrix units, the weight in place)
+
+    python benchmarks/decode_products.py --dtypes bfloat16 --rows 1 2 8 32 64 128 256 512   # a server's batches
 
 ms a pass over all the matrices (the best of the rounds' medians, the candidates taking turns, as
 benchmarks/kernel_families.py; with one thread the CPU time the thread got, so that other processes' turns
@@ -35,18 +38,26 @@ from minillm.fast.products import few_rows_kernel
 LAYERS = {"135m": None, "1.7b": 6}  # None: every layer
 
 
-def candidates(ws: list[torch.Tensor], dtype: torch.dtype, rows: int) -> tuple[dict, str]:
-    """{name: a pass over ws} for x of ``rows`` rows, and the C kernel's name."""
+def candidates(ws: list[torch.Tensor], dtype: torch.dtype, rows: int) -> tuple[dict, dict]:
+    """({name: a pass over ws} of PyTorch's kernels, {name: a pass} of the C kernels) for x of ``rows`` rows."""
     xs = [torch.randn(rows, w.shape[1], dtype=dtype) for w in ws]
-    out = {"F.linear": lambda: [F.linear(x, w) for x, w in zip(xs, ws)]}
+    pytorch, c = {"F.linear": lambda: [F.linear(x, w) for x, w in zip(xs, ws)]}, {}
     if dtype == torch.bfloat16:
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in ws]
-        out["oneDNN packed"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-                                        for x, p in zip(xs, packed)]
-        out["C"], kernel = lambda: [kernels.bf16_matvec(x, w) for x, w in zip(xs, ws)], "bf16_matvec"
-    else:
-        out["C"], kernel = lambda: [kernels.f32_matvec(x, w) for x, w in zip(xs, ws)], "f32_matvec"
-    return out, kernel
+        pytorch["oneDNN packed"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                                            for x, p in zip(xs, packed)]
+        if rows <= 8:
+            c["bf16_matvec"] = lambda: [kernels.bf16_matvec(x, w) for x, w in zip(xs, ws)]
+        if kernels.bf16_amx_ready():
+            c["bf16_amx_matmul"] = lambda: [kernels.bf16_amx_matmul(x, w) for x, w in zip(xs, ws)]
+    elif rows <= 8:
+        c["f32_matvec"] = lambda: [kernels.f32_matvec(x, w) for x, w in zip(xs, ws)]
+    return pytorch, c
+
+
+def _cell(ms: dict[str, float], names, n_bytes: int) -> str:
+    """"name ms (GB/s)" of each candidate named."""
+    return ", ".join(f"{k} {ms[k]:.1f} ({n_bytes / ms[k] / 1e6:.1f})" for k in names)
 
 
 def main() -> None:
@@ -63,9 +74,10 @@ def main() -> None:
     assert kernels.available(), kernels.unavailable_reason()
     in_c = few_rows_in_c()
     clock = "thread CPU time" if args.threads == 1 else "wall time"
-    print(f"{clock}, threads {args.threads}, torch {torch.__version__}, 1-3 float32 rows in C here: {in_c}, bf16_matvec with "
-          f"AVX512-BF16: {kernels.bf16_dot_instructions()}, load {os.getloadavg()[0]:.1f}\n")
-    print("| shape | dtype | rows | PyTorch ms (GB/s) | C ms (GB/s) | C / best PyTorch | runs now |")
+    print(f"{clock}, threads {args.threads}, torch {torch.__version__}, 1-3 float32 rows in C here: {in_c}, "
+          f"bf16_matvec with AVX512-BF16: {kernels.bf16_dot_instructions()}, AMX-BF16: {kernels.bf16_amx_ready()}, "
+          f"load {os.getloadavg()[0]:.1f}\n")
+    print("| shape | dtype | rows | PyTorch ms (GB/s) | C ms (GB/s) | best C / best PyTorch | runs now |")
     print("|---|---|---|---|---|---|---|")
     for shape in args.shapes:
         f32 = matrices(SHAPES[shape], LAYERS[shape])
@@ -74,13 +86,14 @@ def main() -> None:
             ws = f32 if dtype == torch.float32 else [w.to(dtype) for w in f32]
             n_bytes = sum(w.numel() * w.element_size() for w in ws)
             for rows in args.rows:
-                fns, kernel = candidates(ws, dtype, rows)
-                ms = race(fns, args.rounds, args.reps, time.thread_time if args.threads == 1 else time.perf_counter)
-                torch_ms = {k: v for k, v in ms.items() if k != "C"}
-                cells = ", ".join(f"{k} {v:.1f} ({n_bytes / v / 1e6:.1f})" for k, v in torch_ms.items())
-                now = few_rows_kernel(rows, dtype, in_c, panels=False)
-                print(f"| {shape} | {name} | {rows} | {cells} | {kernel} {ms['C']:.1f} ({n_bytes / ms['C'] / 1e6:.1f}) "
-                      f"| {ms['C'] / min(torch_ms.values()):.2f} | {now} |", flush=True)
+                pytorch, c = candidates(ws, dtype, rows)
+                clock = time.thread_time if args.threads == 1 else time.perf_counter
+                ms = race(pytorch | c, args.rounds, args.reps, clock)
+                ratio = f"{min(ms[k] for k in c) / min(ms[k] for k in pytorch):.2f}" if c else "-"
+                amx = dtype == torch.bfloat16 and kernels.bf16_amx_ready() and all(map(kernels.bf16_amx_fits, ws))
+                now = few_rows_kernel(rows, dtype, in_c, panels=False, amx=amx)
+                print(f"| {shape} | {name} | {rows} | {_cell(ms, pytorch, n_bytes)} | {_cell(ms, c, n_bytes) or '-'} "
+                      f"| {ratio} | {now} |", flush=True)
             del ws
     print(f"\nload {os.getloadavg()[0]:.1f} at the end")
 

@@ -65,7 +65,8 @@ SWAPS = (
          "model: a few-row product cut over the threads"),
     Swap("torch.nn.Linear", "fast.products.MatvecLinear", "the C paths (matvec, compile+matvec), a float model: a few "
          "rows in C (one float32 row only on an AMD CPU); a server's batches on packed panels (serve "
-         "--pack-weights); also the default path of a bfloat16 model on a CPU (one or two rows in C)"),
+         "--pack-weights); also the default path of a bfloat16 model on a CPU (1-256 rows on the matrix units where "
+         "the CPU has AMX, else one or two rows in C)"),
     Swap("quantize.QuantizedLinear", "fast.products.FastQuantizedLinear", "every path, a quantised model: its "
          "products in C on a CPU"),
     Swap("serving.paged_attention.PagedBatch", "fast.paged_attention.FastPagedBatch", "every path, C kernels fit: "

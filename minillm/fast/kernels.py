@@ -5,6 +5,7 @@ family, each function a kernel, checking what the C loops would misread (they tr
 
     csrc/products.c    float32 products of a few rows        f32_matvec, f32_pack_panels, f32_panel_matmul
     csrc/bf16_products.c  bfloat16 products of a few rows    bf16_matvec
+    csrc/bf16_amx.c    bfloat16 products on AMX, w in place  bf16_amx_matmul, bf16_amx_ready
     csrc/quantized.c   int8 and int4 products                quantized_matvec, quantized_matmul, dequantize,
                                                              quantized_pack_panels, quantized_panel_matmul
     csrc/attention.c   decode's and prefill's attention      decode_attention, paged_decode_attention,
@@ -54,8 +55,8 @@ from typing import NamedTuple
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("common.h", "products.c", "bf16_products.c", "quantized.c", "attention.c",
-                                    "rms_norm.c", "silu_mul.c")]  # what the library is built from (the .c files compiled)
+SOURCES = [CSRC / name for name in ("common.h", "products.c", "bf16_products.c", "bf16_amx.c", "quantized.c",
+                                    "attention.c", "rms_norm.c", "silu_mul.c")]  # what the library is built from
 OPS_SOURCE = CSRC / "ops.cpp"  # the products and decode attention as torch ops, for compiled code
 # first OpenMP (threads), then without it (macOS clang has no -fopenmp: one thread), then portable
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
@@ -169,6 +170,9 @@ C_FUNCTIONS = {  # name: (argument types, result type), as csrc/*.c declares the
     "bf16_matmul_reference": ([_P, _P, _P, _I, _I, _I], None),
     "bf16_matvec": ([_P, _P, _P, _I, _I, _I, _I], _I),
     "bf16_dot_instructions": ([], _I),
+    # bf16_amx.c
+    "bf16_amx_ready": ([], _I),
+    "bf16_amx_matmul": ([_P, _P, _P, _P, _I, _I, _I, _I], _I),
     # quantized.c
     "quantized_matmul_reference": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], None),
     "int8_matvec": ([_P, _P, _P, _P, _I, _I, _I, _I], _I),
@@ -332,6 +336,51 @@ def bf16_dot_instructions(*, lib: ctypes.CDLL | None = None) -> bool:
     """Whether this build's :func:`bf16_matvec` multiplies with AVX512-BF16's dot-product instruction
     (elsewhere it widens each weight to float32 by a shift)."""
     return bool((lib or kernels()).bf16_dot_instructions())
+
+
+def bf16_amx_ready(*, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether :func:`bf16_amx_matmul` runs here: the build targets AMX-BF16 (``-march=native`` on an Intel
+    Xeon from Sapphire Rapids on) and Linux granted this process the tile registers. False for a portable
+    build and on every other CPU."""
+    if lib is None:  # (the library's answer, asked once: a product asks at every call)
+        if "amx" not in _state:
+            _state["amx"] = kernels() is not None and bool(kernels().bf16_amx_ready())
+        return _state["amx"]
+    return bool(lib.bf16_amx_ready())
+
+
+def bf16_amx_fits(weight: torch.Tensor) -> bool:
+    """Whether :func:`bf16_amx_matmul` takes this [out, in] weight's shape: in a multiple of 32 (a tile's ks),
+    out a multiple of 16 (a tile's outputs)."""
+    return weight.dim() == 2 and weight.shape[1] % 32 == 0 and weight.shape[0] % 16 == 0
+
+
+def bf16_amx_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [rows, in] bfloat16, weight [out, in] bfloat16 (row-major), bias [out] bfloat16 or None -> x @ weightᵀ +
+    bias [rows, out] bfloat16 on the CPU's matrix units (Intel AMX), the weight read in place, the sums in float32,
+    the bias added to them, rounded once to nearest even as F.linear rounds (csrc/bf16_amx.c). Raises ValueError
+    for other dtypes, devices or shapes (:func:`bf16_amx_fits`), or where it does not run (:func:`bf16_amx_ready`); MemoryError when x's packed copy cannot be allocated."""
+    lib = lib or kernels()
+    _check_matvec("bf16_amx_matmul", torch.bfloat16, x, weight)
+    if not bf16_amx_fits(weight) or x.shape[0] == 0:
+        raise ValueError(f"bf16_amx_matmul takes a weight [out, in] with out a multiple of 16 and in a multiple of "
+                         f"32, and at least one row, got x {list(x.shape)} and weight {list(weight.shape)}; "
+                         "use F.linear")
+    if not bf16_amx_ready(lib=lib):
+        raise ValueError("bf16_amx_matmul needs a build for AMX-BF16 (an Intel Xeon from Sapphire Rapids on, "
+                         "-march=native) and the tile registers granted by Linux; use F.linear")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.device.type != "cpu"):
+        raise ValueError(f"bf16_amx_matmul's bias is [out] = [{weight.shape[0]}] on the CPU, got "
+                         f"{list(bias.shape)} on {bias.device.type}")
+    x = x.contiguous()
+    bias32 = None if bias is None else bias.float().contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
+    if lib.bf16_amx_matmul(x.data_ptr(), weight.data_ptr(), None if bias32 is None else bias32.data_ptr(),
+                           y.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1], torch.get_num_threads()):
+        raise MemoryError(f"bf16_amx_matmul could not allocate {x.numel() * 2 + 32 * x.shape[1]:,} bytes for "
+                          "x's packed copy")
+    return y
 
 
 # -- quantised products (csrc/quantized.c): int8 codes when zero is None, else int4 -----------------

@@ -17,6 +17,9 @@ stream memory as fast as all the cores together. Two ways around it, for CPU flo
   also an op a compiled step calls (inductor's own code for the product is slower). Row-major
   weights only. 1-3 float32 rows only where the decode path's rule says (an AMD CPU: on the Intel
   Xeon MKL's product of so few rows is faster); one or two bfloat16 rows too (in C, faster than F.linear's).
+  Where the CPU has matrix units (Intel AMX), 1-BF16_AMX_MAX_ROWS bfloat16 rows run on them instead, the weight
+  read in place as the tiles' A operand (:func:`minillm.fast.kernels.bf16_amx_matmul`): F.linear hands oneDNN
+  the weight as its B operand, which it reorders at every call.
   :func:`few_rows_kernel` is the rule, as a table. Above, up to PANEL_MAX_ROWS (a serving step's decodes, a
   short prefill chunk), in a server that asked for it (``panels``, set by :func:`minillm.fast.packing.pack_panels`:
   ``minillm serve --pack-weights``), a C GEMM micro-kernel on a copy of the matrix packed once into panels of
@@ -53,6 +56,7 @@ from . import kernels
 SPLIT_MAX_ROWS = 64  # decode rows (one per sequence); above, MKL's own threading of a product wins
 MATVEC_MAX_ROWS = 8  # a decode step's or a speculative verify pass's rows: no packed copy needed
 BF16_C_ROWS = 2  # bfloat16 rows the C tile multiplies faster than F.linear (few_rows_kernel's table)
+BF16_AMX_MAX_ROWS = 256  # bfloat16 rows the matrix units multiply faster with the weight in place (table below)
 MKL_FEW_ROWS = 3  # float32 rows MKL's product took faster than the C tile on the Intel Xeon (few_rows_in_c)
 PANEL_MAX_ROWS = 256  # a serving step's decodes or a short chunk; above, MKL's product is as fast
 # measured (SmolLM2-135M's 120 decoder matrices out of cache, 2 threads, Intel Xeon with AVX-512,
@@ -80,7 +84,7 @@ def _few_rows(x: torch.Tensor, weight: torch.Tensor, max_rows: int, dtypes=(torc
     return rows if 0 < rows <= max_rows else None
 
 
-def few_rows_kernel(rows: int, dtype: torch.dtype, few_rows_in_c: bool, panels: bool) -> str:
+def few_rows_kernel(rows: int, dtype: torch.dtype, few_rows_in_c: bool, panels: bool, amx: bool = False) -> str:
     """The kernel :class:`MatvecLinear` multiplies ``rows`` rows of ``dtype`` by (on a CPU, the C kernels
     built; compiled code, autograd and other devices take F.linear):
 
@@ -88,7 +92,8 @@ def few_rows_kernel(rows: int, dtype: torch.dtype, few_rows_in_c: bool, panels: 
         float32    1-3       "f32_matvec" where ``few_rows_in_c``, else "F.linear"
         float32    4-8       "f32_matvec"
         float32    9-256     "f32_panel_matmul" with ``panels`` (a server's batches), else "F.linear"
-        bfloat16   1-2       "bf16_matvec"
+        bfloat16   1-256     "bf16_amx_matmul" where ``amx`` (the matrix units run here, the weight fits their tiles)
+        bfloat16   1-2       "bf16_matvec" elsewhere
         any        more      "F.linear"
 
     ``few_rows_in_c`` is the decode path's rule (:func:`minillm.fast.choose.few_rows_in_c`): at 1-3 float32
@@ -96,8 +101,13 @@ def few_rows_kernel(rows: int, dtype: torch.dtype, few_rows_in_c: bool, panels: 
     AMD EPYC; from 4 rows the C won on both (0.47-0.90x MKL's time on the Xeon). In bfloat16 the C loop took
     0.64-0.76x F.linear's time at one row and 0.85-0.88x at two, 0.91-1.04x at three and 0.96-1.17x at four on the
     Intel Xeon, its multiply-adds then the bound (BENCHMARKS.md, "Decode products: PyTorch against the C").
+    On the matrix units with the weight in place (:func:`minillm.fast.kernels.bf16_amx_matmul`), SmolLM2-135M's
+    120 matrices took 0.56-0.75x F.linear's time at 1-256 rows and 1.05x at 512, where oneDNN's reorder of the
+    weight is paid back (BENCHMARKS.md, "bfloat16 products on the matrix units").
     """
     if dtype == torch.bfloat16:
+        if amx and rows <= BF16_AMX_MAX_ROWS:
+            return "bf16_amx_matmul"
         return "bf16_matvec" if rows <= BF16_C_ROWS else "F.linear"
     if dtype != torch.float32:
         return "F.linear"
@@ -150,11 +160,15 @@ class MatvecLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and not self.few_rows_in_c and x.numel() <= MKL_FEW_ROWS * x.shape[-1]:
             return F.linear(x, self.weight, self.bias)  # (the table's answer for 1-3 float32 rows, its checks skipped)
-        rows = _few_rows(x, self.weight, PANEL_MAX_ROWS, (torch.float32, torch.bfloat16))
+        rows = _few_rows(x, self.weight, max(PANEL_MAX_ROWS, BF16_AMX_MAX_ROWS), (torch.float32, torch.bfloat16))
         if rows is None or not self.weight.is_contiguous() or not kernels.available():
             return F.linear(x, self.weight, self.bias)
         compiling = torch.compiler.is_compiling()
-        kernel = few_rows_kernel(rows, x.dtype, self.few_rows_in_c, self.panels and not compiling)
+        amx = (x.dtype == torch.bfloat16 and not compiling and kernels.bf16_amx_fits(self.weight)
+               and kernels.bf16_amx_ready())
+        kernel = few_rows_kernel(rows, x.dtype, self.few_rows_in_c, self.panels and not compiling, amx)
+        if kernel == "bf16_amx_matmul":  # (the bias inside its one rounding)
+            return kernels.bf16_amx_matmul(x.reshape(rows, -1), self.weight, self.bias).view(*x.shape[:-1], -1)
         if kernel == "f32_matvec":
             y = kernels.functions().f32_matvec(x.reshape(rows, -1), self.weight)
         elif kernel == "bf16_matvec" and not compiling and self.bias is None:
