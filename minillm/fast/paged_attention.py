@@ -10,7 +10,11 @@ the block table where it lies and reads only the request's own positions::
     request b, key j:   k_pool[layer][block_tables[b, j // block_size], j % block_size, kv_head, :]
 
 Prefill chunks keep the reference path (their gather is one request's blocks, small next to the
-chunk's products). Same values as the reference up to float32 rounding (the softmax summed in another
+chunk's products), with one change in bfloat16 and float16: a chunk's queries and keys are padded to a multiple of
+CHUNK_PAD_ROWS before SDPA (:meth:`FastPagedBatch.attend_chunk`). SDPA's flash kernel builds an AMX micro-kernel
+for every block shape it meets and keeps each one for the life of the thread, without limit (``cpublas::brgemm``'s
+cache in torch 2.13); a server's chunks come in every length, so its memory grew with every new one (1,200
+chunks of random lengths: +157 MiB in use, padded +29 MiB, flat from the first 400). Same values as the reference up to float32 rounding (the softmax summed in another
 order). Swapped in by :func:`use_fast_paged_attention` when the speed layer loads a model (float32 or
 bfloat16 on a CPU, head_dim a multiple of 8, the C kernels built); ``--no-fast`` runs the reference. A
 bfloat16 pool is read as it lies, half float32's bytes, each key and value widened to float32 in the kernel:
@@ -23,10 +27,13 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 from ..serving.paged_attention import PagedBatch
 from . import kernels
 from .attention import c_kernels_fit
+
+CHUNK_PAD_ROWS = 32  # a chunk's queries and keys, rounded up to this: a few shapes for SDPA's per-shape kernels
 
 
 class FastPagedBatch(PagedBatch):
@@ -58,6 +65,29 @@ class FastPagedBatch(PagedBatch):
         return kernels.paged_decode_attention(q_dec, self.cache.k[layer], self.cache.v[layer],
                                               self.decode_block_tables, first, self.decode_context_lens,
                                               self.scales[layer], check=False)
+
+    def attend_chunk(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attention,
+                     window: int | None) -> torch.Tensor:
+        """As :meth:`PagedBatch.attend_chunk`; in bfloat16 and float16 (no sliding window) over queries and keys
+        padded with zeros to multiples of CHUNK_PAD_ROWS, the padding's rows of the output dropped::
+
+            keys    0 .. S-1 | S .. S2-1  (padding: masked for every query)
+            queries the last T of the S keys (query t sees keys 0 .. S-T+t) | T .. T2-1 (padding: sees key 0)
+
+        A first chunk (T = S) pads both by the same rows and stays SDPA's causal case: its queries are still the
+        last of its keys, and no real query sees a padded key (they come after it). The same values as without the
+        padding up to the order of the sums (the flash kernel's blocks change)."""
+        T, S = q.shape[2], keys.shape[2]
+        T2, S2 = -(-T // CHUNK_PAD_ROWS) * CHUNK_PAD_ROWS, -(-S // CHUNK_PAD_ROWS) * CHUNK_PAD_ROWS
+        if window is not None or q.dtype not in (torch.bfloat16, torch.float16) or (T2, S2) == (T, S):
+            return attention(q, keys, values, None)
+        q2 = F.pad(q, (0, 0, 0, T2 - T))
+        keys, values = F.pad(keys, (0, 0, 0, S2 - S)), F.pad(values, (0, 0, 0, S2 - S))
+        if T == S:
+            return attention(q2, keys, values, None)[:, :, :T]
+        t, j = torch.arange(T2, device=q.device)[:, None], torch.arange(S2, device=q.device)[None, :]
+        mask = ((j <= S - T + t) & (j < S)) | ((t >= T) & (j == 0))  # [T2, S2] bool, True: may attend
+        return attention(q2, keys, values, mask)[:, :, :T]
 
 
 def use_fast_paged_attention(model) -> None:

@@ -104,14 +104,22 @@ class PagedBatch:
         if len(self.decode_rows):
             q_dec = q[0, :, self.decode_rows].transpose(0, 1)  # [B_dec, n_heads, head_dim]
             out[0, :, self.decode_rows] = self.attend_decodes(layer, q_dec, attention, window).transpose(0, 1)
-        for chunk in self.prefills:  # its queries are the last of its keys: mask None, the causal case
+        for chunk in self.prefills:
             if chunk.context_len == chunk.end - chunk.start:  # a prompt's first chunk: its keys are all this step's
                 keys, values = k[:, :, chunk.start : chunk.end], v[:, :, chunk.start : chunk.end]
             else:
                 keys, values = self.cache.gather(layer, chunk.block_table[None])
                 keys, values = keys[:, :, : chunk.context_len], values[:, :, : chunk.context_len]
-            out[:, :, chunk.start : chunk.end] = attention(q[:, :, chunk.start : chunk.end], keys, values, None)
+            out[:, :, chunk.start : chunk.end] = self.attend_chunk(q[:, :, chunk.start : chunk.end], keys, values,
+                                                                   attention, window)
         return out
+
+    def attend_chunk(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attention,
+                     window: int | None) -> torch.Tensor:
+        """One prefill chunk's attention: q [1, n_heads, T, head_dim] over its request's keys and values
+        [1, n_kv_heads, S, head_dim], T <= S. Its queries are the last T of the S keys, the case ``attention``
+        masks itself when handed no mask (causal, and the ``window`` band). Returns [1, n_heads, T, head_dim]."""
+        return attention(q, keys, values, None)
 
     def attend_decodes(self, layer: int, q_dec: torch.Tensor, attention, window: int | None) -> torch.Tensor:
         """The decodes' attention, all in one call: q_dec [B_dec, n_heads, head_dim] (one query each) ->

@@ -4,16 +4,19 @@ The kernel: random pools with shuffled block tables, lengths that end inside a b
 below, at and above the kernel's 32 keys a task, and sliding windows, against the reference's gather
 and masked SDPA. The engine: the same requests through the reference batch and the fast one give the
 same greedy tokens and the same logits within float32 rounding, on tiny models and SmolLM2-135M; in
-bfloat16, within one bfloat16 unit of float64 attention, and the engine's tokens the reference's.
+bfloat16, within one bfloat16 unit of float64 attention, and the engine's tokens the reference's. A bfloat16
+prefill chunk reaches SDPA padded to a few shapes, with float64 attention's values.
 """
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import minillm.serving.engine as engine_module
 from minillm import LLMEngine, SamplingParams
 from minillm.fast import kernels
-from minillm.fast.paged_attention import FastPagedBatch
+from minillm.fast.paged_attention import CHUNK_PAD_ROWS, FastPagedBatch
 from minillm.model import sdpa_attention
 from minillm.serving.model_runner import run_model
 from minillm.serving.paged_cache import PagedKVCache
@@ -157,3 +160,36 @@ def test_no_fast_model_runs_the_reference(tmp_path):
     assert getattr(minillm.load_model(folder, device="cpu", fast=False), "paged_batch", None) is None
     assert minillm.load_model(folder, device="cpu").paged_batch.func is FastPagedBatch
     assert minillm.load_model(folder, device="cpu", dtype=torch.float16).paged_batch is None  # no float16 kernel
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(1, 150), cached=st.one_of(st.just(0), st.integers(1, 150)), seed=st.integers(0, 2**16))
+def test_bfloat16_chunks_reach_sdpa_in_a_few_shapes_with_the_same_values(T, cached, seed):
+    """A bfloat16 prefill chunk (a first one, or one after ``cached`` positions) reaches SDPA padded to multiples of
+    CHUNK_PAD_ROWS (its per-shape AMX kernels are kept without limit), and its output is float64 attention's over
+    the same bfloat16 numbers: within 2^-6 of the values' largest magnitude (the output is a convex combination of
+    value rows; the flash kernel rounds its softmax weights to bfloat16, 2^-8 each relative, and the output once)."""
+    g = torch.Generator().manual_seed(seed)
+    S = T + cached
+    q = torch.randn(1, 9, T, 64, generator=g).bfloat16()
+    k, v = torch.randn(1, 3, S, 64, generator=g).bfloat16(), torch.randn(1, 3, S, 64, generator=g).bfloat16()
+    shapes = []
+
+    def attention(q, keys, values, mask):
+        shapes.append((q.shape[2], keys.shape[2]))
+        return sdpa_attention(q, keys, values, mask, 0.125, None)
+
+    out = FastPagedBatch.__new__(FastPagedBatch).attend_chunk(q, k, v, attention, None)
+    exact = sdpa_attention(q.double(), k.double(), v.double(), None, 0.125, None)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert all(t % CHUNK_PAD_ROWS == 0 and s % CHUNK_PAD_ROWS == 0 for t, s in shapes)
+    assert (out.double() - exact).abs().max() <= 2.0 ** -6 * v.double().abs().max()
+
+
+@pytest.mark.parametrize("dtype, window", [(torch.float32, None), (torch.bfloat16, 8)])
+def test_float32_chunks_and_windows_reach_sdpa_as_they_are(dtype, window):
+    """float32 SDPA keeps no per-shape kernels, and a sliding window's band is the reference's to draw."""
+    q, k = torch.randn(1, 4, 5, 16).to(dtype), torch.randn(1, 2, 9, 16).to(dtype)
+    seen = []
+    FastPagedBatch.__new__(FastPagedBatch).attend_chunk(q, k, k, lambda *a: seen.append(a) or a[0], window)
+    assert seen[0][0] is q and seen[0][3] is None
