@@ -360,7 +360,8 @@ def bf16_amx_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """x [rows, in] bfloat16, weight [out, in] bfloat16 (row-major), bias [out] bfloat16 or None -> x @ weightᵀ +
     bias [rows, out] bfloat16 on the CPU's matrix units (Intel AMX), the weight read in place, the sums in float32,
     the bias added to them, rounded once to nearest even as F.linear rounds (csrc/bf16_amx.c). Raises ValueError
-    for other dtypes, devices or shapes (:func:`bf16_amx_fits`), or where it does not run (:func:`bf16_amx_ready`); MemoryError when x's packed copy cannot be allocated."""
+    for other dtypes, devices or shapes (:func:`bf16_amx_fits`), or where it does not run
+    (:func:`bf16_amx_ready`); MemoryError when x's packed copy cannot be allocated."""
     lib = lib or kernels()
     _check_matvec("bf16_amx_matmul", torch.bfloat16, x, weight)
     if not bf16_amx_fits(weight) or x.shape[0] == 0:
@@ -378,8 +379,8 @@ def bf16_amx_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
     if lib.bf16_amx_matmul(x.data_ptr(), weight.data_ptr(), None if bias32 is None else bias32.data_ptr(),
                            y.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1], torch.get_num_threads()):
-        raise MemoryError(f"bf16_amx_matmul could not allocate {x.numel() * 2 + 32 * x.shape[1]:,} bytes for "
-                          "x's packed copy")
+        raise MemoryError(f"bf16_amx_matmul could not allocate {-(-x.shape[0] // 16) * 32 * x.shape[1]:,} bytes "
+                          "for x's packed copy")
     return y
 
 

@@ -102,8 +102,8 @@ def few_rows_kernel(rows: int, dtype: torch.dtype, few_rows_in_c: bool, panels: 
     0.64-0.76x F.linear's time at one row and 0.85-0.88x at two, 0.91-1.04x at three and 0.96-1.17x at four on the
     Intel Xeon, its multiply-adds then the bound (BENCHMARKS.md, "Decode products: PyTorch against the C").
     On the matrix units with the weight in place (:func:`minillm.fast.kernels.bf16_amx_matmul`), SmolLM2-135M's
-    120 matrices took 0.56-0.75x F.linear's time at 1-256 rows and 1.05x at 512, where oneDNN's reorder of the
-    weight is paid back (BENCHMARKS.md, "bfloat16 products on the matrix units").
+    matrices took 0.52-0.83x F.linear's time at 1-256 rows (the 1.7B shape's 0.69-0.92x) and 1.05-1.10x at 512,
+    where oneDNN's reorder of the weight is paid back (BENCHMARKS.md, "bfloat16 products on the matrix units").
     """
     if dtype == torch.bfloat16:
         if amx and rows <= BF16_AMX_MAX_ROWS:
@@ -149,9 +149,10 @@ class SplitLinear(nn.Linear):
 
 class MatvecLinear(nn.Linear):
     """``nn.Linear`` (same parameters, same state-dict names) computed by the kernel :func:`few_rows_kernel`
-    names: F.linear, or the C loop over a few rows (float32, bfloat16), or (``panels``: a server's batches) the
-    C micro-kernel on a packed copy of the matrix; F.linear for other dtypes, devices, autograd, a matrix
-    that is not row-major, compiled code (but the float32 C loop, a torch op there) or no C kernels."""
+    names: F.linear, or the C loop over a few rows (float32, bfloat16), or bfloat16 rows on the matrix units
+    (AMX, the weight in place), or (``panels``: a server's batches) the C micro-kernel on a packed copy of the
+    matrix; F.linear for other dtypes, devices, autograd, a matrix that is not row-major, compiled code (but the
+    float32 C loop, a torch op there) or no C kernels."""
 
     panels: bool = False  # products of more than MATVEC_MAX_ROWS rows on a packed copy
     few_rows_in_c: bool = False  # 1-3 float32 rows by the C loop (the decode path's rule sets it)
