@@ -154,7 +154,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_set(model, eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.steps: list[StepRecord] = []
-        self._ids = itertools.count()
+        self._ids, self._step_numbers = itertools.count(), itertools.count()
 
     # -- requests in ------------------------------------------------------------------
 
@@ -455,7 +455,7 @@ class LLMEngine:
     def _record(self, scheduled: ScheduledBatch, rows: tuple, start: float, changed: list[Request]) -> None:
         pool = self.cache.allocator
         self.steps.append(StepRecord(
-            len(self.steps), start, time.perf_counter(), rows, pool.num_used_blocks, pool.num_free_blocks,
+            next(self._step_numbers), start, time.perf_counter(), rows, pool.num_used_blocks, pool.num_free_blocks,
             pool.num_cached_blocks, tuple(r.request_id for r in scheduled.preempted),
             tuple(r.request_id for r in changed if r.finished), len(self.scheduler.waiting),
             len(self.scheduler.running), sum(r.num_computed_tokens for r in self.scheduler.running),

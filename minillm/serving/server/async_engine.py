@@ -118,7 +118,10 @@ class AsyncEngine:
             :class:`Request` that finishes (any reason, aborts included): the metrics hook.
         max_finished_requests: finished requests kept in ``engine.requests`` (for a web view);
             older ones are dropped, so a server's memory does not grow with every request it
-            has answered (``engine.steps``, a few small tuples a step, is kept whole).
+            has answered.
+        max_step_records: step records kept in ``engine.steps`` (the newest, 1 to 2 times this many;
+            the web view shows the last): a record holds a tuple per request in its batch, 2.6 KB at
+            32 (measured), so a server that kept them all grew ~140 MB an hour at 15 steps a second.
         before_step: called in the engine thread before each step, outside ``lock`` (``minillm serve``:
             the thread governor of minillm/cpu_policy.py, since torch's thread count is per thread).
 
@@ -132,15 +135,17 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_waiting_requests: int | None = None,
                  on_finished: Callable[[Request], None] | None = None, max_finished_requests: int = 1000,
-                 before_step: Callable[[], object] | None = None):
+                 before_step: Callable[[], object] | None = None, max_step_records: int = 1000):
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0 (or None: no limit), got {max_waiting_requests}")
         if max_finished_requests < 0:
             raise ValueError(f"max_finished_requests must be >= 0, got {max_finished_requests}")
+        if max_step_records < 1:
+            raise ValueError(f"max_step_records must be >= 1, got {max_step_records}")
         build = None if isinstance(engine, LLMEngine) else engine
         self.engine = None if build else engine
         self.max_waiting_requests, self.on_finished = max_waiting_requests, on_finished
-        self.max_finished_requests = max_finished_requests
+        self.max_finished_requests, self.max_step_records = max_finished_requests, max_step_records
         self.before_step = before_step  # called in the engine thread before each step (minillm serve: threads)
         self._finished_ids: collections.deque[str] = collections.deque()  # oldest finished first
         self.lock = threading.Lock()
@@ -330,6 +335,8 @@ class AsyncEngine:
             return
         outputs = self.engine.step()
         self.step_failure = None
+        if len(self.engine.steps) > 2 * self.max_step_records:  # (in halves: a list's front costs a copy to drop)
+            del self.engine.steps[: -self.max_step_records]
         for out in outputs:
             if out.finished:
                 self._finished(self.engine.requests[sequence_id(out.request_id, out.index)])

@@ -436,6 +436,26 @@ def test_async_engine_forgets_old_finished_requests_and_refuses_a_live_id(tiny_c
     assert list(async_engine.engine.requests) == ["r3", "dup"]
 
 
+def test_async_engine_keeps_the_newest_step_records_numbered_on(tiny_chat):
+    """A server steps for days: engine.steps keeps between max_step_records and twice as many, the newest, and
+    their numbers go on counting every step the engine ran (one a generated token here, prefill included)."""
+    model, tokenizer = tiny_chat
+    async_engine = AsyncEngine(LLMEngine(model, tokenizer, num_blocks=32), max_step_records=3)
+
+    async def answer(request_id):
+        return [out async for out in async_engine.generate([5, 6, 7], minillm.SamplingParams(max_new_tokens=4),
+                                                            request_id)][-1]
+
+    try:
+        for i in range(5):
+            asyncio.run(answer(f"r{i}"))
+    finally:
+        async_engine.close()
+    numbers = [record.step for record in async_engine.engine.steps]
+    assert 3 <= len(numbers) <= 6
+    assert numbers == list(range(20 - len(numbers), 20))  # 5 requests, one after another, 4 steps each
+
+
 def test_a_requests_clock_starts_when_it_is_sent_not_when_the_engine_thread_adds_it(tiny_chat):
     """While the engine thread is busy (here: its lock held for 0.3 s), a new request waits in the
     command queue; its TTFT and queue time must include that wait, as a client sees it."""
