@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kernel_families import SHAPES, matrices, race  # (benchmarks/ is on sys.path)
+from minillm.bench.arg_types import positive_int
 from minillm.fast import kernels
 from minillm.fast.choose import few_rows_in_c
 from minillm.fast.products import few_rows_kernel
@@ -64,10 +65,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(LAYERS), choices=list(LAYERS))
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    parser.add_argument("--rows", nargs="+", type=int, default=[1, 8])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--rows", nargs="+", type=positive_int, default=[1, 8])
+    parser.add_argument("--threads", type=positive_int, default=2)
+    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--reps", type=positive_int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

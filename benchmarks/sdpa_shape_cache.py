@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from minillm.bench.arg_types import positive_int
 from minillm.fast.paged_attention import FastPagedBatch
 from minillm.model import sdpa_attention
 from minillm.serving.paged_attention import PagedBatch
@@ -37,8 +38,8 @@ def in_use_mib(libc) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--calls", type=int, default=1200)
-    parser.add_argument("--every", type=int, default=400)
+    parser.add_argument("--calls", type=positive_int, default=1200)
+    parser.add_argument("--every", type=positive_int, default=400)
     parser.add_argument("--pad", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     libc = ctypes.CDLL("libc.so.6")

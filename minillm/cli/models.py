@@ -82,12 +82,17 @@ def run_info(args) -> int:
 
 def swap_table(decode_path: str | None):
     """The speed layer's swap table (minillm.fast.SWAPS): each course piece, the fast piece put in its place,
-    and when; the title names the model's decode path (None: --no-fast, the course's pieces only)."""
+    and when; the title names the model's decode path (None: --no-fast, the course's pieces only), the caption
+    (with a decode path) whether this CPU's matrix units run bfloat16 products."""
     from rich.table import Table
 
+    from ..fast import kernels
+
     got = f"this model: decode path {decode_path}" if decode_path else "this model: none, --no-fast"
+    here = (f" AMX matrix units for bfloat16 products on this CPU: {'yes' if kernels.bf16_amx_ready() else 'no'}."
+            if decode_path else "")
     table = Table("course piece", "fast piece", "when", title=f"the speed layer's swaps ({got})",
-                  caption=f"C kernels fit: {C_KERNELS_FIT}. The table: minillm/fast/__init__.py")
+                  caption=f"C kernels fit: {C_KERNELS_FIT}.{here} The table: minillm/fast/__init__.py")
     for swap in SWAPS:  # "model.Block" -> "Block"; PyTorch's own keeps "nn."
         course = swap.course.removeprefix("torch.") if swap.course.startswith("torch.") else swap.course.rpartition(".")[2]
         table.add_row(course, swap.fast.rpartition(".")[2], swap.when)

@@ -70,7 +70,8 @@ SWAPS = (
     Swap("quantize.QuantizedLinear", "fast.products.FastQuantizedLinear", "every path, a quantised model: its "
          "products in C on a CPU"),
     Swap("serving.paged_attention.PagedBatch", "fast.paged_attention.FastPagedBatch", "every path, C kernels fit: "
-         "the serving engine's decodes attend in C over the pool's blocks in place"),
+         "the serving engine's decodes attend in C over the pool's blocks in place; a bfloat16 or float16 prefill "
+         "chunk reaches SDPA padded to a few shapes"),
     Swap("phases.decode_step", "fast.compile.CompiledDecodeStep", "the compiled paths (compile, compile+matvec): the "
          "whole step compiled over a static view of the KV cache"),
 )

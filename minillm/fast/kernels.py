@@ -309,13 +309,22 @@ def f32_panel_matmul(x: torch.Tensor, panels: Panels, *, lib: ctypes.CDLL | None
 
 
 def _check_matvec(name: str, dtype: torch.dtype, x: torch.Tensor, weight: torch.Tensor) -> None:
-    """ValueError, one line, unless x [rows, in] and a contiguous weight [out, in] are ``dtype`` CPU tensors."""
+    """One line, unless x [rows, in] and a contiguous weight [out, in] are ``dtype`` CPU tensors without autograd:
+    TypeError for what is not a tensor, else ValueError."""
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{name} takes tensors x and weight, got {type(x).__name__} and {type(weight).__name__}")
     if x.dtype != dtype or weight.dtype != dtype or x.device.type != "cpu" or weight.device.type != "cpu":
         raise ValueError(f"{name} takes {str(dtype).removeprefix('torch.')} CPU tensors, got x {x.dtype} on "
                          f"{x.device.type} and weight {weight.dtype} on {weight.device.type}; use F.linear")
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or not weight.is_contiguous():
-        raise ValueError(f"{name} multiplies x [rows, in] by a contiguous weight [out, in], got x "
-                         f"{list(x.shape)} and weight {list(weight.shape)} (contiguous: {weight.is_contiguous()})")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"{name} multiplies x [rows, in] by a weight [out, in] of the same in, got x "
+                         f"{list(x.shape)} and weight {list(weight.shape)}; reshape x to [rows, in]")
+    if not weight.is_contiguous():
+        raise ValueError(f"{name} reads the weight row-major, got a weight {list(weight.shape)} with strides "
+                         f"{list(weight.stride())} (contiguous: False); pass weight.contiguous()")
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        raise ValueError(f"{name} has no backward pass, and x or the weight requires grad; use F.linear, or call "
+                         "it under torch.no_grad()")
 
 
 def bf16_matvec(x: torch.Tensor, weight: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
@@ -371,9 +380,12 @@ def bf16_amx_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if not bf16_amx_ready(lib=lib):
         raise ValueError("bf16_amx_matmul needs a build for AMX-BF16 (an Intel Xeon from Sapphire Rapids on, "
                          "-march=native) and the tile registers granted by Linux; use F.linear")
-    if bias is not None and (bias.shape != (weight.shape[0],) or bias.device.type != "cpu"):
-        raise ValueError(f"bf16_amx_matmul's bias is [out] = [{weight.shape[0]}] on the CPU, got "
-                         f"{list(bias.shape)} on {bias.device.type}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],)
+                             or bias.dtype != torch.bfloat16 or bias.device.type != "cpu"):
+        what = (f"{bias.dtype} {list(bias.shape)} on {bias.device.type}" if isinstance(bias, torch.Tensor)
+                else type(bias).__name__)
+        raise ValueError(f"bf16_amx_matmul's bias is bfloat16 [out] = [{weight.shape[0]}] on the CPU (as F.linear "
+                         f"takes it), got {what}")
     x = x.contiguous()
     bias32 = None if bias is None else bias.float().contiguous()
     y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)

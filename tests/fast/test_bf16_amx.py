@@ -69,11 +69,29 @@ def test_bf16_amx_matmul_keeps_nan_and_infinity():
     (torch.ones(1, 32, dtype=torch.bfloat16), torch.ones(24, 32, dtype=torch.bfloat16), r"out a multiple of 16"),
     (torch.ones(0, 32, dtype=torch.bfloat16), torch.ones(16, 32, dtype=torch.bfloat16), r"at least one row"),
     (torch.ones(1, 32, dtype=torch.bfloat16), torch.ones(32, 16, dtype=torch.bfloat16).t(), r"contiguous: False"),
+    (torch.ones(1, 32, dtype=torch.bfloat16), torch.ones(16, 64, dtype=torch.bfloat16), r"of the same in"),
 ])
 def test_bf16_amx_matmul_refuses_what_its_tiles_would_misread(x, w, message):
     _amx()
     with pytest.raises(ValueError, match=message):
         kernels.bf16_amx_matmul(x, w)
+
+
+@pytest.mark.parametrize("bias, message", [
+    (torch.ones(16), r"bfloat16 \[out\] = \[16\] on the CPU \(as F.linear takes it\), got torch.float32 \[16\]"),
+    (torch.ones(8, dtype=torch.bfloat16), r"got torch.bfloat16 \[8\]"),
+    ([1.0] * 16, r"got list"),
+])
+def test_bf16_amx_matmul_refuses_a_bias_f_linear_would_refuse(bias, message):
+    _amx()
+    with pytest.raises(ValueError, match=message):
+        kernels.bf16_amx_matmul(torch.ones(1, 32, dtype=torch.bfloat16), torch.ones(16, 32, dtype=torch.bfloat16), bias)
+
+
+def test_bf16_amx_matmul_names_what_is_not_a_tensor():
+    _amx()
+    with pytest.raises(TypeError, match="takes tensors x and weight, got list and Tensor"):
+        kernels.bf16_amx_matmul([[1.0] * 32], torch.ones(16, 32, dtype=torch.bfloat16))
 
 
 def test_the_portable_build_has_no_matrix_units():

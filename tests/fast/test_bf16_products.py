@@ -86,8 +86,12 @@ def test_the_portable_build_has_no_dot_product_instruction():
 
 @pytest.mark.parametrize("x, w, message", [
     (torch.ones(1, 4), torch.ones(2, 4, dtype=torch.bfloat16), "bfloat16 CPU tensors, got x torch.float32"),
-    (torch.ones(1, 4, dtype=torch.bfloat16), torch.ones(2, 5, dtype=torch.bfloat16), r"got x \[1, 4\] and weight \[2, 5\]"),
-    (torch.ones(1, 4, dtype=torch.bfloat16), torch.ones(4, 2, dtype=torch.bfloat16).t(), r"contiguous: False"),
+    (torch.ones(1, 4, dtype=torch.bfloat16), torch.ones(2, 5, dtype=torch.bfloat16),
+     r"of the same in, got x \[1, 4\] and weight \[2, 5\]; reshape"),
+    (torch.ones(1, 4, dtype=torch.bfloat16, requires_grad=True), torch.ones(2, 4, dtype=torch.bfloat16),
+     r"no backward pass"),
+    (torch.ones(1, 4, dtype=torch.bfloat16), torch.ones(4, 2, dtype=torch.bfloat16).t(),
+     r"contiguous: False\); pass weight.contiguous\(\)"),
     (torch.ones(4, dtype=torch.bfloat16), torch.ones(2, 4, dtype=torch.bfloat16), r"x \[rows, in\]"),
 ])
 def test_bf16_matvec_refuses_what_its_loop_would_misread(x, w, message):
