@@ -10,11 +10,12 @@ the block table where it lies and reads only the request's own positions::
     request b, key j:   k_pool[layer][block_tables[b, j // block_size], j % block_size, kv_head, :]
 
 Prefill chunks keep the reference path (their gather is one request's blocks, small next to the
-chunk's products), with one change in bfloat16 and float16: a chunk's queries and keys are padded to a multiple of
-CHUNK_PAD_ROWS before SDPA (:meth:`FastPagedBatch.attend_chunk`). SDPA's flash kernel builds an AMX micro-kernel
-for every block shape it meets and keeps each one for the life of the thread, without limit (``cpublas::brgemm``'s
-cache in torch 2.13); a server's chunks come in every length, so its memory grew with every new one (1,200
-chunks of random lengths: +157 MiB in use, padded +29 MiB, flat from the first 400). Same values as the reference up to float32 rounding (the softmax summed in another
+chunk's products), with one change in bfloat16 and float16: a chunk's queries and keys are padded to a
+multiple of CHUNK_PAD_ROWS before SDPA (:meth:`FastPagedBatch.attend_chunk`). SDPA's flash kernel builds an
+AMX micro-kernel for every block shape it meets and keeps each one for the life of the thread, without limit
+(``cpublas::brgemm``'s cache in torch 2.13); a server's chunks come in every length, so its memory grew with
+every new one (benchmarks/sdpa_shape_cache.py, 1,200 chunks of random lengths: +157 MiB in use, padded +29
+MiB, flat from the first 400). Same values as the reference up to float32 rounding (the softmax summed in another
 order). Swapped in by :func:`use_fast_paged_attention` when the speed layer loads a model (float32 or
 bfloat16 on a CPU, head_dim a multiple of 8, the C kernels built); ``--no-fast`` runs the reference. A
 bfloat16 pool is read as it lies, half float32's bytes, each key and value widened to float32 in the kernel:
