@@ -242,8 +242,8 @@ class CompletionRequest(_SamplingFields):
     @classmethod
     def _zero_only_with_echo(cls, max_tokens, info):
         if max_tokens == 0 and not info.data.get("echo"):
-            raise ValueError("max_tokens 0 generates nothing: it needs echo: true (the prompt, and with logprobs "
-                             "its tokens' logprobs); else ask for at least 1 token")
+            raise ValueError("0 generates nothing: it needs echo: true (the prompt, and with logprobs its tokens' "
+                             "logprobs); else ask for at least 1 token")  # (the error names the field before it)
         return max_tokens
 
 
