@@ -44,7 +44,8 @@ def main() -> None:
     args = parser.parse_args()
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = Mallinfo2
-    batch = (FastPagedBatch if args.pad else PagedBatch).__new__(FastPagedBatch if args.pad else PagedBatch)
+    batch_cls = FastPagedBatch if args.pad else PagedBatch
+    batch = batch_cls.__new__(batch_cls)  # (attend_chunk reads no batch state)
     attention = lambda q, k, v, mask: sdpa_attention(q, k, v, mask, 0.125, None)  # noqa: E731
     rng = random.Random(0)
 
