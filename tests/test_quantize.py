@@ -106,8 +106,9 @@ def test_fast_kernels_give_the_reference_logits(tiny_dirs, fmt, monkeypatch):
     """A decode step (1 row: the C kernels, fast=True) against the same model on the plain modules,
     which dequantise explicitly (fast=False)."""
     calls = []
-    kernel = matvec_kernels.quantized_matvec
-    monkeypatch.setattr(matvec_kernels, "quantized_matvec", lambda *a: calls.append(1) or kernel(*a))
+    for name in ("quantized_matvec", "int8_amx_matmul"):  # (int8 runs the second where the CPU has AMX-INT8)
+        kernel = getattr(matvec_kernels, name)
+        monkeypatch.setattr(matvec_kernels, name, lambda *a, _f=kernel: calls.append(1) or _f(*a))
     ids = torch.tensor([[3, 14, 15, 92, 65]])
     logits = {}
     for fast in (True, False):

@@ -49,23 +49,32 @@ def test_every_row_count_equals_dequantise_then_linear(fmt, out_features, in_fea
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_the_forward_picks_the_kernel_by_rows(fmt, monkeypatch):
+@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
+def test_the_forward_picks_the_kernel_by_rows(fmt, amx, monkeypatch):
     """Up to QUANTIZED_MATVEC_MAX_ROWS rows the fused kernel, up to QUANTIZED_TILED_MAX_ROWS the tiled
-    one, more the unpacked float matrix."""
+    one, more the unpacked float matrix; int8 on a CPU with AMX-INT8 the matrix units at every row count."""
+    if amx and not kernels.int8_amx_ready():
+        pytest.skip("this CPU (or build) has no AMX-INT8")
+    if not amx:
+        monkeypatch.setattr(kernels, "int8_amx_ready", lambda: False)
     calls = []
-    for name in ("quantized_matvec", "quantized_matmul", "dequantize"):
+    for name in ("quantized_matvec", "quantized_matmul", "dequantize", "int8_amx_matmul"):
         original = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _name=name, _f=original, **k: calls.append(_name) or _f(*a, **k))
     layer = FastQuantizedLinear(torch.randn(16, 64), None, fmt)
+    counts = (1, QUANTIZED_MATVEC_MAX_ROWS, QUANTIZED_MATVEC_MAX_ROWS + 1, 20, QUANTIZED_TILED_MAX_ROWS,
+              QUANTIZED_TILED_MAX_ROWS + 1)
     expected = {}
-    for rows in (1, QUANTIZED_MATVEC_MAX_ROWS, QUANTIZED_MATVEC_MAX_ROWS + 1, 20, QUANTIZED_TILED_MAX_ROWS,
-                 QUANTIZED_TILED_MAX_ROWS + 1):
+    for rows in counts:
         calls.clear()
         layer(torch.randn(rows, 64))
         expected[rows] = calls[:]
     matvec, matmul, unpack = ["quantized_matvec"], ["quantized_matmul"], ["dequantize"]
-    assert expected == {1: matvec, QUANTIZED_MATVEC_MAX_ROWS: matvec, QUANTIZED_MATVEC_MAX_ROWS + 1: matmul,
-                        20: matmul, QUANTIZED_TILED_MAX_ROWS: matmul, QUANTIZED_TILED_MAX_ROWS + 1: unpack}
+    if amx and fmt == "int8":
+        assert expected == {rows: ["int8_amx_matmul"] for rows in counts}
+    else:
+        assert expected == {1: matvec, QUANTIZED_MATVEC_MAX_ROWS: matvec, QUANTIZED_MATVEC_MAX_ROWS + 1: matmul,
+                            20: matmul, QUANTIZED_TILED_MAX_ROWS: matmul, QUANTIZED_TILED_MAX_ROWS + 1: unpack}
 
 
 BUILDS = pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
@@ -114,12 +123,15 @@ def tiny_llama(tmp_path_factory):
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_batch_of_20_requests_gives_the_reference_greedy_tokens(tiny_llama, fmt, packed, monkeypatch):
     """20 requests in one engine (decode steps of 20 rows: the tiled kernel, or with pack_panels
-    (``minillm serve --pack-weights``) the panel kernel where the build converts codes in vectors) on the
+    (``minillm serve --pack-weights``) the panel kernel where the build converts codes in vectors; int8 on
+    AMX-INT8 the matrix units) on the
     quantised fast model give the greedy tokens of the same engine on the plain quantised modules
     (fast=False: dequantise, then F.linear), request by request."""
     rows_seen = []
     panels = packed and kernels.quantized_panels_vectorised()
     name = "quantized_panel_matmul" if panels else "quantized_matmul"
+    if fmt == "int8" and kernels.int8_amx_ready():
+        name = "int8_amx_matmul"  # (every row count on the matrix units)
     original = getattr(kernels, name)
     monkeypatch.setattr(kernels, name, lambda x, *a: rows_seen.append(x.shape[0]) or original(x, *a))
     prompts = [[(7 * i + j) % 120 + 3 for j in range(3 + i % 6)] for i in range(20)]

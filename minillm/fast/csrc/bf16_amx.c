@@ -25,17 +25,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define BF16_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {  /* the tile configuration ldtilecfg reads (palette 1): each tile's rows and bytes a row */
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-} tile_config;
+#include "amx.h"
 
 /* x [rows, in] -> xb, block after block of 16 rows: block b, pair p holds x[16b + j][2p], x[16b + j][2p + 1]
  * at j (zeros past the last row). One 32-bit gather per pair reads a pair from each of the 16 rows. */
@@ -49,25 +39,6 @@ static void pack_pairs(const uint16_t *x, uint16_t *xb, int rows, int in, int bl
     for (int p = 0; p < pairs; p++)
         _mm512_store_si512(dst + (int64_t)p * 16,
                            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, row_starts, src + p, 4));
-}
-
-/* r[i] <- column i of the 16x16 matrix whose rows are r[0..15]: pairs, then quads, then 128-bit lanes swapped
- * (three rounds of 16 shuffles). */
-static inline void transpose16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 16; i += 2)
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44), r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44), r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88), t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
-        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
-    }
-    for (int i = 0; i < 8; i++)
-        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
 }
 
 /* One finished tile, c[i][j] = y[first_row + j][o + i] in float32, plus the bias (float32, or none), rounded once
@@ -127,9 +98,7 @@ static void output_block(const uint16_t *w, const uint16_t *xb, const float *bia
 /* 1 where bf16_amx_matmul runs: built for AMX-BF16 and the tile registers granted to this process. Asks once. */
 int bf16_amx_ready(void) {
 #if defined(BF16_AMX)
-    static int granted = -1;
-    if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return granted;
+    return amx_granted();
 #else
     return 0;
 #endif
@@ -150,14 +119,11 @@ int bf16_amx_matmul(const uint16_t *x, const uint16_t *w, const float *bias, uin
     {
         #pragma omp for schedule(static)
         for (int b = 0; b < blocks; b++) pack_pairs(x, xb, rows, in, b);
-        tile_config saved, mine = {.palette = 1};
-        _tile_storeconfig(&saved);
-        for (int t = 0; t < 8; t++) mine.rows[t] = 16, mine.bytes_per_row[t] = 64;
-        _tile_loadconfig(&mine);
+        tile_config saved;
+        amx_configure(&saved);
         #pragma omp for schedule(static)
         for (int u = 0; u < units; u++) output_block(w, xb, bias, y, 32 * u, out - 32 * u >= 32 ? 2 : 1, rows, out, in);
-        if (saved.palette) _tile_loadconfig(&saved);
-        else _tile_release();
+        amx_restore(&saved);
     }
     free(xb);
     return 0;
