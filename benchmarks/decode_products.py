@@ -12,8 +12,12 @@ For SmolLM2-135M's shape (all 30 layers' q|k|v, o, gate|up and down: 106 M weigh
     bfloat16   F.linear, oneDNN's product on a weight packed once for it (torch.ops.mkldnn._linear_pointwise
                after _reorder_linear_weight: what inductor's weight packing calls), the C loop bf16_matvec (up to
                8 rows), and where the CPU has AMX-BF16 bf16_amx_matmul (the matrix units, the weight in place)
+    int8       (minillm.quantize's codes, float32 x) torch._weight_int8pack_mm, F.linear on the dequantised
+               matrix (the lesson's product), the C loops quantized_matvec (1-3 rows) or quantized_matmul, and
+               where the CPU has AMX-INT8 quantized_amx_matmul (the codes in place, x in three int8 digits)
 
     python benchmarks/decode_products.py --dtypes bfloat16 --rows 1 2 8 32 64 128 256 512   # a server's batches
+    python benchmarks/decode_products.py --dtypes int8 --rows 1 8 32 128 512
 
 ms a pass over all the matrices (the best of the rounds' medians, the candidates taking turns, as
 benchmarks/kernel_families.py; with one thread the CPU time the thread got, so that other processes' turns
@@ -34,13 +38,16 @@ from kernel_families import SHAPES, matrices, race  # (benchmarks/ is on sys.pat
 from minillm.bench.arg_types import positive_int
 from minillm.fast import kernels
 from minillm.fast.choose import few_rows_in_c
-from minillm.fast.products import few_rows_kernel
+from minillm.fast.products import QUANTIZED_MATVEC_MAX_ROWS, QUANTIZED_TILED_MAX_ROWS, few_rows_kernel
+from minillm.quantize import dequantize_int8, quantize_int8
 
 LAYERS = {"135m": None, "1.7b": 6}  # None: every layer
 
 
 def candidates(ws: list[torch.Tensor], dtype: torch.dtype, rows: int) -> tuple[dict, dict]:
     """({name: a pass over ws} of PyTorch's kernels, {name: a pass} of the C kernels) for x of ``rows`` rows."""
+    if dtype == torch.int8:
+        return int8_candidates(ws, rows)
     xs = [torch.randn(rows, w.shape[1], dtype=dtype) for w in ws]
     pytorch, c = {"F.linear": lambda: [F.linear(x, w) for x, w in zip(xs, ws)]}, {}
     if dtype == torch.bfloat16:
@@ -56,6 +63,28 @@ def candidates(ws: list[torch.Tensor], dtype: torch.dtype, rows: int) -> tuple[d
     return pytorch, c
 
 
+def int8_candidates(codes: list[tuple[torch.Tensor, torch.Tensor]], rows: int) -> tuple[dict, dict]:
+    """candidates() for int8 codes and scales, float32 x."""
+    xs = [torch.randn(rows, q.shape[1]) for q, _ in codes]
+    pytorch = {"_weight_int8pack_mm": lambda: [torch._weight_int8pack_mm(x, q, s) for x, (q, s) in zip(xs, codes)],
+               "dequantize + F.linear": lambda: [F.linear(x, dequantize_int8(q, s)) for x, (q, s) in zip(xs, codes)]}
+    c = {"quantized_matvec" if rows <= QUANTIZED_MATVEC_MAX_ROWS else "quantized_matmul":
+         lambda: [kernels.quantized_matvec(x, q, s) if rows <= QUANTIZED_MATVEC_MAX_ROWS
+                  else kernels.quantized_matmul(x, q, s) for x, (q, s) in zip(xs, codes)]}
+    if kernels.quantized_amx_ready():
+        c["quantized_amx_matmul"] = lambda: [kernels.quantized_amx_matmul(x, q, s) for x, (q, s) in zip(xs, codes)]
+    return pytorch, c
+
+
+def int8_kernel(rows: int) -> str:
+    """The kernel FastQuantizedLinear runs for ``rows`` int8 rows here (every SmolLM2 matrix fits the tiles)."""
+    if kernels.quantized_amx_ready():
+        return "quantized_amx_matmul"
+    if rows <= QUANTIZED_MATVEC_MAX_ROWS:
+        return "quantized_matvec"
+    return "quantized_matmul" if rows <= QUANTIZED_TILED_MAX_ROWS else "dequantize + F.linear"
+
+
 def _cell(ms: dict[str, float], names, n_bytes: int) -> str:
     """"name ms (GB/s)" of each candidate named."""
     return ", ".join(f"{k} {ms[k]:.1f} ({n_bytes / ms[k] / 1e6:.1f})" for k in names)
@@ -64,7 +93,7 @@ def _cell(ms: dict[str, float], names, n_bytes: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(LAYERS), choices=list(LAYERS))
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "int8"])
     parser.add_argument("--rows", nargs="+", type=positive_int, default=[1, 8])
     parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--rounds", type=positive_int, default=3)
@@ -77,6 +106,7 @@ def main() -> None:
     clock = "thread CPU time" if args.threads == 1 else "wall time"
     print(f"{clock}, threads {args.threads}, torch {torch.__version__}, 1-3 float32 rows in C here: {in_c}, "
           f"bf16_matvec with AVX512-BF16: {kernels.bf16_dot_instructions()}, AMX-BF16: {kernels.bf16_amx_ready()}, "
+          f"AMX-INT8: {kernels.quantized_amx_ready()}, "
           f"load {os.getloadavg()[0]:.1f}\n")
     print("| shape | dtype | rows | PyTorch ms (GB/s) | C ms (GB/s) | best C / best PyTorch | runs now |")
     print("|---|---|---|---|---|---|---|")
@@ -84,15 +114,19 @@ def main() -> None:
         f32 = matrices(SHAPES[shape], LAYERS[shape])
         for name in args.dtypes:
             dtype = getattr(torch, name)
-            ws = f32 if dtype == torch.float32 else [w.to(dtype) for w in f32]
-            n_bytes = sum(w.numel() * w.element_size() for w in ws)
+            if dtype == torch.int8:
+                ws = [quantize_int8(w) for w in f32]
+                n_bytes = sum(q.numel() + 4 * s.numel() for q, s in ws)
+            else:
+                ws = f32 if dtype == torch.float32 else [w.to(dtype) for w in f32]
+                n_bytes = sum(w.numel() * w.element_size() for w in ws)
             for rows in args.rows:
                 pytorch, c = candidates(ws, dtype, rows)
                 clock = time.thread_time if args.threads == 1 else time.perf_counter
                 ms = race(pytorch | c, args.rounds, args.reps, clock)
                 ratio = f"{min(ms[k] for k in c) / min(ms[k] for k in pytorch):.2f}" if c else "-"
                 amx = dtype == torch.bfloat16 and kernels.bf16_amx_ready() and all(map(kernels.bf16_amx_fits, ws))
-                now = few_rows_kernel(rows, dtype, in_c, panels=False, amx=amx)
+                now = int8_kernel(rows) if dtype == torch.int8 else few_rows_kernel(rows, dtype, in_c, False, amx)
                 print(f"| {shape} | {name} | {rows} | {_cell(ms, pytorch, n_bytes)} | {_cell(ms, c, n_bytes) or '-'} "
                       f"| {ratio} | {now} |", flush=True)
             del ws

@@ -8,7 +8,7 @@ family, each function a kernel, checking what the C loops would misread (they tr
     csrc/bf16_amx.c    bfloat16 products on AMX, w in place  bf16_amx_matmul, bf16_amx_ready
     csrc/quantized.c   int8 and int4 products                quantized_matvec, quantized_matmul, dequantize,
                                                              quantized_pack_panels, quantized_panel_matmul
-    csrc/int8_amx.c    int8 products on AMX, codes in place  int8_amx_matmul, int8_amx_ready
+    csrc/quantized_amx.c  int8, int4 products on AMX      int8_amx_matmul, int4_amx_matmul, quantized_amx_ready
     csrc/attention.c   decode's and prefill's attention      decode_attention, paged_decode_attention,
                                                              causal_attention
     csrc/rms_norm.c    the residual add and RMSNorm          rms_norm
@@ -58,7 +58,7 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("common.h", "amx.h", "products.c", "bf16_products.c", "bf16_amx.c", "quantized.c",
-                                    "int8_amx.c", "attention.c", "rms_norm.c", "silu_mul.c")]  # what the library is built from
+                                    "quantized_amx.c", "attention.c", "rms_norm.c", "silu_mul.c")]  # what the library is built from
 OPS_SOURCE = CSRC / "ops.cpp"  # the products and decode attention as torch ops, for compiled code
 # first OpenMP (threads), then without it (macOS clang has no -fopenmp: one thread), then portable
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
@@ -187,9 +187,10 @@ C_FUNCTIONS = {  # name: (argument types, result type), as csrc/*.c declares the
     "int4_pack_panels": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _I], None),
     "quantized_panels_vectorised": ([], _I),
     "quantized_panel_matmul": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I], None),
-    # int8_amx.c
-    "int8_amx_ready": ([], _I),
+    # quantized_amx.c
+    "quantized_amx_ready": ([], _I),
     "int8_amx_matmul": ([_P, _P, _P, _P, _I, _I, _I, _I], _I),
+    "int4_amx_matmul": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I], _I),
     # attention.c
     "attention_reference": ([_P, _P, _P, _P, _I, _I, _F], None),
     "decode_attention": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _L, _L, _L, _L, _F, _I], _I),
@@ -528,47 +529,56 @@ def quantized_panel_matmul(x: torch.Tensor, panels: QuantizedPanels, *, lib: cty
     return y
 
 
-def int8_amx_ready(*, lib: ctypes.CDLL | None = None) -> bool:
-    """Whether :func:`int8_amx_matmul` runs here: the build targets AMX-INT8 (``-march=native`` on an Intel
+def quantized_amx_ready(*, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether :func:`quantized_amx_matmul` runs here: the build targets AMX-INT8 (``-march=native`` on an Intel
     Xeon from Sapphire Rapids on) and Linux granted this process the tile registers. False for a portable
     build and on every other CPU."""
     if lib is None:  # (the library's answer, asked once: a product asks at every call)
-        if "int8_amx" not in _state:
-            _state["int8_amx"] = kernels() is not None and bool(kernels().int8_amx_ready())
-        return _state["int8_amx"]
-    return bool(lib.int8_amx_ready())
+        if "quantized_amx" not in _state:
+            _state["quantized_amx"] = kernels() is not None and bool(kernels().quantized_amx_ready())
+        return _state["quantized_amx"]
+    return bool(lib.quantized_amx_ready())
 
 
-def int8_amx_fits(codes: torch.Tensor) -> bool:
-    """Whether :func:`int8_amx_matmul` takes these int8 codes [out, in]: in a multiple of 64 (a tile's ks), out a
-    multiple of 16 (a tile's outputs)."""
-    return codes.dim() == 2 and codes.shape[1] % 64 == 0 and codes.shape[0] % 16 == 0
+def quantized_amx_fits(codes: torch.Tensor, group_size: int | None = None) -> bool:
+    """Whether :func:`quantized_amx_matmul` takes these codes (int8 [out, in], or with a ``group_size`` int4
+    [out, in/2]): in a multiple of 64 (a tile's ks), out a multiple of 16 (a tile's outputs), int4 groups whole
+    tiles (group_size a multiple of 64)."""
+    in_features = codes.shape[-1] * (1 if group_size is None else 2)
+    return (codes.dim() == 2 and in_features % 64 == 0 and codes.shape[0] % 16 == 0
+            and (group_size is None or group_size % 64 == 0))
 
 
-def int8_amx_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, *,
-                    lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """x [rows, in] float32 @ ŵᵀ -> [rows, out] float32 on the CPU's matrix units (Intel AMX-INT8), ŵ = codes
-    [out, in] int8 · scale [out] float32 (minillm.quantize's int8). The codes are read in place; x is written as
-    three int8 digits a value, enough for float32 (csrc/int8_amx.c), so the result is ``F.linear(x, ŵ)``'s up to
-    float32 rounding: the activations are not quantised.
+def quantized_amx_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
+                         group_size: int = 0, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [rows, in] float32 @ ŵᵀ -> [rows, out] float32 on the CPU's matrix units (Intel AMX-INT8), ŵ the codes
+    above (int8 when zero is None, else int4 in groups of ``group_size``). x is written as three int8 digits a
+    value, enough for float32 (csrc/quantized_amx.c), so the result is ``F.linear(x, ŵ)``'s up to float32
+    rounding: the activations are not quantised. int8 codes are read in place, int4 unpacked a group at a time.
 
-    Raises ValueError for codes the kernel would misread, shapes it does not take (:func:`int8_amx_fits`), or where
-    it does not run (:func:`int8_amx_ready`); MemoryError when x's digits cannot be allocated."""
+    Raises ValueError for codes the kernel would misread, shapes it does not take (:func:`quantized_amx_fits`), or
+    where it does not run (:func:`quantized_amx_ready`); MemoryError when x's digits cannot be allocated."""
     lib = lib or kernels()
-    _check_codes("int8_amx_matmul", codes, scale, None, None, x)
-    if not int8_amx_fits(codes) or x.shape[0] == 0:
-        raise ValueError(f"int8_amx_matmul takes codes [out, in] with out a multiple of 16 and in a multiple of 64, "
-                         f"and at least one row, got x {list(x.shape)} and codes {list(codes.shape)}; use "
-                         "quantized_matmul")
-    if not int8_amx_ready(lib=lib):
-        raise ValueError("int8_amx_matmul needs a build for AMX-INT8 (an Intel Xeon from Sapphire Rapids on, "
-                         "-march=native) and the tile registers granted by Linux; use quantized_matmul")
+    op = "quantized_amx_matmul"
+    _check_codes(op, codes, scale, zero, group_size, x)
+    if not quantized_amx_fits(codes, None if zero is None else group_size) or x.shape[0] == 0:
+        raise ValueError(f"{op} takes codes for [out, in] with out a multiple of 16, in a multiple of 64 (int4: "
+                         f"group_size too), and at least one row, got x {list(x.shape)}, codes {list(codes.shape)}"
+                         + ("" if zero is None else f", group_size {group_size}") + "; use quantized_matmul")
+    if not quantized_amx_ready(lib=lib):
+        raise ValueError(f"{op} needs a build for AMX-INT8 (an Intel Xeon from Sapphire Rapids on, -march=native) "
+                         "and the tile registers granted by Linux; use quantized_matmul")
     x = x.contiguous()
     y = _output(x.shape[0], codes.shape[0])
-    if lib.int8_amx_matmul(x.data_ptr(), codes.data_ptr(), scale.data_ptr(), y.data_ptr(), x.shape[0],
-                           codes.shape[0], codes.shape[1], torch.get_num_threads()):
-        raise MemoryError(f"int8_amx_matmul could not allocate {min(x.shape[0], 320) * x.shape[1] * 7:,} bytes for "
-                          "x's digits")
+    sizes = (x.shape[0], codes.shape[0], x.shape[1])
+    if zero is None:
+        status = lib.int8_amx_matmul(x.data_ptr(), codes.data_ptr(), scale.data_ptr(), y.data_ptr(), *sizes,
+                                     torch.get_num_threads())
+    else:
+        status = lib.int4_amx_matmul(x.data_ptr(), codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), y.data_ptr(),
+                                     *sizes, group_size, torch.get_num_threads())
+    if status:
+        raise MemoryError(f"{op} could not allocate {min(x.shape[0], 320) * x.shape[1] * 7:,} bytes for x's digits")
     return y
 
 

@@ -229,13 +229,14 @@ class FastQuantizedLinear(QuantizedLinear):
         return fits and x.is_cpu and x.dtype == torch.float32 and kernels.available()
 
     def _on_matrix_units(self) -> bool:
-        """Whether int8 products of any number of rows run on the matrix units: the CPU has AMX-INT8, eager code."""
-        return (self.fmt == "int8" and not torch.compiler.is_compiling() and kernels.int8_amx_fits(self.qweight)
-                and kernels.int8_amx_ready())
+        """Whether products of any number of rows run on the matrix units: the CPU has AMX-INT8, eager code."""
+        group = self.group_size if self.fmt == "int4" else None
+        return (not torch.compiler.is_compiling() and kernels.quantized_amx_fits(self.qweight, group)
+                and kernels.quantized_amx_ready())
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self._on_matrix_units():
-            return kernels.int8_amx_matmul(x, self.qweight, self.scale)
+            return kernels.quantized_amx_matmul(x, self.qweight, self.scale, self.zero, self.group_size)
         k = kernels.functions()
         if x.shape[0] <= QUANTIZED_MATVEC_MAX_ROWS:
             return k.quantized_matvec(x, self.qweight, self.scale, self.zero, self.group_size)

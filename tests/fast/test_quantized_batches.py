@@ -53,12 +53,12 @@ def test_every_row_count_equals_dequantise_then_linear(fmt, out_features, in_fea
 def test_the_forward_picks_the_kernel_by_rows(fmt, amx, monkeypatch):
     """Up to QUANTIZED_MATVEC_MAX_ROWS rows the fused kernel, up to QUANTIZED_TILED_MAX_ROWS the tiled
     one, more the unpacked float matrix; int8 on a CPU with AMX-INT8 the matrix units at every row count."""
-    if amx and not kernels.int8_amx_ready():
+    if amx and not kernels.quantized_amx_ready():
         pytest.skip("this CPU (or build) has no AMX-INT8")
     if not amx:
-        monkeypatch.setattr(kernels, "int8_amx_ready", lambda: False)
+        monkeypatch.setattr(kernels, "quantized_amx_ready", lambda: False)
     calls = []
-    for name in ("quantized_matvec", "quantized_matmul", "dequantize", "int8_amx_matmul"):
+    for name in ("quantized_matvec", "quantized_matmul", "dequantize", "quantized_amx_matmul"):
         original = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _name=name, _f=original, **k: calls.append(_name) or _f(*a, **k))
     layer = FastQuantizedLinear(torch.randn(16, 64), None, fmt)
@@ -70,8 +70,8 @@ def test_the_forward_picks_the_kernel_by_rows(fmt, amx, monkeypatch):
         layer(torch.randn(rows, 64))
         expected[rows] = calls[:]
     matvec, matmul, unpack = ["quantized_matvec"], ["quantized_matmul"], ["dequantize"]
-    if amx and fmt == "int8":
-        assert expected == {rows: ["int8_amx_matmul"] for rows in counts}
+    if amx:
+        assert expected == {rows: ["quantized_amx_matmul"] for rows in counts}
     else:
         assert expected == {1: matvec, QUANTIZED_MATVEC_MAX_ROWS: matvec, QUANTIZED_MATVEC_MAX_ROWS + 1: matmul,
                             20: matmul, QUANTIZED_TILED_MAX_ROWS: matmul, QUANTIZED_TILED_MAX_ROWS + 1: unpack}
@@ -130,8 +130,8 @@ def test_a_batch_of_20_requests_gives_the_reference_greedy_tokens(tiny_llama, fm
     rows_seen = []
     panels = packed and kernels.quantized_panels_vectorised()
     name = "quantized_panel_matmul" if panels else "quantized_matmul"
-    if fmt == "int8" and kernels.int8_amx_ready():
-        name = "int8_amx_matmul"  # (every row count on the matrix units)
+    if kernels.quantized_amx_ready():
+        name = "quantized_amx_matmul"  # (every row count on the matrix units)
     original = getattr(kernels, name)
     monkeypatch.setattr(kernels, name, lambda x, *a: rows_seen.append(x.shape[0]) or original(x, *a))
     prompts = [[(7 * i + j) % 120 + 3 for j in range(3 + i % 6)] for i in range(20)]

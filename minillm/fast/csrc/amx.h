@@ -1,4 +1,4 @@
-/* What the products on Intel's matrix units (AMX) share: bf16_amx.c and int8_amx.c. Included only where the
+/* What the products on Intel's matrix units (AMX) share: bf16_amx.c and quantized_amx.c. Included only where the
  * compiler targets AMX (Linux, AVX-512).
  *
  * Eight tile registers of 16 rows by 64 bytes, configured by each thread (ldtilecfg). Both products use the

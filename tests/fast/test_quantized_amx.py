@@ -1,6 +1,6 @@
-"""The int8 product on the matrix units (minillm/fast/csrc/int8_amx.c) against float64 F.linear on the dequantised
-matrix; its rows of zeros, NaN, infinities, tiny and huge values; what it refuses; that it leaves PyTorch's own AMX
-kernels their tile configuration. Skipped where the CPU has no AMX-INT8 (every test but the portable build's).
+"""The int8 and int4 products on the matrix units (minillm/fast/csrc/quantized_amx.c) against float64 F.linear on the
+dequantised matrix; rows of zeros, NaN, infinities, tiny and huge values; what they refuse; that they leave PyTorch's
+own AMX kernels their tile configuration. Skipped where the CPU has no AMX-INT8 (every test but the portable build's).
 
 The bound: x is written as three base-254 digits under a power-of-two scale s < max|x| / 63.5, so each value is
 off by at most 0.5 · s / 254² < 1.22e-7 · max|x|; the digit sums are exact integers, and what follows them is a
@@ -15,20 +15,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm.fast import kernels
-from minillm.quantize import dequantize_int8, quantize_int8
+from minillm.quantize import QuantizedLinear
 
 
 def _amx():
-    if kernels.kernels() is None or not kernels.int8_amx_ready():
+    if kernels.kernels() is None or not kernels.quantized_amx_ready():
         pytest.skip("needs a CPU with AMX-INT8 (an Intel Xeon from Sapphire Rapids on) and the C kernels")
 
 
-def _codes(out_features: int, in_features: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_int8(torch.randn(out_features, in_features, generator=g))
+def _layer(fmt: str, out_features: int, in_features: int, g: torch.Generator, group_size: int = 64) -> QuantizedLinear:
+    return QuantizedLinear(torch.randn(out_features, in_features, generator=g), None, fmt, group_size)
 
 
-def _assert_float32_close(y: torch.Tensor, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
-    w = dequantize_int8(q, scale).double()
+def _product(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    return kernels.quantized_amx_matmul(x, layer.qweight, layer.scale, layer.zero, layer.group_size)
+
+
+def _assert_float32_close(y: torch.Tensor, x: torch.Tensor, layer: QuantizedLinear) -> None:
+    w = layer.dequantize().double()
     exact = F.linear(x.double(), w)
     largest = x.double().abs().amax(dim=1, keepdim=True)
     bound = 1.22e-7 * largest * w.abs().sum(dim=1) + 4 * 2.0 ** -24 * F.linear(x.double().abs(), w.abs()) + 1e-37
@@ -36,65 +40,71 @@ def _assert_float32_close(y: torch.Tensor, x: torch.Tensor, q: torch.Tensor, sca
     assert ((y.double() - exact).abs() <= bound).all(), ((y.double() - exact).abs() / bound).max()
 
 
-@settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, 70), out_blocks=st.integers(1, 7), in_tiles=st.integers(1, 5),
-       magnitude=st.floats(-30, 30), seed=st.integers(0, 2**16))
-def test_int8_amx_matmul_equals_float64_linear(rows, out_blocks, in_tiles, magnitude, seed):
+@settings(max_examples=60, deadline=None)
+@given(fmt=st.sampled_from(["int8", "int4"]), rows=st.integers(1, 70), out_blocks=st.integers(1, 7),
+       in_tiles=st.integers(1, 5), groups_of=st.sampled_from([1, 2]), magnitude=st.floats(-30, 30),
+       seed=st.integers(0, 2**16))
+def test_quantized_amx_matmul_equals_float64_linear(fmt, rows, out_blocks, in_tiles, groups_of, magnitude, seed):
     """Rows across whole and partial 5-row tiles, pairs and an odd one; outputs in 32s and a last 16; ks in 64s;
-    each row at its own size around 10^magnitude."""
+    int4 groups of 64 and 128; each row at its own size around 10^magnitude."""
     _amx()
     g = torch.Generator().manual_seed(seed)
-    q, scale = _codes(16 * out_blocks, 64 * in_tiles, g)
+    in_features = 64 * groups_of * in_tiles
+    layer = _layer(fmt, 16 * out_blocks, in_features, g, 64 * groups_of)
     sizes = 10.0 ** (magnitude + torch.rand(rows, 1, generator=g) * 4 - 2)
-    x = torch.randn(rows, 64 * in_tiles, generator=g) * sizes
-    _assert_float32_close(kernels.int8_amx_matmul(x, q, scale), x, q, scale)
+    x = torch.randn(rows, in_features, generator=g) * sizes
+    _assert_float32_close(_product(layer, x), x, layer)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("rows, out_features, in_features", [(1, 960, 576), (32, 576, 1536), (700, 96, 128),
                                                               (3, 49152, 576)])
-def test_int8_amx_matmul_at_smollm2_shapes(rows, out_features, in_features):
+def test_quantized_amx_matmul_at_smollm2_shapes(fmt, rows, out_features, in_features):
     """SmolLM2-135M's q|k|v, down projection and LM head, and 700 rows (three chunks of at most 320)."""
     _amx()
     g = torch.Generator().manual_seed(rows)
-    q, scale = _codes(out_features, in_features, g)
+    layer = _layer(fmt, out_features, in_features, g)
     x = torch.randn(rows, in_features, generator=g)
-    _assert_float32_close(kernels.int8_amx_matmul(x, q, scale), x, q, scale)
+    _assert_float32_close(_product(layer, x), x, layer)
 
 
-def test_threads_split_the_outputs_not_the_values():
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_threads_split_the_outputs_not_the_values(fmt):
     _amx()
     g = torch.Generator().manual_seed(3)
-    q, scale = _codes(112, 192, g)
+    layer = _layer(fmt, 112, 192, g)
     x = torch.randn(23, 192, generator=g)
     threads = torch.get_num_threads()
     try:
         results = []
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            results.append(kernels.int8_amx_matmul(x, q, scale))
+            results.append(_product(layer, x))
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
-def test_rows_of_zeros_nan_infinity_and_extreme_sizes_are_f_linears():
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_rows_of_zeros_nan_infinity_and_extreme_sizes_are_f_linears(fmt):
     """A row of zeros gives zeros; a NaN or an infinity gives F.linear's NaN and infinities (the scalar loop takes
     those rows, and rows too small or too large for a float32 scale); the other rows are unaffected."""
     _amx()
     g = torch.Generator().manual_seed(4)
-    q, scale = _codes(32, 128, g)
-    q[:, 7] = torch.where(q[:, 7] == 0, torch.ones_like(q[:, 7]), q[:, 7])  # no 0 · inf: a clean infinity
+    w = torch.randn(32, 128, generator=g)
+    w[:, 7] = 1.0  # no 0 · inf in either format: a clean infinity
+    layer = QuantizedLinear(w, None, fmt)
     x = torch.randn(6, 128, generator=g)
     x[0] = 0
     x[1, 5] = float("nan")
     x[2, 7] = float("inf")
     x[3] *= 1e-36
     x[4] *= 1e35
-    y, reference = kernels.int8_amx_matmul(x, q, scale), F.linear(x, dequantize_int8(q, scale))
+    y, reference = _product(layer, x), layer.forward_reference(x)
     assert torch.equal(y[0], torch.zeros(32))
     assert y[1].isnan().all()
     assert torch.equal(y[2], reference[2]) and y[2].isinf().all()
-    _assert_float32_close(y[3:], x[3:], q, scale)
+    _assert_float32_close(y[3:], x[3:], layer)
 
 
 @pytest.mark.parametrize("x, q, message", [
@@ -105,16 +115,16 @@ def test_rows_of_zeros_nan_infinity_and_extreme_sizes_are_f_linears():
     (torch.ones(0, 64), torch.ones(16, 64, dtype=torch.int8), r"at least one row"),
     (torch.ones(1, 128), torch.ones(16, 64, dtype=torch.int8), r"x must be float32 \[rows, 64\]"),
 ])
-def test_int8_amx_matmul_refuses_what_its_tiles_would_misread(x, q, message):
+def test_quantized_amx_matmul_refuses_what_its_tiles_would_misread(x, q, message):
     _amx()
     with pytest.raises(ValueError, match=message):
-        kernels.int8_amx_matmul(x, q, torch.ones(q.shape[0]))
+        kernels.quantized_amx_matmul(x, q, torch.ones(q.shape[0]))
 
 
 def test_the_portable_build_has_no_int8_matrix_units():
     if kernels.kernels(portable=True) is None:
         pytest.skip("needs the C kernels")
-    assert kernels.int8_amx_ready(lib=kernels.kernels(portable=True)) is False
+    assert kernels.quantized_amx_ready(lib=kernels.kernels(portable=True)) is False
 
 
 def test_pytorchs_own_amx_kernels_keep_their_tile_configuration():
@@ -126,8 +136,9 @@ def test_pytorchs_own_amx_kernels_keep_their_tile_configuration():
     xb, w = torch.randn(300, 576, generator=g).bfloat16(), torch.randn(576, 576, generator=g).bfloat16()
     attention = F.scaled_dot_product_attention(qa, k, k, is_causal=True, enable_gqa=True)
     product = F.linear(xb, w)
-    q, scale = _codes(576, 576, g)
+    layers = [_layer(fmt, 576, 576, g) for fmt in ("int8", "int4")]
     for rows in (1, 40, 400):
-        kernels.int8_amx_matmul(torch.randn(rows, 576, generator=g), q, scale)
+        for layer in layers:
+            _product(layer, torch.randn(rows, 576, generator=g))
         assert torch.equal(F.scaled_dot_product_attention(qa, k, k, is_causal=True, enable_gqa=True), attention)
         assert torch.equal(F.linear(xb, w), product)

@@ -1,0 +1,369 @@
+/* int8 and int4 products on the CPU's matrix units (Intel AMX-INT8), x kept at float32's precision: y = x @ ŵᵀ
+ * with minillm/quantize.py's formats,
+ *
+ *   int8  ŵ[o, k] = q[o, k] · scale[o]                   q int8 [out, in] (row-major), scale float32 [out]
+ *   int4  ŵ[o, k] = (q[o, k] - zero[o, g]) · scale[o, g]  packed uint8 [out, in/2] (byte j = q[2j] | q[2j+1] << 4),
+ *         g = k / group                                   scale float32, zero uint8 [out, in/group]
+ *
+ *   x float32 [rows, in],  y float32 [rows, out]
+ *
+ * A tile multiply-add takes int8 by int8 into int32, exactly. x is float32, so each row is written as three int8
+ * digits in base 254 under a power-of-two scale s (s chosen so that max|x| / s lies in (63.5, 127], which makes
+ * x / s exact):
+ *
+ *   x[k] / s = d0[k] + d1[k] / 254 + d2[k] / 254² + ε[k],   |ε| <= 0.5 / 254²   (each digit in [-127, 127])
+ *   int8  y[r, o] = scale[o] · s · (D0 + (D1 + D2 / 254) / 254),   Dc = Σ_k q[o, k] · dc[k]   (int32)
+ *   int4  the same with scale[o] · Dc replaced by Σ_g scale[o, g] · Σ_{k in g} (q[o, k] - zero[o, g]) · dc[k]
+ *
+ * ε · s is at most 1.2e-7 of the row's largest |x|, float32's own rounding of it, and the Dc are exact, so the
+ * result differs from F.linear(x, ŵ) by float32 rounding only: the activations are not quantised (llama.cpp's
+ * Q8_0 quantises them to 8 bits). tests/fast/test_quantized_amx.py checks it against float64.
+ *
+ * As in bf16_amx.c, the codes are the tiles' A operand, 16 rows of 64 int8s, and the product is computed
+ * transposed, yᵀ = ŵ · xᵀ. int8 codes are read in place. int4 codes are unpacked into a small buffer (abuf below:
+ * 32 rows, q - zero in [-15, 15]), and each group's int32 tile is added into a float32 one times its scales (a
+ * group must be whole tiles: group a multiple of 64). x's digits are packed as the B operand ("VNNI": four neighbouring ks side by
+ * side, xd below): a B tile's 16 columns hold 5 rows of x, three digits each (column 5c + j: digit c of row j;
+ * column 15 is zero), so one tile multiply serves up to 5 rows:
+ *
+ *   tile [16 outputs, 16 columns] (int32) += q tile [16 outputs, 64 ks] · xd tile [16 k-quads, 16 columns, 4]
+ *
+ * Each thread takes blocks of 32 outputs (two A tiles) and walks x's rows 10 at a time (two B tiles). A row whose
+ * largest |x| is 0, not finite, or outside [2^-100, 2^100] (its scale would overflow) is computed by the scalar
+ * loop instead, in float32: F.linear's NaN, infinity and zero.
+ *
+ * Built only where the compiler targets AMX-INT8 (-march=native on an Intel Xeon from Sapphire Rapids on); needs
+ * in a multiple of 64 and out a multiple of 16 (every SmolLM2, Llama and Qwen matrix). minillm.fast.products
+ * runs csrc/quantized.c's kernels elsewhere.
+ */
+#include "common.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__) && defined(__AVX512DQ__) \
+    && defined(__linux__)
+#define QUANTIZED_AMX 1
+#include "amx.h"
+
+#define ROWS_PER_TILE 5  /* rows of x whose three digits fill a B tile's 16 columns */
+#define BASE 254.0f
+#define CHUNK_ROWS 320  /* rows of x digitised at once: 64 B tiles */
+
+/* Row r's scale s (a power of two, max|x| / s in (63.5, 127]), or 0 when the scalar loop takes the row. */
+static float row_scale(const float *x, int in) {
+    __m512 big = _mm512_setzero_ps();
+    __mmask16 odd = 0;
+    for (int k = 0; k < in; k += 16) {
+        __m512 v = _mm512_loadu_ps(x + k);
+        odd |= _mm512_fpclass_ps_mask(v, 0x99);  /* NaN (quiet, signalling) or ±infinity */
+        big = _mm512_max_ps(big, _mm512_abs_ps(v));
+    }
+    float m = _mm512_reduce_max_ps(big);
+    if (odd || !(m >= 0x1p-100f && m <= 0x1p100f)) return 0.0f;
+    int e;
+    frexpf(m / 127.0f, &e);  /* m / 127 <= 2^e */
+    float s = ldexpf(1.0f, e);
+    return m / s > 127.0f ? 2.0f * s : s;  /* (m / 127 rounded down past a power of two) */
+}
+
+/* x [rows, in] -> the three digit rows of each (digits [rows][3][in] int8), s per row in row_s. */
+static void digits_of(const float *x, int8_t *digits, float *row_s, int r, int in) {
+    const float *xr = x + (int64_t)r * in;
+    int8_t *d = digits + (int64_t)r * 3 * in;
+    float s = row_s[r] = row_scale(xr, in);
+    if (s == 0.0f) {
+        memset(d, 0, (size_t)3 * in);
+        return;
+    }
+    __m512 inv = _mm512_set1_ps(1.0f / s), base = _mm512_set1_ps(BASE);
+    for (int k = 0; k < in; k += 16) {
+        __m512 u = _mm512_mul_ps(_mm512_loadu_ps(xr + k), inv);  /* exact: s is a power of two */
+        __m512 d0 = _mm512_roundscale_ps(u, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512 e1 = _mm512_mul_ps(_mm512_sub_ps(u, d0), base);
+        __m512 d1 = _mm512_roundscale_ps(e1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512 e2 = _mm512_mul_ps(_mm512_sub_ps(e1, d1), base);
+        _mm_storeu_si128((__m128i *)(d + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(d0)));
+        _mm_storeu_si128((__m128i *)(d + in + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(d1)));
+        _mm_storeu_si128((__m128i *)(d + 2 * in + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(e2)));
+    }
+}
+
+/* Block b's B operand: xd + b·16·in bytes, k-quad p, column v = 5c + j <- digits[5b + j][c][4p .. 4p + 3]. One
+ * 32-bit gather per quad reads a quad from each of the 15 digit rows (zeros past the last row of x). */
+static void pack_quads(const int8_t *digits, int8_t *xd, int rows, int in, int block) {
+    int first = ROWS_PER_TILE * block, n = rows - first < ROWS_PER_TILE ? rows - first : ROWS_PER_TILE;
+    int quads = in / 4, index[16] = {0};
+    __mmask16 live = 0;
+    for (int c = 0; c < 3; c++)
+        for (int j = 0; j < n; j++) {
+            index[ROWS_PER_TILE * c + j] = ((first + j) * 3 + c) * quads;
+            live |= (__mmask16)(1u << (ROWS_PER_TILE * c + j));
+        }
+    __m512i starts = _mm512_loadu_si512(index);
+    const int32_t *src = (const int32_t *)digits;
+    int32_t *dst = (int32_t *)(xd + (int64_t)block * 16 * in);
+    for (int p = 0; p < quads; p++)
+        _mm512_store_si512(dst + (int64_t)p * 16, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, starts,
+                                                                               src + p, 4));
+}
+
+/* One finished tile into y's rows first .. first + n - 1 at outputs o .. o + 15: r[i] holds output o + i's 16
+ * columns (float32), times scale16[i] (NULL: 1). */
+static void store_tile(__m512 r[16], const float *scale16, const float *row_s, float *y, int o, int first, int n,
+                       int out) {
+    __m512 inv = _mm512_set1_ps(1.0f / BASE), sc = scale16 ? _mm512_loadu_ps(scale16) : _mm512_set1_ps(1.0f);
+    transpose16(r);  /* r[v]: column v for the 16 outputs */
+    for (int j = 0; j < n; j++) {
+        __m512 sum = _mm512_fmadd_ps(_mm512_fmadd_ps(r[10 + j], inv, r[5 + j]), inv, r[j]);
+        _mm512_storeu_ps(y + (int64_t)(first + j) * out + o,
+                         _mm512_mul_ps(sum, _mm512_mul_ps(sc, _mm512_set1_ps(row_s[first + j]))));
+    }
+}
+
+/* An int8 tile's sums, c[i][v] for output o + i and column v, into y. */
+static void store_int8_tile(const int32_t *c, const float *scale, const float *row_s, float *y, int o, int first,
+                            int n, int out) {
+    __m512 r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * i));
+    store_tile(r, scale + o, row_s, y, o, first, n, out);
+}
+
+/* Outputs o..o+16M by blocks b, b+1 (N of them): M, N 1 or 2, constants once inlined (tile numbers are immediates).
+ * Tiles 0-3 accumulate (0: o, b; 1: o+16, b; 2: o, b+1; 3: o+16, b+1), 4-5 hold q, 6-7 xd. */
+static inline __attribute__((always_inline)) void tile_block(const int8_t *q, const int8_t *xd, const float *scale,
+                                                             const float *row_s, float *y, int o,
+                                                             int b, int M, int N, int rows, int out, int in) {
+    const int8_t *q0 = q + (int64_t)o * in, *q1 = q0 + (int64_t)16 * in;
+    const int8_t *b0 = xd + (int64_t)b * 16 * in, *b1 = b0 + (int64_t)16 * in;
+    _tile_zero(0);
+    if (M == 2) _tile_zero(1);
+    if (N == 2) _tile_zero(2);
+    if (M == 2 && N == 2) _tile_zero(3);
+    for (int k = 0; k < in; k += 64) {  /* a q tile: 16 rows of 64 codes, in bytes apart */
+        _tile_loadd(4, q0 + k, in);
+        _tile_loadd(6, b0 + (int64_t)k * 16, 64);
+        _tile_dpbssd(0, 4, 6);
+        if (M == 2) { _tile_loadd(5, q1 + k, in); _tile_dpbssd(1, 5, 6); }
+        if (N == 2) { _tile_loadd(7, b1 + (int64_t)k * 16, 64); _tile_dpbssd(2, 4, 7); }
+        if (M == 2 && N == 2) _tile_dpbssd(3, 5, 7);
+    }
+    int32_t c[256] __attribute__((aligned(64)));
+    int first = ROWS_PER_TILE * b, n0 = rows - first < ROWS_PER_TILE ? rows - first : ROWS_PER_TILE;
+    int second = first + ROWS_PER_TILE, n1 = rows - second < ROWS_PER_TILE ? rows - second : ROWS_PER_TILE;
+    _tile_stored(0, c, 64); store_int8_tile(c, scale, row_s, y, o, first, n0, out);
+    if (M == 2) { _tile_stored(1, c, 64); store_int8_tile(c, scale, row_s, y, o + 16, first, n0, out); }
+    if (N == 2) { _tile_stored(2, c, 64); store_int8_tile(c, scale, row_s, y, o, second, n1, out); }
+    if (M == 2 && N == 2) { _tile_stored(3, c, 64); store_int8_tile(c, scale, row_s, y, o + 16, second, n1, out); }
+}
+
+/* Every block for outputs o..o+16M: pairs of blocks, then the odd one. */
+static void output_block(const int8_t *q, const int8_t *xd, const float *scale,
+                         const float *row_s, float *y, int o, int M, int rows, int out, int in) {
+    int blocks = (rows + ROWS_PER_TILE - 1) / ROWS_PER_TILE, b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+        if (M == 2) tile_block(q, xd, scale, row_s, y, o, b, 2, 2, rows, out, in);
+        else tile_block(q, xd, scale, row_s, y, o, b, 1, 2, rows, out, in);
+    }
+    if (b < blocks) {
+        if (M == 2) tile_block(q, xd, scale, row_s, y, o, b, 2, 1, rows, out, in);
+        else tile_block(q, xd, scale, row_s, y, o, b, 1, 1, rows, out, in);
+    }
+}
+
+/* -- int4: a group at a time ----------------------------------------------------------------------------------- */
+
+/* abuf[i][k] = q[o + i][k] - zero[o + i][k / group] for the unit's n_out outputs: their codes in int8, the two
+ * nibbles of byte j (ks 2j, 2j + 1) side by side, as a 16-bit lane widened from the byte holds them. Whole rows at
+ * once: unpacking a group at a time, just before the tiles read it, took SmolLM2-135M's matrices 10.5 ms a row
+ * against 8.9. */
+static void unpack_rows(const uint8_t *packed, const uint8_t *zero, int8_t *abuf, int o, int n_out, int in,
+                        int group) {
+    int groups = in / group;
+    __m512i low = _mm512_set1_epi16(0x0F), high = _mm512_set1_epi16(0xF0);
+    for (int i = 0; i < n_out; i++) {
+        const uint8_t *src = packed + (int64_t)(o + i) * (in / 2);
+        for (int g = 0; g < groups; g++) {
+            __m512i z = _mm512_set1_epi8((char)zero[(int64_t)(o + i) * groups + g]);
+            for (int k = g * group; k < (g + 1) * group; k += 64) {
+                __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(src + k / 2)));
+                __m512i q = _mm512_or_si512(_mm512_and_si512(w, low), _mm512_slli_epi16(_mm512_and_si512(w, high), 4));
+                _mm512_store_si512(abuf + (int64_t)i * in + k, _mm512_sub_epi8(q, z));
+            }
+        }
+    }
+}
+
+/* acc[i][v] += scale[o + i][g] · c[i][v]: a group's int32 tile into the float32 sums. */
+static void add_scaled(const int32_t *c, const float *scale, float *acc, int o, int g, int groups) {
+    for (int i = 0; i < 16; i++)
+        _mm512_store_ps(acc + 16 * i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * i)),
+                                                      _mm512_set1_ps(scale[(int64_t)(o + i) * groups + g]),
+                                                      _mm512_load_ps(acc + 16 * i)));
+}
+
+/* Group g of outputs o..o+16M by blocks b, b+1 (N of them) into acc (tile (block, half) at acc + (2·block + half)
+ * · 256), the codes from abuf; tiles numbered as in tile_block. */
+static inline __attribute__((always_inline)) void group_tiles(const int8_t *abuf, const int8_t *xd, const float *scale,
+                                                              float *acc, int o, int g, int b, int M, int N, int in,
+                                                              int group) {
+    const int8_t *b0 = xd + (int64_t)b * 16 * in + (int64_t)g * group * 16, *b1 = b0 + (int64_t)16 * in;
+    _tile_zero(0);
+    if (M == 2) _tile_zero(1);
+    if (N == 2) _tile_zero(2);
+    if (M == 2 && N == 2) _tile_zero(3);
+    for (int t = 0; t < group; t += 64) {
+        _tile_loadd(4, abuf + (int64_t)g * group + t, in);
+        _tile_loadd(6, b0 + (int64_t)t * 16, 64);
+        _tile_dpbssd(0, 4, 6);
+        if (M == 2) { _tile_loadd(5, abuf + (int64_t)16 * in + (int64_t)g * group + t, in); _tile_dpbssd(1, 5, 6); }
+        if (N == 2) { _tile_loadd(7, b1 + (int64_t)t * 16, 64); _tile_dpbssd(2, 4, 7); }
+        if (M == 2 && N == 2) _tile_dpbssd(3, 5, 7);
+    }
+    int32_t c[256] __attribute__((aligned(64)));
+    int groups = in / group;
+    _tile_stored(0, c, 64); add_scaled(c, scale, acc + 512 * b, o, g, groups);
+    if (M == 2) { _tile_stored(1, c, 64); add_scaled(c, scale, acc + 512 * b + 256, o + 16, g, groups); }
+    if (N == 2) { _tile_stored(2, c, 64); add_scaled(c, scale, acc + 512 * (b + 1), o, g, groups); }
+    if (M == 2 && N == 2) { _tile_stored(3, c, 64); add_scaled(c, scale, acc + 512 * (b + 1) + 256, o + 16, g, groups); }
+}
+
+/* Outputs o..o+16M for every row of the chunk: their codes unpacked once, then each group for all blocks; then the
+ * sums into y. acc: 512 floats a block, abuf: 32 · in bytes (this thread's). */
+static void int4_unit(const uint8_t *packed, const float *scale, const uint8_t *zero, const int8_t *xd,
+                      const float *row_s, float *y, float *acc, int8_t *abuf, int o, int M, int rows, int out, int in,
+                      int group) {
+    int blocks = (rows + ROWS_PER_TILE - 1) / ROWS_PER_TILE;
+    memset(acc, 0, sizeof(float) * 512 * (size_t)blocks);
+    unpack_rows(packed, zero, abuf, o, 16 * M, in, group);
+    for (int g = 0; g < in / group; g++) {
+        int b = 0;
+        for (; b + 2 <= blocks; b += 2) {
+            if (M == 2) group_tiles(abuf, xd, scale, acc, o, g, b, 2, 2, in, group);
+            else group_tiles(abuf, xd, scale, acc, o, g, b, 1, 2, in, group);
+        }
+        if (b < blocks) {
+            if (M == 2) group_tiles(abuf, xd, scale, acc, o, g, b, 2, 1, in, group);
+            else group_tiles(abuf, xd, scale, acc, o, g, b, 1, 1, in, group);
+        }
+    }
+    for (int b = 0; b < blocks; b++)
+        for (int h = 0; h < M; h++) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(acc + 512 * b + 256 * h + 16 * i);
+            int first = ROWS_PER_TILE * b;
+            store_tile(r, NULL, row_s, y, o + 16 * h, first, rows - first < ROWS_PER_TILE ? rows - first : ROWS_PER_TILE,
+                       out);
+        }
+}
+
+/* -- both --------------------------------------------------------------------------------------------------------- */
+
+typedef struct {  /* the matrix: int8 codes when zero is NULL, else int4 */
+    const void *codes;
+    const float *scale;
+    const uint8_t *zero;
+    int out, in, group;
+} matrix;
+
+/* ŵ[o, k] in float32 */
+static float weight_at(const matrix *m, int64_t o, int k) {
+    if (m->zero == NULL) return (float)((const int8_t *)m->codes)[o * m->in + k] * m->scale[o];
+    int groups = m->in / m->group, g = k / m->group;
+    int q = (((const uint8_t *)m->codes)[o * (m->in / 2) + k / 2] >> (4 * (k % 2))) & 15;
+    return (float)(q - m->zero[o * groups + g]) * m->scale[o * groups + g];
+}
+
+/* Row r of y by the scalar loop, in float32 (a row row_scale gave 0). */
+static void scalar_row(const float *x, const matrix *m, float *y, int r, int threads) {
+    const float *xr = x + (int64_t)r * m->in;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int o = 0; o < m->out; o++) {
+        float sum = 0.0f;
+        for (int k = 0; k < m->in; k++) sum += xr[k] * weight_at(m, o, k);
+        y[(int64_t)r * m->out + o] = sum;
+    }
+}
+
+/* n rows of x into y (n <= CHUNK_ROWS, which the buffers are sized for). Returns 1 when a thread's int4 buffers
+ * cannot be allocated. */
+static int chunk(const float *x, const matrix *m, float *y, int n, int threads, int8_t *digits, int8_t *xd,
+                 float *row_s) {
+    int in = m->in, out = m->out, blocks = (n + ROWS_PER_TILE - 1) / ROWS_PER_TILE, units = (out + 31) / 32;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads) reduction(|:failed)
+    {
+        #pragma omp for schedule(static)
+        for (int r = 0; r < n; r++) digits_of(x, digits, row_s, r, in);
+        #pragma omp for schedule(static)
+        for (int b = 0; b < blocks; b++) pack_quads(digits, xd, n, in, b);
+        float *acc = m->zero ? aligned_alloc(64, sizeof(float) * 512 * (size_t)blocks) : NULL;
+        int8_t *abuf = m->zero ? aligned_alloc(64, (size_t)32 * m->in) : NULL;
+        failed = m->zero && (!acc || !abuf);
+        tile_config saved;
+        amx_configure(&saved);
+        #pragma omp for schedule(static)
+        for (int u = 0; u < units; u++) {
+            int o = 32 * u, M = out - o >= 32 ? 2 : 1;
+            if (!m->zero) output_block(m->codes, xd, m->scale, row_s, y, o, M, n, out, in);
+            else if (!failed) int4_unit(m->codes, m->scale, m->zero, xd, row_s, y, acc, abuf, o, M, n, out, in, m->group);
+        }
+        amx_restore(&saved);
+        free(acc), free(abuf);
+    }
+    for (int r = 0; r < n && !failed; r++)
+        if (row_s[r] == 0.0f) scalar_row(x, m, y, r, threads);
+    return failed;
+}
+
+/* Both formats, CHUNK_ROWS rows of x at a time (a long prompt's digits would otherwise take 7 bytes a value). */
+static int product(const float *x, const matrix *m, float *y, int rows, int threads) {
+    if (m->in % 64 || m->out % 16 || rows < 1 || (m->zero && (m->group % 64 || m->in % m->group))
+        || !amx_granted())
+        return 2;
+    int most = rows < CHUNK_ROWS ? rows : CHUNK_ROWS, blocks = (most + ROWS_PER_TILE - 1) / ROWS_PER_TILE;
+    int8_t *digits = malloc((size_t)most * 3 * m->in), *xd = aligned_alloc(64, (size_t)blocks * 16 * m->in);
+    float *row_s = malloc((size_t)most * sizeof(float));
+    int status = !digits || !xd || !row_s;
+    for (int r = 0; !status && r < rows; r += most) {
+        int n = rows - r < most ? rows - r : most;
+        status = chunk(x + (int64_t)r * m->in, m, y + (int64_t)r * m->out, n, threads, digits, xd, row_s);
+    }
+    free(digits), free(xd), free(row_s);
+    return status;
+}
+#endif
+
+/* 1 where int8_amx_matmul and int4_amx_matmul run: built for AMX-INT8 and the tile registers granted to this
+ * process. Asks once. */
+int quantized_amx_ready(void) {
+#if defined(QUANTIZED_AMX)
+    return amx_granted();
+#else
+    return 0;
+#endif
+}
+
+/* y = x @ ŵᵀ on the tile registers, int8 codes. Returns 0; 1 when x's digits cannot be allocated; 2 for shapes
+ * it does not take (in % 64, out % 16) or where it is not built or granted (quantized_amx_ready() == 0). The
+ * caller's tile configuration is put back after. */
+int int8_amx_matmul(const float *x, const int8_t *q, const float *scale, float *y, int rows, int out, int in,
+                    int threads) {
+#if defined(QUANTIZED_AMX)
+    matrix m = {q, scale, NULL, out, in, 0};
+    return product(x, &m, y, rows, threads);
+#else
+    (void)x, (void)q, (void)scale, (void)y, (void)rows, (void)out, (void)in, (void)threads;
+    return 2;
+#endif
+}
+
+/* The same for int4 codes, group a multiple of 64 dividing in (else 2). */
+int int4_amx_matmul(const float *x, const uint8_t *packed, const float *scale, const uint8_t *zero, float *y,
+                    int rows, int out, int in, int group, int threads) {
+#if defined(QUANTIZED_AMX)
+    matrix m = {packed, scale, zero, out, in, group};
+    return product(x, &m, y, rows, threads);
+#else
+    (void)x, (void)packed, (void)scale, (void)zero, (void)y, (void)rows, (void)out, (void)in, (void)group,
+        (void)threads;
+    return 2;
+#endif
+}
