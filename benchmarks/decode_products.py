@@ -5,19 +5,20 @@ the speed layer runs now (minillm.fast.products.few_rows_kernel, with this CPU's
     OMP_NUM_THREADS=1 python benchmarks/decode_products.py --threads 1       # on a busy machine
 
 For SmolLM2-135M's shape (all 30 layers' q|k|v, o, gate|up and down: 106 M weights) and the 1.7B shape
-(its first 6 of 24 layers: 403 M weights; a pass reads them from memory either way), float32 and bfloat16,
+(its first 6 of 24 layers: 403 M weights; a pass reads them from memory either way), in each precision,
 1 row (a batch-1 decode step) and 8 (a verify pass, a small batch), the candidates:
 
     float32    F.linear (MKL), the C loop f32_matvec
     bfloat16   F.linear, oneDNN's product on a weight packed once for it (torch.ops.mkldnn._linear_pointwise
                after _reorder_linear_weight: what inductor's weight packing calls), the C loop bf16_matvec (up to
                8 rows), and where the CPU has AMX-BF16 bf16_amx_matmul (the matrix units, the weight in place)
-    int8       (minillm.quantize's codes, float32 x) torch._weight_int8pack_mm, F.linear on the dequantised
-               matrix (the lesson's product), the C loops quantized_matvec (1-3 rows) or quantized_matmul, and
-               where the CPU has AMX-INT8 quantized_amx_matmul (the codes in place, x in three int8 digits)
+    int8, int4 (minillm.quantize's codes, float32 x) F.linear on the dequantised matrix (the lesson's product),
+               torch._weight_int8pack_mm or _weight_int4pack_mm_for_cpu (on a copy in its layout, the same ŵ; up
+               to 32 rows), the C loops quantized_matvec (1-3 rows) or quantized_matmul, and where the CPU has
+               AMX-INT8 quantized_amx_matmul (the matrix units, x in three int8 digits)
 
     python benchmarks/decode_products.py --dtypes bfloat16 --rows 1 2 8 32 64 128 256 512   # a server's batches
-    python benchmarks/decode_products.py --dtypes int8 --rows 1 8 32 128 512
+    python benchmarks/decode_products.py --dtypes int8 int4 --rows 1 8 32 128 512
 
 ms a pass over all the matrices (the best of the rounds' medians, the candidates taking turns, as
 benchmarks/kernel_families.py; with one thread the CPU time the thread got, so that other processes' turns
@@ -39,15 +40,17 @@ from minillm.bench.arg_types import positive_int
 from minillm.fast import kernels
 from minillm.fast.choose import few_rows_in_c
 from minillm.fast.products import QUANTIZED_MATVEC_MAX_ROWS, QUANTIZED_TILED_MAX_ROWS, few_rows_kernel
-from minillm.quantize import dequantize_int8, quantize_int8
+from minillm.quantize import GROUP_SIZE, QuantizedLinear, unpack_int4
 
 LAYERS = {"135m": None, "1.7b": 6}  # None: every layer
+# torch's int8/int4 weight-packed CPU ops took 6-60x the lesson's product at 8-32 rows (2026-12-05); not timed above
+TORCH_PACKED_MAX_ROWS = 32
 
 
 def candidates(ws: list[torch.Tensor], dtype: torch.dtype, rows: int) -> tuple[dict, dict]:
     """({name: a pass over ws} of PyTorch's kernels, {name: a pass} of the C kernels) for x of ``rows`` rows."""
-    if dtype == torch.int8:
-        return int8_candidates(ws, rows)
+    if isinstance(ws[0], QuantizedLinear):
+        return quantized_candidates(ws, rows)
     xs = [torch.randn(rows, w.shape[1], dtype=dtype) for w in ws]
     pytorch, c = {"F.linear": lambda: [F.linear(x, w) for x, w in zip(xs, ws)]}, {}
     if dtype == torch.bfloat16:
@@ -63,21 +66,35 @@ def candidates(ws: list[torch.Tensor], dtype: torch.dtype, rows: int) -> tuple[d
     return pytorch, c
 
 
-def int8_candidates(codes: list[tuple[torch.Tensor, torch.Tensor]], rows: int) -> tuple[dict, dict]:
-    """candidates() for int8 codes and scales, float32 x."""
-    xs = [torch.randn(rows, q.shape[1]) for q, _ in codes]
-    pytorch = {"_weight_int8pack_mm": lambda: [torch._weight_int8pack_mm(x, q, s) for x, (q, s) in zip(xs, codes)],
-               "dequantize + F.linear": lambda: [F.linear(x, dequantize_int8(q, s)) for x, (q, s) in zip(xs, codes)]}
+def quantized_candidates(layers: list[QuantizedLinear], rows: int) -> tuple[dict, dict]:
+    """candidates() for int8 or int4 matrices (minillm.quantize's codes), float32 x."""
+    xs = [torch.randn(rows, m.in_features) for m in layers]
+    codes = [(m.qweight, m.scale, m.zero, m.group_size) for m in layers]
+    pytorch = {"dequantize + F.linear": lambda: [F.linear(x, m.dequantize()) for x, m in zip(xs, layers)]}
+    if rows <= TORCH_PACKED_MAX_ROWS:
+        pytorch.update(torch_packed(layers, xs))
     c = {"quantized_matvec" if rows <= QUANTIZED_MATVEC_MAX_ROWS else "quantized_matmul":
-         lambda: [kernels.quantized_matvec(x, q, s) if rows <= QUANTIZED_MATVEC_MAX_ROWS
-                  else kernels.quantized_matmul(x, q, s) for x, (q, s) in zip(xs, codes)]}
+         lambda: [kernels.quantized_matvec(x, *q) if rows <= QUANTIZED_MATVEC_MAX_ROWS
+                  else kernels.quantized_matmul(x, *q) for x, q in zip(xs, codes)]}
     if kernels.quantized_amx_ready():
-        c["quantized_amx_matmul"] = lambda: [kernels.quantized_amx_matmul(x, q, s) for x, (q, s) in zip(xs, codes)]
+        c["quantized_amx_matmul"] = lambda: [kernels.quantized_amx_matmul(x, *q) for x, q in zip(xs, codes)]
     return pytorch, c
 
 
-def int8_kernel(rows: int) -> str:
-    """The kernel FastQuantizedLinear runs for ``rows`` int8 rows here (every SmolLM2 matrix fits the tiles)."""
+def torch_packed(layers: list[QuantizedLinear], xs: list[torch.Tensor]) -> dict:
+    """{name: a pass} of torch's own weight-packed int8 or int4 CPU op."""
+    if layers[0].fmt == "int8":
+        return {"_weight_int8pack_mm": lambda: [torch._weight_int8pack_mm(x, m.qweight, m.scale)
+                                                for x, m in zip(xs, layers)]}
+    # torch's layout: ŵ = (q - 8) · scale + offset, offset = (8 - zero) · scale, the same ŵ
+    packed = [(torch._convert_weight_to_int4pack_for_cpu(unpack_int4(m.qweight, m.in_features).int(), 1),
+               torch.stack((m.scale.t(), ((8 - m.zero.float()) * m.scale).t()), dim=-1).contiguous()) for m in layers]
+    return {"_weight_int4pack_mm_for_cpu": lambda: [torch._weight_int4pack_mm_for_cpu(x, p, GROUP_SIZE, sz)
+                                                    for x, (p, sz) in zip(xs, packed)]}
+
+
+def quantized_kernel(rows: int) -> str:
+    """The kernel FastQuantizedLinear runs for ``rows`` rows here (every SmolLM2 matrix fits the tiles)."""
     if kernels.quantized_amx_ready():
         return "quantized_amx_matmul"
     if rows <= QUANTIZED_MATVEC_MAX_ROWS:
@@ -93,7 +110,8 @@ def _cell(ms: dict[str, float], names, n_bytes: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(LAYERS), choices=list(LAYERS))
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "int8"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                        choices=["float32", "bfloat16", "int8", "int4"])
     parser.add_argument("--rows", nargs="+", type=positive_int, default=[1, 8])
     parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--rounds", type=positive_int, default=3)
@@ -113,10 +131,10 @@ def main() -> None:
     for shape in args.shapes:
         f32 = matrices(SHAPES[shape], LAYERS[shape])
         for name in args.dtypes:
-            dtype = getattr(torch, name)
-            if dtype == torch.int8:
-                ws = [quantize_int8(w) for w in f32]
-                n_bytes = sum(q.numel() + 4 * s.numel() for q, s in ws)
+            dtype = None if name in ("int8", "int4") else getattr(torch, name)
+            if name in ("int8", "int4"):
+                ws = [QuantizedLinear(w, None, name) for w in f32]
+                n_bytes = sum(m.weights_bytes() for m in ws)
             else:
                 ws = f32 if dtype == torch.float32 else [w.to(dtype) for w in f32]
                 n_bytes = sum(w.numel() * w.element_size() for w in ws)
@@ -126,7 +144,7 @@ def main() -> None:
                 ms = race(pytorch | c, args.rounds, args.reps, clock)
                 ratio = f"{min(ms[k] for k in c) / min(ms[k] for k in pytorch):.2f}" if c else "-"
                 amx = dtype == torch.bfloat16 and kernels.bf16_amx_ready() and all(map(kernels.bf16_amx_fits, ws))
-                now = int8_kernel(rows) if dtype == torch.int8 else few_rows_kernel(rows, dtype, in_c, False, amx)
+                now = quantized_kernel(rows) if dtype is None else few_rows_kernel(rows, dtype, in_c, False, amx)
                 print(f"| {shape} | {name} | {rows} | {_cell(ms, pytorch, n_bytes)} | {_cell(ms, c, n_bytes) or '-'} "
                       f"| {ratio} | {now} |", flush=True)
             del ws

@@ -38,10 +38,12 @@ stream memory as fast as all the cores together. Two ways around it, for CPU flo
                                                  matrices at 32 rows: int8 41.2 -> 25.1 ms)
     more (prefill)  dequantize + F.linear        the whole float matrix, one MKL product
 
-except where the CPU has matrix units for int8 (Intel AMX-INT8): there an int8 product of any number of rows
-runs on them, the codes read in place and x written as three int8 digits, float32's precision
-(:func:`minillm.fast.kernels.int8_amx_matmul`; SmolLM2-135M's matrices 0.5-0.7x the table's time at 1-3 rows,
-0.2-0.5x at 4-1024). On CUDA int8 runs ``torch._weight_int8pack_mm``.
+except where the CPU has matrix units for int8 (Intel AMX-INT8): there int8 and int4 products of any number of
+rows run on them, x written as three int8 digits, float32's precision
+(:func:`minillm.fast.kernels.quantized_amx_matmul`; SmolLM2-135M's matrices at 1, 8, 32 and 512 rows: int8 6.9, 9.0,
+13.9 and 146 ms against the table's 11.2, 19.0, 53.2 and 432, int4 8.9, 11.0, 22.1 and 252 against 12.8, 18.5,
+44.9 and 516; BENCHMARKS.md, "Quantised products on the matrix units"). On CUDA int8 runs
+``torch._weight_int8pack_mm``.
 
 Everything else (prefill's many rows, a GPU, float16, autograd) runs ``F.linear``, which
 already spreads a big product over every core. Same values as ``F.linear`` up to float rounding.

@@ -22,13 +22,16 @@
  * As in bf16_amx.c, the codes are the tiles' A operand, 16 rows of 64 int8s, and the product is computed
  * transposed, yᵀ = ŵ · xᵀ. int8 codes are read in place. int4 codes are unpacked into a small buffer (abuf below:
  * 32 rows, q - zero in [-15, 15]), and each group's int32 tile is added into a float32 one times its scales (a
- * group must be whole tiles: group a multiple of 64). x's digits are packed as the B operand ("VNNI": four neighbouring ks side by
- * side, xd below): a B tile's 16 columns hold 5 rows of x, three digits each (column 5c + j: digit c of row j;
- * column 15 is zero), so one tile multiply serves up to 5 rows:
+ * group must be whole tiles: group a multiple of 64). x's digits are packed as the B operand ("VNNI": four
+ * neighbouring ks side by side, xd below): a B tile's 16 columns hold 5 rows of x, three digits each (column 5c + j:
+ * digit c of row j; column 15 is zero), so one tile multiply serves up to 5 rows:
  *
  *   tile [16 outputs, 16 columns] (int32) += q tile [16 outputs, 64 ks] · xd tile [16 k-quads, 16 columns, 4]
  *
- * Each thread takes blocks of 32 outputs (two A tiles) and walks x's rows 10 at a time (two B tiles). A row whose
+ * Each thread takes blocks of 32 outputs (two A tiles) and walks x's rows 10 at a time (two B tiles). Three digits
+ * cost three times the multiply-adds of one, which a decode step's few rows leave the matrix units to spare: int8
+ * reads SmolLM2-1.7B's matrices at 24 GB/s of the host's 26.8 (BENCHMARKS.md, "Quantised products on the matrix
+ * units"); int4 streams 9 GB/s, its unpacking and per-group sums the bound. A row whose
  * largest |x| is 0, not finite, or outside [2^-100, 2^100] (its scale would overflow) is computed by the scalar
  * loop instead, in float32: F.linear's NaN, infinity and zero.
  *
@@ -222,7 +225,10 @@ static inline __attribute__((always_inline)) void group_tiles(const int8_t *abuf
     _tile_stored(0, c, 64); add_scaled(c, scale, acc + 512 * b, o, g, groups);
     if (M == 2) { _tile_stored(1, c, 64); add_scaled(c, scale, acc + 512 * b + 256, o + 16, g, groups); }
     if (N == 2) { _tile_stored(2, c, 64); add_scaled(c, scale, acc + 512 * (b + 1), o, g, groups); }
-    if (M == 2 && N == 2) { _tile_stored(3, c, 64); add_scaled(c, scale, acc + 512 * (b + 1) + 256, o + 16, g, groups); }
+    if (M == 2 && N == 2) {
+        _tile_stored(3, c, 64);
+        add_scaled(c, scale, acc + 512 * (b + 1) + 256, o + 16, g, groups);
+    }
 }
 
 /* Outputs o..o+16M for every row of the chunk: their codes unpacked once, then each group for all blocks; then the
@@ -248,9 +254,8 @@ static void int4_unit(const uint8_t *packed, const float *scale, const uint8_t *
         for (int h = 0; h < M; h++) {
             __m512 r[16];
             for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(acc + 512 * b + 256 * h + 16 * i);
-            int first = ROWS_PER_TILE * b;
-            store_tile(r, NULL, row_s, y, o + 16 * h, first, rows - first < ROWS_PER_TILE ? rows - first : ROWS_PER_TILE,
-                       out);
+            int first = ROWS_PER_TILE * b, n = rows - first < ROWS_PER_TILE ? rows - first : ROWS_PER_TILE;
+            store_tile(r, NULL, row_s, y, o + 16 * h, first, n, out);
         }
 }
 
@@ -303,7 +308,8 @@ static int chunk(const float *x, const matrix *m, float *y, int n, int threads, 
         for (int u = 0; u < units; u++) {
             int o = 32 * u, M = out - o >= 32 ? 2 : 1;
             if (!m->zero) output_block(m->codes, xd, m->scale, row_s, y, o, M, n, out, in);
-            else if (!failed) int4_unit(m->codes, m->scale, m->zero, xd, row_s, y, acc, abuf, o, M, n, out, in, m->group);
+            else if (!failed)
+                int4_unit(m->codes, m->scale, m->zero, xd, row_s, y, acc, abuf, o, M, n, out, in, m->group);
         }
         amx_restore(&saved);
         free(acc), free(abuf);
