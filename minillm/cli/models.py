@@ -83,14 +83,15 @@ def run_info(args) -> int:
 def swap_table(decode_path: str | None):
     """The speed layer's swap table (minillm.fast.SWAPS): each course piece, the fast piece put in its place,
     and when; the title names the model's decode path (None: --no-fast, the course's pieces only), the caption
-    (with a decode path) whether this CPU's matrix units run bfloat16 products."""
+    (with a decode path) whether this CPU's matrix units run bfloat16 and quantised products."""
     from rich.table import Table
 
     from ..fast import kernels
 
     got = f"this model: decode path {decode_path}" if decode_path else "this model: none, --no-fast"
-    here = (f" AMX matrix units for bfloat16 products on this CPU: {'yes' if kernels.bf16_amx_ready() else 'no'}."
-            if decode_path else "")
+    yes = {True: "yes", False: "no"}
+    here = (f" AMX matrix units on this CPU for bfloat16 products: {yes[kernels.bf16_amx_ready()]}, for int8 and int4: "
+            f"{yes[kernels.quantized_amx_ready()]}." if decode_path else "")
     table = Table("course piece", "fast piece", "when", title=f"the speed layer's swaps ({got})",
                   caption=f"C kernels fit: {C_KERNELS_FIT}.{here} The table: minillm/fast/__init__.py")
     for swap in SWAPS:  # "model.Block" -> "Block"; PyTorch's own keeps "nn."

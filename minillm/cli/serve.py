@@ -52,7 +52,8 @@ def add_serve(sub) -> None:
                         "$MINILLM_API_KEY, else no key)")
     p.add_argument("--pack-weights", action="store_true",
                    help="CPU, float32 or --quantize: keep a second copy of each matrix, packed at the first batch "
-                        "for the products of a batch's rows (float32 9-256, int8/int4 4-128): twice the weights' "
+                        "for the products of a batch's rows (float32 9-256, int8/int4 4-128 on a CPU without "
+                        "AMX-INT8): twice the weights' "
                         "memory for ~18%% more output tok/s (SmolLM2-135M float32, BENCHMARKS.md). Default: one "
                         "copy of the weights")
     p.add_argument("--threads", type=int,
@@ -197,6 +198,11 @@ def _check_pack_weights(args) -> None:
     if args.quantize is None and args.dtype not in (None, "float32"):
         raise UsageError(f"--pack-weights packs float32 or int8/int4 matrices; {args.dtype} keeps one copy "
                          "(its products never read a packed one); drop --pack-weights")
+    from ..fast import kernels
+
+    if args.quantize and kernels.quantized_amx_ready():
+        raise UsageError(f"--pack-weights packs {args.quantize} codes for the vector units, but this CPU multiplies "
+                         "them on its matrix units (AMX-INT8), which read no packed copy; drop --pack-weights")
 
 
 def _check_args(args) -> None:

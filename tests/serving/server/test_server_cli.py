@@ -102,6 +102,19 @@ def test_usage_errors(args, message, capsys):
     assert err.startswith("minillm: error: ") and message in err and "\n" not in err
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_pack_weights_is_refused_where_the_matrix_units_read_the_codes(fmt, capsys):
+    """On a CPU with AMX-INT8 quantised products run on the matrix units, which never read the packed copy."""
+    from minillm.fast import kernels
+
+    if not kernels.quantized_amx_ready():
+        pytest.skip("needs a CPU with AMX-INT8: elsewhere --pack-weights --quantize packs the codes")
+    assert main(["serve", "--pack-weights", "--quantize", fmt]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"minillm: error: --pack-weights packs {fmt} codes for the vector units, but this CPU multiplies "
+                   "them on its matrix units (AMX-INT8), which read no packed copy; drop --pack-weights")
+
+
 def test_busy_port_is_one_line(capsys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
