@@ -106,7 +106,7 @@ def test_fast_kernels_give_the_reference_logits(tiny_dirs, fmt, monkeypatch):
     """A decode step (1 row: the C kernels, fast=True) against the same model on the plain modules,
     which dequantise explicitly (fast=False)."""
     calls = []
-    for name in ("quantized_matvec", "quantized_amx_matmul"):  # (the second where the CPU has AMX-INT8)
+    for name in ("quantized_matvec", "quantized_amx_unchecked"):  # (the second where the CPU has AMX-INT8)
         kernel = getattr(matvec_kernels, name)
         monkeypatch.setattr(matvec_kernels, name, lambda *a, _f=kernel: calls.append(1) or _f(*a))
     ids = torch.tensor([[3, 14, 15, 92, 65]])

@@ -396,11 +396,18 @@ def bf16_amx_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                 else type(bias).__name__)
         raise ValueError(f"bf16_amx_matmul's bias is bfloat16 [out] = [{weight.shape[0]}] on the CPU (as F.linear "
                          f"takes it), got {what}")
+    return bf16_amx_unchecked(x, weight, None if bias is None else bias.float().contiguous(), lib)
+
+
+def bf16_amx_unchecked(x: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | None,
+                       lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """:func:`bf16_amx_matmul` without its checks (the bias float32 [out]), for a caller that made them once:
+    a decode step makes ~120 products, and the checks cost each a third of a small one's time."""
     x = x.contiguous()
-    bias32 = None if bias is None else bias.float().contiguous()
     y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
-    if lib.bf16_amx_matmul(x.data_ptr(), weight.data_ptr(), None if bias32 is None else bias32.data_ptr(),
-                           y.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1], torch.get_num_threads()):
+    if (lib or kernels()).bf16_amx_matmul(x.data_ptr(), weight.data_ptr(), None if bias32 is None else bias32.data_ptr(),
+                                          y.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1],
+                                          torch.get_num_threads()):
         raise MemoryError(f"bf16_amx_matmul could not allocate {-(-x.shape[0] // 16) * 32 * x.shape[1]:,} bytes "
                           "for x's packed copy")
     return y
@@ -572,6 +579,14 @@ def quantized_amx_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     if not quantized_amx_ready(lib=lib):
         raise ValueError(f"{op} needs a build for AMX-INT8 (an Intel Xeon from Sapphire Rapids on, -march=native) "
                          "and the tile registers granted by Linux; use quantized_matmul")
+    return quantized_amx_unchecked(x, codes, scale, zero, group_size, lib)
+
+
+def quantized_amx_unchecked(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                            group_size: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """:func:`quantized_amx_matmul` without its checks, for a caller that made them once (a quantised layer,
+    whose codes the format made)."""
+    lib = lib or kernels()
     x = x.contiguous()
     y = _output(x.shape[0], codes.shape[0])
     sizes = (x.shape[0], codes.shape[0], x.shape[1])
@@ -582,7 +597,8 @@ def quantized_amx_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
         status = lib.int4_amx_matmul(x.data_ptr(), codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), y.data_ptr(),
                                      *sizes, group_size, torch.get_num_threads())
     if status:
-        raise MemoryError(f"{op} could not allocate {min(x.shape[0], 320) * x.shape[1] * 7:,} bytes for x's digits")
+        raise MemoryError(f"quantized_amx_matmul could not allocate {min(x.shape[0], 320) * x.shape[1] * 7:,} bytes "
+                          "for x's digits")
     return y
 
 

@@ -58,7 +58,7 @@ def test_the_forward_picks_the_kernel_by_rows(fmt, amx, monkeypatch):
     if not amx:
         monkeypatch.setattr(kernels, "quantized_amx_ready", lambda: False)
     calls = []
-    for name in ("quantized_matvec", "quantized_matmul", "dequantize", "quantized_amx_matmul"):
+    for name in ("quantized_matvec", "quantized_matmul", "dequantize", "quantized_amx_unchecked"):
         original = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _name=name, _f=original, **k: calls.append(_name) or _f(*a, **k))
     layer = FastQuantizedLinear(torch.randn(16, 64), None, fmt)
@@ -71,7 +71,7 @@ def test_the_forward_picks_the_kernel_by_rows(fmt, amx, monkeypatch):
         expected[rows] = calls[:]
     matvec, matmul, unpack = ["quantized_matvec"], ["quantized_matmul"], ["dequantize"]
     if amx:
-        assert expected == {rows: ["quantized_amx_matmul"] for rows in counts}
+        assert expected == {rows: ["quantized_amx_unchecked"] for rows in counts}
     else:
         assert expected == {1: matvec, QUANTIZED_MATVEC_MAX_ROWS: matvec, QUANTIZED_MATVEC_MAX_ROWS + 1: matmul,
                             20: matmul, QUANTIZED_TILED_MAX_ROWS: matmul, QUANTIZED_TILED_MAX_ROWS + 1: unpack}
@@ -131,7 +131,7 @@ def test_a_batch_of_20_requests_gives_the_reference_greedy_tokens(tiny_llama, fm
     panels = packed and kernels.quantized_panels_vectorised()
     name = "quantized_panel_matmul" if panels else "quantized_matmul"
     if kernels.quantized_amx_ready():
-        name = "quantized_amx_matmul"  # (every row count on the matrix units)
+        name = "quantized_amx_unchecked"  # (every row count on the matrix units)
     original = getattr(kernels, name)
     monkeypatch.setattr(kernels, name, lambda x, *a: rows_seen.append(x.shape[0]) or original(x, *a))
     prompts = [[(7 * i + j) % 120 + 3 for j in range(3 + i % 6)] for i in range(20)]
