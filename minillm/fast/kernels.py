@@ -405,9 +405,9 @@ def bf16_amx_unchecked(x: torch.Tensor, weight: torch.Tensor, bias32: torch.Tens
     a decode step makes ~120 products, and the checks cost each a third of a small one's time."""
     x = x.contiguous()
     y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
-    if (lib or kernels()).bf16_amx_matmul(x.data_ptr(), weight.data_ptr(), None if bias32 is None else bias32.data_ptr(),
-                                          y.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1],
-                                          torch.get_num_threads()):
+    bias_pointer = None if bias32 is None else bias32.data_ptr()
+    if (lib or kernels()).bf16_amx_matmul(x.data_ptr(), weight.data_ptr(), bias_pointer, y.data_ptr(), x.shape[0],
+                                          weight.shape[0], weight.shape[1], torch.get_num_threads()):
         raise MemoryError(f"bf16_amx_matmul could not allocate {-(-x.shape[0] // 16) * 32 * x.shape[1]:,} bytes "
                           "for x's packed copy")
     return y

@@ -239,7 +239,8 @@ class FastQuantizedLinear(QuantizedLinear):
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self._on_matrix_units():  # (the kernel's checks made by the format, but x's width)
-            product = kernels.quantized_amx_unchecked if x.shape[1] == self.in_features else kernels.quantized_amx_matmul
+            checked = x.shape[1] != self.in_features
+            product = kernels.quantized_amx_matmul if checked else kernels.quantized_amx_unchecked
             return product(x, self.qweight, self.scale, self.zero, self.group_size)
         k = kernels.functions()
         if x.shape[0] <= QUANTIZED_MATVEC_MAX_ROWS:
