@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm.fast import kernels
+from minillm.fast.products import FastQuantizedLinear, swap_class
 from minillm.quantize import QuantizedLinear
 
 
@@ -142,3 +143,14 @@ def test_pytorchs_own_amx_kernels_keep_their_tile_configuration():
             _product(layer, torch.randn(rows, 576, generator=g))
         assert torch.equal(F.scaled_dot_product_attention(qa, k, k, is_causal=True, enable_gqa=True), attention)
         assert torch.equal(F.linear(xb, w), product)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_quantised_layer_runs_it_and_still_refuses_a_wrong_width(fmt):
+    """FastQuantizedLinear calls the kernel without its checks (the format made the codes), but x's width it checks."""
+    _amx()
+    layer = swap_class(_layer(fmt, 48, 128, torch.Generator().manual_seed(5)), FastQuantizedLinear)
+    x = torch.randn(2, 3, 128)
+    _assert_float32_close(layer(x).view(6, 48), x.view(6, 128), layer)
+    with pytest.raises(ValueError, match=r"x must be float32 \[rows, 128\]"):
+        layer(torch.randn(2, 64))
