@@ -551,12 +551,15 @@ def quantized_amx_ready(*, lib: ctypes.CDLL | None = None) -> bool:
     return bool(lib.quantized_amx_ready())
 
 
+AMX_MAX_IN = 131072  # in·127·128 < 2^31: the int32 sums of quantized_amx.c cannot overflow
+
+
 def quantized_amx_fits(codes: torch.Tensor, group_size: int | None = None) -> bool:
     """Whether :func:`quantized_amx_matmul` takes these codes (int8 [out, in], or with a ``group_size`` int4
-    [out, in/2]): in a multiple of 64 (a tile's ks), out a multiple of 16 (a tile's outputs), int4 groups whole
-    tiles (group_size a multiple of 64)."""
+    [out, in/2]): in a multiple of 64 (a tile's ks) and at most AMX_MAX_IN, out a multiple of 16 (a tile's outputs),
+    int4 groups whole tiles (group_size a multiple of 64)."""
     in_features = codes.shape[-1] * (1 if group_size is None else 2)
-    return (codes.dim() == 2 and in_features % 64 == 0 and codes.shape[0] % 16 == 0
+    return (codes.dim() == 2 and in_features % 64 == 0 and in_features <= AMX_MAX_IN and codes.shape[0] % 16 == 0
             and (group_size is None or group_size % 64 == 0))
 
 
@@ -572,9 +575,9 @@ def quantized_amx_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     lib = lib or kernels()
     op = "quantized_amx_matmul"
     _check_codes(op, codes, scale, zero, group_size, x)
-    if not quantized_amx_fits(codes, None if zero is None else group_size) or x.shape[0] == 0:
-        raise ValueError(f"{op} takes codes for [out, in] with out a multiple of 16, in a multiple of 64 (int4: "
-                         f"group_size too), and at least one row, got x {list(x.shape)}, codes {list(codes.shape)}"
+    if not quantized_amx_fits(codes, None if zero is None else group_size):
+        raise ValueError(f"{op} takes codes for [out, in] with out a multiple of 16, in a multiple of 64 up to "
+                         f"{AMX_MAX_IN} (int4: group_size a multiple of 64 too), got codes {list(codes.shape)}"
                          + ("" if zero is None else f", group_size {group_size}") + "; use quantized_matmul")
     if not quantized_amx_ready(lib=lib):
         raise ValueError(f"{op} needs a build for AMX-INT8 (an Intel Xeon from Sapphire Rapids on, -march=native) "
@@ -589,6 +592,8 @@ def quantized_amx_unchecked(x: torch.Tensor, codes: torch.Tensor, scale: torch.T
     lib = lib or kernels()
     x = x.contiguous()
     y = _output(x.shape[0], codes.shape[0])
+    if x.shape[0] == 0:
+        return y
     sizes = (x.shape[0], codes.shape[0], x.shape[1])
     if zero is None:
         status = lib.int8_amx_matmul(x.data_ptr(), codes.data_ptr(), scale.data_ptr(), y.data_ptr(), *sizes,
@@ -608,6 +613,12 @@ def _check_codes(op: str, codes: torch.Tensor, scale: torch.Tensor, zero: torch.
     Each message is formatted only on failure: this runs on every product of a decode step."""
     int4 = zero is not None
     code_dtype = torch.uint8 if int4 else torch.int8
+    if not (isinstance(codes, torch.Tensor) and isinstance(scale, torch.Tensor)
+            and (zero is None or isinstance(zero, torch.Tensor)) and (x is None or isinstance(x, torch.Tensor))):
+        named = (("codes", codes), ("scale", scale), ("zero", zero), ("x", x))
+        raise TypeError(f"{op} takes tensors, got " + ", ".join(
+            f"{name} {type(t).__name__}" for name, t in named
+            if not isinstance(t, torch.Tensor) and (t is not None or name in ("codes", "scale"))))
     if any(t is not None and t.device.type != "cpu" for t in (codes, scale, zero, x)):  # (was: a crash)
         raise ValueError(f"{op}: the C kernels read CPU tensors, got codes on {codes.device.type}, scale on "
                          f"{scale.device.type}" + ("" if zero is None else f", zero on {zero.device.type}")

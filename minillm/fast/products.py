@@ -206,8 +206,8 @@ class FastQuantizedLinear(QuantizedLinear):
     Decode (at most QUANTIZED_TILED_MAX_ROWS rows: one a sequence) reads only the packed bytes: a
     fused dequantise-multiply-reduce for up to three rows, a tile of the matrix dequantised once for
     all rows above (the module docstring's table); prefill (many rows, compute-bound) unpacks the
-    float matrix in one pass and runs one float product. int8 on a CPU with AMX-INT8 runs every row
-    count on the matrix units instead. The C kernels need float32 on a CPU and (int4) whole groups of a
+    float matrix in one pass and runs one float product. int8 and int4 on a CPU with AMX-INT8 run every
+    row count on the matrix units instead. The C kernels need float32 on a CPU and (int4) whole groups of a
     multiple of 16; elsewhere the reference path runs.
     """
 
@@ -220,7 +220,10 @@ class FastQuantizedLinear(QuantizedLinear):
             y = torch._weight_int8pack_mm(x.reshape(rows, -1), self.qweight, self.scale.to(x.dtype))
         elif not self._kernels_apply(x):
             return self.forward_reference(x)
-        elif 0 < rows <= QUANTIZED_TILED_MAX_ROWS or self._on_matrix_units():
+        elif rows == 0 and x.shape[-1] == self.in_features:  # (a prompt's prefill chunk before its last asks the
+            # LM head for no logits)
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        elif rows <= QUANTIZED_TILED_MAX_ROWS or self._on_matrix_units():
             y = self._product(x.reshape(rows, -1))
         else:
             return F.linear(x, self._unpacked(), self.bias)

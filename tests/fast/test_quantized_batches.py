@@ -148,6 +148,28 @@ def test_a_batch_of_20_requests_gives_the_reference_greedy_tokens(tiny_llama, fm
     assert 20 in rows_seen  # the decode steps ran the kernel on the whole batch
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_prompt_longer_than_a_step_gives_the_reference_tokens(tiny_llama, fmt):
+    """A 40-token prompt with 16 tokens a step: its first chunks ask the quantised LM head for no logits (zero
+    rows), the last for one; greedy tokens as the plain quantised modules give them."""
+    prompt = [(11 * j) % 120 + 3 for j in range(40)]
+    tokens = {}
+    for fast in (True, False):
+        model = load_model(tiny_llama, device="cpu", quantize=fmt, fast=fast)
+        engine = LLMEngine(model, num_blocks=16, block_size=16, max_num_batched_tokens=16)
+        tokens[fast] = engine.generate([prompt], SamplingParams(max_new_tokens=5))[0].token_ids
+    assert tokens[True] == tokens[False]
+
+
+@BUILDS
+@pytest.mark.parametrize("kernel", ["quantized_matvec", "quantized_matmul"])
+def test_no_rows_give_no_rows(portable, kernel):
+    layer = QuantizedLinear(torch.randn(24, 64), None, "int4")
+    y = getattr(kernels, kernel)(torch.ones(0, 64), layer.qweight, layer.scale, layer.zero, 64,
+                                 lib=kernels.kernels(portable))
+    assert y.shape == (0, 24)
+
+
 @BUILDS
 def test_quantized_panels_of_each_build_equal_the_reference(portable):
     """The panel kernel (a server's batches: codes copied into panels, dequantised in registers) on

@@ -267,6 +267,7 @@ static void dequantize_tile(const Codes *c, int first, int n, int in, int padded
 /* y [rows, out] = x [rows, in] @ ŵᵀ, a tile of ŵ's rows at a time (threads split the tiles). Returns
  * 0, or 1 when a scratch buffer cannot be allocated. */
 static int tiled_product(const float *x, const Codes *c, float *y, int rows, int out, int in, int threads) {
+    if (rows == 0) return 0;  /* (no rows: nothing to write, and no blocks to share the prefetching between) */
     int padded = (in + VEC - 1) / VEC * VEC, failed = 0;
     int tile_rows = TILE_BYTES / (4 * padded) / BLOCK_W * BLOCK_W;
     tile_rows = tile_rows < BLOCK_W ? BLOCK_W : tile_rows;

@@ -7,33 +7,36 @@
  *
  *   x float32 [rows, in],  y float32 [rows, out]
  *
- * A tile multiply-add takes int8 by int8 into int32, exactly. x is float32, so each row is written as three int8
+ * A tile multiply-add takes int8 by int8 into int32, exactly. x is float32, so each row is written as four int8
  * digits in base 254 under a power-of-two scale s (s chosen so that max|x| / s lies in (63.5, 127], which makes
  * x / s exact):
  *
- *   x[k] / s = d0[k] + d1[k] / 254 + d2[k] / 254² + ε[k],   |ε| <= 0.5 / 254²   (each digit in [-127, 127])
- *   int8  y[r, o] = scale[o] · s · (D0 + (D1 + D2 / 254) / 254),   Dc = Σ_k q[o, k] · dc[k]   (int32)
+ *   x[k] / s = d0[k] + d1[k] / 254 + d2[k] / 254² + d3[k] / 254³ + ε[k]      (each digit in [-127, 127])
+ *   int8  y[r, o] = scale[o] · s · (D0 + (D1 + (D2 + D3 / 254) / 254) / 254),   Dc = Σ_k q[o, k] · dc[k]   (int32)
  *   int4  the same with scale[o] · Dc replaced by Σ_g scale[o, g] · Σ_{k in g} (q[o, k] - zero[o, g]) · dc[k]
  *
- * ε · s is at most 1.2e-7 of the row's largest |x|, float32's own rounding of it, and the Dc are exact, so the
- * result differs from F.linear(x, ŵ) by float32 rounding only: the activations are not quantised (llama.cpp's
- * Q8_0 quantises them to 8 bits). tests/fast/test_quantized_amx.py checks it against float64.
+ * ε is the last digit's rounding, 0.5 / 254³, and the float32 rounding of the residuals as they are scaled up, as
+ * much again: |ε · s| < 1e-9 of the row's largest |x|, and the Dc are exact. So the result differs from
+ * F.linear(x, ŵ) by about float32's rounding even where a row holds outliers 10^4 times its typical value (as
+ * SmolLM2's down projections' inputs do: three digits, an error 2.4e-7 of the largest, gave them 40-50x float32's
+ * error): the activations are not quantised (llama.cpp's Q8_0 rounds them to 8 bits, one digit).
+ * tests/fast/test_quantized_amx.py checks it against float64.
  *
  * As in bf16_amx.c, the codes are the tiles' A operand, 16 rows of 64 int8s, and the product is computed
  * transposed, yᵀ = ŵ · xᵀ. int8 codes are read in place. int4 codes are unpacked into a small buffer (abuf below:
  * 32 rows, q - zero in [-15, 15]), and each group's int32 tile is added into a float32 one times its scales (a
  * group must be whole tiles: group a multiple of 64). x's digits are packed as the B operand ("VNNI": four
- * neighbouring ks side by side, xd below): a B tile's 16 columns hold 5 rows of x, three digits each (column 5c + j:
- * digit c of row j; column 15 is zero), so one tile multiply serves up to 5 rows:
+ * neighbouring ks side by side, xd below): a B tile's 16 columns hold 4 rows of x, four digits each (column 4c + j:
+ * digit c of row j), so one tile multiply serves up to 4 rows:
  *
  *   tile [16 outputs, 16 columns] (int32) += q tile [16 outputs, 64 ks] · xd tile [16 k-quads, 16 columns, 4]
  *
- * Each thread takes blocks of 32 outputs (two A tiles) and walks x's rows 10 at a time (two B tiles). Three digits
- * cost three times the multiply-adds of one, which a decode step's few rows leave the matrix units to spare: int8
+ * Each thread takes blocks of 32 outputs (two A tiles) and walks x's rows 8 at a time (two B tiles). Four digits
+ * cost four times the multiply-adds of one, which a decode step's few rows leave the matrix units to spare: int8
  * reads SmolLM2-1.7B's matrices at 24 GB/s of the host's 26.8 (BENCHMARKS.md, "Quantised products on the matrix
- * units"); int4 streams 9 GB/s, its unpacking and per-group sums the bound. A row whose
- * largest |x| is 0, not finite, or outside [2^-100, 2^100] (its scale would overflow) is computed by the scalar
- * loop instead, in float32: F.linear's NaN, infinity and zero.
+ * units"); int4 streams 9 GB/s, its unpacking and per-group sums the bound. A row of zeros gives zeros; a row
+ * with a NaN or an infinity, or whose largest |x| is outside [2^-100, 2^100] (its scale would overflow), is computed
+ * by a scalar loop instead, in float32: F.linear's NaN and infinities. The int32 sums hold for in <= 131072.
  *
  * Built only where the compiler targets AMX-INT8 (-march=native on an Intel Xeon from Sapphire Rapids on); needs
  * in a multiple of 64 and out a multiple of 16 (every SmolLM2, Llama and Qwen matrix). minillm.fast.products
@@ -46,11 +49,13 @@
 #define QUANTIZED_AMX 1
 #include "amx.h"
 
-#define ROWS_PER_TILE 5  /* rows of x whose three digits fill a B tile's 16 columns */
+#define DIGITS 4
+#define ROWS_PER_TILE 4  /* rows of x whose four digits fill a B tile's 16 columns */
 #define BASE 254.0f
-#define CHUNK_ROWS 320  /* rows of x digitised at once: 64 B tiles */
+#define CHUNK_ROWS 320  /* rows of x digitised at once: 80 B tiles */
 
-/* Row r's scale s (a power of two, max|x| / s in (63.5, 127]), or 0 when the scalar loop takes the row. */
+/* Row r's scale s (a power of two, max|x| / s in (63.5, 127]); 0 for a row of zeros (its digits are zeros, and so
+ * its products); -1 when the scalar loop takes the row. */
 static float row_scale(const float *x, int in) {
     __m512 big = _mm512_setzero_ps();
     __mmask16 odd = 0;
@@ -60,20 +65,21 @@ static float row_scale(const float *x, int in) {
         big = _mm512_max_ps(big, _mm512_abs_ps(v));
     }
     float m = _mm512_reduce_max_ps(big);
-    if (odd || !(m >= 0x1p-100f && m <= 0x1p100f)) return 0.0f;
+    if (m == 0.0f && !odd) return 0.0f;
+    if (odd || !(m >= 0x1p-100f && m <= 0x1p100f)) return -1.0f;
     int e;
     frexpf(m / 127.0f, &e);  /* m / 127 <= 2^e */
     float s = ldexpf(1.0f, e);
     return m / s > 127.0f ? 2.0f * s : s;  /* (m / 127 rounded down past a power of two) */
 }
 
-/* x [rows, in] -> the three digit rows of each (digits [rows][3][in] int8), s per row in row_s. */
+/* x [rows, in] -> the DIGITS digit rows of each (digits [rows][DIGITS][in] int8), s per row in row_s. */
 static void digits_of(const float *x, int8_t *digits, float *row_s, int r, int in) {
     const float *xr = x + (int64_t)r * in;
-    int8_t *d = digits + (int64_t)r * 3 * in;
+    int8_t *d = digits + (int64_t)r * DIGITS * in;
     float s = row_s[r] = row_scale(xr, in);
-    if (s == 0.0f) {
-        memset(d, 0, (size_t)3 * in);
+    if (s <= 0.0f) {
+        memset(d, 0, (size_t)DIGITS * in);
         return;
     }
     __m512 inv = _mm512_set1_ps(1.0f / s), base = _mm512_set1_ps(BASE);
@@ -83,21 +89,24 @@ static void digits_of(const float *x, int8_t *digits, float *row_s, int r, int i
         __m512 e1 = _mm512_mul_ps(_mm512_sub_ps(u, d0), base);
         __m512 d1 = _mm512_roundscale_ps(e1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         __m512 e2 = _mm512_mul_ps(_mm512_sub_ps(e1, d1), base);
+        __m512 d2 = _mm512_roundscale_ps(e2, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512 e3 = _mm512_mul_ps(_mm512_sub_ps(e2, d2), base);
         _mm_storeu_si128((__m128i *)(d + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(d0)));
         _mm_storeu_si128((__m128i *)(d + in + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(d1)));
-        _mm_storeu_si128((__m128i *)(d + 2 * in + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(e2)));
+        _mm_storeu_si128((__m128i *)(d + 2 * in + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(d2)));
+        _mm_storeu_si128((__m128i *)(d + 3 * in + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(e3)));
     }
 }
 
-/* Block b's B operand: xd + b·16·in bytes, k-quad p, column v = 5c + j <- digits[5b + j][c][4p .. 4p + 3]. One
- * 32-bit gather per quad reads a quad from each of the 15 digit rows (zeros past the last row of x). */
+/* Block b's B operand: xd + b·16·in bytes, k-quad p, column v = 4c + j <- digits[4b + j][c][4p .. 4p + 3]. One
+ * 32-bit gather per quad reads a quad from each of the 16 digit rows (zeros past the last row of x). */
 static void pack_quads(const int8_t *digits, int8_t *xd, int rows, int in, int block) {
     int first = ROWS_PER_TILE * block, n = rows - first < ROWS_PER_TILE ? rows - first : ROWS_PER_TILE;
     int quads = in / 4, index[16] = {0};
     __mmask16 live = 0;
-    for (int c = 0; c < 3; c++)
+    for (int c = 0; c < DIGITS; c++)
         for (int j = 0; j < n; j++) {
-            index[ROWS_PER_TILE * c + j] = ((first + j) * 3 + c) * quads;
+            index[ROWS_PER_TILE * c + j] = ((first + j) * DIGITS + c) * quads;
             live |= (__mmask16)(1u << (ROWS_PER_TILE * c + j));
         }
     __m512i starts = _mm512_loadu_si512(index);
@@ -115,7 +124,8 @@ static void store_tile(__m512 r[16], const float *scale16, const float *row_s, f
     __m512 inv = _mm512_set1_ps(1.0f / BASE), sc = scale16 ? _mm512_loadu_ps(scale16) : _mm512_set1_ps(1.0f);
     transpose16(r);  /* r[v]: column v for the 16 outputs */
     for (int j = 0; j < n; j++) {
-        __m512 sum = _mm512_fmadd_ps(_mm512_fmadd_ps(r[10 + j], inv, r[5 + j]), inv, r[j]);
+        __m512 low = _mm512_fmadd_ps(_mm512_fmadd_ps(r[12 + j], inv, r[8 + j]), inv, r[4 + j]);
+        __m512 sum = _mm512_fmadd_ps(low, inv, r[j]);
         _mm512_storeu_ps(y + (int64_t)(first + j) * out + o,
                          _mm512_mul_ps(sum, _mm512_mul_ps(sc, _mm512_set1_ps(row_s[first + j]))));
     }
@@ -276,7 +286,7 @@ static float weight_at(const matrix *m, int64_t o, int k) {
     return (float)(q - m->zero[o * groups + g]) * m->scale[o * groups + g];
 }
 
-/* Row r of y by the scalar loop, in float32 (a row row_scale gave 0). */
+/* Row r of y by the scalar loop, in float32 (a row row_scale gave -1). */
 static void scalar_row(const float *x, const matrix *m, float *y, int r, int threads) {
     const float *xr = x + (int64_t)r * m->in;
     #pragma omp parallel for num_threads(threads) schedule(static)
@@ -315,17 +325,17 @@ static int chunk(const float *x, const matrix *m, float *y, int n, int threads, 
         free(acc), free(abuf);
     }
     for (int r = 0; r < n && !failed; r++)
-        if (row_s[r] == 0.0f) scalar_row(x, m, y, r, threads);
+        if (row_s[r] < 0.0f) scalar_row(x, m, y, r, threads);
     return failed;
 }
 
-/* Both formats, CHUNK_ROWS rows of x at a time (a long prompt's digits would otherwise take 7 bytes a value). */
+/* Both formats, CHUNK_ROWS rows of x at a time (a long prompt's digits would otherwise take 8 bytes a value). */
 static int product(const float *x, const matrix *m, float *y, int rows, int threads) {
-    if (m->in % 64 || m->out % 16 || rows < 1 || (m->zero && (m->group % 64 || m->in % m->group))
+    if (m->in % 64 || m->in > 131072 || m->out % 16 || rows < 1 || (m->zero && (m->group % 64 || m->in % m->group))
         || !amx_granted())
         return 2;
     int most = rows < CHUNK_ROWS ? rows : CHUNK_ROWS, blocks = (most + ROWS_PER_TILE - 1) / ROWS_PER_TILE;
-    int8_t *digits = malloc((size_t)most * 3 * m->in), *xd = aligned_alloc(64, (size_t)blocks * 16 * m->in);
+    int8_t *digits = malloc((size_t)most * DIGITS * m->in), *xd = aligned_alloc(64, (size_t)blocks * 16 * m->in);
     float *row_s = malloc((size_t)most * sizeof(float));
     int status = !digits || !xd || !row_s;
     for (int r = 0; !status && r < rows; r += most) {
