@@ -15,7 +15,7 @@ For SmolLM2-135M's shape (all 30 layers' q|k|v, o, gate|up and down: 106 M weigh
     int8, int4 (minillm.quantize's codes, float32 x) F.linear on the dequantised matrix (the lesson's product),
                torch._weight_int8pack_mm or _weight_int4pack_mm_for_cpu (on a copy in its layout, the same ŵ; up
                to 32 rows), the C loops quantized_matvec (1-3 rows) or quantized_matmul, and where the CPU has
-               AMX-INT8 quantized_amx_matmul (the matrix units, x in three int8 digits)
+               AMX-INT8 quantized_amx_matmul (the matrix units, x in four int8 digits)
 
     python benchmarks/decode_products.py --dtypes bfloat16 --rows 1 2 8 32 64 128 256 512   # a server's batches
     python benchmarks/decode_products.py --dtypes int8 int4 --rows 1 8 32 128 512

@@ -68,7 +68,7 @@ SWAPS = (
          "--pack-weights); also the default path of a bfloat16 model on a CPU (1-256 rows on the matrix units where "
          "the CPU has AMX, else one or two rows in C)"),
     Swap("quantize.QuantizedLinear", "fast.products.FastQuantizedLinear", "every path, a quantised model: its "
-         "products in C on a CPU (on the matrix units where the CPU has AMX-INT8, x in three int8 digits)"),
+         "products in C on a CPU (on the matrix units where the CPU has AMX-INT8, x in four int8 digits)"),
     Swap("serving.paged_attention.PagedBatch", "fast.paged_attention.FastPagedBatch", "every path, C kernels fit: "
          "the serving engine's decodes attend in C over the pool's blocks in place; a bfloat16 or float16 prefill "
          "chunk reaches SDPA padded to a few shapes"),

@@ -566,7 +566,7 @@ def quantized_amx_fits(codes: torch.Tensor, group_size: int | None = None) -> bo
 def quantized_amx_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
                          group_size: int = 0, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x [rows, in] float32 @ ŵᵀ -> [rows, out] float32 on the CPU's matrix units (Intel AMX-INT8), ŵ the codes
-    above (int8 when zero is None, else int4 in groups of ``group_size``). x is written as three int8 digits a
+    above (int8 when zero is None, else int4 in groups of ``group_size``). x is written as four int8 digits a
     value, enough for float32 (csrc/quantized_amx.c), so the result is ``F.linear(x, ŵ)``'s up to float32
     rounding: the activations are not quantised. int8 codes are read in place, int4 unpacked a group at a time.
 

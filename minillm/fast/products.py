@@ -39,10 +39,10 @@ stream memory as fast as all the cores together. Two ways around it, for CPU flo
     more (prefill)  dequantize + F.linear        the whole float matrix, one MKL product
 
 except where the CPU has matrix units for int8 (Intel AMX-INT8): there int8 and int4 products of any number of
-rows run on them, x written as three int8 digits, float32's precision
-(:func:`minillm.fast.kernels.quantized_amx_matmul`; SmolLM2-135M's matrices at 1, 8, 32 and 512 rows: int8 6.9, 9.0,
-13.9 and 146 ms against the table's 11.2, 19.0, 53.2 and 432, int4 8.9, 11.0, 22.1 and 252 against 12.8, 18.5,
-44.9 and 516; BENCHMARKS.md, "Quantised products on the matrix units"). On CUDA int8 runs
+rows run on them, x written as four int8 digits, float32's precision
+(:func:`minillm.fast.kernels.quantized_amx_matmul`; SmolLM2-135M's matrices at 1, 8, 32 and 512 rows: int8 7.2, 9.5,
+16.6 and 164 ms against the table's 10.5, 20.0, 53.5 and 434, int4 9.0, 12.1, 24.9 and 327 against 12.4, 19.4,
+43.5 and 552; BENCHMARKS.md, "Quantised products on the matrix units"). On CUDA int8 runs
 ``torch._weight_int8pack_mm``.
 
 Everything else (prefill's many rows, a GPU, float16, autograd) runs ``F.linear``, which

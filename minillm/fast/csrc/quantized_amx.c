@@ -18,7 +18,7 @@
  * ε is the last digit's rounding, 0.5 / 254³, and the float32 rounding of the residuals as they are scaled up, as
  * much again: |ε · s| < 1e-9 of the row's largest |x|, and the Dc are exact. So the result differs from
  * F.linear(x, ŵ) by about float32's rounding even where a row holds outliers 10^4 times its typical value (as
- * SmolLM2's down projections' inputs do: three digits, an error 2.4e-7 of the largest, gave them 40-50x float32's
+ * SmolLM2's down projections' inputs do: three digits, an error 1.2e-7 of the largest, gave them 40-50x float32's
  * error): the activations are not quantised (llama.cpp's Q8_0 rounds them to 8 bits, one digit).
  * tests/fast/test_quantized_amx.py checks it against float64.
  *
@@ -33,7 +33,7 @@
  *
  * Each thread takes blocks of 32 outputs (two A tiles) and walks x's rows 8 at a time (two B tiles). Four digits
  * cost four times the multiply-adds of one, which a decode step's few rows leave the matrix units to spare: int8
- * reads SmolLM2-1.7B's matrices at 24 GB/s of the host's 26.8 (BENCHMARKS.md, "Quantised products on the matrix
+ * reads SmolLM2-1.7B's matrices at 23 GB/s of the host's 26.8 (BENCHMARKS.md, "Quantised products on the matrix
  * units"); int4 streams 9 GB/s, its unpacking and per-group sums the bound. A row of zeros gives zeros; a row
  * with a NaN or an infinity, or whose largest |x| is outside [2^-100, 2^100] (its scale would overflow), is computed
  * by a scalar loop instead, in float32: F.linear's NaN and infinities. The int32 sums hold for in <= 131072.
