@@ -21,7 +21,7 @@ Why C and not PyTorch: a decode step's product is one row (a few) by a matrix, s
 the weights; MKL reads a one-row float32 product with one core (minillm.fast.products), and a quantised
 kernel must widen the codes to float as fast as it reads them, which torch's int8/int4 ops do not on a
 CPU (``torch._weight_int8pack_mm`` took 3.8-9.0x the C's time at one row, 19-99x at 32). Where the CPU has matrix
-units (Intel AMX), the tiles' operand layout decides: bf16_amx.c and quantized_amx.c read the weight as it
+units (Intel AMX), the tiles' operand layout decides: bf16_amx.c and quantized_amx.c (int8) read the weight as it
 lies, where oneDNN reorders it at every call or keeps a second copy. BENCHMARKS.md ("The C kernels against
 PyTorch") has each family against what PyTorch ships for the
 same work, on this project's machines; a kernel that does not win there is not kept.
