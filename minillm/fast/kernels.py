@@ -450,6 +450,8 @@ def quantized_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, 
 
 def _quantized_product(kernel: str, lib: ctypes.CDLL, x, codes, scale, zero, group_size) -> torch.Tensor:
     op = f"quantized_{kernel}"
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op} takes tensors, got x {type(x).__name__}")
     _check_codes(op, codes, scale, zero, group_size, x)
     x = x.contiguous()
     y = _output(x.shape[0], codes.shape[0])
@@ -567,13 +569,16 @@ def quantized_amx_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
                          group_size: int = 0, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x [rows, in] float32 @ ŵᵀ -> [rows, out] float32 on the CPU's matrix units (Intel AMX-INT8), ŵ the codes
     above (int8 when zero is None, else int4 in groups of ``group_size``). x is written as four int8 digits a
-    value, enough for float32 (csrc/quantized_amx.c), so the result is ``F.linear(x, ŵ)``'s up to float32
-    rounding: the activations are not quantised. int8 codes are read in place, int4 unpacked a group at a time.
+    value, off by less than 1e-9 of its row's largest |x| (csrc/quantized_amx.c), so the result is
+    ``F.linear(x, ŵ)``'s up to float32 rounding for rows whose largest value is up to ~10^4 times the rest (the
+    error grows with that ratio beyond): the activations are not quantised. int8 codes are read in place, int4 unpacked a group at a time.
 
     Raises ValueError for codes the kernel would misread, shapes it does not take (:func:`quantized_amx_fits`), or
     where it does not run (:func:`quantized_amx_ready`); MemoryError when x's digits cannot be allocated."""
     lib = lib or kernels()
     op = "quantized_amx_matmul"
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op} takes tensors, got x {type(x).__name__}")
     _check_codes(op, codes, scale, zero, group_size, x)
     if not quantized_amx_fits(codes, None if zero is None else group_size):
         raise ValueError(f"{op} takes codes for [out, in] with out a multiple of 16, in a multiple of 64 up to "
@@ -602,7 +607,7 @@ def quantized_amx_unchecked(x: torch.Tensor, codes: torch.Tensor, scale: torch.T
         status = lib.int4_amx_matmul(x.data_ptr(), codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), y.data_ptr(),
                                      *sizes, group_size, torch.get_num_threads())
     if status:
-        raise MemoryError(f"quantized_amx_matmul could not allocate {min(x.shape[0], 320) * x.shape[1] * 7:,} bytes "
+        raise MemoryError(f"quantized_amx_matmul could not allocate {min(x.shape[0], 320) * x.shape[1] * 8:,} bytes "
                           "for x's digits")
     return y
 

@@ -224,7 +224,7 @@ class FastQuantizedLinear(QuantizedLinear):
             # LM head for no logits)
             return x.new_empty(*x.shape[:-1], self.out_features)
         elif rows <= QUANTIZED_TILED_MAX_ROWS or self._on_matrix_units():
-            y = self._product(x.reshape(rows, -1))
+            y = self._product(x.reshape(rows, x.shape[-1]))
         else:
             return F.linear(x, self._unpacked(), self.bias)
         y = y.view(*x.shape[:-1], self.out_features)

@@ -270,7 +270,15 @@ def test_kv_tiers_the_engine_refuses_are_its_one_line_error(tiny_folder, tmp_pat
 
 
 @pytest.mark.large
-def test_each_run_writes_its_own_disk_tier_and_a_second_command_finds_it_warm(tiny_folder, tmp_path, capsys):
+def test_each_run_writes_its_own_disk_tier_and_a_second_command_finds_it_warm(tiny_folder, tmp_path, capsys,
+                                                                              monkeypatch):
+    """The engine's load-or-recompute choice weighs measured disk reads against measured prefills; on a busy
+    machine a slow read can make it prefill a run again (a full test run saw 32 cached tokens for 64). This test
+    is about where the blocks go, so it makes every found run a load: its prefills count as 10^-9 of the floor."""
+    from minillm.serving.kv_tiers import offload
+
+    real = offload.load_or_recompute
+    monkeypatch.setattr(offload, "load_or_recompute", lambda *a: real(*a[:-1], 1e-9))
     args = ["bench-serving", "--model", str(tiny_folder), "--num-prompts", "2", "--input-len", "40", "--output-len",
             "2", "--long-prompt-len", "0", "--threads", "1", "--policies", "continuous", "static", "--quiet",
             "--kv-offload-dir", str(tmp_path), "--json", str(tmp_path / "r.json")]

@@ -146,6 +146,8 @@ def test_what_is_not_a_tensor_is_named():
         kernels.quantized_amx_matmul([[1.0] * 64], q, torch.ones(16))
     with pytest.raises(TypeError, match="takes tensors, got scale NoneType"):
         kernels.quantized_amx_matmul(torch.ones(1, 64), q, None)
+    with pytest.raises(TypeError, match="takes tensors, got x NoneType"):
+        kernels.quantized_amx_matmul(None, q, torch.ones(16))
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -155,7 +157,10 @@ def test_no_rows_give_no_rows(fmt):
     _amx()
     layer = _layer(fmt, 32, 128, torch.Generator().manual_seed(7))
     assert _product(layer, torch.ones(0, 128)).shape == (0, 32)
-    assert swap_class(layer, FastQuantizedLinear)(torch.ones(1, 0, 128)).shape == (1, 0, 32)
+    fast = swap_class(layer, FastQuantizedLinear)
+    assert fast(torch.ones(1, 0, 128)).shape == (1, 0, 32)
+    with pytest.raises(ValueError, match=r"x must be float32 \[rows, 128\]"):
+        fast(torch.ones(0, 100))
 
 
 def test_the_portable_build_has_no_int8_matrix_units():

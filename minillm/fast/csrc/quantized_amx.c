@@ -18,8 +18,9 @@
  * ε is the last digit's rounding, 0.5 / 254³, and the float32 rounding of the residuals as they are scaled up, as
  * much again: |ε · s| < 1e-9 of the row's largest |x|, and the Dc are exact. So the result differs from
  * F.linear(x, ŵ) by about float32's rounding even where a row holds outliers 10^4 times its typical value (as
- * SmolLM2's down projections' inputs do: three digits, an error 1.2e-7 of the largest, gave them 40-50x float32's
- * error): the activations are not quantised (llama.cpp's Q8_0 rounds them to 8 bits, one digit).
+ * SmolLM2's down projections' inputs do: three digits, an error 1.2e-7 of the largest, gave them up to 94x float32's
+ * error; beyond ~10^5 the error grows with the ratio): the activations are not quantised (llama.cpp's Q8_0 rounds
+ * them to 8 bits, one digit).
  * tests/fast/test_quantized_amx.py checks it against float64.
  *
  * As in bf16_amx.c, the codes are the tiles' A operand, 16 rows of 64 int8s, and the product is computed
