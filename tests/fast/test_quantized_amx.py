@@ -3,10 +3,10 @@ dequantised matrix; rows of zeros, NaN, infinities, tiny and huge values; what t
 own AMX kernels their tile configuration. Skipped where the CPU has no AMX-INT8 (every test but the portable build's).
 
 The bound: x is written as four base-254 digits under a power-of-two scale s < max|x| / 63.5, so each value is off
-by at most 0.5 · s / 254³ (the last digit's rounding) plus as much again (float32's rounding of the residuals as they
-are scaled up): < 1e-9 · max|x|. The digit sums are exact integers, and what follows them is a few float32 roundings
-(2^-24 each) of the result. So |y - y64| <= 1e-9 · max|x| · Σ_k |ŵ_ok| + 5 · 2^-24 · Σ_k |ŵ_ok x_k|: keeping three
-digits misses it by up to 254x, as a row with an outlier shows.
+by at most 0.5 · s / 254³ (the last digit's rounding) plus as much again (float32's rounding of the residuals as
+they are scaled up): < 1e-9 · max|x|. The digit sums are exact integers, and what follows them is a few float32
+roundings (2^-24 each) of the result. So |y - y64| <= 1e-9 · max|x| · Σ_k |ŵ_ok| + 5 · 2^-24 · Σ_k |ŵ_ok x_k|:
+keeping three digits misses it by up to 254x, as a row with an outlier shows.
 """
 
 import pytest
