@@ -361,11 +361,17 @@ def bf16_amx_ready(*, lib: ctypes.CDLL | None = None) -> bool:
     """Whether :func:`bf16_amx_matmul` runs here: the build targets AMX-BF16 (``-march=native`` on an Intel
     Xeon from Sapphire Rapids on) and Linux granted this process the tile registers. False for a portable
     build and on every other CPU."""
-    if lib is None:  # (the library's answer, asked once: a product asks at every call)
-        if "amx" not in _state:
-            _state["amx"] = kernels() is not None and bool(kernels().bf16_amx_ready())
-        return _state["amx"]
-    return bool(lib.bf16_amx_ready())
+    return _asked_once("bf16_amx_ready", lib)
+
+
+def _asked_once(question: str, lib: ctypes.CDLL | None) -> bool:
+    """The library's answer to the C function ``question()``; the default library's asked once (a product asks
+    at every call)."""
+    if lib is not None:
+        return bool(getattr(lib, question)())
+    if question not in _state:
+        _state[question] = kernels() is not None and bool(getattr(kernels(), question)())
+    return _state[question]
 
 
 def bf16_amx_fits(weight: torch.Tensor) -> bool:
@@ -546,11 +552,7 @@ def quantized_amx_ready(*, lib: ctypes.CDLL | None = None) -> bool:
     """Whether :func:`quantized_amx_matmul` runs here: the build targets AMX-INT8 (``-march=native`` on an Intel
     Xeon from Sapphire Rapids on) and Linux granted this process the tile registers. False for a portable
     build and on every other CPU."""
-    if lib is None:  # (the library's answer, asked once: a product asks at every call)
-        if "quantized_amx" not in _state:
-            _state["quantized_amx"] = kernels() is not None and bool(kernels().quantized_amx_ready())
-        return _state["quantized_amx"]
-    return bool(lib.quantized_amx_ready())
+    return _asked_once("quantized_amx_ready", lib)
 
 
 AMX_MAX_IN = 131072  # in·127·128 < 2^31: the int32 sums of quantized_amx.c cannot overflow

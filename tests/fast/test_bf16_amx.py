@@ -12,6 +12,7 @@ from torch import nn
 
 from minillm.fast import kernels
 from minillm.fast.products import MatvecLinear
+from minillm.quantize import QuantizedLinear
 
 BF16_EPS = 2.0 ** -8  # half of bfloat16's 2^-7 spacing: one rounding to nearest moves a value by at most this
 
@@ -100,20 +101,32 @@ def test_the_portable_build_has_no_matrix_units():
     assert kernels.bf16_amx_ready(lib=kernels.kernels(portable=True)) is False
 
 
-def test_pytorchs_own_amx_kernels_keep_their_tile_configuration():
+@pytest.mark.parametrize("product", ["bfloat16", "int8", "int4"])
+def test_pytorchs_own_amx_kernels_keep_their_tile_configuration(product):
     """SDPA's bfloat16 flash attention (PyTorch's brgemm) and oneDNN keep a tile configuration loaded between
-    calls; the kernel puts the caller's back, so theirs give the same bits before and after it, in turn."""
+    calls; each of minillm's AMX products (bf16_amx.c, quantized_amx.c) puts the caller's back, so theirs give the
+    same bits before and after it, in turn."""
     _amx()
+    if product != "bfloat16" and not kernels.quantized_amx_ready():
+        pytest.skip("needs a CPU with AMX-INT8")
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 9, 200, 64, generator=g).bfloat16(), torch.randn(1, 3, 200, 64, generator=g).bfloat16()
     x, w = torch.randn(300, 576, generator=g).bfloat16(), torch.randn(576, 576, generator=g).bfloat16()
     attention = F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
-    product = F.linear(x, w)
-    for _ in range(5):
-        kernels.bf16_amx_matmul(x[:8], w)
+    result = F.linear(x, w)
+    layer = None if product == "bfloat16" else QuantizedLinear(torch.randn(576, 576, generator=g), None, product)
+
+    def run(rows: int) -> None:
+        if layer is None:
+            kernels.bf16_amx_matmul(x[:rows], w)
+        else:
+            kernels.quantized_amx_matmul(torch.randn(rows, 576, generator=g), layer.qweight, layer.scale, layer.zero,
+                                         layer.group_size)
+    for rows in (1, 8, 40, 300):
+        run(rows)
         assert torch.equal(F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True), attention)
-        kernels.bf16_amx_matmul(x[:40], w)
-        assert torch.equal(F.linear(x, w), product)
+        run(rows)
+        assert torch.equal(F.linear(x, w), result)
 
 
 @pytest.mark.parametrize("rows, bias, ran", [(1, False, True), (64, True, True), (256, False, True),

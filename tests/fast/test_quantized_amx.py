@@ -1,6 +1,7 @@
 """The int8 and int4 products on the matrix units (minillm/fast/csrc/quantized_amx.c) against float64 F.linear on the
-dequantised matrix; rows of zeros, NaN, infinities, tiny and huge values; what they refuse; that they leave PyTorch's
-own AMX kernels their tile configuration. Skipped where the CPU has no AMX-INT8 (every test but the portable build's).
+dequantised matrix; rows of zeros, NaN, infinities, tiny and huge values; what they refuse. (That they leave
+PyTorch's own AMX kernels their tile configuration: tests/fast/test_bf16_amx.py, for every AMX product.) Skipped
+where the CPU has no AMX-INT8 (every test but the portable build's).
 
 The bound: x is written as four base-254 digits under a power-of-two scale s < max|x| / 63.5, so each value is off
 by at most 0.5 · s / 254³ (the last digit's rounding) plus as much again (float32's rounding of the residuals as
@@ -167,23 +168,6 @@ def test_the_portable_build_has_no_int8_matrix_units():
     if kernels.kernels(portable=True) is None:
         pytest.skip("needs the C kernels")
     assert kernels.quantized_amx_ready(lib=kernels.kernels(portable=True)) is False
-
-
-def test_pytorchs_own_amx_kernels_keep_their_tile_configuration():
-    """SDPA's bfloat16 flash attention and oneDNN's bfloat16 products keep a tile configuration loaded between
-    calls; the kernel puts the caller's back, so theirs give the same bits before and after it."""
-    _amx()
-    g = torch.Generator().manual_seed(0)
-    qa, k = torch.randn(1, 9, 200, 64, generator=g).bfloat16(), torch.randn(1, 3, 200, 64, generator=g).bfloat16()
-    xb, w = torch.randn(300, 576, generator=g).bfloat16(), torch.randn(576, 576, generator=g).bfloat16()
-    attention = F.scaled_dot_product_attention(qa, k, k, is_causal=True, enable_gqa=True)
-    product = F.linear(xb, w)
-    layers = [_layer(fmt, 576, 576, g) for fmt in ("int8", "int4")]
-    for rows in (1, 40, 400):
-        for layer in layers:
-            _product(layer, torch.randn(rows, 576, generator=g))
-        assert torch.equal(F.scaled_dot_product_attention(qa, k, k, is_causal=True, enable_gqa=True), attention)
-        assert torch.equal(F.linear(xb, w), product)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
