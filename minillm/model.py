@@ -210,6 +210,11 @@ class Attention(nn.Module):
         """x [B, T, d_model] -> q [B, T, H·D], k and v [B, T, Hkv·D]."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, rope_cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE: q [B, H, T, D] and k [B, Hkv, T, D] rotated by their positions' angles (cos, sin [T, D])."""
+        cos, sin = rope_cos_sin
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
     def attend(self, q, k, v, mask: torch.Tensor | None, impl: str, hook: Hook | None) -> torch.Tensor:
         """Attention of q [B, H, T, D] over the keys and values k, v [B, Hkv, S, D] a cache returned.
 
@@ -242,7 +247,7 @@ class Attention(nn.Module):
             for part, t in (("q", q), ("k", k), ("v", v)):
                 hook(f"{self.name}.hook_{part}", t)
         if rope_cos_sin is not None:
-            q, k = apply_rope(q, *rope_cos_sin), apply_rope(k, *rope_cos_sin)
+            q, k = self.rotate(q, k, rope_cos_sin)
 
         def attention(q, keys, values, mask):  # over every position the cache holds for these queries
             if hook and cache is not None:

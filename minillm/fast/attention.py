@@ -27,16 +27,20 @@ from . import kernels
 from .packing import Stack
 
 PREFILL_MIN_SCORES = 8192  # T·S; measured: T = S = 96 (9,216) 104 against SDPA's 137 us, T = S = 64 69 against 54
+TILES_MIN_SCORES = 4096  # T·S, bfloat16 on AMX; measured: T = S = 64 45 against SDPA's 50 us, T = S = 16 32 against 23
 
 
 class FastAttention(Attention):
     """:class:`~minillm.model.Attention` with the same parameters, q|k|v stacked (``qkv``) and, with
-    ``c_decode`` (set where :func:`c_decode_fits`), decode's attention in C, and with ``c_prefill`` (also
-    head_dim a multiple of the kernels' panel width) prefill's causal attention in C."""
+    ``c_decode`` (set where :func:`c_decode_fits`), decode's attention in C, with ``c_prefill`` (also
+    head_dim a multiple of the kernels' panel width) prefill's causal attention in C, and with ``c_rope`` (set
+    where :func:`c_kernels_fit`, float32 or bfloat16) RoPE of q and k in one C call, the lesson's values, and in
+    bfloat16 prefill's causal attention on the matrix units where :func:`prefill_on_tiles`."""
 
     qkv: Stack | None = None
     c_decode: bool = False
     c_prefill: bool = False
+    c_rope: bool = False
 
     def _apply(self, fn, recurse=True):
         self.qkv = None  # .to(), .double(), .cuda() make new tensors: the stack would be stale; the members stay
@@ -48,7 +52,16 @@ class FastAttention(Attention):
         kv_size = self.n_kv_heads * self.head_dim
         return self.qkv.module(x).split((self.n_heads * self.head_dim, kv_size, kv_size), dim=-1)
 
+    def rotate(self, q, k, rope_cos_sin):
+        cos, sin = rope_cos_sin
+        if (self.c_rope and kernels.rope_fits(q, k, cos, sin) and not torch.compiler.is_compiling()
+                and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))):
+            return kernels.rope(q, k, cos, sin, check=False)
+        return super().rotate(q, k, rope_cos_sin)
+
     def attend(self, q, k, v, mask, impl, hook):
+        if impl == "sdpa" and mask is None and self.window is None and self.c_rope and prefill_on_tiles(q, k, v):
+            return kernels.causal_attention_amx(q, k, v, self._scale())
         if impl == "sdpa" and self._prefill_in_c(q, k, v, mask):
             return kernels.causal_attention(q, k, v, self._scale())
         if not (impl == "sdpa" and self._in_c(q, k, mask)):
@@ -82,6 +95,15 @@ class FastAttention(Attention):
                 and k.dtype == q.dtype and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
                 and not (torch.is_grad_enabled() and q.requires_grad)
                 and (mask.dim() == 2 if mask is not None else not torch.compiler.is_compiling()))
+
+
+def prefill_on_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a bfloat16 pass of several queries runs :func:`minillm.fast.kernels.causal_attention_amx`: what the
+    kernel takes (bfloat16 on a CPU with AMX-BF16, head_dim a multiple of 32), enough query-key pairs to pay for its
+    set-up (TILES_MIN_SCORES), no autograd, not while compiling."""
+    return (q.shape[2] * k.shape[2] >= TILES_MIN_SCORES and q.dtype == torch.bfloat16
+            and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and q.requires_grad) and kernels.causal_attention_amx_fits(q, k, v))
 
 
 def c_decode_fits(model) -> bool:

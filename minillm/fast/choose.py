@@ -139,7 +139,7 @@ def apply_decode_path(model: Transformer, name: str) -> Transformer:
             swap_class(block, FastBlock)
         attn, mlp = swap_class(block.attn, FastAttention), block.mlp
         attn.qkv = Stack(attn, ("q_proj", "k_proj", "v_proj"), linear_cls, path.long_rows)
-        attn.c_decode, attn.c_prefill = c_decode, c_prefill
+        attn.c_decode, attn.c_prefill, attn.c_rope = c_decode, c_prefill, c_norms
         relayout(attn.o_proj, linear_cls, path.long_rows)
         if isinstance(mlp, SwiGLU):
             swap_class(mlp, PackedSwiGLU).gate_up = Stack(mlp, ("gate_proj", "up_proj"), linear_cls, path.long_rows)

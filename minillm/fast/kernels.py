@@ -11,8 +11,10 @@ family, each function a kernel, checking what the C loops would misread (they tr
     csrc/quantized_amx.c  int8, int4 products on AMX      int8_amx_matmul, int4_amx_matmul, quantized_amx_ready
     csrc/attention.c   decode's and prefill's attention      decode_attention, paged_decode_attention,
                                                              causal_attention
+    csrc/attention_amx.c  bfloat16 prefill attention on AMX  causal_attention_amx
     csrc/rms_norm.c    the residual add and RMSNorm          rms_norm
     csrc/silu_mul.c    SwiGLU's activation                   silu_mul
+    csrc/rope.c        RoPE of queries and keys in one call  rope
     csrc/common.h      what they share: the vector type, the panel micro-kernel's shape, a vector exp
     csrc/amx.h         what the AMX products share: the tile configuration, a 16x16 transpose
     csrc/ops.cpp       a few of them as torch ops, for compiled code
@@ -61,8 +63,8 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("common.h", "amx.h", "products.c", "bf16_products.c", "bf16_amx.c", "quantized.c",
-                                    "quantized_amx.c", "attention.c", "rms_norm.c",
-                                    "silu_mul.c")]  # what the library is built from
+                                    "quantized_amx.c", "attention.c", "attention_amx.c",
+                                    "rms_norm.c", "silu_mul.c", "rope.c")]  # what the library is built from
 OPS_SOURCE = CSRC / "ops.cpp"  # the products and decode attention as torch ops, for compiled code
 # first OpenMP (threads), then without it (macOS clang has no -fopenmp: one thread), then portable
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
@@ -201,12 +203,18 @@ C_FUNCTIONS = {  # name: (argument types, result type), as csrc/*.c declares the
     "paged_decode_attention": ([_P, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I], _I),
     "causal_attention": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _L, _L, _L, _L, _L, _L, _L, _L, _L, _F, _I],
                          _I),
+    # attention_amx.c
+    "causal_attention_bf16_amx": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _L, _L, _L, _L, _L, _L, _L, _L, _F, _I], _I),
     # rms_norm.c, silu_mul.c
     "rms_norm_reference": ([_P, _P, _P, _L, _I, _F], None),
     "rms_norm": ([_P, _P, _P, _P, _P, _L, _I, _F, _I], None),
     "rms_norm_bf16": ([_P, _P, _P, _P, _P, _L, _I, _F, _I], None),
     "silu_mul_reference": ([_P, _P, _L, _I], None),
     "silu_mul": ([_P, _P, _L, _I, _I], None),
+    "silu_mul_bf16": ([_P, _P, _L, _I, _I], None),
+    "silu_mul_bf16_vectorised": ([], _I),
+    # rope.c
+    "rope": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _L, _L, _L, _L, _L, _L, _I, _I], None),
 }
 
 
@@ -771,6 +779,47 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out
 
 
+def causal_attention_amx(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+                         lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """Prefill's attention in bfloat16 on the matrix units (csrc/attention_amx.c): the T queries are the last T of
+    the S positions, query t seeing keys 0 .. S - T + t (as :func:`causal_attention`), softmax(scale · q·kᵀ + mask)
+    · v with the scores and the output summed in float32 and the softmax's weights rounded to bfloat16 for their
+    product with v (as SDPA's flash kernel rounds them).
+
+    q [B, H, T, D], k, v [B, Hkv, S, D] bfloat16 CPU, any strides but a contiguous last dimension, T <= S, H a
+    multiple of Hkv (GQA), D a multiple of 32 up to 256. Returns [B, H, T, D] bfloat16, laid out [B, T, H, D] (what
+    the output projection reads). Raises ValueError for other inputs or where :func:`bf16_amx_ready` is False,
+    MemoryError when the packed keys and values cannot be allocated."""
+    lib = lib or kernels()
+    if not causal_attention_amx_fits(q, k, v, lib=lib) or not _is_number(scale):
+        raise ValueError(f"causal_attention_amx takes bfloat16 CPU q [B, heads, T, D] and k, v [B, kv_heads, S, D] "
+                         f"with a contiguous last dimension, T <= S, heads a multiple of kv_heads, D a multiple of 32 "
+                         f"up to 256, a number scale, and a CPU with AMX-BF16; got q {q.dtype} {list(q.shape)}, k "
+                         f"{k.dtype} {list(k.shape)}, v {v.dtype} {list(v.shape)}, scale {scale!r}; use "
+                         f"F.scaled_dot_product_attention")
+    B, H, T, D = q.shape
+    KV, S = k.shape[1], k.shape[2]
+    out = torch.empty(B, T, H, D, dtype=torch.bfloat16)
+    for b in range(B):
+        if lib.causal_attention_bf16_amx(q[b].data_ptr(), k[b].data_ptr(), v[b].data_ptr(), out[b].data_ptr(), H, KV,
+                                         T, S, D, q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1),
+                                         v.stride(2), D, H * D, scale, torch.get_num_threads()):
+            raise MemoryError(f"causal_attention_amx could not allocate {4 * KV * (S + 31) // 32 * 32 * D:,} bytes "
+                              f"for the packed keys and values")
+    return out.transpose(1, 2)
+
+
+def causal_attention_amx_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                              lib: ctypes.CDLL | None = None) -> bool:
+    """What :func:`causal_attention_amx` takes (its docstring), this CPU included."""
+    return (q.dim() == k.dim() == 4 and k.shape == v.shape and k.shape[0] == q.shape[0] and k.shape[1] > 0
+            and q.shape[1] % k.shape[1] == 0 and k.shape[3] == q.shape[3] and 0 < q.shape[2] <= k.shape[2]
+            and q.shape[3] % 32 == 0 and 0 < q.shape[3] <= 256
+            and q.dtype == k.dtype == v.dtype == torch.bfloat16
+            and q.device.type == k.device.type == v.device.type == "cpu"
+            and q.stride(3) == k.stride(3) == v.stride(3) == 1 and bf16_amx_ready(lib=lib))
+
+
 # -- the residual add and RMSNorm (csrc/rms_norm.c), SwiGLU's activation (csrc/silu_mul.c) -----------
 
 
@@ -803,20 +852,63 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
 
 
 def silu_mul(gate_up: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """SwiGLU's activation in one pass: gate_up [..., 2F] float32 CPU, contiguous (the stacked gate|up
-    product) -> silu(gate) · up [..., F] float32, gate and up its two halves (``chunk(2, -1)``). Same
-    values as ``F.silu(gate) * up`` up to float rounding. Raises ValueError for another dtype, device or
+    """SwiGLU's activation in one pass: gate_up [..., 2F] float32 or bfloat16 CPU, contiguous (the stacked gate|up
+    product) -> silu(gate) · up [..., F] of its dtype, gate and up its two halves (``chunk(2, -1)``). Same values as
+    ``F.silu(gate) * up`` up to float rounding (in bfloat16 with its roundings: silu rounded, then the product;
+    csrc/silu_mul.c says where its exp can move the last bit). Raises ValueError for another dtype, device or
     layout."""
     lib = lib or kernels()
-    if (gate_up.dtype != torch.float32 or gate_up.device.type != "cpu" or not gate_up.is_contiguous()
-            or gate_up.dim() == 0 or gate_up.shape[-1] % 2):
-        raise ValueError(f"silu_mul takes a contiguous float32 CPU tensor [..., 2F], got {gate_up.dtype} "
+    if (gate_up.dtype not in (torch.float32, torch.bfloat16) or gate_up.device.type != "cpu"
+            or not gate_up.is_contiguous() or gate_up.dim() == 0 or gate_up.shape[-1] % 2):
+        raise ValueError(f"silu_mul takes a contiguous float32 or bfloat16 CPU tensor [..., 2F], got {gate_up.dtype} "
                          f"{list(gate_up.shape)} on {gate_up.device.type}; use F.silu(gate) * up")
     F = gate_up.shape[-1] // 2
-    out = _output(*gate_up.shape[:-1], F)
+    out = torch.empty(*gate_up.shape[:-1], F, dtype=gate_up.dtype)
+    run = lib.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else lib.silu_mul
     if out.numel():
-        lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), out.numel() // F, F, torch.get_num_threads())
+        run(gate_up.data_ptr(), out.data_ptr(), out.numel() // F, F, torch.get_num_threads())
     return out
+
+
+def silu_mul_bf16_vectorised(*, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether :func:`silu_mul` in bfloat16 runs its AVX-512 loop here (elsewhere a scalar one, slower than
+    ``F.silu(gate) * up``)."""
+    return _asked_once("silu_mul_bf16_vectorised", lib)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, check: bool = True,
+         lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE of queries and keys in one call, :func:`minillm.rope.apply_rope`'s values bit for bit (its roundings:
+    each product, then the sum, in float32 or bfloat16; csrc/rope.c says where a bfloat16 product below 2^-126
+    becomes zero): q [B, H, T, D] and k [B, Hkv, T, D] (views of the stacked
+    q|k|v product will do: a head's D elements contiguous, any other strides), cos and sin [T, D] contiguous, all
+    float32 or all bfloat16 CPU tensors, D even. Returns the rotated (q, k) of the same shapes, laid out [B, T,
+    heads, D] as ``x * cos`` would lay out a transposed view. Raises ValueError for other shapes, dtypes, devices
+    or layouts, unless ``check`` is False (a caller that has checked them: :class:`~minillm.fast.attention.
+    FastAttention`, every layer of every step)."""
+    lib = lib or kernels()
+    if check and not rope_fits(q, k, cos, sin):
+        raise ValueError(f"rope takes CPU q [B, H, T, D] and k [B, Hkv, T, D] with contiguous heads, contiguous cos "
+                         f"and sin [T, D], D even, all float32 or all bfloat16; got q {q.dtype} {list(q.shape)}, k "
+                         f"{k.dtype} {list(k.shape)}, cos {cos.dtype} {list(cos.shape)}, sin {sin.dtype} "
+                         f"{list(sin.shape)}; use minillm.rope.apply_rope")
+    B, H, T, D = q.shape
+    KV = k.shape[1]
+    q_out = torch.empty(B, T, H, D, dtype=q.dtype)
+    k_out = torch.empty(B, T, KV, D, dtype=q.dtype)
+    if q_out.numel():
+        lib.rope(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr(),
+                 B, T, H, KV, D, *q.stride()[:3], *k.stride()[:3], q.dtype == torch.bfloat16, torch.get_num_threads())
+    return q_out.transpose(1, 2), k_out.transpose(1, 2)
+
+
+def rope_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """What :func:`rope` takes (its docstring): the checks, apart, for a caller that makes them once."""
+    return (q.dim() == k.dim() == 4 and q.shape[0] == k.shape[0] and q.shape[2:] == k.shape[2:]
+            and cos.shape == sin.shape == q.shape[2:] and q.shape[3] % 2 == 0
+            and q.dtype == k.dtype == cos.dtype == sin.dtype and q.dtype in (torch.float32, torch.bfloat16)
+            and q.device.type == k.device.type == cos.device.type == sin.device.type == "cpu"
+            and q.stride(3) == k.stride(3) == 1 and cos.is_contiguous() and sin.is_contiguous())
 
 
 # -- the same kernels as torch ops, for compiled code ------------------------------------------------

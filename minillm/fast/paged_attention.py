@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ..serving.paged_attention import PagedBatch
 from . import kernels
-from .attention import c_kernels_fit
+from .attention import c_kernels_fit, prefill_on_tiles
 
 CHUNK_PAD_ROWS = 32  # a chunk's queries and keys, rounded up to this: a few shapes for SDPA's per-shape kernels
 
@@ -80,7 +80,8 @@ class FastPagedBatch(PagedBatch):
         padding up to the order of the sums (the flash kernel's blocks change)."""
         T, S = q.shape[2], keys.shape[2]
         T2, S2 = -(-T // CHUNK_PAD_ROWS) * CHUNK_PAD_ROWS, -(-S // CHUNK_PAD_ROWS) * CHUNK_PAD_ROWS
-        if window is not None or q.dtype not in (torch.bfloat16, torch.float16) or (T2, S2) == (T, S):
+        if (window is not None or q.dtype not in (torch.bfloat16, torch.float16) or (T2, S2) == (T, S)
+                or prefill_on_tiles(q, keys, values)):  # (the tiles' kernel takes every length as it is)
             return attention(q, keys, values, None)
         q2 = F.pad(q, (0, 0, 0, T2 - T))
         keys, values = F.pad(keys, (0, 0, 0, S2 - S)), F.pad(values, (0, 0, 0, S2 - S))

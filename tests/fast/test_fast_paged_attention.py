@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import minillm.serving.engine as engine_module
 from minillm import LLMEngine, SamplingParams
 from minillm.fast import kernels
+from minillm.fast.attention import prefill_on_tiles
 from minillm.fast.paged_attention import CHUNK_PAD_ROWS, FastPagedBatch
 from minillm.model import sdpa_attention
 from minillm.serving.model_runner import run_model
@@ -55,12 +56,15 @@ def test_kernel_equals_gather_and_sdpa(block_size, heads, kv_heads, head_dim, wi
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(9, 3, 64, 16), (4, 2, 80, 48), (6, 2, 16, 4)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [
+    (9, 3, 64, 16), (8, 2, 128, 16), (4, 1, 96, 48), (6, 3, 32, 5), (4, 2, 80, 48), (6, 2, 16, 4)])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 def test_bfloat16_kernel_is_float64_attention_rounded_once(heads, kv_heads, head_dim, block_size, window, portable):
     """A bfloat16 pool and q: the kernel's float32 sums rounded to bfloat16 once are within one bfloat16 unit
-    (2^-8 of the value) of the attention computed in float64 on the same bfloat16 numbers."""
+    (2^-8 of the value) of the attention computed in float64 on the same bfloat16 numbers. Where the CPU has
+    AVX512-BF16, head_dim 64 and 128 take the loop built for them, 32 and 96 the general one (pieces of 16 keys
+    inside blocks of 48, or whole blocks of 5), 80 and 16 the widening one."""
     g = torch.Generator().manual_seed(heads + head_dim + block_size)
     num_blocks, max_blocks, layer = 40, 6, 1
     cache = PagedKVCache(2, kv_heads, head_dim, num_blocks, block_size, dtype=torch.bfloat16)
@@ -166,9 +170,10 @@ def test_no_fast_model_runs_the_reference(tmp_path):
 @given(T=st.integers(1, 150), cached=st.one_of(st.just(0), st.integers(1, 150)), seed=st.integers(0, 2**16))
 def test_bfloat16_chunks_reach_sdpa_in_a_few_shapes_with_the_same_values(T, cached, seed):
     """A bfloat16 prefill chunk (a first one, or one after ``cached`` positions) reaches SDPA padded to multiples of
-    CHUNK_PAD_ROWS (its per-shape AMX kernels are kept without limit), and its output is float64 attention's over
-    the same bfloat16 numbers: within 2^-6 of the values' largest magnitude (the output is a convex combination of
-    value rows; the flash kernel rounds its softmax weights to bfloat16, 2^-8 each relative, and the output once)."""
+    CHUNK_PAD_ROWS (its per-shape AMX kernels are kept without limit), or as it is where the module's own kernel on
+    the tiles takes it (prefill_on_tiles), and its output is float64 attention's over the same bfloat16 numbers:
+    within 2^-6 of the values' largest magnitude (the output is a convex combination of value rows; the flash
+    kernel rounds its softmax weights to bfloat16, 2^-8 each relative, and the output once)."""
     g = torch.Generator().manual_seed(seed)
     S = T + cached
     q = torch.randn(1, 9, T, 64, generator=g).bfloat16()
@@ -182,7 +187,10 @@ def test_bfloat16_chunks_reach_sdpa_in_a_few_shapes_with_the_same_values(T, cach
     out = FastPagedBatch.__new__(FastPagedBatch).attend_chunk(q, k, v, attention, None)
     exact = sdpa_attention(q.double(), k.double(), v.double(), None, 0.125, None)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
-    assert all(t % CHUNK_PAD_ROWS == 0 and s % CHUNK_PAD_ROWS == 0 for t, s in shapes)
+    if prefill_on_tiles(q, k, v):
+        assert shapes == [(T, S)]
+    else:
+        assert all(t % CHUNK_PAD_ROWS == 0 and s % CHUNK_PAD_ROWS == 0 for t, s in shapes)
     assert (out.double() - exact).abs().max() <= 2.0 ** -6 * v.double().abs().max()
 
 

@@ -91,19 +91,6 @@ static float scores(const float *q, const float *k, int n, int D, int64_t stride
     return m;
 }
 
-#if defined(__AVX512F__)
-/* exp8's polynomial on 16 lanes; 2^n by scalef (the same values) */
-static __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(EXP_POLY[0]);
-    for (int k = 1; k < 6; k++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_POLY[k]));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-#endif
 
 /* s[j] = exp(s[j] - m); returns Σ_j s[j] */
 static float exps(float *s, int n, float m) {
@@ -258,6 +245,122 @@ static void rescale_add(const float *p, const float *v, int n, int D, int64_t st
     }
 }
 
+#if defined(__AVX512BF16__)
+/* A bfloat16 pool where the CPU has AVX512-BF16 (paged_sequence_bf16): the scores straight from the bfloat16
+ * rows, no widened copy. q is made of bfloat16 numbers (a bfloat16 model's projections), so q·k_j is
+ * _mm512_dpbf16_ps's exact products of bfloat16 pairs summed in float32: the float32 arithmetic of the
+ * widened rows, in another order. */
+
+/* lane j of the result = the sum of v[j]'s 16 lanes: four levels of shuffles and adds over all 16 vectors
+ * at once (46 instructions; one reduction a vector takes ~8, 128 in all) */
+static inline __m512 lane_sums16(const __m512 v[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)  /* 128-bit blocks 0, 1: v[2i]'s 8 partial sums; 2, 3: v[2i + 1]'s */
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)  /* block k: v[4i + k]'s 4 partial sums */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)  /* block k: lanes 0, 2 v[8i + k]'s 2 partial sums; 1, 3 v[8i + 4 + k]'s */
+        c[i] = _mm512_add_ps(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
+    __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(c[0]), _mm512_castps_pd(c[1]));
+    __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(c[0]), _mm512_castps_pd(c[1]));
+    __m512 sums = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));  /* lane 4k + i: v[k + 4i]'s sum */
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
+}
+
+static inline __m512 widen16(const uint16_t *p) {  /* 16 bfloat16s -> 16 float32s */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* The G query heads of one K/V head over n <= 16 keys of bfloat16 rows k, v (`stride` elements apart): the
+ * online softmax's step (as paged_decode_attention's) on each head's m, l and acc[0:D], D a multiple of 32 and
+ * at most 256. The piece's V rows are widened once, into vw, for the G heads. Inlined where D is a constant
+ * (64, 128), so that the 16 score sums and the D / 16 output sums stay in registers; the scores of keys
+ * j >= n read row n - 1 (memory of the pool) and are masked off. */
+static inline __attribute__((always_inline)) void kv_head_piece(
+        const uint16_t *q16, const uint16_t *k, const uint16_t *v, int n, int G, const int D, int64_t stride,
+        float scale, float *m, float *l, float *acc, const char *nk, const char *nv, int64_t share, int64_t left) {
+    float vw[16 * D];
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < D / 16; i++)
+            _mm512_storeu_ps(vw + j * D + 16 * i, widen16(v + (int64_t)j * stride + 16 * i));
+    __mmask16 keys = (__mmask16)((1u << n) - 1);
+    for (int g = 0; g < G; g++) {
+        __m512 dots[16];
+        for (int j = 0; j < 16; j++) {
+            const uint16_t *kj = k + (int64_t)(j < n ? j : n - 1) * stride;
+            dots[j] = _mm512_setzero_ps();
+            for (int d = 0; d < D; d += 32)
+                dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512(q16 + g * D + d),
+                                           (__m512bh)_mm512_loadu_si512(kj + d));
+        }
+        __m512 s = _mm512_mask_blend_ps(keys, _mm512_set1_ps(-INFINITY),
+                                        _mm512_mul_ps(lane_sums16(dots), _mm512_set1_ps(scale)));
+        float chunk_max = _mm512_reduce_max_ps(s), m_new = chunk_max > m[g] ? chunk_max : m[g];
+        float c = expf(m[g] - m_new), p[16];  /* c: 0 at the first piece (m = -inf) */
+        __m512 e = _mm512_maskz_mov_ps(keys, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+        _mm512_storeu_ps(p, e);
+        l[g] = c * l[g] + _mm512_reduce_add_ps(e);
+        m[g] = m_new;
+        __m512 a[16];
+        for (int i = 0; i < D / 16; i++) a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * i), _mm512_set1_ps(c));
+        for (int j = 0; j < n; j++) {
+            __m512 pj = _mm512_set1_ps(p[j]);
+            for (int i = 0; i < D / 16; i++) a[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vw + j * D + 16 * i), a[i]);
+        }
+        for (int i = 0; i < D / 16; i++) _mm512_storeu_ps(acc + g * D + 16 * i, a[i]);
+        if (nk != NULL && g * share < left) {  /* a share of the next piece's K and V after each head */
+            int64_t part = left - g * share < share ? left - g * share : share;
+            prefetch_bytes(nk + g * share, part);
+            prefetch_bytes(nv + g * share, part);
+        }
+    }
+}
+
+/* Sequence b of paged_decode_attention over a bfloat16 pool: pieces of <= 16 keys inside a block, each
+ * K/V head's query heads in turn over its rows, the next piece prefetched a share after each K/V head. */
+static void paged_sequence_bf16(const float *qb, const uint16_t *k_pool, const uint16_t *v_pool, float *ob,
+                                const int64_t *table, int64_t first, int64_t last, int heads, int kv_heads, int D,
+                                int block_size, float scale) {
+    int G = heads / kv_heads;
+    int64_t row = (int64_t)kv_heads * D;
+    uint16_t q16[heads * D];
+    float acc[heads * D], m[heads], l[heads];
+    for (int i = 0; i < heads * D; i++) { q16[i] = f32_to_bf16(qb[i]); acc[i] = 0.0f; }  /* (exact: bfloat16s) */
+    for (int h = 0; h < heads; h++) { m[h] = -INFINITY; l[h] = 0.0f; }
+    for (int64_t start = first; start < last;) {
+        int64_t end = (start / block_size + 1) * block_size;
+        end = end < start + 16 ? end : start + 16;
+        end = end < last ? end : last;
+        int n = (int)(end - start);
+        int64_t offset = (table[start / block_size] * block_size + start % block_size) * row;
+        const char *nk = NULL, *nv = NULL;
+        int64_t bytes = 16 * row * 2, share = (bytes / heads + 63) / 64 * 64;
+        if (end < last) {
+            int64_t next = (table[end / block_size] * block_size + end % block_size) * row;
+            nk = (const char *)(k_pool + next);
+            nv = (const char *)(v_pool + next);
+        }
+        for (int kvh = 0; kvh < kv_heads; kvh++) {
+            int64_t kv = offset + (int64_t)kvh * D, h = (int64_t)kvh * G;
+            const uint16_t *k = k_pool + kv, *v = v_pool + kv;
+            const char *pk = nk ? nk + h * share : NULL, *pv = nv ? nv + h * share : NULL;
+            int64_t left = bytes - h * share;
+            if (D == 64)
+                kv_head_piece(q16 + h * D, k, v, n, G, 64, row, scale, m + h, l + h, acc + h * D, pk, pv, share, left);
+            else if (D == 128)
+                kv_head_piece(q16 + h * D, k, v, n, G, 128, row, scale, m + h, l + h, acc + h * D, pk, pv, share, left);
+            else
+                kv_head_piece(q16 + h * D, k, v, n, G, D, row, scale, m + h, l + h, acc + h * D, pk, pv, share, left);
+        }
+        start = end;
+    }
+    for (int h = 0; h < heads; h++)
+        for (int d = 0; d < D; d++) ob[(int64_t)h * D + d] = acc[(int64_t)h * D + d] / l[h];
+}
+#endif
+
 /* `bf16`: the pools are bfloat16 (uint16_t), each chunk's K and V rows widened into a float32 scratch copy
  * first, then the same float32 arithmetic (q and out float32 either way: a few rows, widened and rounded by the
  * caller), so a bfloat16 pool's bytes are read once, at half float32's size. Returns 1 when that scratch cannot
@@ -272,6 +375,14 @@ int paged_decode_attention(const float *q, const void *k_pool, const void *v_poo
     #pragma omp parallel for num_threads(threads) schedule(dynamic)
     for (int b = 0; b < batch; b++) {
         float acc[heads * D], m[heads], l[heads], s[KEYS_PER_TASK];
+#if defined(__AVX512BF16__)
+        if (bf16 && D % 32 == 0 && D <= 256) {
+            paged_sequence_bf16(q + (int64_t)b * heads * D, (const uint16_t *)k_pool, (const uint16_t *)v_pool,
+                                out + (int64_t)b * heads * D, tables + (int64_t)b * max_blocks, first[b], last[b],
+                                heads, kv_heads, D, block_size, scale);
+            continue;
+        }
+#endif
         float *scratch = bf16 ? (float *)malloc(sizeof(float) * 2 * (size_t)keys_per_task * row) : NULL;
         if (bf16 && scratch == NULL) {
             #pragma omp atomic write

@@ -86,6 +86,19 @@ static inline vecu bf16_bits(vecf x) {
     return (nan & ((u >> 16) | 0x40u)) | (~nan & ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16));
 }
 
+#if defined(__AVX512BF16__) && VEC == 16
+/* With AVX512-BF16 one instruction rounds 16 lanes to nearest even, the same bits as bf16_bits but for a subnormal
+ * float32 (below 2^-126 in magnitude), which it reads as zero. 512 rows of 576 (2 threads, 2026-12-05): rms_norm_bf16
+ * with the add 150 -> 90 us, rope's 9 + 3 heads 133 -> 88 us. */
+static inline vecf round_to_bf16(vecf x) {  /* x rounded to bfloat16, kept in float32 */
+    __m256i h = (__m256i)_mm512_cvtneps_pbh((__m512)x);
+    return (vecf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+}
+
+static inline void store_bf16(uint16_t *p, vecf x) {  /* VEC float32s rounded to bfloat16, stored */
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh((__m512)x));
+}
+#else
 static inline vecf round_to_bf16(vecf x) {  /* x rounded to bfloat16, kept in float32 */
     vecf r;
     vecu bits = bf16_bits(x) << 16;
@@ -97,6 +110,7 @@ static inline void store_bf16(uint16_t *p, vecf x) {  /* VEC float32s rounded to
     vech h = __builtin_convertvector(bf16_bits(x), vech);
     memcpy(p, &h, sizeof h);
 }
+#endif
 
 static inline void widen_bf16(const uint16_t *src, float *dst, int64_t n) {  /* dst[0:n] = src[0:n], widened */
     int64_t i = 0;
@@ -164,6 +178,20 @@ static inline __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+#endif
+
+#if defined(__AVX512F__)
+/* exp8's polynomial on 16 lanes; 2^n by scalef (the same values) */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(EXP_POLY[0]);
+    for (int k = 1; k < 6; k++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_POLY[k]));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
 }
 #endif
 

@@ -37,3 +37,35 @@ void silu_mul(const float *gate_up, float *out, int64_t rows, int F, int threads
         for (; i < F; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
+
+/* The bfloat16 one (gate_up, out bfloat16: uint16_t), with the lesson's roundings: F.silu(gate) computed in float32
+ * and rounded to bfloat16, then its product with up rounded (PyTorch's two bfloat16 ops). The exp is exp16's (~1
+ * ulp, where PyTorch's is SLEEF's): the float32 silu can differ in its last bit, and so, rarely, its bfloat16. */
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int F, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * F > 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + r * 2 * F, *u = g + F;
+        uint16_t *o = out + r * F;
+        int i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= F; i += 16) {  /* exp(-g) overflows to inf below g = -88: silu is then -0, as g / inf */
+            __m512 x = (__m512)widen_vec(g + i);
+            __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+            store_bf16(o + i, round_to_bf16((vecf)s) * widen_vec(u + i));
+        }
+#endif
+        for (; i < F; i++) {
+            float x = bf16_to_f32(g[i]), s = bf16_to_f32(f32_to_bf16(x / (1.0f + expf(-x))));
+            o[i] = f32_to_bf16(s * bf16_to_f32(u[i]));
+        }
+    }
+}
+
+/* 1 where silu_mul_bf16 runs its vector loop (AVX-512); elsewhere its scalar loop is slower than PyTorch's ops. */
+int silu_mul_bf16_vectorised(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,105 @@
+"""bfloat16 prefill attention on the matrix units (csrc/attention_amx.c): against attention computed in float64 on
+the same bfloat16 numbers, with the error bound the kernel's one rounding of the softmax weights allows; the model
+and the serving engine running it with the plain path's logits and tokens."""
+
+import pytest
+import torch
+
+from tiny_models import CONFIGS, build_hf, save_hf
+
+import minillm
+from minillm import KVCache, prefill
+from minillm.fast import kernels
+from minillm.sampling import SamplingParams
+from minillm.serving.engine import LLMEngine
+
+pytestmark = pytest.mark.skipif(not (kernels.available() and kernels.bf16_amx_ready()),
+                                reason="needs the C kernels on a CPU with AMX-BF16")
+
+
+def float64_attention(q, k, v):
+    """softmax(scale · q·kᵀ + mask) · v in float64, query t of T seeing keys 0 .. S - T + t; GQA by repeating the
+    K/V heads. Returns the output and the same weights applied to |v| (for the error bound)."""
+    q, k, v = q.double(), k.double(), v.double()
+    T, S, G = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    visible = torch.arange(S)[None, :] <= torch.arange(T)[:, None] + S - T
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return weights @ v, weights @ v.abs()
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 96)])
+@pytest.mark.parametrize("T, S", [(1, 1), (5, 5), (16, 16), (17, 40), (31, 31), (33, 100), (130, 130), (100, 257)])
+def test_causal_attention_amx_is_float64_attention_within_its_rounding(heads, kv_heads, head_dim, T, S):
+    """The softmax weights are rounded to bfloat16 once (2^-8 of each) for their product with v, and the output once:
+    |got - want| <= 2^-8 · Σ_j w_j |v_j| + 2^-8 · |want| (+ float32's sums). k and v are a gather's transposed
+    views, as a serving chunk hands them."""
+    g = torch.Generator().manual_seed(heads * 1000 + T * 10 + S)
+    q = (torch.randn(1, T, heads, head_dim, generator=g) * 2).bfloat16().transpose(1, 2)
+    k = (torch.randn(1, S, kv_heads, head_dim, generator=g) * 2).bfloat16().transpose(1, 2)
+    v = torch.randn(1, S, kv_heads, head_dim, generator=g).bfloat16().transpose(1, 2)
+    got = kernels.causal_attention_amx(q, k, v, head_dim**-0.5)
+    want, spread = float64_attention(q, k, v)
+    assert got.shape == q.shape and got.dtype == torch.bfloat16
+    assert ((got.double() - want).abs() <= 2**-8 * spread + 2**-8 * want.abs() + 1e-5).all()
+
+
+def test_causal_attention_amx_takes_a_batch_and_plain_layouts():
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, 20, 64, generator=g).bfloat16()
+    k, v = torch.randn(2, 2, 50, 64, generator=g).bfloat16(), torch.randn(2, 2, 50, 64, generator=g).bfloat16()
+    got = kernels.causal_attention_amx(q, k, v, 0.125)
+    for b in range(2):
+        want, spread = float64_attention(q[b:b + 1] * (0.125 * 64**0.5), k[b:b + 1], v[b:b + 1])
+        assert ((got[b:b + 1].double() - want).abs() <= 2**-8 * spread + 2**-8 * want.abs() + 1e-5).all()
+
+
+@pytest.mark.parametrize("change", ["float32", "head_dim 48", "T > S", "heads not a multiple"])
+def test_causal_attention_amx_refuses_what_it_does_not_take(change):
+    q, k = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+    if change == "float32":
+        q, k = q.float(), k.float()
+    elif change == "head_dim 48":
+        q, k = q[..., :48], k[..., :48]
+    elif change == "T > S":
+        k = k[:, :, :4]
+    else:
+        k = torch.zeros(1, 3, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="use F.scaled_dot_product_attention"):
+        kernels.causal_attention_amx(q, k, k, 0.125)
+
+
+@pytest.fixture(scope="module")
+def head_dim_32_model(tmp_path_factory):
+    family, kwargs = CONFIGS["llama_gqa"]
+    model = build_hf(family, dict(kwargs, head_dim=32, max_position_embeddings=256))
+    return save_hf(model, tmp_path_factory.mktemp("hd32"))
+
+
+def test_bfloat16_prefill_runs_on_the_tiles_with_the_plain_logits(head_dim_32_model, monkeypatch):
+    fast = minillm.load_model(head_dim_32_model, dtype=torch.bfloat16)
+    plain = minillm.load_model(head_dim_32_model, dtype=torch.bfloat16, fast=False)
+    original, calls = kernels.causal_attention_amx, []
+    monkeypatch.setattr(kernels, "causal_attention_amx", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    ids = torch.arange(80) + 3  # (80 · 80 query-key pairs: enough for the tiles, TILES_MIN_SCORES)
+    logits = [prefill(model, ids, KVCache.for_model(model, max_seq_len=96)).float() for model in (fast, plain)]
+    assert len(calls) == fast.config.n_layers
+    torch.testing.assert_close(logits[0], logits[1], atol=0.05, rtol=2**-7)
+
+
+def test_serving_chunks_run_on_the_tiles_with_the_reference_tokens(head_dim_32_model, monkeypatch):
+    """Prompts longer than a chunk (their later chunks attend over the pool's earlier blocks): the same greedy tokens
+    as the reference engine's gather and SDPA."""
+    model = minillm.load_model(head_dim_32_model, dtype=torch.bfloat16)
+    original, calls = kernels.causal_attention_amx, []
+    monkeypatch.setattr(kernels, "causal_attention_amx", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (100, 9, 150)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    tokens = {}
+    for name, paged_batch in (("fast", model.paged_batch), ("reference", None)):
+        model.paged_batch = paged_batch
+        engine = LLMEngine(model, max_num_seqs=4, kv_cache_memory="8MiB", max_num_batched_tokens=64)
+        tokens[name] = [out.token_ids for out in engine.generate(prompts, params)]
+    assert calls and tokens["fast"] == tokens["reference"]
