@@ -28,6 +28,7 @@ from .packing import Stack
 
 PREFILL_MIN_SCORES = 8192  # T·S; measured: T = S = 96 (9,216) 104 against SDPA's 137 us, T = S = 64 69 against 54
 TILES_MIN_SCORES = 4096  # T·S, bfloat16 on AMX; measured: T = S = 64 45 against SDPA's 50 us, T = S = 16 32 against 23
+TILES_MIN_QUERIES = 16  # one block of queries: the kernel packs all S keys and values a call, for T · heads / Hkv rows
 
 
 class FastAttention(Attention):
@@ -99,10 +100,10 @@ class FastAttention(Attention):
 
 def prefill_on_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a bfloat16 pass of several queries runs :func:`minillm.fast.kernels.causal_attention_amx`: what the
-    kernel takes (bfloat16 on a CPU with AMX-BF16, head_dim a multiple of 32), enough query-key pairs to pay for its
-    set-up (TILES_MIN_SCORES), no autograd, not while compiling."""
-    return (q.shape[2] * k.shape[2] >= TILES_MIN_SCORES and q.dtype == torch.bfloat16
-            and not torch.compiler.is_compiling()
+    kernel takes (bfloat16 on a CPU with AMX-BF16, head_dim a multiple of 32), enough queries and query-key pairs to pay
+    for its set-up (TILES_MIN_QUERIES, TILES_MIN_SCORES: not a decode step), no autograd, not while compiling."""
+    return (q.shape[2] >= TILES_MIN_QUERIES and q.shape[2] * k.shape[2] >= TILES_MIN_SCORES
+            and q.dtype == torch.bfloat16 and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and q.requires_grad) and kernels.causal_attention_amx_fits(q, k, v))
 
 

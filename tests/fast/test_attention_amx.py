@@ -8,7 +8,7 @@ import torch
 from tiny_models import CONFIGS, build_hf, save_hf
 
 import minillm
-from minillm import KVCache, prefill
+from minillm import KVCache, decode_step, prefill
 from minillm.fast import kernels
 from minillm.sampling import SamplingParams
 from minillm.serving.engine import LLMEngine
@@ -83,9 +83,12 @@ def test_bfloat16_prefill_runs_on_the_tiles_with_the_plain_logits(head_dim_32_mo
     original, calls = kernels.causal_attention_amx, []
     monkeypatch.setattr(kernels, "causal_attention_amx", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     ids = torch.arange(80) + 3  # (80 · 80 query-key pairs: enough for the tiles, TILES_MIN_SCORES)
-    logits = [prefill(model, ids, KVCache.for_model(model, max_seq_len=96)).float() for model in (fast, plain)]
+    caches = [KVCache.for_model(model, max_seq_len=96) for model in (fast, plain)]
+    logits = [prefill(model, ids, cache).float() for model, cache in zip((fast, plain), caches)]
     assert len(calls) == fast.config.n_layers
     torch.testing.assert_close(logits[0], logits[1], atol=0.05, rtol=2**-7)
+    decode_step(fast, logits[0].argmax(-1), caches[0])  # one query: SDPA's (the tiles would pack every key for it)
+    assert len(calls) == fast.config.n_layers
 
 
 def test_serving_chunks_run_on_the_tiles_with_the_reference_tokens(head_dim_32_model, monkeypatch):
