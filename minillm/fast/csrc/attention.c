@@ -245,11 +245,12 @@ static void rescale_add(const float *p, const float *v, int n, int D, int64_t st
     }
 }
 
-#if defined(__AVX512BF16__)
-/* A bfloat16 pool where the CPU has AVX512-BF16 (paged_sequence_bf16): the scores straight from the bfloat16
- * rows, no widened copy. q is made of bfloat16 numbers (a bfloat16 model's projections), so q·k_j is
- * _mm512_dpbf16_ps's exact products of bfloat16 pairs summed in float32: the float32 arithmetic of the
- * widened rows, in another order. */
+#if defined(__AVX512F__)
+/* The pool's rows read as they lie, 16 keys at a time (paged_sequence, where the CPU has AVX-512): float32 rows, or
+ * bfloat16 rows where it has AVX512-BF16 too. A bfloat16 model's q is made of bfloat16 numbers, so q·k_j is
+ * _mm512_dpbf16_ps's exact products of bfloat16 pairs summed in float32: the float32 arithmetic of the widened rows,
+ * in another order. Before (the loop below it, still every other CPU's), each chunk's bfloat16 rows were widened
+ * into a float32 copy and the sums ran 8 lanes wide. */
 
 /* lane j of the result = the sum of v[j]'s 16 lanes: four levels of shuffles and adds over all 16 vectors
  * at once (46 instructions; one reduction a vector takes ~8, 128 in all) */
@@ -273,28 +274,48 @@ static inline __m512 widen16(const uint16_t *p) {  /* 16 bfloat16s -> 16 float32
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/* The G query heads of one K/V head over n <= 16 keys of bfloat16 rows k, v (`stride` elements apart): the
- * online softmax's step (as paged_decode_attention's) on each head's m, l and acc[0:D], D a multiple of 32 and
- * at most 256. The piece's V rows are widened once, into vw, for the G heads. Inlined where D is a constant
- * (64, 128), so that the 16 score sums and the D / 16 output sums stay in registers; the scores of keys
- * j >= n read row n - 1 (memory of the pool) and are masked off. */
+/* q_j · k_j's 16 partial sums for the row k_j (D elements): bfloat16 pairs (q bfloat16 too), or float32 */
+static inline __attribute__((always_inline)) __m512 dot16(const void *q, const void *k, const int D, const int bf16) {
+    __m512 sum = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+    if (bf16) {
+        for (int d = 0; d < D; d += 32)
+            sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512((const uint16_t *)q + d),
+                                   (__m512bh)_mm512_loadu_si512((const uint16_t *)k + d));
+        return sum;
+    }
+#endif
+    for (int d = 0; d < D; d += 16)
+        sum = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)q + d), _mm512_loadu_ps((const float *)k + d), sum);
+    return sum;
+}
+
+/* The G query heads of one K/V head over n <= 16 keys of rows k, v (`stride` elements apart): the online softmax's
+ * step (as paged_decode_attention's) on each head's m, l and acc[0:D], D a multiple of 32 and at most 256. bfloat16
+ * V rows are widened once, into vw, for the G heads. Inlined where D and bf16 are constants, so that the 16 score
+ * sums and the D / 16 output sums stay in registers; the scores of keys j >= n read row n - 1 (memory of the pool)
+ * and are masked off. After each head, a share of the next piece's K and V is prefetched (all at once filled the
+ * CPU's line-fill buffers and stalled the arithmetic). */
 static inline __attribute__((always_inline)) void kv_head_piece(
-        const uint16_t *q16, const uint16_t *k, const uint16_t *v, int n, int G, const int D, int64_t stride,
+        const void *q, const void *k, const void *v, int n, int G, const int D, const int bf16, int64_t stride,
         float scale, float *m, float *l, float *acc, const char *nk, const char *nv, int64_t share, int64_t left) {
-    float vw[16 * D];
-    for (int j = 0; j < n; j++)
-        for (int i = 0; i < D / 16; i++)
-            _mm512_storeu_ps(vw + j * D + 16 * i, widen16(v + (int64_t)j * stride + 16 * i));
+    int64_t elem = bf16 ? 2 : 4;
+    float vw[bf16 ? 16 * D : 1];
+    const float *vrows = (const float *)v;
+    int64_t vstride = stride;
+    if (bf16) {
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < D / 16; i++)
+                _mm512_storeu_ps(vw + j * D + 16 * i, widen16((const uint16_t *)v + (int64_t)j * stride + 16 * i));
+        vrows = vw;
+        vstride = D;
+    }
     __mmask16 keys = (__mmask16)((1u << n) - 1);
     for (int g = 0; g < G; g++) {
         __m512 dots[16];
-        for (int j = 0; j < 16; j++) {
-            const uint16_t *kj = k + (int64_t)(j < n ? j : n - 1) * stride;
-            dots[j] = _mm512_setzero_ps();
-            for (int d = 0; d < D; d += 32)
-                dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512(q16 + g * D + d),
-                                           (__m512bh)_mm512_loadu_si512(kj + d));
-        }
+        for (int j = 0; j < 16; j++)
+            dots[j] = dot16((const char *)q + g * D * elem, (const char *)k + (j < n ? j : n - 1) * stride * elem, D,
+                            bf16);
         __m512 s = _mm512_mask_blend_ps(keys, _mm512_set1_ps(-INFINITY),
                                         _mm512_mul_ps(lane_sums16(dots), _mm512_set1_ps(scale)));
         float chunk_max = _mm512_reduce_max_ps(s), m_new = chunk_max > m[g] ? chunk_max : m[g];
@@ -307,10 +328,11 @@ static inline __attribute__((always_inline)) void kv_head_piece(
         for (int i = 0; i < D / 16; i++) a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * i), _mm512_set1_ps(c));
         for (int j = 0; j < n; j++) {
             __m512 pj = _mm512_set1_ps(p[j]);
-            for (int i = 0; i < D / 16; i++) a[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vw + j * D + 16 * i), a[i]);
+            for (int i = 0; i < D / 16; i++)
+                a[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vrows + j * vstride + 16 * i), a[i]);
         }
         for (int i = 0; i < D / 16; i++) _mm512_storeu_ps(acc + g * D + 16 * i, a[i]);
-        if (nk != NULL && g * share < left) {  /* a share of the next piece's K and V after each head */
+        if (nk != NULL && g * share < left) {
             int64_t part = left - g * share < share ? left - g * share : share;
             prefetch_bytes(nk + g * share, part);
             prefetch_bytes(nv + g * share, part);
@@ -318,41 +340,51 @@ static inline __attribute__((always_inline)) void kv_head_piece(
     }
 }
 
-/* Sequence b of paged_decode_attention over a bfloat16 pool: pieces of <= 16 keys inside a block, each
- * K/V head's query heads in turn over its rows, the next piece prefetched a share after each K/V head. */
-static void paged_sequence_bf16(const float *qb, const uint16_t *k_pool, const uint16_t *v_pool, float *ob,
-                                const int64_t *table, int64_t first, int64_t last, int heads, int kv_heads, int D,
-                                int block_size, float scale) {
+/* One K/V head's piece at the head_dims inlined as constants (64, 128), else the general loop. */
+static inline __attribute__((always_inline)) void kv_head_piece_any(
+        const void *q, const void *k, const void *v, int n, int G, int D, const int bf16, int64_t stride, float scale,
+        float *m, float *l, float *acc, const char *nk, const char *nv, int64_t share, int64_t left) {
+    if (D == 64) kv_head_piece(q, k, v, n, G, 64, bf16, stride, scale, m, l, acc, nk, nv, share, left);
+    else if (D == 128) kv_head_piece(q, k, v, n, G, 128, bf16, stride, scale, m, l, acc, nk, nv, share, left);
+    else kv_head_piece(q, k, v, n, G, D, bf16, stride, scale, m, l, acc, nk, nv, share, left);
+}
+
+/* Sequence b of paged_decode_attention: pieces of <= 16 keys inside a block, each K/V head's query heads in turn
+ * over its rows. qb, ob float32 [heads, D]; the pools float32 or (bf16) bfloat16. */
+static void paged_sequence(const float *qb, const void *k_pool, const void *v_pool, int bf16, float *ob,
+                           const int64_t *table, int64_t first, int64_t last, int heads, int kv_heads, int D,
+                           int block_size, float scale) {
     int G = heads / kv_heads;
-    int64_t row = (int64_t)kv_heads * D;
+    int64_t row = (int64_t)kv_heads * D, elem = bf16 ? 2 : 4;
     uint16_t q16[heads * D];
     float acc[heads * D], m[heads], l[heads];
     for (int i = 0; i < heads * D; i++) { q16[i] = f32_to_bf16(qb[i]); acc[i] = 0.0f; }  /* (exact: bfloat16s) */
     for (int h = 0; h < heads; h++) { m[h] = -INFINITY; l[h] = 0.0f; }
+    const void *q = bf16 ? (const void *)q16 : (const void *)qb;
     for (int64_t start = first; start < last;) {
         int64_t end = (start / block_size + 1) * block_size;
         end = end < start + 16 ? end : start + 16;
         end = end < last ? end : last;
         int n = (int)(end - start);
-        int64_t offset = (table[start / block_size] * block_size + start % block_size) * row;
+        int64_t offset = (table[start / block_size] * block_size + start % block_size) * row * elem;
         const char *nk = NULL, *nv = NULL;
-        int64_t bytes = 16 * row * 2, share = (bytes / heads + 63) / 64 * 64;
+        int64_t bytes = 16 * row * elem, share = (bytes / heads + 63) / 64 * 64;
         if (end < last) {
-            int64_t next = (table[end / block_size] * block_size + end % block_size) * row;
-            nk = (const char *)(k_pool + next);
-            nv = (const char *)(v_pool + next);
+            int64_t next = (table[end / block_size] * block_size + end % block_size) * row * elem;
+            nk = (const char *)k_pool + next;
+            nv = (const char *)v_pool + next;
         }
         for (int kvh = 0; kvh < kv_heads; kvh++) {
-            int64_t kv = offset + (int64_t)kvh * D, h = (int64_t)kvh * G;
-            const uint16_t *k = k_pool + kv, *v = v_pool + kv;
+            int64_t kv = offset + (int64_t)kvh * D * elem, h = (int64_t)kvh * G;
+            const char *k = (const char *)k_pool + kv, *v = (const char *)v_pool + kv;
             const char *pk = nk ? nk + h * share : NULL, *pv = nv ? nv + h * share : NULL;
-            int64_t left = bytes - h * share;
-            if (D == 64)
-                kv_head_piece(q16 + h * D, k, v, n, G, 64, row, scale, m + h, l + h, acc + h * D, pk, pv, share, left);
-            else if (D == 128)
-                kv_head_piece(q16 + h * D, k, v, n, G, 128, row, scale, m + h, l + h, acc + h * D, pk, pv, share, left);
+            const char *qh = (const char *)q + h * D * elem;
+            if (bf16)
+                kv_head_piece_any(qh, k, v, n, G, D, 1, row, scale, m + h, l + h, acc + h * D, pk, pv, share,
+                                  bytes - h * share);
             else
-                kv_head_piece(q16 + h * D, k, v, n, G, D, row, scale, m + h, l + h, acc + h * D, pk, pv, share, left);
+                kv_head_piece_any(qh, k, v, n, G, D, 0, row, scale, m + h, l + h, acc + h * D, pk, pv, share,
+                                  bytes - h * share);
         }
         start = end;
     }
@@ -375,11 +407,15 @@ int paged_decode_attention(const float *q, const void *k_pool, const void *v_poo
     #pragma omp parallel for num_threads(threads) schedule(dynamic)
     for (int b = 0; b < batch; b++) {
         float acc[heads * D], m[heads], l[heads], s[KEYS_PER_TASK];
+#if defined(__AVX512F__)
 #if defined(__AVX512BF16__)
-        if (bf16 && D % 32 == 0 && D <= 256) {
-            paged_sequence_bf16(q + (int64_t)b * heads * D, (const uint16_t *)k_pool, (const uint16_t *)v_pool,
-                                out + (int64_t)b * heads * D, tables + (int64_t)b * max_blocks, first[b], last[b],
-                                heads, kv_heads, D, block_size, scale);
+        int rows_as_they_lie = D % 32 == 0 && D <= 256;
+#else
+        int rows_as_they_lie = !bf16 && D % 32 == 0 && D <= 256;
+#endif
+        if (rows_as_they_lie) {
+            paged_sequence(q + (int64_t)b * heads * D, k_pool, v_pool, bf16, out + (int64_t)b * heads * D,
+                           tables + (int64_t)b * max_blocks, first[b], last[b], heads, kv_heads, D, block_size, scale);
             continue;
         }
 #endif
