@@ -41,7 +41,7 @@ event has ``kind`` and ``t_ms`` (when it was recorded); times are ms since
                flops, bytes, weights_bytes, kv_read_bytes,
                arithmetic_intensity_flop_per_byte, attained_flop_per_s,
                attained_bytes_per_s, attn_impl ("c" where minillm.fast.attention
-               ran it), cpu_time_ms + the sampling fields
+               ran it in C, "amx" on the matrix units), cpu_time_ms + the sampling fields
       sampling fields: next_token_id(, next_token_text), next_token_prob, next_token_logprob,
                next_token_rank (0 = the most likely), candidates (the top n_candidates of the
                model's distribution: [{token_id(, text), prob}], softmax of the raw logits),

@@ -35,13 +35,15 @@ class FastAttention(Attention):
     """:class:`~minillm.model.Attention` with the same parameters, q|k|v stacked (``qkv``) and, with
     ``c_decode`` (set where :func:`c_decode_fits`), decode's attention in C, with ``c_prefill`` (also
     head_dim a multiple of the kernels' panel width) prefill's causal attention in C, and with ``c_rope`` (set
-    where :func:`c_kernels_fit`, float32 or bfloat16) RoPE of q and k in one C call, the lesson's values, and in
-    bfloat16 prefill's causal attention on the matrix units where :func:`prefill_on_tiles`."""
+    where :func:`c_kernels_fit`, float32 or bfloat16) RoPE of q and k in one C call, the lesson's values, and with
+    ``tiles_prefill`` (set where :func:`tiles_prefill_fits`) prefill's causal attention on the matrix units where
+    :func:`prefill_on_tiles`."""
 
     qkv: Stack | None = None
     c_decode: bool = False
     c_prefill: bool = False
     c_rope: bool = False
+    tiles_prefill: bool = False
 
     def _apply(self, fn, recurse=True):
         self.qkv = None  # .to(), .double(), .cuda() make new tensors: the stack would be stale; the members stay
@@ -61,7 +63,7 @@ class FastAttention(Attention):
         return super().rotate(q, k, rope_cos_sin)
 
     def attend(self, q, k, v, mask, impl, hook):
-        if impl == "sdpa" and mask is None and self.window is None and self.c_rope and prefill_on_tiles(q, k, v):
+        if impl == "sdpa" and mask is None and self.window is None and self.tiles_prefill and prefill_on_tiles(q, k, v):
             return kernels.causal_attention_amx(q, k, v, self._scale())
         if impl == "sdpa" and self._prefill_in_c(q, k, v, mask):
             return kernels.causal_attention(q, k, v, self._scale())
@@ -77,6 +79,8 @@ class FastAttention(Attention):
 
     def impl_name(self, n_queries: int, impl: str, n_keys: int | None = None) -> str:
         n_keys = n_queries if n_keys is None else n_keys
+        if impl == "sdpa" and self.tiles_prefill and self.window is None and _tiles_pay(n_queries, n_keys):
+            return "amx"
         in_c = self.c_decode if n_queries == 1 else self._prefill_fits(n_queries, n_keys)
         return "c" if in_c and impl == "sdpa" else impl
 
@@ -102,9 +106,20 @@ def prefill_on_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a bfloat16 pass of several queries runs :func:`minillm.fast.kernels.causal_attention_amx`: what the
     kernel takes (bfloat16 on a CPU with AMX-BF16, head_dim a multiple of 32), enough queries and query-key pairs to pay
     for its set-up (TILES_MIN_QUERIES, TILES_MIN_SCORES: not a decode step), no autograd, not while compiling."""
-    return (q.shape[2] >= TILES_MIN_QUERIES and q.shape[2] * k.shape[2] >= TILES_MIN_SCORES
-            and q.dtype == torch.bfloat16 and not torch.compiler.is_compiling()
+    return (_tiles_pay(q.shape[2], k.shape[2]) and q.dtype == torch.bfloat16 and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and q.requires_grad) and kernels.causal_attention_amx_fits(q, k, v))
+
+
+def _tiles_pay(n_queries: int, n_keys: int) -> bool:
+    return n_queries >= TILES_MIN_QUERIES and n_queries * n_keys >= TILES_MIN_SCORES
+
+
+def tiles_prefill_fits(model) -> bool:
+    """Whether prefill's attention can run on the matrix units for this model: bfloat16 on a CPU with AMX-BF16,
+    head_dim a multiple of 32 up to 256, the kernels built."""
+    weight = model.embed.weight
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and model.config.head_dim % 32 == 0
+            and model.config.head_dim <= 256 and kernels.available() and kernels.bf16_amx_ready())
 
 
 def c_decode_fits(model) -> bool:

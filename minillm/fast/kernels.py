@@ -788,15 +788,14 @@ def causal_attention_amx(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
 
     q [B, H, T, D], k, v [B, Hkv, S, D] bfloat16 CPU, any strides but a contiguous last dimension, T <= S, H a
     multiple of Hkv (GQA), D a multiple of 32 up to 256. Returns [B, H, T, D] bfloat16, laid out [B, T, H, D] (what
-    the output projection reads). Raises ValueError for other inputs or where :func:`bf16_amx_ready` is False,
-    MemoryError when the packed keys and values cannot be allocated."""
+    the output projection reads). Raises TypeError for a non-tensor, ValueError naming the rule another input breaks
+    (inputs that require grad included: no backward pass) or where :func:`bf16_amx_ready` is False, MemoryError when
+    the packed keys and values cannot be allocated."""
     lib = lib or kernels()
-    if not causal_attention_amx_fits(q, k, v, lib=lib) or not _is_number(scale):
-        raise ValueError(f"causal_attention_amx takes bfloat16 CPU q [B, heads, T, D] and k, v [B, kv_heads, S, D] "
-                         f"with a contiguous last dimension, T <= S, heads a multiple of kv_heads, D a multiple of 32 "
-                         f"up to 256, a number scale, and a CPU with AMX-BF16; got q {q.dtype} {list(q.shape)}, k "
-                         f"{k.dtype} {list(k.shape)}, v {v.dtype} {list(v.shape)}, scale {scale!r}; use "
-                         f"F.scaled_dot_product_attention")
+    _check_tensors("causal_attention_amx", q=q, k=k, v=v)
+    problem = _causal_amx_problem(q, k, v, lib) or _scale_problem(scale) or _grad_problem(q, k, v)
+    if problem:
+        raise ValueError(f"causal_attention_amx: {problem}; use F.scaled_dot_product_attention")
     B, H, T, D = q.shape
     KV, S = k.shape[1], k.shape[2]
     out = torch.empty(B, T, H, D, dtype=torch.bfloat16)
@@ -812,12 +811,49 @@ def causal_attention_amx(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
 def causal_attention_amx_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                               lib: ctypes.CDLL | None = None) -> bool:
     """What :func:`causal_attention_amx` takes (its docstring), this CPU included."""
-    return (q.dim() == k.dim() == 4 and k.shape == v.shape and k.shape[0] == q.shape[0] and k.shape[1] > 0
-            and q.shape[1] % k.shape[1] == 0 and k.shape[3] == q.shape[3] and 0 < q.shape[2] <= k.shape[2]
-            and q.shape[3] % 32 == 0 and 0 < q.shape[3] <= 256
-            and q.dtype == k.dtype == v.dtype == torch.bfloat16
-            and q.device.type == k.device.type == v.device.type == "cpu"
-            and q.stride(3) == k.stride(3) == v.stride(3) == 1 and bf16_amx_ready(lib=lib))
+    return _causal_amx_problem(q, k, v, lib) is None
+
+
+def _causal_amx_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lib: ctypes.CDLL | None) -> str | None:
+    """The first of :func:`causal_attention_amx`'s rules that q, k, v break, in words; None when they keep them."""
+    got = f"q {q.dtype} {list(q.shape)}, k {k.dtype} {list(k.shape)}, v {v.dtype} {list(v.shape)}"
+    if not q.dtype == k.dtype == v.dtype == torch.bfloat16:
+        return f"q, k and v must be bfloat16, got {got}"
+    if not q.device.type == k.device.type == v.device.type == "cpu":
+        return f"q, k and v must be CPU tensors, got {q.device}, {k.device}, {v.device}"
+    if not (q.dim() == k.dim() == 4 and k.shape == v.shape and k.shape[0] == q.shape[0] and k.shape[3] == q.shape[3]):
+        return f"takes q [B, heads, T, D] and k, v [B, kv_heads, S, D] of the same B and D, got {got}"
+    if not (k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0):
+        return f"heads ({q.shape[1]}) must be a multiple of kv_heads ({k.shape[1]})"
+    if not 0 < q.shape[2] <= k.shape[2]:
+        return f"the T = {q.shape[2]} queries must be the last of the S = {k.shape[2]} positions (0 < T <= S)"
+    if not (q.shape[3] % 32 == 0 and 0 < q.shape[3] <= 256):
+        return f"head_dim must be a multiple of 32 up to 256, got {q.shape[3]}"
+    if not q.stride(3) == k.stride(3) == v.stride(3) == 1:
+        return (f"each head's D elements must be contiguous, got last strides {q.stride(3)}, {k.stride(3)}, "
+                f"{v.stride(3)}; pass .contiguous() tensors")
+    if not bf16_amx_ready(lib=lib):
+        return "this CPU (or build) has no AMX-BF16 tiles: bf16_amx_ready() is False"
+    return None
+
+
+def _check_tensors(op: str, **tensors) -> None:
+    """TypeError naming the arguments of ``op`` that are not tensors."""
+    wrong = {name: t for name, t in tensors.items() if not isinstance(t, torch.Tensor)}
+    if wrong:
+        raise TypeError(f"{op} takes tensors, got " + ", ".join(f"{n} {type(t).__name__}" for n, t in wrong.items()))
+
+
+def _scale_problem(scale) -> str | None:
+    if _is_number(scale):
+        return None
+    return f"scale must be a Python int or float, got {type(scale).__name__} {scale!r}; pass float(scale)"
+
+
+def _grad_problem(*tensors: torch.Tensor) -> str | None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return "it has no backward pass, and an input requires grad (call it under torch.no_grad())"
+    return None
 
 
 # -- the residual add and RMSNorm (csrc/rms_norm.c), SwiGLU's activation (csrc/silu_mul.c) -----------
@@ -855,13 +891,17 @@ def silu_mul(gate_up: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.
     """SwiGLU's activation in one pass: gate_up [..., 2F] float32 or bfloat16 CPU, contiguous (the stacked gate|up
     product) -> silu(gate) · up [..., F] of its dtype, gate and up its two halves (``chunk(2, -1)``). Same values as
     ``F.silu(gate) * up`` up to float rounding (in bfloat16 with its roundings: silu rounded, then the product;
-    csrc/silu_mul.c says where its exp can move the last bit). Raises ValueError for another dtype, device or
-    layout."""
+    csrc/silu_mul.c says where its exp can move the last bit). Raises TypeError for a non-tensor, ValueError for
+    another dtype, device or layout, or an input that requires grad (no backward pass)."""
     lib = lib or kernels()
+    _check_tensors("silu_mul", gate_up=gate_up)
     if (gate_up.dtype not in (torch.float32, torch.bfloat16) or gate_up.device.type != "cpu"
             or not gate_up.is_contiguous() or gate_up.dim() == 0 or gate_up.shape[-1] % 2):
         raise ValueError(f"silu_mul takes a contiguous float32 or bfloat16 CPU tensor [..., 2F], got {gate_up.dtype} "
-                         f"{list(gate_up.shape)} on {gate_up.device.type}; use F.silu(gate) * up")
+                         f"{list(gate_up.shape)} on {gate_up.device.type} (contiguous: {gate_up.is_contiguous()}); use "
+                         f"F.silu(gate) * up")
+    if problem := _grad_problem(gate_up):
+        raise ValueError(f"silu_mul: {problem}; use F.silu(gate) * up")
     F = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], F, dtype=gate_up.dtype)
     run = lib.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else lib.silu_mul
@@ -883,15 +923,15 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     becomes zero): q [B, H, T, D] and k [B, Hkv, T, D] (views of the stacked
     q|k|v product will do: a head's D elements contiguous, any other strides), cos and sin [T, D] contiguous, all
     float32 or all bfloat16 CPU tensors, D even. Returns the rotated (q, k) of the same shapes, laid out [B, T,
-    heads, D] as ``x * cos`` would lay out a transposed view. Raises ValueError for other shapes, dtypes, devices
-    or layouts, unless ``check`` is False (a caller that has checked them: :class:`~minillm.fast.attention.
-    FastAttention`, every layer of every step)."""
+    heads, D] as ``x * cos`` would lay out a transposed view. Raises TypeError for a non-tensor, ValueError naming
+    the rule another input breaks (inputs that require grad included: no backward pass), unless ``check`` is False
+    (a caller that has checked them: :class:`~minillm.fast.attention.FastAttention`, every layer of every step)."""
     lib = lib or kernels()
-    if check and not rope_fits(q, k, cos, sin):
-        raise ValueError(f"rope takes CPU q [B, H, T, D] and k [B, Hkv, T, D] with contiguous heads, contiguous cos "
-                         f"and sin [T, D], D even, all float32 or all bfloat16; got q {q.dtype} {list(q.shape)}, k "
-                         f"{k.dtype} {list(k.shape)}, cos {cos.dtype} {list(cos.shape)}, sin {sin.dtype} "
-                         f"{list(sin.shape)}; use minillm.rope.apply_rope")
+    if check:
+        _check_tensors("rope", q=q, k=k, cos=cos, sin=sin)
+        problem = None if rope_fits(q, k, cos, sin) else _rope_problem(q, k, cos, sin)
+        if problem or (problem := _grad_problem(q, k, cos, sin)):
+            raise ValueError(f"rope: {problem}; use minillm.rope.apply_rope")
     B, H, T, D = q.shape
     KV = k.shape[1]
     q_out = torch.empty(B, T, H, D, dtype=q.dtype)
@@ -909,6 +949,23 @@ def rope_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
             and q.dtype == k.dtype == cos.dtype == sin.dtype and q.dtype in (torch.float32, torch.bfloat16)
             and q.device.type == k.device.type == cos.device.type == sin.device.type == "cpu"
             and q.stride(3) == k.stride(3) == 1 and cos.is_contiguous() and sin.is_contiguous())
+
+
+def _rope_problem(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str:
+    """Which of :func:`rope`'s rules q, k, cos and sin break, in words (they break one: rope_fits said so)."""
+    got = (f"q {q.dtype} {list(q.shape)}, k {k.dtype} {list(k.shape)}, cos {cos.dtype} {list(cos.shape)}, sin "
+           f"{sin.dtype} {list(sin.shape)}")
+    if not (q.dtype == k.dtype == cos.dtype == sin.dtype and q.dtype in (torch.float32, torch.bfloat16)):
+        return f"q, k, cos and sin must be all float32 or all bfloat16, got {got}"
+    if not q.device.type == k.device.type == cos.device.type == sin.device.type == "cpu":
+        return f"q, k, cos and sin must be CPU tensors, got {q.device}, {k.device}, {cos.device}, {sin.device}"
+    if not (q.dim() == k.dim() == 4 and q.shape[0] == k.shape[0] and q.shape[2:] == k.shape[2:]
+            and cos.shape == sin.shape == q.shape[2:]):
+        return f"takes q [B, H, T, D], k [B, Hkv, T, D] and cos, sin [T, D], got {got}"
+    if q.shape[3] % 2:
+        return f"head_dim must be even (RoPE rotates pairs), got {q.shape[3]}"
+    return (f"each head's D elements and cos, sin must be contiguous, got last strides {q.stride(3)}, {k.stride(3)} "
+            f"and cos, sin contiguous: {cos.is_contiguous()}, {sin.is_contiguous()}; pass .contiguous() tensors")
 
 
 # -- the same kernels as torch ops, for compiled code ------------------------------------------------

@@ -12,6 +12,7 @@ from minillm import KVCache, decode_step, prefill
 from minillm.fast import kernels
 from minillm.sampling import SamplingParams
 from minillm.serving.engine import LLMEngine
+from minillm.trace import Trace
 
 pytestmark = pytest.mark.skipif(not (kernels.available() and kernels.bf16_amx_ready()),
                                 reason="needs the C kernels on a CPU with AMX-BF16")
@@ -55,19 +56,36 @@ def test_causal_attention_amx_takes_a_batch_and_plain_layouts():
         assert ((got[b:b + 1].double() - want).abs() <= 2**-8 * spread + 2**-8 * want.abs() + 1e-5).all()
 
 
-@pytest.mark.parametrize("change", ["float32", "head_dim 48", "T > S", "heads not a multiple"])
-def test_causal_attention_amx_refuses_what_it_does_not_take(change):
+@pytest.mark.parametrize("change, message", [
+    ("float32", "must be bfloat16"), ("head_dim 48", "head_dim must be a multiple of 32"),
+    ("T > S", "0 < T <= S"), ("heads not a multiple", "must be a multiple of kv_heads"),
+    ("strided head", "must be contiguous"), ("scale a tensor", "scale must be a Python int or float"),
+    ("requires grad", "no backward pass")])
+def test_causal_attention_amx_names_the_rule_an_input_breaks(change, message):
     q, k = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+    scale = 0.125
     if change == "float32":
         q, k = q.float(), k.float()
     elif change == "head_dim 48":
         q, k = q[..., :48], k[..., :48]
     elif change == "T > S":
         k = k[:, :, :4]
-    else:
+    elif change == "heads not a multiple":
         k = torch.zeros(1, 3, 8, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="use F.scaled_dot_product_attention"):
-        kernels.causal_attention_amx(q, k, k, 0.125)
+    elif change == "strided head":
+        q = torch.zeros(1, 4, 8, 128, dtype=torch.bfloat16)[..., ::2]
+    elif change == "scale a tensor":
+        scale = torch.tensor(0.125)
+    else:
+        q.requires_grad_()
+    with pytest.raises(ValueError, match=f"{message}.*; use F.scaled_dot_product_attention"):
+        kernels.causal_attention_amx(q, k, k, scale)
+
+
+def test_causal_attention_amx_refuses_a_non_tensor_with_a_type_error():
+    k = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="causal_attention_amx takes tensors, got q NoneType"):
+        kernels.causal_attention_amx(None, k, k, 0.125)
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +124,14 @@ def test_serving_chunks_run_on_the_tiles_with_the_reference_tokens(head_dim_32_m
         engine = LLMEngine(model, max_num_seqs=4, kv_cache_memory="8MiB", max_num_batched_tokens=64)
         tokens[name] = [out.token_ids for out in engine.generate(prompts, params)]
     assert calls and tokens["fast"] == tokens["reference"]
+
+
+def test_the_trace_names_the_tiles(head_dim_32_model):
+    """A traced bfloat16 generate: the prefill's attention event says "amx" (it ran on the tiles), a decode step's
+    "sdpa" (one query keeps SDPA)."""
+    model = minillm.load_model(head_dim_32_model, dtype=torch.bfloat16)
+    trace = Trace()
+    list(minillm.generate(model, list(range(3, 83)), SamplingParams(temperature=0.0, max_new_tokens=2), trace=trace,
+                          eos_token_ids=[]))
+    assert trace.prefill["attn_impl"] == "amx"
+    assert [e["attn_impl"] for e in trace.decode_steps] == ["sdpa"]

@@ -56,8 +56,10 @@ def test_rope_is_the_rotation_in_float64():
     torch.testing.assert_close(got_q.double(), want, rtol=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("change", ["odd head_dim", "dtypes differ", "cos shape", "strided head"])
-def test_rope_refuses_what_it_would_misread(change):
+@pytest.mark.parametrize("change, message", [
+    ("odd head_dim", "head_dim must be even"), ("dtypes differ", "all float32 or all bfloat16"),
+    ("cos shape", "cos, sin \\[T, D\\]"), ("strided head", "must be contiguous"), ("requires grad", "no backward")])
+def test_rope_names_the_rule_an_input_breaks(change, message):
     g = torch.Generator().manual_seed(1)
     q, k = stacked_qk(1, 4, 2, 1, 8, torch.float32, g)
     cos, sin = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
@@ -67,11 +69,19 @@ def test_rope_refuses_what_it_would_misread(change):
         cos = cos.double()
     elif change == "cos shape":
         cos, sin = cos[:3], sin[:3]
-    else:
+    elif change == "strided head":
         q = q[..., ::2]
         k, cos, sin = k[..., :4], cos[:, :4].contiguous(), sin[:, :4].contiguous()
-    with pytest.raises(ValueError, match="use minillm.rope.apply_rope"):
+    else:
+        q = q.detach().requires_grad_()
+    with pytest.raises(ValueError, match=f"rope: .*{message}.*; use minillm.rope.apply_rope"):
         kernels.rope(q, k, cos, sin)
+
+
+def test_rope_refuses_a_non_tensor_with_a_type_error():
+    q, k = stacked_qk(1, 4, 2, 1, 8, torch.float32, torch.Generator().manual_seed(1))
+    with pytest.raises(TypeError, match="rope takes tensors, got cos list"):
+        kernels.rope(q, k, [1.0], torch.zeros(4, 8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

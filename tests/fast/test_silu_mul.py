@@ -73,6 +73,13 @@ def test_silu_mul_refuses_what_it_would_misread(bad):
         kernels.silu_mul(bad)
 
 
+def test_silu_mul_refuses_a_non_tensor_and_autograd():
+    with pytest.raises(TypeError, match="silu_mul takes tensors, got gate_up NoneType"):
+        kernels.silu_mul(None)
+    with pytest.raises(ValueError, match="no backward pass"):
+        kernels.silu_mul(torch.zeros(2, 8, requires_grad=True))
+
+
 def test_the_packed_mlp_with_the_fused_activation_equals_the_lessons():
     family, kwargs = CONFIGS["llama_gqa"]
     config = ModelConfig.from_hf({"model_type": family, **kwargs})
