@@ -64,7 +64,8 @@ def main() -> None:
                 k, v = (torch.randn(1, S, kv_heads, 64).to(dtype).transpose(1, 2) for _ in range(2))
                 sdpa = median_ms(lambda: sdpa_attention(q, k, v, None, 0.125))
                 ours = median_ms(lambda: kernel(q, k, v, 0.125))
-                print(f"| {str(dtype).removeprefix('torch.')} | {T} x {S} | {sdpa:.3f} | {ours:.3f} | {ours / sdpa:.2f} |")
+                name = str(dtype).removeprefix("torch.")
+                print(f"| {name} | {T} x {S} | {sdpa:.3f} | {ours:.3f} | {ours / sdpa:.2f} |")
     print(f"load {os.getloadavg()[0]:.1f}")
 
 

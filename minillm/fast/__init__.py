@@ -13,8 +13,8 @@ kernels built.
 
     course piece (minillm.)             fast piece (minillm.)                  when
     model.Block                         fast.block.FastBlock                   the C paths, C kernels fit
-    model.Attention                     fast.attention.FastAttention           every path; float32 decode attention in C;
-                                                                           RoPE in C; bfloat16 prefill on AMX
+    model.Attention                     fast.attention.FastAttention           every path; float32 decode attention in C
+                                                                           (+ RoPE in C; bfloat16 prefill on AMX)
     model.SwiGLU                        fast.packing.PackedSwiGLU              every path, a SwiGLU MLP
     torch.nn.Linear                     fast.products.SplitLinear              the split paths, a float model
     torch.nn.Linear                     fast.products.MatvecLinear             the C paths, a float model; CPU bfloat16

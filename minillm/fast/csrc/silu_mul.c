@@ -50,7 +50,8 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int F, 
 #if defined(__AVX512F__)
         for (; i + 16 <= F; i += 16) {  /* exp(-g) overflows to inf below g = -88: silu is then -0, as g / inf */
             __m512 x = (__m512)widen_vec(g + i);
-            __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
             store_bf16(o + i, round_to_bf16((vecf)s) * widen_vec(u + i));
         }
 #endif
