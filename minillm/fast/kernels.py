@@ -816,13 +816,14 @@ def causal_attention_amx_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _causal_amx_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lib: ctypes.CDLL | None) -> str | None:
     """The first of :func:`causal_attention_amx`'s rules that q, k, v break, in words; None when they keep them."""
-    got = f"q {q.dtype} {list(q.shape)}, k {k.dtype} {list(k.shape)}, v {v.dtype} {list(v.shape)}"
+    def got():
+        return f"q {q.dtype} {list(q.shape)}, k {k.dtype} {list(k.shape)}, v {v.dtype} {list(v.shape)}"
     if not q.dtype == k.dtype == v.dtype == torch.bfloat16:
-        return f"q, k and v must be bfloat16, got {got}"
+        return f"q, k and v must be bfloat16, got {got()}"
     if not q.device.type == k.device.type == v.device.type == "cpu":
         return f"q, k and v must be CPU tensors, got {q.device}, {k.device}, {v.device}"
     if not (q.dim() == k.dim() == 4 and k.shape == v.shape and k.shape[0] == q.shape[0] and k.shape[3] == q.shape[3]):
-        return f"takes q [B, heads, T, D] and k, v [B, kv_heads, S, D] of the same B and D, got {got}"
+        return f"takes q [B, heads, T, D] and k, v [B, kv_heads, S, D] of the same B and D, got {got()}"
     if not (k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0):
         return f"heads ({q.shape[1]}) must be a multiple of kv_heads ({k.shape[1]})"
     if not 0 < q.shape[2] <= k.shape[2]:
@@ -929,8 +930,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     lib = lib or kernels()
     if check:
         _check_tensors("rope", q=q, k=k, cos=cos, sin=sin)
-        problem = None if rope_fits(q, k, cos, sin) else _rope_problem(q, k, cos, sin)
-        if problem or (problem := _grad_problem(q, k, cos, sin)):
+        if problem := _rope_problem(q, k, cos, sin) or _grad_problem(q, k, cos, sin):
             raise ValueError(f"rope: {problem}; use minillm.rope.apply_rope")
     B, H, T, D = q.shape
     KV = k.shape[1]
@@ -944,28 +944,29 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 def rope_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """What :func:`rope` takes (its docstring): the checks, apart, for a caller that makes them once."""
-    return (q.dim() == k.dim() == 4 and q.shape[0] == k.shape[0] and q.shape[2:] == k.shape[2:]
-            and cos.shape == sin.shape == q.shape[2:] and q.shape[3] % 2 == 0
-            and q.dtype == k.dtype == cos.dtype == sin.dtype and q.dtype in (torch.float32, torch.bfloat16)
-            and q.device.type == k.device.type == cos.device.type == sin.device.type == "cpu"
-            and q.stride(3) == k.stride(3) == 1 and cos.is_contiguous() and sin.is_contiguous())
+    return _rope_problem(q, k, cos, sin) is None
 
 
-def _rope_problem(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str:
-    """Which of :func:`rope`'s rules q, k, cos and sin break, in words (they break one: rope_fits said so)."""
-    got = (f"q {q.dtype} {list(q.shape)}, k {k.dtype} {list(k.shape)}, cos {cos.dtype} {list(cos.shape)}, sin "
-           f"{sin.dtype} {list(sin.shape)}")
+def _rope_problem(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:
+    """The first of :func:`rope`'s rules that q, k, cos and sin break, in words; None when they keep them (every
+    layer of every step asks: the words are built only for a broken rule)."""
+    def got():
+        return (f"q {q.dtype} {list(q.shape)}, k {k.dtype} {list(k.shape)}, cos {cos.dtype} {list(cos.shape)}, sin "
+                f"{sin.dtype} {list(sin.shape)}")
     if not (q.dtype == k.dtype == cos.dtype == sin.dtype and q.dtype in (torch.float32, torch.bfloat16)):
-        return f"q, k, cos and sin must be all float32 or all bfloat16, got {got}"
+        return f"q, k, cos and sin must be all float32 or all bfloat16, got {got()}"
     if not q.device.type == k.device.type == cos.device.type == sin.device.type == "cpu":
         return f"q, k, cos and sin must be CPU tensors, got {q.device}, {k.device}, {cos.device}, {sin.device}"
     if not (q.dim() == k.dim() == 4 and q.shape[0] == k.shape[0] and q.shape[2:] == k.shape[2:]
             and cos.shape == sin.shape == q.shape[2:]):
-        return f"takes q [B, H, T, D], k [B, Hkv, T, D] and cos, sin [T, D], got {got}"
+        return f"takes q [B, H, T, D], k [B, Hkv, T, D] and cos, sin [T, D], got {got()}"
     if q.shape[3] % 2:
         return f"head_dim must be even (RoPE rotates pairs), got {q.shape[3]}"
-    return (f"each head's D elements and cos, sin must be contiguous, got last strides {q.stride(3)}, {k.stride(3)} "
-            f"and cos, sin contiguous: {cos.is_contiguous()}, {sin.is_contiguous()}; pass .contiguous() tensors")
+    if not (q.stride(3) == k.stride(3) == 1 and cos.is_contiguous() and sin.is_contiguous()):
+        return (f"each head's D elements and cos, sin must be contiguous, got last strides {q.stride(3)}, "
+                f"{k.stride(3)} and cos, sin contiguous: {cos.is_contiguous()}, {sin.is_contiguous()}; pass "
+                f".contiguous() tensors")
+    return None
 
 
 # -- the same kernels as torch ops, for compiled code ------------------------------------------------

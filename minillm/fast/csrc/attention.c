@@ -358,7 +358,10 @@ static void paged_sequence(const float *qb, const void *k_pool, const void *v_po
     int64_t row = (int64_t)kv_heads * D, elem = bf16 ? 2 : 4;
     uint16_t q16[heads * D];
     float acc[heads * D], m[heads], l[heads];
-    for (int i = 0; i < heads * D; i++) { q16[i] = f32_to_bf16(qb[i]); acc[i] = 0.0f; }  /* (exact: bfloat16s) */
+    for (int i = 0; i < heads * D; i++) {
+        acc[i] = 0.0f;
+        if (bf16) q16[i] = f32_to_bf16(qb[i]);  /* (exact: bfloat16s) */
+    }
     for (int h = 0; h < heads; h++) { m[h] = -INFINITY; l[h] = 0.0f; }
     const void *q = bf16 ? (const void *)q16 : (const void *)qb;
     for (int64_t start = first; start < last;) {
