@@ -155,3 +155,36 @@ def test_bounded_kernel_caches_keep_a_servers_memory_from_growing_with_each_row_
     if unbounded < 32 << 20:
         pytest.skip(f"this CPU's bfloat16 products kept {unbounded >> 20} MiB for 400 shapes: no per-shape kernels")
     assert grown("bound") < unbounded / 8  # 400 kernels kept against 16 in each cache
+
+
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        first = line.split()[0]
+        if "-" in first and ":" not in first:
+            start, end = (int(x, 16) for x in first.split("-"))
+            inside = start <= address < end
+        elif inside and first == "VmFlags:":
+            return line.split()[1:]
+    return []
+
+
+def transparent_huge_pages() -> str:
+    try:
+        return open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "[never]"
+
+
+@pytest.mark.skipif(not GLIBC or "[never]" in transparent_huge_pages(), reason="Linux with transparent huge pages")
+def test_the_kv_pool_is_advised_into_huge_pages_and_holds_zeros():
+    """The serving pool's memory carries MADV_HUGEPAGE ("hg" in its mapping's flags), set before its zeros touched
+    it; a small tensor (no whole 2 MiB page inside) is left alone."""
+    from minillm.serving.paged_cache import PagedKVCache
+
+    cache = PagedKVCache(2, 3, 64, num_blocks=512, block_size=16)  # 2 x 6 MiB, each its own mapping
+    for pool in (cache.k, cache.v):
+        assert "hg" in vm_flags(pool.data_ptr() + pool.numel() * pool.element_size() // 2)
+        assert not pool.any()
+    assert not malloc_policy.advise_huge_pages(4096, 4096)
