@@ -78,6 +78,9 @@ class PagedBatch:
         self.cache = cache
         self.token_ids, self.positions, self.slots = token_ids, positions, slots
         self.decode_rows, self.decode_block_tables = decode_rows, decode_block_tables
+        rows = decode_rows.tolist()  # consecutive rows (every decode, in a step without a prefill) are a slice:
+        consecutive = bool(rows) and rows[-1] - rows[0] + 1 == len(rows)  # a view of q, not a gather
+        self.decode_span = slice(rows[0], rows[-1] + 1) if consecutive else decode_rows
         self.prefills, self.logits_rows = prefills, logits_rows
         keys = torch.arange(decode_block_tables.shape[1] * cache.block_size, device=token_ids.device)
         self.decode_mask = (keys[None, :] < decode_context_lens[:, None])[:, None, None, :]  # [B_dec, 1, 1, S]
@@ -100,10 +103,15 @@ class PagedBatch:
         [1, n_heads, N, head_dim], each token's output from its own request's keys.
         """
         self.cache.write(layer, k[0].transpose(0, 1), v[0].transpose(0, 1), self.slots)
-        out = torch.empty_like(q)
         if len(self.decode_rows):
-            q_dec = q[0, :, self.decode_rows].transpose(0, 1)  # [B_dec, n_heads, head_dim]
-            out[0, :, self.decode_rows] = self.attend_decodes(layer, q_dec, attention, window).transpose(0, 1)
+            q_dec = q[0, :, self.decode_span].transpose(0, 1)  # [B_dec, n_heads, head_dim]
+            out_dec = self.attend_decodes(layer, q_dec, attention, window).transpose(0, 1)[None]
+            if not self.prefills and len(self.decode_rows) == q.shape[2]:
+                return out_dec
+        # laid out [1, N, n_heads, head_dim], as the caller reshapes it to [1, N, n_heads · head_dim]: a view
+        out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
+        if len(self.decode_rows):
+            out[:, :, self.decode_span] = out_dec
         for chunk in self.prefills:
             if chunk.context_len == chunk.end - chunk.start:  # a prompt's first chunk: its keys are all this step's
                 keys, values = k[:, :, chunk.start : chunk.end], v[:, :, chunk.start : chunk.end]
