@@ -11,7 +11,7 @@ family, each function a kernel, checking what the C loops would misread (they tr
     csrc/quantized_amx.c  int8, int4 products on AMX      int8_amx_matmul, int4_amx_matmul, quantized_amx_ready
     csrc/attention.c   decode's and prefill's attention      decode_attention, paged_decode_attention,
                                                              causal_attention
-    csrc/attention_amx.c  bfloat16 attention on AMX         causal_attention_amx, paged_decode_attention's tiles
+    csrc/attention_amx.c  bfloat16 prefill attention on AMX  causal_attention_amx
     csrc/rms_norm.c    the residual add and RMSNorm          rms_norm
     csrc/silu_mul.c    SwiGLU's activation                   silu_mul
     csrc/rope.c        RoPE of queries and keys in one call  rope
@@ -205,7 +205,6 @@ C_FUNCTIONS = {  # name: (argument types, result type), as csrc/*.c declares the
                          _I),
     # attention_amx.c
     "causal_attention_bf16_amx": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _L, _L, _L, _L, _L, _L, _L, _L, _F, _I], _I),
-    "paged_decode_attention_bf16_amx": ([_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I], _I),
     # rms_norm.c, silu_mul.c
     "rms_norm_reference": ([_P, _P, _P, _L, _I, _F], None),
     "rms_norm": ([_P, _P, _P, _P, _P, _L, _I, _F, _I], None),
@@ -698,20 +697,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                            first: torch.Tensor, last: torch.Tensor, scale: float, check: bool = True, *,
-                           tiles: bool = True, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+                           lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """Decode attention read from a paged pool in place.
 
     q [B, heads, head_dim]; k_pool, v_pool one layer's pool [num_blocks, block_size, kv_heads, head_dim],
-    contiguous; q and the pools float32, or all bfloat16 (the sums float32, the output rounded to bfloat16 once);
-    block_tables [B, max_blocks] int64; first, last [B] int64: sequence b attends over its positions first[b] <= j
-    < last[b]. Returns [B, heads, head_dim] of q's dtype, softmax(scale · q·kᵀ) · v over those keys.
-
-    Where :func:`paged_decode_on_tiles` holds, both products run on the matrix units (csrc/attention_amx.c), the
-    softmax weights rounded to bfloat16 for their product with v as SDPA's flash
-    kernel rounds them; ``tiles=False`` keeps the vector loop (csrc/attention.c), which takes the weights in
-    float32. Raises ValueError for other shapes, dtypes or devices, or (with ``check``) a block id outside the
-    pool or a range outside its table (a caller that calls once a layer with the same tables checks them once:
-    the check reads the tensors, ~0.1 ms); MemoryError when a scratch buffer cannot be allocated.
+    contiguous; q and the pools float32, or all bfloat16 (the keys and values widened to float32 as they are
+    read, the sums float32, the output rounded to bfloat16 once); block_tables [B, max_blocks] int64; first,
+    last [B] int64: sequence b attends over its positions first[b] <= j < last[b]. Returns [B, heads, head_dim]
+    of q's dtype, softmax(scale · q·kᵀ) · v over those keys. Raises ValueError for other shapes, dtypes or
+    devices, or (with ``check``) a block id outside the pool or a range outside its table (a caller that calls
+    once a layer with the same tables checks them once: the check reads the tensors, ~0.1 ms); MemoryError
+    when a bfloat16 chunk's float32 scratch cannot be allocated.
     """
     lib = lib or kernels()
     B, n_heads, head_dim = q.shape if q.dim() == 3 else (0, 0, 0)
@@ -731,18 +727,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                          f"{q.dtype} {list(q.shape)}, k_pool {k_pool.dtype} {list(k_pool.shape)}, block_tables "
                          f"{block_tables.dtype} {list(block_tables.shape)}, first {first.tolist()}, "
                          f"last {last.tolist()}")
-    tables, first, last = block_tables.contiguous(), first.contiguous(), last.contiguous()
-    if tiles and paged_decode_on_tiles(q, k_pool, lib=lib):
-        q16, out = q.contiguous(), torch.empty(B, n_heads, head_dim, dtype=torch.bfloat16)
-        status = lib.paged_decode_attention_bf16_amx(q16.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
-                                                     out.data_ptr(), tables.data_ptr(), first.data_ptr(),
-                                                     last.data_ptr(), B, n_heads, kv_heads, head_dim, block_size,
-                                                     tables.shape[1], scale, torch.get_num_threads())
-        if status == 0:
-            return out
-        if status == 1:
-            raise MemoryError("paged_decode_attention could not allocate its tiles' scratch")
     keys_per_task = max(n for n in range(1, 33) if block_size % n == 0)  # a chunk within one block, <= 32 keys
+    tables, first, last = block_tables.contiguous(), first.contiguous(), last.contiguous()
     q32, out = q.contiguous().float(), _output(B, n_heads, head_dim)
     if lib.paged_decode_attention(q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), q.dtype == torch.bfloat16,
                                   out.data_ptr(), tables.data_ptr(), first.data_ptr(), last.data_ptr(), B, n_heads,
@@ -751,17 +737,6 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         raise MemoryError(f"paged_decode_attention could not allocate {2 * keys_per_task * kv_heads * head_dim * 4:,} "
                           f"bytes for a chunk's float32 keys and values")
     return out.to(q.dtype)
-
-
-def paged_decode_on_tiles(q: torch.Tensor, k_pool: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> bool:
-    """Whether :func:`paged_decode_attention` runs q [B, heads, head_dim] over k_pool [num_blocks, block_size,
-    kv_heads, head_dim] on the matrix units: bfloat16 on a CPU with AMX-BF16 (:func:`bf16_amx_ready`), head_dim a
-    multiple of 32 up to 256, blocks of a multiple of 16 positions (a tile's 16 rows inside one block) and at most
-    16 query heads a K/V head (a tile's 16 rows of queries)."""
-    heads, head_dim = q.shape[-2:]
-    block_size, kv_heads = k_pool.shape[1:3]
-    return (q.dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256 and block_size % 16 == 0
-            and heads <= 16 * kv_heads and bf16_amx_ready(lib=lib))
 
 
 def paged_ranges_fit(block_tables: torch.Tensor, first: torch.Tensor, last: torch.Tensor, num_blocks: int,

@@ -18,10 +18,9 @@ every new one (benchmarks/sdpa_shape_cache.py, 1,200 chunks of random lengths: +
 MiB, flat from the first 400). Same values as the reference up to float32 rounding (the softmax summed in another
 order). Swapped in by :func:`use_fast_paged_attention` when the speed layer loads a model (float32 or
 bfloat16 on a CPU, head_dim a multiple of 8, the C kernels built); ``--no-fast`` runs the reference. A
-bfloat16 pool is read as it lies, half float32's bytes: at batch 32 the reference's gather and SDPA were 46 % of a
-SmolLM2-135M bfloat16 decode step, and the step took 120 ms so against 85 (BENCHMARKS.md, "bfloat16: decode and
-serving"). Where the CPU has AMX, both of its products run on the matrix units
-(:func:`~minillm.fast.kernels.paged_decode_on_tiles`).
+bfloat16 pool is read as it lies, half float32's bytes, each key and value widened to float32 in the kernel:
+at batch 32 the reference's gather and SDPA were 46 % of a SmolLM2-135M bfloat16 decode step, and the step took
+120 ms so against 85 (BENCHMARKS.md, "bfloat16: decode and serving").
 """
 
 from __future__ import annotations

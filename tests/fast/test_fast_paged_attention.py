@@ -65,10 +65,10 @@ def test_kernel_equals_gather_and_sdpa(block_size, heads, kv_heads, head_dim, wi
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 def test_bfloat16_kernel_is_float64_attention_rounded_once(heads, kv_heads, head_dim, block_size, window, portable):
-    """A bfloat16 pool and q, the vector loop (``tiles=False``): the kernel's float32 sums rounded to bfloat16 once
-    are within one bfloat16 unit (2^-8 of the value) of the attention computed in float64 on the same bfloat16
-    numbers. Where the CPU has AVX512-BF16, head_dim 64 and 128 take the loop built for them, 32 and 96 the general
-    one (pieces of 16 keys inside blocks of 48, or whole blocks of 5), 80 and 16 the widening one."""
+    """A bfloat16 pool and q: the kernel's float32 sums rounded to bfloat16 once are within one bfloat16 unit
+    (2^-8 of the value) of the attention computed in float64 on the same bfloat16 numbers. Where the CPU has
+    AVX512-BF16, head_dim 64 and 128 take the loop built for them, 32 and 96 the general one (pieces of 16 keys
+    inside blocks of 48, or whole blocks of 5), 80 and 16 the widening one."""
     g = torch.Generator().manual_seed(heads + head_dim + block_size)
     num_blocks, max_blocks, layer = 40, 6, 1
     cache = PagedKVCache(2, kv_heads, head_dim, num_blocks, block_size, dtype=torch.bfloat16)
@@ -78,7 +78,7 @@ def test_bfloat16_kernel_is_float64_attention_rounded_once(heads, kv_heads, head
     tables = torch.randperm(num_blocks, generator=g)[: len(lens) * max_blocks].reshape(len(lens), max_blocks)
     q = torch.randn(len(lens), heads, head_dim, generator=g).bfloat16()
     first = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
-    got = kernels.paged_decode_attention(q, cache.k[layer], cache.v[layer], tables, first, lens, 0.3, tiles=False,
+    got = kernels.paged_decode_attention(q, cache.k[layer], cache.v[layer], tables, first, lens, 0.3,
                                          lib=kernels.kernels(portable))
     assert got.dtype == torch.bfloat16
     wide = PagedKVCache(2, kv_heads, head_dim, num_blocks, block_size, dtype=torch.float64)
@@ -86,54 +86,6 @@ def test_bfloat16_kernel_is_float64_attention_rounded_once(heads, kv_heads, head
     wide.v.copy_(cache.v)
     want = reference(q.double() * 0.3 * head_dim**0.5, wide, layer, tables, lens, window)
     assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-6).all()
-
-
-def float64_paged_attention(q, k_pool, v_pool, tables, first, last, scale):
-    """softmax(scale · q·kᵀ) · v in float64 over each sequence's positions first <= j < last, found through its
-    block table; GQA by repeating the K/V heads. Returns the output and the same weights applied to |v|."""
-    block_size, G = k_pool.shape[1], q.shape[1] // k_pool.shape[2]
-    out, spread = torch.empty(q.shape, dtype=torch.float64), torch.empty(q.shape, dtype=torch.float64)
-    for b in range(len(q)):
-        j = torch.arange(int(first[b]), int(last[b]))
-        blocks, rows = tables[b][j // block_size], j % block_size
-        k = k_pool[blocks, rows].double().repeat_interleave(G, dim=1)  # [n, heads, D]
-        v = v_pool[blocks, rows].double().repeat_interleave(G, dim=1)
-        w = (torch.einsum("hd,nhd->hn", q[b].double(), k) * scale).softmax(-1)
-        out[b], spread[b] = torch.einsum("hn,nhd->hd", w, v), torch.einsum("hn,nhd->hd", w, v.abs())
-    return out, spread
-
-
-@pytest.mark.skipif(not (kernels.available() and kernels.bf16_amx_ready()), reason="needs a CPU with AMX-BF16")
-@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [
-    (9, 3, 64, 16), (15, 5, 64, 16), (32, 32, 64, 16), (8, 2, 128, 32), (4, 1, 96, 48), (16, 1, 32, 16),
-    (20, 4, 256, 16), (17, 1, 64, 16), (9, 3, 64, 8)])
-@pytest.mark.parametrize("window", [None, 5, 40])
-def test_bfloat16_kernel_on_tiles_is_float64_attention_within_its_rounding(heads, kv_heads, head_dim, block_size,
-                                                                             window):
-    """On the matrix units (csrc/attention_amx.c: SmolLM2-135M's 9 heads over 3, 360M's 15 over 5, 1.7B's 32 in two
-    groups of 16, one K/V head's 16, 20 over 4 at head_dim 256) the softmax weights are rounded to bfloat16 once
-    (2^-8 of each) for their product with v, and the output once: |got - want| <= 2^-8 · Σ_j w_j |v_j| + 2^-8 ·
-    |want|, want float64 attention on the same bfloat16 numbers. 17 heads a K/V head and blocks of 8 are not the
-    tiles' and take the vector loop, within the same bound. The pool's other rows are NaN: the tiles read whole
-    blocks, and a row outside a sequence's range must not reach its output (0 · NaN is NaN)."""
-    g = torch.Generator().manual_seed(heads * 1000 + head_dim + block_size)
-    max_blocks = -(-112 // block_size)
-    last = torch.tensor([1, 15, 16, 17, 33, 100, 112])
-    num_blocks = len(last) * max_blocks + 3
-    k_pool = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
-    v_pool = k_pool.clone()
-    first = torch.zeros_like(last) if window is None else (last - window).clamp(min=0)
-    tables = torch.randperm(num_blocks, generator=g)[: len(last) * max_blocks].reshape(len(last), max_blocks)
-    for b in range(len(last)):
-        j = torch.arange(int(first[b]), int(last[b]))
-        blocks, rows = tables[b][j // block_size], j % block_size
-        k_pool[blocks, rows] = (torch.randn(len(j), kv_heads, head_dim, generator=g) * 2).bfloat16()
-        v_pool[blocks, rows] = torch.randn(len(j), kv_heads, head_dim, generator=g).bfloat16()
-    q = (torch.randn(len(last), heads, head_dim, generator=g) * 2).bfloat16()
-    got = kernels.paged_decode_attention(q, k_pool, v_pool, tables, first, last, head_dim**-0.5)
-    want, spread = float64_paged_attention(q, k_pool, v_pool, tables, first, last, head_dim**-0.5)
-    assert got.dtype == torch.bfloat16 and got.shape == q.shape
-    assert ((got.double() - want).abs() <= 2**-8 * spread + 2**-8 * want.abs() + 1e-5).all()
 
 
 def test_kernel_refuses_tables_outside_the_pool():
@@ -204,37 +156,6 @@ def test_engine_fast_equals_reference_in_bfloat16(tmp_path, monkeypatch):
     ref_tokens, ref_logits = run(model, prompts, None, monkeypatch, 6, **knobs)
     assert fast_tokens == ref_tokens
     torch.testing.assert_close(fast_logits.float(), ref_logits.float(), atol=0.05, rtol=2**-7)
-
-
-@pytest.mark.skipif(not (kernels.available() and kernels.bf16_amx_ready()), reason="needs a CPU with AMX-BF16")
-def test_engine_decodes_on_the_tiles_give_the_reference_tokens(tmp_path, monkeypatch):
-    """head_dim 32 and blocks of 16: a bfloat16 model's serving decodes attend on the matrix units, with the
-    reference's greedy tokens, the logits within bfloat16's rounding of the reference's."""
-    from tiny_models import CONFIGS, build_hf, save_hf
-
-    import minillm
-
-    family, kwargs = CONFIGS["llama_gqa"]
-    folder = save_hf(build_hf(family, dict(kwargs, head_dim=32)), tmp_path)
-    model = minillm.load_model(folder, device="cpu", dtype=torch.bfloat16)
-    on_tiles = []
-    monkeypatch.setattr(kernels, "paged_decode_attention", record_tiles(kernels.paged_decode_attention, on_tiles))
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 40, 9)]
-    knobs = dict(num_blocks=64, block_size=16, max_num_batched_tokens=24)
-    fast_tokens, fast_logits = run(model, prompts, model.paged_batch, monkeypatch, 8, **knobs)
-    assert on_tiles and all(on_tiles)
-    ref_tokens, ref_logits = run(model, prompts, None, monkeypatch, 8, **knobs)
-    assert fast_tokens == ref_tokens
-    torch.testing.assert_close(fast_logits.float(), ref_logits.float(), atol=0.05, rtol=2**-7)
-
-
-def record_tiles(paged_decode_attention, on_tiles):
-    """``paged_decode_attention``, appending to ``on_tiles`` at each call whether it runs on the tiles."""
-    def recorded(q, k_pool, *args, **kwargs):
-        on_tiles.append(kwargs.get("tiles", True) and kernels.paged_decode_on_tiles(q, k_pool))
-        return paged_decode_attention(q, k_pool, *args, **kwargs)
-    return recorded
 
 
 def test_no_fast_model_runs_the_reference(tmp_path):
