@@ -111,8 +111,9 @@ def advise_huge_pages(address: int, nbytes: int) -> bool:
     For the serving engine's KV pool: a decode step reads every running request's blocks, scattered over the
     pool, and with 4 KiB pages each block's rows cost the CPU's page-table walks. SmolLM2-135M bfloat16, 32
     requests of 32-512 prompt tokens, a batch-32 decode step's attention (2 threads, the Intel Xeon, 2026-12-05,
-    1 GiB pool): 16.2-16.7 -> 14.7-15.1 ms, the step 51.3-51.9 -> 50.0-50.1 ms. Returns whether the kernel took the advice; False elsewhere (not Linux, a region
-    under 2 MiB). Never raises: the pages are a speed, not the values."""
+    1 GiB pool): 16.2-16.7 -> 14.7-15.1 ms, the step 51.3-51.9 -> 50.0-50.1 ms. Returns whether the kernel took
+    the advice; False elsewhere (not Linux, a region under 2 MiB). Never raises: the pages are a speed, not the
+    values."""
     start = -(-address // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
     end = (address + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
     libc = _glibc()

@@ -64,7 +64,7 @@ class FastAttention(Attention):
 
     def attend(self, q, k, v, mask, impl, hook):
         if impl == "sdpa" and mask is None and self.window is None and self.tiles_prefill and prefill_on_tiles(q, k, v):
-            return kernels.causal_attention_amx(q, k, v, self._scale())
+            return kernels.causal_attention_amx(q, k, v, self._scale(), check=False)  # (prefill_on_tiles checked)
         if impl == "sdpa" and self._prefill_in_c(q, k, v, mask):
             return kernels.causal_attention(q, k, v, self._scale())
         if not (impl == "sdpa" and self._in_c(q, k, mask)):

@@ -779,7 +779,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out
 
 
-def causal_attention_amx(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+def causal_attention_amx(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, check: bool = True,
                          lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """Prefill's attention in bfloat16 on the matrix units (csrc/attention_amx.c): the T queries are the last T of
     the S positions, query t seeing keys 0 .. S - T + t (as :func:`causal_attention`), softmax(scale · q·kᵀ + mask)
@@ -789,13 +789,15 @@ def causal_attention_amx(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     q [B, H, T, D], k, v [B, Hkv, S, D] bfloat16 CPU, any strides but a contiguous last dimension, T <= S, H a
     multiple of Hkv (GQA), D a multiple of 32 up to 256. Returns [B, H, T, D] bfloat16, laid out [B, T, H, D] (what
     the output projection reads). Raises TypeError for a non-tensor, ValueError naming the rule another input breaks
-    (inputs that require grad included: no backward pass) or where :func:`bf16_amx_ready` is False, MemoryError when
-    the packed keys and values cannot be allocated."""
+    (inputs that require grad included: no backward pass) or where :func:`bf16_amx_ready` is False, unless ``check`` is
+    False: a caller that has asked :func:`causal_attention_amx_fits` (the speed layer, every chunk of every layer)
+    skips the second reading of the rules; MemoryError when the packed keys and values cannot be allocated."""
     lib = lib or kernels()
-    _check_tensors("causal_attention_amx", q=q, k=k, v=v)
-    problem = _causal_amx_problem(q, k, v, lib) or _scale_problem(scale) or _grad_problem(q, k, v)
-    if problem:
-        raise ValueError(f"causal_attention_amx: {problem}; use F.scaled_dot_product_attention")
+    if check:
+        _check_tensors("causal_attention_amx", q=q, k=k, v=v)
+        problem = _causal_amx_problem(q, k, v, lib) or _scale_problem(scale) or _grad_problem(q, k, v)
+        if problem:
+            raise ValueError(f"causal_attention_amx: {problem}; use F.scaled_dot_product_attention")
     B, H, T, D = q.shape
     KV, S = k.shape[1], k.shape[2]
     out = torch.empty(B, T, H, D, dtype=torch.bfloat16)

@@ -78,8 +78,9 @@ class PagedBatch:
         self.cache = cache
         self.token_ids, self.positions, self.slots = token_ids, positions, slots
         self.decode_rows, self.decode_block_tables = decode_rows, decode_block_tables
-        rows = decode_rows.tolist()  # consecutive rows (every decode, in a step without a prefill) are a slice:
-        consecutive = bool(rows) and rows[-1] - rows[0] + 1 == len(rows)  # a view of q, not a gather
+        # consecutive rows (every decode, in a step without a prefill) are a slice: a view of q, not a gather
+        rows = decode_rows.tolist() if decode_rows.device.type == "cpu" else []  # (a GPU's: no sync for it)
+        consecutive = bool(rows) and rows[-1] - rows[0] + 1 == len(rows)
         self.decode_span = slice(rows[0], rows[-1] + 1) if consecutive else decode_rows
         self.prefills, self.logits_rows = prefills, logits_rows
         keys = torch.arange(decode_block_tables.shape[1] * cache.block_size, device=token_ids.device)
