@@ -47,6 +47,16 @@ def random_block_tables(batch: int, block_size: int, num_blocks: int, rng: rando
     return lens, tables
 
 
+def huge_page_bytes() -> int:
+    """The process's anonymous memory in transparent huge pages (Linux's /proc/self/smaps_rollup; 0 elsewhere):
+    what the pools got, not what was asked."""
+    try:
+        lines = open("/proc/self/smaps_rollup").read().splitlines()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("AnonHugePages:")), 0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -99,7 +109,8 @@ def main() -> None:
               + f"; K/V {kv_bytes / 1e6:.0f} MB, C kernel "
               + f"{kv_bytes / statistics.median(walls['C kernel']) / 1e6:.1f} GB/s"
               + f"; load average {os.getloadavg()[0]:.2f}"
-              + f"; pool in {'4 KiB' if args.no_huge_pages else '2 MiB'} pages")
+              + f"; huge pages in the process {huge_page_bytes() / 2**20:,.0f} MiB (asked: "
+              + f"{'no' if args.no_huge_pages else 'yes'})")
 
 
 if __name__ == "__main__":

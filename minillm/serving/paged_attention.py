@@ -78,10 +78,10 @@ class PagedBatch:
         self.cache = cache
         self.token_ids, self.positions, self.slots = token_ids, positions, slots
         self.decode_rows, self.decode_block_tables = decode_rows, decode_block_tables
-        # consecutive rows (every decode, in a step without a prefill) are a slice: a view of q, not a gather
+        # rows a, a+1, ... in order (every decode, in a step without a prefill) are a slice: a view of q, not a gather
         rows = decode_rows.tolist() if decode_rows.device.type == "cpu" else []  # (a GPU's: no sync for it)
-        consecutive = bool(rows) and rows[-1] - rows[0] + 1 == len(rows)
-        self.decode_span = slice(rows[0], rows[-1] + 1) if consecutive else decode_rows
+        in_order = bool(rows) and rows == list(range(rows[0], rows[0] + len(rows)))
+        self.decode_span = slice(rows[0], rows[0] + len(rows)) if in_order else decode_rows
         self.prefills, self.logits_rows = prefills, logits_rows
         keys = torch.arange(decode_block_tables.shape[1] * cache.block_size, device=token_ids.device)
         self.decode_mask = (keys[None, :] < decode_context_lens[:, None])[:, None, None, :]  # [B_dec, 1, 1, S]
@@ -107,7 +107,7 @@ class PagedBatch:
         if len(self.decode_rows):
             q_dec = q[0, :, self.decode_span].transpose(0, 1)  # [B_dec, n_heads, head_dim]
             out_dec = self.attend_decodes(layer, q_dec, attention, window).transpose(0, 1)[None]
-            if not self.prefills and len(self.decode_rows) == q.shape[2]:
+            if not self.prefills and isinstance(self.decode_span, slice) and len(self.decode_rows) == q.shape[2]:
                 return out_dec
         # laid out [1, N, n_heads, head_dim], as the caller reshapes it to [1, N, n_heads · head_dim]: a view
         out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)

@@ -16,6 +16,7 @@ from minillm.model import causal_mask, sdpa_attention
 from minillm.sampling import SamplingParams
 from minillm.serving.block_allocator import slot_mapping
 from minillm.serving.model_runner import prepare_batch
+from minillm.serving.paged_attention import PagedBatch
 from minillm.serving.paged_cache import PagedKVCache
 from minillm.serving.request import Request
 from minillm.serving.scheduler import ScheduledBatch
@@ -62,9 +63,14 @@ def contiguous_attention(q, k, v, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
-def check(lengths, chunks, block_size):
+def check(lengths, chunks, block_size, listed=None):
+    """``listed``: the decodes' order in the batch's lists (rows, tables, lengths), prepare_batch's if None."""
     cache, scheduled, q, k, v, full_k, full_v = make_case(lengths, chunks, block_size)
     batch, _ = prepare_batch(cache, scheduled)
+    if listed is not None:
+        batch = PagedBatch(cache, batch.token_ids, batch.positions, batch.slots, batch.decode_rows[listed],
+                           batch.decode_block_tables[listed], batch.decode_context_lens[listed], batch.prefills,
+                           batch.logits_rows)
     scale = HEAD_DIM**-0.5
     def sdpa(q, keys, values, mask):  # what Attention hands a cache: the cache's mask, or None: causal, the
         return sdpa_attention(q, keys, values, mask, scale)  # queries being the last of the keys
@@ -102,3 +108,16 @@ def test_mixed_batch_matches_contiguous(block_size):
 def test_single_token_prompt_and_one_token_last_chunk():
     # a 1-token request goes down the decode path: a 1-token prompt, and a prompt's last token alone
     check([1, 17, 16], [1, 1, 16], block_size=4)
+
+
+@pytest.mark.parametrize("listed", [[3, 2, 1, 0], [0, 2, 1, 3], [1, 0, 2, 3]])
+@pytest.mark.parametrize("prefill", ["none", "first", "last"])
+def test_decodes_listed_in_any_order_attend_over_their_own_blocks(listed, prefill):
+    """The batch's lists say which row has which block table: decodes listed out of row order (rows 3 2 1 0, or 0 2
+    1 3: a run of rows that is not a slice) still attend each over its own blocks, beside a prefill chunk or not."""
+    lengths, chunks = [15, 16, 17, 33], [1, 1, 1, 1]
+    if prefill == "first":
+        lengths, chunks = [31] + lengths, [12] + chunks
+    elif prefill == "last":
+        lengths, chunks = lengths + [31], chunks + [12]
+    check(lengths, chunks, block_size=4, listed=listed)
