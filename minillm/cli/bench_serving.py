@@ -8,11 +8,11 @@ from pathlib import Path
 
 from ..formats.weights import DEFAULT_MODEL
 from . import bench_serving_shared as shared
-from .common import (UsageError, check_kv_offload, check_out_dir, check_out_file, ensure_model,
+from .common import (UsageError, check_kv_offload, check_out_dir, check_out_file, default_token_budget, ensure_model,
                      keep_freed_memory_in_command, kv_offload_options, model_options, thread_governor, warn, wrote)
 
 SERVING_DEFAULTS = dict(num_prompts=64, input_len="uniform:32-512", output_len="uniform:16-256",
-                        max_num_batched_tokens=512, long_prompt_len=1536)
+                        long_prompt_len=1536)  # (the token budget: serve's default for the model, once it loads)
 SERVING_QUICK = dict(num_prompts=8, input_len="uniform:16-64", output_len="uniform:8-32",
                      max_num_batched_tokens=64, long_prompt_len=256)
 # SLOs for the default model, float32, on a 2-core CPU (BENCHMARKS-HISTORY.md, "Serving"): a
@@ -46,7 +46,7 @@ def add_bench_serving(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32, help="most requests in a batch, the static batch size too")
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="continuous+chunked's token budget per step; continuous uses at least the longest prompt "
-                        "+ max-num-seqs (default 512; --quick 64)")
+                        "+ max-num-seqs (default: serve's, 2048 for a bfloat16 model, 512 otherwise; --quick 64)")
     p.add_argument("--kv-cache-memory", default="512MiB", help="the paged pool: a size (512MiB, 2GiB) or a fraction "
                                                                "of free memory (0.3)")
     p.add_argument("--block-size", type=int, default=16, help="positions per KV block")
@@ -101,6 +101,8 @@ def run_bench_serving(args) -> int:
         torch.set_num_threads(args.threads)
     folder = ensure_model(args.model, args.weights_dir)
     model = load_model(folder, device=args.device, dtype=args.dtype, quantize=args.quantize, fast=args.fast)
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = max(default_token_budget(model), args.block_size)
     tokenizer = _tokenizer(folder, required=bool(args.dataset))
     workloads = shared.workloads(args, rates, model.config.vocab_size, tokenizer)
     _check_fits(args, model, next(iter(workloads.values())))
@@ -137,7 +139,7 @@ def _check_args(args) -> list[float]:
                                ("--threads", args.threads, 1), ("--seed", args.seed, 0)):
         if value is not None and value < least:
             raise UsageError(f"{flag} must be >= {least}, got {value}")
-    if args.max_num_batched_tokens < args.block_size:
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < args.block_size:
         raise UsageError(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least one block "
                          f"(--block-size {args.block_size})")
     for flag, value in (("--ttft-slo-ms", args.ttft_slo_ms), ("--tpot-slo-ms", args.tpot_slo_ms)):

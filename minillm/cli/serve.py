@@ -10,8 +10,8 @@ import sys
 import threading
 import time
 
-from .common import (UsageError, check_kv_offload, ensure_model, keep_freed_memory_in_command, kv_offload_options,
-                     model_options, thread_governor)
+from .common import (UsageError, check_kv_offload, default_token_budget, ensure_model, keep_freed_memory_in_command,
+                     kv_offload_options, model_options, thread_governor)
 from .tensor_parallel import run_tensor_parallel, tensor_parallel_option, tensor_parallel_size
 
 # After the engine is lost (a tensor-parallel rank died), how long the server answers 503 with the reason before
@@ -205,17 +205,6 @@ def _check_pack_weights(args) -> None:
     if args.quantize and kernels.quantized_amx_ready():
         raise UsageError(f"--pack-weights packs {args.quantize} codes for the vector units, but this CPU multiplies "
                          "them on its matrix units (AMX-INT8), which read no packed copy; drop --pack-weights")
-
-
-def default_token_budget(model) -> int:
-    """Tokens an engine step takes when --max-num-batched-tokens is not given: 2048 for a bfloat16 model (vLLM's CPU
-    server default, vllm/engine/arg_utils.py), 512 otherwise. Measured (SmolLM2-135M, the issue-32 workload, 2 threads,
-    2026-12-05): bfloat16 at 2048 against 512 gave 302-325 against 288-296 output tok/s, a better TTFT p50 and TPOT
-    p50 (its big chunks' products and attention run on the matrix units); float32 the same tok/s and a 15 % worse
-    TTFT p50."""
-    import torch
-
-    return 2048 if model.embed.weight.dtype == torch.bfloat16 else 512
 
 
 def _check_args(args) -> None:

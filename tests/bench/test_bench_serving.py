@@ -291,3 +291,14 @@ def test_each_run_writes_its_own_disk_tier_and_a_second_command_finds_it_warm(ti
     assert runs == {"continuous@inf": 4, "static@inf": 4}  # 2 prompts x 2 full blocks of 16, each run its own
     # cold: no run hit another's blocks; warm: each prompt's 2 full blocks (the last token is always prefilled)
     assert cached == [[0, 0], [2 * 32, 2 * 32]]
+
+
+@pytest.mark.parametrize("dtype, budget", [("bfloat16", 2048), ("float32", 512)])
+def test_cli_takes_serves_token_budget_for_the_models_dtype(tiny_folder, tmp_path, dtype, budget):
+    """Without --max-num-batched-tokens (and without --quick's 64), a step takes what `minillm serve` would for the
+    model: 2048 tokens in bfloat16, 512 otherwise (minillm.cli.common.default_token_budget)."""
+    args = ["bench-serving", "--model", str(tiny_folder), "--dtype", dtype, "--num-prompts", "2", "--input-len", "8",
+            "--output-len", "2", "--policies", "continuous+chunked", "--long-prompt-len", "0", "--threads", "1",
+            "--kv-cache-memory", "4MiB", "--json", str(tmp_path / "r.json"), "--quiet"]
+    assert main(args) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["config"]["max_num_batched_tokens"] == budget

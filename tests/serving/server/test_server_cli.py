@@ -12,7 +12,7 @@ from live_server import start_serve
 from tiny_models import CONFIGS, build_hf, save_hf
 
 from minillm.cli import main
-from minillm.cli.serve import default_token_budget
+from minillm.cli.common import default_token_budget
 
 TIMEOUT_S = 60.0
 
