@@ -8,7 +8,7 @@ With ``--layers N`` a call runs N layers, each over its own pool (as an engine s
 (1.5 GB at 30) no longer fit in the CPU's caches, so memory, not the arithmetic, sets the pace.
 ``--dtype bfloat16``: q and the pools in bfloat16, as a bfloat16 server keeps them (the bytes a call reads
 and the GB/s they stream at are printed beside the times). The pools are in 2 MiB pages where Linux gives them, as
-a server's (``minillm.malloc_policy.advise_huge_pages``); ``--no-huge-pages`` keeps 4 KiB ones.
+a server's (``minillm.malloc_policy.use_huge_pages_for_pools``); ``--no-huge-pages`` keeps 4 KiB ones.
 
 For batches of 8, 16 and 32 decodes with contexts uniform 100-600 (seed 0), SmolLM2-135M's attention
 shape (9 query heads, 3 K/V heads, head_dim 64), block size 16, the blocks shuffled over a pool of 2,000:
@@ -31,7 +31,7 @@ import torch
 
 from minillm.fast import kernels
 from minillm.model import sdpa_attention
-from minillm.serving import paged_cache
+from minillm.malloc_policy import use_huge_pages_for_pools
 from minillm.serving.paged_cache import PagedKVCache
 
 
@@ -65,8 +65,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--no-huge-pages", action="store_true", help="the pools in 4 KiB pages (default: 2 MiB)")
     args = parser.parse_args()
-    if args.no_huge_pages:
-        paged_cache.advise_huge_pages = lambda address, nbytes: False
+    if not args.no_huge_pages:
+        use_huge_pages_for_pools()  # as minillm serve does
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
     block_size, num_blocks, heads, kv_heads, head_dim = 16, 2000, 9, 3, 64

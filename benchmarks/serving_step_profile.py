@@ -20,8 +20,9 @@ blocks, the attention kernel (SDPA, the C kernel of the fast paged path, a bfloa
 ``sample_rows``; "other forward" is the rest of the forward pass (norms, RoPE, SiLU, residual adds, views,
 masks, Python), "engine rest" the step's bookkeeping (append tokens, cache full blocks, the step record).
 Prints a table per batch size: median ms per step of each part and its share of the step, with
-the machine's load average. The allocator is set as ``minillm serve`` sets it (minillm/malloc_policy.py;
-``--glibc-defaults`` leaves glibc's: each step's large tensors then fault their pages in again). Wall
+the machine's load average. The allocator is set as ``minillm serve`` sets it, the KV pool in 2 MiB pages
+included (minillm/malloc_policy.py; ``--glibc-defaults`` leaves glibc's: each step's large tensors then fault
+their pages in again, in 4 KiB pages). Wall
 times by default (the CPU runs the ops synchronously); ``--clock cpu`` takes the process's CPU time
 instead, which with ``--threads 1`` a busy machine barely changes.
 """
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 from minillm import load_model
 from minillm.bench.arg_types import positive_int
 from minillm.fast import kernels
-from minillm.malloc_policy import keep_freed_memory
+from minillm.malloc_policy import keep_freed_memory, use_huge_pages_for_pools
 from minillm.sampling import SamplingParams
 from minillm.serving import engine as engine_module
 from minillm.serving import model_runner
@@ -192,6 +193,8 @@ def main() -> None:
                         help="keep glibc's allocator settings (default: serve's, minillm/malloc_policy.py)")
     args = parser.parse_args()
     allocator = "glibc's defaults" if args.glibc_defaults else (keep_freed_memory() or "serve's (freed memory kept)")
+    if not args.glibc_defaults:
+        use_huge_pages_for_pools()  # the KV pool in 2 MiB pages, as minillm serve's
     torch.set_num_threads(args.threads)
     model = load_model("smollm2-135m-instruct", device="cpu", dtype=args.dtype, fast=args.fast)
     variants = {"reference": None}  # the gather + SDPA of minillm/serving/paged_attention.py

@@ -178,13 +178,35 @@ def transparent_huge_pages() -> str:
 
 
 @pytest.mark.skipif(not GLIBC or "[never]" in transparent_huge_pages(), reason="Linux with transparent huge pages")
-def test_the_kv_pool_is_advised_into_huge_pages_and_holds_zeros():
-    """The serving pool's memory carries MADV_HUGEPAGE ("hg" in its mapping's flags), set before its zeros touched
-    it; a small tensor (no whole 2 MiB page inside) is left alone."""
+def test_a_serving_commands_kv_pool_is_advised_into_huge_pages_and_holds_zeros(monkeypatch):
+    """After use_huge_pages_for_pools (the serving commands call it), a pool's memory carries MADV_HUGEPAGE ("hg" in
+    its mapping's flags), set before its zeros touched it; before it (a program that imports minillm), and with
+    MINILLM_MALLOC_POLICY=off, it does not. A small tensor (no whole 2 MiB page inside) is left alone."""
     from minillm.serving.paged_cache import PagedKVCache
 
-    cache = PagedKVCache(2, 3, 64, num_blocks=512, block_size=16)  # 2 x 6 MiB, each its own mapping
-    for pool in (cache.k, cache.v):
-        assert "hg" in vm_flags(pool.data_ptr() + pool.numel() * pool.element_size() // 2)
-        assert not pool.any()
+    def flags(cache):  # each pool is 6 MiB: its own mapping
+        return [vm_flags(pool.data_ptr() + pool.numel() * pool.element_size() // 2) for pool in (cache.k, cache.v)]
+
+    monkeypatch.setattr(malloc_policy, "_huge_page_pools", False)
+    assert not any("hg" in f for f in flags(PagedKVCache(2, 3, 64, num_blocks=512, block_size=16)))
+    assert not malloc_policy.use_huge_pages_for_pools({malloc_policy.OPT_OUT: "off"})
+    assert not any("hg" in f for f in flags(PagedKVCache(2, 3, 64, num_blocks=512, block_size=16)))
+    assert malloc_policy.use_huge_pages_for_pools({})
+    cache = PagedKVCache(2, 3, 64, num_blocks=512, block_size=16)
+    assert all("hg" in f for f in flags(cache))
+    assert not cache.k.any() and not cache.v.any()
     assert not malloc_policy.advise_huge_pages(4096, 4096)
+
+
+def test_only_the_serving_commands_process_asks_for_huge_pages(monkeypatch):
+    """keep_freed_memory_in_command turns the pools' huge pages on in the command's own process only."""
+    monkeypatch.setattr(malloc_policy, "_huge_page_pools", False)
+    monkeypatch.setattr(malloc_policy, "keep_freed_memory", lambda environ=None: None)
+    monkeypatch.setattr(malloc_policy, "bound_kernel_caches", lambda environ=None: [])
+    monkeypatch.setattr(cpu_policy, "started_as_command", lambda: False)
+    common.keep_freed_memory_in_command()
+    assert not malloc_policy.huge_pages_for_pools()
+    monkeypatch.setattr(cpu_policy, "started_as_command", lambda: True)
+    monkeypatch.delenv(malloc_policy.OPT_OUT, raising=False)
+    common.keep_freed_memory_in_command()
+    assert malloc_policy.huge_pages_for_pools()

@@ -261,11 +261,13 @@ def busy_note_now(group=None) -> str | None:
 
 
 def keep_freed_memory_in_command() -> None:
-    """The serving commands' allocator setting (minillm/malloc_policy.py), in the ``minillm`` command's own
-    process only: a program (or a test) that calls :func:`minillm.cli.main` keeps its allocator."""
+    """The serving commands' allocator settings (minillm/malloc_policy.py: freed memory kept, the kernel caches
+    bounded, the KV pools in 2 MiB pages), in the ``minillm`` command's own process only: a program (or a test)
+    that calls :func:`minillm.cli.main` keeps its allocator."""
     if not cpu_policy.started_as_command():
         return
     malloc_policy.bound_kernel_caches()
+    malloc_policy.use_huge_pages_for_pools()
     if (why := malloc_policy.keep_freed_memory()) and "refused" in why:
         warn(f"{why}: each step's large tensors will fault their pages in again (slower, not wrong)")
 

@@ -33,7 +33,7 @@ import torch
 
 from ..block_hash import model_seed
 from ..errors import check_positive_int
-from ..malloc_policy import advise_huge_pages
+from ..malloc_policy import advise_huge_pages, huge_pages_for_pools
 from ..units import fmt_bytes
 from .block_allocator import BlockAllocator
 
@@ -241,10 +241,11 @@ class PagedKVCache:
 
 
 def _pool(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """Zeros of ``shape``; on a CPU, in 2 MiB pages where Linux gives them (advised before the zeros first touch
-    the memory: :func:`~minillm.malloc_policy.advise_huge_pages` says why and what it bought)."""
+    """Zeros of ``shape``; on a CPU in a serving command's process, in 2 MiB pages where Linux gives them (advised
+    before the zeros first touch the memory: :func:`~minillm.malloc_policy.advise_huge_pages` says why, and what
+    they cost)."""
     pool = torch.empty(shape, dtype=dtype, device=device)
-    if pool.device.type == "cpu":
+    if pool.device.type == "cpu" and huge_pages_for_pools():
         advise_huge_pages(pool.data_ptr(), pool.numel() * pool.element_size())
     return pool.zero_()
 
