@@ -25,10 +25,13 @@ How :func:`choose_decode_path` (called by ``load_model``) picks one, without tim
    test forces a path; "auto", empty or unset: go on);
 2. the choice ``minillm calibrate --decode-path`` measured and cached in
    ``<weights_dir>/calibration.json`` for this CPU, thread count, dtype and model shape;
-3. the rule: "matvec" where the C kernels build (a C compiler), else "row-major+split".
+3. the rule: "matvec" where the C kernels build (a C compiler), else "row-major+split"; in bfloat16
+   the default path.
 
-Only CPU float32 has candidates; other devices and dtypes get the stacked products and the
-default layout (path "default"; on a CPU in bfloat16, one row's products in C). Which kernel a product
+CPU float32 has every candidate; CPU bfloat16 two, BF16_CANDIDATES: its products on the matrix units, eager
+(the default path) or in a compiled step, whose fused norms, RoPE and SwiGLU took a SmolLM2-135M step from
+20.4 to 14.9 ms on the Intel Xeon (BENCHMARKS.md, "A compiled bfloat16 decode step"). Other devices and dtypes
+get the stacked products and the default layout (path "default"). Which kernel a product
 of a few rows runs: :func:`minillm.fast.products.few_rows_kernel`, 1-3 float32 rows by :func:`few_rows_in_c`. A compiled step compiles in the first decode step of a
 process (inductor keeps the code on disk, so a later process compiles faster).
 """
@@ -80,6 +83,15 @@ CANDIDATES = {p.name: p for p in (
 )}
 PLAIN = "row-major"  # plain F.linear on nn.Linear's layout: the reference every candidate must equal
 EAGER = tuple(name for name, p in CANDIDATES.items() if not p.compiled)
+# bfloat16's candidates: its products on the matrix units (or the C loop), eager or in a compiled step. F.linear's
+# one-row bfloat16 product took 1.4-1.7x their time (BENCHMARKS.md, "Decode products: PyTorch against the C").
+BF16_CANDIDATES = ("matvec", "compile+matvec")
+
+
+def candidates_for(dtype: torch.dtype) -> tuple[str, ...]:
+    """The decode paths measured and allowed for a CPU model of ``dtype``: every one in float32, the C products'
+    in bfloat16, none in other dtypes (they run the default path)."""
+    return tuple(CANDIDATES) if dtype == torch.float32 else BF16_CANDIDATES if dtype == torch.bfloat16 else ()
 
 
 @dataclass(frozen=True)
@@ -169,24 +181,41 @@ def choose_decode_path(model: Transformer) -> DecodeChoice:
     """Apply the forced, cached or rule's decode path to ``model`` (see the module docstring); times nothing.
 
     Returns the :class:`DecodeChoice` (also kept as ``model.decode_choice``). Raises ValueError
-    when MINILLM_DECODE_PATH names no candidate, or a compiled one where torch.compile finds no C++
-    compiler.
+    when MINILLM_DECODE_PATH names no candidate (for a bfloat16 model: none of BF16_CANDIDATES), or a
+    compiled one where torch.compile finds no C++ compiler.
     """
     param = model.embed.weight
-    if param.device.type != "cpu" or param.dtype != torch.float32:
+    allowed = candidates_for(param.dtype) if param.device.type == "cpu" else ()
+    if not allowed:
         choice = DecodeChoice("default", "default", {})
     elif (forced := os.environ.get(ENV_VAR) or "auto") != "auto":  # set but empty: as unset, like other tools
-        if _candidate(forced, f"{ENV_VAR}={forced!r}").compiled and (why := compile_unavailable()):
-            raise ValueError(f"{ENV_VAR}={forced} cannot run here: {why}; install one (g++) or choose an eager "
-                             f"path ({', '.join(EAGER)})")
+        _check_forced(forced, allowed, param.dtype)
         choice = DecodeChoice(forced, "forced", {})
-    elif (cached := load_decode_choice(model.config)) is not None and _runs_here(cached.name):
+    elif (cached := load_decode_choice(model.config, param.dtype)) is not None and _runs_here(cached.name):
         choice = cached
+    elif param.dtype == torch.bfloat16:
+        choice = DecodeChoice("default", "default", {})
     else:
         choice = DecodeChoice("matvec" if kernels.available() else "row-major+split", "rule", {})
     apply_decode_path(model, choice.name)
     model.decode_choice = choice
     return choice
+
+
+def _check_forced(name: str, allowed: tuple[str, ...], dtype: torch.dtype) -> None:
+    """One line when MINILLM_DECODE_PATH=name is no candidate for this dtype, or cannot run here."""
+    path = _candidate(name, f"{ENV_VAR}={name!r}")
+    if name not in allowed:
+        raise ValueError(f"{ENV_VAR}={name} is not a decode path for a {_name(dtype)} model; use one of "
+                         f"{', '.join(allowed)} (or auto)")
+    if path.compiled and (why := compile_unavailable()):
+        eager = [n for n in allowed if not CANDIDATES[n].compiled]
+        raise ValueError(f"{ENV_VAR}={name} cannot run here: {why}; install one (g++) or choose an eager "
+                         f"path ({', '.join(eager)})")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def few_rows_in_c(cpu_name: str | None = None) -> bool:
@@ -206,22 +235,29 @@ def few_rows_in_c(cpu_name: str | None = None) -> bool:
     return "AMD" in name.split()
 
 
-def calibrate_decode_path(model: Transformer, names=tuple(CANDIDATES), measure: Callable | None = None,
+def calibrate_decode_path(model: Transformer, names=None, measure: Callable | None = None,
                           progress: Callable[[str], None] | None = None) -> DecodeChoice:
-    """Measure the named candidates on ``model``, cache the fastest in calibration.json, apply it.
+    """Measure the named candidates on ``model`` (default: every one for its dtype, :func:`candidates_for`), cache
+    the fastest in calibration.json, apply it.
 
     ``measure(model, names) -> {name: ms}`` replaces :func:`measure_decode_paths` (tests).
     Returns the :class:`DecodeChoice` with every measured ms/step. The "matvec" candidates are
     left out when the C kernels cannot be built, the compiled ones when torch.compile has no C++
-    compiler (:func:`compile_unavailable`).
+    compiler (:func:`compile_unavailable`). Raises ValueError for a model that is not on the CPU in
+    float32 or bfloat16.
     """
+    dtype = model.embed.weight.dtype
+    allowed = candidates_for(dtype) if model.embed.weight.device.type == "cpu" else ()
+    if not allowed:
+        raise ValueError(f"decode paths are measured on the CPU in float32 or bfloat16, got {_name(dtype)} on "
+                         f"{model.embed.weight.device.type}; load the model with device='cpu' and one of those")
     measure = measure or (lambda m, n: measure_decode_paths(m, n, progress=progress))
-    names = [n for n in names if (CANDIDATES[n].products != "matvec" or kernels.available())
+    names = [n for n in (allowed if names is None else names) if (CANDIDATES[n].products != "matvec" or kernels.available())
              and not (CANDIDATES[n].compiled and compile_unavailable())]
     timings = measure(model, names)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     choice = DecodeChoice(choose(timings), "measured", dict(timings), load)
-    save_measurement(decode_key(model.config), "cpu",
+    save_measurement(decode_key(model.config, dtype), "cpu",
                      {"chosen": choice.name, "timings_ms": choice.timings_ms, "load_average_1m": load})
     apply_decode_path(model, choice.name)
     return choice
@@ -239,20 +275,20 @@ def compile_unavailable() -> str | None:
     return None
 
 
-def load_decode_choice(config: ModelConfig) -> DecodeChoice | None:
-    """The choice cached on this machine for a model of this config (CPU, float32), or None."""
-    entry = load_measurement(decode_key(config), "cpu")
+def load_decode_choice(config: ModelConfig, dtype: torch.dtype = torch.float32) -> DecodeChoice | None:
+    """The choice cached on this machine for a model of this config on the CPU in ``dtype``, or None."""
+    entry = load_measurement(decode_key(config, dtype), "cpu")
     if entry is None or entry.get("chosen") not in CANDIDATES:
         return None
     return DecodeChoice(entry["chosen"], "cached", entry.get("timings_ms", {}), entry.get("load_average_1m"))
 
 
-def decode_key(config: ModelConfig) -> str:
-    """calibration.json's key of a choice: CPU float32, torch's thread count and the model's shape
+def decode_key(config: ModelConfig, dtype: torch.dtype = torch.float32) -> str:
+    """calibration.json's key of a choice: the CPU, the dtype, torch's thread count and the model's shape
     (what decides which path wins; the CPU's name is checked separately)."""
     c = config
     shape = f"{c.model_type}-L{c.n_layers}-d{c.d_model}-h{c.n_heads}-kv{c.n_kv_heads}-mlp{c.d_mlp}-V{c.vocab_size}"
-    return f"decode_path/cpu/float32/threads{torch.get_num_threads()}/{shape}"
+    return f"decode_path/cpu/{_name(dtype)}/threads{torch.get_num_threads()}/{shape}"
 
 
 def measure_decode_paths(model: Transformer, names, rounds: int = 2, steps: int = 16, context: int = 64,

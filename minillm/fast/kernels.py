@@ -233,6 +233,7 @@ def prepare_for_compile() -> None:
     if kernels() is not None:
         _register_ops()
     torch.compiler.assume_constant_result(available)
+    torch.compiler.assume_constant_result(bf16_amx_ready)
 
 
 def functions():
@@ -989,6 +990,8 @@ _QUANTIZED = "(Tensor x, Tensor codes, Tensor scale, Tensor? zero, int group_siz
 _OPS = {
     "f32_matvec": ("(Tensor x, Tensor weight) -> Tensor",
                    lambda x, weight: x.new_empty(x.shape[0], weight.shape[0])),
+    "bf16_amx_matmul": ("(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+                        lambda x, weight, bias: x.new_empty(x.shape[0], weight.shape[0])),
     "quantized_matvec": (_QUANTIZED, lambda x, codes, scale, zero, group_size: x.new_empty(x.shape[0], codes.shape[0])),
     "quantized_matmul": (_QUANTIZED, lambda x, codes, scale, zero, group_size: x.new_empty(x.shape[0], codes.shape[0])),
     "dequantize": ("(Tensor codes, Tensor scale, Tensor? zero, int group_size) -> Tensor",

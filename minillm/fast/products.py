@@ -170,9 +170,12 @@ class MatvecLinear(nn.Linear):
         if rows is None or not self.weight.is_contiguous() or not kernels.available():
             return F.linear(x, self.weight, self.bias)
         compiling = torch.compiler.is_compiling()
-        amx = (x.dtype == torch.bfloat16 and not compiling and kernels.bf16_amx_fits(self.weight)
-               and kernels.bf16_amx_ready() and (self.bias is None or self.bias.dtype == x.dtype))
+        amx = (x.dtype == torch.bfloat16 and kernels.bf16_amx_fits(self.weight) and kernels.bf16_amx_ready()
+               and (self.bias is None or self.bias.dtype == x.dtype))
         kernel = few_rows_kernel(rows, x.dtype, self.few_rows_in_c, self.panels and not compiling, amx)
+        if kernel == "bf16_amx_matmul" and compiling:  # (the op: a graph cannot call ctypes)
+            return kernels.functions().bf16_amx_matmul(x.reshape(rows, -1), self.weight, self.bias).view(
+                *x.shape[:-1], -1)
         if kernel == "bf16_amx_matmul":  # (the bias inside its one rounding; _few_rows made the kernel's checks)
             bias32 = None if self.bias is None else self.bias.float()
             return kernels.bf16_amx_unchecked(x.reshape(rows, -1), self.weight, bias32).view(*x.shape[:-1], -1)

@@ -3,6 +3,8 @@ bfloat16 numbers; what it refuses; that it leaves PyTorch's own AMX kernels (SDP
 products) their tile configuration; and that a product module runs it where the rule says. Skipped where the CPU
 has no AMX-BF16 (every test but the portable build's answer)."""
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -93,6 +95,24 @@ def test_bf16_amx_matmul_names_what_is_not_a_tensor():
     _amx()
     with pytest.raises(TypeError, match="takes tensors x and weight, got list and Tensor"):
         kernels.bf16_amx_matmul([[1.0] * 32], torch.ones(16, 32, dtype=torch.bfloat16))
+
+
+def test_the_op_a_compiled_step_calls_is_the_same_product():
+    """torch.ops.minillm.bf16_amx_matmul (csrc/ops.cpp, what a compiled decode step calls) gives the ctypes
+    kernel's values to the bit, with and without a bias, and refuses in one line what the tiles would misread."""
+    _amx()
+    if shutil.which("c++") is None:
+        pytest.skip("needs a C++ compiler")
+    kernels.prepare_for_compile()
+    assert kernels.ops_implementation() == ("C++", None)
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(5, 64, generator=g).bfloat16()
+    for bias in (None, torch.randn(96, generator=g).bfloat16()):
+        assert torch.equal(torch.ops.minillm.bf16_amx_matmul(x, w, bias), kernels.bf16_amx_matmul(x, w, bias))
+    with pytest.raises(RuntimeError, match=r"needs in a multiple of 32, out a multiple of 16 .* got weight \[16, 48\]"):
+        torch.ops.minillm.bf16_amx_matmul(x[:, :48], w[:16, :48].contiguous(), None)
+    with pytest.raises(RuntimeError, match=r"takes bfloat16 CPU x \[rows, in\], .* got x Float \[5, 64\]"):
+        torch.ops.minillm.bf16_amx_matmul(x.float(), w, None)
 
 
 def test_the_portable_build_has_no_matrix_units():

@@ -128,3 +128,39 @@ def test_a_trace_of_steps_times_the_compiled_step_and_one_of_layers_the_eager_on
             assert all(e["time_ms"] > 0 for e in decodes)
     finally:
         model.compiled_decode = before
+
+
+def test_a_bfloat16_compiled_step_multiplies_on_the_tiles_within_bfloat16s_error(folder):
+    """bfloat16 on the compile+matvec path (calibrate's other bfloat16 candidate). Where the CPU has AMX-BF16 the
+    graph calls the tiles' product as an op, each product of a step (2 layers x 4 + the LM head = 9); inductor
+    fuses the norms, RoPE and SwiGLU and keeps float32 between them where eager code rounds to bfloat16, so the
+    logits are not eager's to the bit. Oracle: the float32 lesson model. Yardstick: E, the eager bfloat16 lesson
+    model's error from it, measured here; the compiled step's error is within 2E (the bound the speed layer's
+    bfloat16 logits have against transformers', tests/test_dtypes_vs_hf.py)."""
+    from torch.profiler import profile
+
+    from minillm.fast import kernels
+
+    reference = load_model(folder, device="cpu", fast=False)
+    eager16 = load_model(folder, device="cpu", dtype="bfloat16", fast=False)
+    compiled16 = apply_decode_path(load_model(folder, device="cpu", dtype="bfloat16", fast=False), "compile+matvec")
+    ids = _prompt(reference, batch=1)
+    caches = [KVCache.for_model(m, max_seq_len=24) for m in (reference, eager16, compiled16)]
+    for m, c in zip((reference, eager16, compiled16), caches):
+        prefill(m, ids, c)
+    token, errors = ids[:, -1], {"eager": 0.0, "compiled": 0.0}
+
+    def steps(n):
+        nonlocal token
+        for _ in range(n):
+            expected = decode_step(reference, token, caches[0])
+            for name, m, c in (("eager", eager16, caches[1]), ("compiled", compiled16, caches[2])):
+                errors[name] = max(errors[name], (decode_step(m, token, c) - expected).abs().max().item())
+            token = expected.argmax(-1)
+
+    steps(2)  # (the first compiles)
+    with profile() as prof:
+        steps(5)
+    calls = sum(e.count for e in prof.key_averages() if e.key == "minillm::bf16_amx_matmul")
+    assert calls == (5 * 9 if kernels.available() and kernels.bf16_amx_ready() else 0)
+    assert 0 < errors["eager"] and errors["compiled"] <= 2 * errors["eager"], errors

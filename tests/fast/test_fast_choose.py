@@ -231,6 +231,48 @@ def test_not_cpu_float32_gets_the_default_path(folder, weights_dir, no_measuring
     assert not (weights_dir / "calibration.json").exists()
 
 
+@pytest.mark.skipif(not dp.kernels.available() or dp.compile_unavailable() is not None,
+                    reason="needs the C kernels and torch.compile's C++ compiler")
+def test_bfloat16_keeps_its_own_choice_of_its_own_candidates(folder, weights_dir, no_measuring):
+    """calibrate measures a bfloat16 model's two candidates (the matrix units' products eager or compiled) and
+    keeps the winner under a bfloat16 key: the next bfloat16 load takes it, a float32 load keeps its rule."""
+    model = load_model(folder, device="cpu", dtype="bfloat16")
+    timer = FakeTimer({"matvec": 9.0, "compile+matvec": 6.0})
+    choice = dp.calibrate_decode_path(model, measure=timer)
+    assert (choice.name, choice.timings_ms, timer.calls) == ("compile+matvec", timer.ms, [["matvec", "compile+matvec"]])
+    key = dp.decode_key(model.config, torch.bfloat16)
+    assert key.startswith("decode_path/cpu/bfloat16/") and key.replace("bfloat16", "float32") == dp.decode_key(
+        model.config)
+    assert json.loads((weights_dir / "calibration.json").read_text())[key]["chosen"] == "compile+matvec"
+    again = load_model(folder, device="cpu", dtype="bfloat16")
+    assert (again.decode_path, again.decode_choice.source) == ("compile+matvec", "cached")
+    assert again.compiled_decode is not None
+    f32 = load_model(folder, device="cpu")
+    assert (f32.decode_path, f32.decode_choice.source, f32.compiled_decode) == (_rule(), "rule", None)
+
+
+def test_the_environment_forces_a_bfloat16_model_only_onto_its_candidates(folder, weights_dir, monkeypatch):
+    monkeypatch.setenv(dp.ENV_VAR, "row-major")
+    with pytest.raises(ValueError, match=r"^MINILLM_DECODE_PATH=row-major is not a decode path for a bfloat16 model; "
+                                         r"use one of matvec, compile\+matvec \(or auto\)$"):
+        load_model(folder, device="cpu", dtype="bfloat16")
+    monkeypatch.setenv(dp.ENV_VAR, "matvec")
+    model = load_model(folder, device="cpu", dtype="bfloat16")
+    assert (model.decode_path, model.decode_choice.source) == ("matvec", "forced")
+
+
+def test_decode_paths_are_measured_in_float32_or_bfloat16_only(folder, weights_dir, capsys):
+    from minillm.cli import main
+
+    model = load_model(folder, device="cpu", dtype="float16")
+    with pytest.raises(ValueError, match=r"^decode paths are measured on the CPU in float32 or bfloat16, got float16 "
+                                         r"on cpu; load the model with device='cpu' and one of those$"):
+        dp.calibrate_decode_path(model, measure=_refuse)
+    assert main(["calibrate", "--quick", "--decode-path", "--dtype", "float16", "--model", str(folder)]) == 2
+    assert capsys.readouterr().err.strip() == ("minillm: error: --decode-path measures float32 or bfloat16 decode "
+                                               "paths, got --dtype float16; pass --dtype float32 or --dtype bfloat16")
+
+
 def test_an_unknown_path_is_refused_before_anything_is_swapped(folder):
     model = load_model(folder, device="cpu", fast=False)
     with pytest.raises(ValueError, match=r"'mkl' is not a decode path; use one of long-rows\+split, .* \(or default\)"):
@@ -411,7 +453,7 @@ def test_calibrate_shows_the_cached_choice_or_says_none_was_measured(folder, wei
     from minillm.cli.roofline import _decode_path
 
     args = argparse.Namespace(model=str(folder), decode_path=False)
-    assert _decode_path(args, Console()) == "not measured (chosen by rule at load; --decode-path measures them all)"
+    assert _decode_path(args, "float32", Console()) == "not measured (chosen by rule at load; --decode-path measures them all)"
     model = load_model(folder, device="cpu")
     choice = dp.calibrate_decode_path(model, dp.EAGER, measure=FakeTimer(dict.fromkeys(dp.EAGER, 5.0)))
     monkeypatch.setenv("COLUMNS", "400")  # one line, unwrapped

@@ -113,7 +113,7 @@ int bf16_amx_matmul(const uint16_t *x, const uint16_t *w, const float *bias, uin
 #if defined(BF16_AMX)
     if (in % 32 || out % 16 || rows < 1 || !bf16_amx_ready()) return 2;
     int blocks = (rows + 15) / 16, units = (out + 31) / 32;  /* units: 32 outputs (the last may be 16) */
-    uint16_t *xb = aligned_alloc(64, (size_t)blocks * 16 * in * 2);
+    uint16_t *xb = (uint16_t *)aligned_alloc(64, (size_t)blocks * 16 * in * 2);
     if (!xb) return 1;
     #pragma omp parallel num_threads(threads)
     {

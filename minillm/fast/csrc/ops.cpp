@@ -1,4 +1,4 @@
-/* The kernels of products.c, quantized.c and attention.c as torch ops (torch.ops.minillm.f32_matvec,
+/* The kernels of products.c, bf16_amx.c, quantized.c and attention.c as torch ops (torch.ops.minillm.f32_matvec,
  * ...): how a torch.compile'd decode step calls them.
  *
  * A compiled graph cannot call ctypes, so it calls an op. An op whose implementation is Python
@@ -25,6 +25,7 @@
 #endif
 extern "C" {
 #include "products.c"
+#include "bf16_amx.c"
 #include "quantized.c"
 #include "attention.c"
 }
@@ -69,6 +70,27 @@ at::Tensor f32_matvec_op(const at::Tensor &x, const at::Tensor &weight) {
     at::Tensor xc = x.contiguous(), y = output(xc, weight.size(0));
     f32_matvec(xc.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), xc.size(0), weight.size(0),
                weight.size(1), at::get_num_threads());
+    return y;
+}
+
+/* bfloat16 rows on the matrix units, the weight in place; bias bfloat16 [out] or none, added before the one rounding */
+at::Tensor bf16_amx_matmul_op(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
+    bool ok = x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+              weight.dim() == 2 && weight.is_contiguous() && x.size(1) == weight.size(1) && x.size(0) > 0 &&
+              x.device().is_cpu() && weight.device().is_cpu() &&
+              (!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 &&
+                                     bias->size(0) == weight.size(0) && bias->device().is_cpu()));
+    TORCH_CHECK(ok, "bf16_amx_matmul takes bfloat16 CPU x [rows, in], a contiguous weight [out, in] and bias [out] or "
+                "none, got x ", x.scalar_type(), " ", x.sizes(), ", weight ", weight.scalar_type(), " ", weight.sizes());
+    at::Tensor xc = x.contiguous(), y = at::empty({x.size(0), weight.size(0)}, x.options());
+    std::optional<at::Tensor> bias32;
+    if (bias.has_value()) bias32 = bias->to(at::kFloat).contiguous();
+    int status = bf16_amx_matmul((const uint16_t *)xc.data_ptr(), (const uint16_t *)weight.data_ptr(),
+                                 bias32 ? bias32->data_ptr<float>() : nullptr, (uint16_t *)y.data_ptr(), xc.size(0),
+                                 weight.size(0), weight.size(1), at::get_num_threads());
+    TORCH_CHECK(status != 1, "bf16_amx_matmul could not allocate x's packed copy");
+    TORCH_CHECK(status == 0, "bf16_amx_matmul needs in a multiple of 32, out a multiple of 16 and a CPU with AMX-BF16 "
+                "(bf16_amx_ready), got weight ", weight.sizes());
     return y;
 }
 
@@ -143,6 +165,7 @@ at::Tensor decode_attention_op(const at::Tensor &q, const at::Tensor &k, const a
 
 TORCH_LIBRARY_IMPL(minillm, CPU, m) {
     m.impl("f32_matvec", &f32_matvec_op);
+    m.impl("bf16_amx_matmul", &bf16_amx_matmul_op);
     m.impl("quantized_matvec", &quantized_matvec_op);
     m.impl("quantized_matmul", &quantized_matmul_op);
     m.impl("dequantize", &dequantize_op);
