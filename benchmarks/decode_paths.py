@@ -3,6 +3,7 @@ SmolLM2-135M (real weights) and the 360M and 1.7B shapes (random weights: benchm
 
     python benchmarks/decode_paths.py --shapes 135m 360m 1.7b --contexts 128 1024 --rounds 3
     python benchmarks/decode_paths.py --shapes 135m 1.7b --dtypes bfloat16 --paths default --rounds 3
+    python benchmarks/decode_paths.py --shapes 135m 1.7b --dtypes bfloat16 --paths default compiled no-fast
     git archive HEAD~1 minillm | tar -x -C /tmp/before      # an earlier tree's default path beside them:
     python benchmarks/decode_paths.py --before /tmp/before
 
@@ -37,7 +38,8 @@ from minillm.costs import decode_cost
 from minillm.formats.weights import resolve_model
 from minillm.hardware import load_calibration
 
-PATHS = ("default", "no-fast", "before")  # "before": the default path of the source tree --before names
+PATHS = ("default", "no-fast", "before", "compiled")  # "before": the default path of the source tree --before names;
+# "compiled": MINILLM_DECODE_PATH=compile+matvec (its first, untimed step compiles: 30-60 s cold)
 
 
 def one_run(shape: str, path: str, context: int, dtype: str, steps: int) -> dict:
@@ -93,7 +95,8 @@ def main() -> None:
             for dtype in args.dtypes:
                 for context in args.contexts:
                     for path in args.paths:
-                        env = {**os.environ, "PYTHONPATH": args.before} if path == "before" else None
+                        env = {**os.environ, "PYTHONPATH": args.before} if path == "before" else \
+                            {**os.environ, "MINILLM_DECODE_PATH": "compile+matvec"} if path == "compiled" else None
                         run = subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--one", shape, path,
                                               str(context), dtype], capture_output=True, text=True, check=True, env=env)
                         result = json.loads(run.stdout.strip().splitlines()[-1])

@@ -17,9 +17,11 @@ def add_calibrate(sub) -> None:
                    help="the dtype of the measured matmuls")
     p.add_argument("--quick", action="store_true", help="smaller, faster measurement (less accurate)")
     p.add_argument("--decode-path", action="store_true",
-                   help="also measure each decode path of --model on the cpu in --dtype, float32 or bfloat16 "
-                        "(layout, split product, torch.compile: a minute or more) and keep the fastest "
-                        "(minillm/fast/choose.py)")
+                   help="also measure each decode path of --model on the cpu in --dtype, float32 or bfloat16, or "
+                        "--quantize's format (layout, split product, torch.compile: a minute or more) and keep the "
+                        "fastest (minillm/fast/choose.py)")
+    p.add_argument("--quantize", choices=["int8", "int4"],
+                   help="the decode path shown or measured is the one of --model quantised to this format")
     p.add_argument("--model", "-m", default=weights.DEFAULT_MODEL,
                    help=f"the model whose decode path is shown or measured (default: {weights.DEFAULT_MODEL})")
     p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
@@ -37,17 +39,16 @@ def run_calibrate(args) -> int:
     hw = calibrate(args.device, args.dtype, quick=args.quick)
     console = Console()
     console.print(_hardware_table(hw, f"calibrated {args.device} {args.dtype} (saved to {calibration_path()})"))
-    path_dtype = args.dtype if args.dtype in ("float32", "bfloat16") else "float32"
-    console.print(f"decode path of {args.model} on cpu {path_dtype}: {_decode_path(args, path_dtype, console)}")
+    precision = args.quantize or (args.dtype if args.dtype in ("float32", "bfloat16") else "float32")
+    console.print(f"decode path of {args.model} on cpu {precision}: {_decode_path(args, precision, console)}")
     if args.device == "cpu" and (busy := busy_note_now()) is not None:  # the peaks and timings above are the share the run got, not the machine's
         warn(f"{busy}: other processes took CPU time from these measurements; calibrate again on a quiet machine")
     return 0
 
 
-def _decode_path(args, dtype: str, console) -> str:
-    """The cached (or, with --decode-path, measured now) decode path of --model in ``dtype``, as one line."""
-    import torch
-
+def _decode_path(args, precision: str, console) -> str:
+    """The cached (or, with --decode-path, measured now) decode path of --model in ``precision`` (a dtype or a
+    quantised format), as one line."""
     from ..config import ModelConfig
     from ..fast.choose import CANDIDATES, calibrate_decode_path, load_decode_choice
     from ..loading import load_model
@@ -55,9 +56,11 @@ def _decode_path(args, dtype: str, console) -> str:
     if not args.decode_path:
         if weights.is_model_name(args.model) and not weights.is_downloaded(args.model):
             return "not measured yet (the model is not downloaded)"  # showing it is no reason to fetch it
-        choice = load_decode_choice(ModelConfig.from_json(weights.resolve_model(args.model)), getattr(torch, dtype))
+        choice = load_decode_choice(ModelConfig.from_json(weights.resolve_model(args.model)), precision)
         return str(choice) if choice else "not measured (chosen by rule at load; --decode-path measures them all)"
-    model = load_model(ensure_model(args.model, None), device="cpu", dtype=dtype)
+    quantized = precision in ("int8", "int4")
+    model = load_model(ensure_model(args.model, None), device="cpu", dtype="float32" if quantized else precision,
+                       quantize=precision if quantized else None)
     with console.status("measuring decode paths") as status:
         choice = calibrate_decode_path(model, progress=lambda line: status.update(f"measuring {line}"))
     if CANDIDATES[choice.name].compiled:

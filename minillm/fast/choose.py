@@ -28,8 +28,8 @@ How :func:`choose_decode_path` (called by ``load_model``) picks one, without tim
 3. the rule: "matvec" where the C kernels build (a C compiler), else "row-major+split"; in bfloat16
    the default path.
 
-CPU float32 has every candidate; CPU bfloat16 two, BF16_CANDIDATES: its products on the matrix units, eager
-(the default path) or in a compiled step, whose fused norms, RoPE and SwiGLU took a SmolLM2-135M step from
+CPU float32 has every candidate; CPU bfloat16, int8 and int4 two, C_CANDIDATES: their products in C (on the
+matrix units where the CPU has them), eager (the default path) or in a compiled step, whose fused norms, RoPE and SwiGLU took a SmolLM2-135M step from
 20.4 to 14.9 ms on the Intel Xeon (BENCHMARKS.md, "A compiled bfloat16 decode step"). Other devices and dtypes
 get the stacked products and the default layout (path "default"). Which kernel a product
 of a few rows runs: :func:`minillm.fast.products.few_rows_kernel`, 1-3 float32 rows by :func:`few_rows_in_c`. A compiled step compiles in the first decode step of a
@@ -51,6 +51,7 @@ from ..hardware import device_name, load_measurement, save_measurement
 from ..kv_cache import KVCache
 from ..model import SwiGLU, Transformer
 from ..phases import decode_step, prefill
+from ..quantize import QuantizedLinear
 from . import kernels
 from .attention import FastAttention, c_decode_fits, c_kernels_fit, tiles_prefill_fits
 from .block import FastBlock
@@ -83,15 +84,25 @@ CANDIDATES = {p.name: p for p in (
 )}
 PLAIN = "row-major"  # plain F.linear on nn.Linear's layout: the reference every candidate must equal
 EAGER = tuple(name for name, p in CANDIDATES.items() if not p.compiled)
-# bfloat16's candidates: its products on the matrix units (or the C loop), eager or in a compiled step. F.linear's
-# one-row bfloat16 product took 1.4-1.7x their time (BENCHMARKS.md, "Decode products: PyTorch against the C").
-BF16_CANDIDATES = ("matvec", "compile+matvec")
+# bfloat16's and the quantised formats' candidates: their products in C (on the matrix units where the CPU has
+# them), eager or in a compiled step. The other candidates differ only in how float32 weights are laid out and
+# multiplied; F.linear's one-row bfloat16 product took 1.4-1.7x the C's time (BENCHMARKS.md, "Decode products:
+# PyTorch against the C").
+C_CANDIDATES = ("matvec", "compile+matvec")
 
 
-def candidates_for(dtype: torch.dtype) -> tuple[str, ...]:
-    """The decode paths measured and allowed for a CPU model of ``dtype``: every one in float32, the C products'
-    in bfloat16, none in other dtypes (they run the default path)."""
-    return tuple(CANDIDATES) if dtype == torch.float32 else BF16_CANDIDATES if dtype == torch.bfloat16 else ()
+def precision_of(model: Transformer) -> str:
+    """What a decode step's products read: the quantised format ("int8", "int4") where the matrices are
+    quantised (:mod:`minillm.quantize`), else the weights' dtype ("float32", "bfloat16", ...)."""
+    formats = {m.fmt for m in model.modules() if isinstance(m, QuantizedLinear)}
+    return formats.pop() if len(formats) == 1 else _name(model.embed.weight.dtype)
+
+
+def candidates_for(precision: str) -> tuple[str, ...]:
+    """The decode paths measured and allowed for a CPU model of this :func:`precision_of`: every one in float32,
+    C_CANDIDATES in bfloat16, int8 and int4, none otherwise (the default path runs)."""
+    return tuple(CANDIDATES) if precision == "float32" else C_CANDIDATES if precision in (
+        "bfloat16", "int8", "int4") else ()
 
 
 @dataclass(frozen=True)
@@ -181,19 +192,19 @@ def choose_decode_path(model: Transformer) -> DecodeChoice:
     """Apply the forced, cached or rule's decode path to ``model`` (see the module docstring); times nothing.
 
     Returns the :class:`DecodeChoice` (also kept as ``model.decode_choice``). Raises ValueError
-    when MINILLM_DECODE_PATH names no candidate (for a bfloat16 model: none of BF16_CANDIDATES), or a
-    compiled one where torch.compile finds no C++ compiler.
+    when MINILLM_DECODE_PATH names no candidate (for a model in bfloat16, int8 or int4: none of
+    C_CANDIDATES), or a compiled one where torch.compile finds no C++ compiler.
     """
-    param = model.embed.weight
-    allowed = candidates_for(param.dtype) if param.device.type == "cpu" else ()
+    precision = precision_of(model)
+    allowed = candidates_for(precision) if model.embed.weight.device.type == "cpu" else ()
     if not allowed:
         choice = DecodeChoice("default", "default", {})
     elif (forced := os.environ.get(ENV_VAR) or "auto") != "auto":  # set but empty: as unset, like other tools
-        _check_forced(forced, allowed, param.dtype)
+        _check_forced(forced, allowed, precision)
         choice = DecodeChoice(forced, "forced", {})
-    elif (cached := load_decode_choice(model.config, param.dtype)) is not None and _runs_here(cached.name):
+    elif (cached := load_decode_choice(model.config, precision)) is not None and _runs_here(cached.name):
         choice = cached
-    elif param.dtype == torch.bfloat16:
+    elif precision == "bfloat16":
         choice = DecodeChoice("default", "default", {})
     else:
         choice = DecodeChoice("matvec" if kernels.available() else "row-major+split", "rule", {})
@@ -202,11 +213,11 @@ def choose_decode_path(model: Transformer) -> DecodeChoice:
     return choice
 
 
-def _check_forced(name: str, allowed: tuple[str, ...], dtype: torch.dtype) -> None:
-    """One line when MINILLM_DECODE_PATH=name is no candidate for this dtype, or cannot run here."""
+def _check_forced(name: str, allowed: tuple[str, ...], precision: str) -> None:
+    """One line when MINILLM_DECODE_PATH=name is no candidate for this precision, or cannot run here."""
     path = _candidate(name, f"{ENV_VAR}={name!r}")
     if name not in allowed:
-        raise ValueError(f"{ENV_VAR}={name} is not a decode path for a {_name(dtype)} model; use one of "
+        raise ValueError(f"{ENV_VAR}={name} is not a decode path for a {precision} model; use one of "
                          f"{', '.join(allowed)} (or auto)")
     if path.compiled and (why := compile_unavailable()):
         eager = [n for n in allowed if not CANDIDATES[n].compiled]
@@ -237,27 +248,27 @@ def few_rows_in_c(cpu_name: str | None = None) -> bool:
 
 def calibrate_decode_path(model: Transformer, names=None, measure: Callable | None = None,
                           progress: Callable[[str], None] | None = None) -> DecodeChoice:
-    """Measure the named candidates on ``model`` (default: every one for its dtype, :func:`candidates_for`), cache
-    the fastest in calibration.json, apply it.
+    """Measure the named candidates on ``model`` (default: every one for its precision, :func:`candidates_for`),
+    cache the fastest in calibration.json, apply it.
 
     ``measure(model, names) -> {name: ms}`` replaces :func:`measure_decode_paths` (tests).
     Returns the :class:`DecodeChoice` with every measured ms/step. The "matvec" candidates are
     left out when the C kernels cannot be built, the compiled ones when torch.compile has no C++
     compiler (:func:`compile_unavailable`). Raises ValueError for a model that is not on the CPU in
-    float32 or bfloat16.
+    float32, bfloat16, int8 or int4.
     """
-    dtype = model.embed.weight.dtype
-    allowed = candidates_for(dtype) if model.embed.weight.device.type == "cpu" else ()
+    precision, device = precision_of(model), model.embed.weight.device.type
+    allowed = candidates_for(precision) if device == "cpu" else ()
     if not allowed:
-        raise ValueError(f"decode paths are measured on the CPU in float32 or bfloat16, got {_name(dtype)} on "
-                         f"{model.embed.weight.device.type}; load the model with device='cpu' and one of those")
+        raise ValueError(f"decode paths are measured on the CPU in float32, bfloat16, int8 or int4, got {precision} "
+                         f"on {device}; load the model with device='cpu' and one of those")
     measure = measure or (lambda m, n: measure_decode_paths(m, n, progress=progress))
     names = [n for n in (allowed if names is None else names) if (CANDIDATES[n].products != "matvec" or kernels.available())
              and not (CANDIDATES[n].compiled and compile_unavailable())]
     timings = measure(model, names)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     choice = DecodeChoice(choose(timings), "measured", dict(timings), load)
-    save_measurement(decode_key(model.config, dtype), "cpu",
+    save_measurement(decode_key(model.config, precision), "cpu",
                      {"chosen": choice.name, "timings_ms": choice.timings_ms, "load_average_1m": load})
     apply_decode_path(model, choice.name)
     return choice
@@ -275,20 +286,21 @@ def compile_unavailable() -> str | None:
     return None
 
 
-def load_decode_choice(config: ModelConfig, dtype: torch.dtype = torch.float32) -> DecodeChoice | None:
-    """The choice cached on this machine for a model of this config on the CPU in ``dtype``, or None."""
-    entry = load_measurement(decode_key(config, dtype), "cpu")
+def load_decode_choice(config: ModelConfig, precision: str = "float32") -> DecodeChoice | None:
+    """The choice cached on this machine for a model of this config on the CPU in this :func:`precision_of`,
+    or None."""
+    entry = load_measurement(decode_key(config, precision), "cpu")
     if entry is None or entry.get("chosen") not in CANDIDATES:
         return None
     return DecodeChoice(entry["chosen"], "cached", entry.get("timings_ms", {}), entry.get("load_average_1m"))
 
 
-def decode_key(config: ModelConfig, dtype: torch.dtype = torch.float32) -> str:
-    """calibration.json's key of a choice: the CPU, the dtype, torch's thread count and the model's shape
-    (what decides which path wins; the CPU's name is checked separately)."""
+def decode_key(config: ModelConfig, precision: str = "float32") -> str:
+    """calibration.json's key of a choice: the CPU, the precision (:func:`precision_of`), torch's thread count and
+    the model's shape (what decides which path wins; the CPU's name is checked separately)."""
     c = config
     shape = f"{c.model_type}-L{c.n_layers}-d{c.d_model}-h{c.n_heads}-kv{c.n_kv_heads}-mlp{c.d_mlp}-V{c.vocab_size}"
-    return f"decode_path/cpu/{_name(dtype)}/threads{torch.get_num_threads()}/{shape}"
+    return f"decode_path/cpu/{precision}/threads{torch.get_num_threads()}/{shape}"
 
 
 def measure_decode_paths(model: Transformer, names, rounds: int = 2, steps: int = 16, context: int = 64,

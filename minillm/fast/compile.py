@@ -95,6 +95,9 @@ def _check_static(model: Transformer, cache: KVCache) -> None:
         raise ValueError(reason)
 
 
+GRAPHS_PER_PROCESS = 64  # models (shape and precision) one process may decode on a compiled path
+
+
 class CompiledDecodeStep:
     """A drop-in replacement for :func:`~minillm.phases.decode_step`, compiled with ``torch.compile``.
 
@@ -112,6 +115,9 @@ class CompiledDecodeStep:
 
     def __init__(self, mode: str = "default"):
         kernels.prepare_for_compile()  # (the C products and attention, as ops)
+        # one function serves every model a process runs, a graph for each shape and precision (the parameters'
+        # shapes are guarded): dynamo's limit of 8 graphs a function refused a ninth with fullgraph=True
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_PROCESS)
         self.mode = mode
         self.compiled = torch.compile(decode_forward_static, mode=mode, fullgraph=True)
         self.marked = weakref.WeakSet()  # caches already checked and marked (an id could be reused later)

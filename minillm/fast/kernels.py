@@ -234,6 +234,7 @@ def prepare_for_compile() -> None:
         _register_ops()
     torch.compiler.assume_constant_result(available)
     torch.compiler.assume_constant_result(bf16_amx_ready)
+    torch.compiler.assume_constant_result(quantized_amx_ready)
 
 
 def functions():
@@ -994,6 +995,8 @@ _OPS = {
                         lambda x, weight, bias: x.new_empty(x.shape[0], weight.shape[0])),
     "quantized_matvec": (_QUANTIZED, lambda x, codes, scale, zero, group_size: x.new_empty(x.shape[0], codes.shape[0])),
     "quantized_matmul": (_QUANTIZED, lambda x, codes, scale, zero, group_size: x.new_empty(x.shape[0], codes.shape[0])),
+    "quantized_amx_matmul": (_QUANTIZED,
+                             lambda x, codes, scale, zero, group_size: x.new_empty(x.shape[0], codes.shape[0])),
     "dequantize": ("(Tensor codes, Tensor scale, Tensor? zero, int group_size) -> Tensor",
                    lambda codes, scale, zero, group_size: scale.new_empty(
                        codes.shape[0], codes.shape[1] * (1 if zero is None else 2))),

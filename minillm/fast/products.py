@@ -238,12 +238,13 @@ class FastQuantizedLinear(QuantizedLinear):
         return fits and x.is_cpu and x.dtype == torch.float32 and kernels.available()
 
     def _on_matrix_units(self) -> bool:
-        """Whether products of any number of rows run on the matrix units: the CPU has AMX-INT8, eager code."""
+        """Whether products of any number of rows run on the matrix units: the CPU has AMX-INT8."""
         group = self.group_size if self.fmt == "int4" else None
-        return (not torch.compiler.is_compiling() and kernels.quantized_amx_fits(self.qweight, group)
-                and kernels.quantized_amx_ready())
+        return kernels.quantized_amx_fits(self.qweight, group) and kernels.quantized_amx_ready()
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
+        if self._on_matrix_units() and torch.compiler.is_compiling():  # (the op: a graph cannot call ctypes)
+            return kernels.functions().quantized_amx_matmul(x, self.qweight, self.scale, self.zero, self.group_size)
         if self._on_matrix_units():  # (the kernel's checks made by the format, but x's width)
             checked = x.shape[1] != self.in_features
             product = kernels.quantized_amx_matmul if checked else kernels.quantized_amx_unchecked

@@ -164,3 +164,45 @@ def test_a_bfloat16_compiled_step_multiplies_on_the_tiles_within_bfloat16s_error
     calls = sum(e.count for e in prof.key_averages() if e.key == "minillm::bf16_amx_matmul")
     assert calls == (5 * 9 if kernels.available() and kernels.bf16_amx_ready() else 0)
     assert 0 < errors["eager"] and errors["compiled"] <= 2 * errors["eager"], errors
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_quantised_compiled_step_runs_the_tiles_op_with_the_eager_steps_logits(folder, fmt):
+    """int8 and int4 on the compile+matvec path: where the CPU has AMX-INT8 the graph calls the tiles' product as an
+    op, each product of a step (9), the same C as the eager step's; so the logits are the eager quantised step's
+    up to float32 rounding (the rest of the step in float32 either way)."""
+    from torch.profiler import profile
+
+    from minillm.fast import kernels
+
+    eager = load_model(folder, device="cpu", quantize=fmt)
+    compiled = apply_decode_path(load_model(folder, device="cpu", quantize=fmt), "compile+matvec")
+    ids = _prompt(eager, batch=1)
+    caches = [KVCache.for_model(m, max_seq_len=24) for m in (eager, compiled)]
+    token = prefill(eager, ids, caches[0]).argmax(-1)
+    prefill(compiled, ids, caches[1])
+    for i in range(6):
+        with profile() as prof:
+            expected, got = decode_step(eager, token, caches[0]), decode_step(compiled, token, caches[1])
+        assert (got - expected).abs().max().item() < 1e-4
+        if i > 0:  # (the first compiles)
+            calls = sum(e.count for e in prof.key_averages() if e.key == "minillm::quantized_amx_matmul")
+            assert calls == (9 if kernels.available() and kernels.quantized_amx_ready() else 0)
+        token = expected.argmax(-1)
+
+
+def test_a_process_decodes_more_models_than_dynamos_default_limit_of_graphs(folder, tmp_path):
+    """One compiled function serves every model a process runs, a graph for each shape and precision: with
+    dynamo's limit at 1 (its default is 8, which the test suite's process passed), a second model's graph was
+    refused (FailOnRecompileLimitHit under fullgraph=True). The compiled step raises the limit."""
+    family, kwargs = CONFIGS["llama_gqa"]
+    wider = save_hf(build_hf(family, {**kwargs, "vocab_size": 256}), tmp_path / "wider")
+    with torch._dynamo.config.patch(recompile_limit=1):
+        step = compile_decode_step("default")
+        for source in (folder, wider):
+            model = apply_decode_path(load_model(source, device="cpu", fast=False), "long-rows+split")
+            pure = load_model(source, device="cpu", fast=False)
+            ids = _prompt(model, batch=1, n=5)
+            static, plain = (KVCache.for_model(m, max_seq_len=8) for m in (model, pure))
+            b, a = prefill(model, ids, static).argmax(-1), prefill(pure, ids, plain).argmax(-1)
+            assert (step(model, b, static) - decode_step(pure, a, plain)).abs().max().item() < 1e-4

@@ -233,18 +233,22 @@ def test_not_cpu_float32_gets_the_default_path(folder, weights_dir, no_measuring
 
 @pytest.mark.skipif(not dp.kernels.available() or dp.compile_unavailable() is not None,
                     reason="needs the C kernels and torch.compile's C++ compiler")
-def test_bfloat16_keeps_its_own_choice_of_its_own_candidates(folder, weights_dir, no_measuring):
-    """calibrate measures a bfloat16 model's two candidates (the matrix units' products eager or compiled) and
-    keeps the winner under a bfloat16 key: the next bfloat16 load takes it, a float32 load keeps its rule."""
-    model = load_model(folder, device="cpu", dtype="bfloat16")
+@pytest.mark.parametrize("precision, load", [("bfloat16", dict(dtype="bfloat16")), ("int8", dict(quantize="int8")),
+                                             ("int4", dict(quantize="int4"))])
+def test_bfloat16_and_quantised_models_keep_their_own_choice_of_their_own_candidates(folder, weights_dir, no_measuring,
+                                                                                     precision, load):
+    """calibrate measures such a model's two candidates (its products in C, eager or compiled) and keeps the winner
+    under its precision's key: the next load in that precision takes it, a float32 load keeps its rule."""
+    model = load_model(folder, device="cpu", **load)
+    assert dp.precision_of(model) == precision
     timer = FakeTimer({"matvec": 9.0, "compile+matvec": 6.0})
     choice = dp.calibrate_decode_path(model, measure=timer)
     assert (choice.name, choice.timings_ms, timer.calls) == ("compile+matvec", timer.ms, [["matvec", "compile+matvec"]])
-    key = dp.decode_key(model.config, torch.bfloat16)
-    assert key.startswith("decode_path/cpu/bfloat16/") and key.replace("bfloat16", "float32") == dp.decode_key(
+    key = dp.decode_key(model.config, precision)
+    assert key.startswith(f"decode_path/cpu/{precision}/") and key.replace(precision, "float32") == dp.decode_key(
         model.config)
     assert json.loads((weights_dir / "calibration.json").read_text())[key]["chosen"] == "compile+matvec"
-    again = load_model(folder, device="cpu", dtype="bfloat16")
+    again = load_model(folder, device="cpu", **load)
     assert (again.decode_path, again.decode_choice.source) == ("compile+matvec", "cached")
     assert again.compiled_decode is not None
     f32 = load_model(folder, device="cpu")
@@ -261,12 +265,12 @@ def test_the_environment_forces_a_bfloat16_model_only_onto_its_candidates(folder
     assert (model.decode_path, model.decode_choice.source) == ("matvec", "forced")
 
 
-def test_decode_paths_are_measured_in_float32_or_bfloat16_only(folder, weights_dir, capsys):
+def test_decode_paths_are_measured_in_float32_bfloat16_int8_or_int4_only(folder, weights_dir, capsys):
     from minillm.cli import main
 
     model = load_model(folder, device="cpu", dtype="float16")
-    with pytest.raises(ValueError, match=r"^decode paths are measured on the CPU in float32 or bfloat16, got float16 "
-                                         r"on cpu; load the model with device='cpu' and one of those$"):
+    with pytest.raises(ValueError, match=r"^decode paths are measured on the CPU in float32, bfloat16, int8 or int4, "
+                                         r"got float16 on cpu; load the model with device='cpu' and one of those$"):
         dp.calibrate_decode_path(model, measure=_refuse)
     assert main(["calibrate", "--quick", "--decode-path", "--dtype", "float16", "--model", str(folder)]) == 2
     assert capsys.readouterr().err.strip() == ("minillm: error: --decode-path measures float32 or bfloat16 decode "

@@ -1,4 +1,4 @@
-/* The kernels of products.c, bf16_amx.c, quantized.c and attention.c as torch ops (torch.ops.minillm.f32_matvec,
+/* The kernels of products.c, bf16_amx.c, quantized.c, quantized_amx.c and attention.c as torch ops (torch.ops.minillm.f32_matvec,
  * ...): how a torch.compile'd decode step calls them.
  *
  * A compiled graph cannot call ctypes, so it calls an op. An op whose implementation is Python
@@ -27,6 +27,7 @@ extern "C" {
 #include "products.c"
 #include "bf16_amx.c"
 #include "quantized.c"
+#include "quantized_amx.c"
 #include "attention.c"
 }
 
@@ -110,6 +111,26 @@ at::Tensor quantized_matvec_op(const at::Tensor &x, const at::Tensor &codes, con
     return y;
 }
 
+/* int8 (no zero) or int4 codes on the matrix units, x as four int8 digits a value */
+at::Tensor quantized_amx_matmul_op(const at::Tensor &x, const at::Tensor &codes, const at::Tensor &scale,
+                                   const std::optional<at::Tensor> &zero, int64_t group_size) {
+    bool int4 = zero.has_value();
+    check_codes(codes, scale, int4 ? &*zero : nullptr, group_size, "quantized_amx_matmul");
+    check_x(x, codes.size(1) * (int4 ? 2 : 1), "quantized_amx_matmul");
+    at::Tensor xc = x.contiguous(), y = output(xc, codes.size(0));
+    if (xc.size(0) == 0) return y;
+    int status = int4 ? int4_amx_matmul(xc.data_ptr<float>(), codes.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                                        zero->data_ptr<uint8_t>(), y.data_ptr<float>(), xc.size(0), codes.size(0),
+                                        xc.size(1), group_size, at::get_num_threads())
+                      : int8_amx_matmul(xc.data_ptr<float>(), codes.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                                        y.data_ptr<float>(), xc.size(0), codes.size(0), xc.size(1),
+                                        at::get_num_threads());
+    TORCH_CHECK(status != 1, "quantized_amx_matmul could not allocate x's digits");
+    TORCH_CHECK(status == 0, "quantized_amx_matmul needs in a multiple of 64, out a multiple of 16 (int4: group_size a "
+                "multiple of 64) and a CPU with AMX-INT8 (quantized_amx_ready), got codes ", codes.sizes());
+    return y;
+}
+
 at::Tensor quantized_matmul_op(const at::Tensor &x, const at::Tensor &codes, const at::Tensor &scale,
                                const std::optional<at::Tensor> &zero, int64_t group_size) {
     bool int4 = zero.has_value();
@@ -168,6 +189,7 @@ TORCH_LIBRARY_IMPL(minillm, CPU, m) {
     m.impl("bf16_amx_matmul", &bf16_amx_matmul_op);
     m.impl("quantized_matvec", &quantized_matvec_op);
     m.impl("quantized_matmul", &quantized_matmul_op);
+    m.impl("quantized_amx_matmul", &quantized_amx_matmul_op);
     m.impl("dequantize", &dequantize_op);
     m.impl("decode_attention", &decode_attention_op);
 }

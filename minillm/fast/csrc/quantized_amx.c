@@ -142,7 +142,7 @@ static void store_int8_tile(const int32_t *c, const float *scale, const float *r
 
 /* Outputs o..o+16M by blocks b, b+1 (N of them): M, N 1 or 2, constants once inlined (tile numbers are immediates).
  * Tiles 0-3 accumulate (0: o, b; 1: o+16, b; 2: o, b+1; 3: o+16, b+1), 4-5 hold q, 6-7 xd. */
-static inline __attribute__((always_inline)) void tile_block(const int8_t *q, const int8_t *xd, const float *scale,
+static inline __attribute__((always_inline)) void int8_tile_block(const int8_t *q, const int8_t *xd, const float *scale,
                                                              const float *row_s, float *y, int o,
                                                              int b, int M, int N, int rows, int out, int in) {
     const int8_t *q0 = q + (int64_t)o * in, *q1 = q0 + (int64_t)16 * in;
@@ -169,16 +169,16 @@ static inline __attribute__((always_inline)) void tile_block(const int8_t *q, co
 }
 
 /* Every block for outputs o..o+16M: pairs of blocks, then the odd one. */
-static void output_block(const int8_t *q, const int8_t *xd, const float *scale,
+static void int8_output_block(const int8_t *q, const int8_t *xd, const float *scale,
                          const float *row_s, float *y, int o, int M, int rows, int out, int in) {
     int blocks = (rows + ROWS_PER_TILE - 1) / ROWS_PER_TILE, b = 0;
     for (; b + 2 <= blocks; b += 2) {
-        if (M == 2) tile_block(q, xd, scale, row_s, y, o, b, 2, 2, rows, out, in);
-        else tile_block(q, xd, scale, row_s, y, o, b, 1, 2, rows, out, in);
+        if (M == 2) int8_tile_block(q, xd, scale, row_s, y, o, b, 2, 2, rows, out, in);
+        else int8_tile_block(q, xd, scale, row_s, y, o, b, 1, 2, rows, out, in);
     }
     if (b < blocks) {
-        if (M == 2) tile_block(q, xd, scale, row_s, y, o, b, 2, 1, rows, out, in);
-        else tile_block(q, xd, scale, row_s, y, o, b, 1, 1, rows, out, in);
+        if (M == 2) int8_tile_block(q, xd, scale, row_s, y, o, b, 2, 1, rows, out, in);
+        else int8_tile_block(q, xd, scale, row_s, y, o, b, 1, 1, rows, out, in);
     }
 }
 
@@ -214,7 +214,7 @@ static void add_scaled(const int32_t *c, const float *scale, float *acc, int o, 
 }
 
 /* Group g of outputs o..o+16M by blocks b, b+1 (N of them) into acc (tile (block, half) at acc + (2·block + half)
- * · 256), the codes from abuf; tiles numbered as in tile_block. */
+ * · 256), the codes from abuf; tiles numbered as in int8_tile_block. */
 static inline __attribute__((always_inline)) void group_tiles(const int8_t *abuf, const int8_t *xd, const float *scale,
                                                               float *acc, int o, int g, int b, int M, int N, int in,
                                                               int group) {
@@ -310,17 +310,17 @@ static int chunk(const float *x, const matrix *m, float *y, int n, int threads, 
         for (int r = 0; r < n; r++) digits_of(x, digits, row_s, r, in);
         #pragma omp for schedule(static)
         for (int b = 0; b < blocks; b++) pack_quads(digits, xd, n, in, b);
-        float *acc = m->zero ? aligned_alloc(64, sizeof(float) * 512 * (size_t)blocks) : NULL;
-        int8_t *abuf = m->zero ? aligned_alloc(64, (size_t)32 * m->in) : NULL;
+        float *acc = m->zero ? (float *)aligned_alloc(64, sizeof(float) * 512 * (size_t)blocks) : NULL;
+        int8_t *abuf = m->zero ? (int8_t *)aligned_alloc(64, (size_t)32 * m->in) : NULL;
         failed = m->zero && (!acc || !abuf);
         tile_config saved;
         amx_configure(&saved);
         #pragma omp for schedule(static)
         for (int u = 0; u < units; u++) {
             int o = 32 * u, M = out - o >= 32 ? 2 : 1;
-            if (!m->zero) output_block(m->codes, xd, m->scale, row_s, y, o, M, n, out, in);
+            if (!m->zero) int8_output_block((const int8_t *)m->codes, xd, m->scale, row_s, y, o, M, n, out, in);
             else if (!failed)
-                int4_unit(m->codes, m->scale, m->zero, xd, row_s, y, acc, abuf, o, M, n, out, in, m->group);
+                int4_unit((const uint8_t *)m->codes, m->scale, m->zero, xd, row_s, y, acc, abuf, o, M, n, out, in, m->group);
         }
         amx_restore(&saved);
         free(acc), free(abuf);
@@ -336,8 +336,8 @@ static int product(const float *x, const matrix *m, float *y, int rows, int thre
         || !amx_granted())
         return 2;
     int most = rows < CHUNK_ROWS ? rows : CHUNK_ROWS, blocks = (most + ROWS_PER_TILE - 1) / ROWS_PER_TILE;
-    int8_t *digits = malloc((size_t)most * DIGITS * m->in), *xd = aligned_alloc(64, (size_t)blocks * 16 * m->in);
-    float *row_s = malloc((size_t)most * sizeof(float));
+    int8_t *digits = (int8_t *)malloc((size_t)most * DIGITS * m->in), *xd = (int8_t *)aligned_alloc(64, (size_t)blocks * 16 * m->in);
+    float *row_s = (float *)malloc((size_t)most * sizeof(float));
     int status = !digits || !xd || !row_s;
     for (int r = 0; !status && r < rows; r += most) {
         int n = rows - r < most ? rows - r : most;
