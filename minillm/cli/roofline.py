@@ -21,7 +21,8 @@ def add_calibrate(sub) -> None:
                         "--quantize's format (layout, split product, torch.compile: a minute or more) and keep the "
                         "fastest (minillm/fast/choose.py)")
     p.add_argument("--quantize", choices=["int8", "int4"],
-                   help="the decode path shown or measured is the one of --model quantised to this format")
+                   help="the decode path shown or measured is the one of --model quantised to this format "
+                        "(default: none, its weights as --dtype)")
     p.add_argument("--model", "-m", default=weights.DEFAULT_MODEL,
                    help=f"the model whose decode path is shown or measured (default: {weights.DEFAULT_MODEL})")
     p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")

@@ -29,11 +29,13 @@ How :func:`choose_decode_path` (called by ``load_model``) picks one, without tim
    the default path.
 
 CPU float32 has every candidate; CPU bfloat16, int8 and int4 two, C_CANDIDATES: their products in C (on the
-matrix units where the CPU has them), eager (the default path) or in a compiled step, whose fused norms, RoPE and SwiGLU took a SmolLM2-135M step from
-20.4 to 14.9 ms on the Intel Xeon (BENCHMARKS.md, "A compiled bfloat16 decode step"). Other devices and dtypes
-get the stacked products and the default layout (path "default"). Which kernel a product
-of a few rows runs: :func:`minillm.fast.products.few_rows_kernel`, 1-3 float32 rows by :func:`few_rows_in_c`. A compiled step compiles in the first decode step of a
-process (inductor keeps the code on disk, so a later process compiles faster).
+matrix units where the CPU has them), eager (the default path) or in a compiled step that calls the same C as
+torch ops and fuses what lies between them: a SmolLM2-135M bfloat16 step took 14.6-15.1 against 20.0-20.8 ms on
+the Intel Xeon (BENCHMARKS.md, "A compiled decode step in bfloat16, int8 and int4"). Other devices and dtypes get
+the stacked products and the default layout (path "default"). Which kernel a product of a few rows runs:
+:func:`minillm.fast.products.few_rows_kernel`, 1-3 float32 rows by :func:`few_rows_in_c`. A compiled step
+compiles in the first decode step of a process (inductor keeps the code on disk, so a later process compiles
+faster).
 """
 
 from __future__ import annotations
@@ -263,7 +265,8 @@ def calibrate_decode_path(model: Transformer, names=None, measure: Callable | No
         raise ValueError(f"decode paths are measured on the CPU in float32, bfloat16, int8 or int4, got {precision} "
                          f"on {device}; load the model with device='cpu' and one of those")
     measure = measure or (lambda m, n: measure_decode_paths(m, n, progress=progress))
-    names = [n for n in (allowed if names is None else names) if (CANDIDATES[n].products != "matvec" or kernels.available())
+    names = [n for n in (allowed if names is None else names)
+             if (CANDIDATES[n].products != "matvec" or kernels.available())
              and not (CANDIDATES[n].compiled and compile_unavailable())]
     timings = measure(model, names)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None

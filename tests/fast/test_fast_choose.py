@@ -457,7 +457,8 @@ def test_calibrate_shows_the_cached_choice_or_says_none_was_measured(folder, wei
     from minillm.cli.roofline import _decode_path
 
     args = argparse.Namespace(model=str(folder), decode_path=False)
-    assert _decode_path(args, "float32", Console()) == "not measured (chosen by rule at load; --decode-path measures them all)"
+    assert _decode_path(args, "float32", Console()) == (
+        "not measured (chosen by rule at load; --decode-path measures them all)")
     model = load_model(folder, device="cpu")
     choice = dp.calibrate_decode_path(model, dp.EAGER, measure=FakeTimer(dict.fromkeys(dp.EAGER, 5.0)))
     monkeypatch.setenv("COLUMNS", "400")  # one line, unwrapped

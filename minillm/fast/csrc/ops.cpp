@@ -1,5 +1,5 @@
-/* The kernels of products.c, bf16_amx.c, quantized.c, quantized_amx.c and attention.c as torch ops (torch.ops.minillm.f32_matvec,
- * ...): how a torch.compile'd decode step calls them.
+/* The kernels of products.c, bf16_amx.c, quantized.c, quantized_amx.c and attention.c as torch ops
+ * (torch.ops.minillm.f32_matvec, ...): how a torch.compile'd decode step calls them.
  *
  * A compiled graph cannot call ctypes, so it calls an op. An op whose implementation is Python
  * costs the graph ~26-34 us a call (the dispatcher calling back into Python), this one ~9 us
@@ -82,7 +82,8 @@ at::Tensor bf16_amx_matmul_op(const at::Tensor &x, const at::Tensor &weight, con
               (!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 &&
                                      bias->size(0) == weight.size(0) && bias->device().is_cpu()));
     TORCH_CHECK(ok, "bf16_amx_matmul takes bfloat16 CPU x [rows, in], a contiguous weight [out, in] and bias [out] or "
-                "none, got x ", x.scalar_type(), " ", x.sizes(), ", weight ", weight.scalar_type(), " ", weight.sizes());
+                "none, got x ", x.scalar_type(), " ", x.sizes(), ", weight ", weight.scalar_type(), " ",
+                weight.sizes());
     at::Tensor xc = x.contiguous(), y = at::empty({x.size(0), weight.size(0)}, x.options());
     std::optional<at::Tensor> bias32;
     if (bias.has_value()) bias32 = bias->to(at::kFloat).contiguous();

@@ -320,7 +320,8 @@ static int chunk(const float *x, const matrix *m, float *y, int n, int threads, 
             int o = 32 * u, M = out - o >= 32 ? 2 : 1;
             if (!m->zero) int8_output_block((const int8_t *)m->codes, xd, m->scale, row_s, y, o, M, n, out, in);
             else if (!failed)
-                int4_unit((const uint8_t *)m->codes, m->scale, m->zero, xd, row_s, y, acc, abuf, o, M, n, out, in, m->group);
+                int4_unit((const uint8_t *)m->codes, m->scale, m->zero, xd, row_s, y, acc, abuf, o, M, n, out, in,
+                          m->group);
         }
         amx_restore(&saved);
         free(acc), free(abuf);
@@ -336,7 +337,8 @@ static int product(const float *x, const matrix *m, float *y, int rows, int thre
         || !amx_granted())
         return 2;
     int most = rows < CHUNK_ROWS ? rows : CHUNK_ROWS, blocks = (most + ROWS_PER_TILE - 1) / ROWS_PER_TILE;
-    int8_t *digits = (int8_t *)malloc((size_t)most * DIGITS * m->in), *xd = (int8_t *)aligned_alloc(64, (size_t)blocks * 16 * m->in);
+    int8_t *digits = (int8_t *)malloc((size_t)most * DIGITS * m->in);
+    int8_t *xd = (int8_t *)aligned_alloc(64, (size_t)blocks * 16 * m->in);
     float *row_s = (float *)malloc((size_t)most * sizeof(float));
     int status = !digits || !xd || !row_s;
     for (int r = 0; !status && r < rows; r += most) {
