@@ -34,6 +34,9 @@ def run_calibrate(args) -> int:
 
     from ..hardware import calibrate, calibration_path
 
+    if args.decode_path and args.quantize and args.dtype != "float32":
+        raise UsageError(f"--quantize {args.quantize}'s models compute in float32, got --dtype {args.dtype}; "
+                         "drop --dtype to measure their decode paths")
     if args.decode_path and args.dtype not in ("float32", "bfloat16"):
         raise UsageError(f"--decode-path measures float32 or bfloat16 decode paths, got --dtype {args.dtype}; "
                          "pass --dtype float32 or --dtype bfloat16")
@@ -58,17 +61,20 @@ def _decode_path(args, precision: str, console) -> str:
         if weights.is_model_name(args.model) and not weights.is_downloaded(args.model):
             return "not measured yet (the model is not downloaded)"  # showing it is no reason to fetch it
         choice = load_decode_choice(ModelConfig.from_json(weights.resolve_model(args.model)), precision)
-        return str(choice) if choice else "not measured (chosen by rule at load; --decode-path measures them all)"
-    quantized = precision in ("int8", "int4")
-    model = load_model(ensure_model(args.model, None), device="cpu", dtype="float32" if quantized else precision,
-                       quantize=precision if quantized else None)
-    with console.status("measuring decode paths") as status:
-        choice = calibrate_decode_path(model, progress=lambda line: status.update(f"measuring {line}"))
-    if CANDIDATES[choice.name].compiled:
-        fastest_eager = min((n for n in choice.timings_ms if not CANDIDATES[n].compiled), key=choice.timings_ms.get)
-        return (f"{choice}\n(a compiled path: every process compiles its first decode step, a minute or more cold; "
-                f"for one-shot commands MINILLM_DECODE_PATH={fastest_eager} runs the fastest eager path)")
-    return str(choice)
+        if choice is None:
+            return "not measured (chosen by rule at load; --decode-path measures them all)"
+    else:
+        quantized = precision in ("int8", "int4")
+        model = load_model(ensure_model(args.model, None), device="cpu", dtype="float32" if quantized else precision,
+                           quantize=precision if quantized else None)
+        with console.status("measuring decode paths") as status:
+            choice = calibrate_decode_path(model, progress=lambda line: status.update(f"measuring {line}"))
+    if not CANDIDATES[choice.name].compiled:
+        return str(choice)
+    eager = [n for n in choice.timings_ms if not CANDIDATES[n].compiled] or ["matvec"]
+    return (f"{choice}\n(a compiled path: every process compiles its first decode step, a minute or more cold; "
+            f"for one-shot commands MINILLM_DECODE_PATH={min(eager, key=choice.timings_ms.get)} runs the fastest "
+            "eager path)")
 
 
 def _hardware_table(hw, title: str):

@@ -217,11 +217,10 @@ def choose_decode_path(model: Transformer) -> DecodeChoice:
 
 def _check_forced(name: str, allowed: tuple[str, ...], precision: str) -> None:
     """One line when MINILLM_DECODE_PATH=name is no candidate for this precision, or cannot run here."""
-    path = _candidate(name, f"{ENV_VAR}={name!r}")
     if name not in allowed:
-        raise ValueError(f"{ENV_VAR}={name} is not a decode path for a {precision} model; use one of "
+        raise ValueError(f"{ENV_VAR}={name!r} is not a decode path for a model in {precision}; use one of "
                          f"{', '.join(allowed)} (or auto)")
-    if path.compiled and (why := compile_unavailable()):
+    if CANDIDATES[name].compiled and (why := compile_unavailable()):
         eager = [n for n in allowed if not CANDIDATES[n].compiled]
         raise ValueError(f"{ENV_VAR}={name} cannot run here: {why}; install one (g++) or choose an eager "
                          f"path ({', '.join(eager)})")
@@ -293,8 +292,8 @@ def load_decode_choice(config: ModelConfig, precision: str = "float32") -> Decod
     """The choice cached on this machine for a model of this config on the CPU in this :func:`precision_of`,
     or None."""
     entry = load_measurement(decode_key(config, precision), "cpu")
-    if entry is None or entry.get("chosen") not in CANDIDATES:
-        return None
+    if entry is None or entry.get("chosen") not in candidates_for(precision):
+        return None  # (nothing kept, or a hand-edited entry naming no candidate of this precision)
     return DecodeChoice(entry["chosen"], "cached", entry.get("timings_ms", {}), entry.get("load_average_1m"))
 
 

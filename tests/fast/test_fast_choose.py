@@ -126,8 +126,8 @@ def test_the_environment_forces_a_path_without_measuring(folder, weights_dir, no
     assert type(model.lm_head) is nn.Linear and model.lm_head.weight.stride() == (1, model.config.vocab_size)
     assert not (weights_dir / "calibration.json").exists()
     monkeypatch.setenv(dp.ENV_VAR, "fastest")
-    with pytest.raises(ValueError, match=r"MINILLM_DECODE_PATH='fastest' is not a decode path; use one of .* "
-                                         r"\(or auto\)"):
+    with pytest.raises(ValueError, match=r"MINILLM_DECODE_PATH='fastest' is not a decode path for a model in float32; "
+                                         r"use one of long-rows\+split, .* \(or auto\)"):
         load_model(folder, device="cpu")
 
 
@@ -255,14 +255,29 @@ def test_bfloat16_and_quantised_models_keep_their_own_choice_of_their_own_candid
     assert (f32.decode_path, f32.decode_choice.source, f32.compiled_decode) == (_rule(), "rule", None)
 
 
-def test_the_environment_forces_a_bfloat16_model_only_onto_its_candidates(folder, weights_dir, monkeypatch):
-    monkeypatch.setenv(dp.ENV_VAR, "row-major")
-    with pytest.raises(ValueError, match=r"^MINILLM_DECODE_PATH=row-major is not a decode path for a bfloat16 model; "
-                                         r"use one of matvec, compile\+matvec \(or auto\)$"):
+@pytest.mark.parametrize("name", ["row-major", "MATVEC"])
+def test_the_environment_forces_a_bfloat16_model_only_onto_its_candidates(folder, weights_dir, monkeypatch, name):
+    """A float32-only path and an unknown name are refused alike, naming bfloat16's own candidates."""
+    monkeypatch.setenv(dp.ENV_VAR, name)
+    with pytest.raises(ValueError, match=rf"^MINILLM_DECODE_PATH='{name}' is not a decode path for a model in "
+                                         r"bfloat16; use one of matvec, compile\+matvec \(or auto\)$"):
         load_model(folder, device="cpu", dtype="bfloat16")
     monkeypatch.setenv(dp.ENV_VAR, "matvec")
     model = load_model(folder, device="cpu", dtype="bfloat16")
     assert (model.decode_path, model.decode_choice.source) == ("matvec", "forced")
+
+
+@pytest.mark.parametrize("precision, load", [("bfloat16", dict(dtype="bfloat16")), ("int8", dict(quantize="int8"))])
+@pytest.mark.parametrize("kept", ["row-major", "compile", "nonsense"])
+def test_a_kept_choice_that_is_no_candidate_of_its_precision_is_ignored(folder, weights_dir, no_measuring, precision,
+                                                                        load, kept):
+    """A hand-edited calibration.json naming a float32-only path (or none) for a bfloat16 or int8 model: the model
+    runs its default, as with nothing kept (it ran the named path, one the environment variable is refused)."""
+    model = load_model(folder, device="cpu", **load)
+    dp.save_measurement(dp.decode_key(model.config, precision), "cpu", {"chosen": kept, "timings_ms": {kept: 1.0}})
+    assert dp.load_decode_choice(model.config, precision) is None
+    again = load_model(folder, device="cpu", **load)
+    assert again.decode_choice.source in ("default", "rule") and again.compiled_decode is None
 
 
 def test_decode_paths_are_measured_in_float32_bfloat16_int8_or_int4_only(folder, weights_dir, capsys):
@@ -275,6 +290,10 @@ def test_decode_paths_are_measured_in_float32_bfloat16_int8_or_int4_only(folder,
     assert main(["calibrate", "--quick", "--decode-path", "--dtype", "float16", "--model", str(folder)]) == 2
     assert capsys.readouterr().err.strip() == ("minillm: error: --decode-path measures float32 or bfloat16 decode "
                                                "paths, got --dtype float16; pass --dtype float32 or --dtype bfloat16")
+    assert main(["calibrate", "--quick", "--decode-path", "--quantize", "int8", "--dtype", "bfloat16",
+                 "--model", str(folder)]) == 2
+    assert capsys.readouterr().err.strip() == ("minillm: error: --quantize int8's models compute in float32, got "
+                                               "--dtype bfloat16; drop --dtype to measure their decode paths")
 
 
 def test_an_unknown_path_is_refused_before_anything_is_swapped(folder):
@@ -512,6 +531,10 @@ def test_calibrate_says_how_to_skip_a_kept_compiled_path(folder, weights_dir, mo
     assert main(["calibrate", "--quick", "--decode-path", "--model", str(folder)]) == 0
     out = capsys.readouterr().out
     assert "compile+matvec (measured; decode ms/step: compile+matvec 4.0, row-major+split 6.0" in out
+    assert "for one-shot commands MINILLM_DECODE_PATH=row-major+split runs the fastest eager path" in out
+    assert main(["calibrate", "--quick", "--model", str(folder)]) == 0  # showing the kept path says it too
+    out = capsys.readouterr().out
+    assert "compile+matvec (cached; decode ms/step: compile+matvec 4.0" in out
     assert "for one-shot commands MINILLM_DECODE_PATH=row-major+split runs the fastest eager path" in out
 
 
