@@ -173,12 +173,13 @@ class MatvecLinear(nn.Linear):
         amx = (x.dtype == torch.bfloat16 and kernels.bf16_amx_fits(self.weight) and kernels.bf16_amx_ready()
                and (self.bias is None or self.bias.dtype == x.dtype))
         kernel = few_rows_kernel(rows, x.dtype, self.few_rows_in_c, self.panels and not compiling, amx)
-        if kernel == "bf16_amx_matmul" and compiling:  # (the op: a graph cannot call ctypes)
-            return kernels.functions().bf16_amx_matmul(x.reshape(rows, -1), self.weight, self.bias).view(
-                *x.shape[:-1], -1)
         if kernel == "bf16_amx_matmul":  # (the bias inside its one rounding; _few_rows made the kernel's checks)
-            bias32 = None if self.bias is None else self.bias.float()
-            return kernels.bf16_amx_unchecked(x.reshape(rows, -1), self.weight, bias32).view(*x.shape[:-1], -1)
+            if compiling:  # (the op: a graph cannot call ctypes)
+                y = kernels.functions().bf16_amx_matmul(x.reshape(rows, -1), self.weight, self.bias)
+            else:
+                bias32 = None if self.bias is None else self.bias.float()
+                y = kernels.bf16_amx_unchecked(x.reshape(rows, -1), self.weight, bias32)
+            return y.view(*x.shape[:-1], -1)
         if kernel == "f32_matvec":
             y = kernels.functions().f32_matvec(x.reshape(rows, -1), self.weight)
         elif kernel == "bf16_matvec" and not compiling and self.bias is None:
@@ -243,11 +244,12 @@ class FastQuantizedLinear(QuantizedLinear):
         return kernels.quantized_amx_fits(self.qweight, group) and kernels.quantized_amx_ready()
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        if self._on_matrix_units() and torch.compiler.is_compiling():  # (the op: a graph cannot call ctypes)
-            return kernels.functions().quantized_amx_matmul(x, self.qweight, self.scale, self.zero, self.group_size)
-        if self._on_matrix_units():  # (the kernel's checks made by the format, but x's width)
-            checked = x.shape[1] != self.in_features
-            product = kernels.quantized_amx_matmul if checked else kernels.quantized_amx_unchecked
+        if self._on_matrix_units():
+            if torch.compiler.is_compiling():  # (the op: a graph cannot call ctypes)
+                product = kernels.functions().quantized_amx_matmul
+            else:  # (the kernel's checks made by the format, but x's width)
+                checked = x.shape[1] != self.in_features
+                product = kernels.quantized_amx_matmul if checked else kernels.quantized_amx_unchecked
             return product(x, self.qweight, self.scale, self.zero, self.group_size)
         k = kernels.functions()
         if x.shape[0] <= QUANTIZED_MATVEC_MAX_ROWS:

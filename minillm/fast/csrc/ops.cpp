@@ -96,55 +96,49 @@ at::Tensor bf16_amx_matmul_op(const at::Tensor &x, const at::Tensor &weight, con
     return y;
 }
 
-/* int8 (no zero) or int4 codes: the C function of each format */
-at::Tensor quantized_matvec_op(const at::Tensor &x, const at::Tensor &codes, const at::Tensor &scale,
-                               const std::optional<at::Tensor> &zero, int64_t group_size) {
-    bool int4 = zero.has_value();
-    check_codes(codes, scale, int4 ? &*zero : nullptr, group_size, "quantized_matvec");
-    check_x(x, codes.size(1) * (int4 ? 2 : 1), "quantized_matvec");
+/* The C functions of a product of codes, one for each format (all three products share these signatures) */
+using Int8Product = int (*)(const float *, const int8_t *, const float *, float *, int, int, int, int);
+using Int4Product = int (*)(const float *, const uint8_t *, const float *, const uint8_t *, float *, int, int, int, int,
+                            int);
+
+/* x @ ŵᵀ for int8 (no zero) or int4 codes. A C function returns 1 when it could not allocate its ``buffers``, 2 for
+ * shapes or a CPU it does not take (``needs`` says which). */
+at::Tensor codes_product(const char *op, Int8Product int8, Int4Product int4, const char *buffers, const char *needs,
+                         const at::Tensor &x, const at::Tensor &codes, const at::Tensor &scale,
+                         const std::optional<at::Tensor> &zero, int64_t group_size) {
+    bool int4_codes = zero.has_value();
+    check_codes(codes, scale, int4_codes ? &*zero : nullptr, group_size, op);
+    check_x(x, codes.size(1) * (int4_codes ? 2 : 1), op);
     at::Tensor xc = x.contiguous(), y = output(xc, codes.size(0));
-    int status = int4 ? int4_matvec(xc.data_ptr<float>(), codes.data_ptr<uint8_t>(), scale.data_ptr<float>(),
-                                    zero->data_ptr<uint8_t>(), y.data_ptr<float>(), xc.size(0), codes.size(0),
-                                    xc.size(1), group_size, at::get_num_threads())
-                      : int8_matvec(xc.data_ptr<float>(), codes.data_ptr<int8_t>(), scale.data_ptr<float>(),
-                                    y.data_ptr<float>(), xc.size(0), codes.size(0), codes.size(1), at::get_num_threads());
-    TORCH_CHECK(status == 0, "quantized_matvec could not allocate its copy of x");
+    if (xc.size(0) == 0) return y;
+    int status = int4_codes ? int4(xc.data_ptr<float>(), codes.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                                   zero->data_ptr<uint8_t>(), y.data_ptr<float>(), xc.size(0), codes.size(0),
+                                   xc.size(1), group_size, at::get_num_threads())
+                            : int8(xc.data_ptr<float>(), codes.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                                   y.data_ptr<float>(), xc.size(0), codes.size(0), xc.size(1), at::get_num_threads());
+    TORCH_CHECK(status != 1, op, " could not allocate ", buffers);
+    TORCH_CHECK(status == 0, op, " needs ", needs, ", got codes ", codes.sizes());
     return y;
 }
 
-/* int8 (no zero) or int4 codes on the matrix units, x as four int8 digits a value */
+at::Tensor quantized_matvec_op(const at::Tensor &x, const at::Tensor &codes, const at::Tensor &scale,
+                               const std::optional<at::Tensor> &zero, int64_t group_size) {
+    return codes_product("quantized_matvec", int8_matvec, int4_matvec, "its copy of x", "", x, codes, scale, zero,
+                         group_size);
+}
+
+/* on the matrix units, x as four int8 digits a value */
 at::Tensor quantized_amx_matmul_op(const at::Tensor &x, const at::Tensor &codes, const at::Tensor &scale,
                                    const std::optional<at::Tensor> &zero, int64_t group_size) {
-    bool int4 = zero.has_value();
-    check_codes(codes, scale, int4 ? &*zero : nullptr, group_size, "quantized_amx_matmul");
-    check_x(x, codes.size(1) * (int4 ? 2 : 1), "quantized_amx_matmul");
-    at::Tensor xc = x.contiguous(), y = output(xc, codes.size(0));
-    if (xc.size(0) == 0) return y;
-    int status = int4 ? int4_amx_matmul(xc.data_ptr<float>(), codes.data_ptr<uint8_t>(), scale.data_ptr<float>(),
-                                        zero->data_ptr<uint8_t>(), y.data_ptr<float>(), xc.size(0), codes.size(0),
-                                        xc.size(1), group_size, at::get_num_threads())
-                      : int8_amx_matmul(xc.data_ptr<float>(), codes.data_ptr<int8_t>(), scale.data_ptr<float>(),
-                                        y.data_ptr<float>(), xc.size(0), codes.size(0), xc.size(1),
-                                        at::get_num_threads());
-    TORCH_CHECK(status != 1, "quantized_amx_matmul could not allocate x's digits");
-    TORCH_CHECK(status == 0, "quantized_amx_matmul needs in a multiple of 64, out a multiple of 16 (int4: group_size a "
-                "multiple of 64) and a CPU with AMX-INT8 (quantized_amx_ready), got codes ", codes.sizes());
-    return y;
+    return codes_product("quantized_amx_matmul", int8_amx_matmul, int4_amx_matmul, "x's digits",
+                         "in a multiple of 64, out a multiple of 16 (int4: group_size a multiple of 64) and a CPU with "
+                         "AMX-INT8 (quantized_amx_ready)", x, codes, scale, zero, group_size);
 }
 
 at::Tensor quantized_matmul_op(const at::Tensor &x, const at::Tensor &codes, const at::Tensor &scale,
                                const std::optional<at::Tensor> &zero, int64_t group_size) {
-    bool int4 = zero.has_value();
-    check_codes(codes, scale, int4 ? &*zero : nullptr, group_size, "quantized_matmul");
-    check_x(x, codes.size(1) * (int4 ? 2 : 1), "quantized_matmul");
-    at::Tensor xc = x.contiguous(), y = output(xc, codes.size(0));
-    int status = int4 ? int4_matmul(xc.data_ptr<float>(), codes.data_ptr<uint8_t>(), scale.data_ptr<float>(),
-                                    zero->data_ptr<uint8_t>(), y.data_ptr<float>(), xc.size(0), codes.size(0),
-                                    xc.size(1), group_size, at::get_num_threads())
-                      : int8_matmul(xc.data_ptr<float>(), codes.data_ptr<int8_t>(), scale.data_ptr<float>(),
-                                    y.data_ptr<float>(), xc.size(0), codes.size(0), codes.size(1), at::get_num_threads());
-    TORCH_CHECK(status == 0, "quantized_matmul could not allocate its copy of x and its tiles");
-    return y;
+    return codes_product("quantized_matmul", int8_matmul, int4_matmul, "its copy of x and its tiles", "", x, codes,
+                         scale, zero, group_size);
 }
 
 at::Tensor dequantize_op(const at::Tensor &codes, const at::Tensor &scale, const std::optional<at::Tensor> &zero,
