@@ -583,7 +583,9 @@ def quantized_amx_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     above (int8 when zero is None, else int4 in groups of ``group_size``). x is written as four int8 digits a
     value, off by less than 1e-9 of its row's largest |x| (csrc/quantized_amx.c), so the result is
     ``F.linear(x, ŵ)``'s up to float32 rounding for rows whose largest value is up to ~10^4 times the rest (the
-    error grows with that ratio beyond): the activations are not quantised. int8 codes are read in place, int4 unpacked a group at a time.
+    error grows with that ratio beyond): the activations are not quantised. int8 codes are read in place; int4 codes
+    are unpacked 32 rows at a time, or at one row of x split into nibbles in registers and multiplied on the vector
+    units (AVX512-VNNI), which stream them faster there.
 
     Raises ValueError for codes the kernel would misread, shapes it does not take (:func:`quantized_amx_fits`), or
     where it does not run (:func:`quantized_amx_ready`); MemoryError when x's digits cannot be allocated."""

@@ -71,6 +71,50 @@ def test_quantized_amx_matmul_at_smollm2_shapes(fmt, rows, out_features, in_feat
     _assert_float32_close(_product(layer, x), x, layer)
 
 
+@settings(max_examples=80, deadline=None)
+@given(group=st.sampled_from([64, 128, 192, 256]), n_groups=st.integers(1, 9), out_blocks=st.integers(1, 4),
+       values=st.sampled_from(["signed", "positive", "outlier"]), magnitude=st.floats(-25, 25),
+       seed=st.integers(0, 2**16))
+def test_int4_at_one_row_equals_float64_linear(group, n_groups, out_blocks, values, magnitude, seed):
+    """A decode step's product: one row of x, which runs on the vector units (nibble planes by x's digits). Groups of
+    64 (two to a block of 128 ks), 128, 192 (straddling blocks) and 256 (two blocks to a group); an in that ends
+    with half a block; rows of positive values, whose zero-point terms are as large as the sums (in float32 they
+    missed this bound 9x), and rows with an outlier. Sizes keep the largest value inside [2^-100, 2^100], where
+    the digits are used (beyond, the scalar loop: the test of extreme sizes)."""
+    _amx()
+    g = torch.Generator().manual_seed(seed)
+    in_features = group * n_groups
+    layer = _layer("int4", 16 * out_blocks, in_features, g, group)
+    x = torch.randn(1, in_features, generator=g)
+    if values == "positive":
+        x = x.abs() + 1
+    elif values == "outlier":
+        x[0, seed % in_features] = 2e4
+    x = x * 10.0 ** magnitude
+    _assert_float32_close(_product(layer, x), x, layer)
+
+
+def test_int4_at_one_row_zeros_nan_infinity_and_extreme_sizes_are_f_linears():
+    """test_rows_of_zeros_nan_infinity_and_extreme_sizes_are_f_linears's rows, one product each."""
+    _amx()
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(32, 576, generator=g)
+    w[:, 7] = 1.0
+    layer = QuantizedLinear(w, None, "int4")
+    x = torch.randn(5, 576, generator=g)
+    x[0] = 0
+    x[1, 5] = float("nan")
+    x[2, 7] = float("inf")
+    x[3] *= 1e-36
+    x[4] *= 1e35
+    y = [_product(layer, x[r:r + 1]) for r in range(5)]
+    assert torch.equal(y[0], torch.zeros(1, 32))
+    assert y[1].isnan().all()
+    assert torch.equal(y[2], layer.forward_reference(x[2:3])) and y[2].isinf().all()
+    _assert_float32_close(y[3], x[3:4], layer)
+    _assert_float32_close(y[4], x[4:5], layer)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_row_with_an_outlier_keeps_float32s_precision(fmt):
     """SmolLM2's down projections see rows whose largest value is 10^4 times their median; the digits' error is
@@ -92,16 +136,16 @@ def test_threads_split_the_outputs_not_the_values(fmt):
     _amx()
     g = torch.Generator().manual_seed(3)
     layer = _layer(fmt, 112, 192, g)
-    x = torch.randn(23, 192, generator=g)
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            results.append(_product(layer, x))
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    for x in (torch.randn(23, 192, generator=g), torch.randn(1, 192, generator=g)):  # the tiles; one row (int4: VNNI)
+        threads = torch.get_num_threads()
+        try:
+            results = []
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                results.append(_product(layer, x))
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

@@ -35,7 +35,8 @@
  * Each thread takes blocks of 32 outputs (two A tiles) and walks x's rows 8 at a time (two B tiles). Four digits
  * cost four times the multiply-adds of one, which a decode step's few rows leave the matrix units to spare: int8
  * reads SmolLM2-1.7B's matrices at 23 GB/s of the host's 26.8 (BENCHMARKS.md, "Quantised products on the matrix
- * units"); int4 streams 9 GB/s, its unpacking and per-group sums the bound. A row of zeros gives zeros; a row
+ * units"); int4 streams 9 GB/s, its unpacking and per-group sums the bound, so one row of x (a decode step's) with
+ * int4 codes runs on the vector units instead ("int4 at one row" below: 17 GB/s). A row of zeros gives zeros; a row
  * with a NaN or an infinity, or whose largest |x| is outside [2^-100, 2^100] (its scale would overflow), is computed
  * by a scalar loop instead, in float32: F.linear's NaN and infinities. The int32 sums hold for in <= 131072.
  *
@@ -46,7 +47,7 @@
 #include "common.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__) && defined(__AVX512DQ__) \
-    && defined(__linux__)
+    && defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__linux__)
 #define QUANTIZED_AMX 1
 #include "amx.h"
 
@@ -331,11 +332,163 @@ static int chunk(const float *x, const matrix *m, float *y, int n, int threads, 
     return failed;
 }
 
+/* -- int4 at one row: on the vector units ----------------------------------------------------------------------- */
+
+/* A decode step multiplies one row of x. On the tiles each int4 code is first unpacked into memory (int4_unit), and
+ * at one row SmolLM2-1.7B's matrices streamed 10 GB/s. Here each 64 bytes of a row's codes are split into their
+ * two nibble planes in registers and multiplied by x's digits with AVX512-VNNI's vpdpbusd (64 unsigned bytes by 64
+ * signed ones into 16 int32 sums, exact). Byte j of the row's block b (64 bytes, 128 ks) holds q[128b + 2j] in its
+ * low nibble and q[128b + 2j + 1] in its high one, so with x's digits laid out to match,
+ *
+ *   xe_c[b][j] = d_c[128b + 2j],  xo_c[b][j] = d_c[128b + 2j + 1]
+ *   lane l of  dpbusd(low nibbles, xe_c) + dpbusd(high nibbles, xo_c)  =  Σ q[k] · d_c[k] over k = 128b + 8l .. + 7
+ *
+ * A lane's ks lie in one group (group a multiple of 64); a block's lanes in at most two. The sums T_c of a block,
+ * or of the blocks of one group (group a multiple of 128), are scaled when the group ends, lane by lane:
+ *
+ *   Σ_c (T_c - zero · S_c) / 254^c · scale     (S_c: the lane's sum of digit c; the zero point out of the sums)
+ *
+ * The first digit's zero term is subtracted exactly, lane by lane: T_0 and zero · S_0 are integers under 2^24 (in <= 131072), which
+ * float32 holds, and one fnmadd rounds their difference once, to itself. Taken once a row in float32 instead, its
+ * rounding gave up to 9x the error tests/fast/test_quantized_amx.py allows (rows of positive values: the term is
+ * as large as the sums). The other three digits' terms, 254 times smaller, are taken once a row (rest below). Two
+ * rows of codes at a time share x's digits; the next two rows are prefetched (without it the rows streamed at
+ * 11 GB/s, with it 19). */
+
+#define VNNI_ROWS 2
+
+typedef struct {  /* x's row, laid out for the vector units */
+    int8_t *xe, *xo;  /* [blocks][DIGITS][64] */
+    float *first;     /* [flushes][16]: S_0, lane by lane (integers) */
+    int32_t *lane_group;  /* [flushes][16]: each lane's group, less the flush's first */
+    int *group0;      /* [flushes]: the first group a flush's lanes hold */
+    float *rest;      /* [groups]: Σ_{c >= 1} S_c / 254^c over the group */
+} row_digits;
+
+/* 1 where the sums are scaled after block b: unless b and the next block lie in one group. */
+static inline int flush_after(int b, int blocks, int group) {
+    return b == blocks - 1 || 128 * b / group != (128 * b + 255) / group;
+}
+
+/* digits [DIGITS][in] (digits_of's) -> r: each 128 ks' even and odd digits apart (the low bytes of 16-bit lanes, then
+ * the high ones), and their sums a lane (a dpbusd of ones). */
+static void lay_out_digits(const int8_t *digits, row_digits *r, int in, int group) {
+    int blocks = (in + 127) / 128, f = 0, start = 0;  /* start: the flush's first block */
+    __m512i ones = _mm512_set1_epi8(1), none = _mm512_setzero_si512();
+    __m512 first = _mm512_setzero_ps();
+    memset(r->rest, 0, sizeof(float) * (in / group));
+    for (int b = 0; b < blocks; b++) {
+        __m512 rest = _mm512_setzero_ps();
+        for (int c = DIGITS - 1; c >= 0; c--) {
+            const int8_t *d = digits + (int64_t)c * in + 128 * b;
+            __m512i w0 = _mm512_loadu_si512(d), w1 = 128 * b + 128 <= in ? _mm512_loadu_si512(d + 64) : none;
+            __m512i even = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(w0)),
+                                              _mm512_cvtepi16_epi8(w1), 1);
+            __m512i odd = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srai_epi16(w0, 8))),
+                                             _mm512_cvtepi16_epi8(_mm512_srai_epi16(w1, 8)), 1);
+            _mm512_store_si512(r->xe + (b * DIGITS + c) * 64, even);
+            _mm512_store_si512(r->xo + (b * DIGITS + c) * 64, odd);
+            __m512 sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(none, ones, even), ones, odd));
+            if (c) rest = _mm512_fmadd_ps(rest, _mm512_set1_ps(c == DIGITS - 1 ? 0.0f : 1.0f / BASE), sums);
+            else first = _mm512_add_ps(first, sums);
+        }
+        float lanes[16];  /* Σ_{c >= 1} S_c / 254^c, by lane */
+        _mm512_storeu_ps(lanes, _mm512_mul_ps(rest, _mm512_set1_ps(1.0f / BASE)));
+        for (int l = 0; l < 16 && 128 * b + 8 * l < in; l++) r->rest[(128 * b + 8 * l) / group] += lanes[l];
+        if (flush_after(b, blocks, group)) {
+            r->group0[f] = 128 * start / group;
+            _mm512_store_ps(r->first + 16 * f, first);
+            for (int l = 0; l < 16; l++) r->lane_group[16 * f + l] = (128 * b + 8 * l) / group - r->group0[f];
+            f++, start = b + 1, first = _mm512_setzero_ps();
+        }
+    }
+}
+
+/* y[o], y[o + 1]. */
+static void vnni_rows(const matrix *m, const row_digits *r, float row_s, float *y, int o) {
+    int in = m->in, groups = in / m->group, blocks = (in + 127) / 128, half = in / 2;
+    const uint8_t *codes = (const uint8_t *)m->codes;
+    __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[VNNI_ROWS];
+    __m512i t[VNNI_ROWS][DIGITS];
+    for (int i = 0; i < VNNI_ROWS; i++) {
+        acc[i] = _mm512_setzero_ps();
+        for (int c = 0; c < DIGITS; c++) t[i][c] = _mm512_setzero_si512();
+    }
+    int prefetch = o + 2 * VNNI_ROWS <= m->out;
+    for (int b = 0, f = 0; b < blocks; b++) {
+        __mmask64 live = 128 * b + 128 <= in ? ~(__mmask64)0 : ((__mmask64)1 << 32) - 1;  /* a last 64 ks: 32 bytes */
+        for (int i = 0; i < VNNI_ROWS; i++) {
+            const uint8_t *row = codes + (int64_t)(o + i) * half + 64 * b;
+            if (prefetch) _mm_prefetch((const char *)row + (int64_t)VNNI_ROWS * half, _MM_HINT_T0);
+            __m512i w = _mm512_maskz_loadu_epi8(live, row);
+            __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+            for (int c = 0; c < DIGITS; c++) {
+                t[i][c] = _mm512_dpbusd_epi32(t[i][c], lo, _mm512_load_si512(r->xe + (b * DIGITS + c) * 64));
+                t[i][c] = _mm512_dpbusd_epi32(t[i][c], hi, _mm512_load_si512(r->xo + (b * DIGITS + c) * 64));
+            }
+        }
+        if (!flush_after(b, blocks, m->group)) continue;
+        __m512i lanes = _mm512_load_si512(r->lane_group + 16 * f);
+        __m512 first = _mm512_load_ps(r->first + 16 * f);
+        int g0 = r->group0[f++];
+        __mmask16 two = g0 + 1 < groups ? 3 : 1;
+        for (int i = 0; i < VNNI_ROWS; i++) {
+            int64_t at = (int64_t)(o + i) * groups + g0;
+            __m512 zero = _mm512_permutexvar_ps(lanes, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                _mm_maskz_loadu_epi8(two, m->zero + at))));
+            __m512 sum = _mm512_cvtepi32_ps(t[i][3]), inv = _mm512_set1_ps(1.0f / BASE);
+            sum = _mm512_fmadd_ps(sum, inv, _mm512_cvtepi32_ps(t[i][2]));
+            sum = _mm512_fmadd_ps(sum, inv, _mm512_cvtepi32_ps(t[i][1]));
+            sum = _mm512_fmadd_ps(sum, inv, _mm512_fnmadd_ps(zero, first, _mm512_cvtepi32_ps(t[i][0])));
+            __m512 scale = _mm512_permutexvar_ps(lanes, _mm512_maskz_loadu_ps(two, m->scale + at));
+            acc[i] = _mm512_fmadd_ps(sum, scale, acc[i]);
+            for (int c = 0; c < DIGITS; c++) t[i][c] = _mm512_setzero_si512();
+        }
+    }
+    for (int i = 0; i < VNNI_ROWS; i++) {  /* less the other digits' zero terms: Σ_g zero · scale · rest */
+        const uint8_t *zero = m->zero + (int64_t)(o + i) * groups;
+        const float *scale = m->scale + (int64_t)(o + i) * groups;
+        __m512 terms = _mm512_setzero_ps();
+        for (int g = 0; g < groups; g += 16) {
+            __mmask16 k = groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
+            __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, zero + g)));
+            terms = _mm512_fmadd_ps(_mm512_mul_ps(z, _mm512_maskz_loadu_ps(k, scale + g)),
+                                    _mm512_maskz_loadu_ps(k, r->rest + g), terms);
+        }
+        y[o + i] = row_s * (_mm512_reduce_add_ps(acc[i]) - _mm512_reduce_add_ps(terms));
+    }
+}
+
+/* y [1, out] = x [1, in] @ ŵᵀ for int4 codes (out even, in and group multiples of 64). Returns 1 when x's digits
+ * cannot be allocated. */
+static int int4_one_row(const float *x, const matrix *m, float *y, int threads) {
+    int in = m->in, blocks = (in + 127) / 128, groups = in / m->group;
+    size_t plane = (size_t)blocks * DIGITS * 64;
+    int8_t *digits = (int8_t *)malloc((size_t)DIGITS * in);
+    row_digits r = {(int8_t *)aligned_alloc(64, plane), (int8_t *)aligned_alloc(64, plane),
+                    (float *)aligned_alloc(64, sizeof(float) * 16 * blocks),
+                    (int32_t *)aligned_alloc(64, sizeof(int32_t) * 16 * blocks), (int *)malloc(sizeof(int) * blocks),
+                    (float *)malloc(sizeof(float) * groups)};
+    int failed = !digits || !r.xe || !r.xo || !r.first || !r.lane_group || !r.group0 || !r.rest;
+    float row_s = 0.0f;
+    if (!failed) {
+        digits_of(x, digits, &row_s, 0, in);
+        lay_out_digits(digits, &r, in, m->group);
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (int o = 0; o < m->out; o += VNNI_ROWS) vnni_rows(m, &r, row_s, y, o);
+        if (row_s < 0.0f) scalar_row(x, m, y, 0, threads);
+    }
+    free(digits), free(r.xe), free(r.xo), free(r.first), free(r.lane_group), free(r.group0), free(r.rest);
+    return failed;
+}
+
 /* Both formats, CHUNK_ROWS rows of x at a time (a long prompt's digits would otherwise take 8 bytes a value). */
 static int product(const float *x, const matrix *m, float *y, int rows, int threads) {
     if (m->in % 64 || m->in > 131072 || m->out % 16 || rows < 1 || (m->zero && (m->group % 64 || m->in % m->group))
         || !amx_granted())
         return 2;
+    if (rows == 1 && m->zero) return int4_one_row(x, m, y, threads);
     int most = rows < CHUNK_ROWS ? rows : CHUNK_ROWS, blocks = (most + ROWS_PER_TILE - 1) / ROWS_PER_TILE;
     int8_t *digits = (int8_t *)malloc((size_t)most * DIGITS * m->in);
     int8_t *xd = (int8_t *)aligned_alloc(64, (size_t)blocks * 16 * m->in);
