@@ -415,7 +415,8 @@ static void vnni_rows(const matrix *m, const row_digits *r, float row_s, float *
         acc[i] = _mm512_setzero_ps();
         for (int c = 0; c < DIGITS; c++) t[i][c] = _mm512_setzero_si512();
     }
-    int prefetch = o + 2 * VNNI_ROWS <= m->out;
+    __m512 zeros[VNNI_ROWS], scales[VNNI_ROWS];  /* groups window .. window + 15 */
+    int prefetch = o + 2 * VNNI_ROWS <= m->out, window = -16;
     for (int b = 0, f = 0; b < blocks; b++) {
         __mmask64 live = 128 * b + 128 <= in ? ~(__mmask64)0 : ((__mmask64)1 << 32) - 1;  /* a last 64 ks: 32 bytes */
         for (int i = 0; i < VNNI_ROWS; i++) {
@@ -429,19 +430,25 @@ static void vnni_rows(const matrix *m, const row_digits *r, float row_s, float *
             }
         }
         if (!flush_after(b, blocks, m->group)) continue;
-        __m512i lanes = _mm512_load_si512(r->lane_group + 16 * f);
         __m512 first = _mm512_load_ps(r->first + 16 * f);
-        int g0 = r->group0[f++];
-        __mmask16 two = g0 + 1 < groups ? 3 : 1;
+        int g0 = r->group0[f];
+        if (g0 + 1 >= window + 16) {  /* the next 16 groups' zeros and scales, a row at a time */
+            window = g0;
+            __mmask16 k = groups - g0 >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g0)) - 1);
+            for (int i = 0; i < VNNI_ROWS; i++) {
+                int64_t at = (int64_t)(o + i) * groups + g0;
+                zeros[i] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, m->zero + at)));
+                scales[i] = _mm512_maskz_loadu_ps(k, m->scale + at);
+            }
+        }
+        __m512i lanes = _mm512_add_epi32(_mm512_load_si512(r->lane_group + 16 * f++), _mm512_set1_epi32(g0 - window));
         for (int i = 0; i < VNNI_ROWS; i++) {
-            int64_t at = (int64_t)(o + i) * groups + g0;
-            __m512 zero = _mm512_permutexvar_ps(lanes, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                _mm_maskz_loadu_epi8(two, m->zero + at))));
+            __m512 zero = _mm512_permutexvar_ps(lanes, zeros[i]);
             __m512 sum = _mm512_cvtepi32_ps(t[i][3]), inv = _mm512_set1_ps(1.0f / BASE);
             sum = _mm512_fmadd_ps(sum, inv, _mm512_cvtepi32_ps(t[i][2]));
             sum = _mm512_fmadd_ps(sum, inv, _mm512_cvtepi32_ps(t[i][1]));
             sum = _mm512_fmadd_ps(sum, inv, _mm512_fnmadd_ps(zero, first, _mm512_cvtepi32_ps(t[i][0])));
-            __m512 scale = _mm512_permutexvar_ps(lanes, _mm512_maskz_loadu_ps(two, m->scale + at));
+            __m512 scale = _mm512_permutexvar_ps(lanes, scales[i]);
             acc[i] = _mm512_fmadd_ps(sum, scale, acc[i]);
             for (int c = 0; c < DIGITS; c++) t[i][c] = _mm512_setzero_si512();
         }
