@@ -349,11 +349,11 @@ static int chunk(const float *x, const matrix *m, float *y, int n, int threads, 
  *   Σ_c (T_c - zero · S_c) / 254^c · scale     (S_c: the lane's sum of digit c; the zero point out of the sums)
  *
  * The first digit's zero term is subtracted exactly, lane by lane: T_0 and zero · S_0 are integers under 2^24
- * (in <= 131072), which float32 holds, and one fnmadd rounds their difference once, to itself. Taken once a row in float32 instead, its
- * rounding gave up to 9x the error tests/fast/test_quantized_amx.py allows (rows of positive values: the term is
- * as large as the sums). The other three digits' terms, 254 times smaller, are taken once a row (rest below). Two
- * rows of codes at a time share x's digits; the next two rows are prefetched (without it the rows streamed at
- * 11 GB/s, with it 19). */
+ * (in <= 131072), which float32 holds, and one fnmadd rounds their difference once, to itself. Taken once a row
+ * in float32 instead, its rounding gave up to 9x the error tests/fast/test_quantized_amx.py allows (rows of
+ * positive values: the term is as large as the sums). The other three digits' terms, 254 times smaller, are taken
+ * once a row (rest below). Two rows of codes at a time share x's digits; the next two rows are prefetched (without
+ * it the rows streamed at 11 GB/s, with it 19); each row's zeros and scales are read 16 groups at a time. */
 
 #define VNNI_ROWS 2
 
