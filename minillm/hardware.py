@@ -198,8 +198,13 @@ def calibrate(device="cpu", dtype=torch.float32, quick: bool = False) -> Hardwar
     CUDA work is synchronised before each clock read. Takes a few seconds
     (under a second with ``quick``). The result is stored in
     ``<weights_dir>/calibration.json`` under "<device>/<dtype>".
+
+    Raises ValueError for an unknown device or dtype, and for the meta device (its tensors hold no data, so
+    its timings would be of nothing).
     """
     dev = _device(device)
+    if dev.type == "meta":
+        raise ValueError("calibrate times real work, and the meta device does none; use cpu, cuda or mps")
     dtype = _dtype(dtype)
     on_gpu = dev.type != "cpu"
     n = (8192 if on_gpu else 2048) // (2 if quick else 1)

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from minillm.cli import main
 from minillm.costs import PhaseCost
 from minillm.hardware import (
     OVERHEAD_FACTOR,
@@ -81,6 +82,17 @@ def test_quick_calibration_measures_and_caches(tmp_path, monkeypatch):
     assert get_hardware("cpu", "float32", calibrate_if_missing=False) == hw
     with pytest.raises(LookupError):
         get_hardware("cpu", "float16", calibrate_if_missing=False)
+
+
+def test_calibrating_the_meta_device_is_one_line_and_stores_nothing(tmp_path, monkeypatch, capsys):
+    """It timed nothing and stored peaks of millions of GFLOP/s under "meta/float32"."""
+    monkeypatch.setenv("MINILLM_WEIGHTS", str(tmp_path))
+    with pytest.raises(ValueError, match="the meta device does none; use cpu, cuda or mps"):
+        calibrate("meta", torch.float32, quick=True)
+    assert main(["calibrate", "--device", "meta", "--quick"]) != 0
+    err = capsys.readouterr().err
+    assert err.startswith("minillm: error: calibrate times real work") and err.count("\n") == 1, err
+    assert not (tmp_path / "calibration.json").exists()
 
 
 def test_calibration_from_other_hardware_is_ignored(tmp_path, monkeypatch):
