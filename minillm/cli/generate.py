@@ -32,7 +32,7 @@ def add_generate(sub) -> None:
     p.add_argument("--system", help="system message (chat mode); --system \"\" sends an empty one "
                                      "(default: none, so the template may add its own, e.g. SmolLM2's persona)")
     thinking_option(p)
-    p.add_argument("--trace", nargs="?", const="steps", choices=["steps", "layers"],
+    p.add_argument("--trace", nargs="?", const="steps", action=_TraceLevel, metavar="{steps,layers}",
                    help="show every phase: prompt tokens, prefill, each step, summary, roofline verdicts "
                         "(layers: also per-layer shapes and times; default: off, steps when given alone)")
     p.add_argument("--trace-out", metavar="FILE.jsonl|FILE.json",
@@ -82,7 +82,22 @@ def _speculative_options(p) -> None:
     g.add_argument("--prompt-lookup-max", type=int, help="longest n-gram tried first (ngram; default: 3)")
 
 
+class _TraceLevel(argparse.Action):
+    """--trace [steps|layers]; a word after it that is no level is a prompt: `generate --trace "Hello"` traces
+    "Hello" (it was "invalid choice")."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        if value not in ("steps", "layers"):
+            if getattr(namespace, "prompt", None):  # the prompts given before --trace are already read
+                namespace.prompt.append(value)
+            else:
+                namespace.prompts_after_trace = [*getattr(namespace, "prompts_after_trace", []), value]
+            value = "steps"
+        setattr(namespace, self.dest, value)
+
+
 def run_generate(args) -> int:
+    args.prompt = [*getattr(args, "prompts_after_trace", []), *args.prompt]
     sampling_params(args)  # bad values are usage errors before the model loads
     if args.student_dir is not None:
         return run_student_engine(args)

@@ -122,3 +122,21 @@ def test_an_abbreviated_option_is_refused_not_read_as_a_longer_one(argv, capsys)
     """`bench-serving --tp 3` once ran as --tpot-slo-ms 3: argparse's prefix matching is off."""
     assert main(argv) == 2
     assert f"unrecognized arguments: {' '.join(argv[-2:])}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, trace, prompts", [
+    (["--trace", "Hello"], "steps", ["Hello"]),               # was "invalid choice: 'Hello'"
+    (["--trace", "layers", "Hello"], "layers", ["Hello"]),
+    (["A", "--trace", "B"], "steps", ["A", "B"]),
+    (["--trace", "A", "B"], "steps", ["A", "B"]),
+    (["Hi", "--trace"], "steps", ["Hi"]),
+    (["--trace=layers", "X"], "layers", ["X"]),
+])
+def test_a_prompt_right_after_trace_is_a_prompt_not_a_level(argv, trace, prompts, monkeypatch):
+    """`minillm generate --trace "Hello"`: the word after --trace is its level only when it is one."""
+    import minillm.cli.generate as generate
+    seen = {}
+    monkeypatch.setattr(generate, "_run_generate", lambda args: seen.update(trace=args.trace, prompt=args.prompt))
+    args = build_parser().parse_args(["generate", *argv])
+    args.run(args)
+    assert seen == {"trace": trace, "prompt": prompts}
