@@ -94,6 +94,22 @@ def test_int4_at_one_row_equals_float64_linear(group, n_groups, out_blocks, valu
     _assert_float32_close(_product(layer, x), x, layer)
 
 
+@pytest.mark.parametrize("case", ["one group of 8192, x = k + 0.9995", "sparse, groups of 192, x with row 3's signs"])
+def test_int4_at_one_row_where_the_lower_digits_share_a_sign(case):
+    """A new user's trial's rows: where x's lower digits share a sign, each digit's zero-point term is as large as
+    its sums; taken once a row in float32 they missed the bound 1.6x and 1.7x (the first digit's alone was exact)."""
+    _amx()
+    g = torch.Generator().manual_seed(284)
+    if case.startswith("one group"):
+        layer = _layer("int4", 16, 8192, g, 8192)
+        x = (torch.rand(1, 8192, generator=g) * 127).round() + 0.9995
+    else:
+        w = torch.randn(16, 576, generator=g) * (torch.rand(16, 576, generator=g) < 0.01)
+        layer = QuantizedLinear(w, None, "int4", 192)
+        x = (torch.sign(layer.dequantize()[3]) * (torch.rand(576, generator=g) + 0.5)).unsqueeze(0)
+    _assert_float32_close(_product(layer, x), x, layer)
+
+
 def test_int4_at_one_row_zeros_nan_infinity_and_extreme_sizes_are_f_linears():
     """test_rows_of_zeros_nan_infinity_and_extreme_sizes_are_f_linears's rows, one product each."""
     _amx()
@@ -168,6 +184,18 @@ def test_rows_of_zeros_nan_infinity_and_extreme_sizes_are_f_linears(fmt):
     assert y[1].isnan().all()
     assert torch.equal(y[2], reference[2]) and y[2].isinf().all()
     _assert_float32_close(y[3:], x[3:], layer)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_huge_row_whose_values_share_the_weights_signs_keeps_the_bound(fmt, rows):
+    """Rows beyond 2^100 take the scalar loop; summed in float32, x with row 0's signs times 1e33 missed the bound
+    1.65x (int4) at in = 8,192 and up to 13x at 131,072 (a new user's trial). It sums in float64."""
+    _amx()
+    g = torch.Generator().manual_seed(1)
+    layer = _layer(fmt, 16, 131072, g, 128)
+    x = (torch.sign(layer.dequantize()[0]) * (torch.rand(131072, generator=g) + 0.5) * 1e33).expand(rows, -1)
+    _assert_float32_close(_product(layer, x.contiguous()), x, layer)
 
 
 @pytest.mark.parametrize("x, q, message", [

@@ -288,14 +288,14 @@ static float weight_at(const matrix *m, int64_t o, int k) {
     return (float)(q - m->zero[o * groups + g]) * m->scale[o * groups + g];
 }
 
-/* Row r of y by the scalar loop, in float32 (a row row_scale gave -1). */
+/* Row r of y by the scalar loop (a row row_scale gave -1). */
 static void scalar_row(const float *x, const matrix *m, float *y, int r, int threads) {
     const float *xr = x + (int64_t)r * m->in;
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int o = 0; o < m->out; o++) {
-        float sum = 0.0f;
-        for (int k = 0; k < m->in; k++) sum += xr[k] * weight_at(m, o, k);
-        y[(int64_t)r * m->out + o] = sum;
+    for (int o = 0; o < m->out; o++) {  /* in float64: a float32 sum missed float32's bound up to 13x (in = 131072) */
+        double sum = 0.0;
+        for (int k = 0; k < m->in; k++) sum += (double)xr[k] * weight_at(m, o, k);
+        y[(int64_t)r * m->out + o] = (float)sum;
     }
 }
 
@@ -348,21 +348,20 @@ static int chunk(const float *x, const matrix *m, float *y, int n, int threads, 
  *
  *   Σ_c (T_c - zero · S_c) / 254^c · scale     (S_c: the lane's sum of digit c; the zero point out of the sums)
  *
- * The first digit's zero term is subtracted exactly, lane by lane: T_0 and zero · S_0 are integers under 2^24
- * (in <= 131072), which float32 holds, and one fnmadd rounds their difference once, to itself. Taken once a row
- * in float32 instead, its rounding gave up to 9x the error tests/fast/test_quantized_amx.py allows (rows of
- * positive values: the term is as large as the sums). The other three digits' terms, 254 times smaller, are taken
- * once a row (rest below). Two rows of codes at a time share x's digits; the next two rows are prefetched (without
- * it the rows streamed at 11 GB/s, with it 19); each row's zeros and scales are read 16 groups at a time. */
+ * Each zero term is subtracted exactly, lane by lane: T_c and zero · S_c are integers under 2^24 (in <= 131072),
+ * which float32 holds, and one fnmadd rounds their difference once, to itself. Taken once a row in float32
+ * instead, their rounding gave up to 9x the error tests/fast/test_quantized_amx.py allows where x's values (or
+ * their lower digits) share a sign: the terms are then as large as the sums. Two rows of codes at a time share x's
+ * digits; the next two rows are prefetched (without it the rows streamed at 11 GB/s, with it 19); each row's zeros
+ * and scales are read 16 groups at a time. */
 
 #define VNNI_ROWS 2
 
 typedef struct {  /* x's row, laid out for the vector units */
     int8_t *xe, *xo;  /* [blocks][DIGITS][64] */
-    float *first;     /* [flushes][16]: S_0, lane by lane (integers) */
+    float *sums;      /* [flushes][DIGITS][16]: S_c, lane by lane (integers) */
     int32_t *lane_group;  /* [flushes][16]: each lane's group, less the flush's first */
     int *group0;      /* [flushes]: the first group a flush's lanes hold */
-    float *rest;      /* [groups]: Σ_{c >= 1} S_c / 254^c over the group */
 } row_digits;
 
 /* 1 where the sums are scaled after block b: unless b and the next block lie in one group. */
@@ -375,11 +374,10 @@ static inline int flush_after(int b, int blocks, int group) {
 static void lay_out_digits(const int8_t *digits, row_digits *r, int in, int group) {
     int blocks = (in + 127) / 128, f = 0, start = 0;  /* start: the flush's first block */
     __m512i ones = _mm512_set1_epi8(1), none = _mm512_setzero_si512();
-    __m512 first = _mm512_setzero_ps();
-    memset(r->rest, 0, sizeof(float) * (in / group));
+    __m512 sums[DIGITS];
+    for (int c = 0; c < DIGITS; c++) sums[c] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        __m512 rest = _mm512_setzero_ps();
-        for (int c = DIGITS - 1; c >= 0; c--) {
+        for (int c = 0; c < DIGITS; c++) {
             const int8_t *d = digits + (int64_t)c * in + 128 * b;
             __m512i w0 = _mm512_loadu_si512(d), w1 = 128 * b + 128 <= in ? _mm512_loadu_si512(d + 64) : none;
             __m512i even = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(w0)),
@@ -388,18 +386,17 @@ static void lay_out_digits(const int8_t *digits, row_digits *r, int in, int grou
                                              _mm512_cvtepi16_epi8(_mm512_srai_epi16(w1, 8)), 1);
             _mm512_store_si512(r->xe + (b * DIGITS + c) * 64, even);
             _mm512_store_si512(r->xo + (b * DIGITS + c) * 64, odd);
-            __m512 sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(none, ones, even), ones, odd));
-            if (c) rest = _mm512_fmadd_ps(rest, _mm512_set1_ps(c == DIGITS - 1 ? 0.0f : 1.0f / BASE), sums);
-            else first = _mm512_add_ps(first, sums);
+            sums[c] = _mm512_add_ps(sums[c], _mm512_cvtepi32_ps(
+                _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(none, ones, even), ones, odd)));
         }
-        float lanes[16];  /* Σ_{c >= 1} S_c / 254^c, by lane */
-        _mm512_storeu_ps(lanes, _mm512_mul_ps(rest, _mm512_set1_ps(1.0f / BASE)));
-        for (int l = 0; l < 16 && 128 * b + 8 * l < in; l++) r->rest[(128 * b + 8 * l) / group] += lanes[l];
         if (flush_after(b, blocks, group)) {
             r->group0[f] = 128 * start / group;
-            _mm512_store_ps(r->first + 16 * f, first);
+            for (int c = 0; c < DIGITS; c++) {
+                _mm512_store_ps(r->sums + (f * DIGITS + c) * 16, sums[c]);
+                sums[c] = _mm512_setzero_ps();
+            }
             for (int l = 0; l < 16; l++) r->lane_group[16 * f + l] = (128 * b + 8 * l) / group - r->group0[f];
-            f++, start = b + 1, first = _mm512_setzero_ps();
+            f++, start = b + 1;
         }
     }
 }
@@ -430,7 +427,7 @@ static void vnni_rows(const matrix *m, const row_digits *r, float row_s, float *
             }
         }
         if (!flush_after(b, blocks, m->group)) continue;
-        __m512 first = _mm512_load_ps(r->first + 16 * f);
+        const float *sums = r->sums + f * DIGITS * 16;
         int g0 = r->group0[f];
         if (g0 + 1 >= window + 16) {  /* the next 16 groups' zeros and scales, a row at a time */
             window = g0;
@@ -443,41 +440,29 @@ static void vnni_rows(const matrix *m, const row_digits *r, float row_s, float *
         }
         __m512i lanes = _mm512_add_epi32(_mm512_load_si512(r->lane_group + 16 * f++), _mm512_set1_epi32(g0 - window));
         for (int i = 0; i < VNNI_ROWS; i++) {
-            __m512 zero = _mm512_permutexvar_ps(lanes, zeros[i]);
-            __m512 sum = _mm512_cvtepi32_ps(t[i][3]), inv = _mm512_set1_ps(1.0f / BASE);
-            sum = _mm512_fmadd_ps(sum, inv, _mm512_cvtepi32_ps(t[i][2]));
-            sum = _mm512_fmadd_ps(sum, inv, _mm512_cvtepi32_ps(t[i][1]));
-            sum = _mm512_fmadd_ps(sum, inv, _mm512_fnmadd_ps(zero, first, _mm512_cvtepi32_ps(t[i][0])));
+            __m512 zero = _mm512_permutexvar_ps(lanes, zeros[i]), inv = _mm512_set1_ps(1.0f / BASE), sum;
+            for (int c = DIGITS - 1; c >= 0; c--) {  /* Horner: ((T_3 / 254 + T_2) / 254 + T_1) / 254 + T_0 */
+                __m512 exact = _mm512_fnmadd_ps(zero, _mm512_load_ps(sums + 16 * c), _mm512_cvtepi32_ps(t[i][c]));
+                sum = c == DIGITS - 1 ? exact : _mm512_fmadd_ps(sum, inv, exact);
+            }
             __m512 scale = _mm512_permutexvar_ps(lanes, scales[i]);
             acc[i] = _mm512_fmadd_ps(sum, scale, acc[i]);
             for (int c = 0; c < DIGITS; c++) t[i][c] = _mm512_setzero_si512();
         }
     }
-    for (int i = 0; i < VNNI_ROWS; i++) {  /* less the other digits' zero terms: Σ_g zero · scale · rest */
-        const uint8_t *zero = m->zero + (int64_t)(o + i) * groups;
-        const float *scale = m->scale + (int64_t)(o + i) * groups;
-        __m512 terms = _mm512_setzero_ps();
-        for (int g = 0; g < groups; g += 16) {
-            __mmask16 k = groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
-            __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, zero + g)));
-            terms = _mm512_fmadd_ps(_mm512_mul_ps(z, _mm512_maskz_loadu_ps(k, scale + g)),
-                                    _mm512_maskz_loadu_ps(k, r->rest + g), terms);
-        }
-        y[o + i] = row_s * (_mm512_reduce_add_ps(acc[i]) - _mm512_reduce_add_ps(terms));
-    }
+    for (int i = 0; i < VNNI_ROWS; i++) y[o + i] = row_s * _mm512_reduce_add_ps(acc[i]);
 }
 
 /* y [1, out] = x [1, in] @ ŵᵀ for int4 codes (out even, in and group multiples of 64). Returns 1 when x's digits
  * cannot be allocated. */
 static int int4_one_row(const float *x, const matrix *m, float *y, int threads) {
-    int in = m->in, blocks = (in + 127) / 128, groups = in / m->group;
+    int in = m->in, blocks = (in + 127) / 128;
     size_t plane = (size_t)blocks * DIGITS * 64;
     int8_t *digits = (int8_t *)malloc((size_t)DIGITS * in);
     row_digits r = {(int8_t *)aligned_alloc(64, plane), (int8_t *)aligned_alloc(64, plane),
-                    (float *)aligned_alloc(64, sizeof(float) * 16 * blocks),
-                    (int32_t *)aligned_alloc(64, sizeof(int32_t) * 16 * blocks), (int *)malloc(sizeof(int) * blocks),
-                    (float *)malloc(sizeof(float) * groups)};
-    int failed = !digits || !r.xe || !r.xo || !r.first || !r.lane_group || !r.group0 || !r.rest;
+                    (float *)aligned_alloc(64, sizeof(float) * DIGITS * 16 * blocks),
+                    (int32_t *)aligned_alloc(64, sizeof(int32_t) * 16 * blocks), (int *)malloc(sizeof(int) * blocks)};
+    int failed = !digits || !r.xe || !r.xo || !r.sums || !r.lane_group || !r.group0;
     float row_s = 0.0f;
     if (!failed) {
         digits_of(x, digits, &row_s, 0, in);
@@ -486,7 +471,7 @@ static int int4_one_row(const float *x, const matrix *m, float *y, int threads) 
         for (int o = 0; o < m->out; o += VNNI_ROWS) vnni_rows(m, &r, row_s, y, o);
         if (row_s < 0.0f) scalar_row(x, m, y, 0, threads);
     }
-    free(digits), free(r.xe), free(r.xo), free(r.first), free(r.lane_group), free(r.group0), free(r.rest);
+    free(digits), free(r.xe), free(r.xo), free(r.sums), free(r.lane_group), free(r.group0);
     return failed;
 }
 
