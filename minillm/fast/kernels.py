@@ -582,7 +582,7 @@ def quantized_amx_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     """x [rows, in] float32 @ ŵᵀ -> [rows, out] float32 on the CPU's matrix units (Intel AMX-INT8), ŵ the codes
     above (int8 when zero is None, else int4 in groups of ``group_size``). x is written as four int8 digits a
     value, off by less than 1e-9 of its row's largest |x| (csrc/quantized_amx.c), so the result is
-    ``F.linear(x, ŵ)``'s up to float32 rounding for rows whose largest value is up to ~10^4 times the rest (the
+    ``F.linear(x, ŵ)``'s up to float32 rounding for rows whose largest value is up to ~10^5 times the rest (the
     error grows with that ratio beyond): the activations are not quantised. int8 codes are read in place; int4 codes
     are unpacked 32 rows at a time, or at one row of x split into nibbles in registers and multiplied on the vector
     units (AVX512-VNNI), which stream them faster there.

@@ -73,14 +73,14 @@ def test_quantized_amx_matmul_at_smollm2_shapes(fmt, rows, out_features, in_feat
 
 @settings(max_examples=80, deadline=None)
 @given(group=st.sampled_from([64, 128, 192, 256]), n_groups=st.integers(1, 9), out_blocks=st.integers(1, 4),
-       values=st.sampled_from(["signed", "positive", "outlier"]), magnitude=st.floats(-25, 25),
+       values=st.sampled_from(["signed", "positive", "outlier"]), magnitude=st.floats(-30, 30),
        seed=st.integers(0, 2**16))
 def test_int4_at_one_row_equals_float64_linear(group, n_groups, out_blocks, values, magnitude, seed):
     """A decode step's product: one row of x, which runs on the vector units (nibble planes by x's digits). Groups of
     64 (two to a block of 128 ks), 128, 192 (straddling blocks) and 256 (two blocks to a group); an in that ends
     with half a block; rows of positive values, whose zero-point terms are as large as the sums (in float32 they
-    missed this bound 9x), and rows with an outlier. Sizes keep the largest value inside [2^-100, 2^100], where
-    the digits are used (beyond, the scalar loop: the test of extreme sizes)."""
+    missed this bound 9x), and rows with an outlier. Beyond 2^100 the scalar loop takes the row (in float32 it
+    missed the bound 2.3x with an outlier; it sums in float64)."""
     _amx()
     g = torch.Generator().manual_seed(seed)
     in_features = group * n_groups
