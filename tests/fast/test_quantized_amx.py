@@ -198,6 +198,20 @@ def test_a_huge_row_whose_values_share_the_weights_signs_keeps_the_bound(fmt, ro
     _assert_float32_close(_product(layer, x.contiguous()), x, layer)
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("group", [64, 128])
+def test_a_long_row_with_the_weights_signs_keeps_the_bound(rows, group):
+    """in = 131,072, x with output 0's weights' signs: every product adds up. Each group's float32 sums added in turn
+    missed the bound 2.6x on the tiles (two rows) and 1.1x at one row (a new user's trial); both add 16 groups'
+    sums apart, then into a total."""
+    _amx()
+    g = torch.Generator().manual_seed(2)
+    layer = _layer("int4", 32, 131072, g, group)
+    x = torch.sign(layer.dequantize()[0]) * (torch.rand(131072, generator=g) + 0.5)
+    x = torch.stack([x, torch.randn(131072, generator=g)])[:rows]
+    _assert_float32_close(_product(layer, x), x, layer)
+
+
 @pytest.mark.parametrize("x, q, message", [
     (torch.ones(1, 64, dtype=torch.float64), torch.ones(16, 64, dtype=torch.int8), r"x must be float32 \[rows, 64\]"),
     (torch.ones(1, 64), torch.ones(16, 64, dtype=torch.uint8), r"contiguous 2-D int8"),
