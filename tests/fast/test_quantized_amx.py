@@ -202,13 +202,29 @@ def test_a_huge_row_whose_values_share_the_weights_signs_keeps_the_bound(fmt, ro
 @pytest.mark.parametrize("group", [64, 128])
 def test_a_long_row_with_the_weights_signs_keeps_the_bound(rows, group):
     """in = 131,072, x with output 0's weights' signs: every product adds up. Each group's float32 sums added in turn
-    missed the bound 2.6x on the tiles (two rows) and 1.1x at one row (a new user's trial); both add 16 groups'
-    sums apart, then into a total."""
+    missed the bound 2.6x on the tiles (two rows) and 1.1x at one row (a new user's trial); the tiles add 16 groups'
+    sums apart, then into a total, and one row adds four flushes' sums into float64 ones."""
     _amx()
     g = torch.Generator().manual_seed(2)
     layer = _layer("int4", 32, 131072, g, group)
     x = torch.sign(layer.dequantize()[0]) * (torch.rand(131072, generator=g) + 0.5)
     x = torch.stack([x, torch.randn(131072, generator=g)])[:rows]
+    _assert_float32_close(_product(layer, x), x, layer)
+
+
+def test_int4_at_one_row_whose_sums_would_all_round_up_keeps_the_bound():
+    """A new user's trial's row: the first block makes every lane's sum large, each later one adds just over half
+    its float32 ulp, so a float32 running sum rounds up 1,023 times (104x the bound at in = 131,072). Four flushes
+    at a time go into float64 sums."""
+    _amx()
+    w = torch.full((16, 131072), 15.0 * 2.0 ** -12)
+    w[:, :128] = 15.0  # scale 1, zero 0: the codes are the weights
+    x = torch.zeros(1, 131072)
+    x[0, :128] = 127.0  # every lane's sum 15 · 127 · 8 = 15,240 (s = 1)
+    half_ulp = 2.0 ** (13 - 23) / 2
+    for b in range(1, 1024):
+        x[0, 128 * b + 8 * torch.arange(16)] = 1.05 * half_ulp / (15 * 2.0 ** -12)
+    layer = QuantizedLinear(w, None, "int4", 64)
     _assert_float32_close(_product(layer, x), x, layer)
 
 

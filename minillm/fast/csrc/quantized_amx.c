@@ -361,8 +361,9 @@ static int chunk(const float *x, const matrix *m, float *y, int n, int threads, 
  * instead, their rounding gave up to 9x the error tests/fast/test_quantized_amx.py allows where x's values (or
  * their lower digits) share a sign: the terms are then as large as the sums. Two rows of codes at a time share x's
  * digits; the next two rows are prefetched (without it the rows streamed at 11 GB/s, with it 19); each row's zeros
- * and scales are read 16 groups at a time, and those groups' sums added apart before the total (added in turn,
- * 1,024 flushes missed float32's bound 1.1x on rows of one sign, in = 131,072). */
+ * and scales are read 16 groups at a time. The sums of four flushes at a time are added into float64 ones: a
+ * float32 running sum's roundings grow with in, the bound does not (a new user's trial: rows whose sums all round
+ * up, 104x over it at in = 131,072; same-sign rows 1.5x). */
 
 #define VNNI_ROWS 2
 
@@ -415,10 +416,11 @@ static void vnni_rows(const matrix *m, const row_digits *r, float row_s, float *
     int in = m->in, groups = in / m->group, blocks = (in + 127) / 128, half = in / 2;
     const uint8_t *codes = (const uint8_t *)m->codes;
     __m512i low = _mm512_set1_epi8(0x0F);
-    __m512 acc[VNNI_ROWS], total[VNNI_ROWS];  /* acc: the window's groups; total: the earlier windows' */
+    __m512 acc[VNNI_ROWS];  /* the last (up to) four flushes' sums, then added into wide in float64 */
+    double wide[VNNI_ROWS][16] __attribute__((aligned(64))) = {{0}};  /* in memory: the hot loop keeps its registers */
     __m512i t[VNNI_ROWS][DIGITS];
     for (int i = 0; i < VNNI_ROWS; i++) {
-        acc[i] = total[i] = _mm512_setzero_ps();
+        acc[i] = _mm512_setzero_ps();
         for (int c = 0; c < DIGITS; c++) t[i][c] = _mm512_setzero_si512();
     }
     __m512 zeros[VNNI_ROWS], scales[VNNI_ROWS];  /* groups window .. window + 15 */
@@ -442,7 +444,6 @@ static void vnni_rows(const matrix *m, const row_digits *r, float row_s, float *
             window = g0;
             __mmask16 k = groups - g0 >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g0)) - 1);
             for (int i = 0; i < VNNI_ROWS; i++) {
-                total[i] = _mm512_add_ps(total[i], acc[i]), acc[i] = _mm512_setzero_ps();
                 int64_t at = (int64_t)(o + i) * groups + g0;
                 zeros[i] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, m->zero + at)));
                 scales[i] = _mm512_maskz_loadu_ps(k, m->scale + at);
@@ -459,8 +460,18 @@ static void vnni_rows(const matrix *m, const row_digits *r, float row_s, float *
             acc[i] = _mm512_fmadd_ps(sum, scale, acc[i]);
             for (int c = 0; c < DIGITS; c++) t[i][c] = _mm512_setzero_si512();
         }
+        if (f % 4 == 0 || b == blocks - 1)
+            for (int i = 0; i < VNNI_ROWS; i++) {
+                _mm512_store_pd(wide[i], _mm512_add_pd(_mm512_load_pd(wide[i]),
+                                                       _mm512_cvtps_pd(_mm512_castps512_ps256(acc[i]))));
+                _mm512_store_pd(wide[i] + 8, _mm512_add_pd(_mm512_load_pd(wide[i] + 8),
+                                                           _mm512_cvtps_pd(_mm512_extractf32x8_ps(acc[i], 1))));
+                acc[i] = _mm512_setzero_ps();
+            }
     }
-    for (int i = 0; i < VNNI_ROWS; i++) y[o + i] = row_s * _mm512_reduce_add_ps(_mm512_add_ps(total[i], acc[i]));
+    for (int i = 0; i < VNNI_ROWS; i++)
+        y[o + i] = (float)(row_s * _mm512_reduce_add_pd(_mm512_add_pd(_mm512_load_pd(wide[i]),
+                                                                      _mm512_load_pd(wide[i] + 8))));
 }
 
 /* y [1, out] = x [1, in] @ ŵᵀ for int4 codes (out even, in and group multiples of 64). Returns 1 when x's digits
