@@ -110,27 +110,6 @@ def test_int4_at_one_row_where_the_lower_digits_share_a_sign(case):
     _assert_float32_close(_product(layer, x), x, layer)
 
 
-def test_int4_at_one_row_zeros_nan_infinity_and_extreme_sizes_are_f_linears():
-    """test_rows_of_zeros_nan_infinity_and_extreme_sizes_are_f_linears's rows, one product each."""
-    _amx()
-    g = torch.Generator().manual_seed(5)
-    w = torch.randn(32, 576, generator=g)
-    w[:, 7] = 1.0
-    layer = QuantizedLinear(w, None, "int4")
-    x = torch.randn(5, 576, generator=g)
-    x[0] = 0
-    x[1, 5] = float("nan")
-    x[2, 7] = float("inf")
-    x[3] *= 1e-36
-    x[4] *= 1e35
-    y = [_product(layer, x[r:r + 1]) for r in range(5)]
-    assert torch.equal(y[0], torch.zeros(1, 32))
-    assert y[1].isnan().all()
-    assert torch.equal(y[2], layer.forward_reference(x[2:3])) and y[2].isinf().all()
-    _assert_float32_close(y[3], x[3:4], layer)
-    _assert_float32_close(y[4], x[4:5], layer)
-
-
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_row_with_an_outlier_keeps_float32s_precision(fmt):
     """SmolLM2's down projections see rows whose largest value is 10^4 times their median; the digits' error is
@@ -165,21 +144,24 @@ def test_threads_split_the_outputs_not_the_values(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_rows_of_zeros_nan_infinity_and_extreme_sizes_are_f_linears(fmt):
+@pytest.mark.parametrize("one_at_a_time", [False, True])  # True: each row alone (int4: on the vector units)
+def test_rows_of_zeros_nan_infinity_and_extreme_sizes_are_f_linears(fmt, one_at_a_time):
     """A row of zeros gives zeros; a NaN or an infinity gives F.linear's NaN and infinities (the scalar loop takes
-    those rows, and rows too small or too large for a float32 scale); the other rows are unaffected."""
+    those rows, and rows too small or too large for a float32 scale); the other rows are unaffected. in = 576 ends
+    with half a block of 128."""
     _amx()
     g = torch.Generator().manual_seed(4)
-    w = torch.randn(32, 128, generator=g)
+    w = torch.randn(32, 576, generator=g)
     w[:, 7] = 1.0  # no 0 · inf in either format: a clean infinity
     layer = QuantizedLinear(w, None, fmt)
-    x = torch.randn(6, 128, generator=g)
+    x = torch.randn(6, 576, generator=g)
     x[0] = 0
     x[1, 5] = float("nan")
     x[2, 7] = float("inf")
     x[3] *= 1e-36
     x[4] *= 1e35
-    y, reference = _product(layer, x), layer.forward_reference(x)
+    y = torch.cat([_product(layer, row) for row in x.split(1)]) if one_at_a_time else _product(layer, x)
+    reference = layer.forward_reference(x)
     assert torch.equal(y[0], torch.zeros(32))
     assert y[1].isnan().all()
     assert torch.equal(y[2], reference[2]) and y[2].isinf().all()

@@ -36,7 +36,7 @@
  * cost four times the multiply-adds of one, which a decode step's few rows leave the matrix units to spare: int8
  * reads SmolLM2-1.7B's matrices at 23 GB/s of the host's 26.8 (BENCHMARKS.md, "Quantised products on the matrix
  * units"); int4 streams 9 GB/s, its unpacking and per-group sums the bound, so one row of x (a decode step's) with
- * int4 codes runs on the vector units instead ("int4 at one row" below: 17 GB/s). A row of zeros gives zeros; a row
+ * int4 codes runs on the vector units instead ("int4 at one row" below: 15-18 GB/s). A row of zeros gives zeros; a row
  * with a NaN or an infinity, or whose largest |x| is outside [2^-100, 2^100] (its scale would overflow), is computed
  * by a scalar loop instead, in float32: F.linear's NaN and infinities. The int32 sums hold for in <= 131072.
  *
