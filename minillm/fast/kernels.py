@@ -8,6 +8,7 @@ family, each function a kernel, checking what the C loops would misread (they tr
     csrc/bf16_amx.c    bfloat16 products on AMX, w in place  bf16_amx_matmul, bf16_amx_ready
     csrc/quantized.c   int8 and int4 products                quantized_matvec, quantized_matmul, dequantize,
                                                              quantized_pack_panels, quantized_panel_matmul
+    csrc/quantized_vnni.c  int8, int4 at one row, VNNI     (quantized_matvec's one row), quantized_vnni_ready
     csrc/quantized_amx.c  int8, int4 products on AMX      int8_amx_matmul, int4_amx_matmul, quantized_amx_ready
     csrc/attention.c   decode's and prefill's attention      decode_attention, paged_decode_attention,
                                                              causal_attention
@@ -17,6 +18,7 @@ family, each function a kernel, checking what the C loops would misread (they tr
     csrc/rope.c        RoPE of queries and keys in one call  rope
     csrc/common.h      what they share: the vector type, the panel micro-kernel's shape, a vector exp
     csrc/amx.h         what the AMX products share: the tile configuration, a 16x16 transpose
+    csrc/quantized_digits.h  what the quantised products at float32's precision share: x as four int8 digits
     csrc/ops.cpp       a few of them as torch ops, for compiled code
 
 Why C and not PyTorch: a decode step's product is one row (a few) by a matrix, so its floor is reading
@@ -62,8 +64,9 @@ from typing import NamedTuple
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("common.h", "amx.h", "products.c", "bf16_products.c", "bf16_amx.c", "quantized.c",
-                                    "quantized_amx.c", "attention.c", "attention_amx.c",
+SOURCES = [CSRC / name for name in ("common.h", "amx.h", "quantized_digits.h", "products.c", "bf16_products.c",
+                                    "bf16_amx.c", "quantized.c", "quantized_vnni.c", "quantized_amx.c", "attention.c",
+                                    "attention_amx.c",
                                     "rms_norm.c", "silu_mul.c", "rope.c")]  # what the library is built from
 OPS_SOURCE = CSRC / "ops.cpp"  # the products and decode attention as torch ops, for compiled code
 # first OpenMP (threads), then without it (macOS clang has no -fopenmp: one thread), then portable
@@ -193,6 +196,8 @@ C_FUNCTIONS = {  # name: (argument types, result type), as csrc/*.c declares the
     "int4_pack_panels": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _I], None),
     "quantized_panels_vectorised": ([], _I),
     "quantized_panel_matmul": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I], None),
+    # quantized_vnni.c
+    "quantized_vnni_ready": ([], _I),
     # quantized_amx.c
     "quantized_amx_ready": ([], _I),
     "int8_amx_matmul": ([_P, _P, _P, _P, _I, _I, _I, _I], _I),
@@ -451,8 +456,11 @@ class QuantizedPanels(NamedTuple):
 def quantized_matvec(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
                      group_size: int = 0, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x [rows, in] float32 @ ŵᵀ -> [rows, out] float32 (the codes above), each code widened to float once a
-    row: for 1-3 rows (a decode step's). Raises ValueError for codes the loops would misread, MemoryError
-    when its scratch copy of x cannot be allocated."""
+    row: for 1-3 rows (a decode step's). One row, where the build has AVX512-VNNI (:func:`quantized_vnni_ready`)
+    and in is a multiple of 64, out even (int4: groups a multiple of 64), runs on the vector units instead: x as
+    four int8 digits by the codes (csrc/quantized_vnni.c), within :func:`quantized_amx_matmul`'s bound of
+    float64's result. Raises ValueError for codes the loops would misread, MemoryError when its scratch copy of x
+    (one row's digits) cannot be allocated."""
     return _quantized_product("matvec", lib or kernels(), x, codes, scale, zero, group_size)
 
 
@@ -563,6 +571,13 @@ def quantized_amx_ready(*, lib: ctypes.CDLL | None = None) -> bool:
     Xeon from Sapphire Rapids on) and Linux granted this process the tile registers. False for a portable
     build and on every other CPU."""
     return _asked_once("quantized_amx_ready", lib)
+
+
+def quantized_vnni_ready(*, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether :func:`quantized_matvec` runs one row on the vector units (csrc/quantized_vnni.c): the build
+    targets AVX-512 with VNNI (``-march=native`` on an Intel Xeon from Cascade Lake, an AMD from Zen 4). False
+    for a portable build and on every other CPU."""
+    return _asked_once("quantized_vnni_ready", lib)
 
 
 AMX_MAX_IN = 131072  # in·127·128 < 2^31: the int32 sums of quantized_amx.c cannot overflow

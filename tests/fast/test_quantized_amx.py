@@ -3,11 +3,7 @@ dequantised matrix; rows of zeros, NaN, infinities, tiny and huge values; what t
 PyTorch's own AMX kernels their tile configuration: tests/fast/test_bf16_amx.py, for every AMX product.) Skipped
 where the CPU has no AMX-INT8 (every test but the portable build's).
 
-The bound: x is written as four base-254 digits under a power-of-two scale s < max|x| / 63.5, so each value is off
-by at most 0.5 · s / 254³ (the last digit's rounding) plus as much again (float32's rounding of the residuals as
-they are scaled up): < 1e-9 · max|x|. The digit sums are exact integers, and what follows them is a few float32
-roundings (2^-24 each) of the result. So |y - y64| <= 1e-9 · max|x| · Σ_k |ŵ_ok| + 5 · 2^-24 · Σ_k |ŵ_ok x_k|:
-keeping three digits misses it by up to 254x, as a row with an outlier shows.
+The bound, and why: tests/fast/digits_bound.py.
 """
 
 import pytest
@@ -16,6 +12,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from digits_bound import assert_float32_close
 from minillm.fast import kernels
 from minillm.fast.products import FastQuantizedLinear, swap_class
 from minillm.quantize import QuantizedLinear
@@ -34,15 +31,6 @@ def _product(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     return kernels.quantized_amx_matmul(x, layer.qweight, layer.scale, layer.zero, layer.group_size)
 
 
-def _assert_float32_close(y: torch.Tensor, x: torch.Tensor, layer: QuantizedLinear) -> None:
-    w = layer.dequantize().double()
-    exact = F.linear(x.double(), w)
-    largest = x.double().abs().amax(dim=1, keepdim=True)
-    bound = 1e-9 * largest * w.abs().sum(dim=1) + 5 * 2.0 ** -24 * F.linear(x.double().abs(), w.abs()) + 1e-37
-    assert y.dtype == torch.float32 and y.shape == exact.shape
-    assert ((y.double() - exact).abs() <= bound).all(), ((y.double() - exact).abs() / bound).max()
-
-
 @settings(max_examples=60, deadline=None)
 @given(fmt=st.sampled_from(["int8", "int4"]), rows=st.integers(1, 70), out_blocks=st.integers(1, 7),
        in_tiles=st.integers(1, 5), groups_of=st.sampled_from([1, 2]), magnitude=st.floats(-30, 30),
@@ -56,7 +44,7 @@ def test_quantized_amx_matmul_equals_float64_linear(fmt, rows, out_blocks, in_ti
     layer = _layer(fmt, 16 * out_blocks, in_features, g, 64 * groups_of)
     sizes = 10.0 ** (magnitude + torch.rand(rows, 1, generator=g) * 4 - 2)
     x = torch.randn(rows, in_features, generator=g) * sizes
-    _assert_float32_close(_product(layer, x), x, layer)
+    assert_float32_close(_product(layer, x), x, layer)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -68,7 +56,7 @@ def test_quantized_amx_matmul_at_smollm2_shapes(fmt, rows, out_features, in_feat
     g = torch.Generator().manual_seed(rows)
     layer = _layer(fmt, out_features, in_features, g)
     x = torch.randn(rows, in_features, generator=g)
-    _assert_float32_close(_product(layer, x), x, layer)
+    assert_float32_close(_product(layer, x), x, layer)
 
 
 @settings(max_examples=80, deadline=None)
@@ -91,7 +79,7 @@ def test_int4_at_one_row_equals_float64_linear(group, n_groups, out_blocks, valu
     elif values == "outlier":
         x[0, seed % in_features] = 2e4
     x = x * 10.0 ** magnitude
-    _assert_float32_close(_product(layer, x), x, layer)
+    assert_float32_close(_product(layer, x), x, layer)
 
 
 @pytest.mark.parametrize("case", ["one group of 8192, x = k + 0.9995", "sparse, groups of 192, x with row 3's signs"])
@@ -107,7 +95,7 @@ def test_int4_at_one_row_where_the_lower_digits_share_a_sign(case):
         w = torch.randn(16, 576, generator=g) * (torch.rand(16, 576, generator=g) < 0.01)
         layer = QuantizedLinear(w, None, "int4", 192)
         x = (torch.sign(layer.dequantize()[3]) * (torch.rand(576, generator=g) + 0.5)).unsqueeze(0)
-    _assert_float32_close(_product(layer, x), x, layer)
+    assert_float32_close(_product(layer, x), x, layer)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -123,7 +111,7 @@ def test_a_row_with_an_outlier_keeps_float32s_precision(fmt):
     exact = F.linear(x.double(), w)
     float32_error = (F.linear(x, layer.dequantize()).double() - exact).abs().max()
     assert (y - exact).abs().max() <= 2 * float32_error
-    _assert_float32_close(y.float(), x, layer)
+    assert_float32_close(y.float(), x, layer)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -165,7 +153,7 @@ def test_rows_of_zeros_nan_infinity_and_extreme_sizes_are_f_linears(fmt, one_at_
     assert torch.equal(y[0], torch.zeros(32))
     assert y[1].isnan().all()
     assert torch.equal(y[2], reference[2]) and y[2].isinf().all()
-    _assert_float32_close(y[3:], x[3:], layer)
+    assert_float32_close(y[3:], x[3:], layer)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -177,7 +165,7 @@ def test_a_huge_row_whose_values_share_the_weights_signs_keeps_the_bound(fmt, ro
     g = torch.Generator().manual_seed(1)
     layer = _layer(fmt, 16, 131072, g, 128)
     x = (torch.sign(layer.dequantize()[0]) * (torch.rand(131072, generator=g) + 0.5) * 1e33).expand(rows, -1)
-    _assert_float32_close(_product(layer, x.contiguous()), x, layer)
+    assert_float32_close(_product(layer, x.contiguous()), x, layer)
 
 
 @pytest.mark.parametrize("rows", [1, 2])
@@ -191,7 +179,7 @@ def test_a_long_row_with_the_weights_signs_keeps_the_bound(rows, group):
     layer = _layer("int4", 32, 131072, g, group)
     x = torch.sign(layer.dequantize()[0]) * (torch.rand(131072, generator=g) + 0.5)
     x = torch.stack([x, torch.randn(131072, generator=g)])[:rows]
-    _assert_float32_close(_product(layer, x), x, layer)
+    assert_float32_close(_product(layer, x), x, layer)
 
 
 def test_int4_at_one_row_whose_sums_would_all_round_up_keeps_the_bound():
@@ -207,7 +195,7 @@ def test_int4_at_one_row_whose_sums_would_all_round_up_keeps_the_bound():
     for b in range(1, 1024):
         x[0, 128 * b + 8 * torch.arange(16)] = 1.05 * half_ulp / (15 * 2.0 ** -12)
     layer = QuantizedLinear(w, None, "int4", 64)
-    _assert_float32_close(_product(layer, x), x, layer)
+    assert_float32_close(_product(layer, x), x, layer)
 
 
 @pytest.mark.parametrize("x, q, message", [
@@ -260,6 +248,6 @@ def test_a_quantised_layer_runs_it_and_still_refuses_a_wrong_width(fmt):
     _amx()
     layer = swap_class(_layer(fmt, 48, 128, torch.Generator().manual_seed(5)), FastQuantizedLinear)
     x = torch.randn(2, 3, 128)
-    _assert_float32_close(layer(x).view(6, 48), x.view(6, 128), layer)
+    assert_float32_close(layer(x).view(6, 48), x.view(6, 128), layer)
     with pytest.raises(ValueError, match=r"x must be float32 \[rows, 128\]"):
         layer(torch.randn(2, 64))

@@ -1,5 +1,5 @@
-/* The kernels of products.c, bf16_amx.c, quantized.c, quantized_amx.c and attention.c as torch ops
- * (torch.ops.minillm.f32_matvec, ...): how a torch.compile'd decode step calls them.
+/* The kernels of products.c, bf16_amx.c, quantized.c (with quantized_vnni.c), quantized_amx.c and attention.c as
+ * torch ops (torch.ops.minillm.f32_matvec, ...): how a torch.compile'd decode step calls them.
  *
  * A compiled graph cannot call ctypes, so it calls an op. An op whose implementation is Python
  * costs the graph ~26-34 us a call (the dispatcher calling back into Python), this one ~9 us
@@ -26,6 +26,7 @@
 extern "C" {
 #include "products.c"
 #include "bf16_amx.c"
+#include "quantized_vnni.c"
 #include "quantized.c"
 #include "quantized_amx.c"
 #include "attention.c"

@@ -8,7 +8,8 @@
  *
  * by the number of rows (minillm/fast/products.py chooses):
  *
- *   1-3 rows       int8_matvec, int4_matvec        each code widened to float once a row
+ *   1-3 rows       int8_matvec, int4_matvec        each code widened to float once a row (one row with
+ *                                                  AVX512-VNNI: x's digits by the codes, quantized_vnni.c)
  *   4-128 rows     int8_matmul, int4_matmul        a tile of ŵ dequantised once for every row
  *                  quantized_panel_matmul          (a server) the panel micro-kernel on a packed copy
  *   more (prefill) int8_dequantize, int4_dequantize  the whole float matrix, for one float product
@@ -18,7 +19,7 @@
  * against QuantizedLinear.forward_reference (dequantise, then F.linear); tests/fast/test_matvec_kernels.py
  * checks this reference against it too.
  */
-#include "common.h"
+#include "quantized_digits.h"
 
 /* The scalar reference. ŵ[o, i]: int8 when zero is NULL, else int4. */
 static float dequantized(const void *codes, const float *scale, const uint8_t *zero, int64_t o, int i, int in,
@@ -69,9 +70,12 @@ static float int8_dot(const int8_t *q, const float *x, int n) {
     return sum;
 }
 
-/* Returns 0 (as int4_matvec, which can run out of memory). */
+/* Returns 0, or 1 when one row's digits cannot be allocated. One row runs on the vector units where the build has
+ * AVX512-VNNI (quantized_vnni.c). */
 int int8_matvec(const float *x, const int8_t *q, const float *scale, float *y, int rows, int out, int in,
                 int threads) {
+    int status = rows == 1 ? int8_vnni_matvec(x, q, scale, y, out, in, threads) : 2;
+    if (status != 2) return status;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int o = 0; o < out; o++)
         for (int r = 0; r < rows; r++)
@@ -116,9 +120,11 @@ static float int4_dot(const uint8_t *b, const float *scale, const uint8_t *zero,
 }
 
 /* group must be a multiple of 16 (8 bytes a step of int4_dot) and divide in. Returns 0, or 1 when
- * the scratch copy of x cannot be allocated. */
+ * the scratch copy of x (one row's digits) cannot be allocated. One row runs on the vector units as int8's does. */
 int int4_matvec(const float *x, const uint8_t *packed, const float *scale, const uint8_t *zero,
                 float *y, int rows, int out, int in, int group, int threads) {
+    int status = rows == 1 ? int4_vnni_matvec(x, packed, scale, zero, y, out, in, group, threads) : 2;
+    if (status != 2) return status;
     int half = in / 2, groups = in / group;
     /* x split once into even and odd elements, and its sum over each group */
     float *xe = (float *)malloc(sizeof(float) * (size_t)rows * (in + groups));  /* (a cast C++ needs: ops.cpp) */

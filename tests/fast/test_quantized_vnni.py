@@ -1,0 +1,126 @@
+"""int8 and int4 at one row on the vector units (minillm/fast/csrc/quantized_vnni.c), as quantized_matvec runs them
+where the build has AVX512-VNNI (AMD Zen 4, Intel from Cascade Lake), against float64 F.linear on the dequantised
+matrix within tests/fast/digits_bound.py's bound; rows of zeros, NaN, infinities, tiny and huge values; the largest
+int32 sums; the shapes it leaves to the float loops. Skipped where the build has no AVX512-VNNI. (The matrix units'
+int4 at one row calls the same loop: tests/fast/test_quantized_amx.py.)"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from digits_bound import assert_float32_close
+from minillm.fast import kernels
+from minillm.quantize import QuantizedLinear
+
+
+def _vnni():
+    if kernels.kernels() is None or not kernels.quantized_vnni_ready():
+        pytest.skip("needs a build for AVX-512 with VNNI (an Intel Xeon from Cascade Lake, an AMD from Zen 4)")
+
+
+def _one_row(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    return kernels.quantized_matvec(x, layer.qweight, layer.scale, layer.zero, layer.group_size)
+
+
+@settings(max_examples=80, deadline=None)
+@given(fmt=st.sampled_from(["int8", "int4"]), group=st.sampled_from([64, 128, 192, 256]), n_groups=st.integers(1, 9),
+       outs=st.integers(1, 40), values=st.sampled_from(["signed", "positive", "outlier"]),
+       magnitude=st.floats(-30, 30), seed=st.integers(0, 2**16))
+def test_one_row_equals_float64_linear(fmt, group, n_groups, outs, values, magnitude, seed):
+    """in a multiple of 64 (int4: groups of 64, 128, 192 straddling blocks of 128 ks, 256; an in that ends with half a
+    block), out a multiple of 4; signed rows, positive ones (int4: their zero-point terms as large as the sums), rows
+    with an outlier, each around 10^magnitude."""
+    _vnni()
+    g = torch.Generator().manual_seed(seed)
+    in_features = group * n_groups
+    layer = QuantizedLinear(torch.randn(4 * outs, in_features, generator=g), None, fmt, group)
+    x = torch.randn(1, in_features, generator=g)
+    if values == "positive":
+        x = x.abs() + 1
+    elif values == "outlier":
+        x[0, seed % in_features] = 2e4
+    assert_float32_close(_one_row(layer, x * 10.0 ** magnitude), x * 10.0 ** magnitude, layer)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_rows_of_zeros_nan_infinity_and_extreme_sizes_are_f_linears(fmt):
+    """A row of zeros gives zeros; a NaN or an infinity gives F.linear's NaN and infinities, and rows too small or too
+    large for a float32 scale keep the bound (the scalar loop takes those rows). in = 576 ends with half a block."""
+    _vnni()
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(32, 576, generator=g)
+    w[:, 7] = 1.0  # no 0 · inf in either format: a clean infinity
+    layer = QuantizedLinear(w, None, fmt)
+    x = torch.randn(6, 576, generator=g)
+    x[0] = 0
+    x[1, 5] = float("nan")
+    x[2, 7] = float("inf")
+    x[3] *= 1e-36
+    x[4] *= 1e35
+    y = torch.cat([_one_row(layer, row) for row in x.split(1)])
+    reference = layer.forward_reference(x)
+    assert torch.equal(y[0], torch.zeros(32))
+    assert y[1].isnan().all()
+    assert torch.equal(y[2], reference[2]) and y[2].isinf().all()
+    assert_float32_close(y[3:], x[3:], layer)
+
+
+def test_int8_at_one_row_is_the_tiles_bit_for_bit():
+    """The same exact int32 sums, combined in the same order: the two units give one answer (where both run)."""
+    _vnni()
+    if not kernels.quantized_amx_ready():
+        pytest.skip("needs AMX-INT8 too")
+    g = torch.Generator().manual_seed(5)
+    for out_features, in_features in ((960, 576), (64, 1536), (48, 8192)):
+        layer = QuantizedLinear(torch.randn(out_features, in_features, generator=g), None, "int8")
+        x = torch.randn(1, in_features, generator=g) * 3
+        tiles = kernels.quantized_amx_matmul(x, layer.qweight, layer.scale)
+        assert torch.equal(_one_row(layer, x), tiles)
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_int8_sums_at_the_largest_in_are_exact(sign):
+    """in = 131,072, every code ±127 and every x its row's largest: the largest sums the format allows, D0 = ±131072
+    · 127 · 127 (2^31 less 1.6 %), each lane also holding 128 · its digits' sum (the codes' top bit flipped) until
+    it is taken out. The answer is exact."""
+    _vnni()
+    layer = QuantizedLinear(torch.full((4, 131072), sign * 1.0), None, "int8")  # codes ±127, scale 1/127
+    x = torch.full((1, 131072), 127 / 128)  # digits (127, 0, 0, 0) under s = 2^-7
+    assert torch.equal(layer.qweight, torch.full((4, 131072), sign * 127, dtype=torch.int8))
+    assert torch.equal(_one_row(layer, x), F.linear(x.double(), layer.dequantize().double()).float())
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_threads_split_the_outputs_not_the_values(fmt):
+    _vnni()
+    g = torch.Generator().manual_seed(3)
+    layer = QuantizedLinear(torch.randn(112, 192, generator=g), None, fmt)
+    x = torch.randn(1, 192, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(_one_row(layer, x))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+@pytest.mark.parametrize("fmt, out_features, in_features, group", [
+    ("int8", 18, 128, 0),  # out not a multiple of 4
+    ("int8", 16, 96, 0),   # in not a multiple of 64
+    ("int4", 17, 128, 64),  # out odd
+    ("int4", 16, 128, 32),  # groups of 32
+    ("int4", 16, 96, 48),
+])
+def test_shapes_the_loop_does_not_take_run_the_float_loops(fmt, out_features, in_features, group):
+    """quantized_matvec keeps its float loops there: F.linear's values up to float32 rounding."""
+    _vnni()
+    g = torch.Generator().manual_seed(7)
+    layer = QuantizedLinear(torch.randn(out_features, in_features, generator=g), None, fmt, group or 64)
+    x = torch.randn(1, in_features, generator=g)
+    reference = F.linear(x.double(), layer.dequantize().double())
+    torch.testing.assert_close(_one_row(layer, x).double(), reference, rtol=1e-5, atol=1e-5)
