@@ -456,11 +456,11 @@ class QuantizedPanels(NamedTuple):
 def quantized_matvec(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
                      group_size: int = 0, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x [rows, in] float32 @ ŵᵀ -> [rows, out] float32 (the codes above), each code widened to float once a
-    row: for 1-3 rows (a decode step's). One row, where the build has AVX512-VNNI (:func:`quantized_vnni_ready`)
-    and in is a multiple of 64, out even (int4: groups a multiple of 64), runs on the vector units instead: x as
-    four int8 digits by the codes (csrc/quantized_vnni.c), within :func:`quantized_amx_matmul`'s bound of
-    float64's result. Raises ValueError for codes the loops would misread, MemoryError when its scratch copy of x
-    (one row's digits) cannot be allocated."""
+    row: for 1-3 rows (a decode step's). One row, where the build has AVX512-VNNI (:func:`quantized_vnni_ready`),
+    in is a multiple of 64 up to AMX_MAX_IN and out a multiple of 4 (int4: of 2, and groups a multiple of 64), runs
+    on the vector units instead: x as four int8 digits by the codes (csrc/quantized_vnni.c), within
+    :func:`quantized_amx_matmul`'s bound of float64's result. Raises ValueError for codes the loops would misread,
+    MemoryError when its scratch copy of x (one row's digits) cannot be allocated."""
     return _quantized_product("matvec", lib or kernels(), x, codes, scale, zero, group_size)
 
 

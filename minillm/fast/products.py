@@ -30,8 +30,8 @@ stream memory as fast as all the cores together. Two ways around it, for CPU flo
 (:mod:`minillm.fast.kernels`), by the number of rows::
 
     rows 1-3        quantized_matvec             each code read once, widened to float once a row;
-                                                 one row with AVX512-VNNI (AMD Zen 4, Intel from
-                                                 Cascade Lake): x as four int8 digits by the codes,
+                                                 one row with AVX512-VNNI (AMD Zen 4, an Intel
+                                                 Xeon from Cascade Lake): x as four int8 digits by the codes,
                                                  float32's precision (csrc/quantized_vnni.c)
     rows 4-128      quantized_matmul             a tile of the matrix dequantised once (L1-sized),
                     (a serving step's decodes)   then multiplied with every row: no float matrix;

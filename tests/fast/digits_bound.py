@@ -19,3 +19,32 @@ def assert_float32_close(y: torch.Tensor, x: torch.Tensor, layer: QuantizedLinea
     bound = 1e-9 * largest * w.abs().sum(dim=1) + 5 * 2.0 ** -24 * F.linear(x.double().abs(), w.abs()) + 1e-37
     assert y.dtype == torch.float32 and y.shape == exact.shape
     assert ((y.double() - exact).abs() <= bound).all(), ((y.double() - exact).abs() / bound).max()
+
+
+def layer_of(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
+             group_size: int = 64) -> QuantizedLinear:
+    """A QuantizedLinear holding these codes (int8 [out, in], or int4 packed [out, in/2] with zero), scales and
+    zero points as they are: what quantising a float matrix would not make (scales of 1e37, every code 15)."""
+    fmt = "int8" if zero is None else "int4"
+    in_features = codes.shape[1] * (1 if zero is None else 2)
+    layer = QuantizedLinear(torch.zeros(codes.shape[0], in_features), None, fmt, group_size)
+    layer.qweight, layer.scale, layer.zero = codes, scale, zero
+    return layer
+
+
+def range_cases() -> list[tuple[str, QuantizedLinear, torch.Tensor]]:
+    """(name, layer, one row of x) whose results lie in float32's range while a scale times x's power-of-two scale
+    s, or a group's sum times its scale, does not: each product computed in that order gave inf, NaN or 0 (a new
+    user's trial)."""
+    codes = torch.zeros(16, 64, dtype=torch.int8)
+    codes[:, 1] = 1
+    x_big = torch.zeros(1, 64)
+    x_big[0, 0], x_big[0, 1] = 1000.0, 1.0  # s = 16: scale · s = 1.6e39
+    return [
+        ("int8, scale 1e38, s 16", layer_of(codes, torch.full((16,), 1e38)), x_big),
+        ("int8, scale 1e-15, s 2^-106", layer_of(torch.full((16, 131072), 127, dtype=torch.int8),
+                                                 torch.full((16,), 1e-15)), torch.full((1, 131072), 2.0 ** -100)),
+        ("int4, scale 2e37, x 1e-20", layer_of(torch.full((16, 4096), 255, dtype=torch.uint8),
+                                               torch.full((16, 1), 2e37), torch.zeros(16, 1, dtype=torch.uint8), 8192),
+         torch.full((1, 8192), 1e-20)),
+    ]

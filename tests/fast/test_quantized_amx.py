@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from digits_bound import assert_float32_close
+from digits_bound import assert_float32_close, range_cases
 from minillm.fast import kernels
 from minillm.fast.products import FastQuantizedLinear, swap_class
 from minillm.quantize import QuantizedLinear
@@ -112,6 +112,18 @@ def test_a_row_with_an_outlier_keeps_float32s_precision(fmt):
     float32_error = (F.linear(x, layer.dequantize()).double() - exact).abs().max()
     assert (y - exact).abs().max() <= 2 * float32_error
     assert_float32_close(y.float(), x, layer)
+
+
+@pytest.mark.parametrize("case", range(3))
+@pytest.mark.parametrize("rows", [1, 5])
+def test_results_in_float32s_range_stay_there(case, rows):
+    """As on the vector units (tests/fast/test_quantized_vnni.py): on the tiles, x's scale goes in first too."""
+    _amx()
+    _, layer, x = range_cases()[case]
+    x = x.expand(rows, -1).contiguous()
+    y = _product(layer, x)
+    assert y.isfinite().all() and (y != 0).all()
+    assert_float32_close(y, x, layer)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

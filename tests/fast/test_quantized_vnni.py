@@ -1,6 +1,6 @@
 """int8 and int4 at one row on the vector units (minillm/fast/csrc/quantized_vnni.c), as quantized_matvec runs them
-where the build has AVX512-VNNI (AMD Zen 4, Intel from Cascade Lake), against float64 F.linear on the dequantised
-matrix within tests/fast/digits_bound.py's bound; rows of zeros, NaN, infinities, tiny and huge values; the largest
+where the build has AVX512-VNNI (AMD Zen 4, an Intel Xeon from Cascade Lake), against float64 F.linear on the
+dequantised matrix within tests/fast/digits_bound.py's bound; results whose scales leave float32's range; rows of zeros, NaN, infinities, tiny and huge values; the largest
 int32 sums; the shapes it leaves to the float loops. Skipped where the build has no AVX512-VNNI. (The matrix units'
 int4 at one row calls the same loop: tests/fast/test_quantized_amx.py.)"""
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from digits_bound import assert_float32_close
+from digits_bound import assert_float32_close, range_cases
 from minillm.fast import kernels
 from minillm.quantize import QuantizedLinear
 
@@ -90,6 +90,17 @@ def test_int8_sums_at_the_largest_in_are_exact(sign):
     x = torch.full((1, 131072), 127 / 128)  # digits (127, 0, 0, 0) under s = 2^-7
     assert torch.equal(layer.qweight, torch.full((4, 131072), sign * 127, dtype=torch.int8))
     assert torch.equal(_one_row(layer, x), F.linear(x.double(), layer.dequantize().double()).float())
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_results_in_float32s_range_stay_there(case):
+    """A scale times x's scale (1e38 · 16, 1e-15 · 2^-106), or a group's sum times its scale (2e37 · 15 · 8192),
+    leaves float32's range where the result does not: x's scale goes in first."""
+    _vnni()
+    _, layer, x = range_cases()[case]
+    y = _one_row(layer, x)
+    assert y.isfinite().all() and (y != 0).all()
+    assert_float32_close(y, x, layer)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

@@ -59,7 +59,8 @@ static void pack_quads(const int8_t *digits, int8_t *xd, int rows, int in, int b
 }
 
 /* One finished tile into y's rows first .. first + n - 1 at outputs o .. o + 15: r[i] holds output o + i's 16
- * columns (float32), times scale16[i] (NULL: 1). */
+ * columns (float32), times the rows' scales s (row_s; NULL: already in r), then scale16[i] (NULL: 1). s first: it is
+ * a power of two, so exact, where scale16 · s could pass float32's range (scale 1e38, s 16) and the result not. */
 static void store_tile(__m512 r[16], const float *scale16, const float *row_s, float *y, int o, int first, int n,
                        int out) {
     __m512 inv = _mm512_set1_ps(1.0f / BASE), sc = scale16 ? _mm512_loadu_ps(scale16) : _mm512_set1_ps(1.0f);
@@ -67,8 +68,8 @@ static void store_tile(__m512 r[16], const float *scale16, const float *row_s, f
     for (int j = 0; j < n; j++) {
         __m512 low = _mm512_fmadd_ps(_mm512_fmadd_ps(r[12 + j], inv, r[8 + j]), inv, r[4 + j]);
         __m512 sum = _mm512_fmadd_ps(low, inv, r[j]);
-        _mm512_storeu_ps(y + (int64_t)(first + j) * out + o,
-                         _mm512_mul_ps(sum, _mm512_mul_ps(sc, _mm512_set1_ps(row_s[first + j]))));
+        if (row_s) sum = _mm512_mul_ps(sum, _mm512_set1_ps(row_s[first + j]));
+        _mm512_storeu_ps(y + (int64_t)(first + j) * out + o, _mm512_mul_ps(sum, sc));
     }
 }
 
@@ -145,19 +146,24 @@ static void unpack_rows(const uint8_t *packed, const uint8_t *zero, int8_t *abuf
     }
 }
 
-/* acc[i][v] += scale[o + i][g] · c[i][v]: a group's int32 tile into the float32 sums. */
-static void add_scaled(const int32_t *c, const float *scale, float *acc, int o, int g, int groups) {
+/* acc[i][v] += scale[o + i][g] · c[i][v] · col_s[v]: a group's int32 tile into the float32 sums, each column times
+ * its row's s first (exact: a power of two; a group's sum times its scale alone can pass float32's range where the
+ * result does not: scale 2e37, x 1e-20). */
+static void add_scaled(const int32_t *c, const float *scale, const float *col_s, float *acc, int o, int g,
+                       int groups) {
+    __m512 s = _mm512_loadu_ps(col_s);
     for (int i = 0; i < 16; i++)
-        _mm512_store_ps(acc + 16 * i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * i)),
-                                                      _mm512_set1_ps(scale[(int64_t)(o + i) * groups + g]),
-                                                      _mm512_load_ps(acc + 16 * i)));
+        _mm512_store_ps(acc + 16 * i,
+                        _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * i)), s),
+                                        _mm512_set1_ps(scale[(int64_t)(o + i) * groups + g]),
+                                        _mm512_load_ps(acc + 16 * i)));
 }
 
 /* Group g of outputs o..o+16M by blocks b, b+1 (N of them) into acc (tile (block, half) at acc + (2·block + half)
- * · 256), the codes from abuf; tiles numbered as in int8_tile_block. */
+ * · 256), the codes from abuf, column v of block b times col_s[16b + v]; tiles numbered as in int8_tile_block. */
 static inline __attribute__((always_inline)) void group_tiles(const int8_t *abuf, const int8_t *xd, const float *scale,
-                                                              float *acc, int o, int g, int b, int M, int N, int in,
-                                                              int group) {
+                                                              const float *col_s, float *acc, int o, int g, int b,
+                                                              int M, int N, int in, int group) {
     const int8_t *b0 = xd + (int64_t)b * 16 * in + (int64_t)g * group * 16, *b1 = b0 + (int64_t)16 * in;
     _tile_zero(0);
     if (M == 2) _tile_zero(1);
@@ -173,12 +179,13 @@ static inline __attribute__((always_inline)) void group_tiles(const int8_t *abuf
     }
     int32_t c[256] __attribute__((aligned(64)));
     int groups = in / group;
-    _tile_stored(0, c, 64); add_scaled(c, scale, acc + 512 * b, o, g, groups);
-    if (M == 2) { _tile_stored(1, c, 64); add_scaled(c, scale, acc + 512 * b + 256, o + 16, g, groups); }
-    if (N == 2) { _tile_stored(2, c, 64); add_scaled(c, scale, acc + 512 * (b + 1), o, g, groups); }
+    const float *s0 = col_s + 16 * b, *s1 = s0 + 16;
+    _tile_stored(0, c, 64); add_scaled(c, scale, s0, acc + 512 * b, o, g, groups);
+    if (M == 2) { _tile_stored(1, c, 64); add_scaled(c, scale, s0, acc + 512 * b + 256, o + 16, g, groups); }
+    if (N == 2) { _tile_stored(2, c, 64); add_scaled(c, scale, s1, acc + 512 * (b + 1), o, g, groups); }
     if (M == 2 && N == 2) {
         _tile_stored(3, c, 64);
-        add_scaled(c, scale, acc + 512 * (b + 1) + 256, o + 16, g, groups);
+        add_scaled(c, scale, s1, acc + 512 * (b + 1) + 256, o + 16, g, groups);
     }
 }
 
@@ -190,18 +197,22 @@ static void int4_unit(const uint8_t *packed, const float *scale, const uint8_t *
                       const float *row_s, float *y, float *acc, int8_t *abuf, int o, int M, int rows, int out, int in,
                       int group) {
     int blocks = (rows + ROWS_PER_TILE - 1) / ROWS_PER_TILE, groups = in / group;
-    float *total = acc + 512 * (size_t)blocks;
+    float *total = acc + 512 * (size_t)blocks, col_s[16 * CHUNK_ROWS / ROWS_PER_TILE];
+    for (int v = 0; v < 16 * blocks; v++) {  /* column 4c + j of block b: row 4b + j */
+        int r = ROWS_PER_TILE * (v / 16) + v % ROWS_PER_TILE;
+        col_s[v] = r < rows ? row_s[r] : 0.0f;
+    }
     memset(acc, 0, sizeof(float) * 1024 * (size_t)blocks);
     unpack_rows(packed, zero, abuf, o, 16 * M, in, group);
     for (int g = 0; g < groups; g++) {
         int b = 0;
         for (; b + 2 <= blocks; b += 2) {
-            if (M == 2) group_tiles(abuf, xd, scale, acc, o, g, b, 2, 2, in, group);
-            else group_tiles(abuf, xd, scale, acc, o, g, b, 1, 2, in, group);
+            if (M == 2) group_tiles(abuf, xd, scale, col_s, acc, o, g, b, 2, 2, in, group);
+            else group_tiles(abuf, xd, scale, col_s, acc, o, g, b, 1, 2, in, group);
         }
         if (b < blocks) {
-            if (M == 2) group_tiles(abuf, xd, scale, acc, o, g, b, 2, 1, in, group);
-            else group_tiles(abuf, xd, scale, acc, o, g, b, 1, 1, in, group);
+            if (M == 2) group_tiles(abuf, xd, scale, col_s, acc, o, g, b, 2, 1, in, group);
+            else group_tiles(abuf, xd, scale, col_s, acc, o, g, b, 1, 1, in, group);
         }
         if (g % 16 == 15 || g == groups - 1)
             for (int64_t i = 0; i < 512 * (int64_t)blocks; i += 16) {
@@ -214,7 +225,7 @@ static void int4_unit(const uint8_t *packed, const float *scale, const uint8_t *
             __m512 r[16];
             for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(total + 512 * b + 256 * h + 16 * i);
             int first = ROWS_PER_TILE * b, n = rows - first < ROWS_PER_TILE ? rows - first : ROWS_PER_TILE;
-            store_tile(r, NULL, row_s, y, o + 16 * h, first, n, out);
+            store_tile(r, NULL, NULL, y, o + 16 * h, first, n, out);
         }
 }
 

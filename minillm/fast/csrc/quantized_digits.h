@@ -25,7 +25,9 @@
  *
  * A row of zeros gives zeros; a row with a NaN or an infinity, or whose largest |x| is outside [2^-100, 2^100] (its
  * scale would overflow), is computed by a scalar loop instead (scalar_row): F.linear's NaN and infinities. The int32
- * sums hold for in <= 131072. Needs AVX-512 with VNNI (Intel from Cascade Lake, AMD from Zen 4).
+ * sums hold for in <= 131072. Results in float32's range stay in it: x's power-of-two scale s goes in before the
+ * weights' scales (a scale times s, or a group's sum times its scale, can leave the range where the result does
+ * not). Needs AVX-512 with VNNI (an Intel Xeon from Cascade Lake, AMD from Zen 4).
  */
 #ifndef MINILLM_QUANTIZED_DIGITS_H
 #define MINILLM_QUANTIZED_DIGITS_H

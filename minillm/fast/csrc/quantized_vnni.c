@@ -4,11 +4,12 @@
  * x's digits the signed one, and nothing is unpacked into memory. Where it runs:
  *
  *   int4, one row, a CPU with AMX   quantized_amx.c calls it: the tiles first copy the codes out of their nibbles
- *   int8 and int4, one row, a CPU   quantized.c's int8_matvec and int4_matvec call it (AMD from Zen 4, Intel from
- *     with AVX512-VNNI              Cascade Lake): widening each code to float32 there took 1.6-1.9x (int8) and
+ *   int8 and int4, one row, a CPU   quantized.c's int8_matvec and int4_matvec call it (AMD from Zen 4, Intel Xeon
+ *     with AVX512-VNNI              from Cascade Lake): widening each code to float32 there took 1.6-1.9x (int8) and
  *                                   1.5-3.1x (int4) its time (BENCHMARKS.md, "Quantised decode on the vector units")
  *
- * int8 at one row stays on the tiles where there are some (this loop took 1.1x their time). Needs in a
+ * minillm.fast.products keeps int8's one row on the tiles where there are some (this loop took 1.1x their time);
+ * quantized_matvec runs it here on any CPU with AVX512-VNNI. Needs in a
  * multiple of 64 up to 131072 and out a multiple of 4 (int4: of 2, and group a multiple of 64 dividing in).
  */
 #include "quantized_digits.h"
@@ -58,7 +59,7 @@ static void int8_rows(const matrix *m, const int8_t *digits, const __m512i bias[
         float d[DIGITS], inv = 1.0f / BASE;
         for (int c = 0; c < DIGITS; c++) d[c] = (float)_mm512_reduce_add_epi32(_mm512_sub_epi32(t[i][c], bias[c]));
         float sum = fmaf(fmaf(fmaf(d[3], inv, d[2]), inv, d[1]), inv, d[0]);
-        y[o + i] = sum * (m->scale[o + i] * row_s);
+        y[o + i] = sum * row_s * m->scale[o + i];  /* (row_s first: exact; scale · row_s can overflow) */
     }
 }
 
@@ -182,7 +183,9 @@ static void int4_rows(const matrix *m, const row_digits *r, float row_s, float *
             for (int i = 0; i < INT4_ROWS; i++) {
                 int64_t at = (int64_t)(o + i) * groups + g0;
                 zeros[i] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, m->zero + at)));
-                scales[i] = _mm512_maskz_loadu_ps(k, m->scale + at);
+                /* times x's scale s (a power of two: exact), here and not at the end: a group's sum times its
+                 * scale alone can pass float32's range where the result does not (scale 1e37, x 1e-20) */
+                scales[i] = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, m->scale + at), _mm512_set1_ps(row_s));
             }
         }
         __m512i lanes = _mm512_add_epi32(_mm512_load_si512(r->lane_group + 16 * f++), _mm512_set1_epi32(g0 - window));
@@ -206,8 +209,7 @@ static void int4_rows(const matrix *m, const row_digits *r, float row_s, float *
             }
     }
     for (int i = 0; i < INT4_ROWS; i++)
-        y[o + i] = (float)(row_s * _mm512_reduce_add_pd(_mm512_add_pd(_mm512_load_pd(wide[i]),
-                                                                      _mm512_load_pd(wide[i] + 8))));
+        y[o + i] = (float)_mm512_reduce_add_pd(_mm512_add_pd(_mm512_load_pd(wide[i]), _mm512_load_pd(wide[i] + 8)));
 }
 
 /* y [1, out] = x [1, in] @ ŵᵀ for int4 codes (out even, in and group multiples of 64). Returns 1 when x's digits
