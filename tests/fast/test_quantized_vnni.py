@@ -1,8 +1,9 @@
 """int8 and int4 at one row on the vector units (minillm/fast/csrc/quantized_vnni.c), as quantized_matvec runs them
 where the build has AVX512-VNNI (AMD Zen 4, an Intel Xeon from Cascade Lake), against float64 F.linear on the
 dequantised matrix within tests/fast/digits_bound.py's bound; results whose scales leave float32's range; rows of
-zeros, NaN, infinities, tiny and huge values; the largest int32 sums; the shapes it leaves to the float loops. Skipped where the build has no AVX512-VNNI. (The matrix units'
-int4 at one row calls the same loop: tests/fast/test_quantized_amx.py.)"""
+zeros, NaN, infinities, tiny and huge values; the largest int32 sums; the shapes it leaves to the float loops.
+Skipped where the build has no AVX512-VNNI. (The matrix units' int4 at one row calls the same loop:
+tests/fast/test_quantized_amx.py.)"""
 
 import pytest
 import torch
