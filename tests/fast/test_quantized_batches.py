@@ -220,3 +220,20 @@ def test_codes_on_another_device_are_refused_not_read():
         kernels.quantized_pack_panels(layer.qweight, layer.scale, layer.zero, 32.0)
     with pytest.raises(ValueError, match="f32_matvec takes float32 CPU tensors"):
         kernels.f32_matvec(torch.randn(2, 64), torch.randn(40, 64, device="meta"))
+
+
+@BUILDS
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_weights_that_are_all_zero_give_zero_in_the_matvec(portable, rows):
+    """Every code equal to its zero point (each weight 0) in one group of 131,072, x positive: the answer is 0.
+    quantized_matvec took zero · Σx out of the group's float sum and gave 187.8 at 2 rows (a new user's trial);
+    it now forms q - zero in integers first."""
+    lib = kernels.kernels(portable)
+    layer = QuantizedLinear(torch.zeros(2, 131072), None, "int4", 131072)
+    layer.qweight.fill_(255)  # every code 15
+    layer.zero.fill_(15)
+    layer.scale.fill_(0.1)
+    x = torch.full((rows, 131072), 1.5 + 2.0 ** -10)
+    x[:, 0] = 127.0
+    y = kernels.quantized_matvec(x, layer.qweight, layer.scale, layer.zero, 131072, lib=lib)
+    assert torch.equal(y, torch.zeros(rows, 2))
