@@ -2,8 +2,9 @@
 x is written as four base-254 digits under a power-of-two scale s < max|x| / 63.5, so each value is off by at most
 0.5 · s / 254³ (the last digit's rounding) plus as much again (float32's rounding of the residuals as they are
 scaled up): < 1e-9 · max|x|. The digit sums are exact integers, and what follows them is a few float32 roundings
-(2^-24 each) of the result. So |y - y64| <= 1e-9 · max|x| · Σ_k |ŵ_ok| + 5 · 2^-24 · Σ_k |ŵ_ok x_k|: keeping three
-digits misses it by up to 254x, as a row with an outlier shows (tests/fast/test_quantized_amx.py)."""
+(2^-24 each) of the result. So |y - y64| <= 1e-9 · max|x| · Σ_k |ŵ_ok| + 5 · 2^-24 · Σ_k |ŵ_ok x_k|, plus in · 2^-149
+for results among float32's subnormals (whose roundings are absolute): keeping three digits misses it by up to 254x,
+as a row with an outlier shows (tests/fast/test_quantized_amx.py)."""
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,8 @@ def assert_float32_close(y: torch.Tensor, x: torch.Tensor, layer: QuantizedLinea
     w = layer.dequantize().double()
     exact = F.linear(x.double(), w)
     largest = x.double().abs().amax(dim=1, keepdim=True)
-    bound = 1e-9 * largest * w.abs().sum(dim=1) + 5 * 2.0 ** -24 * F.linear(x.double().abs(), w.abs()) + 1e-37
+    subnormal = x.shape[1] * 2.0 ** -149  # a float32 rounding below 2^-126 is this absolute: one a product
+    bound = 1e-9 * largest * w.abs().sum(dim=1) + 5 * 2.0 ** -24 * F.linear(x.double().abs(), w.abs()) + subnormal
     assert y.dtype == torch.float32 and y.shape == exact.shape
     assert ((y.double() - exact).abs() <= bound).all(), ((y.double() - exact).abs() / bound).max()
 
@@ -32,14 +34,30 @@ def layer_of(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
     return layer
 
 
+def _pack(q: torch.Tensor) -> torch.Tensor:
+    """int4 codes [out, in] (0-15) -> the packed bytes [out, in/2]"""
+    return (q[:, 0::2] | q[:, 1::2] << 4).to(torch.uint8)
+
+
 def range_cases() -> list[tuple[str, QuantizedLinear, torch.Tensor]]:
     """(name, layer, one row of x) whose results lie in float32's range while a scale times x's power-of-two scale
-    s, or a group's sum times its scale, does not: each product computed in that order gave inf, NaN or 0 (a new
-    user's trial)."""
+    s, a group's sum times its scale, or a lower digit's sum times both, does not: computed in those orders, each
+    gave inf, NaN or 0 (two new users' trials)."""
     codes = torch.zeros(16, 64, dtype=torch.int8)
     codes[:, 1] = 1
     x_big = torch.zeros(1, 64)
     x_big[0, 0], x_big[0, 1] = 1000.0, 1.0  # s = 16: scale · s = 1.6e39
+    zeros2 = torch.zeros(16, 2, dtype=torch.uint8)
+    half_zero = torch.zeros(16, 128, dtype=torch.uint8)
+    half_zero[:, 64:] = 1  # group 0's weights all 0, its scale 1e38
+    one_off = torch.ones(16, 128, dtype=torch.uint8)
+    one_off[:, 0] = 0
+    x_spike = torch.full((1, 128), 2.0 ** -4)
+    x_spike[0, 0] = 2.0 ** 10
+    fifteens = torch.full((16, 128), 15, dtype=torch.uint8)
+    fifteens[:, 0] = 0
+    x_low = torch.full((1, 128), 16 * 127 / 254 ** 3)  # its digits below the first: a lower digit's sum is large
+    x_low[0, 0] = 64 * 16
     return [
         ("int8, scale 1e38, s 16", layer_of(codes, torch.full((16,), 1e38)), x_big),
         ("int8, scale 1e-15, s 2^-106", layer_of(torch.full((16, 131072), 127, dtype=torch.int8),
@@ -47,4 +65,16 @@ def range_cases() -> list[tuple[str, QuantizedLinear, torch.Tensor]]:
         ("int4, scale 2e37, x 1e-20", layer_of(torch.full((16, 4096), 255, dtype=torch.uint8),
                                                torch.full((16, 1), 2e37), torch.zeros(16, 1, dtype=torch.uint8), 8192),
          torch.full((1, 8192), 1e-20)),
+        ("int4, a group of zeros with scale 1e38, x 2^20", layer_of(
+            _pack(half_zero), torch.ones(16, 2).index_fill_(1, torch.tensor([0]), 1e38), zeros2),
+         torch.full((1, 128), 2.0 ** 20)),
+        ("int4, scale 2.5e37, s 8", layer_of(_pack(one_off), torch.full((16, 2), 2.5e37), zeros2), x_spike),
+        ("int4, scale 2^-124, s 2^-32", layer_of(torch.full((16, 65536), 255, dtype=torch.uint8),
+                                                 torch.full((16, 1), 2.0 ** -124), torch.zeros(16, 1, dtype=torch.uint8),
+                                                 131072), torch.full((1, 131072), 126.9 * 2.0 ** -26)),
+        ("int4, scale 6.25e32, a lower digit's sum", layer_of(_pack(fifteens), torch.full((16, 2), 6.25e32), zeros2),
+         x_low),
+        ("int8, scale 3e38, x 2^-101 (the scalar loop)", layer_of(torch.full((16, 64), 127, dtype=torch.int8),
+                                                                  torch.full((16,), 3e38)),
+         torch.full((1, 64), 2.0 ** -101)),
     ]

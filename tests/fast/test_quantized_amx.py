@@ -114,7 +114,7 @@ def test_a_row_with_an_outlier_keeps_float32s_precision(fmt):
     assert_float32_close(y.float(), x, layer)
 
 
-@pytest.mark.parametrize("case", range(3))
+@pytest.mark.parametrize("case", range(8))
 @pytest.mark.parametrize("rows", [1, 5])
 def test_results_in_float32s_range_stay_there(case, rows):
     """As on the vector units (tests/fast/test_quantized_vnni.py): on the tiles, x's scale goes in first too."""

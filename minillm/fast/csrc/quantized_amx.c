@@ -58,17 +58,16 @@ static void pack_quads(const int8_t *digits, int8_t *xd, int rows, int in, int b
                                                                                src + p, 4));
 }
 
-/* One finished tile into y's rows first .. first + n - 1 at outputs o .. o + 15: r[i] holds output o + i's 16
- * columns (float32), times the rows' scales s (row_s; NULL: already in r), then scale16[i] (NULL: 1). s first: it is
- * a power of two, so exact, where scale16 · s could pass float32's range (scale 1e38, s 16) and the result not. */
+/* One finished int8 tile into y's rows first .. first + n - 1 at outputs o .. o + 15: r[i] holds output o + i's 16
+ * columns (float32), each row's digits combined, times its scale s (row_s), then scale16[i]. s first: it is a power
+ * of two, so exact, where scale16 · s could pass float32's range (scale 1e38, s 16) and the result not. */
 static void store_tile(__m512 r[16], const float *scale16, const float *row_s, float *y, int o, int first, int n,
                        int out) {
-    __m512 inv = _mm512_set1_ps(1.0f / BASE), sc = scale16 ? _mm512_loadu_ps(scale16) : _mm512_set1_ps(1.0f);
+    __m512 inv = _mm512_set1_ps(1.0f / BASE), sc = _mm512_loadu_ps(scale16);
     transpose16(r);  /* r[v]: column v for the 16 outputs */
     for (int j = 0; j < n; j++) {
         __m512 low = _mm512_fmadd_ps(_mm512_fmadd_ps(r[12 + j], inv, r[8 + j]), inv, r[4 + j]);
-        __m512 sum = _mm512_fmadd_ps(low, inv, r[j]);
-        if (row_s) sum = _mm512_mul_ps(sum, _mm512_set1_ps(row_s[first + j]));
+        __m512 sum = _mm512_mul_ps(_mm512_fmadd_ps(low, inv, r[j]), _mm512_set1_ps(row_s[first + j]));
         _mm512_storeu_ps(y + (int64_t)(first + j) * out + o, _mm512_mul_ps(sum, sc));
     }
 }
@@ -147,8 +146,9 @@ static void unpack_rows(const uint8_t *packed, const uint8_t *zero, int8_t *abuf
 }
 
 /* acc[i][v] += scale[o + i][g] · c[i][v] · col_s[v]: a group's int32 tile into the float32 sums, each column times
- * its row's s first (exact: a power of two; a group's sum times its scale alone can pass float32's range where the
- * result does not: scale 2e37, x 1e-20). */
+ * its row's s / 254^c (digit c) first: a column times its scale alone, or a scale times s, can pass float32's range
+ * where the result does not (a new user's trials: scale 2e37 with x 1e-20, inf; a lower digit's column times
+ * 6.25e32 · 16, inf). */
 static void add_scaled(const int32_t *c, const float *scale, const float *col_s, float *acc, int o, int g,
                        int groups) {
     __m512 s = _mm512_loadu_ps(col_s);
@@ -198,9 +198,11 @@ static void int4_unit(const uint8_t *packed, const float *scale, const uint8_t *
                       int group) {
     int blocks = (rows + ROWS_PER_TILE - 1) / ROWS_PER_TILE, groups = in / group;
     float *total = acc + 512 * (size_t)blocks, col_s[16 * CHUNK_ROWS / ROWS_PER_TILE];
-    for (int v = 0; v < 16 * blocks; v++) {  /* column 4c + j of block b: row 4b + j */
+    for (int v = 0; v < 16 * blocks; v++) {  /* column 4c + j of block b: digit c of row 4b + j */
         int r = ROWS_PER_TILE * (v / 16) + v % ROWS_PER_TILE;
-        col_s[v] = r < rows ? row_s[r] : 0.0f;
+        float digit = 1.0f;
+        for (int c = 0; c < v % 16 / ROWS_PER_TILE; c++) digit /= BASE;
+        col_s[v] = r < rows ? row_s[r] * digit : 0.0f;
     }
     memset(acc, 0, sizeof(float) * 1024 * (size_t)blocks);
     unpack_rows(packed, zero, abuf, o, 16 * M, in, group);
@@ -225,7 +227,10 @@ static void int4_unit(const uint8_t *packed, const float *scale, const uint8_t *
             __m512 r[16];
             for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(total + 512 * b + 256 * h + 16 * i);
             int first = ROWS_PER_TILE * b, n = rows - first < ROWS_PER_TILE ? rows - first : ROWS_PER_TILE;
-            store_tile(r, NULL, NULL, y, o + 16 * h, first, n, out);
+            transpose16(r);  /* r[v]: column v, each already times its row's s / 254^c: the digits add */
+            for (int j = 0; j < n; j++)
+                _mm512_storeu_ps(y + (int64_t)(first + j) * out + o + 16 * h,
+                                 _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(r[12 + j], r[8 + j]), r[4 + j]), r[j]));
         }
 }
 

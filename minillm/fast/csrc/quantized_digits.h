@@ -9,7 +9,7 @@
  *   x float32 [rows, in],  y float32 [rows, out],  y = x @ ŵᵀ
  *
  * Both units multiply-add int8 by int8 into int32, exactly. x is float32, so each row is written as four int8
- * digits in base 254 under a power-of-two scale s (s chosen so that max|x| / s lies in (63.5, 127], which makes
+ * digits in base 254 under a power-of-two scale s (s chosen so that max|x| / s lies in [63.5, 127], which makes
  * x / s exact):
  *
  *   x[k] / s = d0[k] + d1[k] / 254 + d2[k] / 254² + d3[k] / 254³ + ε[k]      (each digit in [-127, 127])
@@ -41,7 +41,7 @@
 #define BASE 254.0f
 #define MAX_IN 131072  /* the int32 sums' bound */
 
-/* Row r's scale s (a power of two, max|x| / s in (63.5, 127]); 0 for a row of zeros (its digits are zeros, and so
+/* Row r's scale s (a power of two, max|x| / s in [63.5, 127]); 0 for a row of zeros (its digits are zeros, and so
  * its products); -1 when the scalar loop takes the row. */
 static inline float row_scale(const float *x, int in) {
     __m512 big = _mm512_setzero_ps();
@@ -92,12 +92,12 @@ typedef struct {  /* the matrix: int8 codes when zero is NULL, else int4 */
     int out, in, group;
 } matrix;
 
-/* ŵ[o, k] in float32 */
-static inline float weight_at(const matrix *m, int64_t o, int k) {
-    if (m->zero == NULL) return (float)((const int8_t *)m->codes)[o * m->in + k] * m->scale[o];
+/* ŵ[o, k], in float64: q · scale can pass float32's range (127 · 3e38) where x · ŵ does not */
+static inline double weight_at(const matrix *m, int64_t o, int k) {
+    if (m->zero == NULL) return (double)((const int8_t *)m->codes)[o * m->in + k] * m->scale[o];
     int groups = m->in / m->group, g = k / m->group;
     int q = (((const uint8_t *)m->codes)[o * (m->in / 2) + k / 2] >> (4 * (k % 2))) & 15;
-    return (float)(q - m->zero[o * groups + g]) * m->scale[o * groups + g];
+    return (double)(q - m->zero[o * groups + g]) * m->scale[o * groups + g];
 }
 
 /* Row r of y by the scalar loop (a row row_scale gave -1). */

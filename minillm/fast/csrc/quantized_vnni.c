@@ -161,6 +161,10 @@ static void int4_rows(const matrix *m, const row_digits *r, float row_s, float *
     }
     __m512 zeros[INT4_ROWS], scales[INT4_ROWS];  /* groups window .. window + 15 */
     for (int i = 0; i < INT4_ROWS; i++) zeros[i] = scales[i] = _mm512_setzero_ps();  /* (read only once loaded) */
+    /* Each flush's sums are times x's scale s before the groups' scales: exact (a power of two), where a sum (up to
+     * 2^24) times its scale, or a scale times s, can leave float32's range and the result not (a new user's trials:
+     * scale 2e37 with x 1e-20, inf; 1e38 with s = 2^14 and a group of zeros, NaN; 2^-124 with s = 2^-32, 0) */
+    __m512 x_scale = _mm512_set1_ps(row_s);
     int prefetch = o + 2 * INT4_ROWS <= m->out, window = -16;
     for (int b = 0, f = 0; b < blocks; b++) {
         __mmask64 live = 128 * b + 128 <= in ? ~(__mmask64)0 : ((__mmask64)1 << 32) - 1;  /* a last 64 ks: 32 bytes */
@@ -183,9 +187,7 @@ static void int4_rows(const matrix *m, const row_digits *r, float row_s, float *
             for (int i = 0; i < INT4_ROWS; i++) {
                 int64_t at = (int64_t)(o + i) * groups + g0;
                 zeros[i] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, m->zero + at)));
-                /* times x's scale s (a power of two: exact), here and not at the end: a group's sum times its
-                 * scale alone can pass float32's range where the result does not (scale 1e37, x 1e-20) */
-                scales[i] = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, m->scale + at), _mm512_set1_ps(row_s));
+                scales[i] = _mm512_maskz_loadu_ps(k, m->scale + at);
             }
         }
         __m512i lanes = _mm512_add_epi32(_mm512_load_si512(r->lane_group + 16 * f++), _mm512_set1_epi32(g0 - window));
@@ -196,7 +198,7 @@ static void int4_rows(const matrix *m, const row_digits *r, float row_s, float *
                 sum = c == DIGITS - 1 ? exact : _mm512_fmadd_ps(sum, inv, exact);
             }
             __m512 scale = _mm512_permutexvar_ps(lanes, scales[i]);
-            acc[i] = _mm512_fmadd_ps(sum, scale, acc[i]);
+            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(sum, x_scale), scale, acc[i]);
             for (int c = 0; c < DIGITS; c++) t[i][c] = _mm512_setzero_si512();
         }
         if (f % 4 == 0 || b == blocks - 1)
