@@ -4,9 +4,12 @@ Decode's attention reads each layer's K and V once for a few FLOPs a byte, and S
 spends its time elsewhere: a compiled SmolLM2-135M float32 step on the developers' 2-core EPYC took
 40.0-42.6 ms with the C loop (:func:`minillm.fast.kernels.decode_attention`, flash-decoding's split
 of the keys) against 44.3-44.7 ms with SDPA at 128 positions, and 45.8-50.7 against 52.8-59.1 ms at
-1,000 (BENCHMARKS-HISTORY.md). It runs for one float32 CPU query a sequence (T = 1) over a cache
-with contiguous rows, head_dim a multiple of 8, and no mask but a static buffer's (its unfilled end);
-everything else is :class:`~minillm.model.Attention`'s own. Same values as SDPA up to float rounding.
+1,000 (BENCHMARKS-HISTORY.md). In bfloat16 the loop widens each chunk of the cache to float32 as it
+reads it, where SDPA's CPU kernel took 7.7x its float32 time on that EPYC (1,024 keys: 555 against 72 us;
+BENCHMARKS.md, "bfloat16 decode attention in C"). It runs for one float32 or bfloat16 CPU query a
+sequence (T = 1) over a cache with contiguous rows, head_dim a multiple of 8, and no mask but a static
+buffer's (its unfilled end); everything else is :class:`~minillm.model.Attention`'s own. Same values as
+SDPA up to float rounding.
 
 Prefill's causal attention (many queries, the last T of the S positions, no mask) runs
 :func:`minillm.fast.kernels.causal_attention`, a flash-attention loop that never computes the masked
@@ -96,8 +99,9 @@ class FastAttention(Attention):
                 and not (torch.is_grad_enabled() and q.requires_grad) and not torch.compiler.is_compiling())
 
     def _in_c(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:
-        return (self.c_decode and q.shape[2] == 1 and q.device.type == "cpu" and q.dtype == torch.float32
-                and k.dtype == q.dtype and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
+        return (self.c_decode and q.shape[2] == 1 and q.device.type == "cpu"
+                and q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype
+                and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
                 and not (torch.is_grad_enabled() and q.requires_grad)
                 and (mask.dim() == 2 if mask is not None else not torch.compiler.is_compiling()))
 
@@ -123,11 +127,11 @@ def tiles_prefill_fits(model) -> bool:
 
 
 def c_decode_fits(model) -> bool:
-    """Whether decode's attention can run in C for this model: float32 on a CPU, head_dim a multiple
-    of 8, and the kernels built."""
+    """Whether decode's attention can run in C for this model: float32 or bfloat16 on a CPU, head_dim a
+    multiple of 8, and the kernels built."""
     weight = model.embed.weight
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and model.config.head_dim % 8 == 0
-            and kernels.available())
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and model.config.head_dim % 8 == 0 and kernels.available())
 
 
 def c_kernels_fit(model) -> bool:

@@ -204,7 +204,7 @@ C_FUNCTIONS = {  # name: (argument types, result type), as csrc/*.c declares the
     "int4_amx_matmul": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I], _I),
     # attention.c
     "attention_reference": ([_P, _P, _P, _P, _I, _I, _F], None),
-    "decode_attention": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _L, _L, _L, _L, _F, _I], _I),
+    "decode_attention": ([_P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _L, _L, _L, _L, _F, _I], _I),
     "paged_decode_attention": ([_P, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I], _I),
     "causal_attention": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _L, _L, _L, _L, _L, _L, _L, _L, _L, _F, _I],
                          _I),
@@ -681,12 +681,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: 
                      scale: float, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """Decode's attention: softmax(scale · q·kᵀ) · v over the first ``n_keys`` keys.
 
-    q [B, n_heads, 1, head_dim] float32 (one new query a sequence); k, v [B, n_kv_heads, S, head_dim]
-    float32 with contiguous rows (a KV cache's buffer or a view of its first positions), n_heads a
-    multiple of n_kv_heads (GQA), head_dim a multiple of 8; ``n_keys`` (an int or a one-element
-    tensor, 1 <= n_keys <= S) how many keys the query sees. Returns [B, n_heads, 1, head_dim]
-    float32, ``F.scaled_dot_product_attention``'s values up to float rounding. Raises ValueError for
-    inputs the C loop would misread, MemoryError when its scratch cannot be allocated.
+    q [B, n_heads, 1, head_dim] (one new query a sequence); k, v [B, n_kv_heads, S, head_dim] with contiguous rows
+    (a KV cache's buffer or a view of its first positions); all float32, or all bfloat16 (each chunk of keys and
+    values widened to float32 as it is read, the sums float32; the softmax's numerators rounded to bfloat16 before
+    they weigh the values, and the output once, where SDPA's CPU kernel rounds); n_heads a multiple of n_kv_heads
+    (GQA), head_dim a multiple of 8; ``n_keys`` (an int or a one-element tensor, 1 <= n_keys <= S) how many keys
+    the query sees. Returns [B, n_heads, 1, head_dim] of q's dtype, ``F.scaled_dot_product_attention``'s values up
+    to float rounding. Raises ValueError for inputs the C loop would misread, MemoryError when its scratch cannot
+    be allocated.
     """
     lib = lib or kernels()
     if isinstance(n_keys, torch.Tensor) and n_keys.numel() == 1 and n_keys.device.type == "cpu" \
@@ -698,20 +700,21 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: 
     B, n_heads, T, head_dim = q.shape if q.dim() == 4 else (0, 0, 0, 0)
     ok = (T == 1 and head_dim % 8 == 0 and head_dim > 0 and k.dim() == 4 and k.shape == v.shape
           and k.shape[0] == B and k.shape[1] > 0 and k.shape[3] == head_dim and n_heads % k.shape[1] == 0
-          and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v))
+          and q.dtype in (torch.float32, torch.bfloat16) and q.dtype == k.dtype == v.dtype
+          and all(t.device.type == "cpu" for t in (q, k, v))
           and k.stride(3) == v.stride(3) == 1 and k.stride(2) == v.stride(2) == head_dim)
     if not ok or not 1 <= n_keys <= k.shape[2]:
-        raise ValueError(f"decode_attention takes float32 CPU q [B, heads, 1, D] (D a multiple of 8) and k, v "
-                         f"[B, kv_heads, S, D] with contiguous rows, heads a multiple of kv_heads, 1 <= n_keys <= S; "
-                         f"got q {q.dtype} {list(q.shape)}, k {k.dtype} {list(k.shape)} strides {list(k.stride())}, "
-                         f"v {list(v.shape)}, n_keys {n_keys}")
-    q, out = q.contiguous(), _output(*q.shape)
-    status = lib.decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), B, n_heads, k.shape[1],
-                                  n_keys, head_dim, k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale,
-                                  torch.get_num_threads())
+        raise ValueError(f"decode_attention takes float32 (or all bfloat16) CPU q [B, heads, 1, D] (D a multiple of "
+                         f"8) and k, v [B, kv_heads, S, D] with contiguous rows, heads a multiple of kv_heads, "
+                         f"1 <= n_keys <= S; got q {q.dtype} {list(q.shape)}, k {k.dtype} {list(k.shape)} strides "
+                         f"{list(k.stride())}, v {v.dtype} {list(v.shape)}, n_keys {n_keys}")
+    q32, out = q.contiguous().float(), _output(*q.shape)
+    status = lib.decode_attention(q32.data_ptr(), k.data_ptr(), v.data_ptr(), q.dtype == torch.bfloat16,
+                                  out.data_ptr(), B, n_heads, k.shape[1], n_keys, head_dim, k.stride(0), k.stride(1),
+                                  v.stride(0), v.stride(1), scale, torch.get_num_threads())
     if status:
-        raise MemoryError("decode_attention could not allocate its partial results")
-    return out
+        raise MemoryError("decode_attention could not allocate its partial results or a thread's float32 copy")
+    return out.to(q.dtype)
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,

@@ -248,8 +248,10 @@ def test_the_ops_a_compiled_step_calls_are_the_cpp_build_and_equal_the_ctypes_ke
             assert torch.equal(getattr(ops, name)(x, *codes), getattr(functions, name)(x, *codes))
         assert torch.equal(ops.dequantize(*codes), functions.dequantize(*codes))
     q, (k, v) = torch.randn(1, 6, 1, 64, generator=g), torch.randn(2, 1, 2, 50, 64, generator=g)
-    assert torch.equal(ops.decode_attention(q, k, v, torch.tensor([45]), 0.125),
-                       functions.decode_attention(q, k, v, 45, 0.125))
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        assert torch.equal(ops.decode_attention(q, k, v, torch.tensor([45]), 0.125),
+                           functions.decode_attention(q, k, v, 45, 0.125))
     with pytest.raises(RuntimeError, match=r"f32_matvec takes x float32 \[rows, 128\], got Double \[3, 128\]"):
         ops.f32_matvec(x.double(), w)
 
@@ -351,6 +353,23 @@ def test_decode_attention_equals_float64_softmax(batch, heads, kv_heads, head_di
     assert (out.double() - _attention_oracle(q, k, v, n_keys, 0.3)).abs().max() <= 1e-5
 
 
+@BUILDS
+@pytest.mark.parametrize("batch, heads, kv_heads, head_dim", [(1, 9, 3, 64), (2, 4, 4, 128), (1, 4, 2, 72)])
+@pytest.mark.parametrize("n_keys", [1, 33, 200])
+def test_decode_attention_in_bfloat16_equals_float64_softmax(batch, heads, kv_heads, head_dim, n_keys, portable):
+    """A bfloat16 cache, read where it lies (a view of a longer buffer): the float64 softmax of the same bfloat16
+    numbers, off by the float32 sums (1e-5, as above) and two roundings to bfloat16 (each at most 2^-9 of what it
+    rounds), where SDPA's CPU kernel rounds: each softmax numerator before it multiplies its value row (so at most
+    2^-9 · Σ_j p_j·|v_j|), and the output (2^-9 of it; 2^-8 here for the sums' error crossing a boundary)."""
+    g = torch.Generator().manual_seed(n_keys + head_dim)
+    q = torch.randn(batch, heads, 1, head_dim, generator=g).bfloat16()
+    k, v = torch.randn(2, batch, kv_heads, n_keys + 7, head_dim, generator=g).bfloat16()
+    out = matvec_kernels.decode_attention(q, k, v, n_keys, 0.3, lib=_lib(portable))
+    expected, magnitude = _attention_oracle(q, k, v, n_keys, 0.3), _attention_oracle(q, k, v.abs(), n_keys, 0.3)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert ((out.double() - expected).abs() <= 1e-5 + 2.0 ** -9 * magnitude + 2.0 ** -8 * expected.abs()).all()
+
+
 @pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
 def test_decode_attention_reads_a_cache_view_and_far_apart_scores():
     """A view of a cache's first positions (heads max_seq_len rows apart, sequences further), as
@@ -373,6 +392,7 @@ def test_decode_attention_reads_a_cache_view_and_far_apart_scores():
     (lambda q, k, n: (q, k, 0), "n_keys 0"),
     (lambda q, k, n: (q, k, 11), "n_keys 11"),
     (lambda q, k, n: (q.double(), k, n), "got q (torch.float64|Double)"),
+    (lambda q, k, n: (q.bfloat16(), k, n), "got q (torch.bfloat16|BFloat16)"),  # (q bfloat16, k and v float32)
     (lambda q, k, n: (q[:, :3], k, n), "heads a multiple of kv_heads"),
     (lambda q, k, n: (q, k.transpose(2, 3).contiguous().transpose(2, 3), n), "contiguous rows"),
     (lambda q, k, n: (q, k[:, :0], n), "heads a multiple of kv_heads"),  # (was: SIGFPE in the op)
@@ -410,6 +430,36 @@ def test_decode_runs_attention_in_c_on_the_matvec_path_only(path, in_c, window, 
         logits.append(decode_step(model, torch.tensor([3]), cache))
     assert model.decode_path == path and (logits[1] - logits[0]).abs().max() <= 1e-5
     assert calls == ([window or 10] * model.config.n_layers if in_c else [])
+
+
+@pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_bfloat16_decode_runs_attention_in_c_within_bfloat16s_error(window, monkeypatch, tmp_path):
+    """A bfloat16 model's default path reads its bfloat16 cache in C each layer of a decode step (a sliding window:
+    its last 4 keys of 12). Oracle: the float32 lesson model. Yardstick: E, the plain bfloat16 model's largest logit
+    error from it over the steps; the fast model's is within 2E (as tests/test_dtypes_vs_hf.py bounds bfloat16)."""
+    from tiny_models import LLAMA_BASE, build_hf, save_hf
+
+    from minillm import KVCache, decode_step, load_model, prefill
+
+    folder = save_hf(build_hf("mistral", dict(LLAMA_BASE, sliding_window=window)), tmp_path)
+    models = [load_model(folder, device="cpu", fast=False), load_model(folder, device="cpu", dtype="bfloat16",
+                                                                       fast=False),
+              load_model(folder, device="cpu", dtype="bfloat16")]
+    calls = []
+    real = matvec_kernels.decode_attention
+    monkeypatch.setattr(matvec_kernels, "decode_attention", lambda *a: calls.append(a[3]) or real(*a))
+    caches = [KVCache.for_model(m, max_seq_len=24) for m in models]
+    for m, c in zip(models, caches):
+        prefill(m, torch.arange(9), c)
+    token, errors = torch.tensor([3]), [0.0, 0.0]
+    for _ in range(3):
+        expected = decode_step(models[0], token, caches[0])
+        for i in (1, 2):
+            errors[i - 1] = max(errors[i - 1], (decode_step(models[i], token, caches[i]) - expected).abs().max().item())
+        token = expected.argmax(-1)
+    assert calls == [min(window or 99, n) for n in (10, 11, 12) for _ in range(models[2].config.n_layers)]
+    assert 0 < errors[0] and errors[1] <= 2 * errors[0], errors
 
 
 @pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")

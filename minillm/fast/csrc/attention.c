@@ -157,36 +157,59 @@ static void merge(const float *p, int first, int last, int64_t part, int D, floa
     for (int d = 0; d < D; d++) o[d] /= L;
 }
 
-/* Layouts: q, out float32 [batch, heads, head_dim]; k, v float32 with each head's rows contiguous
- * (row j at j·head_dim), heads and sequences at the given strides (a cache's [B, kv_heads,
- * max_seq_len, head_dim] buffer, or a view of its first positions). Returns 0, or 1 when the
- * partials cannot be allocated. */
-int decode_attention(const float *q, const float *k, const float *v, float *out, int batch, int heads,
+/* Layouts: q, out float32 [batch, heads, head_dim]; k, v float32 (or, with bf16, bfloat16) with each head's rows
+ * contiguous (row j at j·head_dim), heads and sequences at the given strides (a cache's [B, kv_heads, max_seq_len,
+ * head_dim] buffer, or a view of its first positions). With bf16 each task's chunk of K and V is widened into a
+ * float32 copy of the thread's first, then the same float32 arithmetic but for the softmax's numerators, rounded
+ * to bfloat16 before they weigh V (as SDPA's): a bfloat16 cache is read once, at half float32's size (SDPA's
+ * bfloat16 CPU kernel took 7.7x its float32 time over 1,024 keys on the developers' AMD EPYC, 555 against 72 us,
+ * BENCHMARKS.md). Returns 0, or 1 when the partials or a thread's copy cannot be allocated. */
+int decode_attention(const float *q, const void *k, const void *v, int bf16, float *out, int batch, int heads,
                      int kv_heads, int n_keys, int head_dim, int64_t k_batch_stride, int64_t k_head_stride,
                      int64_t v_batch_stride, int64_t v_head_stride, float scale, int threads) {
-    int G = heads / kv_heads, chunks = (n_keys + KEYS_PER_TASK - 1) / KEYS_PER_TASK, D = head_dim;
+    int G = heads / kv_heads, chunks = (n_keys + KEYS_PER_TASK - 1) / KEYS_PER_TASK, D = head_dim, failed = 0;
     int64_t part = D + 2 + KEYS_PER_TASK;  /* a partial: acc[D], m, l; then room for its scores */
     float *partials = (float *)malloc(sizeof(float) * (size_t)batch * heads * chunks * part);
     if (partials == NULL) return 1;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int task = 0; task < batch * kv_heads * chunks; task++) {
-        int b = task / (kv_heads * chunks), kvh = task / chunks % kv_heads, c = task % chunks;
-        int first = c * KEYS_PER_TASK, n = n_keys - first < KEYS_PER_TASK ? n_keys - first : KEYS_PER_TASK;
-        const float *kc = k + b * k_batch_stride + kvh * k_head_stride + (int64_t)first * D;
-        const float *vc = v + b * v_batch_stride + kvh * v_head_stride + (int64_t)first * D;
-        for (int g = 0; g < G; g++) {
-            int64_t bh = (int64_t)b * heads + kvh * G + g;
-            float *acc = partials + (bh * chunks + c) * part, *s = acc + D + 2;
-            float m = scores(q + bh * D, kc, n, D, D, scale, s), l = exps(s, n, m);
-            weighted_sum(s, vc, n, D, D, acc);
-            acc[D] = m;
-            acc[D + 1] = l;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *wide = bf16 ? (float *)malloc(sizeof(float) * 2 * KEYS_PER_TASK * (size_t)D) : NULL;
+        if (bf16 && wide == NULL) {
+            #pragma omp atomic write
+            failed = 1;
         }
+        #pragma omp for schedule(static)
+        for (int task = 0; task < batch * kv_heads * chunks; task++) {
+            if (bf16 && wide == NULL) continue;
+            int b = task / (kv_heads * chunks), kvh = task / chunks % kv_heads, c = task % chunks;
+            int first = c * KEYS_PER_TASK, n = n_keys - first < KEYS_PER_TASK ? n_keys - first : KEYS_PER_TASK;
+            int64_t k_at = b * k_batch_stride + kvh * k_head_stride + (int64_t)first * D;
+            int64_t v_at = b * v_batch_stride + kvh * v_head_stride + (int64_t)first * D;
+            const float *kc = bf16 ? wide : (const float *)k + k_at;
+            const float *vc = bf16 ? wide + KEYS_PER_TASK * D : (const float *)v + v_at;
+            if (bf16) {
+                widen_bf16((const uint16_t *)k + k_at, wide, (int64_t)n * D);
+                widen_bf16((const uint16_t *)v + v_at, wide + KEYS_PER_TASK * D, (int64_t)n * D);
+            }
+            for (int g = 0; g < G; g++) {
+                int64_t bh = (int64_t)b * heads + kvh * G + g;
+                float *acc = partials + (bh * chunks + c) * part, *s = acc + D + 2;
+                float m = scores(q + bh * D, kc, n, D, D, scale, s), l = exps(s, n, m);
+                if (bf16)  /* where SDPA's CPU kernel rounds (its p·v takes bfloat16 p): float32 throughout
+                            * was 0.6-0.9u from transformers' attention, tests/test_dtypes_vs_hf.py */
+                    for (int j = 0; j < n; j++) s[j] = bf16_to_f32(f32_to_bf16(s[j]));
+                weighted_sum(s, vc, n, D, D, acc);
+                acc[D] = m;
+                acc[D + 1] = l;
+            }
+        }
+        free(wide);
     }
-    for (int bh = 0; bh < batch * heads; bh++)
-        merge(partials + (int64_t)bh * chunks * part, 0, chunks, part, D, out + (int64_t)bh * D);
+    if (!failed)
+        for (int bh = 0; bh < batch * heads; bh++)
+            merge(partials + (int64_t)bh * chunks * part, 0, chunks, part, D, out + (int64_t)bh * D);
     free(partials);
-    return 0;
+    return failed;
 }
 
 /* -- paged_decode_attention: a serving batch, over the pool's blocks in place --------------------------- */

@@ -165,17 +165,20 @@ at::Tensor decode_attention_op(const at::Tensor &q, const at::Tensor &k, const a
     int64_t D = q.dim() == 4 ? q.size(3) : 0, n = n_keys.item<int64_t>();
     bool ok = q.dim() == 4 && q.size(2) == 1 && D > 0 && D % 8 == 0 && k.dim() == 4 && k.sizes() == v.sizes() &&
               k.size(0) == q.size(0) && k.size(3) == D && k.size(1) > 0 && q.size(1) % k.size(1) == 0 &&
-              q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+              (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+              k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
               k.stride(3) == 1 && v.stride(3) == 1 && k.stride(2) == D && v.stride(2) == D && 1 <= n && n <= k.size(2);
-    TORCH_CHECK(ok, "decode_attention takes float32 q [B, heads, 1, D] (D a multiple of 8) and k, v [B, kv_heads, S, D] "
-                "with contiguous rows, heads a multiple of kv_heads, 1 <= n_keys <= S; got q ", q.scalar_type(), " ",
-                q.sizes(), ", k ", k.scalar_type(), " ", k.sizes(), " strides ", k.strides(), ", n_keys ", n);
-    at::Tensor qc = q.contiguous(), out = at::empty(q.sizes(), q.options());
-    int status = decode_attention(qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
+    TORCH_CHECK(ok, "decode_attention takes float32 (or all bfloat16) q [B, heads, 1, D] (D a multiple of 8) and k, v "
+                "[B, kv_heads, S, D] with contiguous rows, heads a multiple of kv_heads, 1 <= n_keys <= S; got q ",
+                q.scalar_type(), " ", q.sizes(), ", k ", k.scalar_type(), " ", k.sizes(), " strides ", k.strides(),
+                ", n_keys ", n);
+    bool bf16 = q.scalar_type() == at::kBFloat16;
+    at::Tensor qc = q.contiguous().to(at::kFloat), out = at::empty(q.sizes(), qc.options());
+    int status = decode_attention(qc.data_ptr<float>(), k.data_ptr(), v.data_ptr(), bf16, out.data_ptr<float>(),
                                   q.size(0), q.size(1), k.size(1), n, D, k.stride(0), k.stride(1), v.stride(0),
                                   v.stride(1), (float)scale, at::get_num_threads());
-    TORCH_CHECK(status == 0, "decode_attention could not allocate its partial results");
-    return out;
+    TORCH_CHECK(status == 0, "decode_attention could not allocate its partial results or a thread's float32 copy");
+    return out.to(q.scalar_type());
 }
 
 }  // namespace
