@@ -88,6 +88,30 @@ def test_bfloat16_kernel_is_float64_attention_rounded_once(heads, kv_heads, head
     assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-6).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 48])
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+def test_a_first_block_of_masked_keys_gets_no_weight(dtype, block_size, portable):
+    """A sequence whose first block's keys all score -inf: they weigh 0 as in float64 attention; the online
+    softmax's first step was exp(-inf - -inf), NaN, and every later step kept it (as decode_attention's chunks,
+    tests/fast/test_matvec_kernels.py)."""
+    g = torch.Generator().manual_seed(block_size)
+    cache = PagedKVCache(1, 2, 64, 8, block_size, dtype=dtype)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    tables, lens = torch.tensor([[3, 5, 1]]), torch.tensor([2 * block_size + 7])
+    cache.k[0, 3, :, :, 0] = float("-inf")
+    q = torch.zeros(1, 4, 64, dtype=dtype)
+    q[..., 0] = 1.0  # a key's score is its first element
+    got = kernels.paged_decode_attention(q, cache.k[0], cache.v[0], tables, lens * 0, lens, 1.0,
+                                         lib=kernels.kernels(portable))
+    wide = PagedKVCache(1, 2, 64, 8, block_size, dtype=torch.float64)
+    wide.k.copy_(cache.k)
+    wide.v.copy_(cache.v)
+    want = reference(q.double() * 64**0.5, wide, 0, tables, lens, None)
+    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-5).all()
+
+
 def test_kernel_refuses_tables_outside_the_pool():
     cache = PagedKVCache(1, 2, 16, 8, 4)
     q, lens = torch.randn(1, 2, 16), torch.tensor([5])

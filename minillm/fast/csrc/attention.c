@@ -36,6 +36,11 @@ void attention_reference(const float *q, const float *k, const float *v, float *
     free(s);
 }
 
+/* What the exps of a softmax step subtract: the running maximum m, or 0 while every score so far is -inf
+ * (exp(-inf - -inf) is NaN, where those keys' weight is 0: a chunk of masked keys must not make the output NaN; a
+ * NaN score stays NaN either way). */
+static inline float exp_base(float m) { return m == -INFINITY ? 0.0f : m; }
+
 /* -- decode_attention: split-K over the threads ------------------------------------------------------ */
 
 /* Decode attention: each sequence's one new query against its first n_keys cached keys,
@@ -194,7 +199,7 @@ int decode_attention(const float *q, const void *k, const void *v, int bf16, flo
             for (int g = 0; g < G; g++) {
                 int64_t bh = (int64_t)b * heads + kvh * G + g;
                 float *acc = partials + (bh * chunks + c) * part, *s = acc + D + 2;
-                float m = scores(q + bh * D, kc, n, D, D, scale, s), l = exps(s, n, m);
+                float m = scores(q + bh * D, kc, n, D, D, scale, s), l = exps(s, n, exp_base(m));
                 if (bf16)  /* where SDPA's CPU kernel rounds (its p·v takes bfloat16 p): float32 throughout
                             * was 0.6-0.9u from transformers' attention, tests/test_dtypes_vs_hf.py */
                     for (int j = 0; j < n; j++) s[j] = bf16_to_f32(f32_to_bf16(s[j]));
@@ -342,8 +347,8 @@ static inline __attribute__((always_inline)) void kv_head_piece(
         __m512 s = _mm512_mask_blend_ps(keys, _mm512_set1_ps(-INFINITY),
                                         _mm512_mul_ps(lane_sums16(dots), _mm512_set1_ps(scale)));
         float chunk_max = _mm512_reduce_max_ps(s), m_new = chunk_max > m[g] ? chunk_max : m[g];
-        float c = expf(m[g] - m_new), p[16];  /* c: 0 at the first piece (m = -inf) */
-        __m512 e = _mm512_maskz_mov_ps(keys, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+        float c = expf(m[g] - exp_base(m_new)), p[16];  /* c: 0 at the first piece (m = -inf) */
+        __m512 e = _mm512_maskz_mov_ps(keys, exp16(_mm512_sub_ps(s, _mm512_set1_ps(exp_base(m_new)))));
         _mm512_storeu_ps(p, e);
         l[g] = c * l[g] + _mm512_reduce_add_ps(e);
         m[g] = m_new;
@@ -482,8 +487,8 @@ int paged_decode_attention(const float *q, const void *k_pool, const void *v_poo
                 int64_t kv = (int64_t)(h / G) * D;
                 float chunk_max = scores(qb + (int64_t)h * D, kc + kv, n, D, row, scale, s);
                 float m_new = chunk_max > m[h] ? chunk_max : m[h];
-                float c = expf(m[h] - m_new);  /* 0 at the first chunk (m = -inf) */
-                l[h] = c * l[h] + exps(s, n, m_new);
+                float c = expf(m[h] - exp_base(m_new));  /* 0 at the first chunk (m = -inf) */
+                l[h] = c * l[h] + exps(s, n, exp_base(m_new));
                 rescale_add(s, vc + kv, n, D, row, c, acc + (int64_t)h * D);
                 if (nk != NULL && h * share < bytes) {
                     int64_t part = bytes - h * share < share ? bytes - h * share : share;
@@ -586,7 +591,7 @@ int causal_attention(const float *q, const float *k, const float *v, float *out,
                             for (int d = 0; d < D; d++) acc[r * D + d] *= c;
                             m[r] = m_new;
                         }
-                        l[r] += visible > 0 ? exps(sr, visible, m_new) : 0.0f;
+                        l[r] += visible > 0 ? exps(sr, visible, exp_base(m_new)) : 0.0f;
                         for (int j = visible > 0 ? visible : 0; j < PANEL; j++) sr[j] = 0.0f;  /* masked: weight 0 */
                     }
                     for (int c0 = 0; c0 < D; c0 += PANEL)  /* acc += p · v, PANEL columns of v at a time */

@@ -161,14 +161,16 @@ static inline __attribute__((always_inline)) void prefetch_every(int *wait, int 
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* exp of 8 lanes, x <= 0 (a score minus the maximum): x = n·ln2 + r with |r| <= ln2/2, exp(r) by
- * Cephes' degree-6 polynomial (~1 ulp, as expf), 2^n put into the exponent bits. Below -87 (where
- * exp underflows float32) it gives ~1e-38 instead of 0: nothing next to the maximum's exp(0) = 1.
+ * Cephes' degree-6 polynomial (~1 ulp, as expf), 2^n put into the exponent bits. Below -87 (where exp
+ * leaves float32's normal range) it gives 0: ~1e-38 there instead weighed a key 1,000 below the maximum,
+ * whose value was 3e38, at 75 times the right answer (a new user's trial).
  * A NaN stays NaN (max_ps returns its second operand when one is NaN), as in SDPA: a NaN or an
  * infinite key makes its heads' output NaN, not a plausible number. */
 static const float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
                                   1.6666665459e-1f, 5.0000001201e-1f};  /* Cephes' expf, highest power first */
 
 static inline __m256 exp8(__m256 x) {
+    __m256 low = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);  /* (false for a NaN: it stays NaN) */
     x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  /* ln2 in two parts: n·ln2's high part exact */
@@ -177,13 +179,14 @@ static inline __m256 exp8(__m256 x) {
     for (int k = 1; k < 6; k++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_POLY[k]));
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+    return _mm256_andnot_ps(low, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
 }
 #endif
 
 #if defined(__AVX512F__)
 /* exp8's polynomial on 16 lanes; 2^n by scalef (the same values) */
 static inline __m512 exp16(__m512 x) {
+    __mmask16 low = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
     x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -192,7 +195,7 @@ static inline __m512 exp16(__m512 x) {
     __m512 p = _mm512_set1_ps(EXP_POLY[0]);
     for (int k = 1; k < 6; k++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_POLY[k]));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_maskz_mov_ps(~low, _mm512_scalef_ps(p, n));
 }
 #endif
 
