@@ -58,10 +58,10 @@ C_KERNELS_FIT = "float32 or bfloat16 on a CPU, head_dim a multiple of 8, the ker
 SWAPS = (
     Swap("model.Block", "fast.block.FastBlock", "the C paths (matvec, compile+matvec; also a bfloat16 model's "
          "default path on a CPU), C kernels fit: each RMSNorm one C call, the second fused with the residual add"),
-    Swap("model.Attention", "fast.attention.FastAttention", "every path: q|k|v stacked; the C paths and a bfloat16 "
-         "model's default path: decode's attention in C in float32 or bfloat16 (head_dim a multiple of 8, the kernels "
-         "built; in float32 prefill's too where head_dim is a multiple of the panel width); the C paths, C kernels fit: RoPE of q and k in one C call; in bfloat16 prefill's attention on the "
-         "matrix units (a CPU with AMX-BF16, head_dim a multiple of 32)"),
+    Swap("model.Attention", "fast.attention.FastAttention", "every path: q|k|v stacked; the C paths (and a bfloat16 "
+         "model's default), C kernels fit: decode's attention in C (prefill's too in float32, head_dim a multiple of "
+         "the panel width), RoPE of q and k in one C call; in bfloat16 prefill's attention on the matrix units (a CPU "
+         "with AMX-BF16, head_dim a multiple of 32)"),
     Swap("model.SwiGLU", "fast.packing.PackedSwiGLU", "every path, a SwiGLU MLP (the Llama family): gate|up stacked"),
     Swap("torch.nn.Linear", "fast.products.SplitLinear", "the split paths (long-rows+split, row-major+split), a float "
          "model: a few-row product cut over the threads"),
