@@ -687,8 +687,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: 
     they weigh the values, and the output once, where SDPA's CPU kernel rounds); n_heads a multiple of n_kv_heads
     (GQA), head_dim a multiple of 8; ``n_keys`` (an int or a one-element tensor, 1 <= n_keys <= S) how many keys
     the query sees. Returns [B, n_heads, 1, head_dim] of q's dtype, ``F.scaled_dot_product_attention``'s values up
-    to float rounding. Raises ValueError for inputs the C loop would misread, MemoryError when its scratch cannot
-    be allocated.
+    to float rounding. Raises ValueError for inputs the C loop would misread or an input that requires grad (it has
+    no backward pass), MemoryError when its scratch cannot be allocated.
     """
     lib = lib or kernels()
     if isinstance(n_keys, torch.Tensor) and n_keys.numel() == 1 and n_keys.device.type == "cpu" \
@@ -708,6 +708,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: 
                          f"8) and k, v [B, kv_heads, S, D] with contiguous rows, heads a multiple of kv_heads, "
                          f"1 <= n_keys <= S; got q {q.dtype} {list(q.shape)}, k {k.dtype} {list(k.shape)} strides "
                          f"{list(k.stride())}, v {v.dtype} {list(v.shape)}, n_keys {n_keys}")
+    if problem := _grad_problem(q, k, v):
+        raise ValueError(f"decode_attention: {problem}; use F.scaled_dot_product_attention")
     q32, out = q.contiguous().float(), _output(*q.shape)
     status = lib.decode_attention(q32.data_ptr(), k.data_ptr(), v.data_ptr(), q.dtype == torch.bfloat16,
                                   out.data_ptr(), B, n_heads, k.shape[1], n_keys, head_dim, k.stride(0), k.stride(1),

@@ -439,6 +439,16 @@ def test_decode_attention_refuses_what_it_would_misread(change, message, where):
 
 
 @pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
+def test_decode_attention_refuses_a_q_that_requires_grad():
+    """As the other C kernels: it has no backward pass (was: an output without a gradient, silently)."""
+    q, k = torch.randn(1, 4, 1, 64, requires_grad=True), torch.randn(1, 2, 10, 64)
+    with pytest.raises(ValueError, match="decode_attention: it has no backward pass"):
+        matvec_kernels.decode_attention(q, k, k, 5, 0.1)
+    with torch.no_grad():
+        assert matvec_kernels.decode_attention(q, k, k, 5, 0.1).shape == q.shape
+
+
+@pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
 @pytest.mark.parametrize("path, in_c", [("matvec", True), ("row-major+split", False), ("long-rows", False)])
 @pytest.mark.parametrize("window", [None, 4])
 def test_decode_runs_attention_in_c_on_the_matvec_path_only(path, in_c, window, monkeypatch, tmp_path):
