@@ -34,6 +34,31 @@ def layer_of(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
     return layer
 
 
+def special_rows(fmt: str) -> tuple[QuantizedLinear, torch.Tensor]:
+    """A [32, 576] layer (in ends with half a block of 128) and six rows of x: zeros, a NaN, an infinity, rows too
+    small and too large for a float32 scale (the scalar loop takes those four), and an ordinary one."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(32, 576, generator=g)
+    w[:, 7] = 1.0  # no 0 · inf in either format: a clean infinity
+    layer = QuantizedLinear(w, None, fmt)
+    x = torch.randn(6, 576, generator=g)
+    x[0] = 0
+    x[1, 5] = float("nan")
+    x[2, 7] = float("inf")
+    x[3] *= 1e-36
+    x[4] *= 1e35
+    return layer, x
+
+
+def assert_special_rows_are_f_linears(y: torch.Tensor, x: torch.Tensor, layer: QuantizedLinear) -> None:
+    """y of :func:`special_rows`: zeros, NaN, F.linear's infinities, and the bound for the rest."""
+    reference = layer.forward_reference(x)
+    assert torch.equal(y[0], torch.zeros(32))
+    assert y[1].isnan().all()
+    assert torch.equal(y[2], reference[2]) and y[2].isinf().all()
+    assert_float32_close(y[3:], x[3:], layer)
+
+
 def _pack(q: torch.Tensor) -> torch.Tensor:
     """int4 codes [out, in] (0-15) -> the packed bytes [out, in/2]"""
     return (q[:, 0::2] | q[:, 1::2] << 4).to(torch.uint8)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from digits_bound import assert_float32_close, range_cases
+from digits_bound import assert_float32_close, assert_special_rows_are_f_linears, range_cases, special_rows
 from minillm.fast import kernels
 from minillm.fast.products import FastQuantizedLinear, swap_class
 from minillm.quantize import QuantizedLinear
@@ -150,22 +150,9 @@ def test_rows_of_zeros_nan_infinity_and_extreme_sizes_are_f_linears(fmt, one_at_
     those rows, and rows too small or too large for a float32 scale); the other rows are unaffected. in = 576 ends
     with half a block of 128."""
     _amx()
-    g = torch.Generator().manual_seed(4)
-    w = torch.randn(32, 576, generator=g)
-    w[:, 7] = 1.0  # no 0 · inf in either format: a clean infinity
-    layer = QuantizedLinear(w, None, fmt)
-    x = torch.randn(6, 576, generator=g)
-    x[0] = 0
-    x[1, 5] = float("nan")
-    x[2, 7] = float("inf")
-    x[3] *= 1e-36
-    x[4] *= 1e35
+    layer, x = special_rows(fmt)
     y = torch.cat([_product(layer, row) for row in x.split(1)]) if one_at_a_time else _product(layer, x)
-    reference = layer.forward_reference(x)
-    assert torch.equal(y[0], torch.zeros(32))
-    assert y[1].isnan().all()
-    assert torch.equal(y[2], reference[2]) and y[2].isinf().all()
-    assert_float32_close(y[3:], x[3:], layer)
+    assert_special_rows_are_f_linears(y, x, layer)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

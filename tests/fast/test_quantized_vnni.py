@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from digits_bound import assert_float32_close, range_cases
+from digits_bound import assert_float32_close, assert_special_rows_are_f_linears, range_cases, special_rows
 from minillm.fast import kernels
 from minillm.quantize import QuantizedLinear
 
@@ -50,22 +50,8 @@ def test_rows_of_zeros_nan_infinity_and_extreme_sizes_are_f_linears(fmt):
     """A row of zeros gives zeros; a NaN or an infinity gives F.linear's NaN and infinities, and rows too small or too
     large for a float32 scale keep the bound (the scalar loop takes those rows). in = 576 ends with half a block."""
     _vnni()
-    g = torch.Generator().manual_seed(4)
-    w = torch.randn(32, 576, generator=g)
-    w[:, 7] = 1.0  # no 0 · inf in either format: a clean infinity
-    layer = QuantizedLinear(w, None, fmt)
-    x = torch.randn(6, 576, generator=g)
-    x[0] = 0
-    x[1, 5] = float("nan")
-    x[2, 7] = float("inf")
-    x[3] *= 1e-36
-    x[4] *= 1e35
-    y = torch.cat([_one_row(layer, row) for row in x.split(1)])
-    reference = layer.forward_reference(x)
-    assert torch.equal(y[0], torch.zeros(32))
-    assert y[1].isnan().all()
-    assert torch.equal(y[2], reference[2]) and y[2].isinf().all()
-    assert_float32_close(y[3:], x[3:], layer)
+    layer, x = special_rows(fmt)
+    assert_special_rows_are_f_linears(torch.cat([_one_row(layer, row) for row in x.split(1)]), x, layer)
 
 
 def test_int8_at_one_row_is_the_tiles_bit_for_bit():
