@@ -6,7 +6,7 @@ spends its time elsewhere: a compiled SmolLM2-135M float32 step on the developer
 of the keys) against 44.3-44.7 ms with SDPA at 128 positions, and 45.8-50.7 against 52.8-59.1 ms at
 1,000 (BENCHMARKS-HISTORY.md). In bfloat16 the loop widens each chunk of the cache to float32 as it
 reads it, where SDPA's CPU kernel took 7.7x its float32 time on that EPYC (1,024 keys: 555 against 72 us;
-BENCHMARKS.md, "bfloat16 decode attention in C"). It runs for one float32 or bfloat16 CPU query a
+BENCHMARKS.md, "The AMD EPYC: decode at each format"). It runs for one float32 or bfloat16 CPU query a
 sequence (T = 1) over a cache with contiguous rows, head_dim a multiple of 8, and no mask but a static
 buffer's (its unfilled end); everything else is :class:`~minillm.model.Attention`'s own. Same values as
 SDPA up to float rounding.

@@ -97,8 +97,9 @@ static float scores(const float *q, const float *k, int n, int D, int64_t stride
 }
 
 
-/* s[j] = exp(s[j] - m); returns Σ_j s[j] */
+/* s[j] = exp(s[j] - m), m the scores' maximum (taken as 0 where it is -inf: exp_base); returns Σ_j s[j] */
 static float exps(float *s, int n, float m) {
+    m = exp_base(m);
     float l = 0.0f;
     int j = 0;
 #if defined(__AVX512F__)
@@ -199,7 +200,7 @@ int decode_attention(const float *q, const void *k, const void *v, int bf16, flo
             for (int g = 0; g < G; g++) {
                 int64_t bh = (int64_t)b * heads + kvh * G + g;
                 float *acc = partials + (bh * chunks + c) * part, *s = acc + D + 2;
-                float m = scores(q + bh * D, kc, n, D, D, scale, s), l = exps(s, n, exp_base(m));
+                float m = scores(q + bh * D, kc, n, D, D, scale, s), l = exps(s, n, m);
                 if (bf16)  /* where SDPA's CPU kernel rounds (its p·v takes bfloat16 p): float32 throughout
                             * was 0.6-0.9u from transformers' attention, tests/test_dtypes_vs_hf.py */
                     for (int j = 0; j < n; j++) s[j] = bf16_to_f32(f32_to_bf16(s[j]));
@@ -488,7 +489,7 @@ int paged_decode_attention(const float *q, const void *k_pool, const void *v_poo
                 float chunk_max = scores(qb + (int64_t)h * D, kc + kv, n, D, row, scale, s);
                 float m_new = chunk_max > m[h] ? chunk_max : m[h];
                 float c = expf(m[h] - exp_base(m_new));  /* 0 at the first chunk (m = -inf) */
-                l[h] = c * l[h] + exps(s, n, exp_base(m_new));
+                l[h] = c * l[h] + exps(s, n, m_new);
                 rescale_add(s, vc + kv, n, D, row, c, acc + (int64_t)h * D);
                 if (nk != NULL && h * share < bytes) {
                     int64_t part = bytes - h * share < share ? bytes - h * share : share;
@@ -591,7 +592,7 @@ int causal_attention(const float *q, const float *k, const float *v, float *out,
                             for (int d = 0; d < D; d++) acc[r * D + d] *= c;
                             m[r] = m_new;
                         }
-                        l[r] += visible > 0 ? exps(sr, visible, exp_base(m_new)) : 0.0f;
+                        l[r] += visible > 0 ? exps(sr, visible, m_new) : 0.0f;
                         for (int j = visible > 0 ? visible : 0; j < PANEL; j++) sr[j] = 0.0f;  /* masked: weight 0 */
                     }
                     for (int c0 = 0; c0 < D; c0 += PANEL)  /* acc += p · v, PANEL columns of v at a time */
