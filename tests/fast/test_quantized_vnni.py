@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from digits_bound import assert_float32_close, assert_special_rows_are_f_linears, range_cases, special_rows
+from digits_bound import (assert_float32_close, assert_special_rows_are_f_linears, layer_of, range_cases,
+                          special_rows)
 from minillm.fast import kernels
 from minillm.quantize import QuantizedLinear
 
@@ -77,6 +78,19 @@ def test_int8_sums_at_the_largest_in_are_exact(sign):
     x = torch.full((1, 131072), 127 / 128)  # digits (127, 0, 0, 0) under s = 2^-7
     assert torch.equal(layer.qweight, torch.full((4, 131072), sign * 127, dtype=torch.int8))
     assert torch.equal(_one_row(layer, x), F.linear(x.double(), layer.dequantize().double()).float())
+
+
+def test_int4_pair_sums_at_a_flushs_largest_are_exact():
+    """Every code 15 and every zero point 15: ŵ = 0, so y = 0 exactly, though each lane's sums, 254 · T_0 + T_1, and
+    their zero terms are near the largest a flush allows (x near its row's largest; a group of 2048, one flush every
+    FLUSH_BLOCKS blocks of 128 ks). One k a lane odd: were a flush's sums past 2^24 (a flush a group: 16 blocks),
+    float32 would round one of them and y would not be 0 (it failed so)."""
+    _vnni()
+    x = torch.full((1, 2048), 126 / 128)  # under s = 2^-7: digits (126, 0, 0, 0), 254 · 126 = 32004
+    x[0, :128:8] = (126 + 1 / 254) / 128  # one k a lane: (126, 1, ...), 32005
+    layer = layer_of(torch.full((4, 1024), 0xFF, dtype=torch.uint8), torch.ones(4, 1),
+                     torch.full((4, 1), 15, dtype=torch.uint8), group_size=2048)
+    assert torch.equal(_one_row(layer, x), torch.zeros(1, 4))
 
 
 @pytest.mark.parametrize("case", range(8))

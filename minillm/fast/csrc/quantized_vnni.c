@@ -18,6 +18,7 @@
 
 #define INT8_ROWS 4  /* rows of codes at a time, sharing x's digits (two: 12 % slower at SmolLM2-1.7B's matrices) */
 #define INT4_ROWS 2  /* (its sums take twice the registers) */
+#define FLUSH_BLOCKS 4  /* int4: the most blocks of 128 ks a flush's sums span */
 
 /* -- int8 --------------------------------------------------------------------------------------------------------- */
 
@@ -90,12 +91,21 @@ static int int8_one_row(const float *x, const matrix *m, float *y, int threads) 
  *   lane l of  dpbusd(low nibbles, xe_c) + dpbusd(high nibbles, xo_c)  =  Σ q[k] · d_c[k] over k = 128b + 8l .. + 7
  *
  * A lane's ks lie in one group (group a multiple of 64); a block's lanes in at most two. The sums T_c of a block,
- * or of the blocks of one group (group a multiple of 128), are scaled when the group ends, lane by lane:
+ * or of the blocks of one group (group a multiple of 128, at most FLUSH_BLOCKS blocks), are scaled then ("a
+ * flush"), lane by lane:
  *
  *   Σ_c (T_c - zero · S_c) / 254^c · scale     (S_c: the lane's sum of digit c; the zero point out of the sums)
  *
- * Each zero term is subtracted exactly, lane by lane: T_c and zero · S_c are integers under 2^24 (in <= 131072),
- * which float32 holds, and one fnmadd rounds their difference once, to itself. Taken once a row in float32
+ * in pairs of digits, each pair's integers combined in int32 first (T_01 = 254 · T_0 + T_1, S_01 likewise):
+ *
+ *   ((T_01 - zero · S_01) + (T_23 - zero · S_23) / 254²) · s / 254 · scale
+ *
+ * half the float work four digits took, and the flushes are most of the loop's time (a group of 64 is a flush a
+ * block; groups of 2048 took 0.67x its time): one row, 2 threads, AMD EPYC, 2048 x 2048 133.6 -> 126.4 us, 8192 x
+ * 2048 465 -> 437, 2048 x 8192 476 -> 435, 3072 x 576 78.8 -> 75.4 (three alternating runs each). Each zero term
+ * is subtracted exactly, lane by lane: a flush holds at most 32 ks a lane, so T_01 and zero · S_01 are integers of
+ * at most 32 · 15 · 127 · 255 < 2^24, which float32 holds, and one fnmadd rounds their difference once, to itself
+ * (test_int4_pair_sums_at_a_flushs_largest_are_exact). Taken once a row in float32
  * instead, their rounding gave up to 9x the error tests/fast/test_quantized_amx.py allows where x's values (or
  * their lower digits) share a sign: the terms are then as large as the sums. Two rows of codes at a time share x's
  * digits; the next two rows are prefetched (without it the rows streamed at 11 GB/s, with it 19); each row's zeros
@@ -105,14 +115,15 @@ static int int8_one_row(const float *x, const matrix *m, float *y, int threads) 
 
 typedef struct {  /* x's row, laid out for the vector units */
     int8_t *xe, *xo;  /* [blocks][DIGITS][64] */
-    float *sums;      /* [flushes][DIGITS][16]: S_c, lane by lane (integers) */
+    float *sums;      /* [flushes][2][16]: S_01 and S_23, lane by lane (integers) */
     int32_t *lane_group;  /* [flushes][16]: each lane's group, less the flush's first */
     int *group0;      /* [flushes]: the first group a flush's lanes hold */
 } row_digits;
 
-/* 1 where the sums are scaled after block b: unless b and the next block lie in one group. */
+/* 1 where the sums are scaled after block b: unless b and the next block lie in one group, and at least every
+ * FLUSH_BLOCKS blocks, which keeps a digit pair's sums exact in float32 (int4_rows says how). */
 static inline int flush_after(int b, int blocks, int group) {
-    return b == blocks - 1 || 128 * b / group != (128 * b + 255) / group;
+    return b == blocks - 1 || 128 * b / group != (128 * b + 255) / group || b % FLUSH_BLOCKS == FLUSH_BLOCKS - 1;
 }
 
 /* digits [DIGITS][in] (digits_of's) -> r: each 128 ks' even and odd digits apart (the low bytes of 16-bit lanes, then
@@ -120,7 +131,7 @@ static inline int flush_after(int b, int blocks, int group) {
 static void lay_out_digits(const int8_t *digits, row_digits *r, int in, int group) {
     int blocks = (in + 127) / 128, f = 0, start = 0;  /* start: the flush's first block */
     __m512i ones = _mm512_set1_epi8(1), none = _mm512_setzero_si512();
-    __m512 sums[DIGITS];
+    __m512 sums[DIGITS], base = _mm512_set1_ps(BASE);
     for (int c = 0; c < DIGITS; c++) sums[c] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         for (int c = 0; c < DIGITS; c++) {
@@ -137,9 +148,9 @@ static void lay_out_digits(const int8_t *digits, row_digits *r, int in, int grou
         }
         if (flush_after(b, blocks, group)) {
             r->group0[f] = 128 * start / group;
-            for (int c = 0; c < DIGITS; c++) {
-                _mm512_store_ps(r->sums + (f * DIGITS + c) * 16, sums[c]);
-                sums[c] = _mm512_setzero_ps();
+            for (int c = 0; c < DIGITS; c += 2) {  /* (exact: integers under 2^24) */
+                _mm512_store_ps(r->sums + (f * 2 + c / 2) * 16, _mm512_fmadd_ps(sums[c], base, sums[c + 1]));
+                sums[c] = sums[c + 1] = _mm512_setzero_ps();
             }
             for (int l = 0; l < 16; l++) r->lane_group[16 * f + l] = (128 * b + 8 * l) / group - r->group0[f];
             f++, start = b + 1;
@@ -161,10 +172,11 @@ static void int4_rows(const matrix *m, const row_digits *r, float row_s, float *
     }
     __m512 zeros[INT4_ROWS], scales[INT4_ROWS];  /* groups window .. window + 15 */
     for (int i = 0; i < INT4_ROWS; i++) zeros[i] = scales[i] = _mm512_setzero_ps();  /* (read only once loaded) */
-    /* Each flush's sums are times x's scale s before the groups' scales: exact (a power of two), where a sum (up to
-     * 2^24) times its scale, or a scale times s, can leave float32's range and the result not (a new user's trials:
+    /* Each flush's sums are times s / 254 (x's scale, a power of two from 2^-107) before the groups' scales, where a
+     * sum (up to 2^24) times its scale, or a scale times s, can leave float32's range and the result not (trials:
      * scale 2e37 with x 1e-20, inf; 1e38 with s = 2^14 and a group of zeros, NaN; 2^-124 with s = 2^-32, 0) */
-    __m512 x_scale = _mm512_set1_ps(row_s);
+    __m512 x_scale = _mm512_set1_ps(row_s / BASE), inv_square = _mm512_set1_ps(1.0f / (BASE * BASE));
+    __m512i base = _mm512_set1_epi32((int)BASE);
     int prefetch = o + 2 * INT4_ROWS <= m->out, window = -16;
     for (int b = 0, f = 0; b < blocks; b++) {
         __mmask64 live = 128 * b + 128 <= in ? ~(__mmask64)0 : ((__mmask64)1 << 32) - 1;  /* a last 64 ks: 32 bytes */
@@ -179,7 +191,7 @@ static void int4_rows(const matrix *m, const row_digits *r, float row_s, float *
             }
         }
         if (!flush_after(b, blocks, m->group)) continue;
-        const float *sums = r->sums + f * DIGITS * 16;
+        const float *sums = r->sums + f * 2 * 16;
         int g0 = r->group0[f];
         if (g0 + 1 >= window + 16) {  /* the next 16 groups' zeros and scales, a row at a time */
             window = g0;
@@ -192,11 +204,12 @@ static void int4_rows(const matrix *m, const row_digits *r, float row_s, float *
         }
         __m512i lanes = _mm512_add_epi32(_mm512_load_si512(r->lane_group + 16 * f++), _mm512_set1_epi32(g0 - window));
         for (int i = 0; i < INT4_ROWS; i++) {
-            __m512 zero = _mm512_permutexvar_ps(lanes, zeros[i]), inv = _mm512_set1_ps(1.0f / BASE), sum;
-            for (int c = DIGITS - 1; c >= 0; c--) {  /* Horner: ((T_3 / 254 + T_2) / 254 + T_1) / 254 + T_0 */
-                __m512 exact = _mm512_fnmadd_ps(zero, _mm512_load_ps(sums + 16 * c), _mm512_cvtepi32_ps(t[i][c]));
-                sum = c == DIGITS - 1 ? exact : _mm512_fmadd_ps(sum, inv, exact);
+            __m512 zero = _mm512_permutexvar_ps(lanes, zeros[i]), pair[2];
+            for (int c = 0; c < DIGITS; c += 2) {
+                __m512i t_pair = _mm512_add_epi32(_mm512_mullo_epi32(t[i][c], base), t[i][c + 1]);
+                pair[c / 2] = _mm512_fnmadd_ps(zero, _mm512_load_ps(sums + 8 * c), _mm512_cvtepi32_ps(t_pair));
             }
+            __m512 sum = _mm512_fmadd_ps(pair[1], inv_square, pair[0]);  /* 254 times the lanes' value */
             __m512 scale = _mm512_permutexvar_ps(lanes, scales[i]);
             acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(sum, x_scale), scale, acc[i]);
             for (int c = 0; c < DIGITS; c++) t[i][c] = _mm512_setzero_si512();
