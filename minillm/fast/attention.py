@@ -17,6 +17,9 @@ half: SDPA's CPU kernel took as long for causal as for full attention. SmolLM2-1
 3 K/V heads, head_dim 64, 2 threads, Intel Xeon, 2026-12-03): T = S = 480 1.31 against 2.13 ms a
 layer, T = 512 onto 488 cached 3.99 against 5.30, T = S = 2048 18.95 against 21.67. Below
 PREFILL_MIN_SCORES query-key pairs (T = S = 64: 69 against 54 us) SDPA's lighter set-up wins and runs.
+In bfloat16 the loop widens K and V to float32 once a call, on a CPU without the matrix units' kernel
+(``tiles_prefill``): on the developers' AMD EPYC T = S = 480 took 2.27 against SDPA's 4.14 ms a layer, and a
+512-token prompt to SmolLM2-135M 378 against 431 ms (BENCHMARKS.md, "The AMD EPYC, again").
 """
 
 from __future__ import annotations
@@ -89,12 +92,11 @@ class FastAttention(Attention):
 
     def _prefill_fits(self, n_queries: int, n_keys: int) -> bool:
         """A causal pass of many queries, enough of them to pay for the C loop (a window: SDPA's)."""
-        return (self.c_prefill and self.window is None and n_queries > 1
-                and n_queries * n_keys >= PREFILL_MIN_SCORES)
+        return self.c_prefill and self.window is None and prefill_pays(n_queries, n_keys)
 
     def _prefill_in_c(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
         return (mask is None and self._prefill_fits(q.shape[2], k.shape[2])
-                and q.dtype == k.dtype == v.dtype == torch.float32
+                and q.dtype in (torch.float32, torch.bfloat16) and q.dtype == k.dtype == v.dtype
                 and q.device.type == "cpu" and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
                 and not (torch.is_grad_enabled() and q.requires_grad) and not torch.compiler.is_compiling())
 
@@ -112,6 +114,12 @@ def prefill_on_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     for its set-up (TILES_MIN_QUERIES, TILES_MIN_SCORES: not a decode step), no autograd, not while compiling."""
     return (_tiles_pay(q.shape[2], k.shape[2]) and q.dtype == torch.bfloat16 and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and q.requires_grad) and kernels.causal_attention_amx_fits(q, k, v))
+
+
+def prefill_pays(n_queries: int, n_keys: int) -> bool:
+    """Whether a causal pass of ``n_queries`` over ``n_keys`` positions is enough work for
+    :func:`~minillm.fast.kernels.causal_attention`'s set-up (PREFILL_MIN_SCORES query-key pairs, not a decode)."""
+    return n_queries > 1 and n_queries * n_keys >= PREFILL_MIN_SCORES
 
 
 def _tiles_pay(n_queries: int, n_keys: int) -> bool:

@@ -155,8 +155,7 @@ def apply_decode_path(model: Transformer, name: str) -> Transformer:
     path = _default_path(model) if name == "default" else _candidate(name)
     linear_cls = LINEARS[path.products]
     c_decode = path.products == "matvec" and c_decode_fits(model)
-    c_prefill = (c_decode and model.embed.weight.dtype == torch.float32  # (causal_attention: float32 only)
-                 and model.config.head_dim % kernels.panel_width() == 0)
+    c_prefill = c_decode and model.config.head_dim % kernels.panel_width() == 0
     c_norms = path.products == "matvec" and c_kernels_fit(model)
     tiles_prefill = c_norms and tiles_prefill_fits(model)
     tied = model.lm_head.weight is model.embed.weight if hasattr(model.lm_head, "weight") else False

@@ -206,7 +206,7 @@ C_FUNCTIONS = {  # name: (argument types, result type), as csrc/*.c declares the
     "attention_reference": ([_P, _P, _P, _P, _I, _I, _F], None),
     "decode_attention": ([_P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _L, _L, _L, _L, _F, _I], _I),
     "paged_decode_attention": ([_P, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I], _I),
-    "causal_attention": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _L, _L, _L, _L, _L, _L, _L, _L, _L, _F, _I],
+    "causal_attention": ([_P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _L, _L, _L, _L, _L, _L, _L, _L, _L, _F, _I],
                          _I),
     # attention_amx.c
     "causal_attention_bf16_amx": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _L, _L, _L, _L, _L, _L, _L, _L, _F, _I], _I),
@@ -778,29 +778,35 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     prefix needs, unlike SDPA's ``is_causal`` when T < S), softmax(scale · q·kᵀ + mask) · v, by a
     flash-attention loop in C (csrc/attention.c).
 
-    q [B, H, T, D], k, v [B, Hkv, S, D] float32, any strides but a contiguous last dimension (a KV
-    cache's buffer, a transposed gather), T <= S, H a multiple of Hkv (GQA), D a multiple of :func:`panel_width`.
-    Returns [B, H, T, D] float32, ``F.scaled_dot_product_attention``'s values (``is_causal`` when T ==
-    S) up to float rounding. Raises ValueError for inputs the loop would misread, MemoryError when its
-    scratch cannot be allocated."""
+    q [B, H, T, D], k, v [B, Hkv, S, D] all float32, or all bfloat16 (the keys and values widened to float32 once a
+    call, the sums float32, the softmax's numerators rounded to bfloat16 before they weigh the values and the output
+    once, where SDPA's CPU flash kernel rounds); any strides but a contiguous last dimension (a KV cache's buffer, a
+    transposed gather), T <= S, H a multiple of Hkv (GQA), D a multiple of :func:`panel_width`. Returns [B, H, T, D]
+    of q's dtype, ``F.scaled_dot_product_attention``'s values (``is_causal`` when T == S) up to float rounding.
+    Raises ValueError for inputs the loop would misread or an input that requires grad (it has no backward pass),
+    MemoryError when its scratch cannot be allocated."""
     lib = lib or kernels()
     B, H, T, D = q.shape if q.dim() == 4 else (0, 0, 0, 0)
     ok = (k.dim() == 4 and k.shape == v.shape and k.shape[0] == B and k.shape[1] > 0 and H % k.shape[1] == 0
           and k.shape[3] == D and 0 < T <= k.shape[2] and D > 0 and D % lib.f32_panel_width() == 0
-          and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v))
+          and q.dtype in (torch.float32, torch.bfloat16) and q.dtype == k.dtype == v.dtype
+          and all(t.device.type == "cpu" for t in (q, k, v))
           and q.stride(3) == k.stride(3) == v.stride(3) == 1 and _is_number(scale))
     if not ok:
-        raise ValueError(f"causal_attention takes float32 CPU q [B, heads, T, D] and k, v [B, kv_heads, S, D] with "
-                         f"a contiguous last dimension, T <= S, heads a multiple of kv_heads, D a multiple of "
-                         f"{lib.f32_panel_width()}, and a number scale; got q {q.dtype} {list(q.shape)}, k {k.dtype} "
-                         f"{list(k.shape)} strides {list(k.stride())}, v {list(v.shape)}, scale {scale!r}")
-    out = _output(B, H, T, D)
-    failed = lib.causal_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), B, H, k.shape[1], T,
-                                  k.shape[2], D, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-                                  k.stride(2), v.stride(0), v.stride(1), v.stride(2), scale, torch.get_num_threads())
+        raise ValueError(f"causal_attention takes float32 (or all bfloat16) CPU q [B, heads, T, D] and k, v [B, "
+                         f"kv_heads, S, D] with a contiguous last dimension, T <= S, heads a multiple of kv_heads, D a "
+                         f"multiple of {lib.f32_panel_width()}, and a number scale; got q {q.dtype} {list(q.shape)}, k "
+                         f"{k.dtype} {list(k.shape)} strides {list(k.stride())}, v {v.dtype} {list(v.shape)}, scale "
+                         f"{scale!r}")
+    if problem := _grad_problem(q, k, v):
+        raise ValueError(f"causal_attention: {problem}; use F.scaled_dot_product_attention")
+    q32, out = q.float(), _output(B, H, T, D)
+    failed = lib.causal_attention(q32.data_ptr(), k.data_ptr(), v.data_ptr(), q.dtype == torch.bfloat16,
+                                  out.data_ptr(), B, H, k.shape[1], T, k.shape[2], D, *q32.stride()[:3],
+                                  *k.stride()[:3], *v.stride()[:3], scale, torch.get_num_threads())
     if failed:
         raise MemoryError("causal_attention could not allocate its scratch buffers")
-    return out
+    return out.to(q.dtype)
 
 
 def causal_attention_amx(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, check: bool = True,

@@ -10,8 +10,9 @@ the block table where it lies and reads only the request's own positions::
     request b, key j:   k_pool[layer][block_tables[b, j // block_size], j % block_size, kv_head, :]
 
 Prefill chunks keep the reference path (their gather is one request's blocks, small next to the
-chunk's products), with one change in bfloat16 and float16: a chunk's queries and keys are padded to a
-multiple of CHUNK_PAD_ROWS before SDPA (:meth:`FastPagedBatch.attend_chunk`). SDPA's flash kernel builds an
+chunk's products; the module's own C loop or tiles then take a long enough chunk), with one change in bfloat16
+and float16: a chunk that reaches SDPA has its queries and keys padded to a multiple of CHUNK_PAD_ROWS
+(:meth:`FastPagedBatch.attend_chunk`). SDPA's flash kernel builds an
 AMX micro-kernel for every block shape it meets and keeps each one for the life of the thread, without limit
 (``cpublas::brgemm``'s cache in torch 2.13); a server's chunks come in every length, so its memory grew with
 every new one (benchmarks/sdpa_shape_cache.py, 1,200 chunks of random lengths: +157 MiB in use, padded +29
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 from ..serving.paged_attention import PagedBatch
 from . import kernels
-from .attention import c_kernels_fit, prefill_on_tiles
+from .attention import c_kernels_fit, prefill_on_tiles, prefill_pays
 
 CHUNK_PAD_ROWS = 32  # a chunk's queries and keys, rounded up to this: a few shapes for SDPA's per-shape kernels
 
@@ -42,15 +43,17 @@ class FastPagedBatch(PagedBatch):
 
     Args:
         scales: per layer, the attention's score scale (``ModelConfig.attn_scale``: 1/√head_dim by default).
+        c_prefill: whether the model's layers run a long enough prefill chunk's attention in C
+            (:class:`~minillm.fast.attention.FastAttention`'s ``c_prefill``): such a chunk is not padded.
         the rest: as :class:`~minillm.serving.paged_attention.PagedBatch`.
 
     Raises ValueError when a decode's block table names a block outside the pool or is too short
     for its context (checked once per step, not per layer).
     """
 
-    def __init__(self, scales: tuple[float, ...], cache, *args, **kwargs):
+    def __init__(self, scales: tuple[float, ...], c_prefill: bool, cache, *args, **kwargs):
         super().__init__(cache, *args, **kwargs)
-        self.scales = scales
+        self.scales, self.c_prefill = scales, c_prefill
         self.decode_first = torch.zeros_like(self.decode_context_lens)
         if len(self.decode_rows) and not kernels.paged_ranges_fit(
                 self.decode_block_tables, self.decode_first, self.decode_context_lens, cache.num_blocks,
@@ -69,8 +72,9 @@ class FastPagedBatch(PagedBatch):
 
     def attend_chunk(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attention,
                      window: int | None) -> torch.Tensor:
-        """As :meth:`PagedBatch.attend_chunk`; in bfloat16 and float16 (no sliding window) over queries and keys
-        padded with zeros to multiples of CHUNK_PAD_ROWS, the padding's rows of the output dropped::
+        """As :meth:`PagedBatch.attend_chunk`; in bfloat16 and float16 (no sliding window), where SDPA takes the chunk
+        (not the module's tiles or C loop), over queries and keys padded with zeros to multiples of CHUNK_PAD_ROWS,
+        the padding's rows of the output dropped::
 
             keys    0 .. S-1 | S .. S2-1  (padding: masked for every query)
             queries the last T of the S keys (query t sees keys 0 .. S-T+t) | T .. T2-1 (padding: sees key 0)
@@ -81,7 +85,8 @@ class FastPagedBatch(PagedBatch):
         T, S = q.shape[2], keys.shape[2]
         T2, S2 = -(-T // CHUNK_PAD_ROWS) * CHUNK_PAD_ROWS, -(-S // CHUNK_PAD_ROWS) * CHUNK_PAD_ROWS
         if (window is not None or q.dtype not in (torch.bfloat16, torch.float16) or (T2, S2) == (T, S)
-                or prefill_on_tiles(q, keys, values)):  # (the tiles' kernel takes every length as it is)
+                or prefill_on_tiles(q, keys, values) or (self.c_prefill and prefill_pays(T, S))):
+            # (the tiles' kernel and the C loop take every length as it is)
             return attention(q, keys, values, None)
         q2 = F.pad(q, (0, 0, 0, T2 - T))
         keys, values = F.pad(keys, (0, 0, 0, S2 - S)), F.pad(values, (0, 0, 0, S2 - S))
@@ -100,4 +105,5 @@ def use_fast_paged_attention(model) -> None:
         model.paged_batch = None
         return
     scales = tuple(block.attn.scale for block in model.blocks)
-    model.paged_batch = partial(FastPagedBatch, scales)
+    c_prefill = all(getattr(block.attn, "c_prefill", False) for block in model.blocks)
+    model.paged_batch = partial(FastPagedBatch, scales, c_prefill)

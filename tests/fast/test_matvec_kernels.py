@@ -614,6 +614,25 @@ def test_causal_attention_equals_float64_softmax(batch, kv_heads, group, width, 
     assert (out.double() - _causal_oracle(q, k, v, 0.3)).abs().max() <= 1e-5
 
 
+@BUILDS
+@settings(max_examples=30, deadline=None)
+@given(kv_heads=st.integers(1, 3), group=st.integers(1, 3), width=st.integers(1, 2), queries=st.integers(1, 70),
+       cached=st.integers(0, 90), seed=st.integers(0, 2**16))
+def test_causal_attention_in_bfloat16_equals_float64_softmax(kv_heads, group, width, queries, cached, seed, portable):
+    """bfloat16 q, k, v in the layouts above: the float64 softmax of the same bfloat16 numbers, off by the float32
+    sums (1e-5, as above) and two roundings to bfloat16 (each at most u = 2^-8 of what it rounds), where SDPA's CPU
+    flash kernel rounds: each softmax numerator before it weighs its value row (at most 2^-8 · Σ_j p_j·|v_j|), and
+    the output (2^-8 of it), as decode_attention's bfloat16 test bounds them."""
+    g, lib = torch.Generator().manual_seed(seed), _lib(portable)
+    D, heads, S = width * matvec_kernels.panel_width(lib=lib), kv_heads * group, cached + queries
+    q = torch.randn(1, queries, heads, D, generator=g).transpose(1, 2).bfloat16()
+    k, v = (torch.randn(1, S, kv_heads, D, generator=g).transpose(1, 2).bfloat16() for _ in range(2))
+    out = matvec_kernels.causal_attention(q, k, v, 0.3, lib=lib)
+    expected, magnitude = _causal_oracle(q, k, v, 0.3), _causal_oracle(q, k, v.abs(), 0.3)
+    assert out.shape == (1, heads, queries, D) and out.dtype == torch.bfloat16
+    assert ((out.double() - expected).abs() <= 1e-5 + 2.0 ** -8 * (magnitude + expected.abs())).all()
+
+
 @pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
 def test_causal_attention_equals_sdpa_on_a_long_prompt_and_keeps_a_nan_visible():
     """A prompt of 300 positions (SDPA's is_causal the oracle, float32 both), far-apart scores (the
@@ -635,6 +654,8 @@ def test_causal_attention_equals_sdpa_on_a_long_prompt_and_keeps_a_nan_visible()
     (lambda q, k: (q[:, :5], k), r"heads a multiple of kv_heads"),
     (lambda q, k: (q[..., :24], k[..., :24]), r"D a multiple of"),
     (lambda q, k: (q.double(), k), r"got q torch.float64"),
+    (lambda q, k: (q.bfloat16(), k), r"\(or all bfloat16\).*got q torch.bfloat16 .* k torch.float32"),
+    (lambda q, k: (q.requires_grad_(), k), r"no backward pass, and an input requires grad"),
     (lambda q, k: (q, k.transpose(2, 3)), r"a contiguous last dimension"),
 ])
 def test_causal_attention_refuses_what_it_would_misread(change, message):
@@ -672,6 +693,30 @@ def test_prefill_runs_attention_in_c_on_the_matvec_path(window, monkeypatch, tmp
     assert 70 * 70 < PREFILL_MIN_SCORES <= 70 * 128
     assert [attn.impl_name(t, "sdpa", s) for t, s in ((70, 128), (8, 8), (1, 50))] == \
         (["sdpa", "sdpa", "c"] if window else ["c", "sdpa", "c"])
+
+
+@pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
+def test_a_bfloat16_prefill_runs_attention_in_c_within_bfloat16s_error(monkeypatch, tmp_path):
+    """A bfloat16 model's 120-token prefill runs its attention in C each layer (SDPA's bfloat16 kernel took 1.8x its
+    time at 480 tokens on the developers' AMD EPYC). Oracle: the float32 lesson model. Yardstick: E, the plain
+    bfloat16 model's largest logit error from it; the fast model's is within 2E (as tests/test_dtypes_vs_hf.py
+    bounds bfloat16)."""
+    from tiny_models import LLAMA_BASE, build_hf, save_hf
+
+    from minillm import KVCache, load_model, prefill
+
+    folder = save_hf(build_hf("llama", dict(LLAMA_BASE, head_dim=matvec_kernels.panel_width())), tmp_path)
+    models = [load_model(folder, device="cpu", fast=False), load_model(folder, device="cpu", dtype="bfloat16",
+                                                                       fast=False),
+              load_model(folder, device="cpu", dtype="bfloat16")]
+    calls = []
+    real = matvec_kernels.causal_attention
+    monkeypatch.setattr(matvec_kernels, "causal_attention", lambda *a: calls.append(a[0].dtype) or real(*a))
+    ids = torch.randint(0, models[0].config.vocab_size, (120,), generator=torch.Generator().manual_seed(0))
+    logits = [prefill(m, ids, KVCache.for_model(m, max_seq_len=128)) for m in models]
+    errors = [(lg.float() - logits[0]).abs().max().item() for lg in logits[1:]]
+    assert calls == [torch.bfloat16] * models[2].config.n_layers
+    assert 0 < errors[0] and errors[1] <= 2 * errors[0], errors
 
 
 @pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")

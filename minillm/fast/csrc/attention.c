@@ -526,6 +526,11 @@ static float row_max(const float *s, int n) {
     for (; j < n; j++) m = s[j] > m ? s[j] : m;
     return m;
 }
+/* element i of a float32 or (bf16) bfloat16 array, as a float32 */
+static inline float element(const void *a, int bf16, int64_t i) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)a)[i]) : ((const float *)a)[i];
+}
+
 /* Prefill's attention: T queries, the last T of S positions, each over the keys up to its own (causal),
  *
  *   out[b, h, t] = Σ_{j <= S-T+t} softmax_j(scale · q[b, h, t]·k[b, h/G, j]) · v[b, h/G, j],
@@ -540,26 +545,38 @@ static float row_max(const float *s, int n) {
  * flash kernel took as long for causal as for full attention (2.07 against 2.12 ms at T = S = 480,
  * 9 heads, D = 64, 2 threads, Intel Xeon, 2026-12-03).
  *
- * q [B, H, T, D], k, v [B, Hkv, S, D], each with contiguous rows (D floats) and the given strides (in
- * floats) between batches, heads and positions; out [B, H, T, D] contiguous. D a multiple of PANEL.
- * Returns 0, or 1 when a scratch buffer cannot be allocated. */
-int causal_attention(const float *q, const float *k, const float *v, float *out, int B, int H, int Hkv, int T,
-                     int S, int D, int64_t q_sb, int64_t q_sh, int64_t q_st, int64_t k_sb, int64_t k_sh,
+ * q [B, H, T, D] float32, k, v [B, Hkv, S, D] float32 (or, with bf16, bfloat16), each with contiguous rows (D
+ * elements) and the given strides (in elements) between batches, heads and positions; out [B, H, T, D] float32
+ * contiguous. D a multiple of PANEL. With bf16 the keys are widened as they are packed and the values into a
+ * float32 copy once a call, then the same float32 arithmetic but for the softmax's numerators, rounded to bfloat16
+ * before they weigh V, as SDPA's flash kernel rounds them (decode_attention does the same). Returns 0, or 1 when a
+ * scratch buffer cannot be allocated. */
+int causal_attention(const float *q, const void *k, const void *v, int bf16, float *out, int B, int H, int Hkv,
+                     int T, int S, int D, int64_t q_sb, int64_t q_sh, int64_t q_st, int64_t k_sb, int64_t k_sh,
                      int64_t k_st, int64_t v_sb, int64_t v_sh, int64_t v_st, float scale, int threads) {
     int G = H / Hkv, key_panels = (S + PANEL - 1) / PANEL, query_blocks = (T + PANEL_ROWS - 1) / PANEL_ROWS;
     int64_t panel_floats = (int64_t)D * PANEL, failed = 0;
     float *kt = (float *)malloc(sizeof(float) * (size_t)B * Hkv * key_panels * panel_floats);  /* kᵀ, in panels */
-    if (kt == NULL) return 1;
+    float *vw = bf16 ? (float *)malloc(sizeof(float) * (size_t)B * Hkv * S * D) : NULL;  /* v widened [B, Hkv, S, D] */
+    if (kt == NULL || (bf16 && vw == NULL)) {
+        free(kt), free(vw);
+        return 1;
+    }
     #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
     for (int bg = 0; bg < B * Hkv; bg++)
         for (int p = 0; p < key_panels; p++) {
-            const float *kh = k + (int64_t)(bg / Hkv) * k_sb + (int64_t)(bg % Hkv) * k_sh;
+            int64_t head = (int64_t)(bg / Hkv) * k_sb + (int64_t)(bg % Hkv) * k_sh;
             float *panel = kt + ((int64_t)bg * key_panels + p) * panel_floats;
             for (int l = 0; l < PANEL; l++) {
-                int j = p * PANEL + l;
-                for (int d = 0; d < D; d++) panel[(int64_t)d * PANEL + l] = j < S ? scale * kh[(int64_t)j * k_st + d] : 0.0f;
+                int64_t j = p * PANEL + l, at = head + j * k_st;
+                for (int d = 0; d < D; d++) panel[(int64_t)d * PANEL + l] = j < S ? scale * element(k, bf16, at + d) : 0.0f;
             }
+            for (int j = p * PANEL; bf16 && j < S && j < (p + 1) * PANEL; j++)
+                widen_bf16((const uint16_t *)v + (int64_t)(bg / Hkv) * v_sb + (int64_t)(bg % Hkv) * v_sh + j * v_st,
+                           vw + ((int64_t)bg * S + j) * D, D);
         }
+    const float *vf = bf16 ? vw : (const float *)v;
+    if (bf16) v_sb = (int64_t)Hkv * S * D, v_sh = (int64_t)S * D, v_st = D;
     #pragma omp parallel num_threads(threads) reduction(|:failed)
     {
         /* per thread: a block's scores s [PANEL_ROWS, PANEL] and running output acc [PANEL_ROWS, D] */
@@ -572,7 +589,7 @@ int causal_attention(const float *q, const float *k, const float *v, float *out,
                 if (s == NULL) continue;
                 int b = bh / H, h = bh % H, t0 = qb * PANEL_ROWS, R = T - t0 < PANEL_ROWS ? T - t0 : PANEL_ROWS;
                 const float *qr = q + (int64_t)b * q_sb + (int64_t)h * q_sh + (int64_t)t0 * q_st;
-                const float *vh = v + (int64_t)b * v_sb + (int64_t)(h / G) * v_sh;
+                const float *vh = vf + (int64_t)b * v_sb + (int64_t)(h / G) * v_sh;
                 const float *kth = kt + ((int64_t)b * Hkv + h / G) * key_panels * panel_floats;
                 int first_pos = S - T + t0, last_pos = first_pos + R - 1;  /* the block's queries' positions */
                 float m[PANEL_ROWS], l[PANEL_ROWS];
@@ -593,6 +610,7 @@ int causal_attention(const float *q, const float *k, const float *v, float *out,
                             m[r] = m_new;
                         }
                         l[r] += visible > 0 ? exps(sr, visible, m_new) : 0.0f;
+                        for (int j = 0; bf16 && j < visible; j++) sr[j] = bf16_to_f32(f32_to_bf16(sr[j]));
                         for (int j = visible > 0 ? visible : 0; j < PANEL; j++) sr[j] = 0.0f;  /* masked: weight 0 */
                     }
                     for (int c0 = 0; c0 < D; c0 += PANEL)  /* acc += p · v, PANEL columns of v at a time */
@@ -604,6 +622,6 @@ int causal_attention(const float *q, const float *k, const float *v, float *out,
             }
         free(s);
     }
-    free(kt);
+    free(kt), free(vw);
     return failed;
 }
