@@ -59,8 +59,8 @@ SWAPS = (
     Swap("model.Block", "fast.block.FastBlock", "the C paths (matvec, compile+matvec; also a bfloat16 model's "
          "default path on a CPU), C kernels fit: each RMSNorm one C call, the second fused with the residual add"),
     Swap("model.Attention", "fast.attention.FastAttention", "every path: q|k|v stacked; the C paths (and a bfloat16 "
-         "model's default), C kernels fit: decode's attention in C (prefill's too in float32, head_dim a multiple of "
-         "the panel width), RoPE of q and k in one C call; in bfloat16 prefill's attention on the matrix units (a CPU "
+         "model's default), C kernels fit: decode's attention in C (prefill's too, head_dim a multiple of the panel "
+         "width), RoPE of q and k in one C call; in bfloat16 prefill's attention on the matrix units instead (a CPU "
          "with AMX-BF16, head_dim a multiple of 32)"),
     Swap("model.SwiGLU", "fast.packing.PackedSwiGLU", "every path, a SwiGLU MLP (the Llama family): gate|up stacked"),
     Swap("torch.nn.Linear", "fast.products.SplitLinear", "the split paths (long-rows+split, row-major+split), a float "
@@ -68,12 +68,12 @@ SWAPS = (
     Swap("torch.nn.Linear", "fast.products.MatvecLinear", "the C paths (matvec, compile+matvec), a float model: a few "
          "rows in C (one float32 row only on an AMD CPU); a server's batches on packed panels (serve "
          "--pack-weights); also the default path of a bfloat16 model on a CPU (1-256 rows on the matrix units where "
-         "the CPU has AMX, else one or two rows in C)"),
+         "the CPU has AMX, else one or two rows in C, up to 8 on an AMD CPU)"),
     Swap("quantize.QuantizedLinear", "fast.products.FastQuantizedLinear", "every path, a quantised model: its "
          "products in C on a CPU (on the matrix units where the CPU has AMX-INT8, x in four int8 digits)"),
     Swap("serving.paged_attention.PagedBatch", "fast.paged_attention.FastPagedBatch", "every path, C kernels fit: "
          "the serving engine's decodes attend in C over the pool's blocks in place; a bfloat16 or float16 prefill "
-         "chunk reaches SDPA padded to a few shapes"),
+         "chunk that reaches SDPA is padded to a few shapes"),
     Swap("phases.decode_step", "fast.compile.CompiledDecodeStep", "the compiled paths (compile, compile+matvec): the "
          "whole step compiled over a static view of the KV cache"),
 )

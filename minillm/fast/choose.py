@@ -240,7 +240,8 @@ def few_rows_in_c(cpu_name: str | None = None) -> bool:
     on the developers' AMD EPYC the row-by-row C loop took a SmolLM2-135M step from 101.7 to 64.4 ms
     (BENCHMARKS-HISTORY.md, issue 16): torch's MKL runs its generic code on a CPU that is not Intel's. Elsewhere
     (Intel, ARM, unknown) ``F.linear`` keeps the lesson's own product, so the default decode is never slower
-    than ``--no-fast`` there by construction. ``cpu_name``: the CPU's model name (default: this machine's,
+    than ``--no-fast`` there by construction. The same rule sends 3-8 bfloat16 rows to the C loop
+    (:func:`~minillm.fast.products.few_rows_kernel`). ``cpu_name``: the CPU's model name (default: this machine's,
     :func:`minillm.hardware.device_name`).
     """
     name = device_name(torch.device("cpu")) if cpu_name is None else cpu_name

@@ -16,7 +16,8 @@ stream memory as fast as all the cores together. Two ways around it, for CPU flo
   each thread a share of the matrix's rows and reads each weight once for all of x's rows; it is
   also an op a compiled step calls (inductor's own code for the product is slower). Row-major
   weights only. 1-3 float32 rows only where the decode path's rule says (an AMD CPU: on the Intel
-  Xeon MKL's product of so few rows is faster); one or two bfloat16 rows too (in C, faster than F.linear's).
+  Xeon MKL's product of so few rows is faster); one or two bfloat16 rows too (in C, faster than F.linear's), up to
+  MATVEC_MAX_ROWS on an AMD CPU.
   Where the CPU has matrix units (Intel AMX), 1-BF16_AMX_MAX_ROWS bfloat16 rows run on them instead, the weight
   read in place as the tiles' A operand (:func:`minillm.fast.kernels.bf16_amx_matmul`): F.linear hands oneDNN
   the weight as its B operand, which it reorders at every call.
@@ -101,6 +102,7 @@ def few_rows_kernel(rows: int, dtype: torch.dtype, few_rows_in_c: bool, panels: 
         float32    4-8       "f32_matvec"
         float32    9-256     "f32_panel_matmul" with ``panels`` (a server's batches), else "F.linear"
         bfloat16   1-256     "bf16_amx_matmul" where ``amx`` (the matrix units run here, the weight fits their tiles)
+        bfloat16   1-8       "bf16_matvec" elsewhere where ``few_rows_in_c``
         bfloat16   1-2       "bf16_matvec" elsewhere
         any        more      "F.linear"
 
@@ -108,7 +110,9 @@ def few_rows_kernel(rows: int, dtype: torch.dtype, few_rows_in_c: bool, panels: 
     rows MKL's product beat the C loop on an Intel Xeon (the C took 1.02-1.15x its time) and lost to it on an
     AMD EPYC; from 4 rows the C won on both (0.47-0.90x MKL's time on the Xeon). In bfloat16 the C loop took
     0.64-0.76x F.linear's time at one row and 0.85-0.88x at two, 0.91-1.04x at three and 0.96-1.17x at four on the
-    Intel Xeon, its multiply-adds then the bound (BENCHMARKS.md, "Decode products: PyTorch against the C").
+    Intel Xeon, its multiply-adds then the bound (BENCHMARKS.md, "Decode products: PyTorch against the C"); on the
+    AMD EPYC 0.76-0.86x at 3-8 rows, SmolLM2-135M's and the 1.7B shape's matrices (oneDNN's bfloat16 kernels run
+    slower there: BENCHMARKS.md, "The AMD EPYC, again").
     On the matrix units with the weight in place (:func:`minillm.fast.kernels.bf16_amx_matmul`), SmolLM2-135M's
     matrices took 0.52-0.83x F.linear's time at 1-256 rows (the 1.7B shape's 0.69-0.92x) and 1.05-1.10x at 512,
     where oneDNN's reorder of the weight is paid back (BENCHMARKS.md, "bfloat16 products on the matrix units").
@@ -116,7 +120,7 @@ def few_rows_kernel(rows: int, dtype: torch.dtype, few_rows_in_c: bool, panels: 
     if dtype == torch.bfloat16:
         if amx and rows <= BF16_AMX_MAX_ROWS:
             return "bf16_amx_matmul"
-        return "bf16_matvec" if rows <= BF16_C_ROWS else "F.linear"
+        return "bf16_matvec" if rows <= (MATVEC_MAX_ROWS if few_rows_in_c else BF16_C_ROWS) else "F.linear"
     if dtype != torch.float32:
         return "F.linear"
     if rows <= MATVEC_MAX_ROWS:

@@ -121,6 +121,9 @@ F32, BF16 = torch.float32, torch.bfloat16
     (2, BF16, True, True, "bf16_matvec"),  # (a batch of two decodes: 0.85-0.88x F.linear's time)
     (3, BF16, False, False, "F.linear"),  # (the C loop's multiply-adds bound it: about even at 3 rows)
     (8, BF16, False, False, "F.linear"),
+    (3, BF16, True, False, "bf16_matvec"),  # an AMD CPU: 0.76-0.86x F.linear's time at 3-8 rows
+    (8, BF16, True, True, "bf16_matvec"),
+    (9, BF16, True, True, "F.linear"),
     (9, BF16, False, True, "F.linear"),  # (prefill: oneDNN's AMX kernels)
     (1, torch.float16, True, True, "F.linear"),
     (1, torch.float64, True, True, "F.linear"),
@@ -167,6 +170,7 @@ def _matvec_linear(weight: torch.Tensor, few_rows_in_c: bool) -> MatvecLinear:
 @pytest.mark.parametrize("dtype, rows, few_rows_in_c, ran", [
     (F32, 1, False, None), (F32, 1, True, "f32_matvec"), (F32, 3, False, None), (F32, 4, False, "f32_matvec"),
     (BF16, 1, False, "bf16_matvec"), (BF16, 1, True, "bf16_matvec"), (BF16, 8, False, None),
+    (BF16, 8, True, "bf16_matvec"),
 ])
 def test_a_product_module_runs_the_tables_kernel_with_linears_values(dtype, rows, few_rows_in_c, ran, monkeypatch):
     """MatvecLinear calls the kernel the table names (None: F.linear) and gives F.linear's values."""
