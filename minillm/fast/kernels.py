@@ -3,7 +3,8 @@
 One C file a family, each opening with the scalar reference it computes; one section of this module a
 family, each function a kernel, checking what the C loops would misread (they trust shapes):
 
-    csrc/products.c    float32 products of a few rows        f32_matvec, f32_pack_panels, f32_panel_matmul
+    csrc/products.c    float32 products of a few rows        f32_matvec, f32_pack_panels, f32_panel_matmul,
+                                                             f32_rows_matmul
     csrc/bf16_products.c  bfloat16 products of a few rows    bf16_matvec
     csrc/bf16_amx.c    bfloat16 products on AMX, w in place  bf16_amx_matmul, bf16_amx_ready
     csrc/quantized.c   int8 and int4 products                quantized_matvec, quantized_matmul, dequantize,
@@ -177,6 +178,7 @@ C_FUNCTIONS = {  # name: (argument types, result type), as csrc/*.c declares the
     "f32_panel_width": ([], _I),
     "f32_pack_panels": ([_P, _P, _I, _I, _I], None),
     "f32_panel_matmul": ([_P, _P, _P, _I, _I, _I, _I], None),
+    "f32_rows_matmul": ([_P, _P, _P, _I, _I, _I, _I], _I),
     # bf16_products.c
     "bf16_matmul_reference": ([_P, _P, _P, _I, _I, _I], None),
     "bf16_matvec": ([_P, _P, _P, _I, _I, _I, _I], _I),
@@ -284,6 +286,21 @@ def f32_matvec(x: torch.Tensor, weight: torch.Tensor, *, lib: ctypes.CDLL | None
     y = _output(x.shape[0], weight.shape[0])
     lib.f32_matvec(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1],
                    torch.get_num_threads())
+    return y
+
+
+def f32_rows_matmul(x: torch.Tensor, weight: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [rows, in] float32, weight [out, in] float32 (row-major, read in place) -> x @ weightᵀ [rows, out] float32:
+    x copied transposed, its rows along a vector's lanes, each weight broadcast to them (csrc/products.c), for a
+    server's batch of decodes without a packed copy of the matrix. Raises ValueError for other dtypes, devices or
+    shapes, MemoryError when x's transposed copy cannot be allocated."""
+    lib = lib or kernels()
+    _check_matvec("f32_rows_matmul", torch.float32, x, weight)
+    x = x.contiguous()
+    y = _output(x.shape[0], weight.shape[0])
+    if lib.f32_rows_matmul(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0],
+                           weight.shape[1], torch.get_num_threads()):
+        raise MemoryError(f"f32_rows_matmul could not allocate {x.numel() * 4:,} bytes for x's transposed copy")
     return y
 
 

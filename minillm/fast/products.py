@@ -68,6 +68,9 @@ BF16_C_ROWS = 2  # bfloat16 rows the C tile multiplies faster than F.linear (few
 BF16_AMX_MAX_ROWS = 256  # bfloat16 rows the matrix units multiply faster with the weight in place (table below)
 MKL_FEW_ROWS = 3  # float32 rows MKL's product took faster than the C tile on the Intel Xeon (few_rows_in_c)
 PANEL_MAX_ROWS = 256  # a serving step's decodes or a short chunk; above, MKL's product is as fast
+ROWS_MATMUL_ROWS = (5, 128)  # float32 rows f32_rows_matmul takes where few_rows_in_c (an AMD CPU), measured there:
+#   SmolLM2-135M's 121 matrices (2 threads, 2026-12-06), ms for all: rows       4     8    16    32    64   128
+#   F.linear 62.4 56.1 67.4 89.9 133 224; f32_matvec 29.5 41.0 63.9 109; f32_rows_matmul 30.8 32.0 32.2 54.3 105 211
 # measured (SmolLM2-135M's 120 decoder matrices out of cache, 2 threads, Intel Xeon with AVX-512,
 # 2026-12-03; the panels' table in csrc/products.c has more row counts), ms for all:
 #   rows        1     8    16    32    40   128   256   512
@@ -95,9 +98,10 @@ def _few_rows(x: torch.Tensor, weight: torch.Tensor, max_rows: int, dtypes=(torc
 
 def few_rows_kernel(rows: int, dtype: torch.dtype, few_rows_in_c: bool, panels: bool, amx: bool = False) -> str:
     """The kernel :class:`MatvecLinear` multiplies ``rows`` rows of ``dtype`` by (on a CPU, the C kernels
-    built; compiled code, autograd and other devices take F.linear):
+    built; compiled code, autograd and other devices take F.linear), the first line from the top that matches:
 
         dtype      rows      kernel
+        float32    5-128     "f32_rows_matmul" where ``few_rows_in_c``, without ``panels``
         float32    1-3       "f32_matvec" where ``few_rows_in_c``, else "F.linear"
         float32    4-8       "f32_matvec"
         float32    9-256     "f32_panel_matmul" with ``panels`` (a server's batches), else "F.linear"
@@ -108,11 +112,13 @@ def few_rows_kernel(rows: int, dtype: torch.dtype, few_rows_in_c: bool, panels: 
 
     ``few_rows_in_c`` is the decode path's rule (:func:`minillm.fast.choose.few_rows_in_c`): at 1-3 float32
     rows MKL's product beat the C loop on an Intel Xeon (the C took 1.02-1.15x its time) and lost to it on an
-    AMD EPYC; from 4 rows the C won on both (0.47-0.90x MKL's time on the Xeon). In bfloat16 the C loop took
-    0.64-0.76x F.linear's time at one row and 0.85-0.88x at two, 0.91-1.04x at three and 0.96-1.17x at four on the
-    Intel Xeon, its multiply-adds then the bound (BENCHMARKS.md, "Decode products: PyTorch against the C"); on the
-    AMD EPYC 0.76-0.86x at 3-8 rows, SmolLM2-135M's and the 1.7B shape's matrices (oneDNN's bfloat16 kernels run
-    slower there: BENCHMARKS.md, "The AMD EPYC, again").
+    AMD EPYC; from 4 rows the C won on both (0.47-0.90x MKL's time on the Xeon). From 5 rows on the AMD EPYC, x's
+    rows along the vectors' lanes (:func:`minillm.fast.kernels.f32_rows_matmul`) took 0.48-0.94x MKL's time at 8-128
+    rows, where its product and the C loop multiplied at ~80 GFLOP/s of the CPU's 190 (ROWS_MATMUL_ROWS). In
+    bfloat16 the C loop took 0.64-0.76x F.linear's time at one row and 0.85-0.88x at two, 0.91-1.04x at three and
+    0.96-1.17x at four on the Intel Xeon, its multiply-adds then the bound (BENCHMARKS.md, "Decode products: PyTorch
+    against the C"); on the AMD EPYC 0.76-0.86x at 3-8 rows, SmolLM2-135M's and the 1.7B shape's matrices (oneDNN's
+    bfloat16 kernels run slower there: BENCHMARKS.md, "The AMD EPYC, again").
     On the matrix units with the weight in place (:func:`minillm.fast.kernels.bf16_amx_matmul`), SmolLM2-135M's
     matrices took 0.52-0.83x F.linear's time at 1-256 rows (the 1.7B shape's 0.69-0.92x) and 1.05-1.10x at 512,
     where oneDNN's reorder of the weight is paid back (BENCHMARKS.md, "bfloat16 products on the matrix units").
@@ -123,6 +129,8 @@ def few_rows_kernel(rows: int, dtype: torch.dtype, few_rows_in_c: bool, panels: 
         return "bf16_matvec" if rows <= (MATVEC_MAX_ROWS if few_rows_in_c else BF16_C_ROWS) else "F.linear"
     if dtype != torch.float32:
         return "F.linear"
+    if few_rows_in_c and not panels and ROWS_MATMUL_ROWS[0] <= rows <= ROWS_MATMUL_ROWS[1]:
+        return "f32_rows_matmul"
     if rows <= MATVEC_MAX_ROWS:
         return "f32_matvec" if rows > MKL_FEW_ROWS or few_rows_in_c else "F.linear"
     return "f32_panel_matmul" if panels and rows <= PANEL_MAX_ROWS else "F.linear"
@@ -195,6 +203,8 @@ class MatvecLinear(nn.Linear):
             y = kernels.bf16_matvec(x.reshape(rows, -1), self.weight)
         elif kernel == "f32_panel_matmul":
             y = kernels.f32_panel_matmul(x.reshape(rows, -1), self._packed_weight())
+        elif kernel == "f32_rows_matmul" and not compiling:
+            y = kernels.f32_rows_matmul(x.reshape(rows, -1), self.weight)
         else:
             return F.linear(x, self.weight, self.bias)
         y = y.view(*x.shape[:-1], self.out_features)

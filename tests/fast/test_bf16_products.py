@@ -114,6 +114,14 @@ F32, BF16 = torch.float32, torch.bfloat16
     (8, F32, False, True, "f32_matvec"),
     (9, F32, False, False, "F.linear"),  # generate's prefill chunk: no packed copy
     (9, F32, False, True, "f32_panel_matmul"),  # a server's batch
+    (4, F32, True, False, "f32_matvec"),  # an AMD CPU, 4 rows: the C loop (about even with the rows' kernel)
+    (5, F32, True, False, "f32_rows_matmul"),  # an AMD CPU, 5-128 rows: x's rows along the lanes
+    (32, F32, True, False, "f32_rows_matmul"),
+    (128, F32, True, False, "f32_rows_matmul"),
+    (129, F32, True, False, "F.linear"),
+    (8, F32, True, True, "f32_matvec"),  # a server that packed its panels keeps them
+    (32, F32, True, True, "f32_panel_matmul"),
+    (32, F32, False, False, "F.linear"),  # an Intel CPU: MKL
     (256, F32, True, True, "f32_panel_matmul"),
     (257, F32, True, True, "F.linear"),
     (1, BF16, False, False, "bf16_matvec"),
@@ -170,13 +178,14 @@ def _matvec_linear(weight: torch.Tensor, few_rows_in_c: bool) -> MatvecLinear:
 @pytest.mark.parametrize("dtype, rows, few_rows_in_c, ran", [
     (F32, 1, False, None), (F32, 1, True, "f32_matvec"), (F32, 3, False, None), (F32, 4, False, "f32_matvec"),
     (BF16, 1, False, "bf16_matvec"), (BF16, 1, True, "bf16_matvec"), (BF16, 8, False, None),
-    (BF16, 8, True, "bf16_matvec"),
+    (BF16, 8, True, "bf16_matvec"), (F32, 5, True, "f32_rows_matmul"), (F32, 32, True, "f32_rows_matmul"),
+    (F32, 32, False, None),
 ])
 def test_a_product_module_runs_the_tables_kernel_with_linears_values(dtype, rows, few_rows_in_c, ran, monkeypatch):
     """MatvecLinear calls the kernel the table names (None: F.linear) and gives F.linear's values."""
     _lib(False)
     calls = []
-    for name in ("f32_matvec", "bf16_matvec"):
+    for name in ("f32_matvec", "bf16_matvec", "f32_rows_matmul"):
         kernel = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, kernel=kernel, name=name, **k: calls.append(name) or kernel(*a, **k))
     g = torch.Generator().manual_seed(rows)

@@ -61,6 +61,22 @@ def test_f32_matvec_equals_float64_linear(out_features, in_features, rows, porta
 
 @BUILDS
 @settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 150), out_features=st.integers(1, 100), in_features=st.integers(0, 90),
+       seed=st.integers(0, 2**16))
+def test_f32_rows_matmul_equals_float64_linear(rows, out_features, in_features, seed, portable):
+    """x's rows along the lanes over hypothesis' shapes: one vector of rows or blocks of two, the last block
+    part-filled, outputs that leave the last tile part-filled, any in (0 too: y is zeros); x a view of a wider
+    tensor (copied), the weight read in place."""
+    g, lib = torch.Generator().manual_seed(seed), _lib(portable)
+    w = torch.randn(out_features, in_features, generator=g)
+    x = torch.randn(rows, in_features + 3, generator=g)[:, :in_features]
+    y = matvec_kernels.f32_rows_matmul(x, w, lib=lib)
+    assert y.shape == (rows, out_features) and y.dtype == torch.float32
+    assert (y.double() - _oracle(x, w)).abs().max() <= 1e-5 * max(1.0, _oracle(x, w).abs().max())
+
+
+@BUILDS
+@settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 40), out_features=st.integers(1, 100), in_features=st.integers(0, 90),
        seed=st.integers(0, 2**16))
 def test_f32_panel_matmul_equals_float64_linear(rows, out_features, in_features, seed, portable):
@@ -211,6 +227,10 @@ def test_the_kernel_refuses_what_it_cannot_read(tmp_path):
         matvec_kernels.f32_matvec(torch.ones(1, 4, dtype=torch.float64), torch.ones(2, 4))
     with pytest.raises(ValueError, match=r"got x \[1, 10\] and weight \[37, 53\]"):
         matvec_kernels.f32_matvec(torch.ones(1, 10), torch.ones(37, 53))
+    with pytest.raises(ValueError, match="f32_rows_matmul takes float32 CPU tensors, got x torch.bfloat16"):
+        matvec_kernels.f32_rows_matmul(torch.ones(9, 4, dtype=torch.bfloat16), torch.ones(2, 4))
+    with pytest.raises(ValueError, match=r"f32_rows_matmul reads the weight row-major"):
+        matvec_kernels.f32_rows_matmul(torch.ones(9, 4), torch.ones(4, 2).t())
 
 
 @pytest.mark.cli

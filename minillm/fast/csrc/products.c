@@ -5,6 +5,7 @@
  *
  * f32_matvec       up to 8 rows: each thread a share of w's rows, four at a time, each weight read once for all rows
  * f32_panel_matmul more rows (a server's): a GEMM micro-kernel on a copy of w packed into panels
+ * f32_rows_matmul  more rows, w in place: x's rows along a vector's lanes, each weight broadcast to them
  *
  * Both compute f32_matmul_reference's sums, in another order: tests/fast/test_matvec_kernels.py checks them,
  * native and portable builds, against float64 F.linear, and this reference against it too.
@@ -186,4 +187,71 @@ void f32_panel_matmul(const float *x, const float *packed, float *y, int rows, i
             done += R;
         }
     }
+}
+
+/* -- f32_rows_matmul: a batch of rows (a serving step's decodes), the weight read in place ---------------------
+ *
+ * f32_matvec's tiles sum each output along a vector and reduce it at the end: at 32 rows that loop and MKL's
+ * product both multiplied at ~78 GFLOP/s on the AMD EPYC, 0.4x its float32 peak. Here the rows of x lie along a
+ * vector's lanes instead: x is copied transposed once a call (xt[i][r], rows padded to a block of ROW_VECS·VEC),
+ * and each weight, read where it lies, is broadcast to the lanes:
+ *
+ *   acc[g][v] += xt[i][v·VEC .. v·VEC + VEC-1] · w[o0 + g, i]      (TILE_OUTS outputs by a block of rows)
+ *
+ * so every multiply-add is useful, no sum is reduced across lanes, and the tile's TILE_OUTS rows of w (the outputs'
+ * weights, each a stream from memory) stay in the L1 cache for every block of rows. The sums run over i in order,
+ * one term at a time per output, as the reference's do. Threads split the outputs. */
+#define ROW_VECS 2   /* vectors of rows a block, at most: 32 rows with AVX-512 (one vector for up to VEC rows) */
+#define TILE_OUTS 8  /* outputs a tile: TILE_OUTS · ROW_VECS vector sums in registers */
+
+/* y[r0 .. r0 + V·VEC, o0 .. o0 + G) (rows < rows only), inlined with V and G constants */
+static inline __attribute__((always_inline)) void rows_tile(const float *xt, int padded, int r0, int rows,
+                                                            const float *w, int in, int o0, int G, int V, float *y,
+                                                            int out) {
+    vecf acc[TILE_OUTS][ROW_VECS];
+    for (int g = 0; g < G; g++)
+        for (int v = 0; v < V; v++) acc[g][v] = (vecf){0};
+    const float *wo = w + (int64_t)o0 * in;
+    for (int i = 0; i < in; i++) {
+        const float *xi = xt + (int64_t)i * padded + r0;
+        vecf xv[ROW_VECS];
+        for (int v = 0; v < V; v++) xv[v] = load_vec(xi + v * VEC);
+        for (int g = 0; g < G; g++) {
+            float wg = wo[(int64_t)g * in + i];
+            for (int v = 0; v < V; v++) acc[g][v] += xv[v] * wg;
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int v = 0; v < V; v++) {
+            float lanes[VEC];
+            store_vec(lanes, acc[g][v]);
+            for (int l = 0, r = r0 + v * VEC; l < VEC && r + l < rows; l++) y[(int64_t)(r + l) * out + o0 + g] = lanes[l];
+        }
+}
+
+/* y [rows, out] = x [rows, in] @ wᵀ (w row-major, read in place). Returns 0, or 1 when x's transposed copy cannot
+ * be allocated. */
+int f32_rows_matmul(const float *x, const float *w, float *y, int rows, int out, int in, int threads) {
+    int V = rows <= VEC ? 1 : ROW_VECS, block = V * VEC, padded = (rows + block - 1) / block * block;
+    int tiles = (out + TILE_OUTS - 1) / TILE_OUTS;
+    float *xt = (float *)aligned_alloc(64, (sizeof(float) * (size_t)in * padded / 64 + 1) * 64);  /* (a multiple) */
+    if (xt == NULL) return 1;
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int i = 0; i < in; i++)
+            for (int r = 0; r < padded; r++) xt[(int64_t)i * padded + r] = r < rows ? x[(int64_t)r * in + i] : 0.0f;
+        #pragma omp for schedule(static)
+        for (int t = 0; t < tiles; t++) {
+            int o0 = t * TILE_OUTS, G = out - o0 < TILE_OUTS ? out - o0 : TILE_OUTS;
+            for (int r0 = 0; r0 < rows; r0 += block) {  /* (G and V constants in each call: the loops unroll) */
+                if (G == TILE_OUTS && V == ROW_VECS)
+                    rows_tile(xt, padded, r0, rows, w, in, o0, TILE_OUTS, ROW_VECS, y, out);
+                else if (G == TILE_OUTS) rows_tile(xt, padded, r0, rows, w, in, o0, TILE_OUTS, 1, y, out);
+                else rows_tile(xt, padded, r0, rows, w, in, o0, G, V, y, out);
+            }
+        }
+    }
+    free(xt);
+    return 0;
 }
