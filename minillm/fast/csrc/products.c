@@ -225,7 +225,8 @@ static inline __attribute__((always_inline)) void rows_tile(const float *xt, int
         for (int v = 0; v < V; v++) {
             float lanes[VEC];
             store_vec(lanes, acc[g][v]);
-            for (int l = 0, r = r0 + v * VEC; l < VEC && r + l < rows; l++) y[(int64_t)(r + l) * out + o0 + g] = lanes[l];
+            for (int l = 0, r = r0 + v * VEC; l < VEC && r + l < rows; l++)
+                y[(int64_t)(r + l) * out + o0 + g] = lanes[l];
         }
 }
 
