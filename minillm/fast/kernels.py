@@ -300,7 +300,8 @@ def f32_rows_matmul(x: torch.Tensor, weight: torch.Tensor, *, lib: ctypes.CDLL |
     y = _output(x.shape[0], weight.shape[0])
     if lib.f32_rows_matmul(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0],
                            weight.shape[1], torch.get_num_threads()):
-        raise MemoryError(f"f32_rows_matmul could not allocate {x.numel() * 4:,} bytes for x's transposed copy")
+        raise MemoryError(f"f32_rows_matmul could not allocate x's transposed copy (more than {x.numel() * 4:,} bytes: "
+                          "its rows padded to a block)")
     return y
 
 
@@ -798,8 +799,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     q [B, H, T, D], k, v [B, Hkv, S, D] all float32, or all bfloat16 (the keys and values widened to float32 once a
     call, the sums float32, the softmax's numerators rounded to bfloat16 before they weigh the values and the output
     once, where SDPA's CPU flash kernel rounds); any strides but a contiguous last dimension (a KV cache's buffer, a
-    transposed gather), T <= S, H a multiple of Hkv (GQA), D a multiple of :func:`panel_width`. Returns [B, H, T, D]
-    of q's dtype, ``F.scaled_dot_product_attention``'s values (``is_causal`` when T == S) up to float rounding.
+    transposed gather), 1 <= T <= S, H a multiple of Hkv (GQA), D a multiple of :func:`panel_width`. Returns [B, H, T,
+    D] of q's dtype, ``F.scaled_dot_product_attention``'s values (``is_causal`` when T == S) up to float rounding.
     Raises ValueError for inputs the loop would misread or an input that requires grad (it has no backward pass),
     MemoryError when its scratch cannot be allocated."""
     lib = lib or kernels()
@@ -811,8 +812,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
           and q.stride(3) == k.stride(3) == v.stride(3) == 1 and _is_number(scale))
     if not ok:
         raise ValueError(f"causal_attention takes float32 (or all bfloat16) CPU q [B, heads, T, D] and k, v [B, "
-                         f"kv_heads, S, D] with a contiguous last dimension, T <= S, heads a multiple of kv_heads, D a "
-                         f"multiple of {lib.f32_panel_width()}, and a number scale; got q {q.dtype} {list(q.shape)}, k "
+                         f"kv_heads, S, D] with a contiguous last dimension, 1 <= T <= S, heads a multiple of kv_heads, "
+                         f"D a multiple of {lib.f32_panel_width()}, and a number scale; got q {q.dtype} {list(q.shape)}, k "
                          f"{k.dtype} {list(k.shape)} strides {list(k.stride())}, v {v.dtype} {list(v.shape)}, scale "
                          f"{scale!r}")
     if problem := _grad_problem(q, k, v):

@@ -188,6 +188,8 @@ class MatvecLinear(nn.Linear):
         amx = (x.dtype == torch.bfloat16 and kernels.bf16_amx_fits(self.weight) and kernels.bf16_amx_ready()
                and (self.bias is None or self.bias.dtype == x.dtype))
         kernel = few_rows_kernel(rows, x.dtype, self.few_rows_in_c, self.panels and not compiling, amx)
+        if kernel == "f32_rows_matmul" and compiling:  # (no op for it: a graph keeps the C loop's op to 8 rows)
+            kernel = "f32_matvec" if rows <= MATVEC_MAX_ROWS else "F.linear"
         if kernel == "bf16_amx_matmul":  # (the bias inside its one rounding; _few_rows made the kernel's checks)
             if compiling:  # (the op: a graph cannot call ctypes)
                 y = kernels.functions().bf16_amx_matmul(x.reshape(rows, -1), self.weight, self.bias)
@@ -203,7 +205,7 @@ class MatvecLinear(nn.Linear):
             y = kernels.bf16_matvec(x.reshape(rows, -1), self.weight)
         elif kernel == "f32_panel_matmul":
             y = kernels.f32_panel_matmul(x.reshape(rows, -1), self._packed_weight())
-        elif kernel == "f32_rows_matmul" and not compiling:
+        elif kernel == "f32_rows_matmul":
             y = kernels.f32_rows_matmul(x.reshape(rows, -1), self.weight)
         else:
             return F.linear(x, self.weight, self.bias)

@@ -198,6 +198,26 @@ def test_a_product_module_runs_the_tables_kernel_with_linears_values(dtype, rows
         torch.testing.assert_close(y.double(), F.linear(x.double(), w.double()), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows, op", [(4, "minillm.f32_matvec"), (8, "minillm.f32_matvec"), (9, "linear")])
+def test_a_compiled_product_of_a_few_rows_keeps_the_c_loops_op(rows, op):
+    """f32_rows_matmul (5-128 rows where few_rows_in_c) has no torch op: a graph keeps f32_matvec's op to 8 rows, as it
+    did before that kernel (a new user's trial: 5-8 rows had gone to F.linear, 1.4x its time), then F.linear."""
+    _lib(False)
+    kernels.prepare_for_compile()  # (the C kernels as torch ops)
+    linear = _matvec_linear(torch.randn(24, 64), few_rows_in_c=True)
+    seen = []
+
+    def backend(graph, example_inputs):
+        seen.extend(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
+        return graph.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(linear, backend=backend, fullgraph=True)(torch.randn(rows, 64))
+    products = [t for t in seen if "minillm" in t or "linear" in t]
+    assert len(products) == 1 and op in products[0], seen
+
+
 def test_a_bfloat16_product_with_a_bias_is_f_linears_to_the_bit():
     """A bias goes inside F.linear's one rounding: the kernel's bfloat16 sums plus a bias would round twice."""
     _lib(False)

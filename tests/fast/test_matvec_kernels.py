@@ -670,7 +670,8 @@ def test_causal_attention_equals_sdpa_on_a_long_prompt_and_keeps_a_nan_visible()
 
 @pytest.mark.skipif(not matvec_kernels.available(), reason="needs the C kernels")
 @pytest.mark.parametrize("change, message", [
-    (lambda q, k: (q, k[:, :, :5]), r"T <= S"),  # more queries than keys
+    (lambda q, k: (q, k[:, :, :5]), r"1 <= T <= S"),  # more queries than keys
+    (lambda q, k: (q[:, :, :0], k), r"1 <= T <= S.*got q torch.float32 \[1, 6, 0, "),  # no query
     (lambda q, k: (q[:, :5], k), r"heads a multiple of kv_heads"),
     (lambda q, k: (q[..., :24], k[..., :24]), r"D a multiple of"),
     (lambda q, k: (q.double(), k), r"got q torch.float64"),
