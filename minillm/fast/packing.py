@@ -79,7 +79,9 @@ class Stack:
 
     ``fresh(parent)`` is False once a member was replaced (a module swapped in, a weight assigned, or
     ``weight.data`` set to another tensor): the stack would be stale, so its owner falls back to the
-    members themselves. (A compiled graph guards on the objects; it cannot read addresses.)
+    members themselves. (A compiled graph guards on the objects; it cannot read addresses.) It is False too
+    while autograd records and a member's weight requires grad: the stacked tensor is the members' memory, not
+    their parameters, and gradients would not reach them (a new user's trial: q|k|v and gate|up got none).
     """
 
     def __init__(self, parent: nn.Module, names: tuple[str, ...], linear_cls: type, long_rows: bool):
@@ -96,6 +98,8 @@ class Stack:
                 return False
             now = _tensor(m)
             if now is not t or not (compiling or now.data_ptr() == address):
+                return False
+            if now.requires_grad and torch.is_grad_enabled():
                 return False
         return True
 

@@ -384,6 +384,21 @@ def _replace(model, fmt, q_weight, gate_weight):
 
 
 @pytest.mark.parametrize("path", ["long-rows+split", "matvec", "row-major"])
+def test_gradients_reach_every_parameter_as_in_the_pure_model(folder, path):
+    """With every parameter requiring grad, a backward pass through the fast model gives each one the pure model's
+    gradient: the stacks step aside while autograd records (q|k|v and gate|up got none: a new user's trial)."""
+    pure, fast = _pure_and_fast(folder, path)
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(5))
+    for model in (pure, fast):
+        model.requires_grad_(True)
+        model(ids).float().logsumexp(-1).sum().backward()
+    grads = {name: p.grad for name, p in fast.named_parameters()}
+    for name, p in pure.named_parameters():
+        assert grads[name] is not None, name
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("path", ["long-rows+split", "matvec", "row-major"])
 @pytest.mark.parametrize("quantize", [None, "int8"])
 def test_a_member_replaced_after_stacking_is_what_runs(folder, path, quantize):
     """A module or tensor put in a stacked member's place takes over from the stack (a stale q|k|v or
