@@ -7,7 +7,7 @@
  * f32_panel_matmul more rows (a server's): a GEMM micro-kernel on a copy of w packed into panels
  * f32_rows_matmul  more rows, w in place: x's rows along a vector's lanes, each weight broadcast to them
  *
- * Both compute f32_matmul_reference's sums, in another order: tests/fast/test_matvec_kernels.py checks them,
+ * Each computes f32_matmul_reference's sums, in another order: tests/fast/test_matvec_kernels.py checks them,
  * native and portable builds, against float64 F.linear, and this reference against it too.
  */
 #include "common.h"
