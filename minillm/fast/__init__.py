@@ -14,7 +14,8 @@ kernels built.
     course piece (minillm.)             fast piece (minillm.)                  when
     model.Block                         fast.block.FastBlock                   the C paths, C kernels fit
     model.Attention                     fast.attention.FastAttention           every path; decode attention in C
-                                                                           (+ RoPE in C; bfloat16 prefill on AMX)
+                                                                           (+ prefill and RoPE in C; bfloat16
+                                                                           prefill on AMX where the CPU has it)
     model.SwiGLU                        fast.packing.PackedSwiGLU              every path, a SwiGLU MLP
     torch.nn.Linear                     fast.products.SplitLinear              the split paths, a float model
     torch.nn.Linear                     fast.products.MatvecLinear             the C paths, a float model; CPU bfloat16
