@@ -105,5 +105,5 @@ def use_fast_paged_attention(model) -> None:
         model.paged_batch = None
         return
     scales = tuple(block.attn.scale for block in model.blocks)
-    c_prefill = all(getattr(block.attn, "c_prefill", False) for block in model.blocks)
+    c_prefill = all(block.attn.c_prefill for block in model.blocks)
     model.paged_batch = partial(FastPagedBatch, scales, c_prefill)

@@ -96,12 +96,14 @@ def _few_rows(x: torch.Tensor, weight: torch.Tensor, max_rows: int, dtypes=(torc
     return rows if 0 < rows <= max_rows else None
 
 
-def few_rows_kernel(rows: int, dtype: torch.dtype, few_rows_in_c: bool, panels: bool, amx: bool = False) -> str:
+def few_rows_kernel(rows: int, dtype: torch.dtype, few_rows_in_c: bool, panels: bool, amx: bool = False,
+                    compiled: bool = False) -> str:
     """The kernel :class:`MatvecLinear` multiplies ``rows`` rows of ``dtype`` by (on a CPU, the C kernels
-    built; compiled code, autograd and other devices take F.linear), the first line from the top that matches:
+    built; autograd and other devices take F.linear, and ``compiled`` code the kernels that are torch ops), the
+    first line from the top that matches:
 
         dtype      rows      kernel
-        float32    5-128     "f32_rows_matmul" where ``few_rows_in_c``, without ``panels``
+        float32    5-128     "f32_rows_matmul" where ``few_rows_in_c``, without ``panels``, not ``compiled``
         float32    1-3       "f32_matvec" where ``few_rows_in_c``, else "F.linear"
         float32    4-8       "f32_matvec"
         float32    9-256     "f32_panel_matmul" with ``panels`` (a server's batches), else "F.linear"
@@ -129,7 +131,7 @@ def few_rows_kernel(rows: int, dtype: torch.dtype, few_rows_in_c: bool, panels: 
         return "bf16_matvec" if rows <= (MATVEC_MAX_ROWS if few_rows_in_c else BF16_C_ROWS) else "F.linear"
     if dtype != torch.float32:
         return "F.linear"
-    if few_rows_in_c and not panels and ROWS_MATMUL_ROWS[0] <= rows <= ROWS_MATMUL_ROWS[1]:
+    if few_rows_in_c and not (panels or compiled) and ROWS_MATMUL_ROWS[0] <= rows <= ROWS_MATMUL_ROWS[1]:
         return "f32_rows_matmul"
     if rows <= MATVEC_MAX_ROWS:
         return "f32_matvec" if rows > MKL_FEW_ROWS or few_rows_in_c else "F.linear"
@@ -187,9 +189,7 @@ class MatvecLinear(nn.Linear):
         compiling = torch.compiler.is_compiling()
         amx = (x.dtype == torch.bfloat16 and kernels.bf16_amx_fits(self.weight) and kernels.bf16_amx_ready()
                and (self.bias is None or self.bias.dtype == x.dtype))
-        kernel = few_rows_kernel(rows, x.dtype, self.few_rows_in_c, self.panels and not compiling, amx)
-        if kernel == "f32_rows_matmul" and compiling:  # (no op for it: a graph keeps the C loop's op to 8 rows)
-            kernel = "f32_matvec" if rows <= MATVEC_MAX_ROWS else "F.linear"
+        kernel = few_rows_kernel(rows, x.dtype, self.few_rows_in_c, self.panels and not compiling, amx, compiling)
         if kernel == "bf16_amx_matmul":  # (the bias inside its one rounding; _few_rows made the kernel's checks)
             if compiling:  # (the op: a graph cannot call ctypes)
                 y = kernels.functions().bf16_amx_matmul(x.reshape(rows, -1), self.weight, self.bias)

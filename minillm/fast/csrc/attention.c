@@ -41,6 +41,12 @@ void attention_reference(const float *q, const float *k, const float *v, float *
  * NaN score stays NaN either way). */
 static inline float exp_base(float m) { return m == -INFINITY ? 0.0f : m; }
 
+/* p[0:n], softmax numerators, rounded to bfloat16 (kept in float32): where SDPA's CPU kernels round them, its p·v
+ * taking bfloat16 p (float32 throughout was 0.6-0.9u from transformers' attention, tests/test_dtypes_vs_hf.py) */
+static void round_numerators(float *p, int n) {
+    for (int j = 0; j < n; j++) p[j] = bf16_to_f32(f32_to_bf16(p[j]));
+}
+
 /* -- decode_attention: split-K over the threads ------------------------------------------------------ */
 
 /* Decode attention: each sequence's one new query against its first n_keys cached keys,
@@ -201,9 +207,7 @@ int decode_attention(const float *q, const void *k, const void *v, int bf16, flo
                 int64_t bh = (int64_t)b * heads + kvh * G + g;
                 float *acc = partials + (bh * chunks + c) * part, *s = acc + D + 2;
                 float m = scores(q + bh * D, kc, n, D, D, scale, s), l = exps(s, n, m);
-                if (bf16)  /* where SDPA's CPU kernel rounds (its p·v takes bfloat16 p): float32 throughout
-                            * was 0.6-0.9u from transformers' attention, tests/test_dtypes_vs_hf.py */
-                    for (int j = 0; j < n; j++) s[j] = bf16_to_f32(f32_to_bf16(s[j]));
+                if (bf16) round_numerators(s, n);
                 weighted_sum(s, vc, n, D, D, acc);
                 acc[D] = m;
                 acc[D + 1] = l;
@@ -610,7 +614,7 @@ int causal_attention(const float *q, const void *k, const void *v, int bf16, flo
                             m[r] = m_new;
                         }
                         l[r] += visible > 0 ? exps(sr, visible, m_new) : 0.0f;
-                        for (int j = 0; bf16 && j < visible; j++) sr[j] = bf16_to_f32(f32_to_bf16(sr[j]));
+                        if (bf16) round_numerators(sr, visible);
                         for (int j = visible > 0 ? visible : 0; j < PANEL; j++) sr[j] = 0.0f;  /* masked: weight 0 */
                     }
                     for (int c0 = 0; c0 < D; c0 += PANEL)  /* acc += p · v, PANEL columns of v at a time */
