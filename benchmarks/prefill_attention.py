@@ -5,11 +5,13 @@
 For T queries, the last T of S positions (T = S: a prompt's first chunk; T < S: a chunk after cached ones), q, k and v
 as a model hands them (views of a [1, T, heads, 64] tensor, heads 9 and 3 K/V heads by default: SmolLM2-135M's):
 
-    bfloat16   SDPA (``minillm.model.sdpa_attention``, its flash kernel)   kernels.causal_attention_amx (AMX tiles)
+    bfloat16   SDPA (``minillm.model.sdpa_attention``, its flash kernel)   kernels.causal_attention_bf16 (pairs of
+                                                                            bfloat16s: AMX tiles, or AVX512-BF16),
+                                                                            kernels.causal_attention (float32 sums)
     float32    SDPA                                                         kernels.causal_attention (C)
 
-Prints the median ms of 15 calls after 3 untimed ones, the two candidates taking turns, and their ratio. The
-bfloat16 row needs a CPU with AMX-BF16 (skipped elsewhere).
+Prints the median ms of 15 calls after 3 untimed ones, each candidate taking turns with SDPA, and their ratio. The
+pairs' row needs a CPU with AVX512-BF16 (skipped elsewhere).
 """
 
 from __future__ import annotations
@@ -52,11 +54,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     heads, kv_heads = args.heads
-    kinds = [(torch.float32, kernels.causal_attention)]
-    if kernels.bf16_amx_ready():
-        kinds.insert(0, (torch.bfloat16, kernels.causal_attention_amx))
+    kinds = [(torch.bfloat16, kernels.causal_attention), (torch.float32, kernels.causal_attention)]
+    if kernels.bf16_dot_instructions():
+        kinds.insert(0, (torch.bfloat16, kernels.causal_attention_bf16))
     print(f"{heads} heads, {kv_heads} K/V heads, head_dim 64, {args.threads} threads; load {os.getloadavg()[0]:.1f}")
-    print("| dtype | T x S | SDPA ms | speed layer ms | ratio |\n|---|---|---|---|---|")
+    print("| dtype | kernel | T x S | SDPA ms | kernel ms | ratio |\n|---|---|---|---|---|---|")
     with torch.inference_mode():
         for dtype, kernel in kinds:
             for T, S in args.shapes:
@@ -65,7 +67,7 @@ def main() -> None:
                 sdpa = median_ms(lambda: sdpa_attention(q, k, v, None, 0.125))
                 ours = median_ms(lambda: kernel(q, k, v, 0.125))
                 name = str(dtype).removeprefix("torch.")
-                print(f"| {name} | {T} x {S} | {sdpa:.3f} | {ours:.3f} | {ours / sdpa:.2f} |")
+                print(f"| {name} | {kernel.__name__} | {T} x {S} | {sdpa:.3f} | {ours:.3f} | {ours / sdpa:.2f} |")
     print(f"load {os.getloadavg()[0]:.1f}")
 
 

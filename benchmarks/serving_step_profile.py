@@ -16,7 +16,7 @@ are timed:
 Each part is timed by wrapping what the engine calls (no change to the library): the scheduler's
 ``schedule``, ``prepare_batch`` (the flat batch's Python and tensors), every matrix product (the
 modules' forwards, the LM head apart), the K/V write into the pool, the gather of each request's
-blocks, the attention kernel (SDPA, the C kernel of the fast paged path, a bfloat16 chunk's on the tiles),
+blocks, the attention kernels (SDPA, the C kernels of the fast paged path and of a prefill chunk),
 ``sample_rows``; "other forward" is the rest of the forward pass (norms, RoPE, SiLU, residual adds, views,
 masks, Python), "engine rest" the step's bookkeeping (append tokens, cache full blocks, the step record).
 Prints a table per batch size: median ms per step of each part and its share of the step, with
@@ -88,7 +88,8 @@ def instrument(model, timers: Timers) -> None:
     timers.wrap(engine_module, "sample_rows", "sampling")
     timers.wrap(F, "scaled_dot_product_attention", "attention kernel")
     timers.wrap(kernels, "paged_decode_attention", "attention kernel")  # the fast path's C kernel
-    timers.wrap(kernels, "causal_attention_amx", "attention kernel")  # a bfloat16 chunk's, on the tiles
+    timers.wrap(kernels, "causal_attention", "attention kernel")  # a chunk's, in C
+    timers.wrap(kernels, "causal_attention_bf16", "attention kernel")  # a bfloat16 chunk's, on pairs
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     for block in model.blocks:  # stacked products live outside the module tree (minillm/fast/packing.py)
         for stack in (getattr(block.attn, "qkv", None), getattr(block.mlp, "gate_up", None)):

@@ -15,7 +15,7 @@ kernels built.
     model.Block                         fast.block.FastBlock                   the C paths, C kernels fit
     model.Attention                     fast.attention.FastAttention           every path; decode attention in C
                                                                            (+ prefill and RoPE in C; bfloat16
-                                                                           prefill on AMX where the CPU has it)
+                                                                           prefill on pairs: AMX or AVX512-BF16)
     model.SwiGLU                        fast.packing.PackedSwiGLU              every path, a SwiGLU MLP
     torch.nn.Linear                     fast.products.SplitLinear              the split paths, a float model
     torch.nn.Linear                     fast.products.MatvecLinear             the C paths, a float model; CPU bfloat16
@@ -61,8 +61,8 @@ SWAPS = (
          "default path on a CPU), C kernels fit: each RMSNorm one C call, the second fused with the residual add"),
     Swap("model.Attention", "fast.attention.FastAttention", "every path: q|k|v stacked; the C paths (and a bfloat16 "
          "model's default), C kernels fit: decode's attention in C (prefill's too, head_dim a multiple of the panel "
-         "width), RoPE of q and k in one C call; in bfloat16 prefill's attention on the matrix units instead (a CPU "
-         "with AMX-BF16, head_dim a multiple of 32)"),
+         "width), RoPE of q and k in one C call; in bfloat16 prefill's attention on pairs of bfloat16s instead (on "
+         "the matrix units where the CPU has AMX-BF16, else by AVX512-BF16's dot products; head_dim a multiple of 32)"),
     Swap("model.SwiGLU", "fast.packing.PackedSwiGLU", "every path, a SwiGLU MLP (the Llama family): gate|up stacked"),
     Swap("torch.nn.Linear", "fast.products.SplitLinear", "the split paths (long-rows+split, row-major+split), a float "
          "model: a few-row product cut over the threads"),

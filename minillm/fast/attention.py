@@ -17,9 +17,11 @@ half: SDPA's CPU kernel took as long for causal as for full attention. SmolLM2-1
 3 K/V heads, head_dim 64, 2 threads, Intel Xeon, 2026-12-03): T = S = 480 1.31 against 2.13 ms a
 layer, T = 512 onto 488 cached 3.99 against 5.30, T = S = 2048 18.95 against 21.67. Below
 PREFILL_MIN_SCORES query-key pairs (T = S = 64: 69 against 54 us) SDPA's lighter set-up wins and runs.
-In bfloat16 the loop widens K and V to float32 once a call, on a CPU without the matrix units' kernel
-(``tiles_prefill``): on the developers' AMD EPYC T = S = 480 took 2.27 against SDPA's 4.14 ms a layer, and a
-512-token prompt to SmolLM2-135M 378 against 431 ms (BENCHMARKS.md, "The AMD EPYC, again").
+In bfloat16 both products run on pairs of bfloat16s instead (:func:`minillm.fast.kernels.causal_attention_bf16`,
+``bf16_prefill``): on the matrix units where the CPU has them (Intel AMX), else by AVX512-BF16's dot products; on
+the developers' AMD EPYC (no AMX) T = S = 480 took 1.02 ms a layer against 2.31 for the float32 loop on widened K and
+V (which still serves bfloat16 on a CPU without AVX512-BF16) and 3.94 for SDPA (BENCHMARKS.md, "The AMD EPYC, a
+third time").
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from . import kernels
 from .packing import Stack
 
 PREFILL_MIN_SCORES = 8192  # T·S; measured: T = S = 96 (9,216) 104 against SDPA's 137 us, T = S = 64 69 against 54
-TILES_MIN_SCORES = 4096  # T·S, bfloat16 on AMX; measured: T = S = 64 45 against SDPA's 50 us, T = S = 16 32 against 23
-TILES_MIN_QUERIES = 16  # one block of queries: the kernel packs all S keys and values a call, for T · heads / Hkv rows
+BF16_MIN_SCORES = 4096  # T·S; measured on AMX: T = S = 64 45 against SDPA's 50 us, T = S = 16 32 against 23
+BF16_MIN_QUERIES = 16  # one block of queries: the kernel packs all S keys and values a call, for T · heads / Hkv rows
 
 
 class FastAttention(Attention):
@@ -42,14 +44,14 @@ class FastAttention(Attention):
     ``c_decode`` (set where :func:`c_decode_fits`), decode's attention in C, with ``c_prefill`` (also
     head_dim a multiple of the kernels' panel width) prefill's causal attention in C, and with ``c_rope`` (set
     where :func:`c_kernels_fit`, float32 or bfloat16) RoPE of q and k in one C call, the lesson's values, and with
-    ``tiles_prefill`` (set where :func:`tiles_prefill_fits`) prefill's causal attention on the matrix units where
-    :func:`prefill_on_tiles`."""
+    ``bf16_prefill`` (set where :func:`bf16_prefill_fits`) prefill's causal attention on pairs of bfloat16s where
+    :func:`prefill_in_bf16`."""
 
     qkv: Stack | None = None
     c_decode: bool = False
     c_prefill: bool = False
     c_rope: bool = False
-    tiles_prefill: bool = False
+    bf16_prefill: bool = False
 
     def _apply(self, fn, recurse=True):
         self.qkv = None  # .to(), .double(), .cuda() make new tensors: the stack would be stale; the members stay
@@ -69,8 +71,8 @@ class FastAttention(Attention):
         return super().rotate(q, k, rope_cos_sin)
 
     def attend(self, q, k, v, mask, impl, hook):
-        if impl == "sdpa" and mask is None and self.window is None and self.tiles_prefill and prefill_on_tiles(q, k, v):
-            return kernels.causal_attention_amx(q, k, v, self._scale(), check=False)  # (prefill_on_tiles checked)
+        if impl == "sdpa" and mask is None and self.window is None and self.bf16_prefill and prefill_in_bf16(q, k, v):
+            return kernels.causal_attention_bf16(q, k, v, self._scale(), check=False)  # (prefill_in_bf16 checked)
         if impl == "sdpa" and self._prefill_in_c(q, k, v, mask):
             return kernels.causal_attention(q, k, v, self._scale())
         if not (impl == "sdpa" and self._in_c(q, k, mask)):
@@ -85,8 +87,8 @@ class FastAttention(Attention):
 
     def impl_name(self, n_queries: int, impl: str, n_keys: int | None = None) -> str:
         n_keys = n_queries if n_keys is None else n_keys
-        if impl == "sdpa" and self.tiles_prefill and self.window is None and _tiles_pay(n_queries, n_keys):
-            return "amx"
+        if impl == "sdpa" and self.bf16_prefill and self.window is None and _bf16_pays(n_queries, n_keys):
+            return "amx" if kernels.bf16_amx_ready() else "c"
         in_c = self.c_decode if n_queries == 1 else self._prefill_fits(n_queries, n_keys)
         return "c" if in_c and impl == "sdpa" else impl
 
@@ -108,12 +110,12 @@ class FastAttention(Attention):
                 and (mask.dim() == 2 if mask is not None else not torch.compiler.is_compiling()))
 
 
-def prefill_on_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether a bfloat16 pass of several queries runs :func:`minillm.fast.kernels.causal_attention_amx`: what the
-    kernel takes (bfloat16 on a CPU with AMX-BF16, head_dim a multiple of 32), enough queries and query-key pairs to pay
-    for its set-up (TILES_MIN_QUERIES, TILES_MIN_SCORES: not a decode step), no autograd, not while compiling."""
-    return (_tiles_pay(q.shape[2], k.shape[2]) and q.dtype == torch.bfloat16 and not torch.compiler.is_compiling()
-            and not (torch.is_grad_enabled() and q.requires_grad) and kernels.causal_attention_amx_fits(q, k, v))
+def prefill_in_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a bfloat16 pass of several queries runs :func:`minillm.fast.kernels.causal_attention_bf16`: what the
+    kernel takes (bfloat16 on a CPU with AVX512-BF16, head_dim a multiple of 32), enough queries and query-key pairs to
+    pay for its set-up (BF16_MIN_QUERIES, BF16_MIN_SCORES: not a decode step), no autograd, not while compiling."""
+    return (_bf16_pays(q.shape[2], k.shape[2]) and q.dtype == torch.bfloat16 and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and q.requires_grad) and kernels.causal_attention_bf16_fits(q, k, v))
 
 
 def prefill_pays(n_queries: int, n_keys: int) -> bool:
@@ -122,16 +124,16 @@ def prefill_pays(n_queries: int, n_keys: int) -> bool:
     return n_queries > 1 and n_queries * n_keys >= PREFILL_MIN_SCORES
 
 
-def _tiles_pay(n_queries: int, n_keys: int) -> bool:
-    return n_queries >= TILES_MIN_QUERIES and n_queries * n_keys >= TILES_MIN_SCORES
+def _bf16_pays(n_queries: int, n_keys: int) -> bool:
+    return n_queries >= BF16_MIN_QUERIES and n_queries * n_keys >= BF16_MIN_SCORES
 
 
-def tiles_prefill_fits(model) -> bool:
-    """Whether prefill's attention can run on the matrix units for this model: bfloat16 on a CPU with AMX-BF16,
+def bf16_prefill_fits(model) -> bool:
+    """Whether prefill's attention can run on pairs of bfloat16s for this model: bfloat16 on a CPU with AVX512-BF16,
     head_dim a multiple of 32 up to 256, the kernels built."""
     weight = model.embed.weight
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and model.config.head_dim % 32 == 0
-            and model.config.head_dim <= 256 and kernels.available() and kernels.bf16_amx_ready())
+            and model.config.head_dim <= 256 and kernels.available() and kernels.bf16_dot_instructions())
 
 
 def c_decode_fits(model) -> bool:

@@ -55,7 +55,7 @@ from ..model import SwiGLU, Transformer
 from ..phases import decode_step, prefill
 from ..quantize import QuantizedLinear
 from . import kernels
-from .attention import FastAttention, c_decode_fits, c_kernels_fit, tiles_prefill_fits
+from .attention import FastAttention, c_decode_fits, c_kernels_fit, bf16_prefill_fits
 from .block import FastBlock
 from .compile import compile_decode_step
 from .packing import PackedSwiGLU, Stack, product_modules, relayout
@@ -157,7 +157,7 @@ def apply_decode_path(model: Transformer, name: str) -> Transformer:
     c_decode = path.products == "matvec" and c_decode_fits(model)
     c_prefill = c_decode and model.config.head_dim % kernels.panel_width() == 0
     c_norms = path.products == "matvec" and c_kernels_fit(model)
-    tiles_prefill = c_norms and tiles_prefill_fits(model)
+    bf16_prefill = c_norms and bf16_prefill_fits(model)
     tied = model.lm_head.weight is model.embed.weight if hasattr(model.lm_head, "weight") else False
     originals = {id(p): p for p in model.parameters()}  # (holding them keeps their ids unique)
     for block in model.blocks:
@@ -166,7 +166,7 @@ def apply_decode_path(model: Transformer, name: str) -> Transformer:
         attn, mlp = swap_class(block.attn, FastAttention), block.mlp
         attn.qkv = Stack(attn, ("q_proj", "k_proj", "v_proj"), linear_cls, path.long_rows)
         attn.c_decode, attn.c_prefill, attn.c_rope = c_decode, c_prefill, c_norms
-        attn.tiles_prefill = tiles_prefill
+        attn.bf16_prefill = bf16_prefill
         relayout(attn.o_proj, linear_cls, path.long_rows)
         if isinstance(mlp, SwiGLU):
             swap_class(mlp, PackedSwiGLU).gate_up = Stack(mlp, ("gate_proj", "up_proj"), linear_cls, path.long_rows)

@@ -13,12 +13,12 @@ family, each function a kernel, checking what the C loops would misread (they tr
     csrc/quantized_amx.c  int8, int4 products on AMX      int8_amx_matmul, int4_amx_matmul, quantized_amx_ready
     csrc/attention.c   decode's and prefill's attention      decode_attention, paged_decode_attention,
                                                              causal_attention
-    csrc/attention_amx.c  bfloat16 prefill attention on AMX  causal_attention_amx
+    csrc/attention_bf16.c  bfloat16 prefill attention       causal_attention_bf16 (AMX tiles, or AVX512-BF16)
     csrc/rms_norm.c    the residual add and RMSNorm          rms_norm
     csrc/silu_mul.c    SwiGLU's activation                   silu_mul
     csrc/rope.c        RoPE of queries and keys in one call  rope
-    csrc/common.h      what they share: the vector type, the panel micro-kernel's shape, a vector exp
-    csrc/amx.h         what the AMX products share: the tile configuration, a 16x16 transpose
+    csrc/common.h      what they share: the vector type, the panel micro-kernel's shape, a vector exp, a transpose
+    csrc/amx.h         what the AMX products share: the tile configuration
     csrc/quantized_digits.h  what the quantised products at float32's precision share: x as four int8 digits
     csrc/ops.cpp       a few of them as torch ops, for compiled code
 
@@ -67,7 +67,7 @@ import torch
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("common.h", "amx.h", "quantized_digits.h", "products.c", "bf16_products.c",
                                     "bf16_amx.c", "quantized.c", "quantized_vnni.c", "quantized_amx.c", "attention.c",
-                                    "attention_amx.c",
+                                    "attention_bf16.c",
                                     "rms_norm.c", "silu_mul.c", "rope.c")]  # what the library is built from
 OPS_SOURCE = CSRC / "ops.cpp"  # the products and decode attention as torch ops, for compiled code
 # first OpenMP (threads), then without it (macOS clang has no -fopenmp: one thread), then portable
@@ -210,8 +210,8 @@ C_FUNCTIONS = {  # name: (argument types, result type), as csrc/*.c declares the
     "paged_decode_attention": ([_P, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I], _I),
     "causal_attention": ([_P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _L, _L, _L, _L, _L, _L, _L, _L, _L, _F, _I],
                          _I),
-    # attention_amx.c
-    "causal_attention_bf16_amx": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _L, _L, _L, _L, _L, _L, _L, _L, _F, _I], _I),
+    # attention_bf16.c
+    "causal_attention_bf16": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _L, _L, _L, _L, _L, _L, _L, _L, _F, _I, _I], _I),
     # rms_norm.c, silu_mul.c
     "rms_norm_reference": ([_P, _P, _P, _L, _I, _F], None),
     "rms_norm": ([_P, _P, _P, _P, _P, _L, _I, _F, _I], None),
@@ -386,8 +386,8 @@ def bf16_matvec(x: torch.Tensor, weight: torch.Tensor, *, lib: ctypes.CDLL | Non
 
 def bf16_dot_instructions(*, lib: ctypes.CDLL | None = None) -> bool:
     """Whether this build's :func:`bf16_matvec` multiplies with AVX512-BF16's dot-product instruction
-    (elsewhere it widens each weight to float32 by a shift)."""
-    return bool((lib or kernels()).bf16_dot_instructions())
+    (elsewhere it widens each weight to float32 by a shift), and :func:`causal_attention_bf16` runs."""
+    return _asked_once("bf16_dot_instructions", lib)
 
 
 def bf16_amx_ready(*, lib: ctypes.CDLL | None = None) -> bool:
@@ -827,45 +827,49 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out.to(q.dtype)
 
 
-def causal_attention_amx(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, check: bool = True,
-                         lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """Prefill's attention in bfloat16 on the matrix units (csrc/attention_amx.c): the T queries are the last T of
-    the S positions, query t seeing keys 0 .. S - T + t (as :func:`causal_attention`), softmax(scale · q·kᵀ + mask)
-    · v with the scores and the output summed in float32 and the softmax's weights rounded to bfloat16 for their
-    product with v (as SDPA's flash kernel rounds them).
+def causal_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, check: bool = True,
+                          tiles: bool | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """Prefill's attention in bfloat16 with both products on pairs of bfloat16s (csrc/attention_bf16.c): the T queries
+    are the last T of the S positions, query t seeing keys 0 .. S - T + t (as :func:`causal_attention`),
+    softmax(scale · q·kᵀ + mask) · v with the scores and the output summed in float32 and the softmax's weights
+    rounded to bfloat16 for their product with v (as SDPA's flash kernel rounds them). On the matrix units where
+    :func:`bf16_amx_ready`, else by AVX512-BF16's dot products (``tiles``: True or False to choose; the same sums).
 
     q [B, H, T, D], k, v [B, Hkv, S, D] bfloat16 CPU, any strides but a contiguous last dimension, T <= S, H a
     multiple of Hkv (GQA), D a multiple of 32 up to 256. Returns [B, H, T, D] bfloat16, laid out [B, T, H, D] (what
     the output projection reads). Raises TypeError for a non-tensor, ValueError naming the rule another input breaks
-    (inputs that require grad included: no backward pass) or where :func:`bf16_amx_ready` is False, unless ``check`` is
-    False: a caller that has asked :func:`causal_attention_amx_fits` (the speed layer, every chunk of every layer)
-    skips the second reading of the rules; MemoryError when the packed keys and values cannot be allocated."""
+    (inputs that require grad included: no backward pass) or where the build has no AVX512-BF16
+    (:func:`bf16_dot_instructions`; with ``tiles``, no tiles), unless ``check`` is False: a caller that has asked
+    :func:`causal_attention_bf16_fits` (the speed layer, every chunk of every layer) skips the second reading of the
+    rules; MemoryError when the packed keys and values cannot be allocated."""
     lib = lib or kernels()
+    tiles = bf16_amx_ready(lib=lib) if tiles is None else tiles
     if check:
-        _check_tensors("causal_attention_amx", q=q, k=k, v=v)
-        problem = _causal_amx_problem(q, k, v, lib) or _scale_problem(scale) or _grad_problem(q, k, v)
+        _check_tensors("causal_attention_bf16", q=q, k=k, v=v)
+        problem = (_causal_bf16_problem(q, k, v, lib) or _scale_problem(scale) or _grad_problem(q, k, v)
+                   or (tiles and not bf16_amx_ready(lib=lib) and "tiles=True, but bf16_amx_ready() is False here"))
         if problem:
-            raise ValueError(f"causal_attention_amx: {problem}; use F.scaled_dot_product_attention")
+            raise ValueError(f"causal_attention_bf16: {problem}; use F.scaled_dot_product_attention")
     B, H, T, D = q.shape
     KV, S = k.shape[1], k.shape[2]
     out = torch.empty(B, T, H, D, dtype=torch.bfloat16)
     for b in range(B):
-        if lib.causal_attention_bf16_amx(q[b].data_ptr(), k[b].data_ptr(), v[b].data_ptr(), out[b].data_ptr(), H, KV,
-                                         T, S, D, q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1),
-                                         v.stride(2), D, H * D, scale, torch.get_num_threads()):
-            raise MemoryError(f"causal_attention_amx could not allocate {4 * KV * (S + 31) // 32 * 32 * D:,} bytes "
+        if lib.causal_attention_bf16(q[b].data_ptr(), k[b].data_ptr(), v[b].data_ptr(), out[b].data_ptr(), H, KV, T, S,
+                                     D, q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), D,
+                                     H * D, scale, bool(tiles), torch.get_num_threads()):
+            raise MemoryError(f"causal_attention_bf16 could not allocate {4 * KV * (S + 31) // 32 * 32 * D:,} bytes "
                               f"for the packed keys and values")
     return out.transpose(1, 2)
 
 
-def causal_attention_amx_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                              lib: ctypes.CDLL | None = None) -> bool:
-    """What :func:`causal_attention_amx` takes (its docstring), this CPU included."""
-    return _causal_amx_problem(q, k, v, lib) is None
+def causal_attention_bf16_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                               lib: ctypes.CDLL | None = None) -> bool:
+    """What :func:`causal_attention_bf16` takes (its docstring), this CPU included."""
+    return _causal_bf16_problem(q, k, v, lib) is None
 
 
-def _causal_amx_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lib: ctypes.CDLL | None) -> str | None:
-    """The first of :func:`causal_attention_amx`'s rules that q, k, v break, in words; None when they keep them."""
+def _causal_bf16_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lib: ctypes.CDLL | None) -> str | None:
+    """The first of :func:`causal_attention_bf16`'s rules that q, k, v break, in words; None when they keep them."""
     def got():
         return f"q {q.dtype} {list(q.shape)}, k {k.dtype} {list(k.shape)}, v {v.dtype} {list(v.shape)}"
     if not q.dtype == k.dtype == v.dtype == torch.bfloat16:
@@ -883,8 +887,8 @@ def _causal_amx_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lib: 
     if not q.stride(3) == k.stride(3) == v.stride(3) == 1:
         return (f"each head's D elements must be contiguous, got last strides {q.stride(3)}, {k.stride(3)}, "
                 f"{v.stride(3)}; pass .contiguous() tensors")
-    if not bf16_amx_ready(lib=lib):
-        return "this CPU (or build) has no AMX-BF16 tiles: bf16_amx_ready() is False"
+    if not bf16_dot_instructions(lib=lib):
+        return "this CPU (or build) has no AVX512-BF16: bf16_dot_instructions() is False"
     return None
 
 

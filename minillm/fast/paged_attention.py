@@ -10,7 +10,7 @@ the block table where it lies and reads only the request's own positions::
     request b, key j:   k_pool[layer][block_tables[b, j // block_size], j % block_size, kv_head, :]
 
 Prefill chunks keep the reference path (their gather is one request's blocks, small next to the
-chunk's products; the module's own C loop or tiles then take a long enough chunk), with one change in bfloat16
+chunk's products; the module's own C loops then take a long enough chunk), with one change in bfloat16
 and float16: a chunk that reaches SDPA has its queries and keys padded to a multiple of CHUNK_PAD_ROWS
 (:meth:`FastPagedBatch.attend_chunk`). SDPA's flash kernel builds an
 AMX micro-kernel for every block shape it meets and keeps each one for the life of the thread, without limit
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ..serving.paged_attention import PagedBatch
 from . import kernels
-from .attention import c_kernels_fit, prefill_on_tiles, prefill_pays
+from .attention import c_kernels_fit, prefill_in_bf16, prefill_pays
 
 CHUNK_PAD_ROWS = 32  # a chunk's queries and keys, rounded up to this: a few shapes for SDPA's per-shape kernels
 
@@ -73,7 +73,7 @@ class FastPagedBatch(PagedBatch):
     def attend_chunk(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attention,
                      window: int | None) -> torch.Tensor:
         """As :meth:`PagedBatch.attend_chunk`; in bfloat16 and float16 (no sliding window), where SDPA takes the chunk
-        (not the module's tiles or C loop), over queries and keys padded with zeros to multiples of CHUNK_PAD_ROWS,
+        (not the module's C loops), over queries and keys padded with zeros to multiples of CHUNK_PAD_ROWS,
         the padding's rows of the output dropped::
 
             keys    0 .. S-1 | S .. S2-1  (padding: masked for every query)
@@ -85,8 +85,8 @@ class FastPagedBatch(PagedBatch):
         T, S = q.shape[2], keys.shape[2]
         T2, S2 = -(-T // CHUNK_PAD_ROWS) * CHUNK_PAD_ROWS, -(-S // CHUNK_PAD_ROWS) * CHUNK_PAD_ROWS
         if (window is not None or q.dtype not in (torch.bfloat16, torch.float16) or (T2, S2) == (T, S)
-                or prefill_on_tiles(q, keys, values) or (self.c_prefill and prefill_pays(T, S))):
-            # (the tiles' kernel and the C loop take every length as it is)
+                or prefill_in_bf16(q, keys, values) or (self.c_prefill and prefill_pays(T, S))):
+            # (the C loops take every length as it is)
             return attention(q, keys, values, None)
         q2 = F.pad(q, (0, 0, 0, T2 - T))
         keys, values = F.pad(keys, (0, 0, 0, S2 - S)), F.pad(values, (0, 0, 0, S2 - S))

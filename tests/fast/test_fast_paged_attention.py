@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import minillm.serving.engine as engine_module
 from minillm import LLMEngine, SamplingParams
 from minillm.fast import kernels
-from minillm.fast.attention import prefill_on_tiles, prefill_pays
+from minillm.fast.attention import prefill_in_bf16, prefill_pays
 from minillm.fast.paged_attention import CHUNK_PAD_ROWS, FastPagedBatch
 from minillm.model import sdpa_attention
 from minillm.serving.model_runner import run_model
@@ -200,9 +200,8 @@ def test_no_fast_model_runs_the_reference(tmp_path):
 def test_bfloat16_chunks_reach_sdpa_in_a_few_shapes_with_the_same_values(c_prefill, T, cached, seed):
     """A bfloat16 prefill chunk (a first one, or one after ``cached`` positions) reaches SDPA padded to multiples of
     CHUNK_PAD_ROWS (its per-shape AMX kernels are kept without limit), or as it is where the module's own kernels
-    take it (on the tiles: prefill_on_tiles; the C loop, where the model runs it: a chunk that prefill_pays for),
-    and its output is float64 attention's over the same bfloat16 numbers:
-    within 2^-6 of the values' largest magnitude (the output is a convex combination of value rows; the flash
+    take it (on pairs of bfloat16s: prefill_in_bf16; the C loop, where the model runs it: a chunk that prefill_pays
+    for), and its output is float64 attention's over the same bfloat16 numbers: within 2^-6 of the values' largest magnitude (the output is a convex combination of value rows; the flash
     kernel rounds its softmax weights to bfloat16, 2^-8 each relative, and the output once)."""
     g = torch.Generator().manual_seed(seed)
     S = T + cached
@@ -219,7 +218,7 @@ def test_bfloat16_chunks_reach_sdpa_in_a_few_shapes_with_the_same_values(c_prefi
     out = batch.attend_chunk(q, k, v, attention, None)
     exact = sdpa_attention(q.double(), k.double(), v.double(), None, 0.125, None)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
-    if prefill_on_tiles(q, k, v) or (c_prefill and prefill_pays(T, S)):
+    if prefill_in_bf16(q, k, v) or (c_prefill and prefill_pays(T, S)):
         assert shapes == [(T, S)]
     else:
         assert all(t % CHUNK_PAD_ROWS == 0 and s % CHUNK_PAD_ROWS == 0 for t, s in shapes)

@@ -3,7 +3,8 @@
  *
  * Eight tile registers of 16 rows by 64 bytes, configured by each thread (ldtilecfg). Both products use the
  * usual split: tiles 0-3 accumulate, 4-5 hold two A operands, 6-7 two B operands. Linux hands a process the
- * tile registers only when it asks (arch_prctl); without that the first tile instruction kills it.
+ * tile registers only when it asks (arch_prctl); without that the first tile instruction kills it. (The 16x16
+ * transpose they share is common.h's: attention_bf16.c's loop without the tiles takes it too.)
  */
 #ifndef MINILLM_AMX_H
 #define MINILLM_AMX_H
@@ -39,25 +40,6 @@ static void amx_configure(tile_config *saved) {
 static void amx_restore(const tile_config *saved) {
     if (saved->palette) _tile_loadconfig(saved);
     else _tile_release();
-}
-
-/* r[i] <- column i of the 16x16 matrix whose rows are r[0..15]: pairs, then quads, then 128-bit lanes swapped
- * (three rounds of 16 shuffles). A finished accumulator tile holds outputs by rows; y wants rows by outputs. */
-static inline void transpose16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 16; i += 2)
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44), r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44), r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88), t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
-        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
-    }
-    for (int i = 0; i < 8; i++)
-        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
 }
 
 #endif
