@@ -5,7 +5,7 @@ family, each function a kernel, checking what the C loops would misread (they tr
 
     csrc/products.c    float32 products of a few rows        f32_matvec, f32_pack_panels, f32_panel_matmul,
                                                              f32_rows_matmul
-    csrc/bf16_products.c  bfloat16 products of a few rows    bf16_matvec
+    csrc/bf16_products.c  bfloat16 products of a few rows    bf16_matvec, bf16_rows_matmul
     csrc/bf16_amx.c    bfloat16 products on AMX, w in place  bf16_amx_matmul, bf16_amx_ready
     csrc/quantized.c   int8 and int4 products                quantized_matvec, quantized_matmul, dequantize,
                                                              quantized_pack_panels, quantized_panel_matmul
@@ -182,6 +182,7 @@ C_FUNCTIONS = {  # name: (argument types, result type), as csrc/*.c declares the
     # bf16_products.c
     "bf16_matmul_reference": ([_P, _P, _P, _I, _I, _I], None),
     "bf16_matvec": ([_P, _P, _P, _I, _I, _I, _I], _I),
+    "bf16_rows_matmul": ([_P, _P, _P, _I, _I, _I, _I], _I),
     "bf16_dot_instructions": ([], _I),
     # bf16_amx.c
     "bf16_amx_ready": ([], _I),
@@ -381,6 +382,26 @@ def bf16_matvec(x: torch.Tensor, weight: torch.Tensor, *, lib: ctypes.CDLL | Non
     if lib.bf16_matvec(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1],
                        torch.get_num_threads()):
         raise MemoryError(f"bf16_matvec could not allocate {x.numel() * 4:,} bytes for a float32 copy of x")
+    return y
+
+
+def bf16_rows_matmul(x: torch.Tensor, weight: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [rows, in] bfloat16, weight [out, in] bfloat16 (row-major, read in place), in even -> x @ weightᵀ [rows, out]
+    bfloat16, the sums in float32: x copied into pairs with its rows along a vector's lanes, each pair of weights
+    broadcast to them by AVX512-BF16's dot products (csrc/bf16_products.c), for a server's batch of decodes. Raises
+    ValueError for other dtypes, devices or shapes, an odd ``in`` or a build without AVX512-BF16
+    (:func:`bf16_dot_instructions`), MemoryError when x's copy cannot be allocated."""
+    lib = lib or kernels()
+    _check_matvec("bf16_rows_matmul", torch.bfloat16, x, weight)
+    if x.shape[1] % 2 or not bf16_dot_instructions(lib=lib):
+        raise ValueError(f"bf16_rows_matmul needs an even in (got {x.shape[1]}) and a build with AVX512-BF16 "
+                         f"(bf16_dot_instructions(): {bf16_dot_instructions(lib=lib)}); use F.linear")
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
+    if lib.bf16_rows_matmul(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0],
+                            weight.shape[1], torch.get_num_threads()):
+        raise MemoryError(f"bf16_rows_matmul could not allocate x's copy in pairs (more than {x.numel() * 2:,} bytes: "
+                          "its rows padded to a block)")
     return y
 
 

@@ -17,7 +17,8 @@ stream memory as fast as all the cores together. Two ways around it, for CPU flo
   also an op a compiled step calls (inductor's own code for the product is slower). Row-major
   weights only. 1-3 float32 rows only where the decode path's rule says (an AMD CPU: on the Intel
   Xeon MKL's product of so few rows is faster); one or two bfloat16 rows too (in C, faster than F.linear's), up to
-  MATVEC_MAX_ROWS on an AMD CPU.
+  MATVEC_MAX_ROWS on an AMD CPU, where with AVX512-BF16 2-128 rows lie along the vectors' lanes instead
+  (:func:`minillm.fast.kernels.bf16_rows_matmul`).
   Where the CPU has matrix units (Intel AMX), 1-BF16_AMX_MAX_ROWS bfloat16 rows run on them instead, the weight
   read in place as the tiles' A operand (:func:`minillm.fast.kernels.bf16_amx_matmul`): F.linear hands oneDNN
   the weight as its B operand, which it reorders at every call.
@@ -68,6 +69,12 @@ BF16_C_ROWS = 2  # bfloat16 rows the C tile multiplies faster than F.linear (few
 BF16_AMX_MAX_ROWS = 256  # bfloat16 rows the matrix units multiply faster with the weight in place (table below)
 MKL_FEW_ROWS = 3  # float32 rows MKL's product took faster than the C tile on the Intel Xeon (few_rows_in_c)
 PANEL_MAX_ROWS = 256  # a serving step's decodes or a short chunk; above, MKL's product is as fast
+BF16_ROWS_MATMUL_ROWS = (2, 128)  # bfloat16 rows bf16_rows_matmul takes where few_rows_in_c and pairs, measured on
+#   the AMD EPYC (SmolLM2-135M's 121 matrices, 2 threads, 2026-12-06), ms for all:
+#   rows                1     2     4     8    16    32    64   128
+#   F.linear         15.4  15.4  16.8  18.8  22.9  30.3  48.1  78.6
+#   bf16_matvec      10.3  12.9  13.9  16.6
+#   bf16_rows_matmul 10.8  11.0  11.1  11.3  12.5  20.5  40.5  78.6
 ROWS_MATMUL_ROWS = (5, 128)  # float32 rows f32_rows_matmul takes where few_rows_in_c (an AMD CPU), measured there:
 #   SmolLM2-135M's 121 matrices (2 threads, 2026-12-06), ms for all: rows       4     8    16    32    64   128
 #   F.linear 62.4 56.1 67.4 89.9 133 224; f32_matvec 29.5 41.0 63.9 109; f32_rows_matmul 30.8 32.0 32.2 54.3 105 211
@@ -97,7 +104,7 @@ def _few_rows(x: torch.Tensor, weight: torch.Tensor, max_rows: int, dtypes=(torc
 
 
 def few_rows_kernel(rows: int, dtype: torch.dtype, few_rows_in_c: bool, panels: bool, amx: bool = False,
-                    compiled: bool = False) -> str:
+                    compiled: bool = False, pairs: bool = False) -> str:
     """The kernel :class:`MatvecLinear` multiplies ``rows`` rows of ``dtype`` by (on a CPU, the C kernels
     built; autograd and other devices take F.linear, and ``compiled`` code the kernels that are torch ops), the
     first line from the top that matches:
@@ -108,6 +115,7 @@ def few_rows_kernel(rows: int, dtype: torch.dtype, few_rows_in_c: bool, panels: 
         float32    4-8       "f32_matvec"
         float32    9-256     "f32_panel_matmul" with ``panels`` (a server's batches), else "F.linear"
         bfloat16   1-256     "bf16_amx_matmul" where ``amx`` (the matrix units run here, the weight fits their tiles)
+        bfloat16   2-128     "bf16_rows_matmul" elsewhere where ``few_rows_in_c`` and ``pairs``, not ``compiled``
         bfloat16   1-8       "bf16_matvec" elsewhere where ``few_rows_in_c``
         bfloat16   1-2       "bf16_matvec" elsewhere
         any        more      "F.linear"
@@ -120,7 +128,10 @@ def few_rows_kernel(rows: int, dtype: torch.dtype, few_rows_in_c: bool, panels: 
     bfloat16 the C loop took 0.64-0.76x F.linear's time at one row and 0.85-0.88x at two, 0.91-1.04x at three and
     0.96-1.17x at four on the Intel Xeon, its multiply-adds then the bound (BENCHMARKS.md, "Decode products: PyTorch
     against the C"); on the AMD EPYC 0.76-0.86x at 3-8 rows, SmolLM2-135M's and the 1.7B shape's matrices (oneDNN's
-    bfloat16 kernels run slower there: BENCHMARKS.md, "The AMD EPYC, again").
+    bfloat16 kernels run slower there: BENCHMARKS.md, "The AMD EPYC, again"). With AVX512-BF16's dot products
+    (``pairs``: :func:`minillm.fast.kernels.bf16_dot_instructions`) and x's rows along the lanes
+    (:func:`minillm.fast.kernels.bf16_rows_matmul`) the AMD EPYC took 0.53-0.85x F.linear's time at 2-64 rows and
+    0.67-0.86x bf16_matvec's at 2-8 (BF16_ROWS_MATMUL_ROWS; BENCHMARKS.md, "The AMD EPYC, a third time").
     On the matrix units with the weight in place (:func:`minillm.fast.kernels.bf16_amx_matmul`), SmolLM2-135M's
     matrices took 0.52-0.83x F.linear's time at 1-256 rows (the 1.7B shape's 0.69-0.92x) and 1.05-1.10x at 512,
     where oneDNN's reorder of the weight is paid back (BENCHMARKS.md, "bfloat16 products on the matrix units").
@@ -128,6 +139,8 @@ def few_rows_kernel(rows: int, dtype: torch.dtype, few_rows_in_c: bool, panels: 
     if dtype == torch.bfloat16:
         if amx and rows <= BF16_AMX_MAX_ROWS:
             return "bf16_amx_matmul"
+        if few_rows_in_c and pairs and not compiled and BF16_ROWS_MATMUL_ROWS[0] <= rows <= BF16_ROWS_MATMUL_ROWS[1]:
+            return "bf16_rows_matmul"
         return "bf16_matvec" if rows <= (MATVEC_MAX_ROWS if few_rows_in_c else BF16_C_ROWS) else "F.linear"
     if dtype != torch.float32:
         return "F.linear"
@@ -189,7 +202,9 @@ class MatvecLinear(nn.Linear):
         compiling = torch.compiler.is_compiling()
         amx = (x.dtype == torch.bfloat16 and kernels.bf16_amx_fits(self.weight) and kernels.bf16_amx_ready()
                and (self.bias is None or self.bias.dtype == x.dtype))
-        kernel = few_rows_kernel(rows, x.dtype, self.few_rows_in_c, self.panels and not compiling, amx, compiling)
+        pairs = x.dtype == torch.bfloat16 and self.in_features % 2 == 0 and kernels.bf16_dot_instructions()
+        kernel = few_rows_kernel(rows, x.dtype, self.few_rows_in_c, self.panels and not compiling, amx, compiling,
+                                 pairs)
         if kernel == "bf16_amx_matmul":  # (the bias inside its one rounding; _few_rows made the kernel's checks)
             if compiling:  # (the op: a graph cannot call ctypes)
                 y = kernels.functions().bf16_amx_matmul(x.reshape(rows, -1), self.weight, self.bias)
@@ -203,6 +218,8 @@ class MatvecLinear(nn.Linear):
             # (with a bias, F.linear: the kernel rounds its sums to bfloat16, and a bias added after them
             # would round twice, 0.5-0.67 units of bfloat16 from F.linear's one rounding; Qwen2's q|k|v)
             y = kernels.bf16_matvec(x.reshape(rows, -1), self.weight)
+        elif kernel == "bf16_rows_matmul" and self.bias is None:  # (a bias: as bf16_matvec's)
+            y = kernels.bf16_rows_matmul(x.reshape(rows, -1), self.weight)
         elif kernel == "f32_panel_matmul":
             y = kernels.f32_panel_matmul(x.reshape(rows, -1), self._packed_weight())
         elif kernel == "f32_rows_matmul":

@@ -1,5 +1,6 @@
 """The bfloat16 products (minillm/fast/csrc/bf16_products.c) against float64 F.linear, on the native build and
-the portable one (no -march=native: the weights widened by the shift instead of AVX512-BF16's dot product);
+the portable one (no -march=native: the weights widened by the shift instead of AVX512-BF16's dot product; the rows'
+kernel, AVX512-BF16 only, on the native build where it has them);
 the C file's scalar reference too; and which kernel a product module runs, as the rule's table
 (minillm.fast.products.few_rows_kernel, minillm.fast.choose.few_rows_in_c)."""
 
@@ -84,6 +85,59 @@ def test_the_portable_build_has_no_dot_product_instruction():
     assert kernels.bf16_dot_instructions(lib=_lib(True)) is False
 
 
+def _pairs_lib():
+    lib = _lib(False)
+    if not kernels.bf16_dot_instructions(lib=lib):
+        pytest.skip("needs a build with AVX512-BF16")
+    return lib
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 70), out_features=st.integers(1, 40), half_in=st.integers(1, 120),
+       seed=st.integers(0, 2**16))
+def test_bf16_rows_matmul_equals_float64_linear(rows, out_features, half_in, seed):
+    """Rows across the blocks of 16 and 32 lanes (and their padding), outputs across the tiles of 8 and the rest, even
+    in-features: within the bound of one rounding and the float32 sums."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, 2 * half_in, generator=g).bfloat16()
+    x = torch.randn(rows, 2 * half_in, generator=g).bfloat16()
+    _assert_bf16_product(kernels.bf16_rows_matmul(x, w, lib=_pairs_lib()), x, w)
+
+
+@pytest.mark.parametrize("rows, out_features, in_features", [(32, 960, 576), (17, 576, 1536), (128, 64, 2048)])
+def test_bf16_rows_matmul_at_a_models_shapes(rows, out_features, in_features):
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(out_features, in_features, generator=g) / in_features ** 0.5).bfloat16()
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    _assert_bf16_product(kernels.bf16_rows_matmul(x, w, lib=_pairs_lib()), x, w)
+
+
+def test_bf16_rows_matmul_keeps_nan_and_infinity_and_reads_no_padding():
+    """A NaN or infinite input makes its row's outputs NaN or infinite; the rows padded to a block do not reach y (a
+    NaN past the rows would)."""
+    w = torch.ones(9, 64, dtype=torch.bfloat16)
+    x = torch.ones(18, 64, dtype=torch.bfloat16)
+    x[0, 5], x[17, 7] = float("nan"), float("inf")
+    y = kernels.bf16_rows_matmul(x, w, lib=_pairs_lib())
+    assert y[0].isnan().all() and (y[17] == float("inf")).all() and (y[1:17] == 64).all()
+
+
+@pytest.mark.parametrize("x, w, message", [
+    (torch.ones(2, 5, dtype=torch.bfloat16), torch.ones(3, 5, dtype=torch.bfloat16), "an even in \\(got 5\\)"),
+    (torch.ones(2, 4), torch.ones(3, 4), "bfloat16 CPU tensors"),
+])
+def test_bf16_rows_matmul_refuses_what_its_loop_would_misread(x, w, message):
+    lib = _pairs_lib()
+    with pytest.raises(ValueError, match=message):
+        kernels.bf16_rows_matmul(x, w, lib=lib)
+
+
+def test_bf16_rows_matmul_refuses_a_build_without_the_dot_products():
+    x = torch.ones(2, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"AVX512-BF16 \(bf16_dot_instructions\(\): False\); use F.linear"):
+        kernels.bf16_rows_matmul(x, x, lib=_lib(True))
+
+
 @pytest.mark.parametrize("x, w, message", [
     (torch.ones(1, 4), torch.ones(2, 4, dtype=torch.bfloat16), "bfloat16 CPU tensors, got x torch.float32"),
     (torch.ones(1, 4, dtype=torch.bfloat16), torch.ones(2, 5, dtype=torch.bfloat16),
@@ -103,6 +157,7 @@ def test_bf16_matvec_refuses_what_its_loop_would_misread(x, w, message):
 # -- which kernel runs: the rule as a table -------------------------------------------------------
 
 F32, BF16 = torch.float32, torch.bfloat16
+PAIRS = kernels.available() and kernels.bf16_dot_instructions()  # (this build runs bf16_rows_matmul)
 
 
 @pytest.mark.parametrize("rows, dtype, few_rows_in_c, panels, kernel", [
@@ -129,7 +184,7 @@ F32, BF16 = torch.float32, torch.bfloat16
     (2, BF16, True, True, "bf16_matvec"),  # (a batch of two decodes: 0.85-0.88x F.linear's time)
     (3, BF16, False, False, "F.linear"),  # (the C loop's multiply-adds bound it: about even at 3 rows)
     (8, BF16, False, False, "F.linear"),
-    (3, BF16, True, False, "bf16_matvec"),  # an AMD CPU: 0.76-0.86x F.linear's time at 3-8 rows
+    (3, BF16, True, False, "bf16_matvec"),  # an AMD CPU without AVX512-BF16's pairs: 0.76-0.86x F.linear's time
     (8, BF16, True, True, "bf16_matvec"),
     (9, BF16, True, True, "F.linear"),
     (9, BF16, False, True, "F.linear"),  # (prefill: oneDNN's AMX kernels)
@@ -138,6 +193,19 @@ F32, BF16 = torch.float32, torch.bfloat16
 ])
 def test_few_rows_kernel_table(rows, dtype, few_rows_in_c, panels, kernel):
     assert few_rows_kernel(rows, dtype, few_rows_in_c, panels) == kernel
+
+
+@pytest.mark.parametrize("rows, few_rows_in_c, compiled, kernel", [
+    (1, True, False, "bf16_matvec"),  # (one row: the C loop, 10.3 against 10.8 ms for SmolLM2-135M's matrices)
+    (2, True, False, "bf16_rows_matmul"),  # (0.85x bf16_matvec's time, 0.71x F.linear's)
+    (32, True, False, "bf16_rows_matmul"),  # (0.68x F.linear's)
+    (128, True, False, "bf16_rows_matmul"),
+    (129, True, False, "F.linear"),
+    (32, False, False, "F.linear"),  # (an Intel CPU: not measured there)
+    (4, True, True, "bf16_matvec"),  # (compiled code: no torch op of the rows' kernel)
+])
+def test_few_rows_kernel_table_with_bfloat16_pairs(rows, few_rows_in_c, compiled, kernel):
+    assert few_rows_kernel(rows, BF16, few_rows_in_c, False, compiled=compiled, pairs=True) == kernel
 
 
 @pytest.mark.parametrize("rows, dtype, kernel", [
@@ -178,14 +246,16 @@ def _matvec_linear(weight: torch.Tensor, few_rows_in_c: bool) -> MatvecLinear:
 @pytest.mark.parametrize("dtype, rows, few_rows_in_c, ran", [
     (F32, 1, False, None), (F32, 1, True, "f32_matvec"), (F32, 3, False, None), (F32, 4, False, "f32_matvec"),
     (BF16, 1, False, "bf16_matvec"), (BF16, 1, True, "bf16_matvec"), (BF16, 8, False, None),
-    (BF16, 8, True, "bf16_matvec"), (F32, 5, True, "f32_rows_matmul"), (F32, 32, True, "f32_rows_matmul"),
-    (F32, 32, False, None),
+    (BF16, 2, True, "bf16_rows_matmul" if PAIRS else "bf16_matvec"),
+    (BF16, 8, True, "bf16_rows_matmul" if PAIRS else "bf16_matvec"),
+    (BF16, 32, True, "bf16_rows_matmul" if PAIRS else None), (F32, 5, True, "f32_rows_matmul"),
+    (F32, 32, True, "f32_rows_matmul"), (F32, 32, False, None),
 ])
 def test_a_product_module_runs_the_tables_kernel_with_linears_values(dtype, rows, few_rows_in_c, ran, monkeypatch):
     """MatvecLinear calls the kernel the table names (None: F.linear) and gives F.linear's values."""
     _lib(False)
     calls = []
-    for name in ("f32_matvec", "bf16_matvec", "f32_rows_matmul"):
+    for name in ("f32_matvec", "bf16_matvec", "f32_rows_matmul", "bf16_rows_matmul"):
         kernel = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, kernel=kernel, name=name, **k: calls.append(name) or kernel(*a, **k))
     g = torch.Generator().manual_seed(rows)
