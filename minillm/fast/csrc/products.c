@@ -199,20 +199,24 @@ void f32_panel_matmul(const float *x, const float *packed, float *y, int rows, i
  *   acc[g][v] += xt[i][v·VEC .. v·VEC + VEC-1] · w[o0 + g, i]      (TILE_OUTS outputs by a block of rows)
  *
  * so every multiply-add is useful, no sum is reduced across lanes, and the tile's TILE_OUTS rows of w (the outputs'
- * weights, each a stream from memory) stay in the L1 cache for every block of rows. The sums run over i in order,
- * one term at a time per output, as the reference's do. Threads split the outputs. */
+ * weights, each a stream from memory) stay in the L1 cache for every block of rows; the next tile's rows (contiguous)
+ * are fetched a share each step, which the CPU's own prefetcher did too late (SmolLM2-135M's 121 matrices at 8 / 32 /
+ * 64 rows 26.7 / 43.9 / 85.2 -> 21.6 / 39.5 / 79.3 ms on the AMD EPYC). The sums run over i in order, one term at a
+ * time per output, as the reference's do. Threads split the outputs. */
 #define ROW_VECS 2   /* vectors of rows a block, at most: 32 rows with AVX-512 (one vector for up to VEC rows) */
 #define TILE_OUTS 8  /* outputs a tile: TILE_OUTS · ROW_VECS vector sums in registers */
 
 /* y[r0 .. r0 + V·VEC, o0 .. o0 + G) (rows < rows only), inlined with V and G constants */
 static inline __attribute__((always_inline)) void rows_tile(const float *xt, int padded, int r0, int rows,
                                                             const float *w, int in, int o0, int G, int V, float *y,
-                                                            int out) {
+                                                            int out, const char *next) {
     vecf acc[TILE_OUTS][ROW_VECS];
     for (int g = 0; g < G; g++)
         for (int v = 0; v < V; v++) acc[g][v] = (vecf){0};
     const float *wo = w + (int64_t)o0 * in;
     for (int i = 0; i < in; i++) {
+        int64_t at = (int64_t)i * 4 * G;  /* the next tile's bytes, this step's share: a line when it starts one */
+        if (next && at % 64 < 4 * G) prefetch_bytes(next + at - at % 64, 1);
         const float *xi = xt + (int64_t)i * padded + r0;
         vecf xv[ROW_VECS];
         for (int v = 0; v < V; v++) xv[v] = load_vec(xi + v * VEC);
@@ -245,11 +249,12 @@ int f32_rows_matmul(const float *x, const float *w, float *y, int rows, int out,
         #pragma omp for schedule(static)
         for (int t = 0; t < tiles; t++) {
             int o0 = t * TILE_OUTS, G = out - o0 < TILE_OUTS ? out - o0 : TILE_OUTS;
-            for (int r0 = 0; r0 < rows; r0 += block) {  /* (G and V constants in each call: the loops unroll) */
+            const char *next = t + 1 < tiles ? (const char *)(w + (int64_t)(o0 + G) * in) : NULL;
+            for (int r0 = 0; r0 < rows; r0 += block, next = NULL) {  /* (G, V constants in each call: loops unroll) */
                 if (G == TILE_OUTS && V == ROW_VECS)
-                    rows_tile(xt, padded, r0, rows, w, in, o0, TILE_OUTS, ROW_VECS, y, out);
-                else if (G == TILE_OUTS) rows_tile(xt, padded, r0, rows, w, in, o0, TILE_OUTS, 1, y, out);
-                else rows_tile(xt, padded, r0, rows, w, in, o0, G, V, y, out);
+                    rows_tile(xt, padded, r0, rows, w, in, o0, TILE_OUTS, ROW_VECS, y, out, next);
+                else if (G == TILE_OUTS) rows_tile(xt, padded, r0, rows, w, in, o0, TILE_OUTS, 1, y, out, next);
+                else rows_tile(xt, padded, r0, rows, w, in, o0, G, V, y, out, NULL);
             }
         }
     }
