@@ -66,6 +66,7 @@ static void round_numerators(float *p, int n) {
  *   out = Σ_c exp(m_c - M) · acc_c  /  Σ_c exp(m_c - M) · l_c.
  */
 #define KEYS_PER_TASK 32
+#define PAGED_CHUNK 32  /* keys a softmax step of paged_sequence (where AVX-512) */
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* the lane sums of a[0..7], as one vector: pairs added within 128-bit halves, then the halves */
@@ -245,7 +246,9 @@ int decode_attention(const float *q, const void *k, const void *v, int bf16, flo
  * paged_decode_attention.py --threads 2 --layers 30`, 32 decodes of contexts 100-600, 2026-12-02: 55.4 ms
  * a step with one task a (sequence, K/V head) and no prefetch, 36.3 ms so; 2026-12-03 (Intel Xeon, AVX-512):
  * 33.5 ms, then 31.7 with the V sums in independent chains, 28.4 with the prefetches spread over the heads
- * (39.7 without any).
+ * (39.7 without any). With AVX-512, paged_sequence's chunks of PAGED_CHUNK keys instead (below): 2026-12-06, the
+ * AMD EPYC, 24 layers of 32 decodes over 256-512 positions: 17.7 -> 11.8 ms in bfloat16, 26.8 -> 19.5 in float32
+ * (19-23 GB/s, where reading the same blocks alone streamed 23-24).
  * Layouts: q, out float32 [batch, heads, head_dim]; k_pool, v_pool one layer's float32 (or, with bf16, bfloat16)
  * [num_blocks, block_size, kv_heads, head_dim], contiguous; tables int64 [batch, max_blocks]; first,
  * last int64 [batch]; head_dim a multiple of 8. Returns 0 (1: a bfloat16 chunk's scratch not allocated). */
@@ -279,11 +282,15 @@ static void rescale_add(const float *p, const float *v, int n, int D, int64_t st
 }
 
 #if defined(__AVX512F__)
-/* The pool's rows read as they lie, 16 keys at a time (paged_sequence, where the CPU has AVX-512): float32 rows, or
- * bfloat16 rows where it has AVX512-BF16 too. A bfloat16 model's q is made of bfloat16 numbers, so q·k_j is
- * _mm512_dpbf16_ps's exact products of bfloat16 pairs summed in float32: the float32 arithmetic of the widened rows,
- * in another order. Before (the loop below it, still every other CPU's), each chunk's bfloat16 rows were widened
- * into a float32 copy and the sums ran 8 lanes wide. */
+/* The pool's rows read as they lie (paged_sequence, where the CPU has AVX-512): float32 rows, or bfloat16 rows where
+ * it has AVX512-BF16 too. A bfloat16 model's q is made of bfloat16 numbers, so q·k_j is _mm512_dpbf16_ps's exact
+ * products of bfloat16 pairs summed in float32: the float32 arithmetic of the widened rows, in another order. A
+ * sequence's keys go a chunk of PAGED_CHUNK at a time, across blocks, in three passes over each K/V head's rows:
+ * the G heads' scores (16 keys at a time, reduced across lanes together), their softmax step (one for the chunk),
+ * their weighted sums of V (each row of V loaded once for up to 4 heads, the sums in registers). Meanwhile the next
+ * chunk's rows (the blocks lie anywhere in the pool, where the CPU's prefetcher cannot guess them) are fetched into
+ * the L2 cache a few lines at a time. Before, each 16 keys of a block were one softmax step, its V sums through
+ * memory, the next 16 keys fetched: now 0.58-0.81x that time (BENCHMARKS.md, "The AMD EPYC, a third time"). */
 
 /* lane j of the result = the sum of v[j]'s 16 lanes: four levels of shuffles and adds over all 16 vectors
  * at once (46 instructions; one reduction a vector takes ~8, 128 in all) */
@@ -313,8 +320,13 @@ static inline __attribute__((always_inline)) __m512 dot16(const void *q, const v
 #if defined(__AVX512BF16__)
     if (bf16) {
         for (int d = 0; d < D; d += 32)
-            sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512((const uint16_t *)q + d),
-                                   (__m512bh)_mm512_loadu_si512((const uint16_t *)k + d));
+        {
+            __m512bh qv, kv;  /* (memcpy: GCC 12 sent a cast load of a bfloat16 vector through the stack, 1.16x the
+                               * time of a paged call at 32 sequences in cache) */
+            memcpy(&qv, (const uint16_t *)q + d, 64);
+            memcpy(&kv, (const uint16_t *)k + d, 64);
+            sum = _mm512_dpbf16_ps(sum, qv, kv);
+        }
         return sum;
     }
 #endif
@@ -323,106 +335,177 @@ static inline __attribute__((always_inline)) __m512 dot16(const void *q, const v
     return sum;
 }
 
-/* The G query heads of one K/V head over n <= 16 keys of rows k, v (`stride` elements apart): the online softmax's
- * step (as paged_decode_attention's) on each head's m, l and acc[0:D], D a multiple of 32 and at most 256. bfloat16
- * V rows are widened once, into vw, for the G heads. Inlined where D and bf16 are constants, so that the 16 score
- * sums and the D / 16 output sums stay in registers; the scores of keys j >= n read row n - 1 (memory of the pool)
- * and are masked off. After each head, a share of the next piece's K and V is prefetched (all at once filled the
- * CPU's line-fill buffers and stalled the arithmetic). */
-static inline __attribute__((always_inline)) void kv_head_piece(
-        const void *q, const void *k, const void *v, int n, int G, const int D, const int bf16, int64_t stride,
-        float scale, float *m, float *l, float *acc, const char *nk, const char *nv, int64_t share, int64_t left) {
+/* The next chunk's rows (positions at byte off[j] of both pools, `bytes` each: every K/V head's), fetched into the
+ * L2 cache `per` lines of each pool a call while this chunk computes; `at` and `b`: the next line to fetch. */
+struct ahead { const char *k_pool, *v_pool; const int64_t *off; int at, per, n; int64_t bytes, b; };
+
+static inline void fetch_ahead(struct ahead *a) {
+    for (int lines = a->per; lines > 0 && a->at < a->n; lines--) {
+        _mm_prefetch(a->k_pool + a->off[a->at] + a->b, _MM_HINT_T1);
+        _mm_prefetch(a->v_pool + a->off[a->at] + a->b, _MM_HINT_T1);
+        a->b += 64;
+        if (a->b >= a->bytes) a->b = 0, a->at++;
+    }
+}
+
+/* The scores of one K/V head's G query heads (q's rows D elements apart) over a chunk's n <= PAGED_CHUNK keys,
+ * row j of K at k + off[j] (bytes): s[g · PAGED_CHUNK + j] = scale · q_g·k_j, -inf for j >= n up to a multiple of
+ * 16. Inlined where D and bf16 are constants, so that a group's 16 sums stay in registers; a group of 16 keys is
+ * read from memory once, by the first head, and from cache by the others. */
+static inline __attribute__((always_inline)) void chunk_scores(const void *q, const char *k, const int64_t *off,
+                                                               int n, int G, const int D, const int bf16,
+                                                               float scale, float *s, struct ahead *next) {
     int64_t elem = bf16 ? 2 : 4;
-    float vw[bf16 ? 16 * D : 1];
-    const float *vrows = (const float *)v;
-    int64_t vstride = stride;
+    for (int j0 = 0; j0 < n; j0 += 16) {
+        fetch_ahead(next);
+        int rows = n - j0 < 16 ? n - j0 : 16;
+        __mmask16 keys = (__mmask16)((1u << rows) - 1);
+        for (int g = 0; g < G; g++) {
+            __m512 dots[16];
+            for (int j = 0; j < 16; j++)  /* keys past the chunk's end read its last row, then are masked */
+                dots[j] = dot16((const char *)q + g * D * elem, k + off[j0 + (j < rows ? j : rows - 1)], D, bf16);
+            _mm512_storeu_ps(s + g * PAGED_CHUNK + j0,
+                             _mm512_mask_blend_ps(keys, _mm512_set1_ps(-INFINITY),
+                                                  _mm512_mul_ps(lane_sums16(dots), _mm512_set1_ps(scale))));
+        }
+    }
+}
+
+/* The online softmax's step for one head over a chunk's scores s[0:n] (padded with -inf to a multiple of 16): m
+ * and l move on, s becomes the numerators exp(s_j - m'); returns c = exp(m - m'), the factor of the head's acc. */
+static inline float chunk_softmax(float *s, int n, float *m, float *l) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < n; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
+    float chunk_max = _mm512_reduce_max_ps(top), m_new = chunk_max > *m ? chunk_max : *m;
+    float c = expf(*m - exp_base(m_new));  /* 0 at the first chunk (m = -inf) */
+    __m512 sum = _mm512_setzero_ps(), base = _mm512_set1_ps(exp_base(m_new));
+    for (int j = 0; j < n; j += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), base));  /* (exp16(-inf) = 0) */
+        _mm512_storeu_ps(s + j, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    *l = c * *l + _mm512_reduce_add_ps(sum);
+    *m = m_new;
+    return c;
+}
+
+/* acc_g = c_g · acc_g + Σ_j p_g[j] · v_j for GP <= 4 heads at once (acc D floats apart, p PAGED_CHUNK apart) over
+ * n rows of V at v + off[j]: each row of V is loaded (bfloat16: widened) once for the GP heads, whose D / 16 sums
+ * each stay in registers (GP · D / 16 <= 16). Inlined with GP, D and bf16 constants. */
+static inline __attribute__((always_inline)) void chunk_values(const char *v, const int64_t *off, int n,
+                                                               const int GP, const int D, const int bf16,
+                                                               const float *p, const float *c, float *acc,
+                                                               struct ahead *next) {
+    __m512 a[4][16];  /* (sizes fixed: a variable-length array of vectors would live in memory) */
+    for (int g = 0; g < GP; g++)
+        for (int i = 0; i < D / 16; i++)
+            a[g][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * i), _mm512_set1_ps(c[g]));
+    for (int j = 0; j < n; j++) {
+        fetch_ahead(next);
+        __m512 row[16];
+        for (int i = 0; i < D / 16; i++)
+            row[i] = bf16 ? widen16((const uint16_t *)(v + off[j]) + 16 * i)
+                          : _mm512_loadu_ps((const float *)(v + off[j]) + 16 * i);
+        for (int g = 0; g < GP; g++) {
+            __m512 pj = _mm512_set1_ps(p[g * PAGED_CHUNK + j]);
+            for (int i = 0; i < D / 16; i++) a[g][i] = _mm512_fmadd_ps(pj, row[i], a[g][i]);
+        }
+    }
+    for (int g = 0; g < GP; g++)
+        for (int i = 0; i < D / 16; i++) _mm512_storeu_ps(acc + g * D + 16 * i, a[g][i]);
+}
+
+/* The heads chunk_values takes at once at head_dim D: as many as keep their sums in 16 registers, at most 4. */
+static inline int heads_a_pass(int D) { return D / 16 >= 4 ? 16 / (D / 16) : 4; }
+
+/* chunk_values for G heads, in passes of 4, 2 and 1 heads (as many as heads_a_pass allows) */
+static inline __attribute__((always_inline)) void chunk_values_all(const char *v, const int64_t *off, int n, int G,
+                                                                   const int D, const int bf16, const float *p,
+                                                                   const float *c, float *acc,
+                                                                   struct ahead *next) {
+    const int most = heads_a_pass(D);
+    int g = 0;
+    for (; most >= 4 && g + 4 <= G; g += 4)
+        chunk_values(v, off, n, 4, D, bf16, p + g * PAGED_CHUNK, c + g, acc + g * D, next);
+    for (; most >= 2 && g + 2 <= G; g += 2)
+        chunk_values(v, off, n, 2, D, bf16, p + g * PAGED_CHUNK, c + g, acc + g * D, next);
+    for (; g < G; g++)
+        chunk_values(v, off, n, 1, D, bf16, p + g * PAGED_CHUNK, c + g, acc + g * D, next);
+}
+
+/* One K/V head's chunk: its G heads' scores, softmax steps and weighted sums of V (m, l, acc: those heads'). */
+static inline __attribute__((always_inline)) void kv_head_chunk(
+        const void *q, const char *k, const char *v, const int64_t *off, int n, int G, const int D, const int bf16,
+        float scale, float *s, float *m, float *l, float *acc, struct ahead *next) {
+    float c[G];
+    chunk_scores(q, k, off, n, G, D, bf16, scale, s, next);
+    for (int g = 0; g < G; g++) c[g] = chunk_softmax(s + g * PAGED_CHUNK, n, m + g, l + g);
+    chunk_values_all(v, off, n, G, D, bf16, s, c, acc, next);
+}
+
+/* kv_head_chunk at the head_dims inlined as constants (64, 128), else the general loop (D a multiple of 32, at
+ * most 256: its sums then spill to memory). */
+static void kv_head_chunk_any(const void *q, const char *k, const char *v, const int64_t *off, int n, int G, int D,
+                              int bf16, float scale, float *s, float *m, float *l, float *acc,
+                              struct ahead *next) {
     if (bf16) {
-        for (int j = 0; j < n; j++)
-            for (int i = 0; i < D / 16; i++)
-                _mm512_storeu_ps(vw + j * D + 16 * i, widen16((const uint16_t *)v + (int64_t)j * stride + 16 * i));
-        vrows = vw;
-        vstride = D;
-    }
-    __mmask16 keys = (__mmask16)((1u << n) - 1);
-    for (int g = 0; g < G; g++) {
-        __m512 dots[16];
-        for (int j = 0; j < 16; j++)
-            dots[j] = dot16((const char *)q + g * D * elem, (const char *)k + (j < n ? j : n - 1) * stride * elem, D,
-                            bf16);
-        __m512 s = _mm512_mask_blend_ps(keys, _mm512_set1_ps(-INFINITY),
-                                        _mm512_mul_ps(lane_sums16(dots), _mm512_set1_ps(scale)));
-        float chunk_max = _mm512_reduce_max_ps(s), m_new = chunk_max > m[g] ? chunk_max : m[g];
-        float c = expf(m[g] - exp_base(m_new)), p[16];  /* c: 0 at the first piece (m = -inf) */
-        __m512 e = _mm512_maskz_mov_ps(keys, exp16(_mm512_sub_ps(s, _mm512_set1_ps(exp_base(m_new)))));
-        _mm512_storeu_ps(p, e);
-        l[g] = c * l[g] + _mm512_reduce_add_ps(e);
-        m[g] = m_new;
-        __m512 a[16];
-        for (int i = 0; i < D / 16; i++) a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * i), _mm512_set1_ps(c));
-        for (int j = 0; j < n; j++) {
-            __m512 pj = _mm512_set1_ps(p[j]);
-            for (int i = 0; i < D / 16; i++)
-                a[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vrows + j * vstride + 16 * i), a[i]);
-        }
-        for (int i = 0; i < D / 16; i++) _mm512_storeu_ps(acc + g * D + 16 * i, a[i]);
-        if (nk != NULL && g * share < left) {
-            int64_t part = left - g * share < share ? left - g * share : share;
-            prefetch_bytes(nk + g * share, part);
-            prefetch_bytes(nv + g * share, part);
-        }
+        if (D == 64) kv_head_chunk(q, k, v, off, n, G, 64, 1, scale, s, m, l, acc, next);
+        else if (D == 128) kv_head_chunk(q, k, v, off, n, G, 128, 1, scale, s, m, l, acc, next);
+        else kv_head_chunk(q, k, v, off, n, G, D, 1, scale, s, m, l, acc, next);
+    } else {
+        if (D == 64) kv_head_chunk(q, k, v, off, n, G, 64, 0, scale, s, m, l, acc, next);
+        else if (D == 128) kv_head_chunk(q, k, v, off, n, G, 128, 0, scale, s, m, l, acc, next);
+        else kv_head_chunk(q, k, v, off, n, G, D, 0, scale, s, m, l, acc, next);
     }
 }
 
-/* One K/V head's piece at the head_dims inlined as constants (64, 128), else the general loop. */
-static inline __attribute__((always_inline)) void kv_head_piece_any(
-        const void *q, const void *k, const void *v, int n, int G, int D, const int bf16, int64_t stride, float scale,
-        float *m, float *l, float *acc, const char *nk, const char *nv, int64_t share, int64_t left) {
-    if (D == 64) kv_head_piece(q, k, v, n, G, 64, bf16, stride, scale, m, l, acc, nk, nv, share, left);
-    else if (D == 128) kv_head_piece(q, k, v, n, G, 128, bf16, stride, scale, m, l, acc, nk, nv, share, left);
-    else kv_head_piece(q, k, v, n, G, D, bf16, stride, scale, m, l, acc, nk, nv, share, left);
+/* The passes chunk_values_all makes over a chunk's rows of V for G heads (each pass a fetch_ahead a row) */
+static int value_passes(int G, int D) {
+    int most = heads_a_pass(D), passes = 0, g = 0;
+    for (; most >= 4 && g + 4 <= G; g += 4) passes++;
+    for (; most >= 2 && g + 2 <= G; g += 2) passes++;
+    return passes + G - g;
 }
 
-/* Sequence b of paged_decode_attention: pieces of <= 16 keys inside a block, each K/V head's query heads in turn
- * over its rows. qb, ob float32 [heads, D]; the pools float32 or (bf16) bfloat16. */
+/* position `pos`'s row in a pool, in bytes (row_bytes: one position's K or V of every K/V head) */
+static inline int64_t pool_offset(const int64_t *table, int64_t pos, int block_size, int64_t row_bytes) {
+    return (table[pos / block_size] * block_size + pos % block_size) * row_bytes;
+}
+
+/* Sequence b of paged_decode_attention: its keys a chunk of up to PAGED_CHUNK at a time (across blocks), each K/V
+ * head's query heads in turn over the chunk, the next chunk's rows fetched meanwhile a share each call of
+ * fetch_ahead (as many lines a call as spread them over the chunk's calls). qb, ob float32 [heads, D]; the pools
+ * float32 or (bf16) bfloat16. */
 static void paged_sequence(const float *qb, const void *k_pool, const void *v_pool, int bf16, float *ob,
                            const int64_t *table, int64_t first, int64_t last, int heads, int kv_heads, int D,
                            int block_size, float scale) {
     int G = heads / kv_heads;
     int64_t row = (int64_t)kv_heads * D, elem = bf16 ? 2 : 4;
     uint16_t q16[heads * D];
-    float acc[heads * D], m[heads], l[heads];
+    float acc[heads * D], m[heads], l[heads], s[G * PAGED_CHUNK];
+    int64_t offs[2][PAGED_CHUNK];  /* a chunk's rows: position start + j at byte off[j] of a pool; the next's */
     for (int i = 0; i < heads * D; i++) {
         acc[i] = 0.0f;
         if (bf16) q16[i] = f32_to_bf16(qb[i]);  /* (exact: bfloat16s) */
     }
     for (int h = 0; h < heads; h++) { m[h] = -INFINITY; l[h] = 0.0f; }
-    const void *q = bf16 ? (const void *)q16 : (const void *)qb;
-    for (int64_t start = first; start < last;) {
-        int64_t end = (start / block_size + 1) * block_size;
-        end = end < start + 16 ? end : start + 16;
-        end = end < last ? end : last;
-        int n = (int)(end - start);
-        int64_t offset = (table[start / block_size] * block_size + start % block_size) * row * elem;
-        const char *nk = NULL, *nv = NULL;
-        int64_t bytes = 16 * row * elem, share = (bytes / heads + 63) / 64 * 64;
-        if (end < last) {
-            int64_t next = (table[end / block_size] * block_size + end % block_size) * row * elem;
-            nk = (const char *)k_pool + next;
-            nv = (const char *)v_pool + next;
-        }
+    const char *q = bf16 ? (const char *)q16 : (const char *)qb;
+    for (int j = 0; j < PAGED_CHUNK && first + j < last; j++)
+        offs[0][j] = pool_offset(table, first + j, block_size, row * elem);
+    for (int64_t start = first, i = 0; start < last; start += PAGED_CHUNK, i++) {
+        int n = last - start < PAGED_CHUNK ? (int)(last - start) : PAGED_CHUNK;
+        int64_t after = start + n;
+        int n_next = last - after < PAGED_CHUNK ? (int)(last - after) : PAGED_CHUNK;
+        for (int j = 0; j < n_next; j++) offs[(i + 1) % 2][j] = pool_offset(table, after + j, block_size, row * elem);
+        int64_t lines = (int64_t)n_next * ((row * elem + 63) / 64), calls = (int64_t)kv_heads * n * value_passes(G, D);
+        struct ahead next = {(const char *)k_pool, (const char *)v_pool, offs[(i + 1) % 2], 0,
+                             (int)((lines + calls - 1) / calls), n_next, row * elem, 0};
+        const int64_t *off = offs[i % 2];
         for (int kvh = 0; kvh < kv_heads; kvh++) {
-            int64_t kv = offset + (int64_t)kvh * D * elem, h = (int64_t)kvh * G;
-            const char *k = (const char *)k_pool + kv, *v = (const char *)v_pool + kv;
-            const char *pk = nk ? nk + h * share : NULL, *pv = nv ? nv + h * share : NULL;
-            const char *qh = (const char *)q + h * D * elem;
-            if (bf16)
-                kv_head_piece_any(qh, k, v, n, G, D, 1, row, scale, m + h, l + h, acc + h * D, pk, pv, share,
-                                  bytes - h * share);
-            else
-                kv_head_piece_any(qh, k, v, n, G, D, 0, row, scale, m + h, l + h, acc + h * D, pk, pv, share,
-                                  bytes - h * share);
+            int64_t h = (int64_t)kvh * G, at = (int64_t)kvh * D * elem;
+            kv_head_chunk_any(q + h * D * elem, (const char *)k_pool + at, (const char *)v_pool + at, off, n, G, D,
+                              bf16, scale, s, m + h, l + h, acc + h * D, &next);
         }
-        start = end;
     }
     for (int h = 0; h < heads; h++)
         for (int d = 0; d < D; d++) ob[(int64_t)h * D + d] = acc[(int64_t)h * D + d] / l[h];
