@@ -8,10 +8,11 @@ For SmolLM2-135M's shape (all 30 layers' q|k|v, o, gate|up and down: 106 M weigh
 (its first 6 of 24 layers: 403 M weights; a pass reads them from memory either way), in each precision,
 1 row (a batch-1 decode step) and 8 (a verify pass, a small batch), the candidates:
 
-    float32    F.linear (MKL), the C loop f32_matvec
+    float32    F.linear (MKL), the C loops f32_matvec (up to 8 rows) and f32_rows_matmul (5-128 rows)
     bfloat16   F.linear, oneDNN's product on a weight packed once for it (torch.ops.mkldnn._linear_pointwise
-               after _reorder_linear_weight: what inductor's weight packing calls), the C loop bf16_matvec (up to
-               8 rows), and where the CPU has AMX-BF16 bf16_amx_matmul (the matrix units, the weight in place)
+               after _reorder_linear_weight: what inductor's weight packing calls), the C loops bf16_matvec (up to
+               8 rows) and, with AVX512-BF16, bf16_rows_matmul (up to 128), and where the CPU has AMX-BF16
+               bf16_amx_matmul (the matrix units, the weight in place)
     int8, int4 (minillm.quantize's codes, float32 x) F.linear on the dequantised matrix (the lesson's product),
                torch._weight_int8pack_mm or _weight_int4pack_mm_for_cpu (on a copy in its layout, the same ŵ; up
                to 32 rows), the C loops quantized_matvec (1-3 rows) or quantized_matmul, and where the CPU has
@@ -39,7 +40,8 @@ from kernel_families import SHAPES, matrices, race  # (benchmarks/ is on sys.pat
 from minillm.bench.arg_types import positive_int
 from minillm.fast import kernels
 from minillm.fast.choose import few_rows_in_c
-from minillm.fast.products import QUANTIZED_MATVEC_MAX_ROWS, QUANTIZED_TILED_MAX_ROWS, few_rows_kernel
+from minillm.fast.products import (BF16_ROWS_MATMUL_ROWS, QUANTIZED_MATVEC_MAX_ROWS, QUANTIZED_TILED_MAX_ROWS,
+                                   ROWS_MATMUL_ROWS, few_rows_kernel)
 from minillm.quantize import GROUP_SIZE, QuantizedLinear, unpack_int4
 
 LAYERS = {"135m": None, "1.7b": 6}  # None: every layer
@@ -59,10 +61,15 @@ def candidates(ws: list[torch.Tensor], dtype: torch.dtype, rows: int) -> tuple[d
                                             for x, p in zip(xs, packed)]
         if rows <= 8:
             c["bf16_matvec"] = lambda: [kernels.bf16_matvec(x, w) for x, w in zip(xs, ws)]
+        if kernels.bf16_dot_instructions() and rows <= BF16_ROWS_MATMUL_ROWS[1]:
+            c["bf16_rows_matmul"] = lambda: [kernels.bf16_rows_matmul(x, w) for x, w in zip(xs, ws)]
         if kernels.bf16_amx_ready():
             c["bf16_amx_matmul"] = lambda: [kernels.bf16_amx_matmul(x, w) for x, w in zip(xs, ws)]
-    elif rows <= 8:
-        c["f32_matvec"] = lambda: [kernels.f32_matvec(x, w) for x, w in zip(xs, ws)]
+    else:
+        if rows <= 8:
+            c["f32_matvec"] = lambda: [kernels.f32_matvec(x, w) for x, w in zip(xs, ws)]
+        if ROWS_MATMUL_ROWS[0] <= rows <= ROWS_MATMUL_ROWS[1]:
+            c["f32_rows_matmul"] = lambda: [kernels.f32_rows_matmul(x, w) for x, w in zip(xs, ws)]
     return pytorch, c
 
 
@@ -144,7 +151,9 @@ def main() -> None:
                 ms = race(pytorch | c, args.rounds, args.reps, clock)
                 ratio = f"{min(ms[k] for k in c) / min(ms[k] for k in pytorch):.2f}" if c else "-"
                 amx = dtype == torch.bfloat16 and kernels.bf16_amx_ready() and all(map(kernels.bf16_amx_fits, ws))
-                now = quantized_kernel(rows) if dtype is None else few_rows_kernel(rows, dtype, in_c, False, amx)
+                pairs = dtype == torch.bfloat16 and kernels.bf16_dot_instructions()
+                now = quantized_kernel(rows) if dtype is None else few_rows_kernel(rows, dtype, in_c, False, amx,
+                                                                                   pairs=pairs)
                 print(f"| {shape} | {name} | {rows} | {_cell(ms, pytorch, n_bytes)} | {_cell(ms, c, n_bytes) or '-'} "
                       f"| {ratio} | {now} |", flush=True)
             del ws

@@ -67,9 +67,10 @@ SWAPS = (
     Swap("torch.nn.Linear", "fast.products.SplitLinear", "the split paths (long-rows+split, row-major+split), a float "
          "model: a few-row product cut over the threads"),
     Swap("torch.nn.Linear", "fast.products.MatvecLinear", "the C paths (matvec, compile+matvec), a float model: a few "
-         "rows in C (one float32 row only on an AMD CPU); a server's batches on packed panels (serve "
+         "rows in C (1-3 float32 rows only on an AMD CPU, 5-128 there along the vectors' lanes); a server's batches on packed panels (serve "
          "--pack-weights); also the default path of a bfloat16 model on a CPU (1-256 rows on the matrix units where "
-         "the CPU has AMX, else one or two rows in C, up to 8 on an AMD CPU)"),
+         "the CPU has AMX, else one or two rows in C; on an AMD CPU up to 8, and with AVX512-BF16 9-128 rows along "
+         "the vectors' lanes)"),
     Swap("quantize.QuantizedLinear", "fast.products.FastQuantizedLinear", "every path, a quantised model: its "
          "products in C on a CPU (on the matrix units where the CPU has AMX-INT8, x in four int8 digits)"),
     Swap("serving.paged_attention.PagedBatch", "fast.paged_attention.FastPagedBatch", "every path, C kernels fit: "

@@ -17,7 +17,7 @@ stream memory as fast as all the cores together. Two ways around it, for CPU flo
   also an op a compiled step calls (inductor's own code for the product is slower). Row-major
   weights only. 1-3 float32 rows only where the decode path's rule says (an AMD CPU: on the Intel
   Xeon MKL's product of so few rows is faster); one or two bfloat16 rows too (in C, faster than F.linear's), up to
-  MATVEC_MAX_ROWS on an AMD CPU, where with AVX512-BF16 2-128 rows lie along the vectors' lanes instead
+  MATVEC_MAX_ROWS on an AMD CPU, where with AVX512-BF16 9-128 rows lie along the vectors' lanes
   (:func:`minillm.fast.kernels.bf16_rows_matmul`).
   Where the CPU has matrix units (Intel AMX), 1-BF16_AMX_MAX_ROWS bfloat16 rows run on them instead, the weight
   read in place as the tiles' A operand (:func:`minillm.fast.kernels.bf16_amx_matmul`): F.linear hands oneDNN
@@ -69,12 +69,7 @@ BF16_C_ROWS = 2  # bfloat16 rows the C tile multiplies faster than F.linear (few
 BF16_AMX_MAX_ROWS = 256  # bfloat16 rows the matrix units multiply faster with the weight in place (table below)
 MKL_FEW_ROWS = 3  # float32 rows MKL's product took faster than the C tile on the Intel Xeon (few_rows_in_c)
 PANEL_MAX_ROWS = 256  # a serving step's decodes or a short chunk; above, MKL's product is as fast
-BF16_ROWS_MATMUL_ROWS = (2, 128)  # bfloat16 rows bf16_rows_matmul takes where few_rows_in_c and pairs, measured on
-#   the AMD EPYC (SmolLM2-135M's 121 matrices, 2 threads, 2026-12-06), ms for all:
-#   rows                1     2     4     8    16    32    64   128
-#   F.linear         15.4  15.4  16.8  18.8  22.9  30.3  48.1  78.6
-#   bf16_matvec      10.3  12.9  13.9  16.6
-#   bf16_rows_matmul 10.8  11.0  11.1  11.3  12.5  20.5  40.5  78.6
+BF16_ROWS_MATMUL_ROWS = (9, 128)  # bfloat16 rows bf16_rows_matmul takes where few_rows_in_c and pairs (its table)
 ROWS_MATMUL_ROWS = (5, 128)  # float32 rows f32_rows_matmul takes where few_rows_in_c (an AMD CPU), measured there:
 #   SmolLM2-135M's 121 matrices (2 threads, 2026-12-06), ms for all: rows       4     8    16    32    64   128
 #   F.linear 62.4 56.1 67.4 89.9 133 224; f32_matvec 29.5 41.0 63.9 109; f32_rows_matmul 30.8 32.0 32.2 54.3 105 211
@@ -115,7 +110,7 @@ def few_rows_kernel(rows: int, dtype: torch.dtype, few_rows_in_c: bool, panels: 
         float32    4-8       "f32_matvec"
         float32    9-256     "f32_panel_matmul" with ``panels`` (a server's batches), else "F.linear"
         bfloat16   1-256     "bf16_amx_matmul" where ``amx`` (the matrix units run here, the weight fits their tiles)
-        bfloat16   2-128     "bf16_rows_matmul" elsewhere where ``few_rows_in_c`` and ``pairs``, not ``compiled``
+        bfloat16   9-128     "bf16_rows_matmul" elsewhere where ``few_rows_in_c`` and ``pairs``, not ``compiled``
         bfloat16   1-8       "bf16_matvec" elsewhere where ``few_rows_in_c``
         bfloat16   1-2       "bf16_matvec" elsewhere
         any        more      "F.linear"
@@ -130,8 +125,9 @@ def few_rows_kernel(rows: int, dtype: torch.dtype, few_rows_in_c: bool, panels: 
     against the C"); on the AMD EPYC 0.76-0.86x at 3-8 rows, SmolLM2-135M's and the 1.7B shape's matrices (oneDNN's
     bfloat16 kernels run slower there: BENCHMARKS.md, "The AMD EPYC, again"). With AVX512-BF16's dot products
     (``pairs``: :func:`minillm.fast.kernels.bf16_dot_instructions`) and x's rows along the lanes
-    (:func:`minillm.fast.kernels.bf16_rows_matmul`) the AMD EPYC took 0.53-0.85x F.linear's time at 2-64 rows and
-    0.67-0.86x bf16_matvec's at 2-8 (BF16_ROWS_MATMUL_ROWS; BENCHMARKS.md, "The AMD EPYC, a third time").
+    (:func:`minillm.fast.kernels.bf16_rows_matmul`) the AMD EPYC took 0.55-0.94x F.linear's time at 9-128 rows
+    (SmolLM2-135M's matrices), where bf16_matvec, which fetches the next tile's rows ahead, still wins at 1-8
+    (0.41-0.49x F.linear's; BF16_ROWS_MATMUL_ROWS; BENCHMARKS.md, "The AMD EPYC, a third time").
     On the matrix units with the weight in place (:func:`minillm.fast.kernels.bf16_amx_matmul`), SmolLM2-135M's
     matrices took 0.52-0.83x F.linear's time at 1-256 rows (the 1.7B shape's 0.69-0.92x) and 1.05-1.10x at 512,
     where oneDNN's reorder of the weight is paid back (BENCHMARKS.md, "bfloat16 products on the matrix units").

@@ -147,6 +147,10 @@ static inline void prefetch_bytes(const void *p, int64_t n) {  /* each 64-byte l
     for (int64_t b = 0; b < n; b += 64) __builtin_prefetch((const char *)p + b);
 }
 
+static inline void prefetch_l2(const void *p, int64_t n) {  /* each 64-byte line of p[0:n], into the L2 cache */
+    for (int64_t b = 0; b < n; b += 64) __builtin_prefetch((const char *)p + b, 0, 2);
+}
+
 /* One step of a micro-kernel's spread prefetch: every `every` steps (0: never), the 128 bytes at *next,
  * then *next moves on by `step` bytes. */
 static inline __attribute__((always_inline)) void prefetch_every(int *wait, int every, const char **next,

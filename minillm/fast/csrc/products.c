@@ -29,15 +29,18 @@ void f32_matmul_reference(const float *x, const float *w, float *y, int rows, in
  * source for AVX-512, AVX2 and plain x86-64). Four rows of w at a time are four streams from memory at once:
  * row by row, with a software prefetch 4 rows ahead, SmolLM2-135M's 121 matrices took 35.4-38.7 ms at one row
  * and 50.8-55.6 at 8 (2 threads, Intel Xeon, 2026-12-05); so, 23.6-24.6 and 38.2-40.8, against MKL's 22.4-22.7
- * and 57.4-58.9 (BENCHMARKS.md, "Decode products: PyTorch against the C"). A prefetch a tile ahead measured
- * 5 % faster at 4-8 rows and 25 % slower at one: none. Inlined with G and R constants. */
+ * and 57.4-58.9 (BENCHMARKS.md, "Decode products: PyTorch against the C"). The next tile's rows are fetched into
+ * the L2 cache a share each step (`next`; the Intel Xeon measured a prefetch a tile ahead into L1 25 % slower at one
+ * row, where MKL runs there): on the AMD EPYC the 121 matrices at 1 / 4 rows 20.2 / 23.2 -> 15.4 / 15.8 ms, the
+ * 1.7B shape's 48.5 -> 46.9 at one. Inlined with G and R constants. */
 static inline __attribute__((always_inline)) void f32_tile(const float *w, const float *x, int n, int G, int R,
-                                                           float sum[4][4]) {
+                                                           float sum[4][4], const char *next) {
     vecf acc[4][4];
     for (int k = 0; k < G; k++)
         for (int r = 0; r < R; r++) acc[k][r] = (vecf){0};
     int i = 0;
     for (; i + VEC <= n; i += VEC) {
+        if (next) prefetch_l2(next + 4 * (int64_t)i * G, 64 * G);  /* the next tile's share: this step's lines */
         vecf xv[4];
         for (int r = 0; r < R; r++) xv[r] = load_vec(x + (int64_t)r * n + i);
         for (int k = 0; k < G; k++) {
@@ -55,18 +58,19 @@ static inline __attribute__((always_inline)) void f32_tile(const float *w, const
 /* One tile of y: rows o..o+G of w by rows r..r+R of x (G 4, or fewer at w's end). */
 static void f32_tile_at(const float *x, const float *w, float *y, int o, int r, int G, int R, int out, int in) {
     const float *wo = w + (int64_t)o * in, *xr = x + (int64_t)r * in;
+    const char *next = r == 0 && o + G + 4 <= out ? (const char *)(wo + (int64_t)G * in) : NULL;
     float sum[4][4];
     if (G == 4) {
         switch (R) {  /* G and R constants in each call: its loops unroll */
-            case 4: f32_tile(wo, xr, in, 4, 4, sum); break;
-            case 3: f32_tile(wo, xr, in, 4, 3, sum); break;
-            case 2: f32_tile(wo, xr, in, 4, 2, sum); break;
-            default: f32_tile(wo, xr, in, 4, 1, sum);
+            case 4: f32_tile(wo, xr, in, 4, 4, sum, next); break;
+            case 3: f32_tile(wo, xr, in, 4, 3, sum, next); break;
+            case 2: f32_tile(wo, xr, in, 4, 2, sum, next); break;
+            default: f32_tile(wo, xr, in, 4, 1, sum, next);
         }
     } else {
         for (int k = 0; k < G; k++) {  /* (w's last out % 4 rows, one at a time) */
             float one[4][4];
-            f32_tile(wo + (int64_t)k * in, xr, in, 1, R, one);
+            f32_tile(wo + (int64_t)k * in, xr, in, 1, R, one, NULL);
             for (int j = 0; j < R; j++) sum[k][j] = one[0][j];
         }
     }
