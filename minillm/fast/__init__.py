@@ -61,16 +61,15 @@ SWAPS = (
          "default path on a CPU), C kernels fit: each RMSNorm one C call, the second fused with the residual add"),
     Swap("model.Attention", "fast.attention.FastAttention", "every path: q|k|v stacked; the C paths (and a bfloat16 "
          "model's default), C kernels fit: decode's attention in C (prefill's too, head_dim a multiple of the panel "
-         "width), RoPE of q and k in one C call; in bfloat16 prefill's attention on pairs of bfloat16s instead (on "
-         "the matrix units where the CPU has AMX-BF16, else by AVX512-BF16's dot products; head_dim a multiple of 32)"),
+         "width), RoPE of q and k in one C call; in bfloat16 prefill's attention on bfloat16 pairs (AMX tiles or "
+         "AVX512-BF16; head_dim a multiple of 32)"),
     Swap("model.SwiGLU", "fast.packing.PackedSwiGLU", "every path, a SwiGLU MLP (the Llama family): gate|up stacked"),
     Swap("torch.nn.Linear", "fast.products.SplitLinear", "the split paths (long-rows+split, row-major+split), a float "
          "model: a few-row product cut over the threads"),
     Swap("torch.nn.Linear", "fast.products.MatvecLinear", "the C paths (matvec, compile+matvec), a float model: a few "
-         "rows in C (1-3 float32 rows only on an AMD CPU, 5-128 there along the vectors' lanes); a server's batches on packed panels (serve "
-         "--pack-weights); also the default path of a bfloat16 model on a CPU (1-256 rows on the matrix units where "
-         "the CPU has AMX, else one or two rows in C; on an AMD CPU up to 8, and with AVX512-BF16 9-128 rows along "
-         "the vectors' lanes)"),
+         "rows in C (1-128 float32 rows on an AMD CPU); a server's batches on packed panels (serve --pack-weights); "
+         "also the default path of a bfloat16 model on a CPU (1-256 rows on AMX where the CPU has it, else 1-2 rows "
+         "in C; 1-128 on an AMD CPU with AVX512-BF16)"),
     Swap("quantize.QuantizedLinear", "fast.products.FastQuantizedLinear", "every path, a quantised model: its "
          "products in C on a CPU (on the matrix units where the CPU has AMX-INT8, x in four int8 digits)"),
     Swap("serving.paged_attention.PagedBatch", "fast.paged_attention.FastPagedBatch", "every path, C kernels fit: "

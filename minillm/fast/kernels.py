@@ -388,14 +388,17 @@ def bf16_matvec(x: torch.Tensor, weight: torch.Tensor, *, lib: ctypes.CDLL | Non
 def bf16_rows_matmul(x: torch.Tensor, weight: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x [rows, in] bfloat16, weight [out, in] bfloat16 (row-major, read in place), in even -> x @ weightᵀ [rows, out]
     bfloat16, the sums in float32: x copied into pairs with its rows along a vector's lanes, each pair of weights
-    broadcast to them by AVX512-BF16's dot products (csrc/bf16_products.c), for a server's batch of decodes. Raises
+    broadcast to them by AVX512-BF16's dot products (csrc/bf16_products.c), for a server's batch of decodes; the dot
+    products flush subnormal results (below 2^-126) to zero, as bf16_matvec's (F.linear keeps them). Raises
     ValueError for other dtypes, devices or shapes, an odd ``in`` or a build without AVX512-BF16
     (:func:`bf16_dot_instructions`), MemoryError when x's copy cannot be allocated."""
     lib = lib or kernels()
     _check_matvec("bf16_rows_matmul", torch.bfloat16, x, weight)
-    if x.shape[1] % 2 or not bf16_dot_instructions(lib=lib):
-        raise ValueError(f"bf16_rows_matmul needs an even in (got {x.shape[1]}) and a build with AVX512-BF16 "
-                         f"(bf16_dot_instructions(): {bf16_dot_instructions(lib=lib)}); use F.linear")
+    if not bf16_dot_instructions(lib=lib):
+        raise ValueError("bf16_rows_matmul needs a build with AVX512-BF16 (bf16_dot_instructions() is False here); use "
+                         "F.linear or bf16_matvec")
+    if x.shape[1] % 2:
+        raise ValueError(f"bf16_rows_matmul multiplies pairs: in must be even, got {x.shape[1]}; use F.linear")
     x = x.contiguous()
     y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
     if lib.bf16_rows_matmul(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0],
@@ -773,23 +776,14 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     when a bfloat16 chunk's float32 scratch cannot be allocated.
     """
     lib = lib or kernels()
-    B, n_heads, head_dim = q.shape if q.dim() == 3 else (0, 0, 0)
-    num_blocks, block_size, kv_heads = k_pool.shape[:3] if k_pool.dim() == 4 else (0, 0, 0)
-    ok = (B > 0 and head_dim % 8 == 0 and head_dim > 0 and k_pool.shape == v_pool.shape
-          and k_pool.shape[3] == head_dim and kv_heads > 0 and n_heads % kv_heads == 0
-          and q.dtype == k_pool.dtype == v_pool.dtype and q.dtype in (torch.float32, torch.bfloat16)
-          and q.device.type == k_pool.device.type == v_pool.device.type == "cpu"
-          and k_pool.is_contiguous() and v_pool.is_contiguous()
-          and block_tables.dim() == 2 and block_tables.shape[0] == B and first.shape == last.shape == (B,)
-          and block_tables.dtype == first.dtype == last.dtype == torch.int64
-          and block_tables.device.type == first.device.type == last.device.type == "cpu")
-    if not ok or (check and not paged_ranges_fit(block_tables, first, last, num_blocks, block_size)):
-        raise ValueError(f"paged_decode_attention takes float32 (or all bfloat16) CPU q [B, heads, D] (D a multiple "
-                         f"of 8), contiguous pools [num_blocks, block_size, kv_heads, D], int64 block_tables "
-                         f"[B, max_blocks] of the pool's blocks and int64 first < last [B] within the tables; got q "
-                         f"{q.dtype} {list(q.shape)}, k_pool {k_pool.dtype} {list(k_pool.shape)}, block_tables "
-                         f"{block_tables.dtype} {list(block_tables.shape)}, first {first.tolist()}, "
-                         f"last {last.tolist()}")
+    _check_tensors("paged_decode_attention", q=q, k_pool=k_pool, v_pool=v_pool, block_tables=block_tables,
+                   first=first, last=last)
+    problem = (_paged_problem(q, k_pool, v_pool, block_tables, first, last, check) or _scale_problem(scale)
+               or _grad_problem(q, k_pool, v_pool))
+    if problem:
+        raise ValueError(f"paged_decode_attention: {problem}")
+    B, n_heads, head_dim = q.shape
+    block_size, kv_heads = k_pool.shape[1], k_pool.shape[2]
     keys_per_task = max(n for n in range(1, 33) if block_size % n == 0)  # a chunk within one block, <= 32 keys
     tables, first, last = block_tables.contiguous(), first.contiguous(), last.contiguous()
     q32, out = q.contiguous().float(), _output(B, n_heads, head_dim)
@@ -800,6 +794,42 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         raise MemoryError(f"paged_decode_attention could not allocate {2 * keys_per_task * kv_heads * head_dim * 4:,} "
                           f"bytes for a chunk's float32 keys and values")
     return out.to(q.dtype)
+
+
+PAGED_MAX_HEAD_ELEMENTS = 65536  # heads · head_dim: the C loop keeps a sequence's sums on its thread's stack
+
+
+def _paged_problem(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                   first: torch.Tensor, last: torch.Tensor, ranges: bool) -> str | None:
+    """The first of :func:`paged_decode_attention`'s rules that its inputs break, in words (``ranges``: the tables'
+    block ids and first < last too, which reads them); None when they keep them."""
+    if q.dim() != 3 or q.shape[0] == 0 or q.shape[2] == 0 or q.shape[2] % 8:
+        return f"q must be [B > 0, heads, head_dim] with head_dim a multiple of 8, got {list(q.shape)}"
+    if not q.dtype == k_pool.dtype == v_pool.dtype or q.dtype not in (torch.float32, torch.bfloat16):
+        return f"q and the pools must be all float32 or all bfloat16, got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}"
+    if not q.device.type == k_pool.device.type == v_pool.device.type == "cpu":
+        return f"q and the pools must be CPU tensors, got {q.device}, {k_pool.device}, {v_pool.device}"
+    if not (k_pool.dim() == 4 and k_pool.shape == v_pool.shape and k_pool.shape[3] == q.shape[2]
+            and k_pool.shape[2] > 0 and q.shape[1] % k_pool.shape[2] == 0):
+        return (f"the pools must be [num_blocks, block_size, kv_heads, head_dim] of q's head_dim, heads a multiple of "
+                f"kv_heads, got q {list(q.shape)}, k_pool {list(k_pool.shape)}, v_pool {list(v_pool.shape)}")
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        return "the pools must be contiguous; pass .contiguous() pools"
+    if q.shape[1] * q.shape[2] > PAGED_MAX_HEAD_ELEMENTS:
+        return (f"heads · head_dim must be at most {PAGED_MAX_HEAD_ELEMENTS:,} (a sequence's sums live on a thread's "
+                f"stack), got {q.shape[1]} · {q.shape[2]}; use the reference path (PagedBatch)")
+    if not (block_tables.dtype == first.dtype == last.dtype == torch.int64 and block_tables.dim() == 2
+            and block_tables.shape[0] == q.shape[0] and first.shape == last.shape == (q.shape[0],)):
+        return (f"block_tables must be int64 [B, max_blocks] and first, last int64 [B] (B = {q.shape[0]}), got "
+                f"{block_tables.dtype} {list(block_tables.shape)}, {first.dtype} {list(first.shape)}, {last.dtype} "
+                f"{list(last.shape)}")
+    if not block_tables.device.type == first.device.type == last.device.type == "cpu":
+        return "block_tables, first and last must be CPU tensors"
+    if ranges and not paged_ranges_fit(block_tables, first, last, k_pool.shape[0], k_pool.shape[1]):
+        return (f"each range must be 0 <= first < last <= max_blocks · block_size and every block id in [0, "
+                f"{k_pool.shape[0]}), got first {first.tolist()}, last {last.tolist()}, block ids "
+                f"{int(block_tables.min())}..{int(block_tables.max())}")
+    return None
 
 
 def paged_ranges_fit(block_tables: torch.Tensor, first: torch.Tensor, last: torch.Tensor, num_blocks: int,
@@ -875,11 +905,16 @@ def causal_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     KV, S = k.shape[1], k.shape[2]
     out = torch.empty(B, T, H, D, dtype=torch.bfloat16)
     for b in range(B):
-        if lib.causal_attention_bf16(q[b].data_ptr(), k[b].data_ptr(), v[b].data_ptr(), out[b].data_ptr(), H, KV, T, S,
-                                     D, q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), D,
-                                     H * D, scale, bool(tiles), torch.get_num_threads()):
+        status = lib.causal_attention_bf16(q[b].data_ptr(), k[b].data_ptr(), v[b].data_ptr(), out[b].data_ptr(), H, KV,
+                                           T, S, D, q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1),
+                                           v.stride(2), D, H * D, scale, bool(tiles), torch.get_num_threads())
+        if status == 1:
             raise MemoryError(f"causal_attention_bf16 could not allocate {4 * KV * (S + 31) // 32 * 32 * D:,} bytes "
                               f"for the packed keys and values")
+        if status:  # (2: what check=True refuses, reached unchecked)
+            why = _causal_bf16_problem(q, k, v, lib) or "tiles=True where bf16_amx_ready() is False"
+            raise ValueError(f"causal_attention_bf16 does not take these inputs here ({why}); use "
+                             f"F.scaled_dot_product_attention")
     return out.transpose(1, 2)
 
 

@@ -123,7 +123,7 @@ def test_bf16_rows_matmul_keeps_nan_and_infinity_and_reads_no_padding():
 
 
 @pytest.mark.parametrize("x, w, message", [
-    (torch.ones(2, 5, dtype=torch.bfloat16), torch.ones(3, 5, dtype=torch.bfloat16), "an even in \\(got 5\\)"),
+    (torch.ones(2, 5, dtype=torch.bfloat16), torch.ones(3, 5, dtype=torch.bfloat16), "in must be even, got 5"),
     (torch.ones(2, 4), torch.ones(3, 4), "bfloat16 CPU tensors"),
 ])
 def test_bf16_rows_matmul_refuses_what_its_loop_would_misread(x, w, message):
@@ -134,7 +134,7 @@ def test_bf16_rows_matmul_refuses_what_its_loop_would_misread(x, w, message):
 
 def test_bf16_rows_matmul_refuses_a_build_without_the_dot_products():
     x = torch.ones(2, 4, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"AVX512-BF16 \(bf16_dot_instructions\(\): False\); use F.linear"):
+    with pytest.raises(ValueError, match=r"AVX512-BF16 \(bf16_dot_instructions\(\) is False here\)"):
         kernels.bf16_rows_matmul(x, x, lib=_lib(True))
 
 

@@ -115,10 +115,47 @@ def test_a_first_block_of_masked_keys_gets_no_weight(dtype, block_size, portable
 def test_kernel_refuses_tables_outside_the_pool():
     cache = PagedKVCache(1, 2, 16, 8, 4)
     q, lens = torch.randn(1, 2, 16), torch.tensor([5])
-    with pytest.raises(ValueError, match="block_tables"):  # block 8 of an 8-block pool
+    with pytest.raises(ValueError, match=r"every block id in \[0, 8\).*block ids 0..8"):  # block 8 of an 8-block pool
         kernels.paged_decode_attention(q, cache.k[0], cache.v[0], torch.tensor([[0, 8]]), lens * 0, lens, 1.0)
-    with pytest.raises(ValueError, match="block_tables"):  # 9 positions, 2 blocks of 4
+    with pytest.raises(ValueError, match=r"last <= max_blocks · block_size.*last \[9\]"):  # 9 positions, 2 blocks of 4
         kernels.paged_decode_attention(q, cache.k[0], cache.v[0], torch.tensor([[0, 1]]), lens * 0, lens + 4, 1.0)
+
+
+@pytest.mark.parametrize("change, error, message", [
+    ("q None", TypeError, "paged_decode_attention takes tensors, got q NoneType"),
+    ("scale None", ValueError, "scale must be a Python int or float"),
+    ("requires grad", ValueError, "no backward pass"),
+    ("int32 tables", ValueError, "block_tables must be int64"),
+    ("first == last", ValueError, "0 <= first < last"),
+    ("float16", ValueError, "all float32 or all bfloat16"),
+    ("head_dim 12", ValueError, "head_dim a multiple of 8"),
+    ("too many heads", ValueError, r"heads · head_dim must be at most 65,536"),
+])
+def test_kernel_names_the_rule_an_input_breaks(change, error, message):
+    """One line naming what is wrong (a new user's trial: a grad-requiring q lost its graph silently, and every other
+    mistake gave one message listing all the rules, or a ctypes or attribute error)."""
+    cache = PagedKVCache(1, 2, 16, 8, 4)
+    q, lens, tables, scale = torch.randn(1, 2, 16), torch.tensor([5]), torch.tensor([[0, 1]]), 1.0
+    k_pool, v_pool = cache.k[0], cache.v[0]
+    if change == "q None":
+        q = None
+    elif change == "scale None":
+        scale = None
+    elif change == "requires grad":
+        q.requires_grad_()
+    elif change == "int32 tables":
+        tables = tables.int()
+    elif change == "first == last":
+        lens = lens * 0
+    elif change == "float16":
+        q, k_pool, v_pool = q.half(), k_pool.half(), v_pool.half()
+    elif change == "head_dim 12":
+        q, k_pool, v_pool = q[..., :12], k_pool[..., :12].contiguous(), v_pool[..., :12].contiguous()
+    else:
+        q, k_pool = torch.randn(1, 512, 256), torch.zeros(8, 4, 2, 256)
+        v_pool = k_pool
+    with pytest.raises(error, match=message):
+        kernels.paged_decode_attention(q, k_pool, v_pool, tables, lens * 0, lens, scale)
 
 
 def run(model, prompts, paged_batch, monkeypatch, max_new_tokens, **knobs):
