@@ -415,22 +415,25 @@ static inline __attribute__((always_inline)) void chunk_values(const char *v, co
         for (int i = 0; i < D / 16; i++) _mm512_storeu_ps(acc + g * D + 16 * i, a[g][i]);
 }
 
-/* The heads chunk_values takes at once at head_dim D: as many as keep their sums in 16 registers, at most 4. */
-static inline int heads_a_pass(int D) { return D / 16 >= 4 ? 16 / (D / 16) : 4; }
+/* The heads the next pass of chunk_values takes, `left` heads to go at head_dim D: 4, 2 or 1, as many as keep their
+ * sums in 16 registers. */
+static inline int pass_heads(int left, int D) {
+    int most = D / 16 >= 4 ? 16 / (D / 16) : 4;
+    return most >= 4 && left >= 4 ? 4 : most >= 2 && left >= 2 ? 2 : 1;
+}
 
-/* chunk_values for G heads, in passes of 4, 2 and 1 heads (as many as heads_a_pass allows) */
+/* chunk_values for G heads, a pass of pass_heads at a time */
 static inline __attribute__((always_inline)) void chunk_values_all(const char *v, const int64_t *off, int n, int G,
                                                                    const int D, const int bf16, const float *p,
                                                                    const float *c, float *acc,
                                                                    struct ahead *next) {
-    const int most = heads_a_pass(D);
-    int g = 0;
-    for (; most >= 4 && g + 4 <= G; g += 4)
-        chunk_values(v, off, n, 4, D, bf16, p + g * PAGED_CHUNK, c + g, acc + g * D, next);
-    for (; most >= 2 && g + 2 <= G; g += 2)
-        chunk_values(v, off, n, 2, D, bf16, p + g * PAGED_CHUNK, c + g, acc + g * D, next);
-    for (; g < G; g++)
-        chunk_values(v, off, n, 1, D, bf16, p + g * PAGED_CHUNK, c + g, acc + g * D, next);
+    for (int g = 0, gp; g < G; g += gp) {
+        gp = pass_heads(G - g, D);
+        const float *pg = p + g * PAGED_CHUNK;
+        if (gp == 4) chunk_values(v, off, n, 4, D, bf16, pg, c + g, acc + g * D, next);
+        else if (gp == 2) chunk_values(v, off, n, 2, D, bf16, pg, c + g, acc + g * D, next);
+        else chunk_values(v, off, n, 1, D, bf16, pg, c + g, acc + g * D, next);
+    }
 }
 
 /* One K/V head's chunk: its G heads' scores, softmax steps and weighted sums of V (m, l, acc: those heads'). */
@@ -461,10 +464,9 @@ static void kv_head_chunk_any(const void *q, const char *k, const char *v, const
 
 /* The passes chunk_values_all makes over a chunk's rows of V for G heads (each pass a fetch_ahead a row) */
 static int value_passes(int G, int D) {
-    int most = heads_a_pass(D), passes = 0, g = 0;
-    for (; most >= 4 && g + 4 <= G; g += 4) passes++;
-    for (; most >= 2 && g + 2 <= G; g += 2) passes++;
-    return passes + G - g;
+    int passes = 0;
+    for (int g = 0; g < G; g += pass_heads(G - g, D)) passes++;
+    return passes;
 }
 
 /* position `pos`'s row in a pool, in bytes (row_bytes: one position's K or V of every K/V head) */

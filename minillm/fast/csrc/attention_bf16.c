@@ -137,6 +137,18 @@ static void store_output(const float *ot, __m512 l, int rows, int D, uint16_t *o
     }
 }
 
+/* The start of a task (head h's queries t0 .. t0 + 15): Qᵀ packed into qt, Oᵀ (ot) zeroed, *rows the block's real
+ * queries; returns each lane's query position (lanes past T - 1: S - 1). */
+static __m512i start_block(const uint16_t *q, int64_t q_head, int64_t q_row, int h, int t0, int T, int S, int D,
+                           uint32_t *qt, float *ot, int *rows) {
+    *rows = T - t0 < 16 ? T - t0 : 16;
+    const uint16_t *queries = q + h * q_head + (int64_t)t0 * q_row;
+    for (int c = 0; c < D / 32; c++) pairs_tile(queries + 32 * c, q_row, *rows, qt + 256 * c);
+    memset(ot, 0, sizeof(float) * 16 * (size_t)D);
+    __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32(S - T + t0), lanes), _mm512_set1_epi32(S - 1));
+}
+
 /* A tile product by vectors: c [16][16] += a's 16 rows (a_row elements apart) of 32 bfloat16s · b, 16 rows of
  * pairs (a B tile, "VNNI": b[p][n] holds the pair 2p, 2p + 1 of column n). Row i of c is one vector: each pair of a's
  * row i broadcast, _mm512_dpbf16_ps with b's row p. (The pair is copied out with memcpy: GCC 12 sent a cast
@@ -165,13 +177,9 @@ static void query_block(const uint16_t *q, int64_t q_head, int64_t q_row, const 
     uint32_t qt[8 * 256] __attribute__((aligned(64)));  /* Qᵀ: a B tile a 32 dims */
     uint32_t pt[256] __attribute__((aligned(64)));
     float st[KB * 16] __attribute__((aligned(64))), ot[256 * 16] __attribute__((aligned(64)));  /* Oᵀ [D][16] */
-    int rows = T - t0 < 16 ? T - t0 : 16;
-    const uint16_t *queries = q + h * q_head + (int64_t)t0 * q_row;
-    for (int c = 0; c < D / 32; c++) pairs_tile(queries + 32 * c, q_row, rows, qt + 256 * c);
-    memset(ot, 0, sizeof(float) * 16 * (size_t)D);
-    int first_pos = S - T + t0, last_pos = first_pos + rows - 1;
-    __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512i pos = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32(first_pos), lanes), _mm512_set1_epi32(S - 1));
+    int rows;
+    __m512i pos = start_block(q, q_head, q_row, h, t0, T, S, D, qt, ot, &rows);
+    int last_pos = S - T + t0 + rows - 1;
     __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
     int resident = D == 64;  /* Oᵀ's four tiles held in tiles 4-7 across the steps */
     if (resident) {
@@ -236,13 +244,9 @@ static void query_block_vectors(const uint16_t *q, int64_t q_head, int64_t q_row
     uint32_t qt[8 * 256] __attribute__((aligned(64)));  /* Qᵀ: a B tile a 32 dims */
     uint32_t pt[256] __attribute__((aligned(64)));
     float st[KB * 16] __attribute__((aligned(64))), ot[256 * 16] __attribute__((aligned(64)));  /* Oᵀ [D][16] */
-    int rows = T - t0 < 16 ? T - t0 : 16;
-    const uint16_t *queries = q + h * q_head + (int64_t)t0 * q_row;
-    for (int c = 0; c < D / 32; c++) pairs_tile(queries + 32 * c, q_row, rows, qt + 256 * c);
-    memset(ot, 0, sizeof(float) * 16 * (size_t)D);
-    int first_pos = S - T + t0, last_pos = first_pos + rows - 1;
-    __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512i pos = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32(first_pos), lanes), _mm512_set1_epi32(S - 1));
+    int rows;
+    __m512i pos = start_block(q, q_head, q_row, h, t0, T, S, D, qt, ot, &rows);
+    int last_pos = S - T + t0 + rows - 1;
     __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
     for (int step = 0; step <= last_pos / KB; step++) {
         const uint16_t *keys = kp + (int64_t)step * KB * D, *values = vt + (int64_t)step * (D / 16) * 512;

@@ -172,8 +172,7 @@ static inline __attribute__((always_inline)) void bf16_rows_tile(const uint32_t 
         for (int v = 0; v < V; v++) acc[g][v] = _mm512_setzero_ps();
     const uint16_t *wo = w + (int64_t)o0 * in;
     for (int p = 0; p < in / 2; p++) {
-        int64_t at = (int64_t)p * 4 * G;  /* the next tile's bytes, this step's share: a line when it starts one */
-        if (next && at % 64 < 4 * G) _mm_prefetch(next + at - at % 64, _MM_HINT_T0);
+        prefetch_share(next, (int64_t)p * 4 * G, 4 * G);
         __m512bh xv[2];
         for (int v = 0; v < V; v++) xv[v] = (__m512bh)_mm512_loadu_si512(xp + (int64_t)p * padded + r0 + 16 * v);
         for (int g = 0; g < G; g++) {

@@ -147,6 +147,12 @@ static inline void prefetch_bytes(const void *p, int64_t n) {  /* each 64-byte l
     for (int64_t b = 0; b < n; b += 64) __builtin_prefetch((const char *)p + b);
 }
 
+/* A loop that reads `share` bytes of its own a step fetches as many of the next tile's (`next`, NULL: none): at the
+ * step whose share starts at byte `at`, the line it starts (when it starts one). */
+static inline void prefetch_share(const char *next, int64_t at, int64_t share) {
+    if (next && at % 64 < share) __builtin_prefetch(next + at - at % 64);
+}
+
 static inline void prefetch_l2(const void *p, int64_t n) {  /* each 64-byte line of p[0:n], into the L2 cache */
     for (int64_t b = 0; b < n; b += 64) __builtin_prefetch((const char *)p + b, 0, 2);
 }

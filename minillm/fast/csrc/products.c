@@ -219,8 +219,7 @@ static inline __attribute__((always_inline)) void rows_tile(const float *xt, int
         for (int v = 0; v < V; v++) acc[g][v] = (vecf){0};
     const float *wo = w + (int64_t)o0 * in;
     for (int i = 0; i < in; i++) {
-        int64_t at = (int64_t)i * 4 * G;  /* the next tile's bytes, this step's share: a line when it starts one */
-        if (next && at % 64 < 4 * G) prefetch_bytes(next + at - at % 64, 1);
+        prefetch_share(next, (int64_t)i * 4 * G, 4 * G);
         const float *xi = xt + (int64_t)i * padded + r0;
         vecf xv[ROW_VECS];
         for (int v = 0; v < V; v++) xv[v] = load_vec(xi + v * VEC);
