@@ -143,12 +143,12 @@ def _run_generate(args, group=None) -> int:
     args.governor = thread_governor(model) if group is None else None  # a rank: one thread on its own core
     traced = bool(args.trace or args.trace_out or args.plots)
     warmup = traced if args.warmup is None else args.warmup
-    if not warmup and getattr(model, "compiled_decode", None) is not None:
+    if not warmup and getattr(getattr(model, "compiled_decode", None), "compiles", False):
         why = "forced by MINILLM_DECODE_PATH" if model.decode_choice.source == "forced" else \
             "kept by minillm calibrate --decode-path"
         warnings.warn(f"decode path {model.decode_path} ({why}): this process compiles its first decode step, "
                       "a minute or more (~10 s with torch's compile cache warm), and that step's time and TPOT "
-                      "count it (--warmup compiles it first); MINILLM_DECODE_PATH=matvec runs eager",
+                      "count it (--warmup compiles it first); MINILLM_DECODE_PATH=replay runs eager",
                       RuntimeWarning)
     for i, prompt in enumerate(prompts):  # one request after another; with --prefix-cache they share cached prefixes
         cold = not warmup and i == 0  # later requests run in a process the first one warmed

@@ -71,7 +71,7 @@ def _decode_path(args, precision: str, console) -> str:
             choice = calibrate_decode_path(model, progress=lambda line: status.update(f"measuring {line}"))
     if not CANDIDATES[choice.name].compiled:
         return str(choice)
-    eager = [n for n in choice.timings_ms if not CANDIDATES[n].compiled] or ["matvec"]
+    eager = [n for n in choice.timings_ms if not CANDIDATES[n].compiled] or ["replay"]
     return (f"{choice}\n(a compiled path: every process compiles its first decode step, a minute or more cold; "
             f"for one-shot commands MINILLM_DECODE_PATH={min(eager, key=choice.timings_ms.get)} runs the fastest "
             "eager path)")

@@ -22,6 +22,9 @@ kernels built.
     quantize.QuantizedLinear            fast.products.FastQuantizedLinear      every path, a quantised model
     serving.paged_attention.PagedBatch  fast.paged_attention.FastPagedBatch    every path, C kernels fit
     phases.decode_step                  fast.compile.CompiledDecodeStep        the compiled paths
+    phases.decode_step                  fast.replay.ReplayedDecodeStep         the replay path (the rule's choice
+                                                                           where the C kernels build): one
+                                                                           sequence's C calls on fixed buffers
 
 The files:
 
@@ -32,6 +35,7 @@ The files:
     block.py      the transformer block with its RMSNorms in C, the second fused with the residual add
     paged_attention.py  the serving batch's decodes attending in C over the KV pool's blocks in place
     compile.py    the decode step compiled over a static view of the KV cache
+    replay.py     the decode step's C calls bound once to fixed buffers, then replayed each step
     choose.py     which of these a model gets: by rule when it loads; measured only when asked
 
 Nothing here is imported by this file: :data:`SWAPS` names the pieces (dotted under ``minillm``,
@@ -57,19 +61,17 @@ class Swap(NamedTuple):
 C_KERNELS_FIT = "float32 or bfloat16 on a CPU, head_dim a multiple of 8, the kernels built"  # (attention.c_kernels_fit)
 
 SWAPS = (
-    Swap("model.Block", "fast.block.FastBlock", "the C paths (matvec, compile+matvec; also a bfloat16 model's "
-         "default path on a CPU), C kernels fit: each RMSNorm one C call, the second fused with the residual add"),
-    Swap("model.Attention", "fast.attention.FastAttention", "every path: q|k|v stacked; the C paths (and a bfloat16 "
-         "model's default), C kernels fit: decode's attention in C (prefill's too, head_dim a multiple of the panel "
+    Swap("model.Block", "fast.block.FastBlock", "the C paths (matvec, replay, compile+matvec), C kernels fit: each "
+         "RMSNorm one C call, the second fused with the residual add"),
+    Swap("model.Attention", "fast.attention.FastAttention", "every path: q|k|v stacked; the C paths, C kernels fit: decode's attention in C (prefill's too, head_dim a multiple of the panel "
          "width), RoPE of q and k in one C call; in bfloat16 prefill's attention on bfloat16 pairs (AMX tiles or "
          "AVX512-BF16; head_dim a multiple of 32)"),
     Swap("model.SwiGLU", "fast.packing.PackedSwiGLU", "every path, a SwiGLU MLP (the Llama family): gate|up stacked"),
     Swap("torch.nn.Linear", "fast.products.SplitLinear", "the split paths (long-rows+split, row-major+split), a float "
          "model: a few-row product cut over the threads"),
-    Swap("torch.nn.Linear", "fast.products.MatvecLinear", "the C paths (matvec, compile+matvec), a float model: a few "
-         "rows in C (1-128 float32 rows on an AMD CPU); a server's batches on packed panels (serve --pack-weights); "
-         "also the default path of a bfloat16 model on a CPU (1-256 rows on AMX where the CPU has it, else 1-2 rows "
-         "in C; 1-128 on an AMD CPU with AVX512-BF16)"),
+    Swap("torch.nn.Linear", "fast.products.MatvecLinear", "the C paths (matvec, replay, compile+matvec), a float "
+         "model: a few rows in C (float32 1-128 rows on an AMD CPU; bfloat16 1-256 on AMX where the CPU has it, else "
+         "1-2, 1-128 on an AMD CPU with AVX512-BF16); a server's batches on packed panels (serve --pack-weights)"),
     Swap("quantize.QuantizedLinear", "fast.products.FastQuantizedLinear", "every path, a quantised model: its "
          "products in C on a CPU (on the matrix units where the CPU has AMX-INT8, x in four int8 digits)"),
     Swap("serving.paged_attention.PagedBatch", "fast.paged_attention.FastPagedBatch", "every path, C kernels fit: "
@@ -77,4 +79,6 @@ SWAPS = (
          "chunk that reaches SDPA is padded to a few shapes"),
     Swap("phases.decode_step", "fast.compile.CompiledDecodeStep", "the compiled paths (compile, compile+matvec): the "
          "whole step compiled over a static view of the KV cache"),
+    Swap("phases.decode_step", "fast.replay.ReplayedDecodeStep", "the replay path: one sequence's step as the eager C "
+         "kernels' calls bound once to fixed buffers, the same bits without the Python between them"),
 )

@@ -8,6 +8,8 @@ The candidates (every one gives the plain path's logits up to float rounding):
     row-major+split    long_rows=False       SplitLinear                        eager
     row-major          long_rows=False       nn.Linear                          eager
     matvec             long_rows=False       MatvecLinear (C), attention in C   eager
+    replay             long_rows=False       MatvecLinear (C), attention in C   the same C calls replayed on fixed
+                                                                                buffers (minillm.fast.replay)
     compile            long_rows=False       nn.Linear                          torch.compile of the whole step
     compile+matvec     long_rows=False       MatvecLinear (C), attention in C   over the static KV cache
 
@@ -25,12 +27,14 @@ How :func:`choose_decode_path` (called by ``load_model``) picks one, without tim
    test forces a path; "auto", empty or unset: go on);
 2. the choice ``minillm calibrate --decode-path`` measured and cached in
    ``<weights_dir>/calibration.json`` for this CPU, thread count, dtype and model shape;
-3. the rule: "matvec" where the C kernels build (a C compiler), else "row-major+split"; in bfloat16
-   the default path.
+3. the rule: "replay" where the C kernels build (a C compiler), else "row-major+split" (in bfloat16 the
+   default path). The replayed step gives the eager "matvec" step's logits bit for bit without the Python
+   between its kernels: SmolLM2-135M on the developers' AMD EPYC, bfloat16 16.6 -> 10.6 ms a step, float32
+   22.6 -> 16.3 (BENCHMARKS.md, "A decode step replayed").
 
-CPU float32 has every candidate; CPU bfloat16, int8 and int4 two, C_CANDIDATES: their products in C (on the
-matrix units where the CPU has them), eager (the default path) or in a compiled step that calls the same C as
-torch ops and fuses what lies between them: a SmolLM2-135M bfloat16 step took 14.6-15.1 against 20.0-20.8 ms on
+CPU float32 has every candidate; CPU bfloat16, int8 and int4 three, C_CANDIDATES: their products in C (on the
+matrix units where the CPU has them), eager, replayed, or in a compiled step that calls the same C as torch ops
+and fuses what lies between them: a SmolLM2-135M bfloat16 step took 14.6-15.1 against 20.0-20.8 ms eagerly on
 the Intel Xeon (BENCHMARKS.md, "A compiled decode step in bfloat16, int8 and int4"). Other devices and dtypes get
 the stacked products and the default layout (path "default"). Which kernel a product of a few rows runs:
 :func:`minillm.fast.products.few_rows_kernel`, 1-3 float32 rows by :func:`few_rows_in_c`. A compiled step
@@ -61,18 +65,21 @@ from .compile import compile_decode_step
 from .packing import PackedSwiGLU, Stack, product_modules, relayout
 from .paged_attention import use_fast_paged_attention
 from .products import LINEARS, MatvecLinear, swap_class
+from .replay import ReplayedDecodeStep
 
 ENV_VAR = "MINILLM_DECODE_PATH"
 
 
 @dataclass(frozen=True)
 class DecodePath:
-    """One way to run decode steps: the weight layout, the products, compiled or eager."""
+    """One way to run decode steps: the weight layout, the products, and the step: eager, compiled, or
+    replayed (:mod:`minillm.fast.replay`)."""
 
     name: str
     long_rows: bool
     products: str  # a key of minillm.fast.products.LINEARS
     compiled: bool = False
+    replayed: bool = False
 
 
 CANDIDATES = {p.name: p for p in (
@@ -81,6 +88,7 @@ CANDIDATES = {p.name: p for p in (
     DecodePath("row-major+split", long_rows=False, products="split"),
     DecodePath("row-major", long_rows=False, products="linear"),
     DecodePath("matvec", long_rows=False, products="matvec"),
+    DecodePath("replay", long_rows=False, products="matvec", replayed=True),
     DecodePath("compile", long_rows=False, products="linear", compiled=True),
     DecodePath("compile+matvec", long_rows=False, products="matvec", compiled=True),
 )}
@@ -90,7 +98,7 @@ EAGER = tuple(name for name, p in CANDIDATES.items() if not p.compiled)
 # them), eager or in a compiled step. The other candidates differ only in how float32 weights are laid out and
 # multiplied; F.linear's one-row bfloat16 product took 1.4-1.7x the C's time (BENCHMARKS.md, "Decode products:
 # PyTorch against the C").
-C_CANDIDATES = ("matvec", "compile+matvec")
+C_CANDIDATES = ("matvec", "replay", "compile+matvec")
 
 
 def precision_of(model: Transformer) -> str:
@@ -184,7 +192,7 @@ def apply_decode_path(model: Transformer, name: str) -> Transformer:
     for module in product_modules(model):
         if isinstance(module, MatvecLinear):
             module.few_rows_in_c = c_few_rows
-    model.compiled_decode = _compiled_step() if path.compiled else None
+    model.compiled_decode = _compiled_step() if path.compiled else ReplayedDecodeStep() if path.replayed else None
     use_fast_paged_attention(model)  # the serving engine's decodes: attention over the pool's blocks in C
     model.decode_path = path.name
     return model
@@ -206,10 +214,10 @@ def choose_decode_path(model: Transformer) -> DecodeChoice:
         choice = DecodeChoice(forced, "forced", {})
     elif (cached := load_decode_choice(model.config, precision)) is not None and _runs_here(cached.name):
         choice = cached
-    elif precision == "bfloat16":
-        choice = DecodeChoice("default", "default", {})
+    elif kernels.available():
+        choice = DecodeChoice("replay", "rule", {})
     else:
-        choice = DecodeChoice("matvec" if kernels.available() else "row-major+split", "rule", {})
+        choice = DecodeChoice("default" if precision == "bfloat16" else "row-major+split", "rule", {})
     apply_decode_path(model, choice.name)
     model.decode_choice = choice
     return choice
@@ -347,13 +355,10 @@ def _runs_here(name: str) -> bool:
 
 
 def _default_path(model: Transformer) -> DecodePath:
-    """Not CPU float32: stacked products. On a CPU in bfloat16 (the C kernels built), row-major weights and
-    :class:`~minillm.fast.products.MatvecLinear`: a batch-1 decode step's one row by the C loop (faster than
-    F.linear's, :func:`~minillm.fast.products.few_rows_kernel`); else F.linear, on long rows on a CPU except in float16 (its CPU products with transposed weights
-    fall to a slow kernel: 241 against 14 ms for a 64-row prefill through gate|up)."""
+    """Not CPU float32, and no candidate to run (another device or dtype, or no C kernels): stacked F.linear
+    products, on long rows on a CPU except in float16 (its CPU products with transposed weights fall to a slow
+    kernel: 241 against 14 ms for a 64-row prefill through gate|up)."""
     weight = model.embed.weight
-    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and kernels.available():
-        return DecodePath("default", long_rows=False, products="matvec")
     return DecodePath("default", long_rows=weight.device.type == "cpu" and weight.dtype != torch.float16,
                       products="linear")
 

@@ -113,6 +113,8 @@ class CompiledDecodeStep:
     addresses so CUDA graphs may write them in place.
     """
 
+    compiles = True  # (its first call compiles: seconds to minutes)
+
     def __init__(self, mode: str = "default"):
         kernels.prepare_for_compile()  # (the C products and attention, as ops)
         # one function serves every model a process runs, a graph for each shape and precision (the parameters'

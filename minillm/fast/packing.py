@@ -141,13 +141,15 @@ class PackedSwiGLU(SwiGLU):
         if self.gate_up is None or not self.gate_up.fresh(self):
             return super().forward(x)
         gate_up = self.gate_up.module(x)
-        if _fused_silu_mul(gate_up):
+        if silu_mul_in_c(gate_up):
             return self.down_proj(kernels.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(torch.nn.functional.silu(gate) * up)
 
 
-def _fused_silu_mul(gate_up: torch.Tensor) -> bool:
+def silu_mul_in_c(gate_up: torch.Tensor) -> bool:
+    """Whether :class:`PackedSwiGLU` computes silu(gate) · up of ``gate_up`` by :func:`~minillm.fast.kernels.silu_mul`:
+    a contiguous CPU tensor, float32 (or bfloat16 where the kernel's AVX-512 loop runs), no autograd, not compiling."""
     # kernels.silu_mul's one pass beats F.silu(gate) * up at every size measured (SmolLM2's gate|up, 2 threads:
     # float32 1 row 4.5 against 4.9 us, 32 rows 13.6 against 18.7, [512, 3072] 200 against 368; bfloat16 with
     # AVX-512, the C call alone, 32 rows 13.8 against 25.8, [512, 3072] 195 against 340); compiled code fuses the

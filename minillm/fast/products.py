@@ -189,18 +189,25 @@ class MatvecLinear(nn.Linear):
     few_rows_in_c: bool = False  # 1-3 float32 rows by the C loop (the decode path's rule sets it)
     _panels: tuple | None = None  # (the _stamp of the weight it was packed from, the packed copy)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def kernel(self, x: torch.Tensor) -> str:
+        """The kernel :meth:`forward` multiplies x by: :func:`few_rows_kernel`'s name, or "F.linear" where none of
+        the C kernels takes x (another dtype or device, autograd, too many rows, a matrix that is not row-major)."""
         if x.dtype == torch.float32 and not self.few_rows_in_c and x.numel() <= MKL_FEW_ROWS * x.shape[-1]:
-            return F.linear(x, self.weight, self.bias)  # (the table's answer for 1-3 float32 rows, its checks skipped)
+            return "F.linear"  # (the table's answer for 1-3 float32 rows, its checks skipped)
         rows = _few_rows(x, self.weight, max(PANEL_MAX_ROWS, BF16_AMX_MAX_ROWS), (torch.float32, torch.bfloat16))
         if rows is None or not self.weight.is_contiguous() or not kernels.available():
-            return F.linear(x, self.weight, self.bias)
+            return "F.linear"
         compiling = torch.compiler.is_compiling()
         amx = (x.dtype == torch.bfloat16 and kernels.bf16_amx_fits(self.weight) and kernels.bf16_amx_ready()
                and (self.bias is None or self.bias.dtype == x.dtype))
         pairs = x.dtype == torch.bfloat16 and self.in_features % 2 == 0 and kernels.bf16_dot_instructions()
-        kernel = few_rows_kernel(rows, x.dtype, self.few_rows_in_c, self.panels and not compiling, amx, compiling,
-                                 pairs)
+        return few_rows_kernel(rows, x.dtype, self.few_rows_in_c, self.panels and not compiling, amx, compiling, pairs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self.kernel(x)
+        if kernel == "F.linear":
+            return F.linear(x, self.weight, self.bias)
+        rows, compiling = x.numel() // x.shape[-1], torch.compiler.is_compiling()
         if kernel == "bf16_amx_matmul":  # (the bias inside its one rounding; _few_rows made the kernel's checks)
             if compiling:  # (the op: a graph cannot call ctypes)
                 y = kernels.functions().bf16_amx_matmul(x.reshape(rows, -1), self.weight, self.bias)

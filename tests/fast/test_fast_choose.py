@@ -21,6 +21,7 @@ from minillm import KVCache, decode_step, load_model, prefill
 from minillm.fast import choose as dp
 from minillm.fast.attention import c_decode_fits, c_kernels_fit
 from minillm.fast.products import LINEARS, FastQuantizedLinear, MatvecLinear, SplitLinear
+from minillm.fast.replay import ReplayedDecodeStep
 from minillm.quantize import QuantizedLinear
 
 TOL = 1e-5  # float32: the same products summed in another order
@@ -75,7 +76,7 @@ def _runnable(names):
 
 
 def _rule() -> str:
-    return "matvec" if dp.kernels.available() else "row-major+split"
+    return "replay" if dp.kernels.available() else "row-major+split"
 
 
 # -- choosing ------------------------------------------------------------------------------------
@@ -113,7 +114,7 @@ def test_the_rule_is_the_c_path_where_the_kernels_build(folder, weights_dir, no_
     monkeypatch.setattr(dp.kernels, "available", lambda: kernels_build)
     model = load_model(folder, device="cpu")
     attn = model.blocks[0].attn
-    expected, linear = ("matvec", MatvecLinear) if kernels_build else ("row-major+split", SplitLinear)
+    expected, linear = ("replay", MatvecLinear) if kernels_build else ("row-major+split", SplitLinear)
     assert (model.decode_path, model.decode_choice.source) == (expected, "rule")
     assert type(attn.qkv.module) is type(attn.q_proj) is type(model.lm_head) is linear
     assert attn.c_decode == (kernels_build and c_decode_fits(model))
@@ -139,7 +140,7 @@ def test_an_empty_environment_variable_reads_as_unset(folder, weights_dir, no_me
 def test_calibrate_caches_the_fastest_and_the_next_load_takes_it(folder, weights_dir, no_measuring):
     model = load_model(folder, device="cpu")
     timer = FakeTimer({"long-rows+split": 9.0, "long-rows": 8.0, "row-major+split": 7.0, "row-major": 6.0,
-                       "matvec": 6.5})
+                       "matvec": 6.5, "replay": 6.2})
     choice = dp.calibrate_decode_path(model, dp.EAGER, measure=timer)
     assert (choice.name, choice.source, choice.timings_ms) == ("row-major", "measured", {
         n: timer.ms[n] for n in _runnable(dp.EAGER)})
@@ -156,9 +157,11 @@ def test_calibrate_caches_the_fastest_and_the_next_load_takes_it(folder, weights
     ("long-rows", nn.Linear, lambda c: (1, c.vocab_size)),
     ("row-major+split", SplitLinear, lambda c: (c.d_model, 1)),
     ("matvec", MatvecLinear, lambda c: (c.d_model, 1)),
+    ("replay", MatvecLinear, lambda c: (c.d_model, 1)),
 ])
 def test_the_winner_swaps_in_its_products_and_layout(folder, weights_dir, winner, linear, head_strides):
-    if winner == "matvec" and not dp.kernels.available():
+    in_c = dp.CANDIDATES[winner].products == "matvec"
+    if in_c and not dp.kernels.available():
         pytest.skip("needs the C kernels")
     model = load_model(folder, device="cpu")
     dp.calibrate_decode_path(model, dp.EAGER, measure=FakeTimer(dict.fromkeys(dp.EAGER, 5.0) | {winner: 1.0}))
@@ -166,7 +169,7 @@ def test_the_winner_swaps_in_its_products_and_layout(folder, weights_dir, winner
     assert model.decode_path == winner
     assert type(model.lm_head) is type(attn.qkv.module) is type(mlp.gate_up.module) is type(mlp.down_proj) is linear
     assert model.lm_head.weight.stride() == head_strides(model.config)
-    assert attn.c_decode == (winner == "matvec")
+    assert attn.c_decode == in_c
 
 
 def test_without_a_compiler_the_matvec_paths_are_not_measured(folder, weights_dir, monkeypatch):
@@ -174,7 +177,8 @@ def test_without_a_compiler_the_matvec_paths_are_not_measured(folder, weights_di
     monkeypatch.setattr(dp.kernels, "available", lambda: False)
     timer = FakeTimer(dict.fromkeys(dp.CANDIDATES, 5.0))
     choice = dp.calibrate_decode_path(model, measure=timer)
-    assert timer.calls == [[n for n in dp.CANDIDATES if "matvec" not in n]] and "matvec" not in choice.name
+    in_python = [n for n, p in dp.CANDIDATES.items() if p.products != "matvec"]
+    assert timer.calls == [in_python] and choice.name in in_python
 
 
 @pytest.fixture
@@ -222,11 +226,11 @@ def test_not_cpu_float32_gets_the_default_path(folder, weights_dir, no_measuring
     """Stacked F.linear products; long rows but in float16 (its CPU products with transposed weights are slow);
     bfloat16 where the C kernels build: row-major MatvecLinear (its few rows in C)."""
     model = load_model(folder, device="cpu", dtype=dtype)
-    assert model.decode_choice == dp.DecodeChoice("default", "default", {}) and model.decode_path == "default"
     gate_up = model.blocks[0].mlp.gate_up.module
-    linear = nn.Linear
-    if dtype == "bfloat16" and dp.kernels.available():
-        linear, long_rows = MatvecLinear, False
+    linear, expected = nn.Linear, dp.DecodeChoice("default", "default", {})
+    if dtype == "bfloat16" and dp.kernels.available():  # (the rule's replayed C step)
+        linear, long_rows, expected = MatvecLinear, False, dp.DecodeChoice("replay", "rule", {})
+    assert model.decode_choice == expected and model.decode_path == expected.name
     assert type(gate_up) is linear and gate_up.weight.t().is_contiguous() == long_rows
     assert not (weights_dir / "calibration.json").exists()
 
@@ -241,9 +245,9 @@ def test_bfloat16_and_quantised_models_keep_their_own_choice_of_their_own_candid
     under its precision's key: the next load in that precision takes it, a float32 load keeps its rule."""
     model = load_model(folder, device="cpu", **load)
     assert dp.precision_of(model) == precision
-    timer = FakeTimer({"matvec": 9.0, "compile+matvec": 6.0})
+    timer = FakeTimer({"matvec": 9.0, "replay": 8.0, "compile+matvec": 6.0})
     choice = dp.calibrate_decode_path(model, measure=timer)
-    assert (choice.name, choice.timings_ms, timer.calls) == ("compile+matvec", timer.ms, [["matvec", "compile+matvec"]])
+    assert (choice.name, choice.timings_ms, timer.calls) == ("compile+matvec", timer.ms, [list(dp.C_CANDIDATES)])
     key = dp.decode_key(model.config, precision)
     assert key.startswith(f"decode_path/cpu/{precision}/") and key.replace(precision, "float32") == dp.decode_key(
         model.config)
@@ -252,7 +256,8 @@ def test_bfloat16_and_quantised_models_keep_their_own_choice_of_their_own_candid
     assert (again.decode_path, again.decode_choice.source) == ("compile+matvec", "cached")
     assert again.compiled_decode is not None
     f32 = load_model(folder, device="cpu")
-    assert (f32.decode_path, f32.decode_choice.source, f32.compiled_decode) == (_rule(), "rule", None)
+    assert (f32.decode_path, f32.decode_choice.source, type(f32.compiled_decode)) == (_rule(), "rule",
+                                                                                     ReplayedDecodeStep)
 
 
 @pytest.mark.parametrize("name", ["row-major", "MATVEC"])
@@ -260,7 +265,7 @@ def test_the_environment_forces_a_bfloat16_model_only_onto_its_candidates(folder
     """A float32-only path and an unknown name are refused alike, naming bfloat16's own candidates."""
     monkeypatch.setenv(dp.ENV_VAR, name)
     with pytest.raises(ValueError, match=rf"^MINILLM_DECODE_PATH='{name}' is not a decode path for a model in "
-                                         r"bfloat16; use one of matvec, compile\+matvec \(or auto\)$"):
+                                         r"bfloat16; use one of matvec, replay, compile\+matvec \(or auto\)$"):
         load_model(folder, device="cpu", dtype="bfloat16")
     monkeypatch.setenv(dp.ENV_VAR, "matvec")
     model = load_model(folder, device="cpu", dtype="bfloat16")
@@ -277,7 +282,7 @@ def test_a_kept_choice_that_is_no_candidate_of_its_precision_is_ignored(folder, 
     dp.save_measurement(dp.decode_key(model.config, precision), "cpu", {"chosen": kept, "timings_ms": {kept: 1.0}})
     assert dp.load_decode_choice(model.config, precision) is None
     again = load_model(folder, device="cpu", **load)
-    assert again.decode_choice.source in ("default", "rule") and again.compiled_decode is None
+    assert again.decode_choice.source in ("default", "rule") and not getattr(again.compiled_decode, "compiles", False)
 
 
 def test_decode_paths_are_measured_in_float32_bfloat16_int8_or_int4_only(folder, weights_dir, capsys):
@@ -329,7 +334,8 @@ def test_every_candidate_gives_the_pure_models_logits(folder, name, two_threads)
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(4))
     expected = _decode_logits(load_model(folder, device="cpu", fast=False), ids)
     model = dp.apply_decode_path(load_model(folder, device="cpu", fast=False), name)
-    assert model.decode_path == name and (model.compiled_decode is not None) == dp.CANDIDATES[name].compiled
+    path = dp.CANDIDATES[name]
+    assert model.decode_path == name and (model.compiled_decode is not None) == (path.compiled or path.replayed)
     torch.testing.assert_close(_decode_logits(model, ids), expected, atol=TOL, rtol=0)
 
 
@@ -341,7 +347,8 @@ def _pure_and_fast(folder, path, quantize=None):
 @pytest.mark.parametrize("config, path, quantize", [
     *((c, p, None) for c in ("gpt2", "llama_mqa_tied", "qwen3_bias") for p in dp.EAGER),
     ("llama_gqa", "compile+matvec", None),
-    *((c, p, q) for c in ("gpt2", "llama_mqa_tied") for p in ("matvec", "long-rows+split") for q in ("int8", "int4")),
+    *((c, p, q) for c in ("gpt2", "llama_mqa_tied") for p in ("matvec", "replay", "long-rows+split")
+       for q in ("int8", "int4")),
 ])
 def test_a_path_keeps_the_pure_models_names_tensors_and_classes(folders, config, path, quantize):
     """Every module is still its course class (a subclass swapped in), at the same name; state_dict keys,

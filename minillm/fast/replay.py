@@ -1,0 +1,267 @@
+"""A decode step replayed: one sequence's kernel calls bound once to fixed buffers, then run again each step.
+
+A GPU engine records a decode step once as a CUDA graph (its kernels and their buffers' addresses) and
+replays it every step: one launch where the eager step made hundreds. A CPU has no such recorder, and its
+eager step loses time the same way: SmolLM2-135M's bfloat16 step on the developers' 2-core AMD EPYC spent
+9.2 of its 16.3 ms in the C kernels and the rest in the Python around them (~2,200 PyTorch ops a step:
+views, splits, dtype casts, empty outputs; 215 module calls; each kernel wrapper's checks).
+:class:`ReplayedDecodeStep` does the recorder's work by hand: for one sequence it works out once which C
+function each of a step's kernel calls is, and on which buffers; a step is then those calls in order, with
+only what moves filled in (the position: RoPE's angles, the KV cache's slot, how many keys attend)::
+
+    x = embed[token]                                   x, h: [1, d_model] in the model's dtype
+    for each layer:
+        h = rms_norm(x += down, ln1)                   the previous layer's residual add inside the norm
+        q|k|v = h @ W_qkvᵀ                             the kernel MatvecLinear runs for one row
+        q, k = rope(q, k, cos[pos], sin[pos])
+        K[pos], V[pos] = k, v                          this token's entry in the cache
+        attn = decode_attention(q, K[:pos+1], V[:pos+1])
+        h = rms_norm(x += attn @ W_oᵀ, ln2)
+        down = silu_mul(h @ W_gate|upᵀ) @ W_downᵀ
+    logits = lm_head(ln_final(x + down))
+
+These are :class:`~minillm.fast.block.FastBlock`'s, :class:`~minillm.fast.attention.FastAttention`'s and
+:class:`~minillm.fast.packing.PackedSwiGLU`'s kernels with the same inputs in the same order, so the logits are
+the eager step's bit for bit (tests/fast/test_replay.py); a product whose kernel is not one of the C loops
+(``F.linear``, the matrix units, a quantised format, a bias) calls its module, into the same buffer. It runs for
+one sequence (batch 1) on a :class:`~minillm.kv_cache.KVCache` without rolling layers, a model whose every block
+the speed layer made fast in C (:func:`replay_fits`); :func:`~minillm.phases.decode_step` runs the eager model
+otherwise, and whenever a hook or a trace of the layers watches.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..kv_cache import KVCache
+from ..model import RMSNorm, Transformer
+from . import kernels
+from .attention import FastAttention
+from .block import FastBlock
+from .packing import PackedSwiGLU, silu_mul_in_c
+from .products import MatvecLinear
+
+C_PRODUCTS = ("f32_matvec", "bf16_matvec")  # MatvecLinear's kernels that take (x, weight, y, rows, out, in, threads)
+
+
+class ReplayedDecodeStep:
+    """A drop-in replacement for :func:`~minillm.phases.decode_step` (given as ``model.compiled_decode``):
+    ``step(model, token_ids, cache) -> logits [1, vocab]`` float32, the eager step's values bit for bit.
+
+    ``step.applies(model, cache)`` says whether it can run: one sequence, a plain :class:`KVCache` without
+    rolling layers, room in the model's context, and a model :func:`replay_fits`. Its plan (buffers and bound
+    calls, a few hundred kilobytes for SmolLM2-135M) is made at the first step and made again when a module,
+    parameter or buffer of the model was replaced, or torch's thread count changed; a weight edited in place
+    is read where it lies. Steps on one model run one at a time (they share the plan's buffers).
+    """
+
+    compiles = False  # (a compiled step compiles in its first call; this one binds its plan in milliseconds)
+
+    def __init__(self):
+        self._kept: tuple[_ModelState, _Plan | None] | None = None
+
+    def applies(self, model: Transformer, cache) -> bool:
+        return (type(cache) is KVCache and cache.batch_size == 1 and not cache.rolling_layers
+                and cache.length < model.config.max_seq_len and self.plan(model) is not None)
+
+    def __call__(self, model: Transformer, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        if not self.applies(model, cache):
+            raise ValueError("the replayed decode step runs one sequence of a model whose blocks run in C on a "
+                             "KVCache without rolling layers; call minillm.decode_step")
+        plan = self.plan(model)
+        cache.check_room(1)
+        with plan.lock, torch.inference_mode():
+            logits = plan.step(torch.as_tensor(token_ids).reshape(1), cache)
+        cache.advance(1)
+        return logits
+
+    def plan(self, model: Transformer) -> _Plan | None:
+        """The model's plan (made now if the model changed since), or None where it does not :func:`replay_fits`."""
+        if self._kept is None or not self._kept[0].holds(model):
+            self._kept = (_ModelState(model), _Plan(model) if replay_fits(model) else None)
+        return self._kept[1]
+
+
+def replay_fits(model: Transformer) -> bool:
+    """Whether a step of ``model`` can be replayed: float32 or bfloat16 on a CPU, the C kernels built, RoPE and
+    no learned positions, attention "sdpa", and every block what the C paths make of a Llama-family layer
+    (:class:`FastBlock` with RMSNorms, :class:`FastAttention` with decode's attention and RoPE in C and q|k|v
+    stacked, no sliding window or QK-norm, :class:`PackedSwiGLU` with gate|up stacked)."""
+    weight = model.embed.weight
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and kernels.available()
+            and model.pos_embed is None and model.rope is not None and model.attn_impl == "sdpa"
+            and all(_block_fits(block, weight.dtype) for block in model.blocks))
+
+
+def _block_fits(block, dtype: torch.dtype) -> bool:
+    attn, mlp = block.attn, block.mlp
+    return (type(block) is FastBlock and all(isinstance(n, RMSNorm) and n.weight.dtype == dtype
+                                             and n.weight.is_contiguous() for n in (block.ln1, block.ln2))
+            and isinstance(attn, FastAttention) and attn.c_decode and attn.c_rope and attn.window is None
+            and attn.q_norm is None and attn.qkv is not None and attn.qkv.fresh(attn)
+            and isinstance(mlp, PackedSwiGLU) and mlp.gate_up is not None and mlp.gate_up.fresh(mlp))
+
+
+class _ModelState:
+    """What a plan was made from: every module, parameter, buffer and q|k|v or gate|up stack of the model, where
+    it hangs, each tensor's address, the thread count and the attention implementation. ``holds(model)``: all
+    still the same."""
+
+    def __init__(self, model: Transformer):
+        self.parts = [(d, name, value) for m in model.modules()
+                      for d in (m._modules, m._parameters, m._buffers, vars(m)) for name, value in _members(d)]
+        self.addresses = [(t, t.data_ptr()) for _, _, t in self.parts if isinstance(t, torch.Tensor)]
+        self.threads, self.attn_impl, self.model_dict = torch.get_num_threads(), model.attn_impl, vars(model)
+
+    def holds(self, model: Transformer) -> bool:
+        return (vars(model) is self.model_dict and model.attn_impl == self.attn_impl
+                and torch.get_num_threads() == self.threads
+                and all(d.get(name) is value for d, name, value in self.parts)
+                and all(t.data_ptr() == address for t, address in self.addresses))
+
+
+def _members(d: dict):
+    """A module dict's entries, or (for the module's own attributes) just its stacks."""
+    if "_parameters" not in d:
+        return d.items()
+    return [(name, d[name]) for name in ("qkv", "gate_up") if name in d]
+
+
+class _Plan:
+    """One sequence's buffers and the bound calls of a step (the module docstring's listing)."""
+
+    def __init__(self, model: Transformer):
+        cfg, weight = model.config, model.embed.weight
+        self.lock = threading.Lock()
+        self.embed, self.rope, self.ln_final, self.dtype = weight, model.rope, model.ln_final, weight.dtype
+        with torch.inference_mode():
+            self.x = torch.empty(1, cfg.d_model, dtype=self.dtype)  # the residual stream
+            self.down = torch.zeros_like(self.x)  # the last layer's MLP output, added in the next norm
+            self.final = torch.empty_like(self.x)
+            self.logits = torch.empty(1, cfg.vocab_size, dtype=self.dtype)
+            self.layers = [_Layer(block, self.x, self.down, i == 0) for i, block in enumerate(model.blocks)]
+            self.lm_head = _product(model.lm_head, self.final, self.logits)
+        self._cache: tuple | None = None  # (the cache, its k and v buffers, each layer's _Slot)
+
+    def step(self, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        pos = cache.length
+        torch.index_select(self.embed, 0, token_ids, out=self.x)
+        cos, sin = self.rope(torch.arange(pos, pos + 1), self.dtype)  # [1, head_dim] each
+        for layer, slot in zip(self.layers, self._slots(cache)):
+            layer.run(pos, cos, sin, slot)
+        torch.add(self.x, self.down, out=self.x)
+        self.final.copy_(self.ln_final(self.x))  # (the lesson's norm: its roundings are the eager step's)
+        self.lm_head()
+        return self.logits.float() if self.dtype != torch.float32 else self.logits.clone()
+
+    def _slots(self, cache: KVCache) -> list[_Slot]:
+        if self._cache is None or self._cache[0] is not cache or self._cache[1] is not cache.k \
+                or self._cache[2] is not cache.v:
+            self._cache = (cache, cache.k, cache.v, [_Slot(cache, layer) for layer in range(len(self.layers))])
+        return self._cache[3]
+
+
+class _Slot:
+    """One layer's keys and values in a cache of one sequence: [n_kv_heads, max_seq_len, head_dim] views, their
+    addresses and the strides decode_attention reads them by."""
+
+    def __init__(self, cache: KVCache, layer: int):
+        row = cache._row[layer]
+        self.k, self.v = cache.k[row, 0], cache.v[row, 0]
+        self.k_ptr, self.v_ptr = self.k.data_ptr(), self.v.data_ptr()
+        self.strides = (cache.k.stride(1), cache.k.stride(2), cache.v.stride(1), cache.v.stride(2))
+
+
+class _Layer:
+    """A block's calls, bound to the plan's residual stream ``x`` and the previous layer's MLP output ``down``
+    (nothing to add before the first layer's norm) and to buffers of its own."""
+
+    def __init__(self, block: FastBlock, x: torch.Tensor, down: torch.Tensor, first: bool):
+        attn, mlp, lib, dtype = block.attn, block.mlp, kernels.kernels(), x.dtype
+        H, KV, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        self.lib, self.threads, self.is_bf16 = lib, torch.get_num_threads(), dtype == torch.bfloat16
+        self.shape, self.scale = (H, KV, D), attn._scale()
+        h = torch.empty_like(x)  # each norm's output
+        qkv = torch.empty(1, 1, (H + 2 * KV) * D, dtype=dtype)  # FastAttention's [B, T, (H + 2 KV) D]
+        self.q_rot, self.k_rot = torch.empty(1, 1, H, D, dtype=dtype), torch.empty(1, 1, KV, D, dtype=dtype)
+        # decode_attention reads a float32 q and writes a float32 output; in bfloat16 both are copies, as eagerly
+        self.q32 = torch.empty(1, H, D, dtype=torch.float32) if self.is_bf16 else self.q_rot
+        self.out32 = torch.empty(1, H * D, dtype=torch.float32)
+        self.attn_out = torch.empty(1, H * D, dtype=dtype) if self.is_bf16 else self.out32
+        o, gate_up = torch.empty_like(x), torch.empty(1, 2 * mlp.down_proj.in_features, dtype=dtype)
+        act = torch.empty(1, mlp.down_proj.in_features, dtype=dtype)
+        self.buffers = (h, qkv, o, gate_up, act)  # (the C calls hold their addresses, not them: kept alive here)
+
+        self.norm_in = _rms_norm(block.ln1, x, None if first else down, h)
+        self.qkv = _product(attn.qkv.module, h.view(1, 1, -1), qkv)
+        q, k, v = (t.view(1, 1, -1, D).transpose(1, 2) for t in qkv.split((H * D, KV * D, KV * D), -1))
+        self.rope_in = (q.data_ptr(), k.data_ptr())  # (then cos and sin, which move)
+        self.rope_rest = (self.q_rot.data_ptr(), self.k_rot.data_ptr(), 1, 1, H, KV, D, *q.stride()[:3],
+                          *k.stride()[:3], self.is_bf16, self.threads)
+        self.v_new = v[0, :, 0]  # [KV, D]
+        self.o = _product(attn.o_proj, self.attn_out, o)
+        self.norm_mid = _rms_norm(block.ln2, x, o, h)
+        self.gate_up = _product(mlp.gate_up.module, h, gate_up)
+        self.act = _activation(gate_up, act, lib, self.threads)
+        self.down = _product(mlp.down_proj, act, down)
+
+    def run(self, pos: int, cos: torch.Tensor, sin: torch.Tensor, slot: _Slot) -> None:
+        H, KV, D = self.shape
+        self.norm_in()
+        self.qkv()
+        self.lib.rope(*self.rope_in, cos.data_ptr(), sin.data_ptr(), *self.rope_rest)
+        slot.k.select(1, pos).copy_(self.k_rot[0, 0])
+        slot.v.select(1, pos).copy_(self.v_new)
+        if self.is_bf16:
+            self.q32.copy_(self.q_rot[0])
+        if self.lib.decode_attention(self.q32.data_ptr(), slot.k_ptr, slot.v_ptr, self.is_bf16, self.out32.data_ptr(),
+                                     1, H, KV, pos + 1, D, *slot.strides, self.scale, self.threads):
+            raise MemoryError("decode_attention could not allocate its partial results or a thread's float32 copy")
+        if self.is_bf16:
+            self.attn_out.copy_(self.out32)
+        self.o()
+        self.norm_mid()
+        self.gate_up()
+        self.act()
+        self.down()
+
+
+def _product(module, x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+    """``out = x @ Wᵀ`` on fixed buffers: the C loop :class:`MatvecLinear` runs for x, called directly, or else
+    the module itself (F.linear, the matrix units, a quantised format, a bias), its result copied into ``out``."""
+    kernel = module.kernel(x) if isinstance(module, MatvecLinear) else None
+    if kernel in C_PRODUCTS and module.bias is None:
+        weight = module.weight
+        return _c_call(getattr(kernels.kernels(), kernel), x.data_ptr(), weight.data_ptr(), out.data_ptr(), 1,
+                       weight.shape[0], weight.shape[1], torch.get_num_threads())
+    return lambda: out.copy_(module(x).view_as(out))
+
+
+def _rms_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None, out: torch.Tensor) -> Callable[[], None]:
+    """``x += delta`` (none: x as it is), then ``out = norm(x)``, in one C call as FastBlock makes it."""
+    lib = kernels.kernels()
+    function = lib.rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.rms_norm
+    return _c_call(function, x.data_ptr(), None if delta is None else delta.data_ptr(), x.data_ptr(),
+                   norm.weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], norm.eps, torch.get_num_threads())
+
+
+def _activation(gate_up: torch.Tensor, out: torch.Tensor, lib, threads: int) -> Callable[[], None]:
+    """silu(gate) · up into ``out``, as PackedSwiGLU computes it: in C where it would, else in PyTorch."""
+    if silu_mul_in_c(gate_up):
+        silu_mul = lib.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else lib.silu_mul
+        return _c_call(silu_mul, gate_up.data_ptr(), out.data_ptr(), 1, out.shape[1], threads)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return lambda: torch.mul(F.silu(gate), up, out=out)
+
+
+def _c_call(function, *args) -> Callable[[], None]:
+    """``function(*args)``, its arguments bound; a status other than 0 (None: no status) raises MemoryError (the
+    kernels' scratch could not be allocated)."""
+    def call():
+        if function(*args):
+            raise MemoryError(f"{function.__name__} could not allocate its scratch memory")
+    return call
