@@ -23,13 +23,13 @@ import minillm
 from minillm.cli import main
 from minillm.formats import weights
 
-# Tests run one fixed eager decode path (minillm/fast/choose.py): the rule's pick where a C compiler
-# builds the kernels, what users get. Fixed, not chosen, because `minillm calibrate --decode-path` may
+# Tests run one fixed decode path that compiles nothing (minillm/fast/choose.py): the rule's pick where a C
+# compiler builds the kernels, what users get ("replay": a batch-1 step replays the eager C step's calls). Fixed, not chosen, because `minillm calibrate --decode-path` may
 # have cached a compiled path in the weights dir (every process would compile its first decode step, a
 # minute or more per CLI test) and the CLI's golden trace names the path. Set before any test runs, so
 # subprocesses (the CLI tests) inherit it. tests/fast/test_fast_choose.py and tests/test_loading.py unset it
 # to check the choosing; fast=False loads run the plain modules.
-os.environ.setdefault("MINILLM_DECODE_PATH", "matvec")
+os.environ.setdefault("MINILLM_DECODE_PATH", "replay")
 
 # Under pytest-xdist (`pytest -n auto`) the workers share the cores: one torch thread each, or two
 # workers on two cores run four spinning OpenMP threads and each runs slower than alone.

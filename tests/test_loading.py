@@ -47,7 +47,7 @@ def test_a_64_position_gpt2_loads_and_gives_transformers_logits(no_timing, tmp_p
 
 def test_the_rule_picks_the_c_path_where_the_kernels_build(no_timing, tmp_path):
     model = load_model(save_hf(build_hf("gpt2", GPT2_64), tmp_path / "m"), device="cpu")
-    expected = "matvec" if choose.kernels.available() else "row-major+split"
+    expected = "replay" if choose.kernels.available() else "row-major+split"
     assert (model.decode_path, model.decode_choice.timings_ms) == (expected, {})
 
 

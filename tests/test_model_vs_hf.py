@@ -159,16 +159,16 @@ def _prefill_then_decode(model, ids, n_prefill):
     return torch.stack(logits, dim=1)
 
 
-@pytest.mark.parametrize("path", ["matvec", "long-rows"])
-def test_decode_on_each_path_matches_transformers(checkpoint, path):
-    """"matvec" (the rule's path where a C compiler is: decode's products and attention in C,
-    minillm/fast/kernels.py; head_dim 24 configs keep SDPA) and "long-rows" (F.linear on transposed
-    weights) against transformers' full forward."""
-    if path == "matvec" and not kernels.available():
+@pytest.mark.parametrize("path, batch", [("matvec", 2), ("replay", 1), ("long-rows", 2)])
+def test_decode_on_each_path_matches_transformers(checkpoint, path, batch):
+    """"matvec" (decode's products and attention in C, minillm/fast/kernels.py; head_dim 24 configs keep SDPA),
+    "replay" (the rule's path where a C compiler is: one sequence's step replays those C calls,
+    minillm/fast/replay.py) and "long-rows" (F.linear on transposed weights) against transformers' full forward."""
+    if path != "long-rows" and not kernels.available():
         pytest.skip("needs the C kernels")
     hf, folder = checkpoint
     model = apply_decode_path(load_model(folder, device="cpu", fast=False), path)
-    ids = _ids(model.config.vocab_size, (2, 15))
+    ids = _ids(model.config.vocab_size, (batch, 15))
     with torch.no_grad():
         expected = hf(ids).logits[:, 9:14]
     assert (_prefill_then_decode(model, ids, 10) - expected).abs().max().item() <= TOL

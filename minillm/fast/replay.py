@@ -31,6 +31,7 @@ otherwise, and whenever a hook or a trace of the layers watches.
 
 from __future__ import annotations
 
+import operator
 import threading
 from typing import Callable
 
@@ -109,19 +110,21 @@ def _block_fits(block, dtype: torch.dtype) -> bool:
 class _ModelState:
     """What a plan was made from: every module, parameter, buffer and q|k|v or gate|up stack of the model, where
     it hangs, each tensor's address, the thread count and the attention implementation. ``holds(model)``: all
-    still the same."""
+    still the same (~900 entries for SmolLM2-135M, compared by C-level maps: tens of microseconds a step)."""
 
     def __init__(self, model: Transformer):
-        self.parts = [(d, name, value) for m in model.modules()
-                      for d in (m._modules, m._parameters, m._buffers, vars(m)) for name, value in _members(d)]
-        self.addresses = [(t, t.data_ptr()) for _, _, t in self.parts if isinstance(t, torch.Tensor)]
+        parts = [(d, name, value) for m in model.modules()
+                 for d in (m._modules, m._parameters, m._buffers, vars(m)) for name, value in _members(d)]
+        self.dicts, self.names, self.values = (list(column) for column in zip(*parts))
+        self.tensors = [t for t in self.values if isinstance(t, torch.Tensor)]
+        self.addresses = [t.data_ptr() for t in self.tensors]
         self.threads, self.attn_impl, self.model_dict = torch.get_num_threads(), model.attn_impl, vars(model)
 
     def holds(self, model: Transformer) -> bool:
         return (vars(model) is self.model_dict and model.attn_impl == self.attn_impl
                 and torch.get_num_threads() == self.threads
-                and all(d.get(name) is value for d, name, value in self.parts)
-                and all(t.data_ptr() == address for t, address in self.addresses))
+                and all(map(operator.is_, map(dict.get, self.dicts, self.names), self.values))
+                and list(map(torch.Tensor.data_ptr, self.tensors)) == self.addresses)
 
 
 def _members(d: dict):
