@@ -155,7 +155,8 @@ def test_without_a_trace_no_hook_is_installed(model, monkeypatch):
     monkeypatch.setattr(type(model), "forward", spy)
     run(model, None, max_new_tokens=3)
     run(model, Trace(), max_new_tokens=3)  # level "steps": timing only, still no hook
-    assert seen == [None] * 6
+    assert len(seen) >= 2 and seen == [None] * len(seen)  # (each prefill; a decode step the model's path replays
+    # skips forward, and replays only without a hook)
 
 
 # -- level "layers" and kept activations -----------------------------------------------------------

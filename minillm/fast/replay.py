@@ -65,6 +65,9 @@ class ReplayedDecodeStep:
     def __init__(self):
         self._kept: tuple[_ModelState, _Plan | None] | None = None
 
+    def __getstate__(self) -> dict:
+        return {"_kept": None}  # (a copy of the model gets its own plan at its first step: addresses do not copy)
+
     def applies(self, model: Transformer, cache) -> bool:
         return (type(cache) is KVCache and cache.batch_size == 1 and not cache.rolling_layers
                 and cache.length < model.config.max_seq_len and self.plan(model) is not None)

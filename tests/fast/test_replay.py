@@ -3,6 +3,8 @@ plain lesson model's logits within float rounding, and the eager step wherever i
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from tiny_models import CONFIGS, build_hf, save_hf
@@ -177,3 +179,18 @@ def test_the_default_model_replays_its_eager_step(smollm2_dir, dtype):
     replayed = dp.apply_decode_path(eager, "replay")
     assert replayed.compiled_decode.applies(replayed, KVCache.for_model(replayed, max_seq_len=64))
     assert torch.equal(_steps(replayed, ids, n_steps=8)[0], expected)
+
+
+def test_a_copy_of_a_model_that_has_replayed_decodes_on_its_own_tensors(folders):
+    """copy.deepcopy after a step (a test fixture's habit, a user's experiment) copies no plan (a plan holds
+    addresses): the copy decodes the original's logits (up to float32 rounding: its stacks are not the copied
+    members' memory, so it runs the members' own products), and zeroing the copy's LM head leaves the original's
+    logits alone."""
+    model = _model(folders["llama_gqa"], "replay")
+    expected, _ = _steps(model, _ids())
+    twin = copy.deepcopy(model)
+    assert twin.compiled_decode._kept is None
+    torch.testing.assert_close(_steps(twin, _ids())[0], expected, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        twin.lm_head.weight.zero_()
+    assert torch.equal(_steps(model, _ids())[0], expected) and not _steps(twin, _ids())[0].any()

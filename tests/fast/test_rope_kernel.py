@@ -89,6 +89,7 @@ def test_fast_model_rotates_in_c_with_the_lessons_logits(tmp_path, monkeypatch, 
     """A Llama-family model on the speed layer rotates every layer's q and k in C, at prefill and decode; the
     logits are the plain model's up to the other kernels' float rounding."""
     path = save_hf(build_hf(*CONFIGS["llama_gqa"]), tmp_path)
+    monkeypatch.setenv("MINILLM_DECODE_PATH", "matvec")  # (the eager step: the replayed one calls the C directly)
     fast = load_model(path, dtype=dtype, fast=True)
     plain = load_model(path, dtype=dtype, fast=False)
     if not fast.blocks[0].attn.c_rope:
