@@ -521,15 +521,23 @@ def _quantized_product(kernel: str, lib: ctypes.CDLL, x, codes, scale, zero, gro
     _check_codes(op, codes, scale, zero, group_size, x)
     x = x.contiguous()
     y = _output(x.shape[0], codes.shape[0])
-    pointers, sizes = [x.data_ptr(), codes.data_ptr(), scale.data_ptr()], [x.shape[0], codes.shape[0], x.shape[1]]
-    if zero is None:
-        status = getattr(lib, f"int8_{kernel}")(*pointers, y.data_ptr(), *sizes, torch.get_num_threads())
-    else:
-        status = getattr(lib, f"int4_{kernel}")(*pointers, zero.data_ptr(), y.data_ptr(), *sizes, group_size,
-                                                torch.get_num_threads())
-    if status:
+    function, arguments = quantized_call(kernel, lib, x, codes, scale, zero, group_size, y)
+    if function(*arguments):
         raise MemoryError(f"{op} could not allocate {x.numel() * 8:,} bytes for a copy of x and its scratch")
     return y
+
+
+def quantized_call(kernel: str, lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                   zero: torch.Tensor | None, group_size: int, y: torch.Tensor) -> tuple:
+    """(the C function, its arguments) that :func:`quantized_matvec` (``kernel`` "matvec") or
+    :func:`quantized_matmul` ("matmul") calls for y = x @ ŵᵀ: x [rows, in] contiguous and y [rows, out] float32,
+    unchecked (its caller checks them, :func:`_check_codes`); the function returns 0, or 1 when its scratch
+    could not be allocated. For a caller that calls it again on the same buffers (:mod:`minillm.fast.replay`)."""
+    pointers, sizes = (x.data_ptr(), codes.data_ptr(), scale.data_ptr()), (x.shape[0], codes.shape[0], x.shape[1])
+    if zero is None:
+        return getattr(lib, f"int8_{kernel}"), (*pointers, y.data_ptr(), *sizes, torch.get_num_threads())
+    return getattr(lib, f"int4_{kernel}"), (*pointers, zero.data_ptr(), y.data_ptr(), *sizes, group_size,
+                                            torch.get_num_threads())
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None, group_size: int = 0,

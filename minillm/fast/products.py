@@ -282,6 +282,12 @@ class FastQuantizedLinear(QuantizedLinear):
         group = self.group_size if self.fmt == "int4" else None
         return kernels.quantized_amx_fits(self.qweight, group) and kernels.quantized_amx_ready()
 
+    def runs_matvec(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`forward` multiplies x by :func:`~minillm.fast.kernels.quantized_matvec`: the C kernels
+        apply, 1-QUANTIZED_MATVEC_MAX_ROWS rows, and the CPU has no matrix units for int8."""
+        return (self._kernels_apply(x) and 0 < x.numel() <= QUANTIZED_MATVEC_MAX_ROWS * x.shape[-1]
+                and not self._on_matrix_units())
+
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self._on_matrix_units():
             if torch.compiler.is_compiling():  # (the op: a graph cannot call ctypes)

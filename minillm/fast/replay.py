@@ -44,7 +44,7 @@ from . import kernels
 from .attention import FastAttention
 from .block import FastBlock
 from .packing import PackedSwiGLU, silu_mul_in_c
-from .products import MatvecLinear
+from .products import FastQuantizedLinear, MatvecLinear
 
 C_PRODUCTS = ("f32_matvec", "bf16_matvec")  # MatvecLinear's kernels that take (x, weight, y, rows, out, in, threads)
 
@@ -237,13 +237,19 @@ class _Layer:
 
 
 def _product(module, x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
-    """``out = x @ Wᵀ`` on fixed buffers: the C loop :class:`MatvecLinear` runs for x, called directly, or else
-    the module itself (F.linear, the matrix units, a quantised format, a bias), its result copied into ``out``."""
-    kernel = module.kernel(x) if isinstance(module, MatvecLinear) else None
-    if kernel in C_PRODUCTS and module.bias is None:
+    """``out = x @ Wᵀ`` on fixed buffers: the C loop the module runs for x (:class:`MatvecLinear`'s one-row loops,
+    :class:`FastQuantizedLinear`'s quantized_matvec), called directly, or else the module itself (F.linear, the
+    matrix units, a bias), its result copied into ``out``."""
+    lib = kernels.kernels()
+    if isinstance(module, MatvecLinear) and module.kernel(x) in C_PRODUCTS and module.bias is None:
         weight = module.weight
-        return _c_call(getattr(kernels.kernels(), kernel), x.data_ptr(), weight.data_ptr(), out.data_ptr(), 1,
+        return _c_call(getattr(lib, module.kernel(x)), x.data_ptr(), weight.data_ptr(), out.data_ptr(), 1,
                        weight.shape[0], weight.shape[1], torch.get_num_threads())
+    if isinstance(module, FastQuantizedLinear) and module.runs_matvec(x) and module.bias is None:
+        codes, rows = (module.qweight, module.scale, module.zero, module.group_size), x.view(-1, x.shape[-1])
+        kernels.quantized_matvec(rows, *codes)  # (its checks, once)
+        function, arguments = kernels.quantized_call("matvec", lib, rows, *codes, out)
+        return _c_call(function, *arguments)
     return lambda: out.copy_(module(x).view_as(out))
 
 
