@@ -29,8 +29,8 @@ How :func:`choose_decode_path` (called by ``load_model``) picks one, without tim
    ``<weights_dir>/calibration.json`` for this CPU, thread count, dtype and model shape;
 3. the rule: "replay" where the C kernels build (a C compiler), else "row-major+split" (in bfloat16 the
    default path). The replayed step gives the eager "matvec" step's logits bit for bit without the Python
-   between its kernels: SmolLM2-135M on the developers' AMD EPYC, bfloat16 16.6 -> 10.6 ms a step, float32
-   22.6 -> 16.3 (BENCHMARKS.md, "A decode step replayed").
+   between its kernels: SmolLM2-135M on the developers' AMD EPYC, bfloat16 16.6-16.9 -> 10.1-10.4 ms a step,
+   float32 21.3-22.1 -> 15.3-15.9, int8 15.6-15.8 -> 10.1-10.2 (BENCHMARKS.md, "A decode step replayed").
 
 CPU float32 has every candidate; CPU bfloat16, int8 and int4 three, C_CANDIDATES: their products in C (on the
 matrix units where the CPU has them), eager, replayed, or in a compiled step that calls the same C as torch ops

@@ -208,7 +208,7 @@ class _Layer:
         self.rope_in = (q.data_ptr(), k.data_ptr())  # (then cos and sin, which move)
         self.rope_rest = (self.q_rot.data_ptr(), self.k_rot.data_ptr(), 1, 1, H, KV, D, *q.stride()[:3],
                           *k.stride()[:3], self.is_bf16, self.threads)
-        self.v_new = v[0, :, 0]  # [KV, D]
+        self.q_new, self.k_new, self.v_new = self.q_rot[0], self.k_rot[0, 0], v[0, :, 0]  # [1, H, D], [KV, D] x2
         self.o = _product(attn.o_proj, self.attn_out, o)
         self.norm_mid = _rms_norm(block.ln2, x, o, h)
         self.gate_up = _product(mlp.gate_up.module, h, gate_up)
@@ -220,10 +220,10 @@ class _Layer:
         self.norm_in()
         self.qkv()
         self.lib.rope(*self.rope_in, cos.data_ptr(), sin.data_ptr(), *self.rope_rest)
-        slot.k.select(1, pos).copy_(self.k_rot[0, 0])
+        slot.k.select(1, pos).copy_(self.k_new)
         slot.v.select(1, pos).copy_(self.v_new)
         if self.is_bf16:
-            self.q32.copy_(self.q_rot[0])
+            self.q32.copy_(self.q_new)
         if self.lib.decode_attention(self.q32.data_ptr(), slot.k_ptr, slot.v_ptr, self.is_bf16, self.out32.data_ptr(),
                                      1, H, KV, pos + 1, D, *slot.strides, self.scale, self.threads):
             raise MemoryError("decode_attention could not allocate its partial results or a thread's float32 copy")
