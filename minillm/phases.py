@@ -63,9 +63,9 @@ def decode_step(model: Transformer, token_id, cache: KVCache, hook: Hook | None 
 
     Returns float32 logits for the following position, [B, vocab].
 
-    The speed layer may give the model a compiled step (``model.compiled_decode``, the "compile"
-    paths of :mod:`minillm.fast.choose`): a step without hook, or with a trace at level "steps",
-    then runs it instead, where it says it applies: the same logits, from one fused graph.
+    The speed layer may give the model its own step (``model.compiled_decode``: the "compile" paths'
+    graph, the "replay" path's C calls, :mod:`minillm.fast.choose`): a step without hook, or with a
+    trace at level "steps", then runs it instead, where it says it applies: the same logits.
 
     Raises ValueError (bad shape or id, several tokens for one sequence, a cache or trace
     that does not fit), CacheFullError (no room for one more token).
@@ -74,7 +74,7 @@ def decode_step(model: Transformer, token_id, cache: KVCache, hook: Hook | None 
     token_ids = _as_batch(model, token_id, cache, what="token_id").reshape(-1, 1)
     cache.check_room(1)
     compiled = getattr(model, "compiled_decode", None)  # the hook for minillm/fast: skip on a first reading
-    if compiled is not None and not compiled.applies(model, cache):
+    if compiled is not None and (hook is not None or not compiled.applies(model, cache)):
         compiled = None
     if compiled is not None and hook is None and trace is None:
         return compiled(model, token_ids, cache)  # (a hook, or a trace of the layers, needs the eager step)

@@ -89,6 +89,12 @@ class Stack:
         self.module = stack([getattr(parent, n) for n in names], linear_cls, long_rows)
         self.members = [(m, _tensor(m), _tensor(m).data_ptr()) for m in (getattr(parent, n) for n in names)]
 
+    def __setstate__(self, state: dict) -> None:
+        """A copy (``copy.deepcopy``, or ``torch.save`` then ``load``) of a module and its stack: the copied members'
+        tensors are views of the copied stacked matrix (both keep tensors' shared storage), at new addresses."""
+        self.__dict__.update(state)
+        self.members = [(m, t, t.data_ptr()) for m, t, _ in self.members]
+
     def fresh(self, parent: nn.Module) -> bool:
         # (a loop over the modules' own dicts, not getattr: nn.Module.__getattr__ is a Python call, and this
         # runs twice a layer every step: 0.4 ms of a SmolLM2-135M decode step the other way)

@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import operator
 import threading
+import weakref
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules import module as torch_module
 
 from ..kv_cache import KVCache
 from ..model import RMSNorm, Transformer
@@ -54,10 +56,13 @@ class ReplayedDecodeStep:
     ``step(model, token_ids, cache) -> logits [1, vocab]`` float32, the eager step's values bit for bit.
 
     ``step.applies(model, cache)`` says whether it can run: one sequence, a plain :class:`KVCache` without
-    rolling layers, room in the model's context, and a model :func:`replay_fits`. Its plan (buffers and bound
-    calls, a few hundred kilobytes for SmolLM2-135M) is made at the first step and made again when a module,
-    parameter or buffer of the model was replaced, or torch's thread count changed; a weight edited in place
-    is read where it lies. Steps on one model run one at a time (they share the plan's buffers).
+    rolling layers, room in the model's context, a model :func:`replay_fits`, and no forward hook on any of its
+    modules (nor a global one: a replayed step calls no module). Its plan (buffers and bound calls, a few hundred
+    kilobytes for SmolLM2-135M) is made at the first step and made again when any attribute of a module of the
+    model was replaced (a submodule, a parameter, a buffer, a norm's eps, the attention's scale, ...), a tensor
+    moved, or torch's thread count changed; a weight edited in place is read where it lies. Steps on one model
+    run one at a time (they share the plan's buffers). Raises ValueError, one line, for a step it cannot run or
+    a token that is not one id of the vocabulary.
     """
 
     compiles = False  # (a compiled step compiles in its first call; this one binds its plan in milliseconds)
@@ -70,16 +75,17 @@ class ReplayedDecodeStep:
 
     def applies(self, model: Transformer, cache) -> bool:
         return (type(cache) is KVCache and cache.batch_size == 1 and not cache.rolling_layers
-                and cache.length < model.config.max_seq_len and self.plan(model) is not None)
+                and cache.length < model.config.max_seq_len and self.plan(model) is not None
+                and not self._kept[0].hooked())
 
-    def __call__(self, model: Transformer, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def __call__(self, model: Transformer, token_ids, cache: KVCache) -> torch.Tensor:
         if not self.applies(model, cache):
-            raise ValueError("the replayed decode step runs one sequence of a model whose blocks run in C on a "
-                             "KVCache without rolling layers; call minillm.decode_step")
-        plan = self.plan(model)
+            raise ValueError("the replayed decode step runs one sequence of a model whose blocks run in C, without "
+                             "forward hooks, on a KVCache without rolling layers; call minillm.decode_step")
+        plan, ids = self._kept[1], _one_token(token_ids, model.config.vocab_size)
         cache.check_room(1)
         with plan.lock, torch.inference_mode():
-            logits = plan.step(torch.as_tensor(token_ids).reshape(1), cache)
+            logits = plan.step(ids, cache)
         cache.advance(1)
         return logits
 
@@ -88,6 +94,19 @@ class ReplayedDecodeStep:
         if self._kept is None or not self._kept[0].holds(model):
             self._kept = (_ModelState(model), _Plan(model) if replay_fits(model) else None)
         return self._kept[1]
+
+
+def _one_token(token_ids, vocab_size: int) -> torch.Tensor:
+    """token_ids as a [1] int64 tensor: one integer id in [0, vocab_size) (decode_step's checks, for a direct call)."""
+    try:
+        ids = torch.as_tensor(token_ids)
+    except (TypeError, ValueError, RuntimeError):  # (a string, None, a ragged list)
+        ids = torch.empty(0)
+    if ids.numel() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool \
+            or not 0 <= int(ids) < vocab_size:
+        raise ValueError(f"the replayed decode step takes one token id in [0, {vocab_size}), got {token_ids!r}; "
+                         "call minillm.decode_step")
+    return ids.reshape(1).long()
 
 
 def replay_fits(model: Transformer) -> bool:
@@ -110,31 +129,34 @@ def _block_fits(block, dtype: torch.dtype) -> bool:
             and isinstance(mlp, PackedSwiGLU) and mlp.gate_up is not None and mlp.gate_up.fresh(mlp))
 
 
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # (nn.Module's own dicts and flags: never replaced)
+
+
 class _ModelState:
-    """What a plan was made from: every module, parameter, buffer and q|k|v or gate|up stack of the model, where
-    it hangs, each tensor's address, the thread count and the attention implementation. ``holds(model)``: all
-    still the same (~900 entries for SmolLM2-135M, compared by C-level maps: tens of microseconds a step)."""
+    """What a plan was made from: every attribute of every module of the model (submodules, parameters, buffers,
+    q|k|v and gate|up stacks, plain values such as a norm's eps or the attention's scale and window) and each
+    tensor's address, and torch's thread count. ``holds(model)``: all still the same objects (~2,000 entries for
+    SmolLM2-135M, compared by C-level maps: tens of microseconds a step). ``hooked()``: a forward hook or pre-hook
+    is registered, on a module or globally (the modules must run)."""
 
     def __init__(self, model: Transformer):
-        parts = [(d, name, value) for m in model.modules()
-                 for d in (m._modules, m._parameters, m._buffers, vars(m)) for name, value in _members(d)]
+        modules = list(model.modules())
+        parts = [(d, name, value) for m in modules for d in (vars(m), m._modules, m._parameters, m._buffers)
+                 for name, value in d.items() if d is not vars(m) or name not in _MODULE_INTERNALS]
         self.dicts, self.names, self.values = (list(column) for column in zip(*parts))
         self.tensors = [t for t in self.values if isinstance(t, torch.Tensor)]
         self.addresses = [t.data_ptr() for t in self.tensors]
-        self.threads, self.attn_impl, self.model_dict = torch.get_num_threads(), model.attn_impl, vars(model)
+        self.hooks = [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
+        self.hooks += [torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks]
+        self.threads, self.model_dict = torch.get_num_threads(), vars(model)
 
     def holds(self, model: Transformer) -> bool:
-        return (vars(model) is self.model_dict and model.attn_impl == self.attn_impl
-                and torch.get_num_threads() == self.threads
+        return (vars(model) is self.model_dict and torch.get_num_threads() == self.threads
                 and all(map(operator.is_, map(dict.get, self.dicts, self.names), self.values))
                 and list(map(torch.Tensor.data_ptr, self.tensors)) == self.addresses)
 
-
-def _members(d: dict):
-    """A module dict's entries, or (for the module's own attributes) just its stacks."""
-    if "_parameters" not in d:
-        return d.items()
-    return [(name, d[name]) for name in ("qkv", "gate_up") if name in d]
+    def hooked(self) -> bool:
+        return any(map(len, self.hooks))
 
 
 class _Plan:
@@ -151,7 +173,8 @@ class _Plan:
             self.logits = torch.empty(1, cfg.vocab_size, dtype=self.dtype)
             self.layers = [_Layer(block, self.x, self.down, i == 0) for i, block in enumerate(model.blocks)]
             self.lm_head = _product(model.lm_head, self.final, self.logits)
-        self._cache: tuple | None = None  # (the cache, its k and v buffers, each layer's _Slot)
+        self.cache_rows = [block.attn.layer for block in model.blocks]  # (the layer each block's K/V belong to)
+        self._cache: tuple | None = None  # (a weak reference to the last cache, its k and v, each layer's _Slot)
 
     def step(self, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         pos = cache.length
@@ -165,10 +188,16 @@ class _Plan:
         return self.logits.float() if self.dtype != torch.float32 else self.logits.clone()
 
     def _slots(self, cache: KVCache) -> list[_Slot]:
-        if self._cache is None or self._cache[0] is not cache or self._cache[1] is not cache.k \
-                or self._cache[2] is not cache.v:
-            self._cache = (cache, cache.k, cache.v, [_Slot(cache, layer) for layer in range(len(self.layers))])
-        return self._cache[3]
+        kept = self._cache
+        if kept is None or kept[0]() is not cache or kept[1] is not cache.k or kept[2] is not cache.v:
+            slots = [_Slot(cache, layer) for layer in self.cache_rows]
+            kept = self._cache = (weakref.ref(cache, self._forget), cache.k, cache.v, slots)
+        return kept[3]
+
+    def _forget(self, reference: weakref.ref) -> None:
+        """The cache was dropped by its owner: so are its buffers' views here (they would keep its memory)."""
+        if self._cache is not None and self._cache[0] is reference:
+            self._cache = None
 
 
 class _Slot:

@@ -4,6 +4,8 @@ plain lesson model's logits within float rounding, and the eager step wherever i
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -181,16 +183,96 @@ def test_the_default_model_replays_its_eager_step(smollm2_dir, dtype):
     assert torch.equal(_steps(replayed, ids, n_steps=8)[0], expected)
 
 
-def test_a_copy_of_a_model_that_has_replayed_decodes_on_its_own_tensors(folders):
+def test_a_copy_of_a_model_that_has_replayed_replays_on_its_own_tensors(folders):
     """copy.deepcopy after a step (a test fixture's habit, a user's experiment) copies no plan (a plan holds
-    addresses): the copy decodes the original's logits (up to float32 rounding: its stacks are not the copied
-    members' memory, so it runs the members' own products), and zeroing the copy's LM head leaves the original's
-    logits alone."""
+    addresses) but keeps the stacks: the copy replays, the original's logits bit for bit, and zeroing the copy's
+    LM head leaves the original's logits alone."""
     model = _model(folders["llama_gqa"], "replay")
     expected, _ = _steps(model, _ids())
     twin = copy.deepcopy(model)
-    assert twin.compiled_decode._kept is None
-    torch.testing.assert_close(_steps(twin, _ids())[0], expected, atol=1e-5, rtol=0)
+    twin.compiled_decode = step = Counting()
+    assert torch.equal(_steps(twin, _ids())[0], expected) and step.calls == N_STEPS
     with torch.no_grad():
         twin.lm_head.weight.zero_()
     assert torch.equal(_steps(model, _ids())[0], expected) and not _steps(twin, _ids())[0].any()
+
+
+def test_a_step_reuses_its_plan(folders):
+    model = _model(folders["llama_gqa"], "replay")
+    _steps(model, _ids())
+    plan = model.compiled_decode.plan(model)
+    _steps(model, _ids())
+    assert model.compiled_decode.plan(model) is plan
+
+
+@pytest.mark.parametrize("where", ["blocks.1.mlp", "blocks.0.attn.o_proj", "lm_head", "global"])
+def test_a_forward_hook_runs_the_modules(folders, where):
+    """A forward hook (steering, ablation) is PyTorch's promise that a module's output passes through it: the
+    replayed step calls no module, so the eager step runs, hook and all (the same logits as matvec's)."""
+    def zero(module, args, output):
+        calls.append(1)
+        return output * 0
+
+    models = {path: _model(folders["llama_gqa"], path) for path in ("replay", "matvec")}
+    logits = {}
+    for path, model in models.items():
+        calls = []
+        if where == "global":
+            handle = nn.modules.module.register_module_forward_hook(
+                lambda m, a, out: zero(m, a, out) if m is model.blocks[1].mlp else None)
+        else:
+            handle = model.get_submodule(where).register_forward_hook(zero)
+        try:
+            logits[path], _ = _steps(model, _ids())
+        finally:
+            handle.remove()
+        assert len(calls) == 1 + N_STEPS  # (prefill, then every decode step)
+    assert torch.equal(logits["replay"], logits["matvec"])
+    assert models["replay"].compiled_decode.applies(models["replay"], KVCache.for_model(models["replay"]))
+
+
+def test_blocks_in_another_order_attend_over_their_own_layers_cache(folders):
+    """Each block reads and writes its own layer's K/V (``attn.layer``), wherever it sits in ``model.blocks``."""
+    logits = {}
+    for path in ("replay", "matvec"):
+        model = _model(folders["llama_gqa"], path)
+        model.blocks = nn.ModuleList(reversed(list(model.blocks)))
+        logits[path], _ = _steps(model, _ids())
+    assert torch.equal(logits["replay"], logits["matvec"])
+
+
+@pytest.mark.parametrize("change", ["eps", "scale"])
+def test_a_norms_eps_or_the_attention_scale_set_after_a_step_is_used(folders, change):
+    logits = {}
+    for path in ("replay", "matvec"):
+        model = _model(folders["llama_gqa"], path)
+        cache = KVCache.for_model(model, max_seq_len=20)
+        token = prefill(model, _ids(), cache).argmax(-1)
+        decode_step(model, token, cache)
+        if change == "eps":
+            model.blocks[0].ln1.eps = 0.1
+        else:
+            model.blocks[1].attn.scale = 0.01
+        logits[path] = decode_step(model, token, cache)
+    assert torch.equal(logits["replay"], logits["matvec"])
+
+
+def test_a_dropped_cache_is_freed(folders):
+    model = _model(folders["llama_gqa"], "replay")
+    cache = KVCache.for_model(model, max_seq_len=20)
+    decode_step(model, prefill(model, _ids(), cache).argmax(-1), cache)
+    dropped = weakref.ref(cache.k)
+    del cache
+    gc.collect()
+    assert dropped() is None
+
+
+@pytest.mark.parametrize("token", [128, -1, 2.0, [1, 2], "a", None])
+def test_a_direct_call_refuses_what_is_not_one_token_id(folders, token):
+    model = _model(folders["llama_gqa"], "replay")
+    cache = KVCache.for_model(model, max_seq_len=20)
+    prefill(model, _ids(), cache)
+    with pytest.raises(ValueError, match=r"^the replayed decode step takes one token id in \[0, 128\), got .*; call "
+                                         r"minillm.decode_step$"):
+        model.compiled_decode(model, token, cache)
+    assert cache.length == 11

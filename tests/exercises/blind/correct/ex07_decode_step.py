@@ -35,9 +35,9 @@ def decode_step(model: Transformer, token_id, cache: KVCache, hook: Hook | None 
 
     Returns float32 logits for the following position, [B, vocab].
 
-    The speed layer may give the model a compiled step (``model.compiled_decode``, the "compile"
-    paths of :mod:`minillm.fast.choose`): a step without hook, or with a trace at level "steps",
-    then runs it instead, where it says it applies: the same logits, from one fused graph.
+    The speed layer may give the model its own step (``model.compiled_decode``: the "compile" paths'
+    graph, the "replay" path's C calls, :mod:`minillm.fast.choose`): a step without hook, or with a
+    trace at level "steps", then runs it instead, where it says it applies: the same logits.
 
     Raises ValueError (bad shape or id, several tokens for one sequence, a cache or trace
     that does not fit), CacheFullError (no room for one more token).
