@@ -147,7 +147,8 @@ class _ModelState:
         self.tensors = [t for t in self.values if isinstance(t, torch.Tensor)]
         self.addresses = [t.data_ptr() for t in self.tensors]
         self.hooks = [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
-        self.hooks += [torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks]
+        self.hooks += [getattr(torch_module, name, {})  # (torch's global hooks: private names, hence getattr)
+                       for name in ("_global_forward_hooks", "_global_forward_pre_hooks")]
         self.threads, self.model_dict = torch.get_num_threads(), vars(model)
 
     def holds(self, model: Transformer) -> bool:
