@@ -518,10 +518,9 @@ def _quantized_product(kernel: str, lib: ctypes.CDLL, x, codes, scale, zero, gro
     op = f"quantized_{kernel}"
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op} takes tensors, got x {type(x).__name__}")
-    _check_codes(op, codes, scale, zero, group_size, x)
     x = x.contiguous()
     y = _output(x.shape[0], codes.shape[0])
-    function, arguments = quantized_call(kernel, lib, x, codes, scale, zero, group_size, y)
+    function, arguments = quantized_call(kernel, lib, x, codes, scale, zero, group_size, y)  # (checks them)
     if function(*arguments):
         raise MemoryError(f"{op} could not allocate {x.numel() * 8:,} bytes for a copy of x and its scratch")
     return y
@@ -530,9 +529,11 @@ def _quantized_product(kernel: str, lib: ctypes.CDLL, x, codes, scale, zero, gro
 def quantized_call(kernel: str, lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                    zero: torch.Tensor | None, group_size: int, y: torch.Tensor) -> tuple:
     """(the C function, its arguments) that :func:`quantized_matvec` (``kernel`` "matvec") or
-    :func:`quantized_matmul` ("matmul") calls for y = x @ ŵᵀ: x [rows, in] contiguous and y [rows, out] float32,
-    unchecked (its caller checks them, :func:`_check_codes`); the function returns 0, or 1 when its scratch
-    could not be allocated. For a caller that calls it again on the same buffers (:mod:`minillm.fast.replay`)."""
+    :func:`quantized_matmul` ("matmul") calls for y = x @ ŵᵀ: x [rows, in] contiguous and y [rows, out] float32
+    (x and the codes checked here, as those functions check them: ValueError, TypeError); the function returns 0,
+    or 1 when its scratch could not be allocated. For a caller that calls it again on the same buffers
+    (:mod:`minillm.fast.replay`)."""
+    _check_codes(f"quantized_{kernel}", codes, scale, zero, group_size, x)
     pointers, sizes = (x.data_ptr(), codes.data_ptr(), scale.data_ptr()), (x.shape[0], codes.shape[0], x.shape[1])
     if zero is None:
         return getattr(lib, f"int8_{kernel}"), (*pointers, y.data_ptr(), *sizes, torch.get_num_threads())

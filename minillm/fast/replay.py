@@ -278,8 +278,7 @@ def _product(module, x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
                        weight.shape[1], torch.get_num_threads())
     if isinstance(module, FastQuantizedLinear) and module.runs_matvec(x) and module.bias is None:
         codes, rows = (module.qweight, module.scale, module.zero, module.group_size), x.view(-1, x.shape[-1])
-        kernels.quantized_matvec(rows, *codes)  # (its checks, once)
-        function, arguments = kernels.quantized_call("matvec", lib, rows, *codes, out)
+        function, arguments = kernels.quantized_call("matvec", lib, rows, *codes, out)  # (checked once, here)
         return _c_call(function, *arguments)
     return lambda: out.copy_(module(x).view_as(out))
 
