@@ -11,20 +11,23 @@ What it swaps, by decode path (choose.py's candidates; :data:`SWAPS` holds the s
 and ``minillm info`` prints them). "C kernels fit": float32 or bfloat16 on a CPU, head_dim a multiple of 8, the
 kernels built.
 
-    course piece (minillm.)             fast piece (minillm.)                  when
-    model.Block                         fast.block.FastBlock                   the C paths, C kernels fit
-    model.Attention                     fast.attention.FastAttention           every path; decode attention in C
-                                                                           (+ prefill and RoPE in C; bfloat16
-                                                                           prefill on pairs: AMX or AVX512-BF16)
-    model.SwiGLU                        fast.packing.PackedSwiGLU              every path, a SwiGLU MLP
-    torch.nn.Linear                     fast.products.SplitLinear              the split paths, a float model
-    torch.nn.Linear                     fast.products.MatvecLinear             the C paths, a float model; CPU bfloat16
-    quantize.QuantizedLinear            fast.products.FastQuantizedLinear      every path, a quantised model
-    serving.paged_attention.PagedBatch  fast.paged_attention.FastPagedBatch    every path, C kernels fit
-    phases.decode_step                  fast.compile.CompiledDecodeStep        the compiled paths
-    phases.decode_step                  fast.replay.ReplayedDecodeStep         the replay path (the rule's choice
-                                                                           where the C kernels build): one
-                                                                           sequence's C calls on fixed buffers
+    course piece (minillm.)                 fast piece (minillm.)                     when
+    model.Block                             fast.block.FastBlock                      the C paths, C kernels fit
+    model.Attention                         fast.attention.FastAttention              every path; decode attention in C
+                                                                                      (+ prefill and RoPE in C; bfloat16
+                                                                                      prefill on pairs: AMX or AVX512-BF16)
+    model.SwiGLU                            fast.packing.PackedSwiGLU                 every path, a SwiGLU MLP
+    torch.nn.Linear                         fast.products.SplitLinear                 the split paths, a float model
+    torch.nn.Linear                         fast.products.MatvecLinear                the C paths, a float model; CPU bfloat16
+    quantize.QuantizedLinear                fast.products.FastQuantizedLinear         every path, a quantised model
+    serving.paged_attention.PagedBatch      fast.paged_attention.FastPagedBatch       every path, C kernels fit
+    phases.decode_step                      fast.compile.CompiledDecodeStep           the compiled paths
+    phases.decode_step                      fast.replay.ReplayedDecodeStep            the replay path (the rule's choice
+                                                                                      where the C kernels build): one
+                                                                                      sequence's C calls on fixed buffers
+    serving.paged_attention.forward_batch   fast.replay_serving.ReplayedServingStep   the replay path: a server's
+                                                                                      step of decodes only, its C calls
+                                                                                      bound once per batch size
 
 The files:
 
@@ -36,6 +39,7 @@ The files:
     paged_attention.py  the serving batch's decodes attending in C over the KV pool's blocks in place
     compile.py    the decode step compiled over a static view of the KV cache
     replay.py     the decode step's C calls bound once to fixed buffers, then replayed each step
+    replay_serving.py  the same for a serving engine's step of decodes: a plan per batch size
     choose.py     which of these a model gets: by rule when it loads; measured only when asked
 
 Nothing here is imported by this file: :data:`SWAPS` names the pieces (dotted under ``minillm``,
@@ -81,4 +85,7 @@ SWAPS = (
          "whole step compiled over a static view of the KV cache"),
     Swap("phases.decode_step", "fast.replay.ReplayedDecodeStep", "the replay path: one sequence's step as the eager C "
          "kernels' calls bound once to fixed buffers, the same bits without the Python between them"),
+    Swap("serving.paged_attention.forward_batch", "fast.replay_serving.ReplayedServingStep", "the replay path: a "
+         "server's step whose requests all decode, the eager C kernels' calls bound once per batch size, the same "
+         "bits"),
 )

@@ -66,6 +66,7 @@ from .packing import PackedSwiGLU, Stack, product_modules, relayout
 from .paged_attention import use_fast_paged_attention
 from .products import LINEARS, MatvecLinear, swap_class
 from .replay import ReplayedDecodeStep
+from .replay_serving import ReplayedServingStep
 
 ENV_VAR = "MINILLM_DECODE_PATH"
 
@@ -193,6 +194,7 @@ def apply_decode_path(model: Transformer, name: str) -> Transformer:
         if isinstance(module, MatvecLinear):
             module.few_rows_in_c = c_few_rows
     model.compiled_decode = _compiled_step() if path.compiled else ReplayedDecodeStep() if path.replayed else None
+    model.replayed_batch = ReplayedServingStep() if path.replayed else None  # a server's steps of decodes only
     use_fast_paged_attention(model)  # the serving engine's decodes: attention over the pool's blocks in C
     model.decode_path = path.name
     return model

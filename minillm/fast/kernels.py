@@ -793,7 +793,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         raise ValueError(f"paged_decode_attention: {problem}")
     B, n_heads, head_dim = q.shape
     block_size, kv_heads = k_pool.shape[1], k_pool.shape[2]
-    keys_per_task = max(n for n in range(1, 33) if block_size % n == 0)  # a chunk within one block, <= 32 keys
+    keys_per_task = paged_keys_per_task(block_size)
     tables, first, last = block_tables.contiguous(), first.contiguous(), last.contiguous()
     q32, out = q.contiguous().float(), _output(B, n_heads, head_dim)
     if lib.paged_decode_attention(q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), q.dtype == torch.bfloat16,
@@ -803,6 +803,11 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         raise MemoryError(f"paged_decode_attention could not allocate {2 * keys_per_task * kv_heads * head_dim * 4:,} "
                           f"bytes for a chunk's float32 keys and values")
     return out.to(q.dtype)
+
+
+def paged_keys_per_task(block_size: int) -> int:
+    """How many keys one task of :func:`paged_decode_attention` reads: a chunk within one block, at most 32."""
+    return max(n for n in range(1, 33) if block_size % n == 0)
 
 
 PAGED_MAX_HEAD_ELEMENTS = 65536  # heads · head_dim: the C loop keeps a sequence's sums on its thread's stack

@@ -48,7 +48,8 @@ from .block import FastBlock
 from .packing import PackedSwiGLU, silu_mul_in_c
 from .products import FastQuantizedLinear, MatvecLinear
 
-C_PRODUCTS = ("f32_matvec", "bf16_matvec")  # MatvecLinear's kernels that take (x, weight, y, rows, out, in, threads)
+# MatvecLinear's kernels that take (x, weight, y, rows, out, in, threads), the matrix where it lies
+C_PRODUCTS = ("f32_matvec", "bf16_matvec", "f32_rows_matmul", "bf16_rows_matmul")
 
 
 class ReplayedDecodeStep:
@@ -68,7 +69,7 @@ class ReplayedDecodeStep:
     compiles = False  # (a compiled step compiles in its first call; this one binds its plan in milliseconds)
 
     def __init__(self):
-        self._kept: tuple[_ModelState, _Plan | None] | None = None
+        self._kept: tuple[ModelState, Plan | None] | None = None
 
     def __getstate__(self) -> dict:
         return {"_kept": None}  # (a copy of the model gets its own plan at its first step: addresses do not copy)
@@ -89,10 +90,10 @@ class ReplayedDecodeStep:
         cache.advance(1)
         return logits
 
-    def plan(self, model: Transformer) -> _Plan | None:
+    def plan(self, model: Transformer) -> Plan | None:
         """The model's plan (made now if the model changed since), or None where it does not :func:`replay_fits`."""
         if self._kept is None or not self._kept[0].holds(model):
-            self._kept = (_ModelState(model), _Plan(model) if replay_fits(model) else None)
+            self._kept = (ModelState(model), Plan(model, Scratch(1), 1) if replay_fits(model) else None)
         return self._kept[1]
 
 
@@ -132,7 +133,7 @@ def _block_fits(block, dtype: torch.dtype) -> bool:
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # (nn.Module's own dicts and flags: never replaced)
 
 
-class _ModelState:
+class ModelState:
     """What a plan was made from: every attribute of every module of the model (submodules, parameters, buffers,
     q|k|v and gate|up stacks, plain values such as a norm's eps or the attention's scale and window) and each
     tensor's address, and torch's thread count. ``holds(model)``: all still the same objects (~2,000 entries for
@@ -160,29 +161,70 @@ class _ModelState:
         return any(map(len, self.hooks))
 
 
-class _Plan:
-    """One sequence's buffers and the bound calls of a step (the module docstring's listing)."""
+class Scratch:
+    """The buffers of a model's plans: ``get(name, rows, *shape, dtype)`` -> [rows, *shape], the first rows of one
+    [capacity, *shape] tensor for each name, shape and dtype. Every layer of a plan writes the same ones (a layer's
+    are free once it has run), and so does each plan of fewer rows. ``lock``: the plans on one scratch run one at a
+    time."""
 
-    def __init__(self, model: Transformer):
+    def __init__(self, capacity: int):
+        self.capacity, self.lock, self._kept = capacity, threading.Lock(), {}
+
+    def get(self, name: str, rows: int, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (name, shape, dtype)
+        if key not in self._kept:
+            with torch.inference_mode():
+                self._kept[key] = torch.empty(self.capacity, *shape, dtype=dtype)
+        return self._kept[key][:rows]
+
+
+class Plan:
+    """The bound calls of a step of ``rows`` sequences, one token each (the module docstring's listing), on
+    ``scratch``'s buffers: ``step`` for one sequence in a :class:`KVCache`, ``step_paged`` for a serving batch's
+    decodes (:mod:`minillm.fast.replay_serving`)."""
+
+    def __init__(self, model: Transformer, scratch: Scratch, rows: int):
         cfg, weight = model.config, model.embed.weight
-        self.lock = threading.Lock()
         self.embed, self.rope, self.ln_final, self.dtype = weight, model.rope, model.ln_final, weight.dtype
-        with torch.inference_mode():
-            self.x = torch.empty(1, cfg.d_model, dtype=self.dtype)  # the residual stream
-            self.down = torch.zeros_like(self.x)  # the last layer's MLP output, added in the next norm
-            self.final = torch.empty_like(self.x)
-            self.logits = torch.empty(1, cfg.vocab_size, dtype=self.dtype)
-            self.layers = [_Layer(block, self.x, self.down, i == 0) for i, block in enumerate(model.blocks)]
-            self.lm_head = _product(model.lm_head, self.final, self.logits)
+        self.scratch, self.lock = scratch, scratch.lock  # (the C calls hold its buffers' addresses, not them)
+        self.x = scratch.get("x", rows, cfg.d_model, dtype=self.dtype)  # the residual stream
+        self.down = scratch.get("down", rows, cfg.d_model, dtype=self.dtype)  # the MLP's output, added in the next norm
+        self.final = scratch.get("final", rows, cfg.d_model, dtype=self.dtype)
+        self.logits = scratch.get("logits", rows, cfg.vocab_size, dtype=self.dtype)
+        self.layers = [_Layer(block, self.x, self.down, i == 0, scratch) for i, block in enumerate(model.blocks)]
+        self.lm_head = _product(model.lm_head, self.final, self.logits)
         self.cache_rows = [block.attn.layer for block in model.blocks]  # (the layer each block's K/V belong to)
         self._cache: tuple | None = None  # (a weak reference to the last cache, its k and v, each layer's _Slot)
 
     def step(self, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One sequence's step: token_ids [1] int64 at position ``cache.length`` -> logits [1, vocab] float32."""
         pos = cache.length
-        torch.index_select(self.embed, 0, token_ids, out=self.x)
-        cos, sin = self.rope(torch.arange(pos, pos + 1), self.dtype)  # [1, head_dim] each
+        cos, sin = self._start(token_ids, torch.arange(pos, pos + 1))
         for layer, slot in zip(self.layers, self._slots(cache)):
-            layer.run(pos, cos, sin, slot)
+            layer.project(cos, sin)
+            layer.attend_one(pos, slot)
+            layer.finish()
+        return self._logits()
+
+    def step_paged(self, batch) -> torch.Tensor:
+        """A serving batch of decodes (a :class:`~minillm.fast.paged_attention.FastPagedBatch`: one token a request,
+        in order, every one sampling) -> logits [rows, vocab] float32."""
+        cos, sin = self._start(batch.token_ids, batch.positions)
+        cache, ranges = batch.cache, (batch.decode_block_tables.contiguous(), batch.decode_first,
+                                      batch.decode_context_lens)
+        for layer, row in zip(self.layers, self.cache_rows):
+            layer.project(cos, sin)
+            cache.write(row, layer.k_new, layer.v_new, batch.slots)
+            layer.attend_paged(cache.k[row], cache.v[row], *ranges)
+            layer.finish()
+        return self._logits()
+
+    def _start(self, token_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x = the tokens' embeddings; returns RoPE's cos and sin [rows, head_dim] at their positions."""
+        torch.index_select(self.embed, 0, token_ids, out=self.x)
+        return self.rope(positions, self.dtype)
+
+    def _logits(self) -> torch.Tensor:
         torch.add(self.x, self.down, out=self.x)
         self.final.copy_(self.ln_final(self.x))  # (the lesson's norm: its roundings are the eager step's)
         self.lm_head()
@@ -213,52 +255,77 @@ class _Slot:
 
 
 class _Layer:
-    """A block's calls, bound to the plan's residual stream ``x`` and the previous layer's MLP output ``down``
-    (nothing to add before the first layer's norm) and to buffers of its own."""
+    """A block's calls for ``rows`` tokens (one a sequence), bound to the plan's residual stream ``x`` [rows, d_model]
+    and the previous layer's MLP output ``down`` (nothing to add before the first layer's norm), and to the scratch's
+    buffers: ``project`` (the norm, q|k|v, RoPE), then one of the attentions, then ``finish`` (o, the second norm,
+    the MLP)."""
 
-    def __init__(self, block: FastBlock, x: torch.Tensor, down: torch.Tensor, first: bool):
-        attn, mlp, lib, dtype = block.attn, block.mlp, kernels.kernels(), x.dtype
-        H, KV, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    def __init__(self, block: FastBlock, x: torch.Tensor, down: torch.Tensor, first: bool, scratch: Scratch):
+        attn, mlp, lib, dtype, rows = block.attn, block.mlp, kernels.kernels(), x.dtype, x.shape[0]
+        H, KV, D, F_ = attn.n_heads, attn.n_kv_heads, attn.head_dim, mlp.down_proj.in_features
         self.lib, self.threads, self.is_bf16 = lib, torch.get_num_threads(), dtype == torch.bfloat16
-        self.shape, self.scale = (H, KV, D), attn._scale()
-        h = torch.empty_like(x)  # each norm's output
-        qkv = torch.empty(1, 1, (H + 2 * KV) * D, dtype=dtype)  # FastAttention's [B, T, (H + 2 KV) D]
-        self.q_rot, self.k_rot = torch.empty(1, 1, H, D, dtype=dtype), torch.empty(1, 1, KV, D, dtype=dtype)
-        # decode_attention reads a float32 q and writes a float32 output; in bfloat16 both are copies, as eagerly
-        self.q32 = torch.empty(1, H, D, dtype=torch.float32) if self.is_bf16 else self.q_rot
-        self.out32 = torch.empty(1, H * D, dtype=torch.float32)
-        self.attn_out = torch.empty(1, H * D, dtype=dtype) if self.is_bf16 else self.out32
-        o, gate_up = torch.empty_like(x), torch.empty(1, 2 * mlp.down_proj.in_features, dtype=dtype)
-        act = torch.empty(1, mlp.down_proj.in_features, dtype=dtype)
-        self.buffers = (h, qkv, o, gate_up, act)  # (the C calls hold their addresses, not them: kept alive here)
+        self.shape, self.scale = (rows, H, KV, D), attn._scale()
+        get = scratch.get
+        h = get("h", rows, x.shape[1], dtype=dtype)  # each norm's output
+        qkv = get("qkv", rows, (H + 2 * KV) * D, dtype=dtype).view(1, rows, -1)  # FastAttention's [B, T, (H + 2 KV) D]
+        q_rot, k_rot = get("q_rot", rows, H, D, dtype=dtype), get("k_rot", rows, KV, D, dtype=dtype)
+        # the attention kernels read a float32 q and write a float32 output; in bfloat16 both are copies, as eagerly
+        self.q32 = get("q32", rows, H, D, dtype=torch.float32) if self.is_bf16 else q_rot
+        self.out32 = get("out32", rows, H * D, dtype=torch.float32)
+        self.attn_out = get("attn_out", rows, H * D, dtype=dtype) if self.is_bf16 else self.out32
+        o, gate_up = get("o", rows, x.shape[1], dtype=dtype), get("gate_up", rows, 2 * F_, dtype=dtype)
+        act = get("act", rows, F_, dtype=dtype)
 
         self.norm_in = _rms_norm(block.ln1, x, None if first else down, h)
-        self.qkv = _product(attn.qkv.module, h.view(1, 1, -1), qkv)
-        q, k, v = (t.view(1, 1, -1, D).transpose(1, 2) for t in qkv.split((H * D, KV * D, KV * D), -1))
+        self.qkv = _product(attn.qkv.module, h.view(1, rows, -1), qkv)
+        q, k, v = (t.view(1, rows, -1, D).transpose(1, 2) for t in qkv.split((H * D, KV * D, KV * D), -1))
         self.rope_in = (q.data_ptr(), k.data_ptr())  # (then cos and sin, which move)
-        self.rope_rest = (self.q_rot.data_ptr(), self.k_rot.data_ptr(), 1, 1, H, KV, D, *q.stride()[:3],
-                          *k.stride()[:3], self.is_bf16, self.threads)
-        self.q_new, self.k_new, self.v_new = self.q_rot[0], self.k_rot[0, 0], v[0, :, 0]  # [1, H, D], [KV, D] x2
+        self.rope_rest = (q_rot.data_ptr(), k_rot.data_ptr(), 1, rows, H, KV, D, *q.stride()[:3], *k.stride()[:3],
+                          self.is_bf16, self.threads)
+        self.q_new, self.k_new, self.v_new = q_rot, k_rot, v[0].transpose(0, 1)  # [rows, H, D], [rows, KV, D] x2
         self.o = _product(attn.o_proj, self.attn_out, o)
         self.norm_mid = _rms_norm(block.ln2, x, o, h)
         self.gate_up = _product(mlp.gate_up.module, h, gate_up)
         self.act = _activation(gate_up, act, lib, self.threads)
         self.down = _product(mlp.down_proj, act, down)
 
-    def run(self, pos: int, cos: torch.Tensor, sin: torch.Tensor, slot: _Slot) -> None:
-        H, KV, D = self.shape
+    def project(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
         self.norm_in()
         self.qkv()
         self.lib.rope(*self.rope_in, cos.data_ptr(), sin.data_ptr(), *self.rope_rest)
-        slot.k.select(1, pos).copy_(self.k_new)
-        slot.v.select(1, pos).copy_(self.v_new)
+
+    def attend_one(self, pos: int, slot: _Slot) -> None:
+        """One sequence's token: its K/V into the cache at ``pos``, then decode_attention over positions 0..pos."""
+        _, H, KV, D = self.shape
+        slot.k.select(1, pos).copy_(self.k_new[0])
+        slot.v.select(1, pos).copy_(self.v_new[0])
         if self.is_bf16:
             self.q32.copy_(self.q_new)
         if self.lib.decode_attention(self.q32.data_ptr(), slot.k_ptr, slot.v_ptr, self.is_bf16, self.out32.data_ptr(),
                                      1, H, KV, pos + 1, D, *slot.strides, self.scale, self.threads):
             raise MemoryError("decode_attention could not allocate its partial results or a thread's float32 copy")
+        self._attention_out()
+
+    def attend_paged(self, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, first: torch.Tensor,
+                     last: torch.Tensor) -> None:
+        """Each row's query over its sequence's keys in a serving pool (one layer's [num_blocks, block_size, KV, D],
+        this step's K/V already written): paged_decode_attention over positions first[b] <= j < last[b]."""
+        rows, H, KV, D = self.shape
+        if self.is_bf16:
+            self.q32.copy_(self.q_new)
+        block_size = k_pool.shape[1]
+        if self.lib.paged_decode_attention(self.q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), self.is_bf16,
+                                           self.out32.data_ptr(), tables.data_ptr(), first.data_ptr(),
+                                           last.data_ptr(), rows, H, KV, D, block_size, tables.shape[1],
+                                           kernels.paged_keys_per_task(block_size), self.scale, self.threads):
+            raise MemoryError("paged_decode_attention could not allocate a chunk's float32 keys and values")
+        self._attention_out()
+
+    def _attention_out(self) -> None:
         if self.is_bf16:
             self.attn_out.copy_(self.out32)
+
+    def finish(self) -> None:
         self.o()
         self.norm_mid()
         self.gate_up()
@@ -267,15 +334,15 @@ class _Layer:
 
 
 def _product(module, x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
-    """``out = x @ Wᵀ`` on fixed buffers: the C loop the module runs for x (:class:`MatvecLinear`'s one-row loops,
-    :class:`FastQuantizedLinear`'s quantized_matvec), called directly, or else the module itself (F.linear, the
-    matrix units, a bias), its result copied into ``out``."""
+    """``out = x @ Wᵀ`` on fixed buffers: the C loop the module runs for x (:class:`MatvecLinear`'s loops over a few
+    rows, :class:`FastQuantizedLinear`'s quantized_matvec), called directly, or else the module itself (F.linear, a
+    packed copy, the matrix units, a bias), its result copied into ``out``."""
     lib = kernels.kernels()
     kernel = module.kernel(x) if isinstance(module, MatvecLinear) else None
     if kernel in C_PRODUCTS and module.bias is None:
         weight = module.weight
-        return _c_call(getattr(lib, kernel), x.data_ptr(), weight.data_ptr(), out.data_ptr(), 1, weight.shape[0],
-                       weight.shape[1], torch.get_num_threads())
+        return _c_call(getattr(lib, kernel), x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1],
+                       weight.shape[0], weight.shape[1], torch.get_num_threads())
     if isinstance(module, FastQuantizedLinear) and module.runs_matvec(x) and module.bias is None:
         codes, rows = (module.qweight, module.scale, module.zero, module.group_size), x.view(-1, x.shape[-1])
         function, arguments = kernels.quantized_call("matvec", lib, rows, *codes, out)  # (checked once, here)
@@ -295,7 +362,7 @@ def _activation(gate_up: torch.Tensor, out: torch.Tensor, lib, threads: int) -> 
     """silu(gate) · up into ``out``, as PackedSwiGLU computes it: in C where it would, else in PyTorch."""
     if silu_mul_in_c(gate_up):
         silu_mul = lib.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else lib.silu_mul
-        return _c_call(silu_mul, gate_up.data_ptr(), out.data_ptr(), 1, out.shape[1], threads)
+        return _c_call(silu_mul, gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1], threads)
     gate, up = gate_up.chunk(2, dim=-1)
     return lambda: torch.mul(F.silu(gate), up, out=out)
 

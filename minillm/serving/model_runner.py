@@ -98,8 +98,12 @@ def run_model(model, cache: PagedKVCache, scheduled: ScheduledBatch) -> tuple[li
 
     With prompt logprobs asked, the logits hold more rows: the R sampling rows, then those of
     :func:`prompt_logits_spans` in its order. The speed layer may give the model its own batch
-    (``model.paged_batch``: attention over the blocks in place, minillm/fast/paged_attention.py)."""
+    (``model.paged_batch``: attention over the blocks in place, minillm/fast/paged_attention.py), and its own
+    step for a batch it applies to (``model.replayed_batch``: minillm/fast/replay_serving.py): the same logits."""
     batch, sampling = prepare_batch(cache, scheduled, getattr(model, "paged_batch", None) or PagedBatch)
+    replayed = getattr(model, "replayed_batch", None)  # the hook for minillm/fast: skip on a first reading
+    if replayed is not None and replayed.applies(model, batch):
+        return sampling, replayed(model, batch)
     return sampling, forward_batch(model, batch)
 
 

@@ -23,6 +23,7 @@ from minillm.fast.attention import c_decode_fits, c_kernels_fit
 from minillm.fast.products import LINEARS, FastQuantizedLinear, MatvecLinear, SplitLinear
 from minillm.fast.replay import ReplayedDecodeStep
 from minillm.quantize import QuantizedLinear
+from minillm.serving.paged_attention import forward_batch
 
 TOL = 1e-5  # float32: the same products summed in another order
 
@@ -441,13 +442,16 @@ def _resolve(name: str):
 
 def _swapped(pure, fast) -> set[tuple]:
     """(course piece, fast piece) of each swap a path made: the module at a name whose class changed
-    (stacked members included), the serving batch's builder, the compiled decode step."""
+    (stacked members included), the serving batch's builder, the compiled or replayed decode step, the replayed
+    serving step."""
     modules = dict(fast.named_modules())
     pairs = {(type(m), type(modules[name])) for name, m in pure.named_modules() if type(modules[name]) is not type(m)}
     if getattr(fast, "paged_batch", None) is not None:  # (the builder of each step's FastPagedBatch)
         pairs.add((_resolve("serving.paged_attention.PagedBatch"), _resolve("fast.paged_attention.FastPagedBatch")))
     if fast.compiled_decode is not None:
         pairs.add((decode_step, type(fast.compiled_decode)))
+    if getattr(fast, "replayed_batch", None) is not None:  # (the serving engine's step of decodes)
+        pairs.add((forward_batch, type(fast.replayed_batch)))
     return pairs
 
 
