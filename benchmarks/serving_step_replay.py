@@ -1,0 +1,87 @@
+"""A serving engine's decode-only step, replayed (minillm/fast/replay_serving.py) against the eager forward.
+
+    python benchmarks/serving_step_replay.py [--dtypes float32 bfloat16] [--batches 1 8 32] [--rounds 4] [--steps 5]
+
+For each dtype and batch size B: SmolLM2-135M on the CPU, an ``LLMEngine`` with the bench-serving defaults (block
+size 16, budget 512 tokens, the allocator ``minillm serve`` sets), B greedy requests with prompts drawn uniform
+32-512 (seed 0), prefilled until all decode; then the two variants take turns (``model.replayed_batch`` set, or
+None: the eager ``forward_batch``), ``--rounds`` times one untimed step and ``--steps`` timed steps each. Prints
+the median and the fastest step of each, in ms, their ratio, and the load average. No hooks are registered (the
+replay runs the eager forward under one): the step is timed whole, ``engine.step()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+import torch
+
+from minillm import load_model
+from minillm.bench.arg_types import positive_int
+from minillm.malloc_policy import keep_freed_memory, use_huge_pages_for_pools
+from minillm.sampling import SamplingParams
+from minillm.serving.engine import LLMEngine
+
+
+def decoding_engine(model, batch: int, seed: int) -> LLMEngine:
+    """An engine whose ``batch`` requests have all been prefilled: each of its next steps decodes them all."""
+    rng = random.Random(seed)
+    engine = LLMEngine(model, max_num_seqs=batch, kv_cache_memory="1GiB")
+    params = SamplingParams(temperature=0.0, max_new_tokens=4096, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request([rng.randrange(model.config.vocab_size) for _ in range(rng.randint(32, 512))], params)
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                          for r in engine.scheduler.running):
+        engine.step()
+    return engine
+
+
+def time_variants(model, engine: LLMEngine, rounds: int, steps: int) -> dict[str, list[float]]:
+    """ms of each timed step, per variant, the variants taking turns on the same engine."""
+    replayed, times = model.replayed_batch, {"replayed": [], "eager": []}
+    for _ in range(rounds):
+        for name, step in (("replayed", replayed), ("eager", None)):
+            model.replayed_batch = step
+            engine.step()  # (untimed: a new plan, or the eager path's first step since)
+            for _ in range(steps):
+                start = time.perf_counter()
+                engine.step()
+                times[name].append((time.perf_counter() - start) * 1e3)
+    model.replayed_batch = replayed
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--rounds", type=positive_int, default=4)
+    parser.add_argument("--steps", type=positive_int, default=5)
+    parser.add_argument("--threads", type=positive_int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    keep_freed_memory()
+    use_huge_pages_for_pools()
+    torch.set_num_threads(args.threads)
+    print(f"load average before {os.getloadavg()}")
+    print("| dtype | batch | replayed ms (median / min) | eager ms (median / min) | replayed / eager |")
+    print("|---|---|---|---|---|")
+    for dtype in args.dtypes:
+        model = load_model("smollm2-135m-instruct", device="cpu", dtype=dtype)
+        if model.replayed_batch is None:
+            raise SystemExit(f"the decode path is {model.decode_path!r}: no replayed serving step to time (the C kernels "
+                             "build? MINILLM_DECODE_PATH unset?)")
+        for batch in args.batches:
+            times = time_variants(model, decoding_engine(model, batch, args.seed), args.rounds, args.steps)
+            r, e = (statistics.median(times[k]) for k in ("replayed", "eager"))
+            print(f"| {dtype} | {batch} | {r:.1f} / {min(times['replayed']):.1f} | {e:.1f} / {min(times['eager']):.1f} "
+                  f"| {r / e:.2f} |")
+    print(f"load average after {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
