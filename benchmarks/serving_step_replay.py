@@ -73,8 +73,8 @@ def main() -> None:
     for dtype in args.dtypes:
         model = load_model("smollm2-135m-instruct", device="cpu", dtype=dtype)
         if model.replayed_batch is None:
-            raise SystemExit(f"the decode path is {model.decode_path!r}: no replayed serving step to time (the C kernels "
-                             "build? MINILLM_DECODE_PATH unset?)")
+            raise SystemExit(f"the decode path is {model.decode_path!r}: no replayed serving step to time (do the C "
+                             "kernels build? is MINILLM_DECODE_PATH set?)")
         for batch in args.batches:
             times = time_variants(model, decoding_engine(model, batch, args.seed), args.rounds, args.steps)
             r, e = (statistics.median(times[k]) for k in ("replayed", "eager"))
