@@ -100,18 +100,12 @@ static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *w, c
 #endif
 }
 
-/* The rows fetched ahead lie at least this far past the tile being multiplied: one tile of SmolLM2-135M's 576-column
- * matrices is 4.6 KB, too near to cover the memory's latency, so three tiles ahead; a 1.7B-shape tile (2,048
- * columns, 16 KB) fetches the next. A SmolLM2-135M bfloat16 decode step on the AMD EPYC: 9.9-10.5 ms against
- * 10.3-11.6 with the next tile at 128 positions (BENCHMARKS.md, "A decode step replayed"). */
-#define PREFETCH_AHEAD_BYTES 16384
-
 /* One tile of y: rows o..o+G of w by rows r..r+R of x (G 4, or fewer at w's end). */
 static void bf16_tile_at(const uint16_t *x, const float *xf, const uint16_t *w, uint16_t *y, int o, int r, int G,
                          int R, int out, int in) {
     const uint16_t *wo = w + (int64_t)o * in, *xr = x + (int64_t)r * in;
-    int ahead = PREFETCH_AHEAD_BYTES / (8 * in) > 1 ? PREFETCH_AHEAD_BYTES / (8 * in) : 1;  /* tiles ahead */
-    const char *next = r == 0 && o + 4 * ahead + 4 <= out ? (const char *)(wo + (int64_t)4 * ahead * in) : NULL;
+    int ahead = rows_ahead(2 * (int64_t)in, 4);  /* (whole tiles, about PREFETCH_AHEAD_BYTES) */
+    const char *next = r == 0 && o + ahead + 4 <= out ? (const char *)(wo + (int64_t)ahead * in) : NULL;
     const float *xfr = xf ? xf + (int64_t)r * in : NULL;
     float sum[4][4];
     if (G == 4) {

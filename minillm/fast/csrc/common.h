@@ -143,6 +143,19 @@ static inline __attribute__((always_inline)) void store_rows(vecf acc[PANEL_ROWS
     }
 }
 
+/* How far ahead a one-row product fetches its matrix: about this many bytes past the rows it multiplies, into the
+ * L2 cache. A group of SmolLM2-135M's 576-column rows is 2-5 KB, too near to cover the memory's latency; a 1.7B-shape
+ * group (2,048 columns) fetches the next. On the AMD EPYC, SmolLM2-135M's bfloat16 decode step: 9.9-10.5 ms against
+ * 10.3-11.6 with the next group at 128 positions; its 121 int8 products, out of cache: 4.4-4.7 ms against 6.3-6.9
+ * with the next group into L1 (BENCHMARKS.md, "A decode step replayed" and "int8 at one row, fetched ahead"). */
+#define PREFETCH_AHEAD_BYTES 16384
+
+/* The rows to fetch ahead of a group of `group` rows of `row_bytes` each: whole groups, at least one. */
+static inline int rows_ahead(int64_t row_bytes, int group) {
+    int64_t groups = PREFETCH_AHEAD_BYTES / (group * row_bytes);
+    return (int)(groups > 1 ? groups : 1) * group;
+}
+
 static inline void prefetch_bytes(const void *p, int64_t n) {  /* each 64-byte line of p[0:n], into the caches */
     for (int64_t b = 0; b < n; b += 64) __builtin_prefetch((const char *)p + b);
 }
