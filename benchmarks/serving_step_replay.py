@@ -26,14 +26,18 @@ from minillm.malloc_policy import keep_freed_memory, use_huge_pages_for_pools
 from minillm.sampling import SamplingParams
 from minillm.serving.engine import LLMEngine
 
+MAX_PROMPT, BLOCK_SIZE = 512, 16  # prompts drawn uniform 32-512 tokens; the bench-serving block size
 
-def decoding_engine(model, batch: int, seed: int) -> LLMEngine:
-    """An engine whose ``batch`` requests have all been prefilled: each of its next steps decodes them all."""
+
+def decoding_engine(model, batch: int, seed: int, new_tokens: int) -> LLMEngine:
+    """An engine whose ``batch`` requests have all been prefilled: each of its next ``new_tokens`` steps decodes
+    them all (its pool holds every request's longest prompt and those tokens: none is preempted)."""
     rng = random.Random(seed)
-    engine = LLMEngine(model, max_num_seqs=batch, kv_cache_memory="1GiB")
+    blocks_each = -(-(MAX_PROMPT + new_tokens + 1) // BLOCK_SIZE)
+    engine = LLMEngine(model, max_num_seqs=batch, num_blocks=batch * blocks_each + 1, block_size=BLOCK_SIZE)
     params = SamplingParams(temperature=0.0, max_new_tokens=4096, ignore_eos=True)
     for _ in range(batch):
-        engine.add_request([rng.randrange(model.config.vocab_size) for _ in range(rng.randint(32, 512))], params)
+        engine.add_request([rng.randrange(model.config.vocab_size) for _ in range(rng.randint(32, MAX_PROMPT))], params)
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                           for r in engine.scheduler.running):
         engine.step()
@@ -57,17 +61,21 @@ def time_variants(model, engine: LLMEngine, rounds: int, steps: int) -> dict[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
-    parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--rounds", type=positive_int, default=4)
-    parser.add_argument("--steps", type=positive_int, default=5)
-    parser.add_argument("--threads", type=positive_int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"],
+                        help="the model's precisions, one table row per dtype and batch")
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8, 32],
+                        help="requests decoding together in each timed step")
+    parser.add_argument("--rounds", type=positive_int, default=4, help="turns each variant takes, interleaved")
+    parser.add_argument("--steps", type=positive_int, default=5, help="timed steps a variant's turn")
+    parser.add_argument("--threads", type=positive_int, default=2, help="torch's threads (the CPU's cores at most)")
+    parser.add_argument("--seed", type=int, default=0, help="the prompts' lengths and tokens")
     args = parser.parse_args()
+    if args.threads > (os.cpu_count() or 1):
+        parser.error(f"--threads {args.threads} is more than this machine's {os.cpu_count()} CPUs; give at most that")
     keep_freed_memory()
     use_huge_pages_for_pools()
     torch.set_num_threads(args.threads)
-    print(f"load average before {os.getloadavg()}")
+    print(f"load average before {_load()}")
     print("| dtype | batch | replayed ms (median / min) | eager ms (median / min) | replayed / eager |")
     print("|---|---|---|---|---|")
     for dtype in args.dtypes:
@@ -76,11 +84,16 @@ def main() -> None:
             raise SystemExit(f"the decode path is {model.decode_path!r}: no replayed serving step to time (do the C "
                              "kernels build? is MINILLM_DECODE_PATH set?)")
         for batch in args.batches:
-            times = time_variants(model, decoding_engine(model, batch, args.seed), args.rounds, args.steps)
+            engine = decoding_engine(model, batch, args.seed, args.rounds * 2 * (args.steps + 1))
+            times = time_variants(model, engine, args.rounds, args.steps)
             r, e = (statistics.median(times[k]) for k in ("replayed", "eager"))
             print(f"| {dtype} | {batch} | {r:.1f} / {min(times['replayed']):.1f} | {e:.1f} / {min(times['eager']):.1f} "
                   f"| {r / e:.2f} |")
-    print(f"load average after {os.getloadavg()}")
+    print(f"load average after {_load()}")
+
+
+def _load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

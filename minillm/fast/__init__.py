@@ -13,18 +13,21 @@ kernels built.
 
     course piece (minillm.)                 fast piece (minillm.)                     when
     model.Block                             fast.block.FastBlock                      the C paths, C kernels fit
-    model.Attention                         fast.attention.FastAttention              every path; decode attention in C
-                                                                                      (+ prefill and RoPE in C; bfloat16
-                                                                                      prefill on pairs: AMX or AVX512-BF16)
+    model.Attention                         fast.attention.FastAttention              every path; decode attention
+                                                                                      in C (+ prefill and RoPE in C;
+                                                                                      bfloat16 prefill on pairs: AMX
+                                                                                      or AVX512-BF16)
     model.SwiGLU                            fast.packing.PackedSwiGLU                 every path, a SwiGLU MLP
     torch.nn.Linear                         fast.products.SplitLinear                 the split paths, a float model
-    torch.nn.Linear                         fast.products.MatvecLinear                the C paths, a float model; CPU bfloat16
+    torch.nn.Linear                         fast.products.MatvecLinear                the C paths, a float model;
+                                                                                      CPU bfloat16
     quantize.QuantizedLinear                fast.products.FastQuantizedLinear         every path, a quantised model
     serving.paged_attention.PagedBatch      fast.paged_attention.FastPagedBatch       every path, C kernels fit
     phases.decode_step                      fast.compile.CompiledDecodeStep           the compiled paths
-    phases.decode_step                      fast.replay.ReplayedDecodeStep            the replay path (the rule's choice
-                                                                                      where the C kernels build): one
-                                                                                      sequence's C calls on fixed buffers
+    phases.decode_step                      fast.replay.ReplayedDecodeStep            the replay path (the rule's
+                                                                                      choice where the C kernels
+                                                                                      build): one sequence's C calls
+                                                                                      on fixed buffers
     serving.paged_attention.forward_batch   fast.replay_serving.ReplayedServingStep   the replay path: a server's
                                                                                       step of decodes only, its C calls
                                                                                       bound once per batch size

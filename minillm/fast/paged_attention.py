@@ -26,6 +26,7 @@ at batch 32 the reference's gather and SDPA were 46 % of a SmolLM2-135M bfloat16
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import torch
@@ -42,18 +43,22 @@ class FastPagedBatch(PagedBatch):
     """:class:`~minillm.serving.paged_attention.PagedBatch` whose decodes attend in C over the pool.
 
     Args:
-        scales: per layer, the attention's score scale (``ModelConfig.attn_scale``: 1/√head_dim by default).
-        c_prefill: whether the model's layers run a long enough prefill chunk's attention in C
-            (:class:`~minillm.fast.attention.FastAttention`'s ``c_prefill``): such a chunk is not padded.
+        blocks: the model's blocks, read as the step is built: each attention's score scale (its ``scale``,
+            ``ModelConfig.attn_scale``; 1/√head_dim where None) by the cache layer it writes, and whether every
+            layer runs a long enough prefill chunk's attention in C (:class:`~minillm.fast.attention.FastAttention`'s
+            ``c_prefill``): such a chunk is not padded.
         the rest: as :class:`~minillm.serving.paged_attention.PagedBatch`.
 
     Raises ValueError when a decode's block table names a block outside the pool or is too short
     for its context (checked once per step, not per layer).
     """
 
-    def __init__(self, scales: tuple[float, ...], c_prefill: bool, cache, *args, **kwargs):
+    def __init__(self, blocks, cache, *args, **kwargs):
         super().__init__(cache, *args, **kwargs)
-        self.scales, self.c_prefill = scales, c_prefill
+        # (read each step, not once at load: a scale set after loading is the one the model's own attention uses)
+        self.scales = {b.attn.layer: 1 / math.sqrt(b.attn.head_dim) if b.attn.scale is None else b.attn.scale
+                       for b in blocks}
+        self.c_prefill = all(getattr(b.attn, "c_prefill", False) for b in blocks)
         self.decode_first = torch.zeros_like(self.decode_context_lens)
         if len(self.decode_rows) and not kernels.paged_ranges_fit(
                 self.decode_block_tables, self.decode_first, self.decode_context_lens, cache.num_blocks,
@@ -104,6 +109,4 @@ def use_fast_paged_attention(model) -> None:
     if not c_kernels_fit(model):
         model.paged_batch = None
         return
-    scales = tuple(block.attn.scale for block in model.blocks)
-    c_prefill = all(block.attn.c_prefill for block in model.blocks)
-    model.paged_batch = partial(FastPagedBatch, scales, c_prefill)
+    model.paged_batch = partial(FastPagedBatch, model.blocks)

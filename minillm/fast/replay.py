@@ -112,22 +112,30 @@ def _one_token(token_ids, vocab_size: int) -> torch.Tensor:
 
 def replay_fits(model: Transformer) -> bool:
     """Whether a step of ``model`` can be replayed: float32 or bfloat16 on a CPU, the C kernels built, RoPE and
-    no learned positions, attention "sdpa", and every block what the C paths make of a Llama-family layer
+    no learned positions, attention "sdpa", every block what the C paths make of a Llama-family layer
     (:class:`FastBlock` with RMSNorms, :class:`FastAttention` with decode's attention and RoPE in C and q|k|v
-    stacked, no sliding window or QK-norm, :class:`PackedSwiGLU` with gate|up stacked)."""
+    stacked, no sliding window or QK-norm, :class:`PackedSwiGLU` with gate|up stacked), and no module whose method
+    was replaced on the module itself."""
     weight = model.embed.weight
     return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and kernels.available()
             and model.pos_embed is None and model.rope is not None and model.attn_impl == "sdpa"
-            and all(_block_fits(block, weight.dtype) for block in model.blocks))
+            and all(_block_fits(block, weight.dtype) for block in model.blocks)
+            and not any(map(_method_set_on, model.modules())))
+
+
+def _method_set_on(module: torch.nn.Module) -> bool:
+    """Whether one of the module's methods was replaced on the module itself (``mlp.forward = ...``): the replay
+    calls none of them, so it would not see the change."""
+    return any(callable(getattr(type(module), name, None)) for name in vars(module) if name not in _MODULE_INTERNALS)
 
 
 def _block_fits(block, dtype: torch.dtype) -> bool:
-    attn, mlp = block.attn, block.mlp
-    return (type(block) is FastBlock and all(isinstance(n, RMSNorm) and n.weight.dtype == dtype
+    attn, mlp = block.attn, block.mlp  # (the exact classes: a subclass may compute otherwise, and is not called)
+    return (type(block) is FastBlock and all(type(n) is RMSNorm and n.weight.dtype == dtype
                                              and n.weight.is_contiguous() for n in (block.ln1, block.ln2))
-            and isinstance(attn, FastAttention) and attn.c_decode and attn.c_rope and attn.window is None
+            and type(attn) is FastAttention and attn.c_decode and attn.c_rope and attn.window is None
             and attn.q_norm is None and attn.qkv is not None and attn.qkv.fresh(attn)
-            and isinstance(mlp, PackedSwiGLU) and mlp.gate_up is not None and mlp.gate_up.fresh(mlp))
+            and type(mlp) is PackedSwiGLU and mlp.gate_up is not None and mlp.gate_up.fresh(mlp))
 
 
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # (nn.Module's own dicts and flags: never replaced)
@@ -135,16 +143,19 @@ _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # (nn.Module's own dicts
 
 class ModelState:
     """What a plan was made from: every attribute of every module of the model (submodules, parameters, buffers,
-    q|k|v and gate|up stacks, plain values such as a norm's eps or the attention's scale and window) and each
-    tensor's address, and torch's thread count. ``holds(model)``: all still the same objects (~2,000 entries for
-    SmolLM2-135M, compared by C-level maps: ~0.1 ms a check, two a step). ``hooked()``: a forward hook or pre-hook
-    is registered, on a module or globally (the modules must run)."""
+    q|k|v and gate|up stacks, plain values such as a norm's eps or the attention's scale and window; none added
+    since), each module's class and each tensor's address, and torch's thread count. ``holds(model)``: all still the
+    same objects (~2,000 entries for SmolLM2-135M, compared by C-level maps: ~0.1 ms a check, two a step).
+    ``hooked()``: a forward hook or pre-hook is registered, on a module or globally (the modules must run)."""
 
     def __init__(self, model: Transformer):
         modules = list(model.modules())
         parts = [(d, name, value) for m in modules for d in (vars(m), m._modules, m._parameters, m._buffers)
                  for name, value in d.items() if d is not vars(m) or name not in _MODULE_INTERNALS]
         self.dicts, self.names, self.values = (list(column) for column in zip(*parts))
+        self.all_dicts = [d for m in modules for d in (vars(m), m._modules, m._parameters, m._buffers)]
+        self.sizes = list(map(len, self.all_dicts))
+        self.modules, self.types = modules, [type(m) for m in modules]
         self.tensors = [t for t in self.values if isinstance(t, torch.Tensor)]
         self.addresses = [t.data_ptr() for t in self.tensors]
         self.hooks = [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
@@ -154,6 +165,8 @@ class ModelState:
 
     def holds(self, model: Transformer) -> bool:
         return (vars(model) is self.model_dict and torch.get_num_threads() == self.threads
+                and list(map(len, self.all_dicts)) == self.sizes  # (nothing added: an attribute, a method set on one)
+                and all(map(operator.is_, map(type, self.modules), self.types))  # (no class swapped: __class__ =)
                 and all(map(operator.is_, map(dict.get, self.dicts, self.names), self.values))
                 and list(map(torch.Tensor.data_ptr, self.tensors)) == self.addresses)
 
@@ -338,12 +351,12 @@ def _product(module, x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
     rows, :class:`FastQuantizedLinear`'s quantized_matvec), called directly, or else the module itself (F.linear, a
     packed copy, the matrix units, a bias), its result copied into ``out``."""
     lib = kernels.kernels()
-    kernel = module.kernel(x) if isinstance(module, MatvecLinear) else None
+    kernel = module.kernel(x) if type(module) is MatvecLinear else None  # (a subclass: its own forward, called)
     if kernel in C_PRODUCTS and module.bias is None:
         weight = module.weight
         return _c_call(getattr(lib, kernel), x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1],
                        weight.shape[0], weight.shape[1], torch.get_num_threads())
-    if isinstance(module, FastQuantizedLinear) and module.runs_matvec(x) and module.bias is None:
+    if type(module) is FastQuantizedLinear and module.runs_matvec(x) and module.bias is None:
         codes, rows = (module.qweight, module.scale, module.zero, module.group_size), x.view(-1, x.shape[-1])
         function, arguments = kernels.quantized_call("matvec", lib, rows, *codes, out)  # (checked once, here)
         return _c_call(function, *arguments)

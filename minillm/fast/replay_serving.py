@@ -54,10 +54,12 @@ class ReplayedServingStep:
         return {"_state": None, "_fit": False, "_plans": {}, "_scratch": None}
 
     def applies(self, model: Transformer, batch) -> bool:
+        if not isinstance(batch, FastPagedBatch):
+            return False
         rows = len(batch.token_ids)
-        return (isinstance(batch, FastPagedBatch) and not batch.prefills and rows > 0
-                and isinstance(batch.decode_span, slice) and len(batch.decode_rows) == rows
-                and len(batch.logits_rows) == rows and self._fits(model) and not self._state.hooked())
+        return (not batch.prefills and rows > 0 and isinstance(batch.decode_span, slice)
+                and len(batch.decode_rows) == rows and len(batch.logits_rows) == rows and self._fits(model)
+                and not self._state.hooked())
 
     def __call__(self, model: Transformer, batch: FastPagedBatch) -> torch.Tensor:
         if not self.applies(model, batch):

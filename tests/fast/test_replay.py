@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import types
 import weakref
 
 import pytest
@@ -15,6 +16,7 @@ from torch import nn
 from minillm import KVCache, decode_step, load_model, prefill
 from minillm.fast import choose as dp
 from minillm.fast import kernels
+from minillm.fast.packing import PackedSwiGLU
 from minillm.fast.replay import ReplayedDecodeStep, replay_fits
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the C kernels")
@@ -255,6 +257,38 @@ def test_a_norms_eps_or_the_attention_scale_set_after_a_step_is_used(folders, ch
             model.blocks[1].attn.scale = 0.01
         logits[path] = decode_step(model, token, cache)
     assert torch.equal(logits["replay"], logits["matvec"])
+
+
+class Silenced(PackedSwiGLU):
+    def forward(self, x):
+        return super().forward(x) * 0.0
+
+
+@pytest.mark.parametrize("how", ["method", "class"])
+@pytest.mark.parametrize("when", ["before the first step", "after a step"])
+def test_a_method_set_on_a_module_runs_the_eager_step(folders, when, how):
+    """A module's forward replaced on the module itself (``mlp.forward = ...``) or by its class (``mlp.__class__ =
+    Subclass``; an ablation without a hook), before the plan is made or after: the replayed step would not call it,
+    so the eager step runs (the same logits as matvec's)."""
+    def silenced(self, x):
+        return PackedSwiGLU.forward(self, x) * 0.0
+
+    logits, counters = {}, {}
+    for path in ("replay", "matvec"):
+        model = _model(folders["llama_gqa"], path)
+        model.compiled_decode = counters[path] = Counting() if path == "replay" else None
+        cache = KVCache.for_model(model, max_seq_len=20)
+        token = prefill(model, _ids(), cache).argmax(-1)
+        if when == "after a step":
+            decode_step(model, token, cache)
+        mlp = model.blocks[1].mlp
+        if how == "method":
+            mlp.forward = types.MethodType(silenced, mlp)
+        else:
+            mlp.__class__ = Silenced
+        logits[path] = decode_step(model, token, cache)
+    assert torch.equal(logits["replay"], logits["matvec"])
+    assert counters["replay"].calls == (1 if when == "after a step" else 0)
 
 
 def test_a_dropped_cache_is_freed(folders):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import random
+import types
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import minillm.serving.engine as engine_module
 from minillm import LLMEngine, SamplingParams, load_model
 from minillm.fast import choose as dp
 from minillm.fast import kernels
+from minillm.fast.packing import PackedSwiGLU
 from minillm.fast.replay_serving import ReplayedServingStep
 from minillm.serving import model_runner
 from minillm.serving.paged_attention import PagedBatch, forward_batch
@@ -107,22 +109,29 @@ def test_a_batch_larger_than_the_buffers_plans_again(folders):
 
 def test_a_changed_model_is_planned_again(folders):
     """A module replaced between steps (here a norm's weight and the attention's scale): the next step's plan is
-    made from the model as it is, still the eager forward's values."""
+    made from the model as it is, still the eager forward's values (whose fast batch reads the scale at each step)."""
     model = _model(folders["llama_gqa"])
     model.replayed_batch = step = Checked()
     _serve(model, n_requests=3)
     block = model.blocks[0]
     block.ln2.weight = torch.nn.Parameter(block.ln2.weight * 1.5, requires_grad=False)
     block.attn.scale = 0.2
-    model.paged_batch = _fresh_paged_batch(model)
     _serve(model, n_requests=3, seed=2)
     assert step.rows
 
 
-def _fresh_paged_batch(model):
-    from minillm.fast.paged_attention import use_fast_paged_attention  # (its scales are taken when it is made)
-    use_fast_paged_attention(model)
-    return model.paged_batch
+def test_an_attention_scale_set_after_loading_is_used(folders):
+    """The score scale set on each attention after loading: the replayed steps, the fast batch's eager forward and
+    the lesson's model (``fast=False``) give the same greedy tokens (the fast batch read the scales once at load)."""
+    models = {"replay": _model(folders["llama_gqa"]), "eager": _model(folders["llama_gqa"]),
+              "lesson": load_model(folders["llama_gqa"], device="cpu", fast=False)}
+    models["eager"].replayed_batch = None
+    for model in models.values():
+        for block in model.blocks:
+            block.attn.scale = 0.9
+    tokens = {name: _serve(model, seed=5) for name, model in models.items()}
+    assert tokens["replay"] == tokens["eager"] == tokens["lesson"]
+    assert tokens["replay"] != _serve(_model(folders["llama_gqa"]), seed=5)  # (the scale changed the answer)
 
 
 @pytest.mark.parametrize("case", ["hook", "global hook", "reference batch", "gpt2", "sliding window", "no path"])
@@ -154,6 +163,27 @@ def test_the_eager_forward_runs_where_the_replay_does_not_apply(folders, monkeyp
     assert calls == []
 
 
+@pytest.mark.parametrize("how", ["method", "class"])
+def test_a_forward_replaced_on_a_module_is_served(folders, how):
+    """An MLP's forward replaced on the module or by a subclass (an ablation): the steps after it run the eager
+    forward, which calls it; the tokens are the eager engine's with the same change, not the unchanged model's."""
+    def doubled(self, x):
+        return PackedSwiGLU.forward(self, x) * 2.0
+
+    Doubled = type("Doubled", (PackedSwiGLU,), {"forward": doubled})
+
+    served = {}
+    for path in ("replay", "matvec"):
+        model = _model(folders["llama_gqa"], path=path)
+        mlp = model.blocks[0].mlp
+        if how == "method":
+            mlp.forward = types.MethodType(doubled, mlp)
+        else:
+            mlp.__class__ = Doubled
+        served[path] = _serve(model, seed=6)
+    assert served["replay"] == served["matvec"] != _serve(_model(folders["llama_gqa"]), seed=6)
+
+
 def test_a_prefill_chunk_in_the_step_runs_the_eager_forward(folders, monkeypatch):
     """A step with a prefill chunk beside its decodes is not replayed; the decode-only steps are."""
     model = _model(folders["llama_gqa"])
@@ -170,14 +200,15 @@ def test_a_prefill_chunk_in_the_step_runs_the_eager_forward(folders, monkeypatch
 
 
 def test_a_direct_call_on_a_batch_it_does_not_take_says_so(folders):
-    """A reference PagedBatch given straight to the step: one line naming what to call."""
+    """A reference PagedBatch (or not a batch at all) given straight to the step: one line naming what to call."""
     model = _model(folders["llama_gqa"])
     engine = LLMEngine(model, max_num_seqs=2, kv_cache_memory=2**20, block_size=4)
     engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=3))
     scheduled = engine.scheduler.schedule()
     batch, _ = model_runner.prepare_batch(engine.cache, scheduled, PagedBatch)
-    with pytest.raises(ValueError, match=r"^the replayed serving step runs a fast batch of decodes .*forward_batch$"):
-        model.replayed_batch(model, batch)
+    for wrong in (batch, None, "batch"):
+        with pytest.raises(ValueError, match=r"^the replayed serving step runs a fast batch of decodes .*batch$"):
+            model.replayed_batch(model, wrong)
 
 
 def test_a_copied_model_plans_for_itself(folders):
