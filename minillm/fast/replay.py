@@ -26,7 +26,8 @@ the eager step's bit for bit (tests/fast/test_replay.py); a product whose kernel
 (``F.linear``, the matrix units, a quantised format, a bias) calls its module, into the same buffer. It runs for
 one sequence (batch 1) on a :class:`~minillm.kv_cache.KVCache` without rolling layers, a model whose every block
 the speed layer made fast in C (:func:`replay_fits`); :func:`~minillm.phases.decode_step` runs the eager model
-otherwise, and whenever a hook or a trace of the layers watches.
+otherwise, and whenever a hook or a trace of the layers watches. The same :class:`Plan`, made for B rows, replays a
+serving engine's step of decodes (:mod:`minillm.fast.replay_serving`).
 """
 
 from __future__ import annotations
