@@ -21,7 +21,8 @@ TIMEOUT_S = 60.0
 def tiny_folder(tmp_path_factory, smollm2_dir):
     """A tiny random Llama with SmolLM2's vocabulary, saved with SmolLM2's tokenizer files."""
     family, kwargs = CONFIGS["llama_gqa"]
-    kwargs = dict(kwargs, vocab_size=49152, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+    # (a context long enough that a stream of 8,000 tokens outlasts a shutdown timeout: ~1 ms a token replayed)
+    kwargs = dict(kwargs, vocab_size=49152, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2)
     folder = save_hf(build_hf(family, kwargs), tmp_path_factory.mktemp("tiny_serve"))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(smollm2_dir / name, folder / name)
@@ -64,7 +65,7 @@ def test_sigterm_ends_an_open_stream_cleanly_and_exits_0(tiny_folder):
     server, url = start_serve(tiny_folder, "--shutdown-timeout", "0.5")
     lines = []
     try:
-        body = {"prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        body = {"prompt": "Hi", "max_tokens": 8000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT_S) as r:
             for line in r.iter_lines():
                 if line and not lines:

@@ -38,8 +38,9 @@ def test_shutdown_ends_a_stream_and_a_waiting_request_with_errors(tiny_chat, cap
     lines, first, replies = [], threading.Event(), []
     long = {"prompt": "Hi", "max_tokens": 400, "ignore_eos": True}
     try:
+        # (a drain far shorter than the stream's 400 tokens: ~0.3 s on the developers' machine, the step replayed)
         with caplog.at_level(logging.WARNING), run_in_thread(create_app(async_engine, tokenizer, "m"),
-                                                             drain_timeout_s=0.2) as url:
+                                                             drain_timeout_s=0.05) as url:
             streaming = threading.Thread(target=stream_lines, args=(url, long, lines, first))
             streaming.start()
             assert first.wait(TIMEOUT_S)
