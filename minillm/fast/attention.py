@@ -83,7 +83,7 @@ class FastAttention(Attention):
         return kernels.functions().decode_attention(q, k, v, n_keys, self._scale())
 
     def _scale(self) -> float:
-        return 1 / math.sqrt(self.head_dim) if self.scale is None else self.scale
+        return score_scale(self)
 
     def impl_name(self, n_queries: int, impl: str, n_keys: int | None = None) -> str:
         n_keys = n_queries if n_keys is None else n_keys
@@ -108,6 +108,12 @@ class FastAttention(Attention):
                 and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
                 and not (torch.is_grad_enabled() and q.requires_grad)
                 and (mask.dim() == 2 if mask is not None else not torch.compiler.is_compiling()))
+
+
+def score_scale(attn: Attention) -> float:
+    """The factor an attention's scores q·k are multiplied by: its ``scale`` (``ModelConfig.attn_scale``), or
+    1/√head_dim where it is None (SDPA's default)."""
+    return 1 / math.sqrt(attn.head_dim) if attn.scale is None else attn.scale
 
 
 def prefill_in_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -26,7 +26,6 @@ at batch 32 the reference's gather and SDPA were 46 % of a SmolLM2-135M bfloat16
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import torch
@@ -34,7 +33,7 @@ import torch.nn.functional as F
 
 from ..serving.paged_attention import PagedBatch
 from . import kernels
-from .attention import c_kernels_fit, prefill_in_bf16, prefill_pays
+from .attention import c_kernels_fit, prefill_in_bf16, prefill_pays, score_scale
 
 CHUNK_PAD_ROWS = 32  # a chunk's queries and keys, rounded up to this: a few shapes for SDPA's per-shape kernels
 
@@ -56,8 +55,7 @@ class FastPagedBatch(PagedBatch):
     def __init__(self, blocks, cache, *args, **kwargs):
         super().__init__(cache, *args, **kwargs)
         # (read each step, not once at load: a scale set after loading is the one the model's own attention uses)
-        self.scales = {b.attn.layer: 1 / math.sqrt(b.attn.head_dim) if b.attn.scale is None else b.attn.scale
-                       for b in blocks}
+        self.scales = {b.attn.layer: score_scale(b.attn) for b in blocks}
         self.c_prefill = all(getattr(b.attn, "c_prefill", False) for b in blocks)
         self.decode_first = torch.zeros_like(self.decode_context_lens)
         if len(self.decode_rows) and not kernels.paged_ranges_fit(

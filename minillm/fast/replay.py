@@ -44,7 +44,7 @@ from torch.nn.modules import module as torch_module
 from ..kv_cache import KVCache
 from ..model import RMSNorm, Transformer
 from . import kernels
-from .attention import FastAttention
+from .attention import FastAttention, score_scale
 from .block import FastBlock
 from .packing import PackedSwiGLU, silu_mul_in_c
 from .products import FastQuantizedLinear, MatvecLinear
@@ -224,8 +224,9 @@ class Plan:
         """A serving batch of decodes (a :class:`~minillm.fast.paged_attention.FastPagedBatch`: one token a request,
         in order, every one sampling) -> logits [rows, vocab] float32."""
         cos, sin = self._start(batch.token_ids, batch.positions)
-        cache, ranges = batch.cache, (batch.decode_block_tables.contiguous(), batch.decode_first,
-                                      batch.decode_context_lens)
+        cache = batch.cache
+        ranges = (batch.decode_block_tables.contiguous(), batch.decode_first, batch.decode_context_lens,
+                  kernels.paged_keys_per_task(cache.block_size))  # (once a step, for every layer)
         for layer, row in zip(self.layers, self.cache_rows):
             layer.project(cos, sin)
             cache.write(row, layer.k_new, layer.v_new, batch.slots)
@@ -278,7 +279,7 @@ class _Layer:
         attn, mlp, lib, dtype, rows = block.attn, block.mlp, kernels.kernels(), x.dtype, x.shape[0]
         H, KV, D, F_ = attn.n_heads, attn.n_kv_heads, attn.head_dim, mlp.down_proj.in_features
         self.lib, self.threads, self.is_bf16 = lib, torch.get_num_threads(), dtype == torch.bfloat16
-        self.shape, self.scale = (rows, H, KV, D), attn._scale()
+        self.shape, self.scale = (rows, H, KV, D), score_scale(attn)
         get = scratch.get
         h = get("h", rows, x.shape[1], dtype=dtype)  # each norm's output
         qkv = get("qkv", rows, (H + 2 * KV) * D, dtype=dtype).view(1, rows, -1)  # FastAttention's [B, T, (H + 2 KV) D]
@@ -321,17 +322,18 @@ class _Layer:
         self._attention_out()
 
     def attend_paged(self, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, first: torch.Tensor,
-                     last: torch.Tensor) -> None:
+                     last: torch.Tensor, keys_per_task: int) -> None:
         """Each row's query over its sequence's keys in a serving pool (one layer's [num_blocks, block_size, KV, D],
-        this step's K/V already written): paged_decode_attention over positions first[b] <= j < last[b]."""
+        this step's K/V already written): paged_decode_attention over positions first[b] <= j < last[b], tables
+        [rows, max_blocks] int64 contiguous, ``keys_per_task`` the pool's
+        :func:`~minillm.fast.kernels.paged_keys_per_task` (worked out once a step)."""
         rows, H, KV, D = self.shape
         if self.is_bf16:
             self.q32.copy_(self.q_new)
-        block_size = k_pool.shape[1]
         if self.lib.paged_decode_attention(self.q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), self.is_bf16,
                                            self.out32.data_ptr(), tables.data_ptr(), first.data_ptr(),
-                                           last.data_ptr(), rows, H, KV, D, block_size, tables.shape[1],
-                                           kernels.paged_keys_per_task(block_size), self.scale, self.threads):
+                                           last.data_ptr(), rows, H, KV, D, k_pool.shape[1], tables.shape[1],
+                                           keys_per_task, self.scale, self.threads):
             raise MemoryError("paged_decode_attention could not allocate a chunk's float32 keys and values")
         self._attention_out()
 

@@ -45,7 +45,10 @@ static void int8_bias(const int8_t *digits, int in, __m512i bias[DIGITS]) {
     t##0 = _mm512_dpbusd_epi32(t##0, w, d0); t##1 = _mm512_dpbusd_epi32(t##1, w, d1); \
     t##2 = _mm512_dpbusd_epi32(t##2, w, d2); t##3 = _mm512_dpbusd_epi32(t##3, w, d3)
 
-/* y[o .. o + INT8_ROWS - 1]. */
+/* y[o .. o + INT8_ROWS - 1], four named rows (r0..r3, their sums a..e). */
+#if INT8_ROWS != 4
+#error "int8_rows names its four rows of codes one by one"
+#endif
 static void int8_rows(const matrix *m, const int8_t *digits, const __m512i bias[DIGITS], float row_s, float *y,
                       int o) {
     int in = m->in;
