@@ -83,7 +83,7 @@ def test_int8_sums_at_the_largest_in_are_exact(sign):
 def test_int4_pair_sums_at_a_flushs_largest_are_exact():
     """Every code 15 and every zero point 15: ŵ = 0, so y = 0 exactly, though each lane's sums, 254 · T_0 + T_1, and
     their zero terms are near the largest a flush allows (x near its row's largest; a group of 2048, one flush every
-    FLUSH_BLOCKS blocks of 128 ks). One k a lane odd: were a flush's sums past 2^24 (a flush a group: 16 blocks),
+    span of four blocks of 128 ks). One k a lane odd: were a flush's sums past 2^24 (a flush a group: 16 blocks),
     float32 would round one of them and y would not be 0 (it failed so)."""
     _vnni()
     x = torch.full((1, 2048), 126 / 128)  # under s = 2^-7: digits (126, 0, 0, 0), 254 · 126 = 32004
@@ -91,6 +91,40 @@ def test_int4_pair_sums_at_a_flushs_largest_are_exact():
     layer = layer_of(torch.full((4, 1024), 0xFF, dtype=torch.uint8), torch.ones(4, 1),
                      torch.full((4, 1), 15, dtype=torch.uint8), group_size=2048)
     assert torch.equal(_one_row(layer, x), torch.zeros(1, 4))
+
+
+@pytest.mark.parametrize("group", [64, 128, 192])
+def test_every_row_end_keeps_the_bound(group):
+    """A row's blocks of 128 ks are taken four at a time (their codes shuffled so that each lane holds one unit of 64
+    ks), then two, then one: every in from one group to 24 blocks and a half, groups of 64, 128 and 192 (straddling
+    blocks), each group its own scale and zero point, against float64. A lane given another unit's ks, or another
+    group's scale, misses the bound by orders of magnitude."""
+    _vnni()
+    g = torch.Generator().manual_seed(group)
+    for in_features in range(group, 3137, group):
+        layer = QuantizedLinear(torch.randn(6, in_features, generator=g) * torch.rand(6, in_features, generator=g) * 8,
+                                None, "int4", group)
+        x = torch.randn(1, in_features, generator=g)
+        assert_float32_close(_one_row(layer, x), x, layer)
+
+
+@pytest.mark.parametrize("lanes", ["a block's", "a span's"])
+def test_int4_sums_that_would_all_round_up_keep_the_bound(lanes):
+    """A new user's trial's row: the first block makes every lane's sum large, each later one adds just over half its
+    float32 ulp in every lane (placed where a block's lanes hold their ks, or where a span's shuffled lanes do), so a
+    float32 running sum would round up 1,023 times (104x the bound at in = 131,072): four flushes at a time go into
+    float64 sums."""
+    _vnni()
+    w = torch.full((16, 131072), 15.0 * 2.0 ** -12)
+    w[:, :128] = 15.0  # scale 1, zero 0: the codes are the weights
+    x = torch.zeros(1, 131072)
+    x[0, :128] = 127.0  # every lane's sum 15 · 127 · 8 = 15,240 (s = 1)
+    lane = torch.arange(16)
+    ks = 8 * lane if lanes == "a block's" else 64 * (lane % 2) + 8 * (lane // 2)
+    for b in range(1, 1024):
+        x[0, 128 * b + ks] = 1.05 * 2.0 ** (13 - 23) / 2 / (15 * 2.0 ** -12)
+    layer = QuantizedLinear(w, None, "int4", 64)
+    assert_float32_close(_one_row(layer, x), x, layer)
 
 
 @pytest.mark.parametrize("case", range(8))

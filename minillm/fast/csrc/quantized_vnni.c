@@ -17,8 +17,6 @@
 #if defined(QUANTIZED_DIGITS)
 
 #define INT8_ROWS 4  /* rows of codes at a time, sharing x's digits (two: 12 % slower at SmolLM2-1.7B's matrices) */
-#define INT4_ROWS 2  /* (its sums take twice the registers) */
-#define FLUSH_BLOCKS 4  /* int4: the most blocks of 128 ks a flush's sums span */
 
 /* -- int8 --------------------------------------------------------------------------------------------------------- */
 
@@ -103,149 +101,223 @@ static int int8_one_row(const float *x, const matrix *m, float *y, int threads) 
 /* -- int4 --------------------------------------------------------------------------------------------------------- */
 
 /* A decode step multiplies one row of x. On the tiles each int4 code is first unpacked into memory (int4_unit), and
- * at one row SmolLM2-1.7B's matrices streamed 10 GB/s. Here each 64 bytes of a row's codes are split into their
- * two nibble planes in registers and multiplied by x's digits with AVX512-VNNI's vpdpbusd (64 unsigned bytes by 64
- * signed ones into 16 int32 sums, exact). Byte j of the row's block b (64 bytes, 128 ks) holds q[128b + 2j] in its
- * low nibble and q[128b + 2j + 1] in its high one, so with x's digits laid out to match,
+ * at one row SmolLM2-1.7B's matrices streamed 10 GB/s. Here each 64 bytes of a row's codes (a block: 128 ks) are
+ * split into their two nibble planes in registers and multiplied by x's digits with vpdpbusd. Byte j of block b
+ * holds q[128b + 2j] in its low nibble and q[128b + 2j + 1] in its high one, so with x's digits laid out to match
+ * (xe_c: digit c of the even ks, xo_c: of the odd ones), lane l of
  *
- *   xe_c[b][j] = d_c[128b + 2j],  xo_c[b][j] = d_c[128b + 2j + 1]
- *   lane l of  dpbusd(low nibbles, xe_c) + dpbusd(high nibbles, xo_c)  =  Σ q[k] · d_c[k] over k = 128b + 8l .. + 7
+ *   dpbusd(low nibbles, xe_c) + dpbusd(high nibbles, xo_c)  =  Σ q[k] · d_c[k] over the 8 ks of the lane's 4 bytes
  *
- * A lane's ks lie in one group (group a multiple of 64); a block's lanes in at most two. The sums T_c of a block,
- * or of the blocks of one group (group a multiple of 128, at most FLUSH_BLOCKS blocks), are scaled then ("a
- * flush"), lane by lane:
+ * Each group has its own zero point and scale, so a lane's sums T_c are scaled ("a flush") before they meet another
+ * group's ks; a group holds whole units of 64 ks, and a block's 16 lanes hold two units, 8 lanes each. Four blocks
+ * (a span) are therefore shuffled as they are loaded (gather_units: a 4 x 4 transpose of 32-bit lanes, eight
+ * unpacks) into four registers in which every lane holds one unit's ks: its sums run over the four blocks, and a
+ * flush comes every 512 ks instead of every 128 (x's digits are shuffled alike, once a product). A row's last one to
+ * three blocks make spans of two (four unpacks) and one (none). A flush scales the sums lane by lane:
  *
- *   Σ_c (T_c - zero · S_c) / 254^c · scale     (S_c: the lane's sum of digit c; the zero point out of the sums)
+ *   Σ_c (T_c - zero · S_c) / 254^c · scale     (S_c: the lane's sum of digit c: x's alone)
  *
- * in pairs of digits, each pair's integers combined in int32 first (T_01 = 254 · T_0 + T_1, S_01 likewise):
+ * in pairs of digits (T_01 = 254 · T_0 + T_1, S_01 likewise):
  *
  *   ((T_01 - zero · S_01) + (T_23 - zero · S_23) / 254²) · s / 254 · scale
  *
- * half the float work four digits took, and the flushes are most of the loop's time (a group of 64 is a flush a
- * block; groups of 2048 took 0.67x its time): one row, 2 threads, AMD EPYC, 2048 x 2048 133.6 -> 126.4 us, 8192 x
- * 2048 465 -> 437, 2048 x 8192 476 -> 435, 3072 x 576 78.8 -> 75.4 (three alternating runs each). Each zero term
- * is subtracted exactly, lane by lane: a flush holds at most 32 ks a lane, so T_01 and zero · S_01 are integers of
- * at most 32 · 15 · 127 · 255 < 2^24, which float32 holds, and one fnmadd rounds their difference once, to itself
- * (test_int4_pair_sums_at_a_flushs_largest_are_exact). Taken once a row in float32
- * instead, their rounding gave up to 9x the error tests/fast/test_quantized_amx.py allows where x's values (or
- * their lower digits) share a sign: the terms are then as large as the sums. Two rows of codes at a time share x's
- * digits; the next two rows are prefetched (without it the rows streamed at 11 GB/s, with it 19); each row's zeros
- * and scales are read 16 groups at a time. The sums of four flushes at a time are added into float64 ones: a
- * float32 running sum's roundings grow with in, the bound does not (a new user's trial: rows whose sums all round
- * up, 104x over it at in = 131,072; same-sign rows 1.5x). */
+ * Each zero term is subtracted exactly, lane by lane: a span holds at most 32 ks a lane, so T_01 and zero · S_01
+ * are integers of at most 32 · 15 · 127 · 255 < 2^24, which float32 holds (T_0 · 254 + T_1 too: one fmadd), and
+ * one fnmadd rounds their difference once, to itself (test_int4_pair_sums_at_a_flushs_largest_are_exact). Taken
+ * once a row in float32 instead, their rounding gave up to 9x the error tests/fast/test_quantized_amx.py allows
+ * where x's values (or their lower digits) share a sign: the terms are then as large as the sums. Two rows of codes
+ * at a time share x's digits (in registers: 64 vpdpbusd a span, 32 loads of digits); rows ahead are fetched into L2
+ * as int8's are. The sums of four flushes at a time are added into float64 ones: a float32 running sum's roundings
+ * grow with in, the bound does not (a new user's trial: rows whose sums all round up, 104x over it at in = 131,072;
+ * same-sign rows 1.5x).
+ *
+ * A flush every block, and two rows' sums in arrays the compiler kept in memory (a loop over the rows it did not
+ * unroll), took 1.4x this loop's time: the 1.7B shape's int4 products at one row, 2 threads, AMD EPYC Zen 4, 11.7 ->
+ * 8.1 ms (benchmarks/decode_products.py). It is compute-bound (~29 GB/s there; int8's loop streams ~50): eight
+ * vpdpbusd a block of a row, for x's four digits, where llama.cpp's Q4_0 rounds x to one. */
+
+#define SPAN 4  /* blocks a flush takes (and a row's last spans 2 and 1) */
 
 typedef struct {  /* x's row, laid out for the vector units */
-    int8_t *xe, *xo;  /* [blocks][DIGITS][64] */
-    float *sums;      /* [flushes][2][16]: S_01 and S_23, lane by lane (integers) */
-    int32_t *lane_group;  /* [flushes][16]: each lane's group, less the flush's first */
-    int *group0;      /* [flushes]: the first group a flush's lanes hold */
+    int8_t *xe, *xo;      /* [blocks][DIGITS][64]: each span's blocks in gather_units' order */
+    float *sums;          /* [spans][2][16]: S_01 and S_23, lane by lane (integers) */
+    int32_t *lane_group;  /* [spans][16]: each lane's group, less the span's first */
+    int *group0;          /* [spans]: the span's first group */
 } row_digits;
 
-/* 1 where the sums are scaled after block b: unless b and the next block lie in one group, and at least every
- * FLUSH_BLOCKS blocks, which keeps a digit pair's sums exact in float32 (int4_rows says how). */
-static inline int flush_after(int b, int blocks, int group) {
-    return b == blocks - 1 || 128 * b / group != (128 * b + 255) / group || b % FLUSH_BLOCKS == FLUSH_BLOCKS - 1;
+/* The blocks of the span that starts at block b of a row of `blocks` (a half block counted whole). */
+static inline int span_at(int b, int blocks) {
+    int left = blocks - b;
+    return left >= SPAN ? SPAN : left >= 2 ? 2 : 1;
+}
+
+/* n blocks v[0..n-1] (lane 4k + p of block b: its 128-bit lane k, dwords 4 (k % 2) .. + 3 of unit 2b + k / 2) ->
+ * n registers in which each lane holds one unit's dwords: a transpose of 32-bit lanes within each 128-bit lane, so
+ * that position p of lane k (four: p of each register; two: p and p + 2) is block p's, or p % 2's, dwords. */
+static inline void gather_units(__m512i v[], int n) {
+    if (n == 1) return;
+    __m512i t0 = _mm512_unpacklo_epi32(v[0], v[1]), t1 = _mm512_unpackhi_epi32(v[0], v[1]);
+    if (n == 2) {
+        v[0] = t0, v[1] = t1;
+        return;
+    }
+    __m512i t2 = _mm512_unpacklo_epi32(v[2], v[3]), t3 = _mm512_unpackhi_epi32(v[2], v[3]);
+    v[0] = _mm512_unpacklo_epi64(t0, t2), v[1] = _mm512_unpackhi_epi64(t0, t2);
+    v[2] = _mm512_unpacklo_epi64(t1, t3), v[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* The 64 bytes of block b of a row p of `in` ks' codes (in / 2 bytes): a last half block's 32 and zeros. */
+static inline __m512i load_block(const uint8_t *p, int b, int in) {
+    if (128 * b + 128 <= in) return _mm512_loadu_si512(p + 64 * b);
+    return _mm512_maskz_loadu_epi8(((__mmask64)1 << 32) - 1, p + 64 * b);
 }
 
 /* digits [DIGITS][in] (digits_of's) -> r: each 128 ks' even and odd digits apart (the low bytes of 16-bit lanes, then
- * the high ones), and their sums a lane (a dpbusd of ones). */
+ * the high ones), each span's in gather_units' order, their sums a lane (a dpbusd of ones), and each lane's group
+ * (the units' numbers shuffled alike). */
 static void lay_out_digits(const int8_t *digits, row_digits *r, int in, int group) {
-    int blocks = (in + 127) / 128, f = 0, start = 0;  /* start: the flush's first block */
+    int blocks = (in + 127) / 128;
     __m512i ones = _mm512_set1_epi8(1), none = _mm512_setzero_si512();
-    __m512 sums[DIGITS], base = _mm512_set1_ps(BASE);
-    for (int c = 0; c < DIGITS; c++) sums[c] = _mm512_setzero_ps();
-    for (int b = 0; b < blocks; b++) {
+    __m512 base = _mm512_set1_ps(BASE);
+    for (int b = 0, f = 0, n; b < blocks; b += n, f++) {
+        n = span_at(b, blocks);
+        __m512 sums[DIGITS];
         for (int c = 0; c < DIGITS; c++) {
-            const int8_t *d = digits + (int64_t)c * in + 128 * b;
-            __m512i w0 = _mm512_loadu_si512(d), w1 = 128 * b + 128 <= in ? _mm512_loadu_si512(d + 64) : none;
-            __m512i even = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(w0)),
-                                              _mm512_cvtepi16_epi8(w1), 1);
-            __m512i odd = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srai_epi16(w0, 8))),
-                                             _mm512_cvtepi16_epi8(_mm512_srai_epi16(w1, 8)), 1);
-            _mm512_store_si512(r->xe + (b * DIGITS + c) * 64, even);
-            _mm512_store_si512(r->xo + (b * DIGITS + c) * 64, odd);
-            sums[c] = _mm512_add_ps(sums[c], _mm512_cvtepi32_ps(
-                _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(none, ones, even), ones, odd)));
-        }
-        if (flush_after(b, blocks, group)) {
-            r->group0[f] = 128 * start / group;
-            for (int c = 0; c < DIGITS; c += 2) {  /* (exact: integers under 2^24) */
-                _mm512_store_ps(r->sums + (f * 2 + c / 2) * 16, _mm512_fmadd_ps(sums[c], base, sums[c + 1]));
-                sums[c] = sums[c + 1] = _mm512_setzero_ps();
+            __m512i even[SPAN], odd[SPAN], s = none;
+            for (int j = 0; j < n; j++) {
+                const int8_t *d = digits + (int64_t)c * in + 128 * (b + j);
+                __m512i w0 = _mm512_loadu_si512(d), w1 = 128 * (b + j) + 128 <= in ? _mm512_loadu_si512(d + 64) : none;
+                even[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(w0)),
+                                             _mm512_cvtepi16_epi8(w1), 1);
+                odd[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srai_epi16(w0, 8))),
+                                            _mm512_cvtepi16_epi8(_mm512_srai_epi16(w1, 8)), 1);
             }
-            for (int l = 0; l < 16; l++) r->lane_group[16 * f + l] = (128 * b + 8 * l) / group - r->group0[f];
-            f++, start = b + 1;
+            gather_units(even, n), gather_units(odd, n);
+            for (int j = 0; j < n; j++) {
+                _mm512_store_si512(r->xe + ((b + j) * DIGITS + c) * 64, even[j]);
+                _mm512_store_si512(r->xo + ((b + j) * DIGITS + c) * 64, odd[j]);
+                s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s, ones, even[j]), ones, odd[j]);
+            }
+            sums[c] = _mm512_cvtepi32_ps(s);
         }
+        for (int c = 0; c < DIGITS; c += 2)  /* (exact: integers under 2^24) */
+            _mm512_store_ps(r->sums + (f * 2 + c / 2) * 16, _mm512_fmadd_ps(sums[c], base, sums[c + 1]));
+        __m512i units[SPAN];  /* lane i of block b + j: unit 2 (b + j) + i / 8 */
+        for (int j = 0; j < n; j++)
+            units[j] = _mm512_add_epi32(_mm512_set1_epi32(2 * (b + j)),
+                                        _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0));
+        gather_units(units, n);
+        int32_t lane_unit[16];
+        _mm512_storeu_si512(lane_unit, units[0]);
+        r->group0[f] = 128 * b / group;
+        for (int l = 0; l < 16; l++) r->lane_group[16 * f + l] = 64 * lane_unit[l] / group - r->group0[f];
     }
+}
+
+typedef struct {  /* two rows' flushes */
+    __m512 zeros0, zeros1, scales0, scales1;  /* their groups window .. window + 15 */
+    __m512 acc0, acc1;  /* the last (up to) four flushes' sums, then added into wide in float64 */
+    double wide[2][16] __attribute__((aligned(64)));  /* (in memory: the hot loop keeps its registers) */
+    int window, flushes;
+} row_sums;
+
+/* One flush of a row's sums t0..t3: their value times 254 / s, lane by lane, before the groups' scales. */
+static inline __m512 flushed(__m512i t0, __m512i t1, __m512i t2, __m512i t3, __m512 zero, const float *sums) {
+    __m512 base = _mm512_set1_ps(BASE);
+    __m512 pair0 = _mm512_fnmadd_ps(zero, _mm512_load_ps(sums),
+                                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(t0), base, _mm512_cvtepi32_ps(t1)));
+    __m512 pair1 = _mm512_fnmadd_ps(zero, _mm512_load_ps(sums + 16),
+                                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(t2), base, _mm512_cvtepi32_ps(t3)));
+    return _mm512_fmadd_ps(pair1, _mm512_set1_ps(1.0f / (BASE * BASE)), pair0);
+}
+
+/* float64 sums += a float32 vector's lanes */
+static inline void add_wide(double *wide, __m512 v) {
+    _mm512_store_pd(wide, _mm512_add_pd(_mm512_load_pd(wide), _mm512_cvtps_pd(_mm512_castps512_ps256(v))));
+    _mm512_store_pd(wide + 8, _mm512_add_pd(_mm512_load_pd(wide + 8), _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1))));
+}
+
+/* Span f's sums of rows o and o + 1 (a0..a3, b0..b3) into t. Each flush's sums are times s / 254 (x's scale, a power
+ * of two from 2^-107) before the groups' scales, where a sum (up to 2^24) times its scale, or a scale times s, can
+ * leave float32's range and the result not (trials: scale 2e37 with x 1e-20, inf; 1e38 with s = 2^14 and a group of
+ * zeros, NaN; 2^-124 with s = 2^-32, 0). */
+static inline void flush(const matrix *m, const row_digits *r, row_sums *t, int o, int f, float row_s,
+                         __m512i a0, __m512i a1, __m512i a2, __m512i a3,
+                         __m512i b0, __m512i b1, __m512i b2, __m512i b3) {
+    int groups = m->in / m->group, g0 = r->group0[f];
+    if (g0 + 7 >= t->window + 16) {  /* the next 16 groups' zeros and scales (a span's lanes span at most 8) */
+        t->window = g0;
+        __mmask16 k = groups - g0 >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g0)) - 1);
+        int64_t at = (int64_t)o * groups + g0;
+        t->zeros0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, m->zero + at)));
+        t->zeros1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, m->zero + at + groups)));
+        t->scales0 = _mm512_maskz_loadu_ps(k, m->scale + at);
+        t->scales1 = _mm512_maskz_loadu_ps(k, m->scale + at + groups);
+    }
+    __m512i lanes = _mm512_add_epi32(_mm512_load_si512(r->lane_group + 16 * f), _mm512_set1_epi32(g0 - t->window));
+    const float *sums = r->sums + f * 2 * 16;
+    __m512 x_scale = _mm512_set1_ps(row_s / BASE);
+    __m512 s0 = flushed(a0, a1, a2, a3, _mm512_permutexvar_ps(lanes, t->zeros0), sums);
+    __m512 s1 = flushed(b0, b1, b2, b3, _mm512_permutexvar_ps(lanes, t->zeros1), sums);
+    t->acc0 = _mm512_fmadd_ps(_mm512_mul_ps(s0, x_scale), _mm512_permutexvar_ps(lanes, t->scales0), t->acc0);
+    t->acc1 = _mm512_fmadd_ps(_mm512_mul_ps(s1, x_scale), _mm512_permutexvar_ps(lanes, t->scales1), t->acc1);
+    if (++t->flushes % 4 == 0) {
+        add_wide(t->wide[0], t->acc0), add_wide(t->wide[1], t->acc1);
+        t->acc0 = t->acc1 = _mm512_setzero_ps();
+    }
+}
+
+/* One register of each row's shuffled codes (v, w) by x's digits there (xe, xo: DIGITS registers each): low nibbles
+ * by the even ks' digits, high ones by the odd ks', into the rows' sums a0..a3 and b0..b3. */
+#define INT4_DOT(v, w, xe, xo) do {                                                                        \
+        __m512i lo_v = _mm512_and_si512(v, low), hi_v = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);      \
+        __m512i lo_w = _mm512_and_si512(w, low), hi_w = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);      \
+        __m512i de = _mm512_load_si512(xe), d_o = _mm512_load_si512(xo);                                      \
+        a0 = _mm512_dpbusd_epi32(a0, lo_v, de), b0 = _mm512_dpbusd_epi32(b0, lo_w, de);                        \
+        a0 = _mm512_dpbusd_epi32(a0, hi_v, d_o), b0 = _mm512_dpbusd_epi32(b0, hi_w, d_o);                      \
+        de = _mm512_load_si512(xe + 64), d_o = _mm512_load_si512(xo + 64);                                    \
+        a1 = _mm512_dpbusd_epi32(a1, lo_v, de), b1 = _mm512_dpbusd_epi32(b1, lo_w, de);                        \
+        a1 = _mm512_dpbusd_epi32(a1, hi_v, d_o), b1 = _mm512_dpbusd_epi32(b1, hi_w, d_o);                      \
+        de = _mm512_load_si512(xe + 128), d_o = _mm512_load_si512(xo + 128);                                  \
+        a2 = _mm512_dpbusd_epi32(a2, lo_v, de), b2 = _mm512_dpbusd_epi32(b2, lo_w, de);                        \
+        a2 = _mm512_dpbusd_epi32(a2, hi_v, d_o), b2 = _mm512_dpbusd_epi32(b2, hi_w, d_o);                      \
+        de = _mm512_load_si512(xe + 192), d_o = _mm512_load_si512(xo + 192);                                  \
+        a3 = _mm512_dpbusd_epi32(a3, lo_v, de), b3 = _mm512_dpbusd_epi32(b3, lo_w, de);                        \
+        a3 = _mm512_dpbusd_epi32(a3, hi_v, d_o), b3 = _mm512_dpbusd_epi32(b3, hi_w, d_o);                      \
+    } while (0)
+
+/* Rows o and o + 1's span of n blocks from block b (the f-th span), flushed into t. n is a constant where it is
+ * called, so each register stays one (an array indexed by a loop the compiler kept would live in memory). */
+static inline __attribute__((always_inline)) void int4_span(const matrix *m, const row_digits *r, row_sums *t,
+                                                            float row_s, int o, int b, int f, int n, int64_t ahead) {
+    int in = m->in;
+    const uint8_t *p = (const uint8_t *)m->codes + (int64_t)o * (in / 2), *p1 = p + in / 2;
+    __m512i low = _mm512_set1_epi8(0x0F), z = _mm512_setzero_si512(), v[SPAN], w[SPAN];
+    for (int j = 0; j < n; j++) {
+        _mm_prefetch((const char *)p + ahead + 64 * (b + j), _MM_HINT_T1);
+        _mm_prefetch((const char *)p1 + ahead + 64 * (b + j), _MM_HINT_T1);
+        v[j] = load_block(p, b + j, in), w[j] = load_block(p1, b + j, in);
+    }
+    gather_units(v, n), gather_units(w, n);
+    __m512i a0 = z, a1 = z, a2 = z, a3 = z, b0 = z, b1 = z, b2 = z, b3 = z;
+    for (int j = 0; j < n; j++)
+        INT4_DOT(v[j], w[j], r->xe + (b + j) * DIGITS * 64, r->xo + (b + j) * DIGITS * 64);
+    flush(m, r, t, o, f, row_s, a0, a1, a2, a3, b0, b1, b2, b3);
 }
 
 /* y[o], y[o + 1]. */
 static void int4_rows(const matrix *m, const row_digits *r, float row_s, float *y, int o) {
-    int in = m->in, groups = in / m->group, blocks = (in + 127) / 128, half = in / 2;
-    const uint8_t *codes = (const uint8_t *)m->codes;
-    __m512i low = _mm512_set1_epi8(0x0F);
-    __m512 acc[INT4_ROWS];  /* the last (up to) four flushes' sums, then added into wide in float64 */
-    double wide[INT4_ROWS][16] __attribute__((aligned(64))) = {{0}};  /* in memory: the hot loop keeps its registers */
-    __m512i t[INT4_ROWS][DIGITS];
-    for (int i = 0; i < INT4_ROWS; i++) {
-        acc[i] = _mm512_setzero_ps();
-        for (int c = 0; c < DIGITS; c++) t[i][c] = _mm512_setzero_si512();
-    }
-    __m512 zeros[INT4_ROWS], scales[INT4_ROWS];  /* groups window .. window + 15 */
-    for (int i = 0; i < INT4_ROWS; i++) zeros[i] = scales[i] = _mm512_setzero_ps();  /* (read only once loaded) */
-    /* Each flush's sums are times s / 254 (x's scale, a power of two from 2^-107) before the groups' scales, where a
-     * sum (up to 2^24) times its scale, or a scale times s, can leave float32's range and the result not (trials:
-     * scale 2e37 with x 1e-20, inf; 1e38 with s = 2^14 and a group of zeros, NaN; 2^-124 with s = 2^-32, 0) */
-    __m512 x_scale = _mm512_set1_ps(row_s / BASE), inv_square = _mm512_set1_ps(1.0f / (BASE * BASE));
-    __m512i base = _mm512_set1_epi32((int)BASE);
-    int prefetch = o + 2 * INT4_ROWS <= m->out, window = -16;
-    for (int b = 0, f = 0; b < blocks; b++) {
-        __mmask64 live = 128 * b + 128 <= in ? ~(__mmask64)0 : ((__mmask64)1 << 32) - 1;  /* a last 64 ks: 32 bytes */
-        for (int i = 0; i < INT4_ROWS; i++) {
-            const uint8_t *row = codes + (int64_t)(o + i) * half + 64 * b;
-            if (prefetch) _mm_prefetch((const char *)row + (int64_t)INT4_ROWS * half, _MM_HINT_T0);
-            __m512i w = _mm512_maskz_loadu_epi8(live, row);
-            __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
-            for (int c = 0; c < DIGITS; c++) {
-                t[i][c] = _mm512_dpbusd_epi32(t[i][c], lo, _mm512_load_si512(r->xe + (b * DIGITS + c) * 64));
-                t[i][c] = _mm512_dpbusd_epi32(t[i][c], hi, _mm512_load_si512(r->xo + (b * DIGITS + c) * 64));
-            }
-        }
-        if (!flush_after(b, blocks, m->group)) continue;
-        const float *sums = r->sums + f * 2 * 16;
-        int g0 = r->group0[f];
-        if (g0 + 1 >= window + 16) {  /* the next 16 groups' zeros and scales, a row at a time */
-            window = g0;
-            __mmask16 k = groups - g0 >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g0)) - 1);
-            for (int i = 0; i < INT4_ROWS; i++) {
-                int64_t at = (int64_t)(o + i) * groups + g0;
-                zeros[i] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, m->zero + at)));
-                scales[i] = _mm512_maskz_loadu_ps(k, m->scale + at);
-            }
-        }
-        __m512i lanes = _mm512_add_epi32(_mm512_load_si512(r->lane_group + 16 * f++), _mm512_set1_epi32(g0 - window));
-        for (int i = 0; i < INT4_ROWS; i++) {
-            __m512 zero = _mm512_permutexvar_ps(lanes, zeros[i]), pair[2];
-            for (int c = 0; c < DIGITS; c += 2) {
-                __m512i t_pair = _mm512_add_epi32(_mm512_mullo_epi32(t[i][c], base), t[i][c + 1]);
-                pair[c / 2] = _mm512_fnmadd_ps(zero, _mm512_load_ps(sums + 8 * c), _mm512_cvtepi32_ps(t_pair));
-            }
-            __m512 sum = _mm512_fmadd_ps(pair[1], inv_square, pair[0]);  /* 254 times the lanes' value */
-            __m512 scale = _mm512_permutexvar_ps(lanes, scales[i]);
-            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(sum, x_scale), scale, acc[i]);
-            for (int c = 0; c < DIGITS; c++) t[i][c] = _mm512_setzero_si512();
-        }
-        if (f % 4 == 0 || b == blocks - 1)
-            for (int i = 0; i < INT4_ROWS; i++) {
-                _mm512_store_pd(wide[i], _mm512_add_pd(_mm512_load_pd(wide[i]),
-                                                       _mm512_cvtps_pd(_mm512_castps512_ps256(acc[i]))));
-                _mm512_store_pd(wide[i] + 8, _mm512_add_pd(_mm512_load_pd(wide[i] + 8),
-                                                           _mm512_cvtps_pd(_mm512_extractf32x8_ps(acc[i], 1))));
-                acc[i] = _mm512_setzero_ps();
-            }
-    }
-    for (int i = 0; i < INT4_ROWS; i++)
-        y[o + i] = (float)_mm512_reduce_add_pd(_mm512_add_pd(_mm512_load_pd(wide[i]), _mm512_load_pd(wide[i] + 8)));
+    int blocks = (m->in + 127) / 128, half = m->in / 2, b = 0, f = 0;
+    int rows = rows_ahead(half, 2);  /* (common.h: as int8_rows) */
+    int64_t ahead = o + 2 + rows <= m->out ? (int64_t)rows * half : 0;
+    row_sums t = {.window = -16};
+    t.acc0 = t.acc1 = _mm512_setzero_ps();
+    for (; b + SPAN <= blocks; b += SPAN, f++) int4_span(m, r, &t, row_s, o, b, f, SPAN, ahead);
+    if (blocks - b >= 2) int4_span(m, r, &t, row_s, o, b, f++, 2, ahead), b += 2;
+    if (blocks - b == 1) int4_span(m, r, &t, row_s, o, b, f++, 1, ahead);
+    add_wide(t.wide[0], t.acc0), add_wide(t.wide[1], t.acc1);
+    for (int i = 0; i < 2; i++)
+        y[o + i] = (float)_mm512_reduce_add_pd(_mm512_add_pd(_mm512_load_pd(t.wide[i]), _mm512_load_pd(t.wide[i] + 8)));
 }
 
 /* y [1, out] = x [1, in] @ ŵᵀ for int4 codes (out even, in and group multiples of 64). Returns 1 when x's digits
@@ -255,7 +327,7 @@ static int int4_one_row(const float *x, const matrix *m, float *y, int threads) 
     size_t plane = (size_t)blocks * DIGITS * 64;
     int8_t *digits = (int8_t *)malloc((size_t)DIGITS * in);
     row_digits r = {(int8_t *)aligned_alloc(64, plane), (int8_t *)aligned_alloc(64, plane),
-                    (float *)aligned_alloc(64, sizeof(float) * DIGITS * 16 * blocks),
+                    (float *)aligned_alloc(64, sizeof(float) * 2 * 16 * blocks),
                     (int32_t *)aligned_alloc(64, sizeof(int32_t) * 16 * blocks), (int *)malloc(sizeof(int) * blocks)};
     int failed = !digits || !r.xe || !r.xo || !r.sums || !r.lane_group || !r.group0;
     float row_s = 0.0f;
@@ -263,7 +335,7 @@ static int int4_one_row(const float *x, const matrix *m, float *y, int threads) 
         digits_of(x, digits, &row_s, 0, in);
         lay_out_digits(digits, &r, in, m->group);
         #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int o = 0; o < m->out; o += INT4_ROWS) int4_rows(m, &r, row_s, y, o);
+        for (int o = 0; o < m->out; o += 2) int4_rows(m, &r, row_s, y, o);
         if (row_s < 0.0f) scalar_row(x, m, y, 0, threads);
     }
     free(digits), free(r.xe), free(r.xo), free(r.sums), free(r.lane_group), free(r.group0);
@@ -298,7 +370,7 @@ int int8_vnni_matvec(const float *x, const int8_t *q, const float *scale, float 
 int int4_vnni_matvec(const float *x, const uint8_t *packed, const float *scale, const uint8_t *zero, float *y, int out,
                      int in, int group, int threads) {
 #if defined(QUANTIZED_DIGITS)
-    if (in < 64 || in % 64 || in > MAX_IN || out < 1 || out % INT4_ROWS || group < 64 || group % 64 || in % group)
+    if (in < 64 || in % 64 || in > MAX_IN || out < 1 || out % 2 || group < 64 || group % 64 || in % group)
         return 2;
     matrix m = {packed, scale, zero, out, in, group};
     return int4_one_row(x, &m, y, threads);
