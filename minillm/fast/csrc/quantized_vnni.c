@@ -151,9 +151,10 @@ static inline int span_at(int b, int blocks) {
     return left >= SPAN ? SPAN : left >= 2 ? 2 : 1;
 }
 
-/* n blocks v[0..n-1] (lane 4k + p of block b: its 128-bit lane k, dwords 4 (k % 2) .. + 3 of unit 2b + k / 2) ->
- * n registers in which each lane holds one unit's dwords: a transpose of 32-bit lanes within each 128-bit lane, so
- * that position p of lane k (four: p of each register; two: p and p + 2) is block p's, or p % 2's, dwords. */
+/* n blocks v[0..n-1] -> n registers in which every lane holds one unit's dwords. Lane 4k + p of block b (128-bit
+ * lane k, position p) holds dword 4 (k % 2) + p of unit 2b + k / 2. Four blocks: a transpose of the 4 x 4 dwords
+ * at each 128-bit lane k puts block p's at position p, so lane 4k + p of register j holds dword 4 (k % 2) + j of
+ * unit 2p + k / 2. Two blocks: positions p and p + 2 hold block p % 2's dwords, one in each register. */
 static inline void gather_units(__m512i v[], int n) {
     if (n == 1) return;
     __m512i t0 = _mm512_unpacklo_epi32(v[0], v[1]), t1 = _mm512_unpackhi_epi32(v[0], v[1]);
