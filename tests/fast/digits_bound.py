@@ -59,7 +59,7 @@ def assert_special_rows_are_f_linears(y: torch.Tensor, x: torch.Tensor, layer: Q
     assert_float32_close(y[3:], x[3:], layer)
 
 
-def _pack(q: torch.Tensor) -> torch.Tensor:
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """int4 codes [out, in] (0-15) -> the packed bytes [out, in/2]"""
     return (q[:, 0::2] | q[:, 1::2] << 4).to(torch.uint8)
 
@@ -91,14 +91,14 @@ def range_cases() -> list[tuple[str, QuantizedLinear, torch.Tensor]]:
                                                torch.full((16, 1), 2e37), torch.zeros(16, 1, dtype=torch.uint8), 8192),
          torch.full((1, 8192), 1e-20)),
         ("int4, a group of zeros with scale 1e38, x 2^20", layer_of(
-            _pack(half_zero), torch.ones(16, 2).index_fill_(1, torch.tensor([0]), 1e38), zeros2),
+            pack_int4(half_zero), torch.ones(16, 2).index_fill_(1, torch.tensor([0]), 1e38), zeros2),
          torch.full((1, 128), 2.0 ** 20)),
-        ("int4, scale 2.5e37, s 8", layer_of(_pack(one_off), torch.full((16, 2), 2.5e37), zeros2), x_spike),
+        ("int4, scale 2.5e37, s 8", layer_of(pack_int4(one_off), torch.full((16, 2), 2.5e37), zeros2), x_spike),
         ("int4, scale 2^-124, s 2^-32", layer_of(torch.full((16, 65536), 255, dtype=torch.uint8),
                                                  torch.full((16, 1), 2.0 ** -124), torch.zeros(16, 1, dtype=torch.uint8),
                                                  131072), torch.full((1, 131072), 126.9 * 2.0 ** -26)),
-        ("int4, scale 6.25e32, a lower digit's sum", layer_of(_pack(fifteens), torch.full((16, 2), 6.25e32), zeros2),
-         x_low),
+        ("int4, scale 6.25e32, a lower digit's sum",
+         layer_of(pack_int4(fifteens), torch.full((16, 2), 6.25e32), zeros2), x_low),
         ("int8, scale 3e38, x 2^-101 (the scalar loop)", layer_of(torch.full((16, 64), 127, dtype=torch.int8),
                                                                   torch.full((16,), 3e38)),
          torch.full((1, 64), 2.0 ** -101)),

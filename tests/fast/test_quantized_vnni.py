@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from digits_bound import (assert_float32_close, assert_special_rows_are_f_linears, layer_of, range_cases,
+from digits_bound import (assert_float32_close, assert_special_rows_are_f_linears, layer_of, pack_int4, range_cases,
                           special_rows)
 from minillm.fast import kernels
 from minillm.quantize import QuantizedLinear
@@ -124,6 +124,24 @@ def test_int4_sums_that_would_all_round_up_keep_the_bound(lanes):
     for b in range(1, 1024):
         x[0, 128 * b + ks] = 1.05 * 2.0 ** (13 - 23) / 2 / (15 * 2.0 ** -12)
     layer = QuantizedLinear(w, None, "int4", 64)
+    assert_float32_close(_one_row(layer, x), x, layer)
+
+
+@pytest.mark.parametrize("later", [[512, 1024, 1536], [128, 256, 384]])
+def test_int4_roundings_that_all_go_one_way_keep_the_bound(later):
+    """A new user's trial: one lane's first flush just above 2^13 (its pair sum and x's scale both rounding up), then
+    three more flushes into that lane, each 0.51 of its float32 ulp, and another lane's that rounds the result up:
+    summed four flushes at a time in float32, eight roundings in one direction, 1.14x the bound, in this loop (ks
+    512 apart: a span's) and the one before (128 apart: a block's). Two flushes at a time and x's scale a power of two
+    leave four."""
+    _vnni()
+    q = torch.zeros(2, 2048, dtype=torch.uint8)
+    q[0, :8] = q[0, later] = q[0, 2040] = 15
+    layer = layer_of(pack_int4(q), torch.ones(2, 32), torch.zeros(2, 32, dtype=torch.uint8), 64)
+    x = torch.zeros(1, 2048)
+    x[0, :4] = 127.0  # s = 1
+    x[0, 4:8] = torch.tensor([43.57972717285156, 0.3711, 0.3723, 0.3731])  # lane 0's first flush: 15 · 8,290.4
+    x[0, later] = x[0, 2040] = 0.51 * 2.0 ** -10 / 15
     assert_float32_close(_one_row(layer, x), x, layer)
 
 

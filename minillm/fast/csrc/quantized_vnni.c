@@ -127,9 +127,15 @@ static int int8_one_row(const float *x, const matrix *m, float *y, int threads) 
  * once a row in float32 instead, their rounding gave up to 9x the error tests/fast/test_quantized_amx.py allows
  * where x's values (or their lower digits) share a sign: the terms are then as large as the sums. Two rows of codes
  * at a time share x's digits (in registers: 64 vpdpbusd a span, 32 loads of digits); rows ahead are fetched into L2
- * as int8's are. The sums of four flushes at a time are added into float64 ones: a float32 running sum's roundings
- * grow with in, the bound does not (a new user's trial: rows whose sums all round up, 104x over it at in = 131,072;
- * same-sign rows 1.5x).
+ * as int8's are.
+ *
+ * What rounds, lane by lane: a flush's pair sum (one fmadd), then the two flushes at a time added times their scales
+ * (one fmadd each) before a float64 sum takes them, and the result's conversion to float32: four roundings, inside
+ * tests/fast/digits_bound.py's five. x's scale goes in as s / 256, a power of two (exact), and 256 / 254 times the
+ * float64 sum at the end. Four flushes a float32 sum, and s / 254 (itself rounded) times each flush, made eight, and
+ * a new user's trial met 1.14x the bound: a lane's sum just above a power of two, every later flush 0.51 of its ulp
+ * (test_int4_roundings_that_all_go_one_way_keep_the_bound). A float32 running sum's roundings grow with in, the
+ * bound does not (another trial: rows whose sums all round up, 104x over it at in = 131,072).
  *
  * A flush every block, and two rows' sums in arrays the compiler kept in memory (a loop over the rows it did not
  * unroll), took 1.4x this loop's time: the 1.7B shape's int4 products at one row, 2 threads, AMD EPYC Zen 4, 11.7 ->
@@ -217,12 +223,13 @@ static void lay_out_digits(const int8_t *digits, row_digits *r, int in, int grou
 
 typedef struct {  /* two rows' flushes */
     __m512 zeros0, zeros1, scales0, scales1;  /* their groups window .. window + 15 */
-    __m512 acc0, acc1;  /* the last (up to) four flushes' sums, then added into wide in float64 */
+    __m512 acc0, acc1;  /* the last (up to) two flushes' sums, then added into wide in float64 */
     double wide[2][16] __attribute__((aligned(64)));  /* (in memory: the hot loop keeps its registers) */
     int window, flushes;
 } row_sums;
 
-/* One flush of a row's sums t0..t3: their value times 254 / s, lane by lane, before the groups' scales. */
+/* One flush of a row's sums t0..t3: their value times 254 / s, lane by lane, before the groups' scales (rounded
+ * once: the pairs' differences are exact integers). */
 static inline __m512 flushed(__m512i t0, __m512i t1, __m512i t2, __m512i t3, __m512 zero, const float *sums) {
     __m512 base = _mm512_set1_ps(BASE);
     __m512 pair0 = _mm512_fnmadd_ps(zero, _mm512_load_ps(sums),
@@ -238,10 +245,10 @@ static inline void add_wide(double *wide, __m512 v) {
     _mm512_store_pd(wide + 8, _mm512_add_pd(_mm512_load_pd(wide + 8), _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1))));
 }
 
-/* Span f's sums of rows o and o + 1 (a0..a3, b0..b3) into t. Each flush's sums are times s / 254 (x's scale, a power
- * of two from 2^-107) before the groups' scales, where a sum (up to 2^24) times its scale, or a scale times s, can
- * leave float32's range and the result not (trials: scale 2e37 with x 1e-20, inf; 1e38 with s = 2^14 and a group of
- * zeros, NaN; 2^-124 with s = 2^-32, 0). */
+/* Span f's sums of rows o and o + 1 (a0..a3, b0..b3) into t. Each flush's sums are times s / 256 (s: x's scale, a
+ * power of two from 2^-107) before the groups' scales, where a sum (up to 2^24) times its scale, or a scale times s,
+ * can leave float32's range and the result not (trials: scale 2e37 with x 1e-20, inf; 1e38 with s = 2^14 and a group
+ * of zeros, NaN; 2^-124 with s = 2^-32, 0). */
 static inline void flush(const matrix *m, const row_digits *r, row_sums *t, int o, int f, float row_s,
                          __m512i a0, __m512i a1, __m512i a2, __m512i a3,
                          __m512i b0, __m512i b1, __m512i b2, __m512i b3) {
@@ -257,12 +264,12 @@ static inline void flush(const matrix *m, const row_digits *r, row_sums *t, int 
     }
     __m512i lanes = _mm512_add_epi32(_mm512_load_si512(r->lane_group + 16 * f), _mm512_set1_epi32(g0 - t->window));
     const float *sums = r->sums + f * 2 * 16;
-    __m512 x_scale = _mm512_set1_ps(row_s / BASE);
+    __m512 x_scale = _mm512_set1_ps(row_s / 256);
     __m512 s0 = flushed(a0, a1, a2, a3, _mm512_permutexvar_ps(lanes, t->zeros0), sums);
     __m512 s1 = flushed(b0, b1, b2, b3, _mm512_permutexvar_ps(lanes, t->zeros1), sums);
     t->acc0 = _mm512_fmadd_ps(_mm512_mul_ps(s0, x_scale), _mm512_permutexvar_ps(lanes, t->scales0), t->acc0);
     t->acc1 = _mm512_fmadd_ps(_mm512_mul_ps(s1, x_scale), _mm512_permutexvar_ps(lanes, t->scales1), t->acc1);
-    if (++t->flushes % 4 == 0) {
+    if (++t->flushes % 2 == 0) {
         add_wide(t->wide[0], t->acc0), add_wide(t->wide[1], t->acc1);
         t->acc0 = t->acc1 = _mm512_setzero_ps();
     }
@@ -311,14 +318,17 @@ static void int4_rows(const matrix *m, const row_digits *r, float row_s, float *
     int blocks = (m->in + 127) / 128, half = m->in / 2, b = 0, f = 0;
     int rows = rows_ahead(half, 2);  /* (common.h: as int8_rows) */
     int64_t ahead = o + 2 + rows <= m->out ? (int64_t)rows * half : 0;
-    row_sums t = {.window = -16};
+    row_sums t;
+    memset(t.wide, 0, sizeof t.wide);
     t.acc0 = t.acc1 = _mm512_setzero_ps();
+    t.window = -16, t.flushes = 0;
     for (; b + SPAN <= blocks; b += SPAN, f++) int4_span(m, r, &t, row_s, o, b, f, SPAN, ahead);
     if (blocks - b >= 2) int4_span(m, r, &t, row_s, o, b, f++, 2, ahead), b += 2;
     if (blocks - b == 1) int4_span(m, r, &t, row_s, o, b, f++, 1, ahead);
     add_wide(t.wide[0], t.acc0), add_wide(t.wide[1], t.acc1);
     for (int i = 0; i < 2; i++)
-        y[o + i] = (float)_mm512_reduce_add_pd(_mm512_add_pd(_mm512_load_pd(t.wide[i]), _mm512_load_pd(t.wide[i] + 8)));
+        y[o + i] = (float)(_mm512_reduce_add_pd(_mm512_add_pd(_mm512_load_pd(t.wide[i]), _mm512_load_pd(t.wide[i] + 8)))
+                           * (256.0 / BASE));
 }
 
 /* y [1, out] = x [1, in] @ ŵᵀ for int4 codes (out even, in and group multiples of 64). Returns 1 when x's digits
