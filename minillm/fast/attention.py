@@ -72,18 +72,15 @@ class FastAttention(Attention):
 
     def attend(self, q, k, v, mask, impl, hook):
         if impl == "sdpa" and mask is None and self.window is None and self.bf16_prefill and prefill_in_bf16(q, k, v):
-            return kernels.causal_attention_bf16(q, k, v, self._scale(), check=False)  # (prefill_in_bf16 checked)
+            return kernels.causal_attention_bf16(q, k, v, score_scale(self), check=False)  # (prefill_in_bf16 checked)
         if impl == "sdpa" and self._prefill_in_c(q, k, v, mask):
-            return kernels.causal_attention(q, k, v, self._scale())
+            return kernels.causal_attention(q, k, v, score_scale(self))
         if not (impl == "sdpa" and self._in_c(q, k, mask)):
             return super().attend(q, k, v, mask, impl, hook)
         if self.window is not None and mask is None:  # as Attention.attend: the keys the window still sees
             k, v = k[:, :, -self.window:], v[:, :, -self.window:]
         n_keys = k.shape[2] if mask is None else mask.sum(-1)  # a static buffer masks its unfilled end
-        return kernels.functions().decode_attention(q, k, v, n_keys, self._scale())
-
-    def _scale(self) -> float:
-        return score_scale(self)
+        return kernels.functions().decode_attention(q, k, v, n_keys, score_scale(self))
 
     def impl_name(self, n_queries: int, impl: str, n_keys: int | None = None) -> str:
         n_keys = n_queries if n_keys is None else n_keys

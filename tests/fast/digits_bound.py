@@ -103,3 +103,17 @@ def range_cases() -> list[tuple[str, QuantizedLinear, torch.Tensor]]:
                                                                   torch.full((16,), 3e38)),
          torch.full((1, 64), 2.0 ** -101)),
     ]
+
+
+def sums_that_round_up(lane_ks: torch.Tensor) -> tuple[QuantizedLinear, torch.Tensor]:
+    """A new user's trial (int4, in = 131,072, groups of 64): the first block makes every lane's sum large (15 · 127 ·
+    8 = 15,240, s = 1), and each later block puts, at its ks 128 b + lane_ks (one k a lane: where the loop's lanes
+    hold them), just over half a float32 ulp of that sum: a float32 running sum would round up 1,023 times, 104x
+    the bound. -> (layer [16, 131072], x [1, 131072])."""
+    w = torch.full((16, 131072), 15.0 * 2.0 ** -12)
+    w[:, :128] = 15.0  # scale 1, zero 0: the codes are the weights
+    x = torch.zeros(1, 131072)
+    x[0, :128] = 127.0
+    for b in range(1, 1024):
+        x[0, 128 * b + lane_ks] = 1.05 * 2.0 ** (13 - 23) / 2 / (15 * 2.0 ** -12)
+    return QuantizedLinear(w, None, "int4", 64), x

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from digits_bound import assert_float32_close, assert_special_rows_are_f_linears, range_cases, special_rows
+from digits_bound import (assert_float32_close, assert_special_rows_are_f_linears, range_cases, special_rows,
+                          sums_that_round_up)
 from minillm.fast import kernels
 from minillm.fast.products import FastQuantizedLinear, swap_class
 from minillm.quantize import QuantizedLinear
@@ -183,17 +184,10 @@ def test_a_long_row_with_the_weights_signs_keeps_the_bound(rows, group):
 
 def test_int4_at_one_row_whose_sums_would_all_round_up_keeps_the_bound():
     """A new user's trial's row: the first block makes every lane's sum large, each later one adds just over half
-    its float32 ulp, so a float32 running sum rounds up 1,023 times (104x the bound at in = 131,072). Four flushes
-    at a time go into float64 sums."""
+    its float32 ulp, so a float32 running sum rounds up 1,023 times (104x the bound at in = 131,072). Two flushes
+    at a time go into float64 sums (digits_bound.sums_that_round_up)."""
     _amx()
-    w = torch.full((16, 131072), 15.0 * 2.0 ** -12)
-    w[:, :128] = 15.0  # scale 1, zero 0: the codes are the weights
-    x = torch.zeros(1, 131072)
-    x[0, :128] = 127.0  # every lane's sum 15 · 127 · 8 = 15,240 (s = 1)
-    half_ulp = 2.0 ** (13 - 23) / 2
-    for b in range(1, 1024):
-        x[0, 128 * b + 8 * torch.arange(16)] = 1.05 * half_ulp / (15 * 2.0 ** -12)
-    layer = QuantizedLinear(w, None, "int4", 64)
+    layer, x = sums_that_round_up(8 * torch.arange(16))
     assert_float32_close(_product(layer, x), x, layer)
 
 

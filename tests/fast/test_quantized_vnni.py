@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from digits_bound import (assert_float32_close, assert_special_rows_are_f_linears, layer_of, pack_int4, range_cases,
-                          special_rows)
+                          special_rows, sums_that_round_up)
 from minillm.fast import kernels
 from minillm.quantize import QuantizedLinear
 
@@ -110,20 +110,11 @@ def test_every_row_end_keeps_the_bound(group):
 
 @pytest.mark.parametrize("lanes", ["a block's", "a span's"])
 def test_int4_sums_that_would_all_round_up_keep_the_bound(lanes):
-    """A new user's trial's row: the first block makes every lane's sum large, each later one adds just over half its
-    float32 ulp in every lane (placed where a block's lanes hold their ks, or where a span's shuffled lanes do), so a
-    float32 running sum would round up 1,023 times (104x the bound at in = 131,072): four flushes at a time go into
-    float64 sums."""
+    """digits_bound.sums_that_round_up's row, the later ks placed where a block's lanes hold them or where a span's
+    shuffled lanes do: two flushes at a time go into float64 sums."""
     _vnni()
-    w = torch.full((16, 131072), 15.0 * 2.0 ** -12)
-    w[:, :128] = 15.0  # scale 1, zero 0: the codes are the weights
-    x = torch.zeros(1, 131072)
-    x[0, :128] = 127.0  # every lane's sum 15 · 127 · 8 = 15,240 (s = 1)
     lane = torch.arange(16)
-    ks = 8 * lane if lanes == "a block's" else 64 * (lane % 2) + 8 * (lane // 2)
-    for b in range(1, 1024):
-        x[0, 128 * b + ks] = 1.05 * 2.0 ** (13 - 23) / 2 / (15 * 2.0 ** -12)
-    layer = QuantizedLinear(w, None, "int4", 64)
+    layer, x = sums_that_round_up(8 * lane if lanes == "a block's" else 64 * (lane % 2) + 8 * (lane // 2))
     assert_float32_close(_one_row(layer, x), x, layer)
 
 

@@ -323,6 +323,7 @@ static void int4_rows(const matrix *m, const row_digits *r, float row_s, double 
     memset(wide, 0, 2 * sizeof *wide);
     t.acc0 = t.acc1 = _mm512_setzero_ps();
     t.window = -16, t.flushes = 0;
+    /* span_at's spans, written out: each call's n a constant (a loop over span_at took 1.03-1.06x at 576 columns) */
     for (; b + SPAN <= blocks; b += SPAN, f++) int4_span(m, r, &t, row_s, o, b, f, SPAN, ahead);
     if (blocks - b >= 2) int4_span(m, r, &t, row_s, o, b, f++, 2, ahead), b += 2;
     if (blocks - b == 1) int4_span(m, r, &t, row_s, o, b, f++, 1, ahead);
